@@ -1,0 +1,70 @@
+"""transformer_pde: multi-head transformers as time-dependent Wasserstein gradient flows on the sphere.
+
+Tokens are a measure μ on S^{d-1} moved by multi-head attention; the heads Θ_t evolve in
+time (depth).  See README.md and DESIGN §2 for the conventions.
+
+    >>> import torch, transformer_pde as tp
+    >>> x0 = tp.sphere.octahedral(50, dtype=torch.float64)
+    >>> heads = tp.Heads.random(4, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    >>> traj = tp.simulate(x0, tp.OrnsteinUhlenbeck(heads), t1=1.0, dt=0.01, paths=2, seed=0)
+    >>> traj.energy.shape
+    torch.Size([101, 2])
+"""
+
+from . import sphere
+from .attention import HeadStats, relu_statistics, softmax_statistics
+from .energy import energy, energy_time_derivative, first_variation, head_energies, log_energy
+from .field import FieldEval, evaluate, head_outputs, radial_shadows, velocity
+from .heads import Heads
+from .mobility import dissipation, log_mobility, mobility, slope
+from .processes import (
+    Constant,
+    Custom,
+    Layerwise,
+    OrnsteinUhlenbeck,
+    Oscillating,
+    Process,
+    WeightPath,
+    oscillating_target,
+    sample_path,
+)
+from .solvers.particle import METHODS, TABLEAUX, ButcherTableau, NonFiniteError, Trajectory, simulate
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "sphere",
+    "Heads",
+    "HeadStats",
+    "softmax_statistics",
+    "relu_statistics",
+    "FieldEval",
+    "evaluate",
+    "velocity",
+    "head_outputs",
+    "radial_shadows",
+    "energy",
+    "log_energy",
+    "head_energies",
+    "first_variation",
+    "energy_time_derivative",
+    "mobility",
+    "log_mobility",
+    "slope",
+    "dissipation",
+    "Process",
+    "Constant",
+    "OrnsteinUhlenbeck",
+    "Oscillating",
+    "Layerwise",
+    "Custom",
+    "WeightPath",
+    "sample_path",
+    "oscillating_target",
+    "simulate",
+    "Trajectory",
+    "ButcherTableau",
+    "TABLEAUX",
+    "METHODS",
+    "NonFiniteError",
+]

@@ -1,0 +1,190 @@
+"""The multi-head attention velocity field V[μ, Θ] and the diagnostics that share its kernel.
+
+Per-head outputs at a query x (DESIGN §2), with s = +1 ("ascent") or −1 ("descent"):
+
+    softmax:       f_h(x) = V_h ȳ_h(x),           ȳ_h = ∫ e^{β⟨x,A_h y⟩} y dμ / m_h(x)
+    unnormalized:  f_h(x) = m_h(x) V_h ȳ_h(x)   = ∫ e^{β⟨x,A_h y⟩} V_h y dμ
+    relu:          f_h(x) = ∫ ReLU(β⟨x,A_h y⟩) V_h y dμ
+    V[μ,Θ](x) = s · P_x Σ_h ω_h f_h(x)
+
+    effective:     V(x) = s · b(x)^{-1} ∇_S δE/δμ(x),  b^{-1} = Σ_h ω̄_h / m_h
+
+where ∇_S δE/δμ(x) = Σ_h ω_h m_h(x) P_x A_h ȳ_h(x) for symmetric A_h (the general case adds
+the transposed kernel, ½ Σ_h ω_h [m_h P_x A_h ȳ_h + m̃_h P_x A_hᵀ ỹ_h]).  The effective field
+uses the scores only (it is the gradient of E, whatever V_h is).
+
+:func:`evaluate` computes the field and, from the same kernel pass, the energy, the metric
+slope 𝒢² = ∫ b |V|² dμ and the dissipation 𝒟 = ∫ ⟨∇_S δE/δμ, V⟩ dμ; the solvers call it once
+per stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ._validation import NORMALIZATIONS, check_choice, check_same, check_token_weights, check_tokens, direction_sign
+from .attention import HeadStats, relu_statistics, softmax_statistics
+from .heads import Heads
+from .sphere import tangent_projection
+
+__all__ = ["FieldEval", "evaluate", "velocity", "head_outputs", "radial_shadows"]
+
+
+@dataclass
+class FieldEval:
+    """Everything one kernel pass gives at a token configuration (batch shape ``...``).
+
+    velocity: (..., n, d) the signed field V[μ, Θ] at the tokens.
+    stats:    HeadStats (log-partitions, softmax means, optional second moments).
+    outputs:  (..., H, n, d) per-head outputs f_h of the chosen normalisation.
+    grad_first_variation: (..., n, d) ∇_S δE/δμ at the tokens, or None.
+    energy, slope, dissipation: (...,) or None (when diagnostics=False).
+    """
+
+    velocity: torch.Tensor
+    stats: HeadStats
+    outputs: Optional[torch.Tensor]
+    grad_first_variation: Optional[torch.Tensor] = None
+    energy: Optional[torch.Tensor] = None
+    slope: Optional[torch.Tensor] = None
+    dissipation: Optional[torch.Tensor] = None
+
+
+def _token_mean(values: torch.Tensor, weights: Optional[torch.Tensor]) -> torch.Tensor:
+    """Σ_i w_i values_i over the last axis (mean when weights is None)."""
+    return values.mean(-1) if weights is None else (values * weights).sum(-1)
+
+
+def _apply(M: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """M_h v_hi for M (..., H, d, d) and v (..., H, n, d) -> (..., H, n, d)."""
+    return v @ M.transpose(-1, -2)
+
+
+def _log_inverse_mobility(heads: Heads, lse: torch.Tensor) -> torch.Tensor:
+    """log b^{-1}(x_i) = log Σ_h ω̄_h e^{-log m_h(x_i)}, (..., n)."""
+    logw = torch.log(heads.normalized_weights).unsqueeze(-1)  # (..., H, 1)
+    return torch.logsumexp(logw - lse, dim=-2)
+
+
+def _grad_first_variation_terms(x, heads: Heads, weights, stats: HeadStats, chunk_elements=None):
+    """Per-head un-projected terms c_h(x_i) with ∇ δE/δμ(x_i) = Σ_h ω_h c_h(x_i), as
+    (log-scale, direction): c_h = e^{lse_h} u_h.  Returns list of (lse, u) pairs."""
+    A = heads.score_matrix
+    if heads.is_symmetric:
+        return [(stats.log_partition, _apply(A, stats.mean))]
+    tstats = softmax_statistics(x, heads, weights, transpose=True, chunk_elements=chunk_elements)
+    At = A.transpose(-1, -2)
+    half = torch.log(torch.tensor(0.5, dtype=x.dtype, device=x.device))
+    return [
+        (stats.log_partition + half, _apply(A, stats.mean)),
+        (tstats.log_partition + half, _apply(At, tstats.mean)),
+    ]
+
+
+def evaluate(
+    x: torch.Tensor,
+    heads: Heads,
+    weights: Optional[torch.Tensor] = None,
+    *,
+    normalization: str = "softmax",
+    sign: float = 1.0,
+    diagnostics: bool = True,
+    second_moment: bool = False,
+    chunk_elements: Optional[int] = None,
+) -> FieldEval:
+    """Field and diagnostics from one kernel pass.  No input validation (hot path):
+    call :func:`velocity` / :func:`transformer_pde.energy` for checked entry points."""
+    omega = heads.weights.unsqueeze(-1).unsqueeze(-1)  # (..., H, 1, 1)
+    stats = softmax_statistics(x, heads, weights, second_moment=second_moment, chunk_elements=chunk_elements)
+    lse = stats.log_partition
+    need_grad_fv = diagnostics or normalization == "effective"
+    terms = _grad_first_variation_terms(x, heads, weights, stats, chunk_elements) if need_grad_fv else None
+    outputs = None
+    if normalization == "softmax":
+        outputs = _apply(heads.value_matrix, stats.mean)
+        field = (omega * outputs).sum(-3)
+    elif normalization == "unnormalized":
+        outputs = torch.exp(lse).unsqueeze(-1) * _apply(heads.value_matrix, stats.mean)
+        field = (omega * outputs).sum(-3)
+    elif normalization == "relu":
+        _, first = relu_statistics(x, heads, weights, chunk_elements=chunk_elements)
+        outputs = _apply(heads.value_matrix, first)
+        field = (omega * outputs).sum(-3)
+    elif normalization == "effective":
+        log_binv = _log_inverse_mobility(heads, lse).unsqueeze(-2)  # (..., 1, n)
+        field = sum((omega * torch.exp(l + log_binv).unsqueeze(-1) * u).sum(-3) for l, u in terms)
+    else:  # pragma: no cover - validated by callers
+        raise ValueError(f"unknown normalization {normalization!r}")
+    V = sign * tangent_projection(x, field)
+    out = FieldEval(V, stats, outputs)
+    if diagnostics:
+        g = tangent_projection(x, sum((omega * torch.exp(l).unsqueeze(-1) * u).sum(-3) for l, u in terms))
+        out.grad_first_variation = g
+        out.energy = (heads.weights * _token_mean(torch.exp(lse), weights)).sum(-1) / (2 * heads.beta)
+        b = torch.exp(-_log_inverse_mobility(heads, lse))
+        out.slope = _token_mean(b * V.square().sum(-1), weights)
+        out.dissipation = _token_mean((g * V).sum(-1), weights)
+    return out
+
+
+# ---------------------------------------------------------------------- checked entry points
+def _check_inputs(x, heads, weights):
+    check_tokens(x, "x")
+    if not isinstance(heads, Heads):
+        raise TypeError(f"heads must be a transformer_pde.Heads, got {type(heads).__name__}; build one with tp.Heads(A)")
+    check_same(x, heads._ref, "x", "heads")
+    if heads.dim != x.shape[-1]:
+        raise ValueError(f"heads act on dimension d = {heads.dim} but x has d = {x.shape[-1]}")
+    try:
+        torch.broadcast_shapes(x.shape[:-2], heads.batch_shape)
+    except RuntimeError:
+        raise ValueError(
+            f"the batch shape of x {tuple(x.shape[:-2])} does not broadcast against the heads' batch shape "
+            f"{tuple(heads.batch_shape)}"
+        ) from None
+    check_token_weights(weights, x)
+
+
+def velocity(x, heads, weights=None, normalization="softmax", direction="ascent"):
+    """V[μ, Θ](x_i) = s · P_{x_i} Σ_h ω_h f_h(x_i) at the tokens of μ = Σ_i w_i δ_{x_i}.
+
+    Args:
+        x: tokens (..., n, d) on the sphere.  heads: :class:`Heads`.
+        weights: token weights (..., n) or None (uniform).
+        normalization: "softmax" | "unnormalized" | "relu" | "effective" (module docstring).
+        direction: "ascent" (s = +1, x + attention(x)) or "descent" (s = −1, reference code).
+
+    Returns:
+        (..., n, d) tangent vectors; dtype and device follow x.
+
+    Raises:
+        TypeError / ValueError for tokens off the sphere, bad shapes, mixed devices, unknown names.
+
+    Example:
+        >>> import torch, transformer_pde as tp
+        >>> x = tp.sphere.sample_uniform(5, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        >>> tp.velocity(x, tp.Heads.scalar([1.0], 3).to(torch.float64)).shape
+        torch.Size([5, 3])
+    """
+    check_choice(normalization, NORMALIZATIONS, "normalization")
+    sign = direction_sign(direction)
+    _check_inputs(x, heads, weights)
+    return evaluate(x, heads, weights, normalization=normalization, sign=sign, diagnostics=False).velocity
+
+
+def head_outputs(x, heads, weights=None, normalization="softmax"):
+    """Per-head outputs f_h(x_i), (..., H, n, d), un-projected and unsigned (module docstring).
+
+    Defined for "softmax", "unnormalized" and "relu"; the "effective" field has no per-head split."""
+    check_choice(normalization, ("softmax", "unnormalized", "relu"), "normalization")
+    _check_inputs(x, heads, weights)
+    return evaluate(x, heads, weights, normalization=normalization, diagnostics=False).outputs
+
+
+def radial_shadows(x, heads, weights=None, normalization="unnormalized"):
+    """Radial shadows a_i^h = ⟨x_i, f_h(x_i)⟩, (..., H, n) (Pendharkar; unnormalised heads by default)."""
+    f = head_outputs(x, heads, weights, normalization)
+    return (f * x.unsqueeze(-3)).sum(-1)

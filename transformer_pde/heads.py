@@ -1,0 +1,286 @@
+"""Attention heads Θ = Σ_h ω_h δ_{θ_h}, θ_h = (A_h, V_h), at one instant.
+
+Shapes: score ``A`` and value ``V`` are ``(..., H, d, d)``; head weights ``ω`` are
+``(..., H)``; the inverse temperature ``β`` is a positive float or a tensor that
+broadcasts against the batch shape ``(...)`` (β sweeps).  Leading dims are batches
+(Monte-Carlo paths, ensembles) and broadcast against the tokens' batch dims.
+
+Conventions (DESIGN §2): ``value=None`` ties V_h to A_h (the gradient-flow case, the
+reference code's single matrix D_h); ``weights=None`` is the mean ω_h = 1/H; Pendharkar's
+sum convention is ``weights=torch.ones(H)``.  When heads come as low-rank factors
+(Q_h, K_h of shape (k, d), A_h = Q_hᵀ K_h) the factors are kept so that the kernels can
+compute scores as ⟨Q_h x, K_h y⟩ at cost O(k) instead of O(d²).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Union
+
+import torch
+
+from ._validation import check_positive, check_same, check_tensor
+
+__all__ = ["Heads"]
+
+Beta = Union[float, torch.Tensor]
+
+
+class Heads:
+    """A batch of H attention heads (A_h, V_h) with weights ω_h and inverse temperature β.
+
+    Args:
+        score: A, ``(..., H, d, d)``; or None when ``query`` and ``key`` are given.
+        value: V, ``(..., H, d, d)``; None means V = A ("symmetric heads" when A = Aᵀ).
+        weights: ω, ``(..., H)``, non-negative; None means 1/H.
+        beta: β > 0, float or tensor broadcasting against the batch shape.
+        query, key: optional factors Q, K of shape ``(..., H, k, d)`` with A = QᵀK.
+
+    Raises:
+        TypeError: non-tensor or integer inputs, mixed dtypes.
+        ValueError: wrong shapes, non-finite entries, negative weights, β <= 0, mixed devices.
+
+    Example:
+        >>> import torch, transformer_pde as tp
+        >>> heads = tp.Heads(torch.eye(3).expand(2, 3, 3))
+        >>> heads.num_heads, heads.dim
+        (2, 3)
+    """
+
+    __slots__ = ("score", "value", "weights", "beta", "query", "key", "_symmetric")
+
+    def __init__(self, score=None, value=None, weights=None, beta: Beta = 1.0, *, query=None, key=None):
+        if score is None and (query is None or key is None):
+            raise ValueError("give the score matrices A (..., H, d, d), or both query and key factors (..., H, k, d)")
+        if score is not None and (query is not None or key is not None):
+            raise ValueError("give either score or (query, key), not both")
+        if score is None:
+            check_tensor(query, "query", min_dim=3)
+            check_tensor(key, "key", min_dim=3)
+            check_same(query, key, "query", "key")
+            if query.shape[-3:] != key.shape[-3:]:
+                raise ValueError(
+                    f"query and key must both be (..., H, k, d); got {tuple(query.shape)} and {tuple(key.shape)}"
+                )
+            ref = query
+            H, d = query.shape[-3], query.shape[-1]
+        else:
+            check_tensor(score, "score", min_dim=3)
+            if score.shape[-1] != score.shape[-2]:
+                raise ValueError(f"score must have shape (..., H, d, d), got {tuple(score.shape)}")
+            ref = score
+            H, d = score.shape[-3], score.shape[-1]
+        if H < 1 or d < 2:
+            raise ValueError(f"need H >= 1 heads and dimension d >= 2, got H = {H}, d = {d}")
+        if value is not None:
+            check_tensor(value, "value", min_dim=3)
+            check_same(ref, value, "score", "value")
+            if value.shape[-3:] != (H, d, d):
+                raise ValueError(f"value must have shape (..., {H}, {d}, {d}) like the scores, got {tuple(value.shape)}")
+        if weights is None:
+            weights = torch.full((H,), 1.0 / H, dtype=ref.dtype, device=ref.device)
+        else:
+            check_tensor(weights, "weights", min_dim=1)
+            check_same(ref, weights, "score", "weights")
+            if weights.shape[-1] != H:
+                raise ValueError(f"head weights must have shape (..., H) with H = {H}, got {tuple(weights.shape)}")
+            if bool((weights < 0).any()):
+                raise ValueError("head weights must be >= 0 (use the sign of A, or direction=, to flip a head)")
+            if not bool((weights.sum(-1) > 0).all()):
+                raise ValueError("head weights must not all be zero")
+        if isinstance(beta, torch.Tensor) and beta.numel() != 1:
+            check_tensor(beta, "beta")
+            check_same(ref, beta, "score", "beta")
+            if not bool((beta > 0).all()):
+                raise ValueError(f"beta must be > 0, got min {beta.min().item():.3g}")
+        elif isinstance(beta, torch.Tensor):
+            check_positive(beta.detach(), "beta")
+            if beta.dim() > 0:
+                beta = beta.reshape(())
+        else:
+            beta = check_positive(beta, "beta")
+        self.score = score
+        self.value = value
+        self.weights = weights
+        self.beta = beta
+        self.query = query
+        self.key = key
+        self._symmetric = None
+        try:
+            self.batch_shape
+        except RuntimeError:
+            raise ValueError("the batch shapes of score/value/weights/beta do not broadcast together") from None
+
+    # ------------------------------------------------------------------ builders
+    @classmethod
+    def symmetric(cls, D, beta: Beta = 1.0, weights=None) -> "Heads":
+        """Symmetric heads A_h = V_h = D_h (the reference code's matrices D_h), D: (..., H, d, d).
+
+        Raises ValueError when D is not symmetric (to 1e-10 relative)."""
+        check_tensor(D, "D", min_dim=3)
+        err = (D - D.transpose(-1, -2)).abs().max().item()
+        if err > 1e-10 * max(1.0, D.abs().max().item()) * (1e6 if D.dtype == torch.float32 else 1.0):
+            raise ValueError(f"D is not symmetric (max |D - Dᵀ| = {err:.2e}); use (D + D.mT) / 2")
+        h = cls(D, None, weights, beta)
+        h._symmetric = True
+        return h
+
+    @classmethod
+    def scalar(cls, lambdas, dim: int, beta: Beta = 1.0, weights=None) -> "Heads":
+        """Scalar heads A_h = V_h = λ_h I_d; lambdas: (..., H)."""
+        if not isinstance(lambdas, torch.Tensor):
+            lambdas = torch.as_tensor(lambdas, dtype=torch.get_default_dtype())
+        check_tensor(lambdas, "lambdas", min_dim=1)
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 2:
+            raise ValueError(f"dim must be an int >= 2, got {dim!r}")
+        eye = torch.eye(dim, dtype=lambdas.dtype, device=lambdas.device)
+        h = cls(lambdas[..., None, None] * eye, None, weights, beta)
+        h._symmetric = True
+        return h
+
+    @classmethod
+    def random(cls, num_heads: int, dim: int, *, symmetric: bool = True, scale: float = 1.0,
+               batch_shape=(), beta: Beta = 1.0, weights=None, generator=None, dtype=None, device=None) -> "Heads":
+        """Random heads.  symmetric=True: A_h = V_h = scale·(Z + Zᵀ), Z i.i.d. N(0, 1) (the
+        reference code's D_h(0)); symmetric=False: independent A_h, V_h with i.i.d.
+        N(0, scale²) entries."""
+        if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+            raise ValueError(f"num_heads must be an int >= 1, got {num_heads!r}")
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 2:
+            raise ValueError(f"dim must be an int >= 2, got {dim!r}")
+        f = dict(dtype=dtype or torch.get_default_dtype(), device=device, generator=generator)
+        shape = (*batch_shape, num_heads, dim, dim)
+        Z = torch.randn(shape, **f)
+        if symmetric:
+            h = cls(scale * (Z + Z.transpose(-1, -2)), None, weights, beta)
+            h._symmetric = True
+            return h
+        return cls(scale * Z, scale * torch.randn(shape, **f), weights, beta)
+
+    @classmethod
+    def from_qkv(cls, query, key, value, output=None, *, beta: Beta = 1.0, weights=None,
+                 keep_factors: bool = True) -> "Heads":
+        """Heads from per-head projections: query, key (..., H, k, d); value (..., H, k_v, d);
+        output (..., H, d, k_v) or None.  A_h = Q_hᵀ K_h, V_h = O_h W_{V,h} (V_h = W_{V,h}
+        when output is None and k_v = d).  With keep_factors the scores are computed from the
+        factors (cheaper when k < d)."""
+        check_tensor(value, "value", min_dim=3)
+        if output is None:
+            if value.shape[-2] != value.shape[-1]:
+                raise ValueError("value is (..., H, k_v, d) with k_v != d: pass the output projection (..., H, d, k_v)")
+            V = value
+        else:
+            check_tensor(output, "output", min_dim=3)
+            if output.shape[-1] != value.shape[-2] or output.shape[-2] != value.shape[-1]:
+                raise ValueError(
+                    f"output must be (..., H, d, k_v) to match value (..., H, k_v, d); got {tuple(output.shape)} and {tuple(value.shape)}"
+                )
+            V = output @ value
+        if keep_factors:
+            return cls(None, V, weights, beta, query=query, key=key)
+        check_tensor(query, "query", min_dim=3)
+        check_tensor(key, "key", min_dim=3)
+        return cls(query.transpose(-1, -2) @ key, V, weights, beta)
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def _ref(self) -> torch.Tensor:
+        return self.score if self.score is not None else self.query
+
+    @property
+    def num_heads(self) -> int:
+        return self._ref.shape[-3]
+
+    @property
+    def dim(self) -> int:
+        return self._ref.shape[-1]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._ref.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._ref.device
+
+    @property
+    def batch_shape(self) -> torch.Size:
+        shapes = [self._ref.shape[:-3], self.weights.shape[:-1]]
+        if self.value is not None:
+            shapes.append(self.value.shape[:-3])
+        if self.key is not None:
+            shapes.append(self.key.shape[:-3])
+        if isinstance(self.beta, torch.Tensor):
+            shapes.append(self.beta.shape)
+        return torch.broadcast_shapes(*shapes)
+
+    @property
+    def tied(self) -> bool:
+        """True when V_h = A_h (value=None)."""
+        return self.value is None
+
+    @property
+    def score_matrix(self) -> torch.Tensor:
+        """A_h, (..., H, d, d) (formed from the factors when needed)."""
+        if self.score is not None:
+            return self.score
+        return self.query.transpose(-1, -2) @ self.key
+
+    @property
+    def value_matrix(self) -> torch.Tensor:
+        """V_h, (..., H, d, d)."""
+        return self.score_matrix if self.value is None else self.value
+
+    @property
+    def normalized_weights(self) -> torch.Tensor:
+        """ω̄ = ω / Σ_h ω_h, (..., H)."""
+        return self.weights / self.weights.sum(-1, keepdim=True)
+
+    @property
+    def is_symmetric(self) -> bool:
+        """True when every A_h = A_hᵀ (exactly); then the first variation needs one kernel."""
+        if self._symmetric is None:
+            A = self.score_matrix
+            self._symmetric = bool(torch.equal(A, A.transpose(-1, -2)))
+        return self._symmetric
+
+    def beta_tensor(self) -> torch.Tensor:
+        """β as a tensor of shape batch_shape-broadcastable (...,) (0-dim for a float)."""
+        if isinstance(self.beta, torch.Tensor):
+            return self.beta
+        return torch.tensor(self.beta, dtype=self.dtype, device=self.device)
+
+    # ------------------------------------------------------------------ transforms
+    def with_score(self, score: torch.Tensor, *, symmetric: Optional[bool] = None) -> "Heads":
+        """Same heads with new score matrices (values stay tied if they were).  No checks:
+        used by the processes in the hot loop."""
+        new = object.__new__(Heads)
+        new.score, new.value, new.weights, new.beta = score, self.value, self.weights, self.beta
+        new.query = new.key = None
+        new._symmetric = symmetric
+        return new
+
+    def map(self, fn) -> "Heads":
+        """Apply fn to every tensor (e.g. ``lambda t: t.to(device)``)."""
+        new = object.__new__(Heads)
+        g = lambda t: None if t is None else fn(t)  # noqa: E731
+        new.score, new.value, new.weights = g(self.score), g(self.value), g(self.weights)
+        new.query, new.key = g(self.query), g(self.key)
+        new.beta = fn(self.beta) if isinstance(self.beta, torch.Tensor) else self.beta
+        new._symmetric = self._symmetric
+        return new
+
+    def to(self, *args, **kwargs) -> "Heads":
+        return self.map(lambda t: t.to(*args, **kwargs))
+
+    def detach(self) -> "Heads":
+        return self.map(lambda t: t.detach())
+
+    def __repr__(self) -> str:
+        beta = f"{self.beta:.4g}" if isinstance(self.beta, float) else f"tensor{tuple(self.beta.shape)}"
+        return (
+            f"Heads(H={self.num_heads}, d={self.dim}, batch_shape={tuple(self.batch_shape)}, beta={beta}, "
+            f"tied={self.tied}, factors={self.query is not None}, dtype={self.dtype}, device={self.device})"
+        )
+
+

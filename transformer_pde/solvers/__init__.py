@@ -1,0 +1,1 @@
+"""Solvers of the transformer PDE: particles (:mod:`.particle`) and JKO (:mod:`.jko`)."""

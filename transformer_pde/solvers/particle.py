@@ -1,0 +1,675 @@
+"""Particle solver: N tokens moved by the multi-head attention field with time-dependent heads.
+
+    ẋ_i = V[μ_t, Θ_t](x_i),   μ_t = Σ_i w_i δ_{x_i(t)},   x_i ∈ S^{d-1}
+
+Fixed-step methods are explicit Runge–Kutta schemes in the ambient space with the projective
+retraction x ↦ x/|x| after every stage ("euler" is the reference code's projected Euler);
+"adaptive" is torchdiffeq's dopri5 on the projected field.  Along the way the solver keeps
+the energy–dissipation ledger of DESIGN §2 (see :class:`Trajectory`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from .._validation import (
+    NORMALIZATIONS,
+    check_choice,
+    check_int,
+    check_positive,
+    check_same,
+    check_token_weights,
+    check_tokens,
+    direction_sign,
+)
+from ..energy import ito_correction, pairing
+from ..field import evaluate
+from ..heads import Heads
+from ..processes import Constant, Process, WeightPath
+from ..sphere import normalize
+
+__all__ = ["simulate", "Trajectory", "ButcherTableau", "TABLEAUX", "METHODS", "NonFiniteError", "LEDGER_KEYS"]
+
+LEDGER_KEYS = ("dE", "partial", "dissipation", "slope", "martingale", "residual", "residual_slope")
+
+
+class NonFiniteError(FloatingPointError):
+    """A solver produced NaN or inf; the message names the time, the step and the quantity."""
+
+
+@dataclass(frozen=True)
+class ButcherTableau:
+    """Explicit Runge–Kutta coefficients (c, a, b) with the declared order; checked when built."""
+
+    name: str
+    order: int
+    c: Tuple[float, ...]
+    a: Tuple[Tuple[float, ...], ...]
+    b: Tuple[float, ...]
+
+    def __post_init__(self):
+        s = len(self.b)
+        if len(self.c) != s or len(self.a) != s:
+            raise ValueError(f"tableau {self.name}: c, a and b must all have {s} stages")
+        for i, row in enumerate(self.a):
+            if len(row) != i:
+                raise ValueError(f"tableau {self.name}: row {i} of a must have {i} entries (explicit scheme)")
+            if abs(sum(row) - self.c[i]) > 1e-14:
+                raise ValueError(f"tableau {self.name}: c[{i}] must equal the sum of row {i} of a")
+        if abs(sum(self.b) - 1) > 1e-14:
+            raise ValueError(f"tableau {self.name}: the weights b must sum to 1")
+        if self.order >= 2 and abs(sum(bi * ci for bi, ci in zip(self.b, self.c)) - 0.5) > 1e-14:
+            raise ValueError(f"tableau {self.name}: order >= 2 needs Σ b_i c_i = 1/2")
+
+    @property
+    def stages(self) -> int:
+        return len(self.b)
+
+
+TABLEAUX = {
+    "euler": ButcherTableau("euler", 1, (0.0,), ((),), (1.0,)),
+    "heun": ButcherTableau("heun", 2, (0.0, 1.0), ((), (1.0,)), (0.5, 0.5)),
+    "rk4": ButcherTableau(
+        "rk4", 4, (0.0, 0.5, 0.5, 1.0), ((), (0.5,), (0.0, 0.5), (0.0, 0.0, 1.0)), (1 / 6, 1 / 3, 1 / 3, 1 / 6)
+    ),
+}
+METHODS = (*TABLEAUX, "adaptive")
+
+
+# ---------------------------------------------------------------------------- trajectory
+@dataclass
+class Trajectory:
+    """Result of :func:`simulate` (and :func:`transformer_pde.jko`).
+
+    times: (T,) recorded times.   x: (T, [paths,] ..., n, d) tokens.
+    energy, slope (𝒢²), dissipation (𝒟): (T, [paths,] ...).
+    ledger: running terms, each (T, [paths,] ...): "dE" = E(t) − E(0), "partial" = ∫∂_sE (with
+      the Itô correction for noisy weights, and the jumps of piecewise-constant weights),
+      "dissipation" = ∫𝒟, "slope" = ∫𝒢², "martingale" = M_t,
+      "residual" = dE − partial − dissipation − martingale,
+      "residual_slope" = dE − partial − s·slope − martingale (the reference code's check).
+    stats: step statistics (steps, field evaluations, max pre-retraction sphere error, wall time).
+    weights: token weights (or None).  path: the weight path (WeightPath) when return_path=True.
+    """
+
+    times: torch.Tensor
+    x: torch.Tensor
+    energy: Optional[torch.Tensor]
+    slope: Optional[torch.Tensor]
+    dissipation: Optional[torch.Tensor]
+    ledger: Dict[str, torch.Tensor]
+    stats: Dict[str, float]
+    method: str
+    normalization: str
+    direction: str
+    weights: Optional[torch.Tensor] = None
+    path: Optional[WeightPath] = None
+    extras: Dict[str, object] = field(default_factory=dict)
+
+    @property
+    def final(self) -> torch.Tensor:
+        """Tokens at the last recorded time, ([paths,] ..., n, d)."""
+        return self.x[-1]
+
+    def time_average(self, values: torch.Tensor, t_min: float = 0.0) -> torch.Tensor:
+        """Trapezoid time average of a recorded series (T, ...) over times >= t_min."""
+        keep = self.times >= t_min - 1e-12
+        t, v = self.times[keep], values[keep]
+        if len(t) < 2:
+            return v[0]
+        w = torch.zeros_like(t)
+        dtv = t[1:] - t[:-1]
+        w[1:] += dtv / 2
+        w[:-1] += dtv / 2
+        w = w / (t[-1] - t[0])
+        return (w.reshape(-1, *([1] * (v.dim() - 1))) * v).sum(0)
+
+
+# ---------------------------------------------------------------------------- weights driver
+def _grid(t0: float, t1: float, dt: float) -> int:
+    span = t1 - t0
+    if not span > 0:
+        raise ValueError(f"t1 must be larger than t0 (got t0 = {t0}, t1 = {t1})")
+    K = round(span / dt)
+    if K < 1 or abs(K * dt - span) > 1e-9 * max(1.0, abs(span)):
+        raise ValueError(
+            f"(t1 - t0) / dt = {span / dt:.6g} is not a whole number of steps; choose dt = {span / max(K, 1):.6g} "
+            f"or another dt that divides t1 - t0"
+        )
+    return K
+
+
+def _lift_paths(score: torch.Tensor, paths: Optional[int], batch_rank: int, n_head_dims: int = 3) -> torch.Tensor:
+    """Prepend singleton dims so the heads' batch rank matches the tokens', then a paths axis."""
+    if paths is None:
+        return score
+    extra = batch_rank - (score.dim() - n_head_dims)
+    if extra > 0:
+        score = score.reshape((1,) * extra + tuple(score.shape))
+    return score.unsqueeze(0).expand(paths, *score.shape).clone()
+
+
+class _WeightDriver:
+    """Moves Θ along the solver grid: closed form, grid sampling, or replay of a WeightPath."""
+
+    def __init__(self, process: Process, *, paths, generator, seed, t0, dt, store=False, batch_rank=None, device=None):
+        self.p = process
+        self.t0, self.dt, self.k = float(t0), float(dt), 0
+        h0 = process.heads0
+        self.batch_rank = len(h0.batch_shape) if batch_rank is None else batch_rank
+        if generator is None:
+            generator = torch.Generator(device=h0.device)
+            generator.manual_seed(int(seed))
+        self.gen = generator
+        self.replay = isinstance(process, WeightPath)
+        self.mode = "replay" if self.replay else ("closed" if process.closed_form else "stepped")
+        self.store = store
+        self._scores: List[torch.Tensor] = []
+        self._rates: List[torch.Tensor] = []
+        self._noise: List[torch.Tensor] = []
+        self._sigmas: List = []
+        if self.replay:
+            if abs(process.dt - dt) > 1e-12 * max(1.0, dt) or abs(float(process.times[0]) - t0) > 1e-12:
+                raise ValueError(
+                    f"the stored weight path has t0 = {float(process.times[0])}, dt = {process.dt}; "
+                    f"replay it with the same t0 and dt (got t0 = {t0}, dt = {dt})"
+                )
+            self.A = process.scores[0]
+        elif self.mode == "stepped":
+            self.A = _lift_paths(h0.score_matrix, paths, self.batch_rank)
+        else:
+            self.A = None
+        self._next = None
+        self._cur_heads = self._heads(0.0)
+        self._record_current()
+
+    @property
+    def t(self) -> float:
+        return self.t0 + self.k * self.dt
+
+    def _heads(self, c: float) -> Heads:
+        if self.mode == "closed":
+            return self.p.heads_at(self.t + c * self.dt)
+        if c == 0.0:
+            A = self.A
+        else:
+            A = self.A + c * (self._next[0] - self.A)
+        tmpl = self.p.template if self.replay else self.p.heads0
+        return tmpl.with_score(A, symmetric=tmpl._symmetric)
+
+    @property
+    def current(self) -> Heads:
+        return self._cur_heads
+
+    @property
+    def rate(self) -> torch.Tensor:
+        """dA/dt used by the ledger at the current grid point."""
+        if self.mode == "replay":
+            return self.p.rates[self.k]
+        if self.mode == "closed":
+            return self.p.score_rate(self.t)
+        return self.p.drift(self.A, self.t)
+
+    @property
+    def sigma(self):
+        if self.mode == "replay":
+            return self.p.sigmas[self.k]
+        return self.p.sigma(self.t) if self.p.noisy else 0.0
+
+    @property
+    def noisy(self) -> bool:
+        return self.p.noisy
+
+    def prepare(self):
+        """Sample (or read) the weights of the next grid point; returns the noise increment."""
+        if self.mode == "closed" or self._next is not None:
+            return None if self._next is None else self._next[1]
+        if self.mode == "replay":
+            noise = None if self.p.noise is None else self.p.noise[self.k]
+            self._next = (self.p.scores[self.k + 1], noise)
+        else:
+            self._next = self.p.step(self.A, self.t, self.dt, self.gen)
+        return self._next[1]
+
+    def stage(self, c: float) -> Heads:
+        if c == 0.0:
+            return self._cur_heads
+        self.prepare()
+        return self._heads(c)
+
+    def jumps(self) -> List[float]:
+        return [] if self.mode != "closed" else self.p.jumps(self.t, self.t + self.dt)
+
+    def advance(self):
+        noise = self.prepare()
+        if self.store and self.mode != "closed":
+            self._noise.append(noise)
+        if self.mode != "closed":
+            self.A = self._next[0]
+        self._next = None
+        self.k += 1
+        self._cur_heads = self._heads(0.0)
+        self._record_current()
+
+    def _record_current(self):
+        if self.store:
+            self._scores.append(self._cur_heads.score_matrix)
+            self._rates.append(self.rate)
+            self._sigmas.append(self.sigma)
+
+    def path(self) -> WeightPath:
+        times = self.t0 + self.dt * torch.arange(self.k + 1, dtype=torch.float64)
+        noise = None
+        if self.p.noisy and self._noise:
+            noise = torch.stack(self._noise)
+        tmpl = self.p.template if self.replay else self.p.heads0
+        return WeightPath(times, torch.stack(self._scores), torch.stack(self._rates), noise, list(self._sigmas), tmpl)
+
+    # checkpoint support
+    def state(self):
+        return {"k": self.k, "A": self.A, "gen": self.gen.get_state()}
+
+    def load_state(self, st):
+        self.k = st["k"]
+        self.A = st["A"]
+        self.gen.set_state(st["gen"])
+        self._next = None
+        self._cur_heads = self._heads(0.0)
+
+
+# ---------------------------------------------------------------------------- helpers
+def _nonfinite(what: str, t: float, k: int, heads: Heads) -> NonFiniteError:
+    A = heads.score_matrix.detach()
+    bmax = (A.flatten(-2).abs().amax(-1).max() * (heads.beta if isinstance(heads.beta, float) else heads.beta.max())).item()
+    return NonFiniteError(
+        f"{what} became NaN/inf at t = {t:.6g} (step {k}); β·max|A_h| = {bmax:.3g}. "
+        f"The exponential kernel overflowed or the step diverged: reduce beta or the scale of the heads, "
+        f"use a smaller dt, or normalization='softmax'"
+    )
+
+
+def _check_finite(t: torch.Tensor) -> bool:
+    return bool(torch.isfinite(t).all())
+
+
+def _fingerprint(*parts) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        if isinstance(p, torch.Tensor):
+            h.update(p.detach().cpu().contiguous().numpy().tobytes())
+            h.update(str((tuple(p.shape), p.dtype)).encode())
+        else:
+            h.update(repr(p).encode())
+    return h.hexdigest()[:16]
+
+
+def _save_atomic(obj, path: Path):
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------- simulate
+def simulate(
+    x0: torch.Tensor,
+    theta: Union[Heads, Process],
+    *,
+    t1: float,
+    dt: float,
+    t0: float = 0.0,
+    method: str = "euler",
+    normalization: str = "softmax",
+    direction: str = "descent",
+    weights: Optional[torch.Tensor] = None,
+    paths: Optional[int] = None,
+    seed: int = 0,
+    generator: Optional[torch.Generator] = None,
+    record_every: int = 1,
+    diagnostics: bool = True,
+    quadrature: Optional[str] = None,
+    rtol: float = 1e-7,
+    atol: float = 1e-9,
+    return_path: bool = False,
+    progress: bool = False,
+    chunk_elements: Optional[int] = None,
+    checkpoint: Optional[Union[str, Path]] = None,
+    checkpoint_every: int = 200,
+    callback: Optional[Callable] = None,
+) -> Trajectory:
+    """Integrate the token ODE ẋ_i = V[μ_t, Θ_t](x_i) on S^{d-1} from t0 to t1.
+
+    Args:
+        x0: initial tokens (..., n, d) on the unit sphere (leading dims are an ensemble).
+        theta: :class:`Heads` (constant in time), a :class:`~transformer_pde.processes.Process`
+            (OU, oscillating, layerwise, custom) or a stored :class:`WeightPath` (replayed exactly).
+        t1, dt: final time and step ((t1 − t0)/dt must be a whole number); for "adaptive",
+            dt is the grid on which stochastic weights are sampled.
+        method: "euler" (order 1, the reference code), "heun" (2), "rk4" (4), "adaptive" (dopri5).
+        normalization: "softmax" | "unnormalized" | "relu" | "effective".
+        direction: "descent" (default here, the reference code: x ← x − Δt·f) or "ascent".
+        weights: token weights (..., n) or None (uniform).
+        paths: number of Monte-Carlo paths of the weights (adds a leading axis to the results).
+        seed / generator: the weights' random stream (tokens are not random here; sample x0
+            with your own generator so the two streams stay separate).
+        record_every: keep every k-th step (the first and last times are always kept).
+        diagnostics: compute energy, 𝒢², 𝒟 and the ledger (False: tokens only, faster).
+        quadrature: "left" (default for euler, the reference code) or "trapezoid" (default
+            for the others) for the ledger's time integrals; the martingale is an Itô sum.
+        return_path: store the realised weight path in ``traj.path`` for replay.
+        progress: show a tqdm progress bar.
+        chunk_elements: memory cap of one score block (see :mod:`transformer_pde.attention`).
+        checkpoint: file to checkpoint to (atomically, every ``checkpoint_every`` steps) and to
+            resume from if it exists and matches this run; a foreign or corrupt file is refused.
+        callback: called as callback(k, t, x) after every step (e.g. for early stopping hooks).
+
+    Returns:
+        :class:`Trajectory`.  dtype and device follow x0; the solve is differentiable with
+        respect to x0, the head tensors and β when they require grad.
+
+    Stage weights: Runge–Kutta stages see Θ at their own stage times when the process has a
+    closed form (deterministic, scheme="exact"); on grid-sampled paths (noisy, or
+    scheme="euler") they see the linear interpolation between the bracketing grid values,
+    so a stochastic path limits every method to order 1 in dt.
+
+    Raises:
+        TypeError / ValueError for bad input (before any work); NonFiniteError when the run
+        produces NaN/inf (with the time, step and quantity).
+
+    Example:
+        >>> import torch, transformer_pde as tp
+        >>> x0 = tp.sphere.octahedral(20, dtype=torch.float64)
+        >>> traj = tp.simulate(x0, tp.Heads.scalar([1.0], 3).to(torch.float64), t1=1.0, dt=0.1)
+        >>> traj.x.shape
+        torch.Size([11, 20, 3])
+    """
+    # ---------------- validation (before any work)
+    check_tokens(x0, "x0")
+    check_choice(method, METHODS, "method")
+    check_choice(normalization, NORMALIZATIONS, "normalization")
+    sign = direction_sign(direction)
+    dt = check_positive(dt, "dt")
+    t1 = float(t1)
+    t0 = float(t0)
+    K = _grid(t0, t1, dt)
+    record_every = check_int(record_every, "record_every")
+    checkpoint_every = check_int(checkpoint_every, "checkpoint_every")
+    if paths is not None:
+        paths = check_int(paths, "paths")
+    if quadrature is None:
+        quadrature = "left" if method == "euler" else "trapezoid"
+    check_choice(quadrature, ("left", "trapezoid"), "quadrature")
+    if isinstance(theta, Heads):
+        process: Process = Constant(theta)
+    elif isinstance(theta, Process):
+        process = theta
+    else:
+        raise TypeError(
+            f"theta must be a Heads, a Process (OrnsteinUhlenbeck, Oscillating, Layerwise, Custom) or a WeightPath, "
+            f"got {type(theta).__name__}"
+        )
+    h0 = process.heads0
+    check_same(x0, h0._ref, "x0", "theta's heads")
+    if h0.dim != x0.shape[-1]:
+        raise ValueError(f"the heads act on d = {h0.dim} but x0 has d = {x0.shape[-1]}")
+    bx, bh = tuple(x0.shape[:-2]), tuple(h0.batch_shape)
+    if isinstance(process, WeightPath):
+        bh = tuple(process.scores.shape[1:-3])
+        if paths is not None:
+            raise ValueError("a stored WeightPath already carries its paths axis; call simulate without paths=")
+    if paths is None and not isinstance(process, WeightPath) and bh and bh != bx[len(bx) - len(bh):]:
+        raise ValueError(f"the heads' batch shape {bh} must be empty or a suffix of x0's batch shape {bx}")
+    if paths is not None and bh and bh != bx:
+        raise ValueError(f"with paths=, the heads' batch shape {bh} must be empty or equal to x0's batch shape {bx}")
+    check_token_weights(weights, x0, "weights", "x0")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError("generator must be a torch.Generator")
+    if method == "adaptive" and checkpoint is not None:
+        raise ValueError("checkpointing is supported for the fixed-step methods; use euler, heun or rk4")
+
+    start = time.perf_counter()
+    x = x0 if paths is None else x0.unsqueeze(0).expand(paths, *x0.shape)
+    w = weights
+    drv = _WeightDriver(process, paths=paths, generator=generator, seed=seed, t0=t0, dt=dt,
+                        store=return_path, batch_rank=len(bx))
+    # tokens carry every batch axis of the heads (paths, replayed paths) from the start
+    x = x.expand(*torch.broadcast_shapes(x.shape[:-2], drv.current.batch_shape), *x.shape[-2:])
+    noisy = process.noisy
+
+    def ev(xk, heads, diag):
+        return evaluate(xk, heads, w, normalization=normalization, sign=sign, diagnostics=diag,
+                        second_moment=diag and noisy, chunk_elements=chunk_elements)
+
+    if method == "adaptive":
+        return _simulate_adaptive(x, process, drv, ev, K=K, t0=t0, dt=dt, record_every=record_every,
+                                  sign=sign, diagnostics=diagnostics, rtol=rtol, atol=atol, method=method,
+                                  normalization=normalization, direction=direction, weights=w, start=start,
+                                  return_path=return_path)
+
+    tab = TABLEAUX[method]
+    rec_k = sorted(set(range(0, K + 1, record_every)) | {K})
+    rec_set = set(rec_k)
+    records: Dict[str, List[torch.Tensor]] = {"x": []}
+    diag_keys = ("energy", "slope", "dissipation", *LEDGER_KEYS)
+    if diagnostics:
+        for key in diag_keys:
+            records[key] = []
+    nfe = 0
+    max_sphere = 0.0
+    acc = {}
+    k_start = 0
+
+    # ---------------- checkpoint / resume
+    ckpt_path = None if checkpoint is None else Path(checkpoint)
+    fp = None
+    if ckpt_path is not None:
+        fp = _fingerprint(x0, h0.score_matrix, repr(process), t0, t1, dt, method, normalization, direction,
+                          paths, seed, record_every, quadrature, diagnostics, weights)
+        if ckpt_path.exists():
+            try:
+                ck = torch.load(ckpt_path, map_location=x0.device, weights_only=False)
+            except Exception as e:  # corrupt or unreadable
+                raise ValueError(f"checkpoint {ckpt_path} is corrupted or unreadable ({type(e).__name__}: {e}); "
+                                 f"delete it to start afresh") from None
+            if not isinstance(ck, dict) or ck.get("kind") != "transformer_pde.simulate":
+                raise ValueError(f"{ckpt_path} is not a transformer_pde simulate checkpoint; delete it or choose another path")
+            if ck.get("fingerprint") != fp:
+                raise ValueError(f"checkpoint {ckpt_path} belongs to a different run (config fingerprint "
+                                 f"{ck.get('fingerprint')} != {fp}); delete it or use another path")
+            k_start = ck["k"]
+            x = ck["x"]
+            drv.load_state(ck["driver"])
+            records = ck["records"]
+            acc = ck["acc"]
+            nfe, max_sphere = ck["nfe"], ck["max_sphere"]
+
+    heads = drv.current
+    cur = ev(x, heads, diagnostics)
+    nfe += 1
+    if not _check_finite(cur.velocity):
+        raise _nonfinite("the velocity field", drv.t, drv.k, heads)
+
+    def densities(xk, hk, evk, rate, sigma):
+        if not diagnostics:
+            return None
+        pt = pairing(xk, hk, w, evk.stats, rate)
+        if noisy:
+            pt = pt + ito_correction(hk, w, evk.stats, sigma)
+        return {"partial": pt, "dissipation": evk.dissipation, "slope": evk.slope}
+
+    dens = densities(x, heads, cur, drv.rate, drv.sigma)
+    if diagnostics and k_start == 0:
+        E0 = cur.energy
+        zero = torch.zeros_like(E0)
+        acc = {"E0": E0, "partial": zero, "dissipation": zero, "slope": zero, "martingale": zero}
+
+    def record(xk, evk):
+        records["x"].append(xk.detach() if not xk.requires_grad else xk)
+        if diagnostics:
+            dE = evk.energy - acc["E0"]
+            res = dE - acc["partial"] - acc["dissipation"] - acc["martingale"]
+            vals = {"energy": evk.energy, "slope": evk.slope, "dissipation": evk.dissipation, "dE": dE,
+                    "partial": acc["partial"], "martingale": acc["martingale"],
+                    "residual": res, "residual_slope": dE - acc["partial"] - sign * acc["slope"] - acc["martingale"]}
+            vals["dissipation_int"] = acc["dissipation"]
+            vals["slope_int"] = acc["slope"]
+            for key in diag_keys:
+                src = {"dissipation": "dissipation_int", "slope": "slope_int"}.get(key, key) if key in LEDGER_KEYS else key
+                v = vals[src] if key in LEDGER_KEYS else vals[key]
+                records[key].append(v)
+
+    # ledger keys "dissipation"/"slope" are running integrals; the series of the same names are instantaneous
+    if k_start == 0:
+        record(x, cur)
+
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=K, initial=k_start, desc=f"simulate ({method})", unit="step", leave=False)
+    try:
+        for k in range(k_start, K):
+            t = drv.t
+            noise = drv.prepare() if noisy else None
+            # martingale increment uses the state at the left end (Itô)
+            if diagnostics and noise is not None:
+                acc["martingale"] = acc["martingale"] + pairing(x, heads, w, cur.stats, noise)
+            # token step with retraction at every stage
+            ks = [cur.velocity]
+            for i in range(1, tab.stages):
+                xs = x
+                for j, aij in enumerate(tab.a[i]):
+                    if aij != 0.0:
+                        xs = xs + (dt * aij) * ks[j]
+                xs = normalize(xs)
+                ks.append(ev(xs, drv.stage(tab.c[i]), False).velocity)
+                nfe += 1
+            y = x
+            for bi, ki in zip(tab.b, ks):
+                y = y + (dt * bi) * ki
+            ny = y.detach().norm(dim=-1)
+            max_sphere = max(max_sphere, float((ny - 1).abs().max()))
+            x_new = y / ny.unsqueeze(-1) if not y.requires_grad else normalize(y)
+            if not _check_finite(x_new):
+                raise _nonfinite("the token positions", t + dt, k + 1, heads)
+            jumps = drv.jumps()
+            prev_heads = heads
+            drv.advance()
+            heads = drv.current
+            nxt = ev(x_new, heads, diagnostics)
+            nfe += 1
+            if not _check_finite(nxt.velocity):
+                raise _nonfinite("the velocity field", drv.t, drv.k, heads)
+            if diagnostics:
+                if not _check_finite(nxt.energy):
+                    raise _nonfinite("the energy", drv.t, drv.k, heads)
+                dens_new = densities(x_new, heads, nxt, drv.rate, drv.sigma)
+                for key in ("partial", "dissipation", "slope"):
+                    inc = dens[key] if quadrature == "left" else 0.5 * (dens[key] + dens_new[key])
+                    acc[key] = acc[key] + dt * inc
+                if jumps:
+                    before = ev(x_new, prev_heads, True).energy
+                    acc["partial"] = acc["partial"] + (nxt.energy - before)
+                dens = dens_new
+            x, cur = x_new, nxt
+            if (k + 1) in rec_set:
+                record(x, cur)
+            if callback is not None:
+                callback(k + 1, drv.t, x)
+            if bar is not None:
+                bar.update(1)
+            if ckpt_path is not None and ((k + 1) % checkpoint_every == 0) and (k + 1) < K:
+                _save_atomic({"kind": "transformer_pde.simulate", "fingerprint": fp, "k": k + 1, "x": x.detach(),
+                              "driver": drv.state(), "records": records, "acc": acc, "nfe": nfe,
+                              "max_sphere": max_sphere}, ckpt_path)
+    finally:
+        if bar is not None:
+            bar.close()
+
+    times = torch.tensor([t0 + k * dt for k in rec_k], dtype=torch.float64)
+    out_x = torch.stack(records["x"])
+    if diagnostics:
+        ledger = {key: torch.stack(records[key]) for key in LEDGER_KEYS}
+        series = {key: torch.stack(records[key]) for key in ("energy", "slope", "dissipation")}
+    else:
+        ledger, series = {}, {"energy": None, "slope": None, "dissipation": None}
+    stats = {"steps": K, "field_evaluations": nfe, "max_sphere_error": max_sphere,
+             "wall_time": time.perf_counter() - start, "order": tab.order}
+    return Trajectory(times, out_x, series["energy"], series["slope"], series["dissipation"], ledger, stats,
+                      method, normalization, direction, weights, drv.path() if return_path else None)
+
+
+def _simulate_adaptive(x, process, drv, ev, *, K, t0, dt, record_every, sign, diagnostics, rtol, atol, method,
+                       normalization, direction, weights, start, return_path):
+    """dopri5 through torchdiffeq on the projected field; ledger by the trapezoid rule on the record grid."""
+    from torchdiffeq import odeint
+
+    w = weights
+    # stochastic or grid-stepped weights: sample the whole path on the dt grid first
+    if drv.mode != "closed":
+        drv.store = True
+        drv._scores, drv._rates, drv._sigmas, drv._noise = [], [], [], []
+        drv._record_current()
+        for _ in range(K):
+            drv.advance()
+        path = drv.path()
+        heads_at = path.heads_at
+    else:
+        path = None
+        heads_at = process.heads_at
+    nfe = [0]
+
+    def func(t, y):
+        nfe[0] += 1
+        return ev(normalize(y), heads_at(float(t)), False).velocity
+
+    rec_k = sorted(set(range(0, K + 1, record_every)) | {K})
+    times = torch.tensor([t0 + k * dt for k in rec_k], dtype=torch.float64)
+    ys = odeint(func, x, times.to(x.dtype).to(x.device), method="dopri5", rtol=rtol, atol=atol)
+    xs = normalize(ys)
+    if not _check_finite(xs):
+        bad = int((~torch.isfinite(xs.flatten(1)).all(-1)).nonzero()[0])
+        raise _nonfinite("the token positions", float(times[bad]), rec_k[bad], heads_at(float(times[bad])))
+    ledger, series = {}, {"energy": None, "slope": None, "dissipation": None}
+    if diagnostics:
+        E, G, D, P, M = [], [], [], [], []
+        for r, k in enumerate(rec_k):
+            t = float(times[r])
+            hk = heads_at(t)
+            e = ev(xs[r], hk, True)
+            E.append(e.energy)
+            G.append(e.slope)
+            D.append(e.dissipation)
+            if path is not None:
+                rate, sig = path.rates[k], path.sigmas[k]
+            else:
+                rate, sig = process.score_rate(t), 0.0
+            pt = pairing(xs[r], hk, w, e.stats, rate)
+            if process.noisy:
+                pt = pt + ito_correction(hk, w, e.stats, sig)
+                if r + 1 < len(rec_k):
+                    dn = path.noise[k:rec_k[r + 1]].sum(0)
+                    M.append(pairing(xs[r], hk, w, e.stats, dn))
+            P.append(pt)
+        E, G, D, P = map(torch.stack, (E, G, D, P))
+        dts = (times[1:] - times[:-1]).to(E.dtype).reshape(-1, *([1] * (E.dim() - 1)))
+        cum = lambda v: torch.cat([torch.zeros_like(v[:1]), torch.cumsum(dts * 0.5 * (v[1:] + v[:-1]), 0)])  # noqa: E731
+        Mc = torch.zeros_like(E)
+        if M:
+            Mc = torch.cat([torch.zeros_like(E[:1]), torch.cumsum(torch.stack(M), 0)])
+        dE = E - E[0]
+        ledger = {"dE": dE, "partial": cum(P), "dissipation": cum(D), "slope": cum(G), "martingale": Mc}
+        ledger["residual"] = dE - ledger["partial"] - ledger["dissipation"] - Mc
+        ledger["residual_slope"] = dE - ledger["partial"] - sign * ledger["slope"] - Mc
+        series = {"energy": E, "slope": G, "dissipation": D}
+    stats = {"steps": K, "field_evaluations": nfe[0], "max_sphere_error": float((ys.detach().norm(dim=-1) - 1).abs().max()),
+             "wall_time": time.perf_counter() - start, "order": 5}
+    return Trajectory(times, xs, series["energy"], series["slope"], series["dissipation"], ledger, stats,
+                      method, normalization, direction, weights, path if return_path else None)

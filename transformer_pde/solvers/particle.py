@@ -457,9 +457,8 @@ def simulate(
     rec_k = sorted(set(range(0, K + 1, record_every)) | {K})
     rec_set = set(rec_k)
     records: Dict[str, List[torch.Tensor]] = {"x": []}
-    diag_keys = ("energy", "slope", "dissipation", *LEDGER_KEYS)
     if diagnostics:
-        for key in diag_keys:
+        for key in ("energy", "slope", "dissipation", *("ledger." + k for k in LEDGER_KEYS)):
             records[key] = []
     nfe = 0
     max_sphere = 0.0
@@ -514,18 +513,16 @@ def simulate(
         records["x"].append(xk.detach() if not xk.requires_grad else xk)
         if diagnostics:
             dE = evk.energy - acc["E0"]
-            res = dE - acc["partial"] - acc["dissipation"] - acc["martingale"]
-            vals = {"energy": evk.energy, "slope": evk.slope, "dissipation": evk.dissipation, "dE": dE,
-                    "partial": acc["partial"], "martingale": acc["martingale"],
-                    "residual": res, "residual_slope": dE - acc["partial"] - sign * acc["slope"] - acc["martingale"]}
-            vals["dissipation_int"] = acc["dissipation"]
-            vals["slope_int"] = acc["slope"]
-            for key in diag_keys:
-                src = {"dissipation": "dissipation_int", "slope": "slope_int"}.get(key, key) if key in LEDGER_KEYS else key
-                v = vals[src] if key in LEDGER_KEYS else vals[key]
-                records[key].append(v)
+            led = {"dE": dE, "partial": acc["partial"], "dissipation": acc["dissipation"], "slope": acc["slope"],
+                   "martingale": acc["martingale"],
+                   "residual": dE - acc["partial"] - acc["dissipation"] - acc["martingale"],
+                   "residual_slope": dE - acc["partial"] - sign * acc["slope"] - acc["martingale"]}
+            for key in ("energy", "slope", "dissipation"):
+                records[key].append(getattr(evk, key))
+            for key in LEDGER_KEYS:
+                records["ledger." + key].append(led[key])
 
-    # ledger keys "dissipation"/"slope" are running integrals; the series of the same names are instantaneous
+    # ledger "dissipation"/"slope" are running integrals; the series of the same names are instantaneous
     if k_start == 0:
         record(x, cur)
 
@@ -596,7 +593,7 @@ def simulate(
     times = torch.tensor([t0 + k * dt for k in rec_k], dtype=torch.float64)
     out_x = torch.stack(records["x"])
     if diagnostics:
-        ledger = {key: torch.stack(records[key]) for key in LEDGER_KEYS}
+        ledger = {key: torch.stack(records["ledger." + key]) for key in LEDGER_KEYS}
         series = {key: torch.stack(records[key]) for key in ("energy", "slope", "dissipation")}
     else:
         ledger, series = {}, {"energy": None, "slope": None, "dissipation": None}

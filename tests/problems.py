@@ -1,0 +1,100 @@
+"""Problems with exact answers (in the spirit of torchdiffeq's tests/problems.py).
+
+Every closed form here is derived by hand in the docstring and computed independently of
+the library (plain numpy / scipy), so the tests compare two implementations.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from scipy.integrate import solve_ivp
+
+
+def integrate(rhs, y0, t_eval):
+    """High-accuracy scalar/vector ODE solve (scipy DOP853, rtol 1e-12) as an oracle."""
+    sol = solve_ivp(lambda t, y: rhs(t, y), (0.0, float(t_eval[-1])), np.atleast_1d(np.asarray(y0, float)),
+                    t_eval=np.asarray(t_eval, float), method="DOP853", rtol=1e-12, atol=1e-14)
+    assert sol.success
+    return sol.y
+
+
+def two_token_angle_rate(theta, lam, beta, normalization):
+    """dθ/dt for two tokens at angle θ, one head A = V = λI, uniform weights, ascent.
+
+    softmax: the field at x_1 is λ P_{x_1}(p_1 x_1 + p_2 x_2) = λ p_2 (x_2 − cos θ x_1), with
+    p_2 = e^{βλ cos θ}/(e^{βλ} + e^{βλ cos θ}); |x_2 − cos θ x_1| = sin θ, and x_2 moves
+    symmetrically, so θ' = −2 λ p_2 sin θ.
+    unnormalized: f = λ (½ e^{βλ} x_1 + ½ e^{βλ cos θ} x_2): θ' = −λ e^{βλ cos θ} sin θ.
+    relu: f = λ ½ (βλ x_1 + ReLU(βλ cos θ) x_2): θ' = −λ ReLU(βλ cos θ) sin θ.
+    """
+    c, s = math.cos(theta), math.sin(theta)
+    if normalization == "softmax":
+        p2 = math.exp(beta * lam * c) / (math.exp(beta * lam) + math.exp(beta * lam * c))
+        return -2 * lam * p2 * s
+    if normalization == "unnormalized":
+        return -lam * math.exp(beta * lam * c) * s
+    if normalization == "relu":
+        return -lam * max(beta * lam * c, 0.0) * s
+    raise ValueError(normalization)
+
+
+def two_tokens(theta0, d=3, dtype=torch.float64):
+    x = torch.zeros(2, d, dtype=dtype)
+    x[0, 0] = 1.0
+    x[1, 0] = math.cos(theta0)
+    x[1, 1] = math.sin(theta0)
+    return x
+
+
+def equiangular_gamma_rate(gamma, lambdas, omegas, n, beta, normalization):
+    """dγ/dt for n equiangular tokens (⟨x_i, x_j⟩ = γ), scalar heads λ_h I, weights ω_h, ascent.
+
+    For head h the attention of token i on j ≠ i is q_h(γ) (softmax: e^{βλγ}/(e^{βλ} + (n−1)e^{βλγ});
+    unnormalized: e^{βλγ}/n; relu: ReLU(βλγ)/n), and P_{x_i} f_h(x_i) = λ_h q_h Σ_{j≠i}(x_j − γ x_i).
+    With Σ_{j≠i} ⟨x_j, x_k⟩ = 1 + (n−2)γ for k ≠ i: ⟨ẋ_i, x_k⟩ = Σ_h ω_h λ_h q_h (1 − γ)(1 + (n−1)γ),
+    and γ' = 2⟨ẋ_i, x_k⟩ by symmetry.
+    """
+    tot = 0.0
+    for lam, om in zip(lambdas, omegas):
+        if normalization == "softmax":
+            q = math.exp(beta * lam * gamma) / (math.exp(beta * lam) + (n - 1) * math.exp(beta * lam * gamma))
+        elif normalization == "unnormalized":
+            q = math.exp(beta * lam * gamma) / n
+        elif normalization == "relu":
+            q = max(beta * lam * gamma, 0.0) / n
+        else:
+            raise ValueError(normalization)
+        tot += om * lam * q
+    return 2 * tot * (1 - gamma) * (1 + (n - 1) * gamma)
+
+
+def oscillating_target_reference(t, d, h=0, H=1, per_head=False):
+    """F(t) written out entry by entry from DESIGN §2 (independent of the library's term tables)."""
+    tt = t + (2 * math.pi * h / H if per_head else 0.0)
+    if d == 2:
+        return np.array([[2 + 1.5 * math.cos(tt), math.sin(2 * tt)], [math.sin(2 * tt), 2 - 1.5 * math.cos(tt)]])
+    if d == 3:
+        return np.array([
+            [2 + 1.5 * math.cos(tt), math.sin(2 * tt), math.sin(tt)],
+            [math.sin(2 * tt), 2 + 1.5 * math.sin(tt), math.cos(2 * tt)],
+            [math.sin(tt), math.cos(2 * tt), 2 + 1.5 * math.cos(tt + math.pi / 4)],
+        ])
+    F = np.zeros((d, d))
+    P = d * (d - 1) // 2
+    p = 0
+    for i in range(d):
+        F[i, i] = 2 + 1.5 * math.cos(tt + 2 * math.pi * i / d)
+    for i in range(d):
+        for j in range(i + 1, d):
+            F[i, j] = F[j, i] = math.sin(2 * tt + 2 * math.pi * p / P)
+            p += 1
+    return F
+
+
+def fit_slope(xs, ys):
+    """Least-squares slope of log ys against log xs."""
+    lx, ly = np.log(np.asarray(xs, float)), np.log(np.asarray(ys, float))
+    return float(np.polyfit(lx, ly, 1)[0])

@@ -1,0 +1,233 @@
+"""Attention field, energy, mobilities: identities, symmetries and independent formulas."""
+
+import math
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import transformer_pde as tp
+from transformer_pde import sphere
+from conftest import gen
+
+NORMS = ["softmax", "unnormalized", "relu", "effective"]
+
+
+def dense_field(x, A, V, omega, beta, normalization, w=None):
+    """Straightforward dense implementation of DESIGN §2 (ascent), an independent oracle."""
+    n = x.shape[-2]
+    w = torch.full((n,), 1.0 / n, dtype=x.dtype) if w is None else w
+    S = beta * torch.einsum("id,hde,je->hij", x, A, x)  # (H, n, n)
+    K = torch.exp(S) * w
+    Vy = torch.einsum("hde,je->hjd", V, x)  # (H, n, d): V_h y_j
+    if normalization == "softmax":
+        f = torch.einsum("hij,hjd->hid", K / K.sum(-1, keepdim=True), Vy)
+    elif normalization == "unnormalized":
+        f = torch.einsum("hij,hjd->hid", K, Vy)
+    elif normalization == "relu":
+        f = torch.einsum("hij,hjd->hid", torch.relu(S) * w, Vy)
+    F = (omega[:, None, None] * f).sum(0)
+    return F - (F * x).sum(-1, keepdim=True) * x
+
+
+@pytest.mark.parametrize("normalization", ["softmax", "unnormalized", "relu"])
+def test_field_matches_dense_oracle(normalization, dtype):
+    x = sphere.sample_uniform(9, 4, generator=gen(0), dtype=torch.float64)
+    A = torch.randn(3, 4, 4, generator=gen(1), dtype=torch.float64)
+    V = torch.randn(3, 4, 4, generator=gen(2), dtype=torch.float64)
+    om = torch.tensor([0.2, 0.5, 0.3], dtype=torch.float64)
+    w = torch.softmax(torch.randn(9, generator=gen(3), dtype=torch.float64), 0)
+    expect = dense_field(x, A, V, om, 0.7, normalization, w)
+    heads = tp.Heads(A.to(dtype), V.to(dtype), om.to(dtype), beta=0.7)
+    got = tp.velocity(x.to(dtype), heads, w.to(dtype), normalization=normalization)
+    tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-12, rtol=1e-10)
+    assert got.dtype == dtype
+    assert_close(got, expect.to(dtype), **tol)
+    assert_close(tp.velocity(x.to(dtype), heads, w.to(dtype), normalization=normalization, direction="descent"),
+                 -got)
+
+
+def test_factored_heads_equal_full_scores():
+    d, k, H = 6, 2, 3
+    Q = torch.randn(H, k, d, generator=gen(4), dtype=torch.float64)
+    K = torch.randn(H, k, d, generator=gen(5), dtype=torch.float64)
+    V = torch.randn(H, d, d, generator=gen(6), dtype=torch.float64)
+    x = sphere.sample_uniform(11, d, generator=gen(7), dtype=torch.float64)
+    fac = tp.Heads(None, V, query=Q, key=K, beta=1.3)
+    full = tp.Heads(Q.transpose(-1, -2) @ K, V, beta=1.3)
+    for norm in NORMS:
+        assert_close(tp.velocity(x, fac, normalization=norm), tp.velocity(x, full, normalization=norm))
+
+
+def test_autograd_gradient_of_energy_equals_field_formula():
+    """∂E/∂x_i = w_i ∇δE/δμ(x_i); for symmetric V = A the unnormalized field is its projection."""
+    x = sphere.sample_uniform(7, 3, generator=gen(8), dtype=torch.float64).requires_grad_(True)
+    w = torch.softmax(torch.randn(7, generator=gen(9), dtype=torch.float64), 0)
+    for A in (tp.Heads.random(3, 3, generator=gen(10), dtype=torch.float64).score,
+              torch.randn(3, 3, 3, generator=gen(11), dtype=torch.float64)):  # symmetric, then general
+        heads = tp.Heads(A, None, torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64), beta=0.8)
+        (g,) = torch.autograd.grad(tp.energy(x, heads, w), x)
+        riem = sphere.tangent_projection(x, g) / w[:, None]
+        ev = tp.evaluate(x.detach(), heads, w, diagnostics=True)
+        assert_close(ev.grad_first_variation, riem.detach())
+    # symmetric heads with V = A: the unnormalized velocity IS the Riemannian gradient
+    heads = tp.Heads.symmetric(tp.Heads.random(2, 3, generator=gen(12), dtype=torch.float64).score)
+    (g,) = torch.autograd.grad(tp.energy(x, heads, w), x)
+    assert_close(tp.velocity(x.detach(), heads, w, normalization="unnormalized"),
+                 (sphere.tangent_projection(x, g) / w[:, None]).detach())
+
+
+def test_first_variation_by_perturbation():
+    """δE/δμ(z): E(μ + ε(δ_z − μ)) − E(μ) ≈ ε ∫ δE/δμ d(δ_z − μ)."""
+    x = sphere.sample_uniform(6, 3, generator=gen(13), dtype=torch.float64)
+    z = sphere.sample_uniform(1, 3, generator=gen(14), dtype=torch.float64)
+    A = torch.randn(2, 3, 3, generator=gen(15), dtype=torch.float64)
+    heads = tp.Heads(A, beta=0.9)
+    eps = 1e-6
+    xz = torch.cat([x, z])
+    w0 = torch.cat([torch.full((6,), 1 / 6, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)])
+    w1 = (1 - eps) * w0
+    w1[-1] = eps
+    fd = (tp.energy(xz, heads, w1) - tp.energy(xz, heads, w0)) / eps
+    fv = tp.first_variation(x, heads, at=xz)
+    expect = fv[-1] - fv[:-1].mean()
+    assert_close(fd, expect, rtol=1e-5, atol=1e-6)
+
+
+def test_unnormalized_dissipation_is_kinetic_energy():
+    """Unnormalized symmetric heads: V = ∇_S δE/δμ so 𝒟 = ∫|V|² dμ = dE/dt (time finite difference)."""
+    x = sphere.sample_uniform(10, 3, generator=gen(16), dtype=torch.float64)
+    heads = tp.Heads.random(3, 3, generator=gen(17), dtype=torch.float64)
+    V = tp.velocity(x, heads, normalization="unnormalized")
+    D = tp.dissipation(x, heads, normalization="unnormalized")
+    assert_close(D, V.square().sum(-1).mean())
+    h = 1e-5
+    Ep = tp.energy(sphere.exp_map(x, h * V), heads)
+    Em = tp.energy(sphere.exp_map(x, -h * V), heads)
+    assert_close((Ep - Em) / (2 * h), D, rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("direction", ["ascent", "descent"])
+def test_dissipation_vs_slope(direction):
+    s = 1.0 if direction == "ascent" else -1.0
+    x = sphere.sample_uniform(12, 3, generator=gen(18), dtype=torch.float64)
+    one = tp.Heads.random(1, 3, generator=gen(19), dtype=torch.float64)
+    assert_close(tp.dissipation(x, one, direction=direction), s * tp.slope(x, one, direction=direction))
+    many = tp.Heads.random(5, 3, generator=gen(20), dtype=torch.float64)
+    eff_D = tp.dissipation(x, many, normalization="effective", direction=direction)
+    assert_close(eff_D, s * tp.slope(x, many, normalization="effective", direction=direction))
+    # softmax with H > 1: the two differ (the paper's 30–45 % gap at large H)
+    D = tp.dissipation(x, many, direction=direction)
+    G = tp.slope(x, many, direction=direction)
+    assert (s * D - G).abs() > 1e-3 * G.abs()
+    # heads with equal mobilities (identical heads) close again
+    same = tp.Heads(one.score.expand(4, 3, 3))
+    assert_close(tp.dissipation(x, same, direction=direction), s * tp.slope(x, same, direction=direction))
+
+
+def test_effective_equals_softmax_for_one_head_or_equal_mobilities():
+    x = sphere.sample_uniform(8, 3, generator=gen(21), dtype=torch.float64)
+    one = tp.Heads.random(1, 3, generator=gen(22), dtype=torch.float64)
+    assert_close(tp.velocity(x, one, normalization="effective"), tp.velocity(x, one))
+    same = tp.Heads(one.score.expand(3, 3, 3), weights=torch.tensor([0.2, 0.3, 0.5], dtype=torch.float64))
+    assert_close(tp.velocity(x, same, normalization="effective"), tp.velocity(x, same))
+
+
+def test_mobility_and_energy_closed_forms():
+    x = sphere.sample_uniform(5, 3, generator=gen(23), dtype=torch.float64)
+    A = torch.randn(2, 3, 3, generator=gen(24), dtype=torch.float64)
+    A = A + A.mT
+    om = torch.tensor([0.3, 0.7], dtype=torch.float64)
+    heads = tp.Heads(A, weights=om, beta=1.5)
+    K = torch.exp(1.5 * torch.einsum("id,hde,je->hij", x, A, x))
+    m, b = tp.mobility(x, heads)
+    assert_close(m, K.mean(-1))
+    assert_close(b, 1 / ((om / om.sum())[:, None] / K.mean(-1)).sum(0))
+    assert_close(tp.energy(x, heads), (om * K.mean((-1, -2))).sum() / 3.0)
+    assert_close(tp.head_energies(x, heads), K.mean((-1, -2)) / 3.0)
+    assert_close(tp.log_energy(x, heads), torch.log(tp.energy(x, heads)))
+
+
+def test_large_beta_softmax_is_finite():
+    # (the "effective" field itself scales like max_h m_h / min_k m_k, which is e^{hundreds} here:
+    # that is the field, not an overflow of the kernel, so it is not part of this check)
+    x = sphere.sample_uniform(30, 3, generator=gen(25), dtype=torch.float64)
+    heads = tp.Heads.random(2, 3, generator=gen(26), dtype=torch.float64, scale=1.0)
+    big = tp.Heads(heads.score * 100.0, beta=5.0)  # β‖A‖ ~ several hundred to a thousand
+    for dt in (torch.float64, torch.float32):
+        v = tp.velocity(x.to(dt), big.to(dt))
+        assert torch.isfinite(v).all()
+        lm, lb = tp.log_mobility(x.to(dt), big.to(dt))
+        assert torch.isfinite(lm).all() and torch.isfinite(lb).all()
+    assert torch.isfinite(tp.log_energy(x, big))
+    # against torch.softmax (an independent, max-shifted implementation) in float64
+    S = 5.0 * torch.einsum("id,hde,je->hij", x, big.score, x)
+    P = torch.softmax(S, -1)
+    f = torch.einsum("hij,hde,je->hid", P, big.score, x)
+    F = f.mean(0)
+    expect = F - (F * x).sum(-1, keepdim=True) * x
+    assert_close(tp.velocity(x, big), expect, atol=1e-9, rtol=1e-9)
+    assert_close(tp.velocity(x.float(), big.to(torch.float32)), expect.float(), atol=2e-2, rtol=1e-3)
+
+
+def test_uniform_measure_is_stationary():
+    # the uniform grid on S¹ with a rotation-invariant score, and the octahedron on S²
+    x1 = sphere.circle_grid(16, dtype=torch.float64)
+    for norm in NORMS:
+        v = tp.velocity(x1, tp.Heads.scalar(torch.tensor([1.3, -0.4], dtype=torch.float64), 2), normalization=norm)
+        assert_close(v, torch.zeros_like(v), atol=1e-13, rtol=0)
+    oct_ = torch.cat([torch.eye(3), -torch.eye(3)]).double()
+    A = torch.diag(torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64))[None]  # symmetric under x ↦ −x and axis flips
+    for norm in NORMS:
+        v = tp.velocity(oct_, tp.Heads(A), normalization=norm)
+        assert_close(v, torch.zeros_like(v), atol=1e-13, rtol=0)
+
+
+def test_rotation_and_permutation_equivariance():
+    x = sphere.sample_uniform(10, 3, generator=gen(27), dtype=torch.float64)
+    A = torch.randn(2, 3, 3, generator=gen(28), dtype=torch.float64)
+    V = torch.randn(2, 3, 3, generator=gen(29), dtype=torch.float64)
+    Q, _ = torch.linalg.qr(torch.randn(3, 3, generator=gen(30), dtype=torch.float64))
+    w = torch.softmax(torch.randn(10, generator=gen(31), dtype=torch.float64), 0)
+    perm = torch.randperm(10, generator=gen(32))
+    for norm in NORMS:
+        h = tp.Heads(A, V)
+        hr = tp.Heads(Q @ A @ Q.T, Q @ V @ Q.T)
+        v = tp.velocity(x, h, w, normalization=norm)
+        assert_close(tp.velocity(x @ Q.T, hr, w, normalization=norm), v @ Q.T)
+        assert_close(tp.velocity(x[perm], h, w[perm], normalization=norm), v[perm])
+    assert_close(tp.energy(x @ Q.T, tp.Heads(Q @ A @ Q.T), w), tp.energy(x, tp.Heads(A), w))
+
+
+def test_weighted_equals_repeated_tokens():
+    x = sphere.sample_uniform(3, 3, generator=gen(33), dtype=torch.float64)
+    w = torch.tensor([0.4, 0.2, 0.4], dtype=torch.float64)
+    rep = x[[0, 0, 1, 2, 2]]
+    heads = tp.Heads.random(2, 3, generator=gen(34), dtype=torch.float64)
+    for norm in NORMS:
+        assert_close(tp.velocity(x, heads, w, normalization=norm), tp.velocity(rep, heads, normalization=norm)[[0, 2, 3]])
+        assert_close(tp.slope(x, heads, w, normalization=norm), tp.slope(rep, heads, normalization=norm))
+        assert_close(tp.dissipation(x, heads, w, normalization=norm), tp.dissipation(rep, heads, normalization=norm))
+    assert_close(tp.energy(x, heads, w), tp.energy(rep, heads))
+
+
+def test_batched_tokens_heads_and_beta():
+    x = sphere.sample_uniform(6, 3, batch_shape=(4,), generator=gen(35), dtype=torch.float64)
+    A = tp.Heads.random(2, 3, batch_shape=(4,), generator=gen(36), dtype=torch.float64).score
+    betas = torch.tensor([0.5, 1.0, 2.0, 3.0], dtype=torch.float64)
+    batched = tp.velocity(x, tp.Heads(A, beta=betas))
+    for b in range(4):
+        assert_close(batched[b], tp.velocity(x[b], tp.Heads(A[b], beta=float(betas[b]))))
+    E = tp.energy(x, tp.Heads(A, beta=betas))
+    assert E.shape == (4,)
+    assert_close(E[2], tp.energy(x[2], tp.Heads(A[2], beta=2.0)))
+
+
+def test_radial_shadows_definition():
+    x = sphere.sample_uniform(5, 3, generator=gen(37), dtype=torch.float64)
+    heads = tp.Heads.random(2, 3, generator=gen(38), dtype=torch.float64)
+    f = tp.head_outputs(x, heads, normalization="unnormalized")
+    a = tp.radial_shadows(x, heads)
+    assert_close(a, (f * x).sum(-1))
+    # the projected head output is the output minus its radial shadow
+    assert_close(sphere.tangent_projection(x, f), f - a[..., None] * x)

@@ -1,0 +1,194 @@
+"""Weight processes Θ_t: exact laws, closed forms, Euler–Maruyama convergence, replay."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch.testing import assert_close
+
+import transformer_pde as tp
+from conftest import gen
+from problems import fit_slope, integrate, oscillating_target_reference
+
+
+def _ou_samples(scheme, dt, t1, N=20000, sigma=2 ** 0.5, rate=1.0, seed=0):
+    d = 3
+    A0 = torch.zeros(1, d, d, dtype=torch.float64) + torch.diag(torch.tensor([3.0, -1.0, 0.5], dtype=torch.float64))
+    proc = tp.OrnsteinUhlenbeck(tp.Heads(A0), rate=rate, sigma=sigma, scheme=scheme)
+    A = A0.expand(N, 1, d, d).clone()
+    g = gen(seed)
+    for k in range(round(t1 / dt)):
+        A, _ = proc.step(A, k * dt, dt, g)
+    return proc, A
+
+
+def test_ou_exact_transition_moments():
+    """Mean Ā + e^{−κt}(A0 − Ā); variance σ²(1 − e^{−2κt})/(2κ) on the diagonal, half of it off it."""
+    t1 = 0.7
+    proc, A = _ou_samples("exact", 0.35, t1)
+    mean, var = proc.moments(t1)
+    N = A.shape[0]
+    se_mean = (var / N).sqrt()
+    assert ((A.mean(0) - mean).abs() < 5 * se_mean).all()
+    emp_var = A.var(0)[0]
+    assert_close(emp_var, var, rtol=5 * math.sqrt(2 / N), atol=0)
+    # independent closed form of the variance (not taken from proc.moments)
+    v = 2.0 * (1 - math.exp(-2 * t1)) / 2
+    assert_close(var, torch.tensor([[v, v / 2, v / 2], [v / 2, v, v / 2], [v / 2, v / 2, v]], dtype=torch.float64))
+    # symmetric noise keeps the matrices symmetric, and off-diagonal entries are uncorrelated with diagonal ones
+    assert torch.equal(A, A.transpose(-1, -2))
+    c = torch.corrcoef(torch.stack([A[:, 0, 0, 0], A[:, 0, 0, 1]]))[0, 1]
+    assert abs(c) < 5 / math.sqrt(N)
+
+
+def test_ou_stationary_law_is_goe_type():
+    """Stationary law: Var(A_ii) = σ²/(2κ), Var(A_ij) = σ²/(4κ) (i ≠ j): κ = 2, σ² = 3."""
+    proc, A = _ou_samples("exact", 5.0, 20.0, rate=2.0, sigma=math.sqrt(3.0))
+    N = A.shape[0]
+    v = A.var(0)[0]
+    expect = torch.full((3, 3), 3.0 / 8, dtype=torch.float64)
+    expect.fill_diagonal_(3.0 / 4)
+    assert_close(v, expect, rtol=5 * math.sqrt(2 / N), atol=0)
+    assert_close(A.mean(0)[0], torch.eye(3, dtype=torch.float64), atol=5 * math.sqrt(0.75 / N), rtol=0)
+
+
+def test_euler_maruyama_converges_to_exact_law_at_order_one():
+    """EM stationary variance is σ²/(κ(2 − κh)) (linear recursion): bias ~ h against the exact σ²/(2κ) = 1.
+
+    Variances are pooled over the 3 diagonal entries and (×2) the 3 off-diagonal ones of 20000
+    samples: 120000 draws, standard error ≈ 0.004 against biases 0.25 … 0.05."""
+    hs = [0.4, 0.2, 0.1]
+    biases = []
+    N = 20000
+    se = math.sqrt(2 / (6 * N))
+    for h in hs:
+        _, A = _ou_samples("euler", h, 8.0, N=N, seed=1)
+        A = A[:, 0]
+        iu = torch.triu_indices(3, 3, 1)
+        pooled = torch.cat([A.diagonal(dim1=-2, dim2=-1).var(0), 2 * A[:, iu[0], iu[1]].var(0)]).mean().item()
+        em_law = 2.0 / (2 - h)
+        assert abs(pooled - em_law) < 5 * se * em_law
+        biases.append(pooled - 1.0)
+    # the exact bias h/(2 − h) has log-log slope 1.12 over these h; allow sampling noise on top
+    assert abs(fit_slope(hs, biases) - 1) < 0.3
+
+
+@pytest.mark.parametrize("d", [2, 3, 4, 5])
+def test_oscillating_target_matches_design(d):
+    for t in (0.0, 0.37, 2.5):
+        F = tp.oscillating_target(t, d, 3, "per_head")
+        for h in range(3):
+            assert_close(F[h], torch.as_tensor(oscillating_target_reference(t, d, h, 3, True)))
+        Fs = tp.oscillating_target(t, d, 3, "shared")
+        for h in range(3):
+            assert_close(Fs[h], torch.as_tensor(oscillating_target_reference(t, d)))
+
+
+@pytest.mark.parametrize("phase", ["shared", "per_head"])
+def test_oscillating_closed_form_solves_the_linear_ode(phase):
+    d, H = 3, 2
+    A0 = tp.Heads.random(H, d, generator=gen(2), dtype=torch.float64)
+    proc = tp.Oscillating(A0, phase=phase)
+    times = np.linspace(0, 4, 9)
+
+    def rhs(t, y):
+        A = y.reshape(H, d, d)
+        F = np.stack([oscillating_target_reference(t, d, h, H, phase == "per_head") for h in range(H)])
+        return (F - A).ravel()
+
+    sol = integrate(rhs, A0.score.numpy().ravel(), times)
+    for i, t in enumerate(times):
+        assert_close(proc.heads_at(float(t)).score, torch.as_tensor(sol[:, i].reshape(H, d, d)), atol=1e-9, rtol=0)
+        # the rate is the drift F − A
+        assert_close(proc.score_rate(float(t)), torch.as_tensor(rhs(t, sol[:, i]).reshape(H, d, d)), atol=1e-8, rtol=0)
+
+
+def test_euler_scheme_matches_reference_recursion():
+    """scheme="euler" steps A ← A + dt (F(t) − A), as the reference code does."""
+    A0 = tp.Heads.random(2, 3, generator=gen(3), dtype=torch.float64)
+    x0 = tp.sphere.octahedral(10, dtype=torch.float64)
+    tr = tp.simulate(x0, tp.Oscillating(A0, scheme="euler"), t1=0.5, dt=0.1, return_path=True)
+    A = A0.score.clone()
+    for k in range(5):
+        F = torch.stack([torch.as_tensor(oscillating_target_reference(0.1 * k, 3))] * 2)
+        A = A + 0.1 * (F - A)
+    assert_close(tr.path.scores[-1], A)
+
+
+def test_layerwise_constant_and_linear():
+    layers = [tp.Heads.scalar(torch.tensor([float(l + 1)], dtype=torch.float64), 3) for l in range(3)]
+    c = tp.Layerwise(layers, interpolation="constant", layer_time=0.5)
+    assert c.heads_at(0.0) is layers[0] and c.heads_at(0.74) is layers[1] and c.heads_at(5.0) is layers[2]
+    assert c.jumps(0.4, 0.6) == [0.5]
+    lin = tp.Layerwise(layers, interpolation="linear", layer_time=0.5)
+    assert_close(lin.heads_at(0.25).score, 1.5 * torch.eye(3, dtype=torch.float64)[None])
+    assert_close(lin.score_rate(0.25), 2.0 * torch.eye(3, dtype=torch.float64)[None])
+    # the ledger books the jumps: the energy balance closes on a piecewise-constant path
+    x0 = tp.sphere.sample_uniform(12, 3, generator=gen(4), dtype=torch.float64)
+    tr = tp.simulate(x0, c, t1=1.5, dt=0.005, normalization="effective")
+    assert tr.ledger["residual"][-1].abs() < 5e-3 * tr.ledger["dE"].abs().max()
+    assert tr.ledger["partial"][-1].abs() > 0.1  # the jumps are really there
+
+
+def test_custom_process_euler():
+    heads = tp.Heads.random(2, 3, generator=gen(5), dtype=torch.float64)
+    proc = tp.Custom(heads, drift=lambda t, A: -A)  # A(t) = e^{-t} A0 exactly; Euler: (1 − dt)^k A0
+    x0 = tp.sphere.sample_uniform(5, 3, generator=gen(6), dtype=torch.float64)
+    tr = tp.simulate(x0, proc, t1=1.0, dt=0.01, return_path=True)
+    assert_close(tr.path.scores[-1], (0.99 ** 100) * heads.score)
+    noisy = tp.Custom(heads, drift=lambda t, A: -A, diffusion=0.3)
+    tr2 = tp.simulate(x0, noisy, t1=0.2, dt=0.01, paths=3, seed=1)
+    assert tr2.x.shape[1] == 3
+
+
+def test_replay_is_bit_identical_and_seeds_differ():
+    heads = tp.Heads.random(3, 3, generator=gen(7), dtype=torch.float64)
+    x0 = tp.sphere.octahedral(20, dtype=torch.float64)
+    proc = tp.OrnsteinUhlenbeck(heads)
+    for method in ("euler", "rk4"):
+        run = tp.simulate(x0, proc, t1=0.5, dt=0.05, paths=2, seed=11, return_path=True, method=method)
+        rep = tp.simulate(x0, run.path, t1=0.5, dt=0.05, method=method)
+        assert torch.equal(rep.x, run.x)
+        for key in run.ledger:
+            assert torch.equal(rep.ledger[key], run.ledger[key]), key
+    # sample_path gives the same path as a run with the same seed
+    path = tp.sample_path(proc, t1=0.5, dt=0.05, paths=2, seed=11)
+    assert torch.equal(path.scores, run.path.scores)
+    other = tp.sample_path(proc, t1=0.5, dt=0.05, paths=2, seed=12)
+    assert not torch.equal(other.scores, path.scores)
+    # the paths of one run differ from each other
+    assert not torch.equal(path.scores[-1, 0], path.scores[-1, 1])
+    # token and weight streams are separate: the tokens are not consumed by the weights' generator
+    with pytest.raises(ValueError, match="same t0 and dt"):
+        tp.simulate(x0, path, t1=0.5, dt=0.025)
+
+
+def test_bad_process_parameters():
+    heads = tp.Heads.random(2, 3, generator=gen(8), dtype=torch.float64)
+    with pytest.raises(ValueError, match="rate"):
+        tp.OrnsteinUhlenbeck(heads, rate=0.0)
+    with pytest.raises(ValueError, match="rate"):
+        tp.OrnsteinUhlenbeck(heads, rate=-1.0)
+    with pytest.raises(ValueError, match="sigma"):
+        tp.OrnsteinUhlenbeck(heads, sigma=-0.1)
+    with pytest.raises(ValueError, match="mean must have shape"):
+        tp.OrnsteinUhlenbeck(heads, mean=torch.eye(4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="does not broadcast"):
+        tp.OrnsteinUhlenbeck(heads, mean=torch.eye(3, dtype=torch.float64).expand(5, 3, 3))
+    with pytest.raises(TypeError, match="dtype"):
+        tp.OrnsteinUhlenbeck(heads, mean=torch.eye(3, dtype=torch.float32))
+    with pytest.raises(ValueError, match="scheme"):
+        tp.OrnsteinUhlenbeck(heads, scheme="milstein")
+    with pytest.raises(ValueError, match="phase"):
+        tp.Oscillating(heads, phase="random")
+    with pytest.raises(ValueError, match="sigma"):
+        tp.Oscillating(heads, sigma=-1.0)
+    with pytest.raises(ValueError, match="all layers must agree"):
+        tp.Layerwise([heads, tp.Heads.random(3, 3, generator=gen(9), dtype=torch.float64)])
+    with pytest.raises(ValueError, match="interpolation"):
+        tp.Layerwise([heads], interpolation="cubic")
+    with pytest.raises(TypeError, match="drift must be a callable"):
+        tp.Custom(heads, drift=1.0)
+    with pytest.raises(TypeError, match="heads0 must be"):
+        tp.OrnsteinUhlenbeck([1, 2, 3])

@@ -1,0 +1,134 @@
+"""Bad input gets a clear ValueError/TypeError naming the fix, before any work is done."""
+
+import pytest
+import torch
+
+import transformer_pde as tp
+from conftest import gen
+
+
+@pytest.fixture
+def x():
+    return tp.sphere.sample_uniform(5, 3, generator=gen(0), dtype=torch.float64)
+
+
+@pytest.fixture
+def heads():
+    return tp.Heads.random(2, 3, generator=gen(1), dtype=torch.float64)
+
+
+def test_tokens_off_the_sphere(x, heads):
+    with pytest.raises(ValueError, match=r"not on the unit sphere.*normalise with x / x.norm"):
+        tp.velocity(1.1 * x, heads)
+    with pytest.raises(ValueError, match="x0 is not on the unit sphere"):
+        tp.simulate(1.1 * x, heads, t1=1.0, dt=0.1)
+
+
+def test_wrong_shapes(x, heads):
+    with pytest.raises(ValueError, match="at least 2 dimensions"):
+        tp.velocity(x[0], heads)
+    with pytest.raises(ValueError, match="d >= 2"):
+        tp.velocity(torch.ones(4, 1, dtype=torch.float64), tp.Heads(torch.ones(1, 2, 2, dtype=torch.float64)))
+    x4 = tp.sphere.sample_uniform(5, 4, generator=gen(2), dtype=torch.float64)
+    with pytest.raises(ValueError, match="d = 3 but x has d = 4"):
+        tp.velocity(x4, heads)
+    with pytest.raises(ValueError, match=r"\(\.\.\., H, d, d\)"):
+        tp.Heads(torch.ones(2, 3, 4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="value must have shape"):
+        tp.Heads(heads.score, torch.ones(2, 4, 4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="does not broadcast"):
+        xb = tp.sphere.sample_uniform(5, 3, batch_shape=(3,), generator=gen(3), dtype=torch.float64)
+        tp.velocity(xb, tp.Heads.random(2, 3, batch_shape=(4,), generator=gen(4), dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"weights must have shape \(\.\.\., n\)"):
+        tp.velocity(x, heads, torch.full((4,), 0.25, dtype=torch.float64))
+
+
+def test_mixed_devices_and_dtypes(x, heads):
+    with pytest.raises(TypeError, match=r"dtype torch.float64 but x has dtype torch.float32.*\.to\(x.dtype\)"):
+        tp.velocity(x.float(), heads)
+    with pytest.raises(TypeError, match="dtype"):
+        tp.simulate(x.float(), heads, t1=1.0, dt=0.1)
+    # devices: a meta tensor stands in for another device (no GPU here)
+    from transformer_pde._validation import check_same
+
+    with pytest.raises(ValueError, match=r"is on meta but x is on cpu.*\.to\(x.device\)"):
+        check_same(x, torch.empty(3, device="meta", dtype=torch.float64), "x", "heads")
+    with pytest.raises(TypeError, match="floating dtype"):
+        tp.velocity(torch.ones(5, 3, dtype=torch.int64), heads)
+    with pytest.raises(TypeError, match="must be a torch.Tensor"):
+        tp.velocity([[1.0, 0.0]], heads)
+    with pytest.raises(TypeError, match="transformer_pde.Heads"):
+        tp.velocity(x, heads.score)
+
+
+def test_bad_token_weights(x, heads):
+    with pytest.raises(ValueError, match="negative entries"):
+        tp.velocity(x, heads, torch.tensor([0.5, 0.5, 0.5, -0.5, 0.0], dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"must sum to 1.*normalise with"):
+        tp.velocity(x, heads, torch.full((5,), 0.3, dtype=torch.float64))
+    with pytest.raises(ValueError, match="must sum to 1"):
+        tp.simulate(x, heads, t1=1.0, dt=0.1, weights=torch.full((5,), 0.3, dtype=torch.float64))
+
+
+def test_bad_head_weights_and_beta(heads):
+    with pytest.raises(ValueError, match="head weights must be >= 0"):
+        tp.Heads(heads.score, weights=torch.tensor([1.0, -1.0], dtype=torch.float64))
+    with pytest.raises(ValueError, match="must not all be zero"):
+        tp.Heads(heads.score, weights=torch.zeros(2, dtype=torch.float64))
+    for beta in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="beta must be finite and > 0"):
+            tp.Heads(heads.score, beta=beta)
+    with pytest.raises(ValueError, match="beta must be > 0"):
+        tp.Heads(heads.score, beta=torch.tensor([1.0, -2.0], dtype=torch.float64))
+    with pytest.raises(TypeError, match="beta must be a real number"):
+        tp.Heads(heads.score, beta="1")
+    with pytest.raises(ValueError, match="not symmetric"):
+        tp.Heads.symmetric(torch.randn(2, 3, 3, generator=gen(5), dtype=torch.float64))
+
+
+def test_non_finite_values(x, heads):
+    bad = x.clone()
+    bad[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="NaN or inf"):
+        tp.velocity(bad, heads)
+    A = heads.score.clone()
+    A[0, 0, 0] = float("inf")
+    with pytest.raises(ValueError, match="NaN or inf"):
+        tp.Heads(A)
+
+
+def test_unknown_names(x, heads):
+    with pytest.raises(ValueError, match=r"unknown normalization 'sofmax'; choose one of 'softmax'"):
+        tp.velocity(x, heads, normalization="sofmax")
+    with pytest.raises(ValueError, match="unknown direction 'up'"):
+        tp.velocity(x, heads, direction="up")
+    with pytest.raises(ValueError, match=r"unknown method 'rk5'.*'euler', 'heun', 'rk4', 'adaptive'"):
+        tp.simulate(x, heads, t1=1.0, dt=0.1, method="rk5")
+    with pytest.raises(ValueError, match="unknown quadrature"):
+        tp.simulate(x, heads, t1=1.0, dt=0.1, quadrature="simpson")
+    with pytest.raises(TypeError, match="theta must be a Heads, a Process"):
+        tp.simulate(x, "heads", t1=1.0, dt=0.1)
+
+
+def test_bad_time_grid(x, heads):
+    with pytest.raises(ValueError, match="dt must be finite and > 0"):
+        tp.simulate(x, heads, t1=1.0, dt=0.0)
+    with pytest.raises(ValueError, match="not a whole number of steps; choose dt"):
+        tp.simulate(x, heads, t1=1.0, dt=0.3)
+    with pytest.raises(ValueError, match="t1 must be larger than t0"):
+        tp.simulate(x, heads, t1=-1.0, dt=0.1)
+    with pytest.raises(ValueError, match="paths must be >= 1"):
+        tp.simulate(x, heads, t1=1.0, dt=0.1, paths=0)
+    with pytest.raises(TypeError, match="record_every must be an int"):
+        tp.simulate(x, heads, t1=1.0, dt=0.1, record_every=2.5)
+
+
+def test_validation_happens_before_work(x, heads, monkeypatch):
+    """No kernel runs when the input is bad."""
+    import transformer_pde.solvers.particle as particle
+
+    calls = []
+    monkeypatch.setattr(particle, "evaluate", lambda *a, **k: calls.append(1))
+    with pytest.raises(ValueError):
+        tp.simulate(x, heads, t1=1.0, dt=0.3)
+    assert calls == []

@@ -192,3 +192,16 @@ def test_bad_process_parameters():
         tp.Custom(heads, drift=1.0)
     with pytest.raises(TypeError, match="heads0 must be"):
         tp.OrnsteinUhlenbeck([1, 2, 3])
+
+
+@pytest.mark.parametrize("method,order", [("heun", 2), ("rk4", 4)])
+def test_piecewise_constant_layers_keep_the_method_order(method, order):
+    """Steps that end on a layer boundary integrate one smooth piece (stages use the left limit)."""
+    layers = [tp.Heads.random(2, 3, generator=gen(20 + l), dtype=torch.float64) for l in range(3)]
+    theta = tp.Layerwise(layers, layer_time=0.5)
+    x0 = tp.sphere.sample_uniform(6, 3, generator=gen(30), dtype=torch.float64)
+    ref = tp.simulate(x0, theta, t1=1.5, dt=0.5 / 64, method="rk4", diagnostics=False).final
+    dts = [0.5 / 4, 0.5 / 8, 0.5 / 16] if method == "rk4" else [0.5 / 8, 0.5 / 16, 0.5 / 32]
+    errs = [(tp.simulate(x0, theta, t1=1.5, dt=dt, method=method, diagnostics=False).final - ref).norm().item()
+            for dt in dts]
+    assert abs(fit_slope(dts, errs) - order) < 0.35, errs

@@ -182,6 +182,16 @@ class Heads:
         check_tensor(key, "key", min_dim=3)
         return cls(query.transpose(-1, -2) @ key, V, weights, beta)
 
+    @classmethod
+    def from_multihead_attention(cls, module, **kwargs) -> "Heads":
+        """Heads of a ``torch.nn.MultiheadAttention`` (or a layer's ``self_attn``, or a dict of per-head
+        query/key/value/output tensors): A_h = W_{Q,h}ᵀ W_{K,h}, V_h = W_{O,h} W_{V,h}, β = r²/√k,
+        ω_h = 1, factors kept when k < d.  Options, and what the conversion keeps and drops:
+        :func:`transformer_pde.nn.heads_from_multihead_attention`."""
+        from .nn import heads_from_multihead_attention  # nn sits above heads
+
+        return heads_from_multihead_attention(module, **kwargs)
+
     # ------------------------------------------------------------------ properties
     @property
     def _ref(self) -> torch.Tensor:

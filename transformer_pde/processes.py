@@ -54,6 +54,32 @@ def symmetric_noise(shape, *, generator=None, dtype=None, device=None) -> torch.
     return 0.5 * (Z + Z.transpose(-1, -2))
 
 
+def _scalar_param(value, name: str, like: torch.Tensor, *, allow_zero: bool = False):
+    """A scalar process parameter (κ, σ): a float, or a one-element tensor that requires grad,
+    kept as a 0-dim tensor so that :func:`simulate` can differentiate with respect to it.
+    Anything else (ints, floats, tensors without grad) becomes a float as before."""
+    if isinstance(value, torch.Tensor) and value.requires_grad:
+        if value.numel() != 1:
+            raise ValueError(f"{name} must be a scalar (one element), got a tensor of shape {tuple(value.shape)}")
+        check_tensor(value, name)
+        check_same(like, value, "heads0", name)
+        check_positive(value.detach(), name, allow_zero=allow_zero)
+        return value.reshape(())
+    return check_positive(value, name, allow_zero=allow_zero)
+
+
+def _exp(v):
+    return torch.exp(v) if isinstance(v, torch.Tensor) else math.exp(v)
+
+
+def _expm1(v):
+    return torch.expm1(v) if isinstance(v, torch.Tensor) else math.expm1(v)
+
+
+def _sqrt(v):
+    return torch.sqrt(v) if isinstance(v, torch.Tensor) else math.sqrt(v)
+
+
 def _as_heads(heads0) -> Heads:
     if isinstance(heads0, Heads):
         return heads0
@@ -164,13 +190,15 @@ class OrnsteinUhlenbeck(Process):
         heads0: Heads (or score tensor) at t = 0.
         mean: Ā, (d, d) or (..., H, d, d); default I.
         rate: κ > 0.   sigma: σ >= 0.   scheme: "exact" | "euler".
+            A one-element tensor that requires grad is kept as a tensor (differentiable
+            simulations); other values are stored as floats.
     """
 
     def __init__(self, heads0, mean=None, rate: float = 1.0, sigma: float = 2 ** 0.5, scheme: str = "exact"):
         self.heads0 = _as_heads(heads0)
         A0 = self.heads0.score_matrix
-        self.rate = check_positive(rate, "rate (kappa)")
-        self.sigma_value = check_positive(sigma, "sigma", allow_zero=True)
+        self.rate = _scalar_param(rate, "rate (kappa)", A0)
+        self.sigma_value = _scalar_param(sigma, "sigma", A0, allow_zero=True)
         self.scheme = _check_scheme(scheme)
         d = self.heads0.dim
         if mean is None:
@@ -188,7 +216,7 @@ class OrnsteinUhlenbeck(Process):
 
     @property
     def noisy(self):
-        return self.sigma_value > 0
+        return bool(self.sigma_value > 0)
 
     @property
     def closed_form(self):
@@ -201,15 +229,15 @@ class OrnsteinUhlenbeck(Process):
         return self.sigma_value
 
     def _exact_step(self, score, t, dt, generator):
-        e = math.exp(-self.rate * dt)
-        sd = self.sigma_value * math.sqrt(-math.expm1(-2 * self.rate * dt) / (2 * self.rate))
+        e = _exp(-self.rate * dt)
+        sd = self.sigma_value * _sqrt(-_expm1(-2 * self.rate * dt) / (2 * self.rate))
         noise = symmetric_noise(score.shape, generator=generator, dtype=score.dtype, device=score.device)
         return self.mean + e * (score - self.mean) + sd * noise
 
     def heads_at(self, t):
         if not self.closed_form:
             return super().heads_at(t)
-        A = self.mean + math.exp(-self.rate * t) * (self.heads0.score_matrix - self.mean)
+        A = self.mean + _exp(-self.rate * t) * (self.heads0.score_matrix - self.mean)
         return self.heads0.with_score(A, symmetric=self.heads0._symmetric)
 
     def score_rate(self, t):
@@ -218,8 +246,9 @@ class OrnsteinUhlenbeck(Process):
     def moments(self, t: float):
         """Closed-form mean (..., H, d, d) and entrywise variance (d, d) of A(t) for the exact law."""
         A0 = self.heads0.score_matrix
-        mean = self.mean + math.exp(-self.rate * t) * (A0 - self.mean)
-        v = self.sigma_value ** 2 * (-math.expm1(-2 * self.rate * t)) / (2 * self.rate)
+        mean = self.mean + _exp(-self.rate * t) * (A0 - self.mean)
+        v = self.sigma_value ** 2 * (-_expm1(-2 * self.rate * t)) / (2 * self.rate)
+        v = float(v.detach()) if isinstance(v, torch.Tensor) else v
         d = self.heads0.dim
         var = torch.full((d, d), v / 2, dtype=A0.dtype, device=A0.device)
         var.diagonal().fill_(v)
@@ -277,9 +306,9 @@ class Oscillating(Process):
     def __init__(self, heads0, phase: str = "shared", sigma: float = 0.0, scheme: str = "exact"):
         self.heads0 = _as_heads(heads0)
         self.phase = check_choice(phase, ("shared", "per_head"), "phase")
-        self.sigma_value = check_positive(sigma, "sigma", allow_zero=True)
-        self.scheme = _check_scheme(scheme)
         A0 = self.heads0.score_matrix
+        self.sigma_value = _scalar_param(sigma, "sigma", A0, allow_zero=True)
+        self.scheme = _check_scheme(scheme)
         H, d = self.heads0.num_heads, self.heads0.dim
         om, ph, mats = _oscillating_terms(d)
         f = dict(dtype=A0.dtype, device=A0.device)
@@ -291,7 +320,7 @@ class Oscillating(Process):
 
     @property
     def noisy(self):
-        return self.sigma_value > 0
+        return bool(self.sigma_value > 0)
 
     @property
     def closed_form(self):
@@ -373,6 +402,16 @@ class Layerwise(Process):
         L = len(self.layers)
         l = min(max(int(math.floor(u + 1e-12)), 0), L - 1)
         return l, u - l
+
+    def left_heads_at(self, t):
+        """The left limit Θ(t−): at a layer boundary the layer that ends there.  The solvers'
+        Runge–Kutta stages inside (t_k, t_{k+1}] use it, so a step that ends on a boundary
+        integrates one smooth piece and keeps its order."""
+        if self.interpolation == "constant":
+            u = (t - self.t0) / self.layer_time
+            l = min(max(int(math.ceil(u - 1e-12)) - 1, 0), len(self.layers) - 1)
+            return self.layers[l]
+        return self.heads_at(t)
 
     def heads_at(self, t):
         l, frac = self._locate(t)

@@ -10,6 +10,7 @@ the energy–dissipation ledger of DESIGN §2 (see :class:`Trajectory`).
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import math
 import os
@@ -197,6 +198,8 @@ class _WeightDriver:
 
     def _heads(self, c: float) -> Heads:
         if self.mode == "closed":
+            if c > 0.0 and hasattr(self.p, "left_heads_at"):  # stages inside (t_k, t_{k+1}]: left limits
+                return self.p.left_heads_at(self.t + c * self.dt)
             return self.p.heads_at(self.t + c * self.dt)
         if c == 0.0:
             A = self.A
@@ -337,6 +340,7 @@ def simulate(
     quadrature: Optional[str] = None,
     rtol: float = 1e-7,
     atol: float = 1e-9,
+    adjoint: bool = False,
     return_path: bool = False,
     progress: bool = False,
     chunk_elements: Optional[int] = None,
@@ -363,6 +367,11 @@ def simulate(
         diagnostics: compute energy, 𝒢², 𝒟 and the ledger (False: tokens only, faster).
         quadrature: "left" (default for euler, the reference code) or "trapezoid" (default
             for the others) for the ledger's time integrals; the martingale is an Itô sum.
+        adjoint: with method="adaptive", backpropagate by torchdiffeq's adjoint ODE
+            (``odeint_adjoint``: memory independent of the number of steps, for long horizons)
+            instead of through the solver's operations; gradients reach x0, the head tensors, β,
+            the process parameters and the token weights (tensors a custom Process hides in
+            closures are not seen: keep them as attributes).
         return_path: store the realised weight path in ``traj.path`` for replay.
         progress: show a tqdm progress bar.
         chunk_elements: memory cap of one score block (see :mod:`transformer_pde.attention`).
@@ -372,7 +381,8 @@ def simulate(
 
     Returns:
         :class:`Trajectory`.  dtype and device follow x0; the solve is differentiable with
-        respect to x0, the head tensors and β when they require grad.
+        respect to x0, the head tensors, β, tensor process parameters (OU rate/sigma/mean,
+        oscillating sigma) and the token weights when they require grad.
 
     Stage weights: Runge–Kutta stages see Θ at their own stage times when the process has a
     closed form (deterministic, scheme="exact"); on grid-sampled paths (noisy, or
@@ -431,6 +441,11 @@ def simulate(
     check_token_weights(weights, x0, "weights", "x0")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError("generator must be a torch.Generator")
+    if not isinstance(adjoint, bool):
+        raise TypeError(f"adjoint must be True or False, got {type(adjoint).__name__}")
+    if adjoint and method != "adaptive":
+        raise ValueError(f"adjoint=True needs method='adaptive' (torchdiffeq's adjoint ODE); got method={method!r}. "
+                         f"The fixed-step methods backpropagate through their steps: use adjoint=False")
     if method == "adaptive" and checkpoint is not None:
         raise ValueError("checkpointing is supported for the fixed-step methods; use euler, heun or rk4")
 
@@ -451,7 +466,7 @@ def simulate(
         return _simulate_adaptive(x, process, drv, ev, K=K, t0=t0, dt=dt, record_every=record_every,
                                   sign=sign, diagnostics=diagnostics, rtol=rtol, atol=atol, method=method,
                                   normalization=normalization, direction=direction, weights=w, start=start,
-                                  return_path=return_path)
+                                  return_path=return_path, adjoint=adjoint, chunk_elements=chunk_elements)
 
     tab = TABLEAUX[method]
     rec_k = sorted(set(range(0, K + 1, record_every)) | {K})
@@ -603,10 +618,91 @@ def simulate(
                       method, normalization, direction, weights, drv.path() if return_path else None)
 
 
+class _AdjointField(torch.nn.Module):
+    """The projected field as the nn.Module that torchdiffeq's adjoint needs; ``adjoint_params``
+    are the tensors requiring grad that the field reads (see :func:`_rebind_for_adjoint`)."""
+
+    def __init__(self, func: Callable, params: Tuple[torch.Tensor, ...]):
+        super().__init__()
+        self._func = func
+        self.adjoint_params = params
+
+    def forward(self, t, y):
+        return self._func(t, y)
+
+
+def _walk(o, fn, depth=0):
+    """Rebuild o with every tensor replaced by fn(tensor), through Heads, Processes (shallow
+    copies), lists, tuples and dicts; other objects are returned as they are."""
+    if depth > 8:
+        return o
+    if isinstance(o, torch.Tensor):
+        return fn(o)
+    if isinstance(o, Heads):
+        return o.map(fn)
+    if isinstance(o, (list, tuple)):
+        return type(o)(_walk(v, fn, depth + 1) for v in o)
+    if isinstance(o, dict):
+        return {k: _walk(v, fn, depth + 1) for k, v in o.items()}
+    if isinstance(o, WeightPath):  # the field reads the scores and the template only
+        new = copy.copy(o)
+        new.scores, new.template = fn(o.scores), _walk(o.template, fn, depth + 1)
+        return new
+    if isinstance(o, Process):
+        new = copy.copy(o)
+        for k, v in vars(o).items():
+            setattr(new, k, _walk(v, fn, depth + 1))
+        return new
+    return o
+
+
+def _rebind_for_adjoint(*objs):
+    """(copies of objs, params) for odeint_adjoint.
+
+    Every tensor requiring grad that the objects hold (head tensors, β, process parameters, a
+    sampled weight path, token weights) is replaced in the copies by a clone, and the clones are
+    the adjoint parameters.  Clones, not the tensors themselves: the adjoint takes the gradient
+    of the field with respect to all of its parameters at once, and a parameter that is a
+    function of another (a sampled path of its initial heads, V = 2A, A = QᵀK next to Q) would
+    be counted twice.  A clone is read by the field only, so each gets the field's direct
+    dependence; autograd then carries the clones' gradients back to the originals."""
+    clones: Dict[int, torch.Tensor] = {}
+
+    def fn(t):
+        if not t.requires_grad:
+            return t
+        if id(t) not in clones:
+            clones[id(t)] = t.clone()
+        return clones[id(t)]
+
+    copies = tuple(_walk(o, fn) for o in objs)
+    return copies, tuple(clones.values())
+
+
+@torch.no_grad()
+def _initial_step(func, t0: torch.Tensor, y0: torch.Tensor, rtol: float, atol: float, order: int = 5) -> float:
+    """First step of an adaptive solve (Hairer, Nørsett & Wanner I, §II.4, the rule torchdiffeq
+    uses), computed without autograd.  torchdiffeq's own choice is differentiable, so every node
+    time of the solve would depend on the parameters through it; with a time-dependent field
+    evaluated at float(t) that dependence is cut and backpropagated gradients come out wrong
+    (by 1e-4 relative at rtol = 1e-11, 1e-2 at rtol = 1e-5).  A constant first step removes it."""
+    scale = atol + y0.abs() * rtol
+    rms = lambda v: float(v.square().mean().sqrt())  # noqa: E731
+    f0 = func(t0, y0)
+    d0, d1 = rms(y0 / scale), rms(f0 / scale)
+    h0 = 1e-6 if d0 < 1e-5 or d1 < 1e-5 else 0.01 * d0 / d1
+    f1 = func(t0 + h0, y0 + h0 * f0)
+    d2 = rms((f1 - f0) / scale) / h0
+    h1 = max(1e-6, h0 * 1e-3) if max(d1, d2) <= 1e-15 else (0.01 / max(d1, d2)) ** (1.0 / order)
+    return min(100 * h0, h1)
+
+
 def _simulate_adaptive(x, process, drv, ev, *, K, t0, dt, record_every, sign, diagnostics, rtol, atol, method,
-                       normalization, direction, weights, start, return_path):
-    """dopri5 through torchdiffeq on the projected field; ledger by the trapezoid rule on the record grid."""
-    from torchdiffeq import odeint
+                       normalization, direction, weights, start, return_path, adjoint=False, chunk_elements=None):
+    """dopri5 through torchdiffeq on the projected field; ledger by the trapezoid rule on the record grid.
+
+    With ``adjoint`` the solve goes through ``odeint_adjoint`` (gradients by the adjoint ODE)."""
+    from torchdiffeq import odeint, odeint_adjoint
 
     w = weights
     # stochastic or grid-stepped weights: sample the whole path on the dt grid first
@@ -625,11 +721,25 @@ def _simulate_adaptive(x, process, drv, ev, *, K, t0, dt, record_every, sign, di
 
     def func(t, y):
         nfe[0] += 1
-        return ev(normalize(y), heads_at(float(t)), False).velocity
+        return ev(normalize(y), heads_at(float(t.detach())), False).velocity
 
     rec_k = sorted(set(range(0, K + 1, record_every)) | {K})
     times = torch.tensor([t0 + k * dt for k in rec_k], dtype=torch.float64)
-    ys = odeint(func, x, times.to(x.dtype).to(x.device), method="dopri5", rtol=rtol, atol=atol)
+    grid = times.to(x.dtype).to(x.device)
+    if adjoint:
+        (source, w_c), params = _rebind_for_adjoint(path if path is not None else process, w)
+        heads_at_c = source.heads_at
+
+        def afunc(t, y):
+            nfe[0] += 1
+            return evaluate(normalize(y), heads_at_c(float(t.detach())), w_c, normalization=normalization, sign=sign,
+                            diagnostics=False, chunk_elements=chunk_elements).velocity
+
+        field_module = _AdjointField(afunc, params)
+        ys = odeint_adjoint(field_module, x, grid, method="dopri5", rtol=rtol, atol=atol, adjoint_params=params)
+    else:
+        first = _initial_step(func, grid[0], x.detach(), rtol, atol)
+        ys = odeint(func, x, grid, method="dopri5", rtol=rtol, atol=atol, options={"first_step": first})
     xs = normalize(ys)
     if not _check_finite(xs):
         bad = int((~torch.isfinite(xs.flatten(1)).all(-1)).nonzero()[0])

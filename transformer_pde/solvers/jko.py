@@ -1,0 +1,929 @@
+"""JKO (minimizing-movement) solver of the transformer PDE: Lagrangian and Eulerian.
+
+One step of size τ from μ_k at t_k (descent; ascent minimises −E):
+
+    μ_{k+1} ∈ argmin_μ  E(μ, Θ_{t_{k+1}}) + W_{b_k}(μ, μ_k)² / (2τ),
+    W_{b_k}(μ, μ_k)² = min_{π ∈ Π(μ_k, μ)} ∫ c_k(x, y) dπ(x, y),   c_k(x, y) = b_k(x) |x − y|²,
+
+with the weighted cost frozen at the effective mobility of the previous step,
+b_k = b[μ_k, Θ_{t_k}], b^{-1} = Σ_h ω̄_h / m_h (:func:`transformer_pde.mobility`).
+
+**Which power of b, and why.**  The metric of DESIGN §2 is g_μ(v, v) = ∫ b |v|² dμ.  The
+gradient flow in this metric solves g_μ(V, u) = −dE[u] for all u, i.e. ∫ b⟨V, u⟩ dμ =
+−∫⟨∇_S δE/δμ, u⟩ dμ, so V = −b^{-1} ∇_S δE/δμ — the "effective" field of
+:func:`transformer_pde.velocity` (descent).  The JKO step must reproduce it: for
+μ = Σ w_i δ_{y_i} with the identity coupling the objective is
+
+    F(y) = E(y, t_{k+1}) + Σ_i w_i b_k(x_i) |y_i − x_i|² / (2τ),
+
+and ∂F/∂y_i = w_i ∇δE/δμ(y_i) + w_i b_k(x_i)(y_i − x_i)/τ, so the first-order condition on the
+sphere is P_{y_i}(y_i − x_i)/τ = −b_k(x_i)^{-1} ∇_S δE/δμ(y_i): exactly the projected implicit
+Euler step y_i = (x_i + τ V(y_i)) / |x_i + τ V(y_i)| of ẋ = V with V = −b_k^{-1} ∇_S δE/δμ, the
+mobility frozen at the old positions.  The proximal weight is therefore b (not 1/b); this is
+tested against an independent fixed-point implicit Euler in ``tests/test_jko.py``.  With
+``mobility="unit"`` (b ≡ 1) the same scheme is the plain W2 flow, V = −∇_S δE/δμ, which is the
+"unnormalized" field for tied symmetric heads.
+
+Transports of the Lagrangian scheme (tokens y_i are the unknowns, weights w_i are carried):
+
+* ``"identity"``: π = diag(w) (token i goes to token i) — implicit Euler for the particles;
+* ``"emd"``: the exact plan (POT ``emd``) of the cost c_k between μ_k and the current iterate,
+  held FIXED during an inner solve and recomputed at its solution; the outer loop stops when
+  the old plan is still optimal (block-coordinate descent in (y, π), monotone in F);
+* ``"sinkhorn"``: the debiased Sinkhorn divergence S_ε (geomloss, :mod:`transformer_pde.transport`).
+  The debiased divergence needs a symmetric cost, so here c_k(x, y) = ½(b_k(x) + b_k(y))|x − y|²,
+  with b_k the mobility field of μ_k evaluated anywhere on the sphere; it agrees with
+  b_k(x)|x − y|² up to O(|x − y|³), which changes a step by O(τ²).  ``cost="symmetric"`` uses the
+  same cost with emd / identity (for like-for-like comparisons).
+
+The inner solver is Riemannian L-BFGS whose initial inverse Hessian is the metric preconditioner
+τ/(w_i b_k(x_i)) (a near-Newton step for small τ), with the projective retraction y ↦ y/|y| and
+Armijo backtracking, vectorised over the batch.  Each step records the first-order optimality residual
+
+    r = ( Σ_i |P_{y_i} ∂F/∂y_i|² / (w_i b_k(x_i)) )^{1/2}
+
+(a velocity in the metric norm: r = |(y − x)/τ − V|_b for the identity coupling) and the inner
+iteration count; a step stops when r ≤ tol·r₀ + 100·u·(b̄^{1/2}/τ + r₀) (r₀ the value at y = x,
+u the unit round-off).  A step that does not get there warns (``strict=True``: raises
+:class:`JKOConvergenceError`).  Descent from y = x makes F(y) ≤ F(x), so the discrete energy
+inequality below holds for every accepted step.
+
+Eulerian scheme (a density solver, independent of the particles): the measure is
+μ = Σ_a p_a δ_{z_a} on a fixed grid (``tp.sphere.circle_grid`` on S¹, ``fibonacci_sphere`` or
+``icosphere`` on S²) and the unknowns are the weights p.  With the symmetric cost
+C_ab = ½(b_k(z_a) + b_k(z_b))|z_a − z_b|² the step minimises, over couplings π with first
+marginal q = p_k (the second marginal p = πᵀ1 is free),
+
+    ε KL(π | π^ε_{qq}) + 2τ s' E(πᵀ1, t_{k+1}),
+
+where π^ε_{qq} = q_a q_b e^{(f_a + f_b − C_ab)/ε} ∈ Π(q, q) is the entropic self-transport plan of q
+(potential f from :func:`self_potential`).  The proximal term D_ε(p | q) = min_{π ∈ Π(q, p)}
+ε KL(π | π^ε_{qq}) = OT_ε(q, p) + ε KL(p | q) − ⟨f, p + q⟩ (OT_ε with KL(π | q⊗p)) is ≥ 0 and
+vanishes at p = q: without energy the step returns q exactly (no entropic blur, the role
+debiasing plays in S_ε); as ε → 0, f → 0 and D_ε → W_{b_k}(q, p)².  The first-order condition is
+the fixed point
+
+    p = T(p),  T(p)_b = Σ_a q_a softmax_b(log q_b + (f_b − C_ab − 2τ s' δE/δμ[p](z_b))/ε),
+
+solved by damped iteration (it contracts like an explicit step of the smooth energy part, a
+handful of iterations for moderate τ).  The weights stay ≥ 0 and sum to 1 by construction; grid
+points where q vanishes stay empty, so start from a strictly positive density (:func:`to_grid`
+gives one from tokens).  Resolution needs ε ≳ (grid spacing)²; the recorded residual is
+‖T(p) − p‖₁.
+
+Discrete energy ledger (every step k → k+1, W² the proximal value actually minimised):
+
+    E(μ_{k+1}, t_{k+1}) + W²/(2τ) ≤ E(μ_k, t_k) + [E(μ_k, t_{k+1}) − E(μ_k, t_k)],
+
+whose defect (left − right, ≤ 0 up to round-off) is recorded per step.  The running ledger uses
+the keys of :func:`transformer_pde.simulate`: "dE", "partial" = Σ [E(μ_j, t_{j+1}) − E(μ_j, t_j)]
+(the energy change due to Θ, noise included, so "martingale" is 0), "slope" = Σ W²/τ (≈ ∫𝒢²),
+"dissipation" = s Σ [W²/(2τ) + (τ/2)|∂E|²(μ_{j+1})] (the De Giorgi form, ≈ ∫𝒟),
+"residual" = dE − partial − dissipation (→ 0 like τ), "residual_slope" = dE − partial − s·slope,
+and "jko_defect" = the running sum of the defects (≤ 0).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from typing import Callable, Dict, List, Optional, Union
+
+import torch
+
+from .._validation import (
+    check_choice,
+    check_int,
+    check_positive,
+    check_same,
+    check_token_weights,
+    check_tokens,
+    direction_sign,
+)
+from ..attention import softmax_statistics
+from ..field import _log_inverse_mobility, evaluate
+from ..heads import Heads
+from ..processes import Process, WeightPath, sample_path
+from ..sphere import circle_grid, fibonacci_sphere, normalize, tangent_projection
+from ..transport import _emd_plans, _sq_chordal, sinkhorn_divergence
+from .particle import Trajectory, _nonfinite
+
+__all__ = ["jko", "to_grid", "self_potential", "JKOConvergenceError", "TRANSPORTS", "SCHEMES", "MOBILITIES", "COSTS"]
+
+TRANSPORTS = ("emd", "sinkhorn", "identity")
+SCHEMES = ("lagrangian", "eulerian")
+MOBILITIES = ("effective", "unit")
+COSTS = ("source", "symmetric")
+LEDGER_KEYS = ("dE", "partial", "dissipation", "slope", "martingale", "residual", "residual_slope", "jko_defect")
+
+
+class JKOConvergenceError(RuntimeError):
+    """An inner JKO solve did not reach its tolerance (raised with ``strict=True``)."""
+
+
+# ---------------------------------------------------------------------------- heads in time
+def _flatten_heads(h: Heads, batch: tuple, B: int) -> Heads:
+    """Heads broadcast to the batch shape and flattened to one batch axis of size B."""
+    if len(h.batch_shape) == 0:
+        return h
+
+    def fl(t, tail):
+        if t is None:
+            return None
+        t = t.expand(*batch, *t.shape[t.dim() - tail:])
+        return t.reshape(B, *t.shape[len(batch):])
+
+    new = object.__new__(Heads)
+    new.score, new.value, new.weights = fl(h.score, 3), fl(h.value, 3), fl(h.weights, 1)
+    new.query, new.key = fl(h.query, 3), fl(h.key, 3)
+    new.beta = fl(h.beta, 0) if isinstance(h.beta, torch.Tensor) and h.beta.dim() > 0 else h.beta
+    new._symmetric = h._symmetric
+    return new
+
+
+def _theta_source(theta, *, t0, t_end, tau, paths, seed, generator, path_dt):
+    """(heads_at(t) callable, WeightPath or None) for Heads / closed-form process / noisy process / path."""
+    if isinstance(theta, Heads):
+        return (lambda t: theta), None
+    if not isinstance(theta, Process):
+        raise TypeError(
+            f"theta must be a Heads, a Process (OrnsteinUhlenbeck, Oscillating, Layerwise, Custom) or a WeightPath, "
+            f"got {type(theta).__name__}"
+        )
+    if isinstance(theta, WeightPath):
+        if paths is not None:
+            raise ValueError("a stored WeightPath already carries its paths axis; call jko without paths=")
+        lo, hi = float(theta.times[0]), float(theta.times[-1])
+        slack = 1e-9 * max(1.0, abs(hi))
+        if t0 < lo - slack or t_end > hi + slack:
+            raise ValueError(
+                f"the weight path covers [{lo:.6g}, {hi:.6g}] but the JKO run needs [{t0:.6g}, {t_end:.6g}]; "
+                f"sample it with tp.sample_path(process, t1={t_end:.6g}, dt=...) or use fewer steps"
+            )
+        if theta.dt > 0:
+            ratio = tau / theta.dt
+            if abs(ratio - round(ratio)) > 1e-6 * max(1.0, ratio) or abs((t0 - lo) / theta.dt - round((t0 - lo) / theta.dt)) > 1e-6:
+                warnings.warn(
+                    f"tau = {tau:.6g} (or t0) is not a multiple of the weight path's dt = {theta.dt:.6g}: the JKO steps "
+                    f"see the path linearly interpolated between its grid values", stacklevel=3)
+        return theta.heads_at, theta
+    if theta.closed_form:
+        return theta.heads_at, None
+    dt = tau if path_dt is None else check_positive(path_dt, "path_dt")
+    ratio = tau / dt
+    if abs(ratio - round(ratio)) > 1e-9 * max(1.0, ratio) or round(ratio) < 1:
+        raise ValueError(f"path_dt = {dt:.6g} must divide tau = {tau:.6g} (tau / path_dt = {ratio:.6g} is not a whole "
+                         f"number); choose path_dt = tau / k")
+    path = sample_path(theta, t1=t_end, dt=dt, t0=t0, paths=paths, seed=seed, generator=generator)
+    return path.heads_at, path
+
+
+def _beta(h: Heads, ndim_tail: int = 1):
+    b = h.beta
+    if isinstance(b, torch.Tensor) and b.dim() > 0:
+        return b.reshape(*b.shape, *([1] * ndim_tail))
+    return b
+
+
+def _log_mobility(lse: torch.Tensor, heads: Heads, unit: bool) -> torch.Tensor:
+    """log b from the log-partitions (B, H, n); 0 for mobility="unit"."""
+    if unit:
+        return torch.zeros_like(lse[..., 0, :])
+    return -_log_inverse_mobility(heads, lse)
+
+
+def _energy(y: torch.Tensor, heads: Heads, w: Optional[torch.Tensor]) -> torch.Tensor:
+    """E(μ, Θ) = Σ_h ω_h/(2β) Σ_i w_i m_h(y_i), (B,) (differentiable, no validation)."""
+    lse = softmax_statistics(y, heads, w).log_partition  # (B, H, n)
+    per = torch.exp(lse).mean(-1) if w is None else (torch.exp(lse) * w.unsqueeze(-2)).sum(-1)
+    return (heads.weights * per).sum(-1) / (2 * _beta(heads, 0))
+
+
+def _first_variation(z: torch.Tensor, heads: Heads, p: torch.Tensor) -> torch.Tensor:
+    """δE/δμ at the grid points for μ = Σ p_a δ_{z_a}: Σ_h ω_h (m_h + m̃_h)/(2β), (B, m)."""
+    omega = heads.weights.unsqueeze(-1)
+    s = softmax_statistics(z, heads, p)
+    g = (omega * torch.exp(s.log_partition)).sum(-2)
+    if not heads.is_symmetric:
+        st = softmax_statistics(z, heads, p, transpose=True)
+        g = 0.5 * (g + (omega * torch.exp(st.log_partition)).sum(-2))
+    return g / _beta(heads, 1)
+
+
+# ---------------------------------------------------------------------------- grid helpers
+def _resolve_grid(grid, d, dtype, device) -> torch.Tensor:
+    if grid is None:
+        raise ValueError("scheme='eulerian' needs grid=: a tensor (m, d) of points on the sphere, or an int m "
+                         "(circle_grid on S¹, fibonacci_sphere on S²)")
+    if isinstance(grid, bool):
+        raise TypeError("grid must be a tensor (m, d) or an int m, got a bool")
+    if isinstance(grid, int):
+        if grid < 3:
+            raise ValueError(f"an int grid is the number of grid points m >= 3, got {grid}")
+        if d == 2:
+            return circle_grid(grid, dtype=dtype, device=device)
+        if d == 3:
+            return fibonacci_sphere(max(grid, 4), dtype=dtype, device=device)
+        raise ValueError(f"an int grid is only understood on S¹ (d = 2) and S² (d = 3); for d = {d} pass the grid "
+                         f"points as a tensor (m, {d})")
+    if not isinstance(grid, torch.Tensor):
+        raise TypeError(f"grid must be a tensor (m, d) or an int m, got {type(grid).__name__}")
+    check_tokens(grid, "grid")
+    if grid.dim() != 2:
+        raise ValueError(f"grid must have shape (m, d) (one grid shared by the batch), got {tuple(grid.shape)}")
+    if grid.shape[0] < 3:
+        raise ValueError(f"grid must have at least 3 points, got {grid.shape[0]}")
+    if grid.shape[-1] != d:
+        raise ValueError(f"grid points live in d = {grid.shape[-1]} but the heads act on d = {d}")
+    return grid
+
+
+def _grid_spacing(grid: torch.Tensor) -> float:
+    """Mean nearest-neighbour distance of the grid points."""
+    D = _sq_chordal(grid, grid)
+    D.fill_diagonal_(float("inf"))
+    return float(D.min(-1).values.clamp_min(0).sqrt().mean())
+
+
+def to_grid(x: torch.Tensor, grid: torch.Tensor, *, weights: Optional[torch.Tensor] = None,
+            bandwidth: Optional[float] = None) -> torch.Tensor:
+    """Strictly positive grid weights from tokens by a von Mises–Fisher kernel density.
+
+        q_a ∝ Σ_i w_i exp((⟨z_a, x_i⟩ − 1) / h²),   Σ_a q_a = 1,
+
+    Args:
+        x: tokens (..., n, d) on the sphere.  grid: points z (m, d) on the sphere.
+        weights: token weights (..., n) or None (uniform).
+        bandwidth: h > 0 (an angle, radians); default 2 × the grid's mean nearest-neighbour distance.
+
+    Returns:
+        (..., m) weights, computed by log-sum-exp and clamped at the smallest normal number
+        before normalising, so that every entry is > 0 (the Eulerian JKO needs a positive start).
+    """
+    check_tokens(x, "x")
+    check_tokens(grid, "grid")
+    check_same(x, grid, "x", "grid")
+    if grid.dim() != 2 or grid.shape[-1] != x.shape[-1]:
+        raise ValueError(f"grid must have shape (m, {x.shape[-1]}), got {tuple(grid.shape)}")
+    check_token_weights(weights, x)
+    h = 2 * _grid_spacing(grid) if bandwidth is None else check_positive(bandwidth, "bandwidth")
+    s = (x @ grid.T - 1) / (h * h)  # (..., n, m)
+    if weights is not None:
+        s = s + torch.log(weights).unsqueeze(-1)
+    logq = torch.logsumexp(s, -2)
+    q = torch.exp(logq - torch.logsumexp(logq, -1, keepdim=True)).clamp_min(torch.finfo(x.dtype).tiny)
+    return q / q.sum(-1, keepdim=True)
+
+
+# ---------------------------------------------------------------------------- inner solver
+def _value_and_grad(objective: Callable, y: torch.Tensor):
+    with torch.enable_grad():
+        yv = y.detach().requires_grad_(True)
+        val = objective(yv)
+        (g,) = torch.autograd.grad(val.sum(), yv)
+    return val.detach(), g
+
+
+def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a * b).sum((-1, -2))
+
+
+def _descend(objective: Callable, y: torch.Tensor, pre: torch.Tensor, *, tau: float, tol: float, max_iter: int,
+             memory: int = 8):
+    """Riemannian L-BFGS with the metric preconditioner, retraction and Armijo backtracking (batched, dim 0).
+
+    The initial inverse Hessian is γ·pre, pre = τ/(w_i b_i) (the inverse Hessian of the proximal
+    term as τ → 0), γ = ⟨s, z⟩/⟨z, pre z⟩; pairs (s, z) are ambient differences of iterates and
+    Riemannian gradients, projected on the current tangent space when used (projection vector
+    transport), and kept only when ⟨s, z⟩ > 0.  A non-descent direction or a failed line search
+    falls back to the preconditioned gradient and clears the memory.
+
+    Returns (y, f, residual (B,), iterations (B,), converged (B,), r0 (B,)); residual None when the
+    objective is not finite at the start."""
+    B = y.shape[0]
+    u = torch.finfo(y.dtype).eps
+    f, g = _value_and_grad(objective, y)
+    if not bool(torch.isfinite(f).all()) or not bool(torch.isfinite(g).all()):
+        return y, f, None, None, None, None
+    dev, dt = y.device, y.dtype
+    iters = torch.zeros(B, dtype=torch.long, device=dev)
+    stalled = torch.zeros(B, dtype=torch.bool, device=dev)
+    bscale = (tau / pre.squeeze(-1)).sum(-1)  # Σ_i w_i b_i, the mean mobility
+    S_mem: List[torch.Tensor] = []
+    Z_mem: List[torch.Tensor] = []
+    rg = tangent_projection(y, g)
+
+    def resid(rg):
+        return ((rg.square().sum(-1) * pre.squeeze(-1)).sum(-1) / tau).sqrt()
+
+    r0 = resid(rg)
+    thresh = tol * r0 + 100 * u * (bscale.sqrt() / tau + r0)
+    best = r0.clone()
+    since = torch.zeros(B, dtype=torch.long, device=dev)
+    for _ in range(max_iter):
+        r = resid(rg)
+        # stagnation (an inexact objective, e.g. Sinkhorn potentials): no halving of the residual in 12 iterations
+        improved = r < 0.5 * best
+        best = torch.where(improved, r, best)
+        since = torch.where(improved, torch.zeros_like(since), since + 1)
+        stalled = stalled | (since > 12)
+        active = (r > thresh) & ~stalled
+        if not bool(active.any()):
+            break
+        # two-loop recursion, per batch item (pairs with ⟨s, z⟩ <= 0 are masked out)
+        qv = rg.clone()
+        alphas = []
+        for s_, z_ in zip(reversed(S_mem), reversed(Z_mem)):
+            s_p, z_p = tangent_projection(y, s_), tangent_projection(y, z_)
+            sz = _dot(s_p, z_p)
+            rho = torch.where(sz > 0, 1 / sz.clamp_min(1e-300), torch.zeros_like(sz))
+            al = rho * _dot(s_p, qv)
+            qv = qv - al[:, None, None] * z_p
+            alphas.append((al, rho, s_p, z_p))
+        gamma = torch.ones(B, dtype=dt, device=dev)
+        if S_mem:
+            s_p, z_p = tangent_projection(y, S_mem[-1]), tangent_projection(y, Z_mem[-1])
+            sz, zz = _dot(s_p, z_p), _dot(z_p, pre * z_p)
+            gamma = torch.where((sz > 0) & (zz > 0), sz / zz.clamp_min(1e-300), gamma)
+        rv = gamma[:, None, None] * pre * qv
+        for al, rho, s_p, z_p in reversed(alphas):
+            be = rho * _dot(z_p, rv)
+            rv = rv + (al - be)[:, None, None] * s_p
+        d = tangent_projection(y, -rv)
+        gd = _dot(rg, d)
+        bad = ~(gd < 0) | ~torch.isfinite(gd)
+        steep = -pre * rg
+        d = torch.where(bad[:, None, None], steep, d)
+        d = d * active[:, None, None].to(dt)
+        gd = _dot(rg, d)
+        slack = 10 * u * f.abs()
+        a = torch.ones(B, dtype=dt, device=dev)
+        done = ~active
+        y_new, f_new, g_new = y.clone(), f.clone(), g.clone()
+        for _ls in range(20):
+            cand = normalize(y + a[:, None, None] * d)
+            fc, gc = _value_and_grad(objective, cand)
+            ok = ~done & torch.isfinite(fc) & (fc <= f + 1e-4 * a * gd + slack)
+            if bool(ok.any()):
+                y_new[ok], f_new[ok], g_new[ok] = cand[ok], fc[ok], gc[ok]
+            done = done | ok
+            if bool(done.all()):
+                break
+            a = torch.where(done, a, a / 2)
+        failed = active & ~done
+        stalled = stalled | (failed & bad)  # even the preconditioned gradient found no decrease
+        moved = active & done
+        iters = iters + moved.long()
+        rg_new = tangent_projection(y_new, g_new)
+        S_mem.append(torch.where(moved[:, None, None], y_new - y, torch.zeros_like(y)))
+        Z_mem.append(torch.where(moved[:, None, None], rg_new - rg, torch.zeros_like(y)))
+        if bool((failed & ~bad).any()):  # L-BFGS direction failed: retry with the gradient next time
+            S_mem.clear()
+            Z_mem.clear()
+        if len(S_mem) > memory:
+            S_mem.pop(0)
+            Z_mem.pop(0)
+        y, f, g, rg = y_new, f_new, g_new, rg_new
+    r = resid(rg)
+    return y, f, r, iters, r <= thresh, r0
+
+
+# ---------------------------------------------------------------------------- Lagrangian step
+def _lagrangian_step(x, w, wt, h_old, h_new, lb_old, *, tau, sgn, transport, symmetric, unit, eps, scaling,
+                     tol, max_iter, max_plan_updates):
+    """One JKO step for tokens x (B, n, d). Returns y, info dict (prox value, residual, iterations, ...)."""
+    B, n, _ = x.shape
+    b_old = torch.exp(lb_old)  # (B, n)
+
+    def b_field(q):
+        """b_k at arbitrary points q (B, N, d): mobility field of μ_k under Θ_{t_k}."""
+        if unit:
+            return torch.ones(q.shape[:-1], dtype=q.dtype, device=q.device)
+        lse = softmax_statistics(q, h_old, w, keys=x).log_partition
+        return torch.exp(-_log_inverse_mobility(h_old, lse))
+
+    def cost_rows(y):
+        """c_k(x_j, y_i) as a (B, n_new, n_old) matrix."""
+        c2 = _sq_chordal(y, x)
+        if symmetric:
+            return 0.5 * (b_field(y).unsqueeze(-1) + b_old.unsqueeze(-2)) * c2
+        return b_old.unsqueeze(-2) * c2
+
+    def energy(y):
+        return sgn * _energy(y, h_new, w)
+
+    pre = (tau / (wt * b_old)).unsqueeze(-1)
+    info: Dict[str, torch.Tensor] = {}
+    if transport == "identity":
+        def objective(y):
+            c2 = (y - x).square().sum(-1)
+            bb = 0.5 * (b_field(y) + b_old) if symmetric else b_old
+            return energy(y) + (wt * bb * c2).sum(-1) / (2 * tau)
+
+        y, f, r, it, conv, r0 = _descend(objective, x, pre, tau=tau, tol=tol, max_iter=max_iter)
+        if r is None:
+            return None, None
+        c2 = (y - x).square().sum(-1)
+        bb = 0.5 * (b_field(y) + b_old) if symmetric else b_old
+        prox = (wt * bb * c2).sum(-1)
+        plans = torch.zeros(B, dtype=torch.long, device=x.device)
+    elif transport == "emd":
+        P = torch.diag_embed(wt)  # optimal at y = x
+        y = x
+        it_total = torch.zeros(B, dtype=torch.long, device=x.device)
+        plans = torch.zeros(B, dtype=torch.long, device=x.device)
+        r0_first = None
+        for _u in range(max_plan_updates):
+            Pk = P
+
+            def objective(yy, Pk=Pk):
+                return energy(yy) + (Pk * cost_rows(yy)).sum((-1, -2)) / (2 * tau)
+
+            y, f, r, it, conv, r0 = _descend(objective, y, pre, tau=tau, tol=tol, max_iter=max_iter)
+            if r is None:
+                return None, None
+            r0_first = r0 if r0_first is None else r0_first
+            it_total = it_total + it
+            with torch.no_grad():
+                M = cost_rows(y)
+                Pn = _emd_plans(wt, wt, M)
+                old, new = (P * M).sum((-1, -2)), (Pn * M).sum((-1, -2))
+                improve = old - new > 1e-12 * (old.abs() + 1e-300) + 1e-300
+            if not bool(improve.any()):
+                break
+            plans = plans + improve.long()
+            P = torch.where(improve[:, None, None], Pn, P)
+        it, r0 = it_total, r0_first
+        conv = conv & ~improve  # the last recomputed plan was not used by an inner solve
+        prox = (P * cost_rows(y)).sum((-1, -2)).detach()
+        info["plan_unchanged"] = ~improve
+    else:  # sinkhorn
+        bmax = float(b_old.max())
+
+        def sym_cost(X, Y):
+            c2 = _sq_chordal(X, Y)
+            return 0.5 * (b_field(X).unsqueeze(-1) + b_field(Y).unsqueeze(-2)) * c2
+
+        diameter = 2.0 * math.sqrt(max(bmax, 1e-300)) * 1.5
+
+        def prox_fn(yy):
+            return sinkhorn_divergence(yy, wt, x, wt, eps=eps, cost=sym_cost, diameter=diameter, scaling=scaling)
+
+        def objective(yy):
+            return energy(yy) + prox_fn(yy) / (2 * tau)
+
+        y, f, r, it, conv, r0 = _descend(objective, x, pre, tau=tau, tol=tol, max_iter=max_iter)
+        if r is None:
+            return None, None
+        with torch.no_grad():
+            prox = prox_fn(y)
+        plans = torch.zeros(B, dtype=torch.long, device=x.device)
+    info.update(prox=prox.detach(), residual=r, iterations=it, converged=conv, plan_updates=plans, r0=r0)
+    return y.detach(), info
+
+
+# ---------------------------------------------------------------------------- Eulerian step
+def self_potential(q: torch.Tensor, C: torch.Tensor, eps: float, *, init: Optional[torch.Tensor] = None,
+                   tol: Optional[float] = None, max_iter: int = 1000):
+    """Potential f of the entropic self-transport OT_ε(q, q) for a symmetric cost C, batched.
+
+        f_a = −ε log Σ_b q_b exp((f_b − C_ab)/ε),   π_ab = q_a q_b exp((f_a + f_b − C_ab)/ε) ∈ Π(q, q)
+
+    solved by the averaged symmetric iteration f ← ½(f + T f) (Feydy et al. 2019): its
+    linearisation ½(I − P), P the plan's transition matrix, contracts every mode by ≤ ½, so it
+    converges in tens of iterations where plain Sinkhorn needs thousands at small ε (geomloss uses
+    this iteration for its debiasing terms but does not return converged potentials; POT's
+    ``sinkhorn_log`` solves the same problem and is the test oracle).
+
+    Args:
+        q: (B, m) weights (zeros allowed).  C: (B, m, m) or (m, m) symmetric costs.  eps: ε > 0.
+        tol: stop when max_a |f − T f|/ε (the log of the marginal error) ≤ tol (default 1e-13 in
+            float64, 1e-6 in float32).
+
+    Returns:
+        (f (B, m), iterations, max marginal log-error).
+    """
+    tol = (1e-13 if q.dtype == torch.float64 else 1e-6) if tol is None else tol
+    logq = torch.log(q).unsqueeze(-2)  # (B, 1, m)
+    f = torch.zeros_like(q) if init is None else init.clone()
+    err = float("inf")
+    it = 0
+    for it in range(1, max_iter + 1):
+        Tf = -eps * torch.logsumexp(logq + (f.unsqueeze(-2) - C) / eps, -1)
+        err = float((f - Tf).abs().max()) / eps
+        f = 0.5 * (f + Tf)
+        if err <= tol:
+            break
+    return f, it, err
+
+
+def _eulerian_step(z, q, h_old, h_new, lb_old, *, tau, sgn, eps, tol, max_iter, warm):
+    """One entropic JKO step of the grid weights q (B, m). Returns p, info, warm-start state."""
+    B, m = q.shape
+    c2 = _sq_chordal(z, z)  # (m, m)
+    bz = torch.exp(lb_old)  # (B, m)
+    C = 0.5 * (bz.unsqueeze(-1) + bz.unsqueeze(-2)) * c2  # (B, m, m), symmetric
+    f_self, _, _ = self_potential(q, C, eps, init=warm)
+    new_warm = f_self
+    log_v = torch.log(q) + f_self / eps
+    base = log_v.unsqueeze(-2) - C / eps  # (B, m, m)
+    zb = z.expand(B, m, z.shape[-1])
+
+    def T(p):
+        g = _first_variation(zb, h_new, p)
+        L = base - (2 * tau * sgn / eps) * g.unsqueeze(-2)
+        ls = torch.log_softmax(L, -1)
+        return torch.einsum("ba,bac->bc", q, torch.exp(ls)), ls
+
+    u = torch.finfo(q.dtype).eps
+    p = q.clone()
+    theta = torch.ones(B, dtype=q.dtype, device=q.device)
+    r_prev = torch.full((B,), float("inf"), dtype=q.dtype, device=q.device)
+    iters = torch.zeros(B, dtype=torch.long, device=q.device)
+    conv = torch.zeros(B, dtype=torch.bool, device=q.device)
+    for i in range(max_iter + 1):
+        Tp, ls = T(p)
+        r = (Tp - p).abs().sum(-1)
+        conv = r <= tol * (Tp - q).abs().sum(-1) + 100 * u * m
+        if bool(conv.all()) or i == max_iter:
+            break
+        theta = torch.where(r > r_prev, (theta / 2).clamp_min(1 / 64), theta)
+        r_prev = r
+        act = ~conv
+        p = torch.where(act.unsqueeze(-1), (1 - theta.unsqueeze(-1)) * p + theta.unsqueeze(-1) * Tp, p)
+        iters = iters + act.long()
+    p = Tp  # the image of the last iterate: exactly a coupling marginal (≥ 0, mass 1)
+    # proximal value D_ε(p | q) = ε KL(π* | π⁰) = J(π*) − J(π⁰), J(π) = Σ π (C + ε(log softmax − log v))
+    # = ε KL(π | π^ε_qq) + Σ_a q_a f_a, and π⁰ = π^ε_qq
+    ls0 = torch.log_softmax(base, -1)
+
+    def J(lsm):
+        pi = q.unsqueeze(-1) * torch.exp(lsm)
+        term = pi * (C + eps * (lsm - log_v.unsqueeze(-2)))
+        return torch.where(pi > 0, term, torch.zeros_like(term)).sum((-1, -2))
+
+    prox = J(ls) - J(ls0)
+    info = dict(prox=prox, residual=r, iterations=iters, converged=conv,
+                plan_updates=torch.zeros(B, dtype=torch.long, device=q.device),
+                transport_cost=(q.unsqueeze(-1) * torch.exp(ls) * C).sum((-1, -2)))
+    return p, info, new_warm
+
+
+# ---------------------------------------------------------------------------- entry point
+def jko(
+    x0: Optional[torch.Tensor],
+    theta: Union[Heads, Process],
+    *,
+    tau: float,
+    steps: int,
+    t0: float = 0.0,
+    transport: Optional[str] = None,
+    scheme: str = "lagrangian",
+    direction: str = "descent",
+    mobility: str = "effective",
+    cost: Optional[str] = None,
+    eps: float = 1e-3,
+    weights: Optional[torch.Tensor] = None,
+    grid=None,
+    grid_weights: Optional[torch.Tensor] = None,
+    bandwidth: Optional[float] = None,
+    paths: Optional[int] = None,
+    seed: int = 0,
+    generator: Optional[torch.Generator] = None,
+    path_dt: Optional[float] = None,
+    tol: Optional[float] = None,
+    max_iter: int = 200,
+    max_plan_updates: int = 20,
+    sinkhorn_scaling: float = 0.95,
+    strict: bool = False,
+    record_every: int = 1,
+    diagnostics: bool = True,
+    progress: bool = False,
+    callback: Optional[Callable] = None,
+) -> Trajectory:
+    """Minimizing-movement (JKO) solution of the transformer PDE (module docstring for the scheme).
+
+        μ_{k+1} ∈ argmin_μ  s'·E(μ, Θ_{t_{k+1}}) + W_{b_k}(μ, μ_k)² / (2τ),   s' = +1 descent, −1 ascent
+
+    Args:
+        x0: tokens (..., n, d) on the sphere (Lagrangian; Eulerian: deposited on the grid with
+            :func:`to_grid` unless ``grid_weights`` is given, in which case x0 may be None).
+        theta: :class:`Heads`, a Process (closed-form ones are evaluated at t_k; noisy or
+            Euler-scheme ones are first sampled with :func:`transformer_pde.sample_path` on a grid
+            of step ``path_dt`` (default τ), returned in ``traj.path``), or a stored
+            :class:`WeightPath` — give the particle run and the JKO run the same path.
+        tau, steps: step τ > 0 and number of steps; times t0 + kτ.
+        transport: "emd" (exact plan, default Lagrangian), "sinkhorn" (debiased Sinkhorn
+            divergence, geomloss; the only — and default — choice for the Eulerian scheme, there
+            the entropic proximal term of the module docstring) or "identity" (implicit Euler
+            of the particles).
+        scheme: "lagrangian" (tokens move) | "eulerian" (weights on a fixed grid move).
+        direction: "descent" (minimise E, the reference code) or "ascent" (minimise −E).
+        mobility: "effective" (b_k, matches ``normalization="effective"`` particles) or "unit"
+            (b ≡ 1, the plain W2 flow; matches "unnormalized" for tied symmetric heads).
+        cost: "source" (b_k(x)|x − y|², default for emd / identity) or "symmetric"
+            (½(b_k(x) + b_k(y))|x − y|², always used by sinkhorn and by the Eulerian scheme).
+        eps: ε > 0 of the entropic transport (cost units; Eulerian needs ε ≳ grid spacing²).
+        weights: token weights (..., n) or None (uniform) (Lagrangian).
+        grid: Eulerian grid, tensor (m, d) on the sphere or int m (circle_grid / fibonacci_sphere).
+        grid_weights: initial Eulerian weights (..., m) (non-negative, sum 1).  bandwidth: of to_grid.
+        paths, seed, generator, path_dt: Monte-Carlo paths and sampling of noisy processes.
+        tol: relative tolerance of the inner solves (default 1e-9 in float64, 1e-4 in float32; with
+            transport="sinkhorn" 1e-6 / 1e-4: geomloss' ε-scaling returns potentials, hence
+            gradients, that are consistent with its values only to about 1 − sinkhorn_scaling).
+        max_iter: inner iterations per solve.  max_plan_updates: emd plan recomputations per step.
+        sinkhorn_scaling: geomloss ε-scaling ratio of the Lagrangian sinkhorn transport.
+        strict: raise :class:`JKOConvergenceError` instead of warning when a step does not converge.
+        record_every: keep every k-th step (first and last always kept).
+        diagnostics: energy, 𝒢², 𝒟 series (the ledger is always kept).
+        progress: tqdm progress bar.  callback: called as callback(k, t, state) after every step.
+
+    Returns:
+        :class:`Trajectory` (the type :func:`simulate` returns), dtype and device of the input:
+        ``times`` (T,); ``x`` (T, ..., n, d) tokens — Eulerian: the grid (T, ..., m, d) with the
+        time-dependent weights in ``weights`` (T, ..., m); ``energy``, ``slope`` 𝒢², ``dissipation`` 𝒟
+        (T, ...) of the gradient-flow field ("effective" or, for unit mobility, "unnormalized");
+        ``ledger`` (module docstring); ``stats`` with per-step tensors (steps, ...) "residual",
+        "iterations", "converged", "defect", "prox" (the W² of each step), "plan_updates", and the
+        scalars "steps", "wall_time", "max_defect", "max_residual", "mean_iterations",
+        "nonconverged_steps", "order" = 1; ``path`` the sampled WeightPath (noisy processes);
+        ``extras`` {"scheme", "transport", "tau", "grid"}.  Outputs carry no gradient.
+
+    Raises:
+        TypeError / ValueError for bad input (before any work), NonFiniteError when a step
+        produces NaN/inf (time, step, quantity), JKOConvergenceError with strict=True.
+
+    Example:
+        >>> import torch, transformer_pde as tp
+        >>> x0 = tp.sphere.octahedral(12, dtype=torch.float64)
+        >>> heads = tp.Heads.scalar([1.0, 2.0], 3).to(torch.float64)
+        >>> traj = tp.jko(x0, heads, tau=0.1, steps=3)
+        >>> traj.x.shape, bool((traj.stats["defect"] <= 1e-12).all())
+        (torch.Size([4, 12, 3]), True)
+    """
+    # ---------------- validation (before any work)
+    tau = check_positive(tau, "tau")
+    steps = check_int(steps, "steps")
+    check_choice(scheme, SCHEMES, "scheme")
+    if transport is None:
+        transport = "emd" if scheme == "lagrangian" else "sinkhorn"
+    check_choice(transport, TRANSPORTS, "transport")
+    if scheme == "eulerian" and transport != "sinkhorn":
+        raise ValueError(f"the Eulerian scheme moves weights on a fixed grid with entropic transport: use "
+                         f"transport='sinkhorn' (got {transport!r}); transport='emd' / 'identity' are Lagrangian")
+    sign = direction_sign(direction)
+    sgn = -sign
+    check_choice(mobility, MOBILITIES, "mobility")
+    unit = mobility == "unit"
+    if cost is None:
+        cost = "symmetric" if transport == "sinkhorn" else "source"
+    check_choice(cost, COSTS, "cost")
+    if transport == "sinkhorn" and scheme == "lagrangian" and cost != "symmetric":
+        raise ValueError("the debiased Sinkhorn divergence needs a symmetric cost: use cost='symmetric' (the default) "
+                         "with transport='sinkhorn'")
+    if scheme == "eulerian" and cost != "symmetric":
+        raise ValueError("the Eulerian scheme uses the symmetric cost ½(b_k(z_a) + b_k(z_b))|z_a − z_b|²: "
+                         "use cost='symmetric' (the default)")
+    eps = check_positive(eps, "eps")
+    t0 = float(t0)
+    max_iter = check_int(max_iter, "max_iter")
+    max_plan_updates = check_int(max_plan_updates, "max_plan_updates")
+    record_every = check_int(record_every, "record_every")
+    sinkhorn_scaling = check_positive(sinkhorn_scaling, "sinkhorn_scaling")
+    if not sinkhorn_scaling < 1:
+        raise ValueError(f"sinkhorn_scaling must lie in (0, 1), got {sinkhorn_scaling}")
+    if paths is not None:
+        paths = check_int(paths, "paths")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError("generator must be a torch.Generator")
+    if not isinstance(theta, (Heads, Process)):
+        raise TypeError(
+            f"theta must be a Heads, a Process (OrnsteinUhlenbeck, Oscillating, Layerwise, Custom) or a WeightPath, "
+            f"got {type(theta).__name__}"
+        )
+    h_ref = theta if isinstance(theta, Heads) else theta.heads0
+    d = h_ref.dim
+    if scheme == "lagrangian":
+        if x0 is None:
+            raise ValueError("the Lagrangian scheme needs the initial tokens x0 (..., n, d)")
+        check_tokens(x0, "x0")
+        check_same(x0, h_ref._ref, "x0", "theta's heads")
+        if x0.shape[-1] != d:
+            raise ValueError(f"the heads act on d = {d} but x0 has d = {x0.shape[-1]}")
+        check_token_weights(weights, x0, "weights", "x0")
+        ref = x0
+    else:
+        if weights is not None:
+            raise ValueError("weights= are token weights of the Lagrangian scheme; for the Eulerian scheme give "
+                             "grid_weights= (or tokens x0, deposited with to_grid)")
+        z = _resolve_grid(grid, d, h_ref.dtype, h_ref.device)
+        check_same(z, h_ref._ref, "grid", "theta's heads")
+        if grid_weights is None:
+            if x0 is None:
+                raise ValueError("the Eulerian scheme needs grid_weights= (..., m) or tokens x0 to deposit on the grid")
+            check_tokens(x0, "x0")
+            check_same(x0, h_ref._ref, "x0", "theta's heads")
+            if x0.shape[-1] != d:
+                raise ValueError(f"the heads act on d = {d} but x0 has d = {x0.shape[-1]}")
+            q0 = to_grid(x0, z, bandwidth=bandwidth)
+        else:
+            if x0 is not None:
+                raise ValueError("give either tokens x0 or grid_weights for the Eulerian scheme, not both")
+            check_token_weights(grid_weights, z, "grid_weights", "grid")
+            q0 = grid_weights
+        ref = q0
+    if tol is None:
+        tol = (1e-6 if transport == "sinkhorn" and scheme == "lagrangian" else 1e-9) if ref.dtype == torch.float64 else 1e-4
+    else:
+        tol = check_positive(tol, "tol")
+    if path_dt is not None:
+        check_positive(path_dt, "path_dt")
+    t_end = t0 + steps * tau
+    heads_at, path = _theta_source(theta, t0=t0, t_end=t_end, tau=tau, paths=paths, seed=seed, generator=generator,
+                                   path_dt=path_dt)
+
+    # ---------------- batch layout
+    start = time.perf_counter()
+    hb = tuple(heads_at(t0).batch_shape)
+    if scheme == "lagrangian":
+        xb = tuple(x0.shape[:-2])
+        if weights is not None:
+            xb = tuple(torch.broadcast_shapes(xb, weights.shape[:-1]))
+    else:
+        xb = tuple(q0.shape[:-1])
+    if paths is not None and path is None:
+        xb = (paths, *xb)
+    try:
+        batch = tuple(torch.broadcast_shapes(xb, hb))
+    except RuntimeError:
+        raise ValueError(f"the batch shape of the initial measure {xb} does not broadcast against the heads' batch "
+                         f"shape {hb}") from None
+    B = math.prod(batch)
+    n_or_m = x0.shape[-2] if scheme == "lagrangian" else z.shape[0]
+    f = dict(dtype=ref.dtype, device=ref.device)
+    flat = lambda t: _flatten_heads(heads_at(t), batch, B)  # noqa: E731
+    norm = "unnormalized" if unit else "effective"
+
+    if scheme == "lagrangian":
+        x = x0.detach()
+        if paths is not None and path is None:
+            x = x.unsqueeze(0).expand(paths, *x.shape)
+        x = x.expand(*batch, *x0.shape[-2:]).reshape(B, *x0.shape[-2:])
+        w = None if weights is None else weights.detach().expand(*batch, n_or_m).reshape(B, n_or_m)
+        wt = torch.full((B, n_or_m), 1.0 / n_or_m, **f) if w is None else w
+        pts = x
+    else:
+        q = q0.detach()
+        if paths is not None and path is None:
+            q = q.unsqueeze(0).expand(paths, *q.shape)
+        q = q.expand(*batch, n_or_m).reshape(B, n_or_m)
+        pts = z.expand(B, *z.shape)
+        w = q
+    warm = None
+
+    def diag(points, wts, heads):
+        return evaluate(points, heads, wts, normalization=norm, sign=sign, diagnostics=True)
+
+    def metric_slope(ev, wts):
+        """|∂E|² in the scheme's metric: Σ w |∇δE|²/b (effective) or Σ w |∇δE|² (unit)."""
+        g2 = ev.grad_first_variation.square().sum(-1)
+        if not unit:
+            g2 = g2 / torch.exp(-_log_inverse_mobility(heads_cur, ev.stats.log_partition))
+        return g2.mean(-1) if wts is None else (wts * g2).sum(-1)
+
+    heads_cur = flat(t0)
+    ev = diag(pts, w, heads_cur)
+    if not bool(torch.isfinite(ev.energy).all()):
+        raise _nonfinite("the energy", t0, 0, heads_cur)
+    E0 = ev.energy
+    E_prev = E0
+    lb = _log_mobility(ev.stats.log_partition, heads_cur, unit)
+    zero = torch.zeros_like(E0)
+    acc = {"partial": zero, "dissipation": zero, "slope": zero, "jko_defect": zero}
+    rec_k = sorted(set(range(0, steps + 1, record_every)) | {steps})
+    rec_set = set(rec_k)
+    R: Dict[str, List[torch.Tensor]] = {k: [] for k in ("x", "w", "energy", "slope", "dissipation")}
+    L: Dict[str, List[torch.Tensor]] = {k: [] for k in LEDGER_KEYS}
+    S: Dict[str, List[torch.Tensor]] = {k: [] for k in ("residual", "iterations", "converged", "defect", "prox",
+                                                        "plan_updates")}
+
+    def record(state, ev):
+        R["x"].append(state if scheme == "lagrangian" else pts)
+        R["w"].append(state)
+        for key in ("energy", "slope", "dissipation"):
+            R[key].append(getattr(ev, key))
+        dE = ev.energy - E0
+        L["dE"].append(dE)
+        for key in ("partial", "dissipation", "slope", "jko_defect"):
+            L[key].append(acc[key])
+        L["martingale"].append(torch.zeros_like(dE))
+        L["residual"].append(dE - acc["partial"] - acc["dissipation"])
+        L["residual_slope"].append(dE - acc["partial"] - sign * acc["slope"])
+
+    record(x if scheme == "lagrangian" else q, ev)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=steps, desc=f"jko ({scheme}, {transport})", unit="step", leave=False)
+    bad_steps: List[int] = []
+    try:
+        for k in range(steps):
+            t_new = t0 + (k + 1) * tau
+            heads_new = flat(t_new)
+            state_old = x if scheme == "lagrangian" else q
+            with torch.no_grad():
+                E_cross = _energy(pts, heads_new, w)
+            if not bool(torch.isfinite(E_cross).all()):
+                raise _nonfinite("the energy", t_new, k + 1, heads_new)
+            if scheme == "lagrangian":
+                y, info = _lagrangian_step(x, w, wt, heads_cur, heads_new, lb, tau=tau, sgn=sgn, transport=transport,
+                                           symmetric=cost == "symmetric", unit=unit, eps=eps, scaling=sinkhorn_scaling,
+                                           tol=tol, max_iter=max_iter, max_plan_updates=max_plan_updates)
+                if y is None:
+                    raise _nonfinite("the JKO objective", t_new, k + 1, heads_new)
+                new_state = y
+                new_pts, new_w = y, w
+            else:
+                with torch.no_grad():
+                    p, info, warm = _eulerian_step(z, q, heads_cur, heads_new, lb, tau=tau, sgn=sgn, eps=eps, tol=tol,
+                                                   max_iter=max_iter, warm=warm)
+                new_state = p
+                new_pts, new_w = pts, p
+            if not bool(torch.isfinite(new_state).all()):
+                raise _nonfinite("the token positions" if scheme == "lagrangian" else "the grid weights",
+                                 t_new, k + 1, heads_new)
+            with torch.no_grad():
+                heads_cur = heads_new
+                ev = diag(new_pts, new_w, heads_cur)
+            if not bool(torch.isfinite(ev.energy).all()):
+                raise _nonfinite("the energy", t_new, k + 1, heads_cur)
+            prox = info["prox"]
+            defect = sgn * (ev.energy - E_cross) + prox / (2 * tau)
+            acc["partial"] = acc["partial"] + (E_cross - E_prev)
+            acc["slope"] = acc["slope"] + prox / tau
+            acc["dissipation"] = acc["dissipation"] + sign * (prox / (2 * tau) + 0.5 * tau * metric_slope(ev, new_w))
+            acc["jko_defect"] = acc["jko_defect"] + defect
+            for key in S:
+                S[key].append(defect if key == "defect" else info[key])
+            if not bool(info["converged"].all()):
+                bad_steps.append(k + 1)
+                msg = (f"JKO step {k + 1} (t = {t_new:.6g}) did not converge in {max_iter} inner iterations: residual "
+                       f"{float(info['residual'].max()):.3e}; raise max_iter, loosen tol, or reduce tau"
+                       + (" (with transport='sinkhorn': raise sinkhorn_scaling towards 1 or lower eps)"
+                          if transport == "sinkhorn" and scheme == "lagrangian" else ""))
+                if strict:
+                    raise JKOConvergenceError(msg)
+            if scheme == "lagrangian":
+                x = y
+                pts = y
+            else:
+                q = p
+                w = p
+            lb = _log_mobility(ev.stats.log_partition, heads_cur, unit)
+            E_prev = ev.energy
+            if (k + 1) in rec_set:
+                record(new_state, ev)
+            if callback is not None:
+                callback(k + 1, t_new, new_state)
+            if bar is not None:
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+    if bad_steps:
+        warnings.warn(f"{len(bad_steps)} of {steps} JKO steps did not reach the inner tolerance (first: step "
+                      f"{bad_steps[0]}); see traj.stats['residual'] — raise max_iter, loosen tol, or reduce tau "
+                      f"(strict=True raises instead)", RuntimeWarning, stacklevel=2)
+
+    # ---------------- assemble
+    shape_b = batch
+
+    def unflat(v, tail=()):
+        return v.reshape(tuple(shape_b) + tuple(tail))
+
+    times = torch.tensor([t0 + k * tau for k in rec_k], dtype=torch.float64)
+    xs = torch.stack([unflat(v, v.shape[1:]) for v in R["x"]])
+    ledger = {key: torch.stack([unflat(v) for v in L[key]]) for key in LEDGER_KEYS}
+    series = {key: torch.stack([unflat(v) for v in R[key]]) if diagnostics else None
+              for key in ("energy", "slope", "dissipation")}
+    st = {key: torch.stack([unflat(v) for v in vals]) for key, vals in S.items()}
+    stats = {
+        **st,
+        "steps": steps,
+        "wall_time": time.perf_counter() - start,
+        "max_defect": float(st["defect"].max()),
+        "max_residual": float(st["residual"].max()),
+        "mean_iterations": float(st["iterations"].double().mean()),
+        "nonconverged_steps": len(bad_steps),
+        "order": 1,
+    }
+    if scheme == "lagrangian":
+        tw = None if weights is None else unflat(wt, (n_or_m,))
+    else:
+        tw = torch.stack([unflat(v, (n_or_m,)) for v in R["w"]])
+    extras = {"scheme": scheme, "transport": transport, "tau": tau, "mobility": mobility, "cost": cost,
+              "eps": eps if transport == "sinkhorn" else None, "grid": z if scheme == "eulerian" else None}
+    return Trajectory(times, xs, series["energy"], series["slope"], series["dissipation"], ledger, stats,
+                      f"jko-{scheme}-{transport}", norm, direction, tw, path, extras)

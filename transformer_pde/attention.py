@@ -6,19 +6,47 @@ For queries x_i, keys y_j with weights w_j and head h, the scores are
 
 and the kernels return, for every head and query,
 
-    log m_h(x_i) = log Σ_j w_j e^{s_ij^h}                       (log-partition, by log-sum-exp)
+    log m_h(x_i) = log Σ_j w_j e^{s_ij^h}                       (log-partition)
     ȳ_h(x_i)    = Σ_j p_ij^h y_j,    p_ij^h = w_j e^{s_ij^h} / m_h(x_i)   (softmax mean of keys)
     q_h(x_i)    = Σ_j p_ij^h ⟨x_i, y_j⟩²                        (optional second moment)
 
 The per-head softmax output is then f_h = V_h ȳ_h: the d×d value matrix is applied after
-the n×m reduction, so the (paths, heads, n, m) work is one score matmul, one exp pass and
-one matmul with the d-column key matrix, shared by all heads.
+the n×m reduction, so the (paths, heads, n, m) work is one score product, one exp pass and
+one product with a few key columns, shared by all heads.
 
-Memory: the score block is formed ``chunk`` query rows at a time, so the peak extra memory
-is ``batch · H · chunk · m`` elements (``DEFAULT_CHUNK_ELEMENTS`` by default) instead of
-``batch · H · n · m``.  Without autograd the block is exponentiated in place.  With autograd
-(any input requires grad) an out-of-place ``logsumexp``/``exp`` path is used so that
-gradients flow to x, A, V, β and the token weights.
+Backends (``backend=``; all return the same numbers to rounding, see tests/test_kernels.py):
+
+* ``"chunked"`` — plain torch.  The score block is formed ``chunk_elements`` entries at a time
+  (``batch · H · rows · m`` ≤ ``DEFAULT_CHUNK_ELEMENTS`` by default), so memory grows like
+  N, not N².  The token weights, the partition sum and the second moment are folded into one
+  matrix product: with ``vals_j = w_j [1, y_j, (y_j ⊗ y_j)_{a≤b}]`` a single GEMM of e^{S} with
+  ``vals`` gives m_h, m_h ȳ_h and m_h q_h.  The max-shift of log-sum-exp is skipped when it is
+  provably unnecessary: |s_ij| ≤ |q_i| · max_j |k_j| (Cauchy–Schwarz), and when that bound is
+  below ``½ log(finfo.max) − log m`` (≈ 350 in float64, ≈ 39 in float32 for m = 200) e^{s}
+  can neither overflow nor underflow, so the exp runs directly on the scores (one pass instead
+  of four).  Otherwise the block falls back to the row-max shift.
+* ``"dense"`` — the same code with a single block (memory ``batch · H · n · m``): the oracle.
+* ``"sdpa"`` — torch's fused scaled-dot-product-attention kernel.  On CPU this is the flash
+  kernel (``aten._scaled_dot_product_flash_attention_for_cpu``), which also returns the
+  log-sum-exp, so it gives the full statistics (partition, mean, second moment as extra value
+  columns, token weights as an additive log-mask) in one fused, O(N)-memory, parallel pass; it
+  is numerically safe for any β‖A‖ (online max).  Where that kernel does not apply (CUDA and
+  other devices, dtypes other than float32/float64, a torch without it) it falls back to
+  ``"chunked"``.
+* ``"keops"`` — symbolic KeOps reductions (``pykeops``, optional dependency, CUDA only in
+  practice); raises ``ImportError`` with an install hint when pykeops is missing.
+* ``"auto"`` (default) — autograd path when an input requires grad; otherwise ``"sdpa"`` on
+  CPU (float32/float64) when the fused kernel is available, KeOps on CUDA for large problems
+  when pykeops is importable, ``"chunked"`` elsewhere.  Never KeOps on CPU.
+
+With autograd (any input requires grad and grad mode is on) an out-of-place, chunked
+``logsumexp``/``exp`` path is used whatever the backend, so that gradients flow to x, A, V, β
+and the token weights; it agrees with the no-grad kernels to rounding.  Its forward pass is
+chunked too, but autograd keeps every block for the backward pass (memory ~ n·m per head).
+
+Memory of the no-grad backends ("chunked", "sdpa", "keops"): O(batch · H · (n + m) · c) for
+the inputs and outputs plus one block — never the (batch, H, n, m) tensor (tests/test_kernels.py
+measures the peak; scripts/benchmark_field.py prints it).
 """
 
 from __future__ import annotations
@@ -31,10 +59,29 @@ import torch
 
 from .heads import Heads
 
-__all__ = ["HeadStats", "softmax_statistics", "relu_statistics", "DEFAULT_CHUNK_ELEMENTS"]
+__all__ = [
+    "HeadStats",
+    "softmax_statistics",
+    "relu_statistics",
+    "DEFAULT_CHUNK_ELEMENTS",
+    "BACKENDS",
+    "select_backend",
+    "keops_available",
+    "sdpa_available",
+    "kernel_backend",
+]
 
 #: elements of one score block (batch · H · rows · m); 2^22 float64 = 32 MiB
 DEFAULT_CHUNK_ELEMENTS = 1 << 22
+
+#: kernel backends accepted by ``backend=`` (module docstring)
+BACKENDS = ("auto", "dense", "chunked", "sdpa", "keops")
+
+#: second moments come from (y ⊗ y) key columns up to this dimension, from an explicit pass above it
+_AUG_MAX_DIM = 8
+
+#: problems with at least this many score entries (batch · H · n · m) use KeOps under "auto" on CUDA
+KEOPS_AUTO_MIN_ELEMENTS = 1 << 26
 
 
 @dataclass
@@ -51,6 +98,107 @@ class HeadStats:
     second: Optional[torch.Tensor] = None
 
 
+# ---------------------------------------------------------------------------- backend choice
+def keops_available() -> bool:
+    """True when ``pykeops`` can be imported (it is not a hard dependency)."""
+    try:
+        import pykeops.torch  # noqa: F401
+    except Exception:  # ImportError, or a broken compiler setup raising at import
+        return False
+    return True
+
+
+_FLASH_CPU = None
+
+
+def _flash_cpu_op():
+    """torch's CPU flash-attention op returning (output, logsumexp), or None if this torch lacks it."""
+    global _FLASH_CPU
+    if _FLASH_CPU is None:
+        try:
+            _FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        except (AttributeError, RuntimeError):
+            _FLASH_CPU = False
+    return _FLASH_CPU or None
+
+
+def sdpa_available(device, dtype) -> bool:
+    """True when the fused "sdpa" statistics kernel runs for this device and dtype (CPU, float32/64)."""
+    return (
+        torch.device(device).type == "cpu"
+        and dtype in (torch.float32, torch.float64)
+        and _flash_cpu_op() is not None
+    )
+
+
+_DEFAULT_BACKEND = ["auto"]
+
+
+class kernel_backend:
+    """Set the backend that ``backend="auto"`` resolves to, for code that does not pass one
+    (``tp.energy``, ``tp.simulate``, ...); use as a context manager or call ``.set()``.
+
+        >>> import transformer_pde as tp
+        >>> with tp.attention.kernel_backend("chunked"):
+        ...     pass  # every kernel called here with backend="auto" runs "chunked"
+    """
+
+    def __init__(self, name: str):
+        self.name = _check_backend(name)
+        self._saved = None
+
+    def set(self) -> "kernel_backend":
+        _DEFAULT_BACKEND[0] = self.name
+        return self
+
+    def __enter__(self):
+        self._saved = _DEFAULT_BACKEND[0]
+        _DEFAULT_BACKEND[0] = self.name
+        return self
+
+    def __exit__(self, *exc):
+        _DEFAULT_BACKEND[0] = self._saved
+        return False
+
+
+def _check_backend(backend) -> str:
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {backend!r}; choose one of {', '.join(map(repr, BACKENDS))}")
+    return backend
+
+
+def select_backend(backend: str, device, dtype, elements: int) -> str:
+    """The backend that ``backend`` resolves to for a problem of ``elements`` = batch·H·n·m scores.
+
+    "auto": "sdpa" on CPU (float32/float64, fused kernel present), "keops" on CUDA when pykeops
+    is importable and ``elements >= KEOPS_AUTO_MIN_ELEMENTS``, else "chunked".  An explicit
+    "keops" raises ImportError when pykeops is missing; an explicit "sdpa" falls back to
+    "chunked" where the fused kernel does not apply.
+    """
+    _check_backend(backend)
+    dev = torch.device(device)
+    if backend == "auto" and _DEFAULT_BACKEND[0] != "auto":
+        backend = _DEFAULT_BACKEND[0]
+    if backend == "auto":
+        if sdpa_available(dev, dtype):
+            return "sdpa"
+        if dev.type == "cuda" and elements >= KEOPS_AUTO_MIN_ELEMENTS and keops_available():
+            return "keops"
+        return "chunked"
+    if backend == "keops":
+        if not keops_available():
+            raise ImportError(
+                "backend='keops' needs pykeops, which is not importable here; install it with "
+                "`pip install pykeops` (it compiles kernels with a C++/CUDA toolchain), "
+                "or use backend='auto' / 'chunked'"
+            )
+        return "keops"
+    if backend == "sdpa" and not sdpa_available(dev, dtype):
+        return "chunked"
+    return backend
+
+
+# ---------------------------------------------------------------------------- helpers
 def _features(heads: Heads, transpose: bool = False):
     """(left, right) with scores s = β (x @ left)(y @ right)ᵀ; right None means identity."""
     beta = heads.beta
@@ -74,6 +222,56 @@ def _needs_grad(*ts) -> bool:
     return any(isinstance(t, torch.Tensor) and t.requires_grad for t in ts)
 
 
+def _check_chunk(chunk_elements):
+    if chunk_elements is None:
+        return None
+    if isinstance(chunk_elements, bool) or not isinstance(chunk_elements, int) or chunk_elements < 1:
+        raise ValueError(f"chunk_elements must be a positive int (elements of one score block), got {chunk_elements!r}")
+    return chunk_elements
+
+
+_SYM_PAIRS = {}
+
+
+def _sym_pairs(d: int, device, dtype=torch.float64):
+    """Upper-triangle index pairs (a ≤ b) and the weights (1 on the diagonal, 2 off it), cached."""
+    key = (d, str(device), dtype)
+    if key not in _SYM_PAIRS:
+        iu = torch.triu_indices(d, d, device=device)
+        _SYM_PAIRS[key] = ((iu[0].contiguous(), iu[1].contiguous()), torch.where(iu[0] == iu[1], 1.0, 2.0).to(dtype))
+    return _SYM_PAIRS[key]
+
+
+def _bshape(*shapes) -> tuple:
+    """torch.broadcast_shapes for plain tuples, without its overhead (hot path)."""
+    r = max(len(s) for s in shapes)
+    out = [1] * r
+    for s in shapes:
+        for i, v in enumerate(s, r - len(s)):
+            if v != 1:
+                if out[i] != 1 and out[i] != v:
+                    raise RuntimeError(f"shapes {shapes} do not broadcast")
+                out[i] = v
+    return tuple(out)
+
+
+def _second_columns(y: torch.Tensor, iu) -> torch.Tensor:
+    """(y ⊗ y)_{a≤b}, (..., m, d(d+1)/2)."""
+    return y.index_select(-1, iu[0]) * y.index_select(-1, iu[1])
+
+
+def _quadratic_form(x: torch.Tensor, cols: torch.Tensor, iu, coef) -> torch.Tensor:
+    """Σ_{a≤b} coef_ab x_a x_b cols_ab: x (..., n, d), cols (..., H, n, d(d+1)/2) -> (..., H, n)."""
+    xx = (_second_columns(x, iu) * coef).unsqueeze(-3)
+    return (cols * xx).sum(-1)
+
+
+def _exp_safe_limit(dtype: torch.dtype, m: int) -> float:
+    """Largest score bound B for which e^{s}, |s| ≤ B, summed over m keys stays finite and normal."""
+    return 0.5 * math.log(torch.finfo(dtype).max) - math.log(max(m, 1))
+
+
+# ---------------------------------------------------------------------------- softmax
 def softmax_statistics(
     x: torch.Tensor,
     heads: Heads,
@@ -83,87 +281,248 @@ def softmax_statistics(
     second_moment: bool = False,
     transpose: bool = False,
     chunk_elements: Optional[int] = None,
+    backend: str = "auto",
 ) -> HeadStats:
     """Log-partitions and softmax moments of every head at the queries ``x``.
+
+        log m_h(x_i) = log Σ_j w_j e^{s_ij},  ȳ_h(x_i) = Σ_j p_ij y_j,  q_h(x_i) = Σ_j p_ij ⟨x_i, y_j⟩²
 
     Args:
         x: queries (..., n, d).  keys: (..., m, d), default x (self-attention).
         heads: the heads (batch dims broadcast against x's).
         weights: key weights (..., m) summing to 1, or None (uniform 1/m).
-        second_moment: also return q_h(x_i) = Σ_j p_ij ⟨x_i, y_j⟩² (Itô correction).
+        second_moment: also return q_h(x_i) (Itô correction).
         transpose: use A_hᵀ instead of A_h (the other half of δE/δμ for non-symmetric A).
-        chunk_elements: cap on the elements of one score block (memory ~ this, not n·m).
+        chunk_elements: cap on the elements of one score block ("chunked"; memory ~ this, not n·m).
+        backend: "auto" | "dense" | "chunked" | "sdpa" | "keops" (module docstring).
 
-    Inputs are not validated here (this is the hot path); the public functions do it.
+    Returns:
+        :class:`HeadStats` with log_partition (..., H, n), mean (..., H, n, d), second (..., H, n) or None.
+
+    Raises:
+        ValueError for an unknown backend or a bad chunk_elements; ImportError for
+        backend="keops" without pykeops.  Tensors are not validated here (hot path); the
+        public functions do it.
     """
+    _check_backend(backend)
+    _check_chunk(chunk_elements)
     y = x if keys is None else keys
     left, right = _features(heads, transpose)
-    qf = x.unsqueeze(-3) @ left  # (..., H, n, k)
-    H, n, m, d = qf.shape[-3], x.shape[-2], y.shape[-2], y.shape[-1]
-    logw = None if weights is None else torch.log(weights).unsqueeze(-2).unsqueeze(-2)  # (..., 1, 1, m)
-    grad = _needs_grad(x, y, left, right, weights)
-    # values the softmax averages: y, and y ⊗ y for the second moment when d is small
-    aug = second_moment and d * d <= 64
-    vals = y
-    if aug:
-        vals = torch.cat([y, (y.unsqueeze(-1) * y.unsqueeze(-2)).flatten(-2)], -1)  # (..., m, d + d²)
-    if right is None:
-        # keys shared by all heads: fold the heads into the rows of one GEMM per batch
-        kT = y.transpose(-1, -2).unsqueeze(-3)  # (..., 1, k, m)
+    if _needs_grad(x, y, left, right, weights):
+        return _softmax_autograd(x, y, left, right, weights, second_moment, chunk_elements)
+    with torch.no_grad():
+        qf = x.unsqueeze(-3) @ left  # (..., H, n, k)
+        kf = y.unsqueeze(-3) if right is None else y.unsqueeze(-3) @ right  # (..., 1|H, m, k)
+        batch = _bshape(qf.shape[:-3], kf.shape[:-3], () if weights is None else weights.shape[:-1])
+        H, n, m, d = qf.shape[-3], x.shape[-2], y.shape[-2], y.shape[-1]
+        elements = math.prod(batch) * H * n * m
+        chosen = select_backend(backend, x.device, x.dtype, elements)
+        if second_moment and d > _AUG_MAX_DIM and chosen != "keops":
+            # (y ⊗ y) columns would cost O(d²) per pair: one explicit pass instead
+            return _softmax_autograd(x, y, left, right, weights, second_moment, chunk_elements)
+        if chosen == "sdpa":
+            try:
+                return _softmax_sdpa(x, y, qf, kf, weights, second_moment, batch)
+            except RuntimeError:  # a layout or build the fused kernel refuses: same numbers, plain torch
+                chosen = "chunked"
+        if chosen == "keops":
+            return _softmax_keops(x, y, qf, kf, weights, second_moment, batch)
+        budget = None if chosen == "dense" else chunk_elements
+        return _softmax_chunked(x, y, qf, kf, weights, second_moment, batch, budget, dense=chosen == "dense")
+
+
+def _key_columns(y, second_moment, iu):
+    """Unweighted key columns [1, y_j, (y⊗y)_{a≤b}], (..., m, c)."""
+    cols = [torch.ones_like(y[..., :1]), y]
+    if second_moment:
+        cols.append(_second_columns(y, iu))
+    return torch.cat(cols, -1)
+
+
+def _softmax_chunked(x, y, qf, kf, weights, second_moment, batch, chunk_elements, dense=False):
+    """No-grad plain-torch kernel: blocks of S = Q Kᵀ, exp (shift-free when safe), one GEMM with
+    vals_j = w_j [1, y_j, (y⊗y)_j] giving m_h, m_h ȳ_h and m_h q_h at once."""
+    H, n, k = qf.shape[-3], qf.shape[-2], qf.shape[-1]
+    m, d = y.shape[-2], y.shape[-1]
+    dt, dev = x.dtype, x.device
+    iu, coef = _sym_pairs(d, dev, dt) if second_moment else (None, None)
+    vals_u = _key_columns(y, second_moment, iu)  # (..., m, c) without token weights
+    c = vals_u.shape[-1]
+    G0 = math.prod(batch)
+    shared = kf.shape[-3] == 1
+
+    def per_group(t, last):  # (..., m, last) -> (G, m, last)
+        t = t.expand(*batch, m, last).reshape(G0, m, last)
+        return t if shared else t.unsqueeze(1).expand(G0, H, m, last).reshape(G0 * H, m, last)
+
+    if shared:
+        # keys shared by all heads: fold the heads into the rows of one GEMM per batch element
+        G, R = G0, H * n
+        K = kf.expand(*batch, 1, m, k).reshape(G, m, k)
     else:
-        kT = (y.unsqueeze(-3) @ right).transpose(-1, -2)  # (..., H, k, m)
-    batch = torch.broadcast_shapes(qf.shape[:-3], kT.shape[:-3])
-    rows = _rows_per_chunk(math.prod(batch) * H, n, m, chunk_elements)
-    vals_b = vals.unsqueeze(-3)  # (..., 1, m, c)
-
-    def gemm(a, b):
-        """a (..., H, c, k) @ b (..., 1|H, k, m), with the heads folded into rows when b is shared."""
-        if b.shape[-3] == 1 and a.shape[-3] > 1:
-            c = a.shape[-2]
-            out = a.reshape(*a.shape[:-3], a.shape[-3] * c, a.shape[-1]) @ b.squeeze(-3)
-            return out.reshape(*out.shape[:-2], a.shape[-3], c, out.shape[-1])
-        return a @ b
-
-    lses, means, seconds = [], [], []
-    for i0 in range(0, n, rows):
-        S = gemm(qf[..., i0:i0 + rows, :], kT)  # (..., H, c, m)
-        if logw is not None:
-            S = S + logw if grad else S.add_(logw)
-        if grad:
-            lse = torch.logsumexp(S, -1)
-            P = torch.exp(S - lse.unsqueeze(-1))
-            Z = None
-        else:
-            mx = S.amax(-1, keepdim=True)
-            # rows whose keys all have weight zero would give -inf - -inf; keep them finite
-            mx = torch.nan_to_num(mx, neginf=0.0) if logw is not None else mx
-            P = S.sub_(mx).exp_()
-            Z = P.sum(-1)
-            lse = mx.squeeze(-1) + torch.log(Z)
-        mom = gemm(P, vals_b)  # (..., H, c, d[+d²])
-        if Z is not None:
-            mom = mom / Z.unsqueeze(-1)
-        means.append(mom[..., :d])
-        if second_moment:
-            xc = x[..., i0:i0 + rows, :]
-            if aug:
-                xx = (xc.unsqueeze(-1) * xc.unsqueeze(-2)).flatten(-2).unsqueeze(-3)  # (..., 1, c, d²)
-                seconds.append((mom[..., d:] * xx).sum(-1))
-            else:
-                q = (xc @ y.transpose(-1, -2)).square().unsqueeze(-3)  # (..., 1, c, m)
-                sec = (P * q).sum(-1)
-                seconds.append(sec if Z is None else sec / Z)
-        lses.append(lse)
-    lse = lses[0] if len(lses) == 1 else torch.cat(lses, -1)
-    mean = means[0] if len(means) == 1 else torch.cat(means, -2)
+        G, R = G0 * H, n
+        K = kf.expand(*batch, H, m, k).reshape(G, m, k)
+    Q = qf.expand(*batch, H, n, k).reshape(G, R, k)
+    Vu = per_group(vals_u, c)
     if weights is None:
+        Vw, logw = Vu, None
+    else:
+        w = per_group(weights.unsqueeze(-1), 1)  # (G, m, 1)
+        Vw = Vu * w
+        logw = torch.log(w).transpose(-1, -2)  # (G, 1, m)
+    KT = K.transpose(-1, -2)
+    # Cauchy–Schwarz bound on |s_ij| per row, for the shift-free exp
+    bound = Q.norm(dim=-1) * K.norm(dim=-1).amax(-1, keepdim=True)  # (G, R)
+    limit = _exp_safe_limit(dt, m)
+    all_safe = float(bound.max()) <= limit
+    if dense:
+        rows, groups = R, G
+    else:
+        budget = DEFAULT_CHUNK_ELEMENTS if chunk_elements is None else int(chunk_elements)
+        rows = max(1, min(R, budget // max(1, m)))
+        groups = max(1, min(G, budget // max(1, rows * m)))
+    if all_safe and rows == R and groups == G:
+        # one block: S = Q Kᵀ, e^S in place, one GEMM (the common small/medium case)
+        M = torch.bmm(torch.bmm(Q, KT).exp_(), Vw).reshape(*batch, H, n, c)
+        return _finish(x, M, None, weights is None, m, d, second_moment, iu, coef)
+    M = torch.empty(G, R, c, dtype=dt, device=dev)
+    shift = None
+    S_buf = torch.empty(groups * rows * m, dtype=dt, device=dev)
+    for g0 in range(0, G, groups):
+        g1 = min(G, g0 + groups)
+        for r0 in range(0, R, rows):
+            r1 = min(R, r0 + rows)
+            S = S_buf[: (g1 - g0) * (r1 - r0) * m].view(g1 - g0, r1 - r0, m)
+            torch.bmm(Q[g0:g1, r0:r1], KT[g0:g1], out=S)
+            if all_safe or float(bound[g0:g1, r0:r1].max()) <= limit:
+                S.exp_()
+                M[g0:g1, r0:r1] = torch.bmm(S, Vw[g0:g1])
+            else:
+                # large scores: shift by the row max of s_ij + log w_j (zero-weight keys
+                # cannot set the shift); the weights then live in the exponent
+                if logw is not None:
+                    S.add_(logw[g0:g1])
+                mx = torch.nan_to_num(S.amax(-1, keepdim=True), neginf=0.0)
+                S.sub_(mx).exp_()
+                M[g0:g1, r0:r1] = torch.bmm(S, Vu[g0:g1])
+                if shift is None:
+                    shift = torch.zeros(G, R, dtype=dt, device=dev)
+                shift[g0:g1, r0:r1] = mx.squeeze(-1)
+    M = M.reshape(*batch, H, n, c)
+    return _finish(x, M, None if shift is None else shift.reshape(*batch, H, n), weights is None, m, d,
+                   second_moment, iu, coef)
+
+
+def _finish(x, M, shift, uniform, m, d, second_moment, iu, coef):
+    """HeadStats from the moment block M = Σ_j e^{s_ij - shift_i} vals_j, (..., H, n, c)."""
+    Z = M[..., 0]
+    lse = torch.log(Z)
+    if shift is not None:
+        lse = lse + shift
+    if uniform:
         lse = lse - math.log(m)
+    inv = torch.reciprocal(Z)
+    mean = M[..., 1:1 + d] * inv.unsqueeze(-1)
     second = None
     if second_moment:
-        second = seconds[0] if len(seconds) == 1 else torch.cat(seconds, -1)
+        second = _quadratic_form(x, M[..., 1 + d:], iu, coef) * inv
     return HeadStats(lse, mean, second)
 
 
+def _softmax_sdpa(x, y, qf, kf, weights, second_moment, batch):
+    """Fused CPU flash-attention kernel: output = softmax(Q Kᵀ + log w) [y, y⊗y], plus its logsumexp."""
+    op = _flash_cpu_op()
+    H, n, k = qf.shape[-3], qf.shape[-2], qf.shape[-1]
+    m, d = y.shape[-2], y.shape[-1]
+    iu, coef = _sym_pairs(d, x.device, x.dtype) if second_moment else (None, None)
+    vcols = [y] if not second_moment else [y, _second_columns(y, iu)]
+    v = torch.cat(vcols, -1) if len(vcols) > 1 else y  # (..., m, c)
+    c = v.shape[-1]
+    E = max(k, c)
+    G = math.prod(batch)
+    Hk = kf.shape[-3]
+    q4 = qf.expand(*batch, H, n, k).reshape(G, H, n, k)
+    k4 = kf.expand(*batch, Hk, m, k).reshape(G, Hk, m, k)
+    v4 = v.unsqueeze(-3).expand(*batch, 1, m, c).reshape(G, 1, m, c)
+    if k < E:
+        q4 = torch.nn.functional.pad(q4, (0, E - k))
+        k4 = torch.nn.functional.pad(k4, (0, E - k))
+    if c < E:
+        v4 = torch.nn.functional.pad(v4, (0, E - c))
+    k4 = k4.expand(G, H, m, E)
+    v4 = v4.expand(G, H, m, E)
+    mask = None
+    if weights is not None:
+        mask = torch.log(weights).expand(*batch, m).reshape(G, 1, 1, m)
+    out, lse = op(q4, k4, v4, attn_mask=mask, scale=1.0)
+    out = out.reshape(*batch, H, n, E)
+    lse = lse.reshape(*batch, H, n).to(x.dtype)
+    if weights is None:
+        lse = lse - math.log(m)
+    mean = out[..., :d].contiguous()  # downstream products on a strided view are several times slower
+    second = _quadratic_form(x, out[..., d:c], iu, coef) if second_moment else None
+    return HeadStats(lse, mean, second)
+
+
+def _softmax_keops(x, y, qf, kf, weights, second_moment, batch):  # pragma: no cover - needs pykeops
+    """KeOps symbolic reductions: log Σ_j w_j e^{s_ij} and Σ_j softmax_ij [y_j, (y⊗y)_j]."""
+    from pykeops.torch import LazyTensor
+
+    H, n, k = qf.shape[-3], qf.shape[-2], qf.shape[-1]
+    m, d = y.shape[-2], y.shape[-1]
+    G = math.prod(batch)
+    Hk = kf.shape[-3]
+    iu, coef = _sym_pairs(d, x.device, x.dtype) if second_moment else (None, None)
+    v = torch.cat([y, _second_columns(y, iu)], -1) if second_moment else y
+    c = v.shape[-1]
+    q = qf.expand(*batch, H, n, k).reshape(G, H, n, 1, k).contiguous()
+    kk = kf.expand(*batch, Hk, m, k).reshape(G, Hk, 1, m, k).expand(G, H, 1, m, k).contiguous()
+    vv = v.unsqueeze(-3).expand(*batch, H, m, c).reshape(G, H, 1, m, c).contiguous()
+    S = LazyTensor(q) | LazyTensor(kk)  # (G, H, n, m) symbolic
+    if weights is not None:
+        lw = torch.log(weights).expand(*batch, m).reshape(G, 1, 1, m, 1).expand(G, H, 1, m, 1).contiguous()
+        S = S + LazyTensor(lw)
+    lse = S.logsumexp(dim=3).reshape(*batch, H, n)
+    mom = S.sumsoftmaxweight(LazyTensor(vv), dim=3).reshape(*batch, H, n, c)
+    if weights is None:
+        lse = lse - math.log(m)
+    mean = mom[..., :d]
+    second = _quadratic_form(x, mom[..., d:], iu, coef) if second_moment else None
+    return HeadStats(lse, mean, second)
+
+
+def _softmax_autograd(x, y, left, right, weights, second_moment, chunk_elements):
+    """Differentiable path: out-of-place log-sum-exp over query-row chunks."""
+    qf = x.unsqueeze(-3) @ left  # (..., H, n, k)
+    n, m, d = x.shape[-2], y.shape[-2], y.shape[-1]
+    H = qf.shape[-3]
+    logw = None if weights is None else torch.log(weights).unsqueeze(-2).unsqueeze(-2)  # (..., 1, 1, m)
+    kT = (y.unsqueeze(-3) if right is None else y.unsqueeze(-3) @ right).transpose(-1, -2)  # (..., 1|H, k, m)
+    batch = torch.broadcast_shapes(qf.shape[:-3], kT.shape[:-3])
+    rows = _rows_per_chunk(math.prod(batch) * H, n, m, chunk_elements)
+    yv = y.unsqueeze(-3)
+    lses, means, seconds = [], [], []
+    for i0 in range(0, n, rows):
+        S = qf[..., i0:i0 + rows, :] @ kT  # (..., H, c, m)
+        if logw is not None:
+            S = S + logw
+        lse = torch.logsumexp(S, -1)
+        P = torch.exp(S - lse.unsqueeze(-1))
+        means.append(P @ yv)
+        if second_moment:
+            xc = x[..., i0:i0 + rows, :]
+            q = (xc @ y.transpose(-1, -2)).square().unsqueeze(-3)  # (..., 1, c, m)
+            seconds.append((P * q).sum(-1))
+        lses.append(lse)
+    lse = torch.cat(lses, -1)
+    if weights is None:
+        lse = lse - math.log(m)
+    mean = torch.cat(means, -2)
+    second = torch.cat(seconds, -1) if second_moment else None
+    return HeadStats(lse, mean, second)
+
+
+# ---------------------------------------------------------------------------- relu
 def relu_statistics(
     x: torch.Tensor,
     heads: Heads,
@@ -171,27 +530,38 @@ def relu_statistics(
     *,
     keys: Optional[torch.Tensor] = None,
     chunk_elements: Optional[int] = None,
+    backend: str = "auto",
 ):
     """ReLU attention moments: mass_h(x_i) = Σ_j w_j ReLU(s_ij), first_h(x_i) = Σ_j w_j ReLU(s_ij) y_j.
 
     Returns (mass (..., H, n), first (..., H, n, d)).  The ReLU head output is f_h = V_h first_h.
+    Memory ~ chunk_elements; "dense" uses one block; "sdpa" does not apply (no softmax) and
+    means "chunked"; "keops" needs pykeops.  With autograd an out-of-place path is used.
     """
+    _check_backend(backend)
+    _check_chunk(chunk_elements)
     y = x if keys is None else keys
     left, right = _features(heads)
     qf = x.unsqueeze(-3) @ left
     kf = y.unsqueeze(-3) if right is None else y.unsqueeze(-3) @ right
+    n, m, d = x.shape[-2], y.shape[-2], y.shape[-1]
+    H = qf.shape[-3]
+    batch = _bshape(qf.shape[:-3], kf.shape[:-3], () if weights is None else weights.shape[:-1])
+    # "keops" raises the install hint when pykeops is missing; ReLU sums then run chunked
+    chosen = select_backend(backend, x.device, x.dtype, math.prod(batch) * H * n * m)
+    vals = torch.cat([torch.ones_like(y[..., :1]), y], -1)  # (..., m, 1 + d)
+    vals = vals / m if weights is None else vals * weights.unsqueeze(-1)
+    vT = vals.unsqueeze(-3)  # (..., 1, m, 1 + d)
     kfT = kf.transpose(-1, -2)
-    yv = y.unsqueeze(-3)
-    n, m = x.shape[-2], y.shape[-2]
-    wv = None if weights is None else weights.unsqueeze(-2).unsqueeze(-2)
-    batch = torch.broadcast_shapes(qf.shape[:-2], kfT.shape[:-2])
-    rows = _rows_per_chunk(math.prod(batch), n, m, chunk_elements)
-    masses, firsts = [], []
+    grad = _needs_grad(x, y, left, right, weights)
+    if chosen == "dense":
+        rows = n
+    else:
+        rows = _rows_per_chunk(math.prod(batch) * H, n, m, chunk_elements)
+    outs = []
     for i0 in range(0, n, rows):
-        R = torch.relu(qf[..., i0:i0 + rows, :] @ kfT)
-        R = R / m if wv is None else R * wv
-        masses.append(R.sum(-1))
-        firsts.append(R @ yv)
-    mass = masses[0] if len(masses) == 1 else torch.cat(masses, -1)
-    first = firsts[0] if len(firsts) == 1 else torch.cat(firsts, -2)
-    return mass, first
+        S = qf[..., i0:i0 + rows, :] @ kfT
+        R = torch.relu(S) if grad else S.relu_()
+        outs.append(R @ vT)
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, -2)
+    return out[..., 0], out[..., 1:]

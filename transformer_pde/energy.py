@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from .attention import HeadStats, softmax_statistics
-from .field import _check_inputs, _token_mean
+from .field import _check_inputs, _head_token_mean
 from .heads import Heads
 
 __all__ = ["energy", "head_energies", "first_variation", "energy_time_derivative",
@@ -30,7 +30,7 @@ def head_energies(x, heads: Heads, weights=None):
     _check_inputs(x, heads, weights)
     stats = softmax_statistics(x, heads, weights)
     beta = heads.beta if isinstance(heads.beta, float) else heads.beta.unsqueeze(-1)
-    return _token_mean(torch.exp(stats.log_partition), weights) / (2 * beta)
+    return _head_token_mean(torch.exp(stats.log_partition), weights) / (2 * beta)
 
 
 def energy(x, heads: Heads, weights=None):
@@ -81,9 +81,12 @@ def pairing(x, heads: Heads, weights, stats: HeadStats, M: torch.Tensor) -> torc
     """Σ_h ω_h ½ Σ_i w_i m_h(x_i) ⟨x_i, M_h ȳ_h(x_i)⟩ = ⟨∂_A E, M⟩, (...,).
 
     With M = Ȧ this is ∂_tE; with M = σ ΔW_sym it is the martingale increment."""
-    Mx = x.unsqueeze(-3) @ M  # rows x_iᵀ M_h = (M_hᵀ x_i)ᵀ
-    inner = (Mx * stats.mean).sum(-1)  # x_iᵀ M_h ȳ_hi
-    per_head = _token_mean(torch.exp(stats.log_partition) * inner, weights)
+    # T_h = Σ_i w_i m_h(x_i) x_i ȳ_hiᵀ (d×d per head), then ⟨M_h, T_h⟩_F: O(H n d²) in one
+    # batched product instead of forming M_hᵀ x_i for every token
+    mw = torch.exp(stats.log_partition)  # (..., H, n)
+    mw = mw / x.shape[-2] if weights is None else mw * weights.unsqueeze(-2)
+    T = (mw.unsqueeze(-1) * stats.mean).transpose(-1, -2) @ x.unsqueeze(-3)  # (..., H, d, d): T_ba
+    per_head = (T.transpose(-1, -2) * M).sum((-1, -2))
     return 0.5 * (heads.weights * per_head).sum(-1)
 
 
@@ -91,7 +94,7 @@ def ito_correction(heads: Heads, weights, stats: HeadStats, sigma) -> torch.Tens
     """Σ_h ω_h ½ (β σ_h²/4) Σ_i w_i m_h(x_i) (1 + q_h(x_i)), (...,); needs stats.second.
 
     sigma: float, or tensor broadcasting against (..., H)."""
-    per_head = _token_mean(torch.exp(stats.log_partition) * (1 + stats.second), weights)
+    per_head = _head_token_mean(torch.exp(stats.log_partition) * (1 + stats.second), weights)
     beta = heads.beta if isinstance(heads.beta, float) else heads.beta.unsqueeze(-1)
     sig2 = sigma * sigma
     return (heads.weights * 0.5 * beta * sig2 / 4 * per_head).sum(-1)

@@ -58,6 +58,11 @@ def _token_mean(values: torch.Tensor, weights: Optional[torch.Tensor]) -> torch.
     return values.mean(-1) if weights is None else (values * weights).sum(-1)
 
 
+def _head_token_mean(values: torch.Tensor, weights: Optional[torch.Tensor]) -> torch.Tensor:
+    """Σ_i w_i values_hi for per-head values (..., H, n) and token weights (..., n) -> (..., H)."""
+    return values.mean(-1) if weights is None else (values * weights.unsqueeze(-2)).sum(-1)
+
+
 def _apply(M: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """M_h v_hi for M (..., H, d, d) and v (..., H, n, d) -> (..., H, n, d)."""
     return v @ M.transpose(-1, -2)
@@ -69,13 +74,17 @@ def _log_inverse_mobility(heads: Heads, lse: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logw - lse, dim=-2)
 
 
-def _grad_first_variation_terms(x, heads: Heads, weights, stats: HeadStats, chunk_elements=None):
+def _grad_first_variation_terms(x, heads: Heads, weights, stats: HeadStats, chunk_elements=None, backend="auto",
+                                applied=None, keys=None):
     """Per-head un-projected terms c_h(x_i) with ∇ δE/δμ(x_i) = Σ_h ω_h c_h(x_i), as
-    (log-scale, direction): c_h = e^{lse_h} u_h.  Returns list of (lse, u) pairs."""
+    (log-scale, direction): c_h = e^{lse_h} u_h.  Returns list of (lse, u) pairs.
+    ``applied``: A_h ȳ_h when the caller already has it (tied symmetric heads).
+    ``weights`` are the key weights; ``keys`` the support of μ (default x)."""
     A = heads.score_matrix
     if heads.is_symmetric:
-        return [(stats.log_partition, _apply(A, stats.mean))]
-    tstats = softmax_statistics(x, heads, weights, transpose=True, chunk_elements=chunk_elements)
+        return [(stats.log_partition, _apply(A, stats.mean) if applied is None else applied)]
+    tstats = softmax_statistics(x, heads, weights, keys=keys, transpose=True, chunk_elements=chunk_elements,
+                                backend=backend)
     At = A.transpose(-1, -2)
     half = torch.log(torch.tensor(0.5, dtype=x.dtype, device=x.device))
     return [
@@ -94,23 +103,44 @@ def evaluate(
     diagnostics: bool = True,
     second_moment: bool = False,
     chunk_elements: Optional[int] = None,
+    backend: str = "auto",
+    keys: Optional[torch.Tensor] = None,
+    key_weights: Optional[torch.Tensor] = None,
 ) -> FieldEval:
     """Field and diagnostics from one kernel pass.  No input validation (hot path):
-    call :func:`velocity` / :func:`transformer_pde.energy` for checked entry points."""
+    call :func:`velocity` / :func:`transformer_pde.energy` for checked entry points.
+
+    ``backend`` and ``chunk_elements`` select the attention kernel
+    (:func:`transformer_pde.attention.softmax_statistics`: "auto" | "dense" | "chunked" |
+    "sdpa" | "keops"); every backend gives the same numbers to rounding.
+
+    ``keys`` (..., m, d) and ``key_weights`` (..., m) or None: evaluate at the queries ``x`` the
+    field of the measure μ = Σ_j key_weights_j δ_{keys_j} (default: μ = Σ_i weights_i δ_{x_i}).
+    The diagnostics are then the partial sums Σ_i weights_i (...) over these queries, which add
+    up over a partition of μ's support into query shards (:mod:`transformer_pde.distributed`);
+    pass the shard's share of the global token weights as ``weights``."""
+    if keys is None:
+        key_weights = weights
     omega = heads.weights.unsqueeze(-1).unsqueeze(-1)  # (..., H, 1, 1)
-    stats = softmax_statistics(x, heads, weights, second_moment=second_moment, chunk_elements=chunk_elements)
+    stats = softmax_statistics(x, heads, key_weights, keys=keys, second_moment=second_moment,
+                               chunk_elements=chunk_elements, backend=backend)
     lse = stats.log_partition
     need_grad_fv = diagnostics or normalization == "effective"
-    terms = _grad_first_variation_terms(x, heads, weights, stats, chunk_elements) if need_grad_fv else None
     outputs = None
+    value_mean = None  # V_h ȳ_h, shared with the first-variation term when V_h = A_h = A_hᵀ
+    if normalization in ("softmax", "unnormalized"):
+        value_mean = _apply(heads.value_matrix, stats.mean)
+    reuse = value_mean if (value_mean is not None and heads.tied and heads.is_symmetric) else None
+    terms = (_grad_first_variation_terms(x, heads, key_weights, stats, chunk_elements, backend, applied=reuse,
+                                         keys=keys) if need_grad_fv else None)
     if normalization == "softmax":
-        outputs = _apply(heads.value_matrix, stats.mean)
+        outputs = value_mean
         field = (omega * outputs).sum(-3)
     elif normalization == "unnormalized":
-        outputs = torch.exp(lse).unsqueeze(-1) * _apply(heads.value_matrix, stats.mean)
+        outputs = torch.exp(lse).unsqueeze(-1) * value_mean
         field = (omega * outputs).sum(-3)
     elif normalization == "relu":
-        _, first = relu_statistics(x, heads, weights, chunk_elements=chunk_elements)
+        _, first = relu_statistics(x, heads, key_weights, keys=keys, chunk_elements=chunk_elements, backend=backend)
         outputs = _apply(heads.value_matrix, first)
         field = (omega * outputs).sum(-3)
     elif normalization == "effective":
@@ -123,7 +153,7 @@ def evaluate(
     if diagnostics:
         g = tangent_projection(x, sum((omega * torch.exp(l).unsqueeze(-1) * u).sum(-3) for l, u in terms))
         out.grad_first_variation = g
-        out.energy = (heads.weights * _token_mean(torch.exp(lse), weights)).sum(-1) / (2 * heads.beta)
+        out.energy = (heads.weights * _head_token_mean(torch.exp(lse), weights)).sum(-1) / (2 * heads.beta)
         b = torch.exp(-_log_inverse_mobility(heads, lse))
         out.slope = _token_mean(b * V.square().sum(-1), weights)
         out.dissipation = _token_mean((g * V).sum(-1), weights)

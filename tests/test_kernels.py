@@ -1,0 +1,361 @@
+"""Attention kernels: every backend against an independent dense oracle, memory, backend choice.
+
+The oracle below forms the full (..., H, n, m) score tensor and uses torch.logsumexp /
+torch.softmax — the textbook formulas, sharing no code with transformer_pde.attention.
+"""
+
+import math
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import transformer_pde as tp
+from transformer_pde import attention
+from transformer_pde.field import evaluate
+
+NO_GRAD_BACKENDS = ["dense", "chunked", "sdpa"]
+
+
+def _gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def _sphere(*shape, dtype=torch.float64, seed=0):
+    x = torch.randn(*shape, generator=_gen(seed), dtype=torch.float64)
+    return torch.nn.functional.normalize(x, dim=-1).to(dtype)
+
+
+def oracle(x, A, weights=None, keys=None, beta=1.0):
+    """Dense float64 reference: log m_h, ȳ_h, q_h with the full score tensor.
+
+    x (..., n, d), A (..., H, d, d), weights (..., m) or None, beta float or tensor (...)."""
+    x = x.double()
+    y = x if keys is None else keys.double()
+    A = A.double()
+    if isinstance(beta, torch.Tensor):
+        beta = beta.double()[..., None, None, None]
+    S = beta * torch.einsum("...ia,...hab,...jb->...hij", x, A, y)
+    m = y.shape[-2]
+    logw = torch.full((m,), -math.log(m), dtype=torch.float64) if weights is None else torch.log(weights.double())
+    S = S + logw.unsqueeze(-2).unsqueeze(-2)
+    lse = torch.logsumexp(S, -1)
+    P = torch.softmax(S, -1)
+    mean = P @ y.unsqueeze(-3)
+    second = (P * (x @ y.transpose(-1, -2)).square().unsqueeze(-3)).sum(-1)
+    return lse, mean, second
+
+
+def _tol(dtype, scale=1.0):
+    return dict(rtol=1e-11 * scale, atol=1e-11 * scale) if dtype == torch.float64 else dict(rtol=2e-5 * scale, atol=2e-5 * scale)
+
+
+def _assert_stats(st, ref, dtype, scale=1.0):
+    tol = _tol(dtype, scale)
+    torch.testing.assert_close(st.log_partition.double(), ref[0], **tol)
+    torch.testing.assert_close(st.mean.double(), ref[1], **tol)
+    if st.second is not None:
+        torch.testing.assert_close(st.second.double(), ref[2], **tol)
+
+
+# ---------------------------------------------------------------------------- agreement
+CASES = ["plain", "weights", "zero_weight", "batch_broadcast", "beta_tensor", "keys", "factors"]
+
+
+def _case(case, dtype, d=3):
+    x = _sphere(2, 9, d, dtype=dtype, seed=1)
+    A = torch.randn(2, 4, d, d, generator=_gen(2), dtype=torch.float64).to(dtype)
+    kw, ref_kw = {}, {}
+    heads = tp.Heads(A)
+    if case in ("weights", "zero_weight"):
+        w = torch.rand(2, 9, generator=_gen(3), dtype=torch.float64)
+        if case == "zero_weight":
+            w[:, 4] = 0.0
+        w = (w / w.sum(-1, keepdim=True)).to(dtype)
+        kw["weights"] = w
+    elif case == "batch_broadcast":
+        x = _sphere(3, 2, 9, d, dtype=dtype, seed=4)  # heads (2, H) broadcast against x (3, 2)
+    elif case == "beta_tensor":
+        beta = torch.tensor([0.5, 3.0], dtype=dtype)
+        heads = tp.Heads(A, beta=beta)
+        ref_kw["beta"] = beta
+    elif case == "keys":
+        y = _sphere(2, 13, d, dtype=dtype, seed=5)
+        kw["keys"] = ref_kw["keys"] = y
+    elif case == "factors":
+        Q = torch.randn(2, 4, 2, d, generator=_gen(6), dtype=torch.float64).to(dtype)
+        K = torch.randn(2, 4, 2, d, generator=_gen(7), dtype=torch.float64).to(dtype)
+        heads = tp.Heads(None, A, query=Q, key=K)
+        A = Q.transpose(-1, -2) @ K
+    return x, heads, A, kw, ref_kw
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("backend", NO_GRAD_BACKENDS + ["auto"])
+def test_backends_match_dense_oracle(backend, case, dtype):
+    x, heads, A, kw, ref_kw = _case(case, dtype)
+    weights = kw.pop("weights", None)
+    ref = oracle(x, A, weights, **ref_kw)  # noqa: the oracle shares no code with the kernels
+    st = tp.softmax_statistics(x, heads, weights, second_moment=True, backend=backend, **kw)
+    assert st.log_partition.dtype == dtype and st.mean.dtype == dtype
+    _assert_stats(st, ref, dtype)
+
+
+@pytest.mark.parametrize("backend", ["chunked", "dense"])
+def test_chunked_blocks_of_any_size_agree(backend):
+    """Block boundaries must not matter: tiny blocks, blocks over groups, one block."""
+    x, heads, A, kw, _ = _case("weights", torch.float64)
+    ref = oracle(x, A, kw["weights"])
+    for chunk in (1, 7, 9 * 4 * 9, 10**9):
+        st = tp.softmax_statistics(x, heads, kw["weights"], second_moment=True, backend=backend, chunk_elements=chunk)
+        _assert_stats(st, ref, torch.float64)
+
+
+def test_transpose_flag_uses_A_transposed():
+    x, heads, A, _, _ = _case("plain", torch.float64)
+    ref = oracle(x, A.transpose(-1, -2))
+    for backend in NO_GRAD_BACKENDS:
+        st = tp.softmax_statistics(x, heads, transpose=True, second_moment=True, backend=backend)
+        _assert_stats(st, ref, torch.float64)
+
+
+@pytest.mark.parametrize("backend", NO_GRAD_BACKENDS)
+def test_second_moment_in_higher_dimension(backend):
+    """d = 10 uses the explicit second-moment pass instead of (y ⊗ y) columns."""
+    x, heads, A, _, _ = _case("plain", torch.float64, d=10)
+    ref = oracle(x, A)
+    _assert_stats(tp.softmax_statistics(x, heads, second_moment=True, backend=backend), ref, torch.float64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("backend", NO_GRAD_BACKENDS)
+def test_large_beta_norm_stays_finite(backend, dtype):
+    """β‖A‖ ≈ 500: e^{s} overflows in both dtypes, the kernels must shift (and agree with the oracle)."""
+    x = _sphere(2, 12, 3, dtype=dtype, seed=8)
+    A = torch.randn(3, 3, 3, generator=_gen(9), dtype=torch.float64)
+    A = (500.0 * A / torch.linalg.matrix_norm(A, ord=2)[..., None, None]).to(dtype)
+    w = torch.rand(12, generator=_gen(10), dtype=torch.float64)
+    w[0] = 0.0
+    w = (w / w.sum()).to(dtype)
+    st = tp.softmax_statistics(x, tp.Heads(A), w, second_moment=True, backend=backend)
+    assert torch.isfinite(st.log_partition).all() and torch.isfinite(st.mean).all()
+    assert torch.isfinite(st.second).all()
+    ref = oracle(x, A, w)
+    # float32 scores of size 500 carry absolute rounding ~500·eps in the exponent
+    scale = 1.0 if dtype == torch.float64 else 50.0
+    _assert_stats(st, ref, dtype, scale)
+    V = tp.velocity(x, tp.Heads(A), w, direction="descent")
+    assert torch.isfinite(V).all()
+
+
+def test_shift_free_and_shifted_paths_agree(monkeypatch):
+    """Force the row-max fallback everywhere and compare with the shift-free exp."""
+    x, heads, A, kw, _ = _case("zero_weight", torch.float64)
+    fast = tp.softmax_statistics(x, heads, kw["weights"], second_moment=True, backend="chunked")
+    monkeypatch.setattr(attention, "_exp_safe_limit", lambda dtype, m: -1.0)
+    slow = tp.softmax_statistics(x, heads, kw["weights"], second_moment=True, backend="chunked")
+    for a, b in zip((fast.log_partition, fast.mean, fast.second), (slow.log_partition, slow.mean, slow.second)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_shift_free_limit_is_safe():
+    """At the bound itself, e^{±B} summed over m keys is finite and normal in both dtypes."""
+    for dtype in (torch.float32, torch.float64):
+        for m in (1, 200, 10**6):
+            B = attention._exp_safe_limit(dtype, m)
+            fi = torch.finfo(dtype)
+            assert B > 0
+            assert math.exp(B) * m < fi.max
+            assert math.exp(-B) > fi.tiny
+
+
+# ---------------------------------------------------------------------------- autograd path
+def test_autograd_path_matches_no_grad_kernels():
+    x, heads, A, kw, _ = _case("weights", torch.float64)
+    xg = x.clone().requires_grad_(True)
+    st = tp.softmax_statistics(xg, heads, kw["weights"], second_moment=True)
+    assert st.log_partition.requires_grad
+    for backend in NO_GRAD_BACKENDS:
+        ref = tp.softmax_statistics(x, heads, kw["weights"], second_moment=True, backend=backend)
+        torch.testing.assert_close(st.log_partition.detach(), ref.log_partition, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(st.mean.detach(), ref.mean, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(st.second.detach(), ref.second, rtol=1e-12, atol=1e-12)
+
+
+def test_autograd_gradcheck_through_kernel():
+    x = _sphere(5, 3, seed=11).requires_grad_(True)
+    A = torch.randn(2, 3, 3, generator=_gen(12), dtype=torch.float64, requires_grad=True)
+
+    def f(x, A):
+        st = tp.softmax_statistics(x, tp.Heads(A), second_moment=True, chunk_elements=8)
+        return st.log_partition, st.mean, st.second
+
+    assert torch.autograd.gradcheck(f, (x, A))
+
+
+# ---------------------------------------------------------------------------- field and relu
+@pytest.mark.parametrize("normalization", ["softmax", "unnormalized", "relu", "effective"])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_evaluate_identical_across_backends(normalization, symmetric):
+    x = _sphere(2, 11, 3, seed=13)
+    if symmetric:
+        heads = tp.Heads.random(3, 3, batch_shape=(2,), generator=_gen(14), dtype=torch.float64)
+    else:
+        heads = tp.Heads.random(3, 3, symmetric=False, batch_shape=(2,), generator=_gen(14), dtype=torch.float64)
+    w = torch.rand(2, 11, generator=_gen(15), dtype=torch.float64)
+    w = w / w.sum(-1, keepdim=True)
+    outs = [evaluate(x, heads, w, normalization=normalization, sign=-1.0, second_moment=True, backend=b,
+                     chunk_elements=16) for b in NO_GRAD_BACKENDS]
+    for o in outs[1:]:
+        for key in ("velocity", "energy", "slope", "dissipation", "grad_first_variation"):
+            torch.testing.assert_close(getattr(o, key), getattr(outs[0], key), rtol=1e-11, atol=1e-12)
+
+
+def test_relu_statistics_against_oracle():
+    x = _sphere(2, 10, 3, seed=16)
+    A = torch.randn(2, 3, 3, 3, generator=_gen(17), dtype=torch.float64)
+    w = torch.rand(2, 10, generator=_gen(18), dtype=torch.float64)
+    w = w / w.sum(-1, keepdim=True)
+    R = torch.relu(torch.einsum("...ia,...hab,...jb->...hij", x, A, x)) * w.unsqueeze(-2).unsqueeze(-2)
+    for backend, chunk in (("chunked", 5), ("dense", None), ("auto", None)):
+        mass, first = tp.relu_statistics(x, tp.Heads(A), w, backend=backend, chunk_elements=chunk)
+        torch.testing.assert_close(mass, R.sum(-1))
+        torch.testing.assert_close(first, R @ x.unsqueeze(-3))
+    xg = x.clone().requires_grad_(True)
+    mass, first = tp.relu_statistics(xg, tp.Heads(A), w)
+    first.sum().backward()
+    assert torch.isfinite(xg.grad).all()
+
+
+# ---------------------------------------------------------------------------- backend choice
+def test_unknown_backend_and_bad_chunk_are_refused():
+    x, heads, _, _, _ = _case("plain", torch.float64)
+    with pytest.raises(ValueError, match="unknown kernel backend"):
+        tp.softmax_statistics(x, heads, backend="cuda-magic")
+    with pytest.raises(ValueError, match="chunk_elements must be a positive int"):
+        tp.softmax_statistics(x, heads, chunk_elements=0)
+    with pytest.raises(ValueError, match="unknown kernel backend"):
+        attention.kernel_backend("fast")
+
+
+@pytest.mark.skipif(attention.keops_available(), reason="pykeops is installed here")
+def test_keops_missing_raises_install_hint():
+    x, heads, _, _, _ = _case("plain", torch.float64)
+    with pytest.raises(ImportError, match="pip install pykeops"):
+        tp.softmax_statistics(x, heads, backend="keops")
+    with pytest.raises(ImportError, match="pip install pykeops"):
+        tp.relu_statistics(x, heads, backend="keops")
+
+
+def test_auto_never_picks_keops_on_cpu(monkeypatch):
+    monkeypatch.setattr(attention, "keops_available", lambda: True)
+    for dtype in (torch.float32, torch.float64):
+        assert attention.select_backend("auto", "cpu", dtype, 10**12) != "keops"
+
+
+def test_auto_on_cpu_and_sdpa_fallback(monkeypatch):
+    if attention.sdpa_available("cpu", torch.float64):
+        assert attention.select_backend("auto", "cpu", torch.float64, 100) == "sdpa"
+    monkeypatch.setattr(attention, "_FLASH_CPU", False)
+    assert not attention.sdpa_available("cpu", torch.float64)
+    assert attention.select_backend("auto", "cpu", torch.float64, 100) == "chunked"
+    assert attention.select_backend("sdpa", "cpu", torch.float64, 100) == "chunked"
+    x, heads, A, _, _ = _case("plain", torch.float64)
+    _assert_stats(tp.softmax_statistics(x, heads, second_moment=True, backend="sdpa"), oracle(x, A), torch.float64)
+
+
+@pytest.mark.skipif(not attention.sdpa_available("cpu", torch.float64), reason="no fused CPU kernel in this torch")
+def test_sdpa_runtime_refusal_falls_back_to_chunked(monkeypatch):
+    def refuse(*a, **k):
+        raise RuntimeError("layout not supported")
+
+    monkeypatch.setattr(attention, "_FLASH_CPU", refuse)
+    x, heads, A, _, _ = _case("plain", torch.float64)
+    _assert_stats(tp.softmax_statistics(x, heads, second_moment=True, backend="sdpa"), oracle(x, A), torch.float64)
+
+
+def test_kernel_backend_context_sets_and_restores(monkeypatch):
+    calls = []
+    real = attention._softmax_chunked
+
+    def spy(*a, **k):
+        calls.append(k.get("dense", False))
+        return real(*a, **k)
+
+    monkeypatch.setattr(attention, "_softmax_chunked", spy)
+    x, heads, _, _, _ = _case("plain", torch.float64)
+    with attention.kernel_backend("dense"):
+        assert attention.select_backend("auto", "cpu", torch.float64, 1) == "dense"
+        tp.energy(x, heads)
+    assert calls == [True]
+    assert attention._DEFAULT_BACKEND[0] == "auto"
+
+
+# ---------------------------------------------------------------------------- memory ~ N
+_MEMORY_PROBE = textwrap.dedent(
+    """
+    import resource, sys, torch, transformer_pde as tp
+    torch.set_num_threads(1)
+    n = int(sys.argv[1])
+    g = torch.Generator().manual_seed(0)
+    x = torch.nn.functional.normalize(torch.randn(n, 3, generator=g), dim=-1)
+    heads = tp.Heads(torch.randn(1, 3, 3, generator=g))
+    for backend in sys.argv[2:]:
+        tp.softmax_statistics(x[:10], heads, backend=backend)
+    for backend in sys.argv[2:]:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        st = tp.softmax_statistics(x, heads, second_moment=True, backend=backend, chunk_elements=1 << 18)
+        after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        assert torch.isfinite(st.mean).all()
+        print(backend, (after - before) / 1024.0)  # MiB
+    """
+)
+
+
+def test_peak_memory_grows_like_n():
+    """n = m = 4000, float32: a dense score block would be 4000² · 4 B = 61 MiB; the O(N)
+    kernels ("chunked" with 2^18-element blocks, "sdpa") must stay far below it (peak RSS
+    growth of a fresh process; the dense backend, run last, shows the probe sees the block)."""
+    n = 4000
+    out = subprocess.run([sys.executable, "-c", _MEMORY_PROBE, str(n), "chunked", "sdpa", "dense"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    grew = {line.split()[0]: float(line.split()[1]) for line in out.stdout.strip().splitlines()}
+    dense_mib = n * n * 4 / 2**20
+    assert grew["dense"] > dense_mib / 2, grew  # the probe measures what it should
+    for backend in ("chunked", "sdpa"):
+        assert grew[backend] < dense_mib / 10, f"{backend}: peak RSS grew by {grew[backend]:.0f} MiB ({grew})"
+
+
+# ---------------------------------------------------------------------------- CUDA
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("case", CASES)
+def test_cuda_backends_match_cpu_oracle(case, dtype):
+    x, heads, A, kw, ref_kw = _case(case, dtype)
+    weights = kw.pop("weights", None)
+    ref = oracle(x, A, weights, **ref_kw)
+    dev = torch.device("cuda")
+    move = lambda t: None if t is None else t.to(dev)  # noqa: E731
+    hc = heads.to(dev)
+    for backend in ("auto", "chunked", "dense", "sdpa"):
+        st = tp.softmax_statistics(move(x), hc, move(weights), second_moment=True, backend=backend,
+                                   **{k: move(v) for k, v in kw.items()})
+        assert st.mean.device.type == "cuda" and st.mean.dtype == dtype
+        _assert_stats(type(st)(st.log_partition.cpu(), st.mean.cpu(), st.second.cpu()), ref, dtype, 10.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_field_and_large_beta():
+    x = _sphere(2, 12, 3, seed=8)
+    A = torch.randn(3, 3, 3, generator=_gen(9), dtype=torch.float64)
+    A = 500.0 * A / torch.linalg.matrix_norm(A, ord=2)[..., None, None]
+    cpu = evaluate(x, tp.Heads(A), sign=-1.0, second_moment=True)
+    gpu = evaluate(x.cuda(), tp.Heads(A.cuda()), sign=-1.0, second_moment=True)
+    for key in ("velocity", "energy", "slope", "dissipation"):
+        torch.testing.assert_close(getattr(gpu, key).cpu(), getattr(cpu, key), rtol=1e-10, atol=1e-10)

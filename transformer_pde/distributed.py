@@ -1,0 +1,390 @@
+"""Multi-device scale-out on ``torch.distributed``: the tokens (queries) are sharded across ranks.
+
+Rank r holds a shard x_r (..., n_r, d) of the tokens and its share w_r of the token weights
+(Σ_r Σ_i w_{r,i} = 1; None means uniform 1/N over all N tokens).  One evaluation
+
+    1. all-gathers the keys  x = [x_0, ..., x_{R-1}] (..., N, d)  and their weights,
+    2. evaluates, at the local queries only, the field of the full measure
+       μ = Σ_j w_j δ_{x_j} (``tp.evaluate(x_r, heads, w_r, keys=x, key_weights=w)``),
+    3. all-reduces (SUM) the partial sums Σ_{i ∈ shard} w_i (...) of E, 𝒢², 𝒟 and of the ledger
+       terms ∂_tE, Itô correction and martingale increment.
+
+Per rank: time ∝ n_r · N · H, memory O(N·d + n_r·H) plus one kernel block; communication
+O(N·d) per evaluation.  Tensors stay on the input's device, so the same code runs with the
+``gloo`` backend on CPU and ``nccl`` on GPUs.  Forward only (no autograd through the
+collectives).  Without an initialised process group every function runs as one rank.
+
+Launch one process per device with torchrun::
+
+    torchrun --standalone --nproc_per_node=4 sharded_run.py
+
+with, in the script::
+
+    import os, torch, torch.distributed as dist, transformer_pde as tp
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else "cpu"
+    x = tp.sphere.octahedral(100_000, dtype=torch.float32, device=device)   # same on every rank
+    theta = tp.OrnsteinUhlenbeck(tp.Heads.random(8, 3, generator=torch.Generator().manual_seed(0),
+                                                 dtype=torch.float32).to(device))
+    x_local, w_local = tp.distributed.shard_tokens(x)
+    traj = tp.distributed.simulate_sharded(x_local, theta, t1=1.0, dt=1e-2, paths=4, seed=0)
+    if dist.get_rank() == 0:
+        print(traj.energy[-1], traj.ledger["residual"][-1])
+
+Every rank must build the same heads and use the same ``seed``: the weight process is sampled
+redundantly on each rank (it is tiny), so all ranks see the same Θ_t without communication.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ._validation import NORMALIZATIONS, check_choice, check_int, check_positive, check_same, check_tokens, direction_sign
+from .energy import ito_correction, pairing
+from .field import FieldEval, evaluate
+from .heads import Heads
+from .processes import Constant, Process, WeightPath
+from .solvers.particle import LEDGER_KEYS, Trajectory, _grid, _nonfinite, _WeightDriver
+
+__all__ = ["rank_and_world", "shard_tokens", "gather_tokens", "distributed_evaluate", "simulate_sharded"]
+
+
+def rank_and_world(group=None):
+    """(rank, world size) in ``group``; (0, 1) when torch.distributed is not initialised."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _active(group) -> bool:
+    return rank_and_world(group)[1] > 1
+
+
+def shard_tokens(x: torch.Tensor, weights: Optional[torch.Tensor] = None, *, group=None):
+    """This rank's balanced slice of the tokens (along the token axis -2) and of their weights.
+
+    x: (..., N, d) the full token set (identical on every rank); weights: (..., N) or None.
+    Returns (x_r (..., n_r, d), w_r (..., n_r) or None), with n_r = ⌈N/R⌉ or ⌊N/R⌋
+    (``torch.tensor_split``); the weights keep their global normalisation.
+    """
+    check_tokens(x, "x")
+    rank, world = rank_and_world(group)
+    if x.shape[-2] < world:
+        raise ValueError(f"cannot shard {x.shape[-2]} tokens over {world} ranks; use at most one rank per token")
+    xs = torch.tensor_split(x, world, dim=-2)[rank]
+    ws = None if weights is None else torch.tensor_split(weights, world, dim=-1)[rank]
+    return xs.contiguous(), None if ws is None else ws.contiguous()
+
+
+def _gather_sizes(n_local: int, device, group) -> List[int]:
+    _, world = rank_and_world(group)
+    n = torch.tensor([n_local], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(n) for _ in range(world)]
+    dist.all_gather(sizes, n, group=group)
+    return [int(s) for s in sizes]
+
+
+def gather_tokens(x_local: torch.Tensor, *, group=None, sizes: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """All-gather token shards (..., n_r, c) into (..., N, c) in rank order (uneven shards allowed).
+
+    ``sizes``: the n_r of every rank when already known (saves one collective)."""
+    if not _active(group):
+        return x_local
+    if sizes is None:
+        sizes = _gather_sizes(x_local.shape[-2], x_local.device, group)
+    nmax = max(sizes)
+    pad = x_local
+    if x_local.shape[-2] < nmax:
+        pad = torch.nn.functional.pad(x_local, (0, 0, 0, nmax - x_local.shape[-2]))
+    pad = pad.contiguous()
+    bufs = [torch.empty_like(pad) for _ in sizes]
+    dist.all_gather(bufs, pad, group=group)
+    return torch.cat([b[..., :s, :] for b, s in zip(bufs, sizes)], -2)
+
+
+def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
+    if _active(group):
+        t = t.contiguous()
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return t
+
+
+class _Shard:
+    """Token-weight bookkeeping of one rank: query weights (global normalisation) and key weights."""
+
+    def __init__(self, x_local, weights, group):
+        self.group = group
+        self.sizes = _gather_sizes(x_local.shape[-2], x_local.device, group) if _active(group) else [x_local.shape[-2]]
+        self.N = sum(self.sizes)
+        if weights is None:
+            # uniform over all N tokens: queries weigh 1/N each, keys are uniform (None)
+            self.query = torch.full(x_local.shape[-2:-1], 1.0 / self.N, dtype=x_local.dtype, device=x_local.device)
+            self.keys = None
+        else:
+            check_tokens(x_local, "x_local")
+            if not isinstance(weights, torch.Tensor):
+                raise TypeError(f"weights must be a torch.Tensor or None, got {type(weights).__name__}")
+            check_same(x_local, weights, "x_local", "weights")
+            if weights.shape[-1] != x_local.shape[-2]:
+                raise ValueError(f"weights must have shape (..., n_local) with n_local = {x_local.shape[-2]}, "
+                                 f"got {tuple(weights.shape)}")
+            if bool((weights < 0).any()):
+                raise ValueError("token weights must be >= 0")
+            total = _all_reduce(weights.sum(-1).clone(), group)
+            err = float((total - 1).abs().max())
+            if err > max(1e-6, 1e3 * torch.finfo(weights.dtype).eps):
+                raise ValueError(f"the token weights must sum to 1 over all ranks (max |sum - 1| = {err:.1e}); "
+                                 f"shard globally normalised weights with tp.distributed.shard_tokens")
+            self.query = weights
+            self.keys = gather_tokens(weights.unsqueeze(-1), group=group, sizes=self.sizes).squeeze(-1)
+
+    def gather(self, x_local):
+        return gather_tokens(x_local, group=self.group, sizes=self.sizes)
+
+
+def distributed_evaluate(
+    x_local: torch.Tensor,
+    heads: Heads,
+    weights: Optional[torch.Tensor] = None,
+    *,
+    normalization: str = "softmax",
+    direction: str = "ascent",
+    diagnostics: bool = True,
+    second_moment: bool = False,
+    backend: str = "auto",
+    chunk_elements: Optional[int] = None,
+    group=None,
+) -> FieldEval:
+    """V[μ,Θ] at this rank's tokens and the global E, 𝒢², 𝒟 of μ = Σ_r Σ_i w_{r,i} δ_{x_{r,i}}.
+
+    Args:
+        x_local: this rank's tokens (..., n_r, d) on the sphere.  heads: :class:`Heads` (same on all ranks).
+        weights: this rank's share (..., n_r) of the global token weights, or None (uniform 1/N).
+        normalization, direction: as :func:`transformer_pde.velocity`.
+        diagnostics, second_moment, backend, chunk_elements: as :func:`transformer_pde.evaluate`.
+        group: the process group (default: the world).
+
+    Returns:
+        :class:`FieldEval` whose velocity, stats, outputs and grad_first_variation are local
+        (n_r rows) and whose energy, slope and dissipation are global (all-reduced, identical
+        on every rank).
+
+    Raises:
+        TypeError / ValueError for bad input, as the single-process entry points.
+    """
+    check_choice(normalization, NORMALIZATIONS, "normalization")
+    sign = direction_sign(direction)
+    check_tokens(x_local, "x_local")
+    if not isinstance(heads, Heads):
+        raise TypeError(f"heads must be a transformer_pde.Heads, got {type(heads).__name__}")
+    check_same(x_local, heads._ref, "x_local", "heads")
+    shard = _Shard(x_local, weights, group)
+    keys = shard.gather(x_local)
+    out = evaluate(x_local, heads, shard.query, keys=keys, key_weights=shard.keys, normalization=normalization,
+                   sign=sign, diagnostics=diagnostics, second_moment=second_moment, backend=backend,
+                   chunk_elements=chunk_elements)
+    if diagnostics:
+        red = _all_reduce(torch.stack([out.energy, out.slope, out.dissipation]), group)
+        out.energy, out.slope, out.dissipation = red[0], red[1], red[2]
+    return out
+
+
+@torch.no_grad()
+def simulate_sharded(
+    x0_local: torch.Tensor,
+    theta,
+    *,
+    t1: float,
+    dt: float,
+    t0: float = 0.0,
+    weights: Optional[torch.Tensor] = None,
+    paths: Optional[int] = None,
+    seed: int = 0,
+    normalization: str = "softmax",
+    direction: str = "descent",
+    record_every: int = 1,
+    diagnostics: bool = True,
+    backend: str = "auto",
+    chunk_elements: Optional[int] = None,
+    gather_x: bool = False,
+    progress: bool = False,
+    group=None,
+) -> Trajectory:
+    """Projected Euler for ẋ_i = V[μ_t, Θ_t](x_i) with the tokens sharded over the ranks.
+
+    The same scheme and ledger as ``tp.simulate(..., method="euler")`` (left-point quadrature,
+    Itô martingale sum, jumps of piecewise-constant weights): with the same inputs the records
+    agree with one process to rounding.  Per step: one all-gather of the tokens and one
+    all-reduce of the stacked partial sums (E, 𝒢², 𝒟, ∂_tE + Itô, martingale, jump, NaN flag).
+
+    Args:
+        x0_local: this rank's initial tokens (..., n_r, d) (e.g. from :func:`shard_tokens`).
+        theta: :class:`Heads` or a process (identical on every rank; the weights are sampled
+            redundantly on every rank from ``seed``).
+        t1, dt, t0, paths, seed, normalization, direction, record_every, diagnostics: as
+            :func:`transformer_pde.simulate`.
+        weights: this rank's share of the global token weights, or None (uniform 1/N).
+        backend, chunk_elements: kernel choice (:mod:`transformer_pde.attention`).
+        gather_x: record all N tokens (the gathered keys) instead of the local shard.
+        progress: tqdm bar on rank 0.
+
+    Returns:
+        :class:`Trajectory`: ``x`` (T, [paths,] ..., n_r or N, d); energy, slope, dissipation and
+        the ledger are global and identical on every rank.
+
+    Raises:
+        TypeError / ValueError for bad input; NonFiniteError on every rank when any rank
+        produces NaN/inf (the ranks agree through the all-reduced flag, so none hangs).
+    """
+    check_tokens(x0_local, "x0_local")
+    check_choice(normalization, NORMALIZATIONS, "normalization")
+    sign = direction_sign(direction)
+    dt = check_positive(dt, "dt")
+    t0, t1 = float(t0), float(t1)
+    K = _grid(t0, t1, dt)
+    record_every = check_int(record_every, "record_every")
+    if paths is not None:
+        paths = check_int(paths, "paths")
+    if isinstance(theta, Heads):
+        process: Process = Constant(theta)
+    elif isinstance(theta, Process):
+        process = theta
+    else:
+        raise TypeError(f"theta must be a Heads or a Process, got {type(theta).__name__}")
+    if isinstance(process, WeightPath) and paths is not None:
+        raise ValueError("a stored WeightPath already carries its paths axis; call without paths=")
+    h0 = process.heads0
+    check_same(x0_local, h0._ref, "x0_local", "theta's heads")
+    if h0.dim != x0_local.shape[-1]:
+        raise ValueError(f"the heads act on d = {h0.dim} but x0_local has d = {x0_local.shape[-1]}")
+    rank, _ = rank_and_world(group)
+    start = time.perf_counter()
+    shard = _Shard(x0_local, weights, group)
+    wq, wk = shard.query, shard.keys
+    bx = tuple(x0_local.shape[:-2])
+    drv = _WeightDriver(process, paths=paths, generator=None, seed=seed, t0=t0, dt=dt, batch_rank=len(bx))
+    x = x0_local if paths is None else x0_local.unsqueeze(0).expand(paths, *x0_local.shape)
+    x = x.expand(*torch.broadcast_shapes(x.shape[:-2], drv.current.batch_shape), *x.shape[-2:])
+    noisy = process.noisy
+    heads = drv.current
+
+    def ev(xk, keys, hk, diag):
+        return evaluate(xk, hk, wq, keys=keys, key_weights=wk, normalization=normalization, sign=sign,
+                        diagnostics=diag, second_moment=diag and noisy, backend=backend,
+                        chunk_elements=chunk_elements)
+
+    def partial_density(xk, hk, evk, rate, sigma):
+        pt = pairing(xk, hk, wq, evk.stats, rate)
+        if noisy:
+            pt = pt + ito_correction(hk, wq, evk.stats, sigma)
+        return pt
+
+    def flag(*ts):
+        bad = any(not bool(torch.isfinite(t).all()) for t in ts)
+        return float(bad)
+
+    keys = shard.gather(x)
+    cur = ev(x, keys, heads, diagnostics)
+    batch = cur.velocity.shape[:-2]
+    zero = torch.zeros(batch, dtype=x.dtype, device=x.device)
+
+    def reduce(entries, bad):
+        vec = torch.stack([e.expand(batch) if isinstance(e, torch.Tensor) else zero + e for e in entries]
+                          + [zero + bad])
+        vec = _all_reduce(vec, group)
+        return vec[:-1], float(vec[-1].max()) > 0
+
+    if diagnostics:
+        red, bad = reduce([cur.energy, cur.slope, cur.dissipation,
+                           partial_density(x, heads, cur, drv.rate, drv.sigma)], flag(cur.velocity))
+        E, G2, Dis, dens_p = red
+        acc = {"E0": E, "partial": zero, "dissipation": zero, "slope": zero, "martingale": zero}
+        dens = {"partial": dens_p, "dissipation": Dis, "slope": G2}
+    else:
+        _, bad = reduce([], flag(cur.velocity))
+        E = G2 = Dis = None
+    if bad:
+        raise _nonfinite("the velocity field", drv.t, drv.k, heads)
+
+    rec_set = set(range(0, K + 1, record_every)) | {K}
+    records: Dict[str, List[torch.Tensor]] = {"x": [], "energy": [], "slope": [], "dissipation": []}
+    for key in LEDGER_KEYS:
+        records["ledger." + key] = []
+
+    def record(xk, keysk, Ek, Gk, Dk):
+        records["x"].append(keysk if gather_x else xk)
+        if diagnostics:
+            dE = Ek - acc["E0"]
+            led = {"dE": dE, "partial": acc["partial"], "dissipation": acc["dissipation"], "slope": acc["slope"],
+                   "martingale": acc["martingale"],
+                   "residual": dE - acc["partial"] - acc["dissipation"] - acc["martingale"],
+                   "residual_slope": dE - acc["partial"] - sign * acc["slope"] - acc["martingale"]}
+            records["energy"].append(Ek)
+            records["slope"].append(Gk)
+            records["dissipation"].append(Dk)
+            for key in LEDGER_KEYS:
+                records["ledger." + key].append(led[key])
+
+    record(x, keys, E, G2, Dis)
+    bar = None
+    if progress and rank == 0:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=K, desc="simulate_sharded (euler)", unit="step", leave=False)
+    try:
+        for k in range(K):
+            noise = drv.prepare() if noisy else None
+            mart = pairing(x, heads, wq, cur.stats, noise) if (diagnostics and noise is not None) else 0.0
+            y = x + dt * cur.velocity
+            x_new = y / y.norm(dim=-1, keepdim=True)
+            jumps = drv.jumps()
+            prev_heads = heads
+            drv.advance()
+            heads = drv.current
+            keys = shard.gather(x_new)
+            nxt = ev(x_new, keys, heads, diagnostics)
+            if diagnostics:
+                before = ev(x_new, keys, prev_heads, True).energy if jumps else 0.0
+                red, bad = reduce([nxt.energy, nxt.slope, nxt.dissipation,
+                                   partial_density(x_new, heads, nxt, drv.rate, drv.sigma), mart, before],
+                                  flag(x_new, nxt.velocity))
+                if bad:
+                    raise _nonfinite("the token positions or the velocity field", drv.t, drv.k, heads)
+                E, G2, Dis, dens_p, mart_g, before_g = red
+                if noise is not None:
+                    acc["martingale"] = acc["martingale"] + mart_g
+                for key in ("partial", "dissipation", "slope"):
+                    acc[key] = acc[key] + dt * dens[key]
+                if jumps:
+                    acc["partial"] = acc["partial"] + (E - before_g)
+                dens = {"partial": dens_p, "dissipation": Dis, "slope": G2}
+            else:
+                _, bad = reduce([], flag(x_new, nxt.velocity))
+                if bad:
+                    raise _nonfinite("the token positions or the velocity field", drv.t, drv.k, heads)
+            x, cur = x_new, nxt
+            if (k + 1) in rec_set:
+                record(x, keys, E, G2, Dis)
+            if bar is not None:
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+
+    rec_k = sorted(rec_set)
+    times = torch.tensor([t0 + k * dt for k in rec_k], dtype=torch.float64)
+    out_x = torch.stack(records["x"])
+    if diagnostics:
+        ledger = {key: torch.stack(records["ledger." + key]) for key in LEDGER_KEYS}
+        series = {key: torch.stack(records[key]) for key in ("energy", "slope", "dissipation")}
+    else:
+        ledger, series = {}, {"energy": None, "slope": None, "dissipation": None}
+    stats = {"steps": K, "field_evaluations": K + 1, "wall_time": time.perf_counter() - start, "order": 1,
+             "ranks": rank_and_world(group)[1], "tokens": shard.N}
+    return Trajectory(times, out_x, series["energy"], series["slope"], series["dissipation"], ledger, stats,
+                      "euler", normalization, direction, weights)
+

@@ -1,6 +1,5 @@
 """Attention field, energy, mobilities: identities, symmetries and independent formulas."""
 
-import math
 
 import pytest
 import torch

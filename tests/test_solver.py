@@ -1,6 +1,5 @@
 """Particle solver: closed forms, convergence orders, invariants, dtypes."""
 
-import math
 
 import numpy as np
 import pytest

@@ -1,10 +1,8 @@
-import math
 
 import pytest
 import torch
 from torch.testing import assert_close
 
-import transformer_pde as tp
 from transformer_pde import sphere
 from conftest import gen
 

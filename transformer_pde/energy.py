@@ -13,7 +13,7 @@ martingale increment Σ_h ω_h ½ ∫∫ e^{β⟨x,A_h y⟩} ⟨x, σ_h dW_h y�
 
 from __future__ import annotations
 
-from typing import Optional
+
 
 import torch
 

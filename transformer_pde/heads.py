@@ -14,7 +14,6 @@ compute scores as ⟨Q_h x, K_h y⟩ at cost O(k) instead of O(d²).
 
 from __future__ import annotations
 
-import math
 from typing import Optional, Union
 
 import torch

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import math
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 

@@ -29,11 +29,27 @@ from .processes import (
     sample_path,
 )
 from .solvers.particle import METHODS, TABLEAUX, ButcherTableau, NonFiniteError, Trajectory, simulate
+from . import attention, diagnostics, distributed, nn, theory, transport
+from .attention import kernel_backend
+from .distributed import distributed_evaluate, simulate_sharded
+from .nn import attention_matrix, heads_from_multihead_attention, layerwise_from_transformer, residual_attention_step
+from .solvers.jko import JKOConvergenceError, jko, to_grid
+from .transport import distance, transport_plan
+
+
+def __getattr__(name):
+    # matplotlib is imported only when figures are wanted: `tp.plotting` loads on first use
+    if name == "plotting":
+        import importlib
+
+        return importlib.import_module(".plotting", __name__)
+    raise AttributeError(f"module 'transformer_pde' has no attribute {name!r}")
 
 __version__ = "0.1.0"
 
 __all__ = [
     "sphere",
+    "plotting",
     "Heads",
     "HeadStats",
     "softmax_statistics",
@@ -67,4 +83,22 @@ __all__ = [
     "TABLEAUX",
     "METHODS",
     "NonFiniteError",
+    "attention",
+    "kernel_backend",
+    "distributed",
+    "distributed_evaluate",
+    "simulate_sharded",
+    "theory",
+    "diagnostics",
+    "transport",
+    "distance",
+    "transport_plan",
+    "jko",
+    "to_grid",
+    "JKOConvergenceError",
+    "nn",
+    "heads_from_multihead_attention",
+    "layerwise_from_transformer",
+    "attention_matrix",
+    "residual_attention_step",
 ]

@@ -19,12 +19,28 @@ def _configs_dir() -> Path:
 def _cmd_run(args) -> int:
     from .runs import execute
 
-    path = execute(args.config, overrides=args.override, out_dir=args.out, name=args.name, resume=args.resume,
-                   progress=not args.no_progress)
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
+    try:
+        path = execute(args.config, overrides=args.override, out_dir=args.out, name=args.name, resume=args.resume,
+                       progress=not args.no_progress, overwrite=args.overwrite)
+    except KeyboardInterrupt:
+        again = " ".join(["transformer-pde run", args.config, *[f"-o '{o}'" for o in args.override],
+                          *(["--out", args.out] if args.out != "runs" else []),
+                          *(["--name", args.name] if args.name else []),
+                          *(["--threads", str(args.threads)] if args.threads else []), "--resume"])
+        print(f"\ntransformer-pde: interrupted; continue with:\n  {again}", file=sys.stderr)
+        return 130
     metrics = json.loads((path / "metrics.json").read_text())
     print(f"run directory: {path}")
+    for line in metrics.get("summary", []):
+        print(f"  {line}")
     for k, v in metrics.items():
-        if isinstance(v, (int, float, str)):
+        if isinstance(v, (int, float, str)) and not isinstance(v, bool):
             print(f"  {k} = {v}")
     return 0
 
@@ -75,8 +91,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a parameter (TOML value), repeatable: -o n=100 -o 'heads=[1,10]'")
     r.add_argument("--out", default="runs", help="parent folder of the run directory (default: runs)")
     r.add_argument("--name", default=None, help="run directory name (default: the config's name)")
-    r.add_argument("--resume", action="store_true", help="continue an interrupted run from its checkpoints")
+    r.add_argument("--resume", action="store_true",
+                   help="continue an interrupted run (same config and overrides): finished parts are kept, a partial "
+                        "one continues from its checkpoint")
+    r.add_argument("--overwrite", action="store_true", help="delete an existing run directory of that name first")
     r.add_argument("--no-progress", action="store_true", help="no progress bars")
+    r.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="torch CPU threads (default: torch's choice; 1 is often faster on a busy or 2-core machine)")
     r.set_defaults(fn=_cmd_run)
     ls = sub.add_parser("list", help="list experiment kinds and shipped configs")
     ls.add_argument("kind", nargs="?", help="show the parameters of one kind")
@@ -96,6 +117,9 @@ def main(argv=None) -> int:
     except (ValueError, TypeError) as e:
         print(f"transformer-pde: error: {e}", file=sys.stderr)
         return 2
+    except FloatingPointError as e:  # NonFiniteError: the run blew up (time, step and quantity in the message)
+        print(f"transformer-pde: the run produced NaN/inf: {e}", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -3,15 +3,19 @@
 Layout of ``runs/<name>/``::
 
     config.json        the resolved config (defaults filled in, overrides applied)
-    environment.json   package versions, Python, platform, device, start time
-    status.json        "running" / "complete", with the wall time
+    environment.json   package versions, Python, platform, device, start time (and resume times)
+    status.json        "running" / "interrupted" (with the error) / "complete", with the wall time
     metrics.json       the study's numbers (written atomically at the end)
+    metrics.csv        the same numbers flattened to key,value rows
     series/*.csv       time series (one column per quantity)
+    data/*.pt          recorded tensors of finished pieces of work (torch.save)
     figures/*.png|pdf  figures
     checkpoints/       atomic checkpoints used by --resume
 
 Every file is written to a temporary name first and moved into place with ``os.replace``,
-so a killed run never leaves a half-written file behind.
+so a killed run never leaves a half-written file behind.  ``--resume`` re-enters the study
+with the same resolved config; studies skip the pieces whose results are already in the run
+directory and continue a partial piece from its checkpoint.
 """
 
 from __future__ import annotations
@@ -25,13 +29,14 @@ import sys
 import time
 import tomllib
 from pathlib import Path
-from typing import Any, Dict, Iterable, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, Optional, Sequence
 
 import torch
 
 from .studies import get_study, validate_params
 
-__all__ = ["RunDir", "load_config", "parse_override", "execute", "package_versions", "atomic_write_text"]
+__all__ = ["RunDir", "load_config", "parse_override", "execute", "package_versions", "atomic_write_text",
+           "flatten_metrics"]
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -60,18 +65,50 @@ def package_versions() -> Dict[str, Any]:
 
 
 class RunDir:
-    """A run directory and the helpers studies use to write into it."""
+    """A run directory and the helpers studies use to write into it.
 
-    def __init__(self, path: Path, *, progress: bool = True, resume: bool = False):
+    Attributes:
+        path: the directory.  progress: show progress bars.  resume: the run continues an
+        interrupted one.  step_callback: None or a callable ``(tag, step, time)`` that studies
+        call after every solver step of the piece of work ``tag`` (monitoring; tests use it
+        to interrupt a run at a chosen step).
+    """
+
+    def __init__(self, path: Path, *, progress: bool = True, resume: bool = False,
+                 step_callback: Optional[Callable[[str, int, float], None]] = None):
         self.path = Path(path)
         self.progress = progress
         self.resume = resume
+        self.step_callback = step_callback
         (self.path / "figures").mkdir(parents=True, exist_ok=True)
         (self.path / "series").mkdir(exist_ok=True)
         (self.path / "checkpoints").mkdir(exist_ok=True)
+        (self.path / "data").mkdir(exist_ok=True)
 
     def checkpoint_path(self, tag: str) -> Path:
         return self.path / "checkpoints" / f"{tag}.ckpt"
+
+    def data_path(self, tag: str) -> Path:
+        return self.path / "data" / f"{tag}.pt"
+
+    def save_tensors(self, tag: str, obj) -> Path:
+        """torch.save(obj) to data/<tag>.pt atomically (tmp + os.replace)."""
+        p = self.data_path(tag)
+        tmp = p.with_name(p.name + ".tmp")
+        torch.save(obj, tmp)
+        os.replace(tmp, p)
+        return p
+
+    def load_tensors(self, tag: str):
+        """The object saved under ``tag``, or None when there is none; ValueError when unreadable."""
+        p = self.data_path(tag)
+        if not p.exists():
+            return None
+        try:
+            return torch.load(p, map_location="cpu", weights_only=False)
+        except Exception as e:
+            raise ValueError(f"{p} is corrupted or unreadable ({type(e).__name__}: {e}); delete it to recompute "
+                             f"that part of the run") from None
 
     def write_json(self, name: str, obj) -> Path:
         p = self.path / name
@@ -170,40 +207,116 @@ def load_config(source, overrides: Iterable[str] = ()) -> Dict[str, Any]:
         k, v = parse_override(ov)
         params[k] = v
     resolved = validate_params(kind, params)
+    # checks that involve several keys, declared by the study as fn.validate(params)
+    check = getattr(get_study(kind).fn, "validate", None)
+    if check is not None:
+        check(resolved)
     return {"kind": kind, "name": raw.get("name", default_name), "description": raw.get("description", ""),
             "params": resolved}
 
 
+def flatten_metrics(obj, prefix: str = "") -> Dict[str, Any]:
+    """Nested dicts/lists of metrics -> {"a.b.0": value} with scalar (or None) values."""
+    out: Dict[str, Any] = {}
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out.update(flatten_metrics(v, f"{prefix}{k}."))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            out.update(flatten_metrics(v, f"{prefix}{i}."))
+    else:
+        out[prefix[:-1]] = obj
+    return out
+
+
+def _device_info() -> Dict[str, Any]:
+    info = {"cuda_available": torch.cuda.is_available(), "cpu_count": os.cpu_count()}
+    if torch.cuda.is_available():
+        info["cuda_device"] = torch.cuda.get_device_name(0)
+    return info
+
+
 def execute(source, *, overrides: Iterable[str] = (), out_dir="runs", name: Optional[str] = None,
-            resume: bool = False, progress: bool = True) -> Path:
-    """Validate the config, prepare the run directory, run the study, write its metrics."""
+            resume: bool = False, progress: bool = True, overwrite: bool = False,
+            step_callback: Optional[Callable[[str, int, float], None]] = None) -> Path:
+    """Validate the config, prepare the run directory, run the study, write its metrics.
+
+    Args:
+        source: TOML path or config dict {"kind", "name", "params"}.
+        overrides: "key=value" strings (TOML values) applied to ``params``.
+        out_dir, name: the run directory is out_dir/name (name defaults to the config's).
+        resume: continue an existing run directory (same resolved config); otherwise an
+            existing directory is refused.
+        overwrite: delete an existing run directory (one holding a config.json) and start afresh.
+        progress: progress bars.  step_callback: see :class:`RunDir`.
+
+    Returns:
+        the run directory.
+
+    Raises:
+        ValueError for an invalid config (before anything is written) or a run directory
+        that exists (without resume) or holds another config; whatever the study raises
+        (the status file then says "interrupted" and how to resume).
+    """
     cfg = load_config(source, overrides)
     if name is not None:
         cfg["name"] = name
     run_path = Path(out_dir) / cfg["name"]
     cfg_file = run_path / "config.json"
+    resumed = False
+    if resume and overwrite:
+        raise ValueError("choose either --resume (continue the run) or --overwrite (start it afresh), not both")
+    if overwrite and run_path.exists():
+        if not cfg_file.exists():
+            raise ValueError(f"{run_path} exists but is not a run directory (no config.json); not deleting it")
+        import shutil
+
+        shutil.rmtree(run_path)
     if run_path.exists() and cfg_file.exists():
         old = json.loads(cfg_file.read_text())
         if not resume:
             raise ValueError(
-                f"run directory {run_path} exists; pass --resume to continue it, or --name NEW to start another run"
+                f"run directory {run_path} exists; pass --resume to continue it, --overwrite to start it afresh, "
+                f"or --name NEW to start another run"
             )
         if old != json.loads(json.dumps(cfg, default=_json_default)):
             raise ValueError(
                 f"cannot resume {run_path}: its config differs from this one; use --name NEW for a new run"
             )
-    run = RunDir(run_path, progress=progress, resume=resume)
+        resumed = True
+    run = RunDir(run_path, progress=progress, resume=resume, step_callback=step_callback)
     run.write_json("config.json", cfg)
-    env = package_versions()
-    env["started"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    now = time.strftime("%Y-%m-%dT%H:%M:%S")
+    env = run.read_json("environment.json") if resumed else None
+    if env is None:
+        env = package_versions()
+        env.update(_device_info())
+        env["started"] = now
+        env["resumed"] = []
+    else:
+        env.setdefault("resumed", []).append(now)
     run.write_json("environment.json", env)
-    run.write_json("status.json", {"state": "running"})
+    run.write_json("status.json", {"state": "running", "started": now})
     st = get_study(cfg["kind"])
     t0 = time.perf_counter()
-    metrics = st.fn(cfg["params"], run)
+    try:
+        metrics = st.fn(cfg["params"], run)
+    except BaseException as e:
+        run.write_json("status.json", {
+            "state": "interrupted", "error": f"{type(e).__name__}: {e}",
+            "wall_time_s": time.perf_counter() - t0,
+            "resume_with": "transformer-pde run CONFIG --resume (same config and overrides)"})
+        raise
     wall = time.perf_counter() - t0
     metrics = dict(metrics or {})
     metrics["wall_time_s"] = wall
     run.write_json("metrics.json", metrics)
+    flat = flatten_metrics(json.loads(json.dumps(metrics, default=_json_default)))
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(["key", "value"])
+    for k, v in flat.items():
+        w.writerow([k, "" if v is None else (repr(v) if isinstance(v, float) else v)])
+    atomic_write_text(run.path / "metrics.csv", buf.getvalue())
     run.write_json("status.json", {"state": "complete", "wall_time_s": wall})
     return run_path

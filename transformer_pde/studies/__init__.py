@@ -58,7 +58,7 @@ class Study:
 
 _REGISTRY: Dict[str, Study] = {}
 # modules that register studies; imported lazily so `import transformer_pde` stays light
-_MODULES = ["transformer_pde.studies.demo"]
+_MODULES = ["transformer_pde.studies.demo", "transformer_pde.studies.paper", "transformer_pde.studies.theory", "transformer_pde.studies.jko"]
 
 
 def study(kind: str, options: Dict[str, Option], description: str = ""):

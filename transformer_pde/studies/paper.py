@@ -1,0 +1,511 @@
+"""The paper's Section 6: Ornstein–Uhlenbeck vs oscillating heads (Massucco et al. 2026).
+
+Kind ``ou_vs_oscillating``.  For every regime ("ou", "oscillating") and every head count H:
+
+    tokens  x_i(0): tp.sphere.octahedral(n, d, seed=seed)  (the reference draws; or "clustered_circle", "uniform")
+    heads   D_h(0) = Z + Zᵀ, Z i.i.d. N(0, 1) from torch.Generator().manual_seed(seed + H)  (reference seeds)
+    OU      dD_h = κ(I − D_h)dt + σ dW_sym, σ² = 2, κ = 1, ``paths`` Monte-Carlo paths, noise seed noise_seed + H
+    osc.    dD_h = (F(t) − D_h)dt, one shared F(t) (phase "shared", the paper) or F(t + 2πh/H) ("per_head"), 1 path
+    tokens  ẋ_i = V[μ_t, Θ_t](x_i), direction "descent" (the reference code), ω_h = 1/H, β = 1
+
+Each (regime, H) pair is a *segment*: simulated with :func:`transformer_pde.simulate`,
+checkpointed every ``checkpoint_every`` steps, and written atomically to the run directory
+when done (``data/<regime>_H<H>.pt`` with the recorded tensors, ``series/<regime>_H<H>.csv``
+with Monte-Carlo mean and std).  ``--resume`` skips finished segments and continues a partial
+one from its checkpoint: the records are bit-for-bit those of an uninterrupted run.
+
+Metrics: the time average of 𝒢² over t ≥ ``t_avg`` per path; per regime the least-squares fit
+log ḡ(H) = log a + b log H of the Monte-Carlo means, with two intervals for b over the paths:
+a percentile bootstrap (paths resampled independently at every H) and a t-interval over the
+per-path fits (path p of every H fitted alone); the final EDI residuals (𝒟-based ``residual``
+and 𝒢²-based ``residual_slope``), Monte-Carlo mean ± std.  The paper reports b ≈ −1 (OU) and
+b ≈ 0 (oscillating, shared phase).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+from .._validation import NORMALIZATIONS
+from . import Option, nonnegative, positive, study
+
+__all__ = ["OPTIONS", "run_ou_vs_oscillating", "fit_power_law", "power_law_intervals", "time_average",
+           "initial_tokens", "initial_heads", "check_params"]
+
+REGIMES = ("ou", "oscillating")
+LEDGER_KEYS = ("dE", "partial", "dissipation", "slope", "martingale", "residual", "residual_slope")
+SERIES_KEYS = ("energy", "slope", "dissipation")
+
+
+# ---------------------------------------------------------------------------- options
+def _nonempty_unique(v):
+    if len(v) == 0:
+        return "must not be empty"
+    if len(set(v)) != len(v):
+        return "must not repeat a value"
+    return None
+
+
+def _head_list(v):
+    if len(v) == 0:
+        return "must list at least one head count, e.g. [1, 10, 100]"
+    if not all(isinstance(h, int) and not isinstance(h, bool) for h in v):
+        return "must be a list of integers, e.g. [1, 10, 100]"
+    if any(h < 1 for h in v):
+        return "head counts must be >= 1"
+    if len(set(v)) != len(v):
+        return "must not repeat a head count"
+    return None
+
+
+def _at_least(k):
+    return lambda v: None if v >= k else f"must be >= {k}"
+
+
+def _open_unit(v):
+    return None if 0 < v < 1 else "must lie strictly between 0 and 1"
+
+
+OPTIONS = {
+    "regimes": Option(["ou", "oscillating"], (list,), "weight processes to run", choices=REGIMES,
+                      check=_nonempty_unique),
+    "heads": Option([1, 10, 100], (list,), "head counts H", check=_head_list),
+    "n": Option(200, (int,), "number of tokens", check=positive),
+    "d": Option(3, (int,), "ambient dimension: tokens on S^{d-1}", check=_at_least(2)),
+    "init": Option("octahedral", (str,), "initial tokens: near ±e_k (reference), circle clusters (d = 2), uniform",
+                   choices=("octahedral", "clustered_circle", "uniform")),
+    "init_noise": Option(0.05, (float,), "std of the initial noise around the vertices / base angles",
+                         check=nonnegative),
+    "clusters": Option(5, (int,), "base angles of init = 'clustered_circle'", check=positive),
+    "seed": Option(42, (int,), "token seed (numpy, reference draws) and head seed base: D_h(0) uses seed + H"),
+    "noise_seed": Option(2000, (int,), "OU noise stream: torch seed noise_seed + H (reference: S² 2000, S¹ 1000, "
+                                       "S^{d-1} 3000)"),
+    "beta": Option(1.0, (float,), "inverse temperature β", check=positive),
+    "t1": Option(20.0, (float,), "final time T", check=positive),
+    "dt": Option(5e-3, (float,), "time step (t1/dt must be a whole number)", check=positive),
+    "record_every": Option(5, (int,), "record every k-th step", check=positive),
+    "t_avg": Option(2.5, (float,), "time average of 𝒢² over t >= t_avg", check=nonnegative),
+    "paths": Option(10, (int,), "Monte-Carlo paths of the OU weights (oscillating runs are deterministic: 1 path)",
+                    check=positive),
+    "ou_rate": Option(1.0, (float,), "OU mean-reversion rate κ (mean I)", check=positive),
+    "ou_sigma2": Option(2.0, (float,), "OU noise variance σ²", check=nonnegative),
+    "phase": Option("shared", (str,), "oscillating target: one F(t) for all heads (the paper) or F(t + 2πh/H)",
+                    choices=("shared", "per_head")),
+    "direction": Option("descent", (str,), "token flow direction (the paper: descent)", choices=("descent", "ascent")),
+    "normalization": Option("softmax", (str,), "attention normalisation", choices=NORMALIZATIONS),
+    "method": Option("euler", (str,), "token integrator (checkpointable fixed-step methods)",
+                     choices=("euler", "heun", "rk4")),
+    "scheme": Option("exact", (str,), "weights: exact transition / closed form, or 'euler' to match the reference "
+                                      "code step for step", choices=("exact", "euler")),
+    "dtype": Option("float64", (str,), "floating dtype", choices=("float32", "float64")),
+    "device": Option("auto", (str,), "'auto' = cuda when available, else cpu", choices=("auto", "cpu", "cuda")),
+    "store_paths": Option(1, (int,), "OU paths whose token trajectories are kept (snapshots)", check=positive),
+    "checkpoint_every": Option(500, (int,), "steps between atomic checkpoints of a segment", check=positive),
+    "bootstrap": Option(2000, (int,), "bootstrap resamples for the interval of b (0: none)", check=nonnegative),
+    "ci_level": Option(0.95, (float,), "confidence level of the intervals", check=_open_unit),
+    "figures": Option(True, (bool,), "draw the figures (PNG + PDF)"),
+}
+
+
+def check_params(p: Dict) -> None:
+    """Checks that involve several keys (the schema checks each key alone); raises ValueError."""
+    K = round(p["t1"] / p["dt"])
+    if K < 1 or abs(K * p["dt"] - p["t1"]) > 1e-9 * max(1.0, p["t1"]):
+        raise ValueError(
+            f"config keys 't1' = {p['t1']} and 'dt' = {p['dt']}: t1/dt = {p['t1'] / p['dt']:.6g} is not a whole "
+            f"number of steps; choose dt = {p['t1'] / max(K, 1):.6g} or another dt that divides t1")
+    if p["t_avg"] >= p["t1"]:
+        raise ValueError(f"config key 't_avg' = {p['t_avg']} must be smaller than 't1' = {p['t1']} "
+                         f"(the time average runs over t_avg <= t <= t1)")
+    if p["init"] == "clustered_circle" and p["d"] != 2:
+        raise ValueError(f"config key 'init' = 'clustered_circle' needs d = 2 (got 'd' = {p['d']}); "
+                         f"allowed values for d = {p['d']}: 'octahedral', 'uniform'")
+    if p["device"] == "cuda" and not torch.cuda.is_available():
+        raise ValueError("config key 'device' = 'cuda' but CUDA is not available here; allowed values: 'auto', 'cpu'")
+
+
+# ---------------------------------------------------------------------------- setup
+def _device(p) -> torch.device:
+    if p["device"] == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(p["device"])
+
+
+def initial_tokens(p: Dict, *, dtype=torch.float64, device=None) -> torch.Tensor:
+    """x(0), (n, d): the reference's octahedral draw (numpy seed), circle clusters, or uniform."""
+    import transformer_pde as tp
+
+    if p["init"] == "octahedral":
+        x = tp.sphere.octahedral(p["n"], p["d"], noise=p["init_noise"], seed=p["seed"], dtype=torch.float64)
+    elif p["init"] == "clustered_circle":
+        x = tp.sphere.clustered_circle(p["n"], p["clusters"], noise=p["init_noise"], seed=p["seed"],
+                                       dtype=torch.float64)
+    else:
+        x = tp.sphere.sample_uniform(p["n"], p["d"], generator=torch.Generator().manual_seed(p["seed"]),
+                                     dtype=torch.float64)
+    return x.to(dtype=dtype, device=device)
+
+
+def initial_heads(p: Dict, H: int, *, dtype=torch.float64, device=None):
+    """Symmetric heads D_h(0) = Z + Zᵀ (Z drawn in float64 from seed + H, as the reference), ω = 1/H."""
+    import transformer_pde as tp
+
+    D = tp.Heads.random(H, p["d"], generator=torch.Generator().manual_seed(p["seed"] + H),
+                        dtype=torch.float64).score_matrix
+    return tp.Heads.symmetric(D.to(dtype=dtype, device=device), beta=p["beta"])
+
+
+def _process(p: Dict, regime: str, heads0):
+    import transformer_pde as tp
+
+    if regime == "ou":
+        return tp.OrnsteinUhlenbeck(heads0, rate=p["ou_rate"], sigma=math.sqrt(p["ou_sigma2"]), scheme=p["scheme"])
+    return tp.Oscillating(heads0, phase=p["phase"], sigma=0.0, scheme=p["scheme"])
+
+
+def _fingerprint(p: Dict, regime: str, H: int) -> str:
+    keys = sorted(k for k in p if k not in ("figures", "bootstrap", "ci_level", "t_avg", "checkpoint_every"))
+    blob = json.dumps({"regime": regime, "H": H, **{k: p[k] for k in keys}}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------- statistics
+def time_average(times, values, t_min: float = 0.0) -> np.ndarray:
+    """Trapezoid time average (1/(t_end − t_min)) ∫_{t_min}^{t_end} v dt over the recorded times >= t_min.
+
+    times: (T,); values: (T, ...).  Returns (...)."""
+    t = np.asarray(times, dtype=float)
+    v = np.asarray(values, dtype=float)
+    keep = t >= t_min - 1e-9
+    t, v = t[keep], v[keep]
+    if len(t) < 2:
+        return v[0]
+    w = np.zeros_like(t)
+    dtv = np.diff(t)
+    w[1:] += dtv / 2
+    w[:-1] += dtv / 2
+    w /= t[-1] - t[0]
+    return np.tensordot(w, v, axes=(0, 0))
+
+
+def fit_power_law(heads, values) -> Dict[str, Optional[float]]:
+    """Least squares log y = log a + b log H.  heads, values: (K,), values > 0.
+
+    Returns {"a", "b", "b_se"}: the OLS standard error of b (None when K < 3); a and b are
+    None when fewer than two distinct H are given or a value is not positive.
+    """
+    H = np.asarray(heads, dtype=float)
+    y = np.asarray(values, dtype=float)
+    if len(np.unique(H)) < 2 or np.any(~np.isfinite(y)) or np.any(y <= 0):
+        return {"a": None, "b": None, "b_se": None}
+    X, Y = np.log(H), np.log(y)
+    xm, ym = X.mean(), Y.mean()
+    sxx = ((X - xm) ** 2).sum()
+    b = ((X - xm) * (Y - ym)).sum() / sxx
+    c = ym - b * xm
+    se = None
+    if len(X) > 2:
+        res = Y - (c + b * X)
+        se = float(math.sqrt((res ** 2).sum() / (len(X) - 2) / sxx))
+    return {"a": float(math.exp(c)), "b": float(b), "b_se": se}
+
+
+def _slopes(X: np.ndarray, Y: np.ndarray) -> np.ndarray:
+    """OLS slopes of the rows of Y (R, K) against X (K,)."""
+    xc = X - X.mean()
+    return (Y - Y.mean(-1, keepdims=True)) @ xc / (xc ** 2).sum()
+
+
+def power_law_intervals(heads, per_path: Sequence, *, level: float = 0.95, resamples: int = 2000,
+                        seed: int = 0) -> Dict:
+    """Fit a·H^b to the path means and give two intervals for b over the Monte-Carlo paths.
+
+    Args:
+        heads: (K,) head counts.  per_path: K arrays, the per-path time averages at each H.
+        level: confidence level.  resamples: bootstrap resamples (0: skip).  seed: bootstrap RNG.
+
+    Returns a dict with the fit of the means ("a", "b", "b_se") and
+        "b_ci": percentile bootstrap interval — at each H the paths are resampled with
+            replacement (independently across H: the runs at different H are independent),
+            the means refitted; None with a single path or resamples = 0;
+        "b_paths_mean", "b_ci_paths": mean of the per-path fits (path p of every H fitted
+            alone) and its Student-t interval, mean ± t_{P−1} s/√P; None unless every H has
+            the same P >= 2 paths.
+    """
+    from scipy.special import stdtrit  # Student-t quantile (lighter import than scipy.stats)
+
+    H = np.asarray(heads, dtype=float)
+    per = [np.asarray(v, dtype=float).reshape(-1) for v in per_path]
+    means = np.array([v.mean() for v in per])
+    out = dict(fit_power_law(H, means))
+    out.update({"b_ci": None, "b_paths_mean": None, "b_ci_paths": None, "level": level,
+                "paths": [len(v) for v in per]})
+    if out["b"] is None:
+        return out
+    X = np.log(H)
+    alpha = 1 - level
+    if resamples > 0 and all(len(v) >= 2 for v in per):
+        rng = np.random.default_rng(seed)
+        boot = np.empty((resamples, len(per)))
+        for k, v in enumerate(per):
+            idx = rng.integers(0, len(v), size=(resamples, len(v)))
+            boot[:, k] = v[idx].mean(-1)
+        ok = (boot > 0).all(-1)
+        bs = _slopes(X, np.log(boot[ok]))
+        lo, hi = np.quantile(bs, [alpha / 2, 1 - alpha / 2])
+        out["b_ci"] = [float(lo), float(hi)]
+    P = {len(v) for v in per}
+    if len(P) == 1 and min(P) >= 2 and all((v > 0).all() for v in per):
+        Pn = min(P)
+        bp = _slopes(X, np.log(np.stack(per, -1)))  # (P,)
+        m, s = float(bp.mean()), float(bp.std(ddof=1))
+        q = float(stdtrit(Pn - 1, 1 - alpha / 2))
+        out["b_paths_mean"] = m
+        out["b_ci_paths"] = [m - q * s / math.sqrt(Pn), m + q * s / math.sqrt(Pn)]
+    return out
+
+
+# ---------------------------------------------------------------------------- one segment
+def _as_paths(v: torch.Tensor, paths: Optional[int]) -> torch.Tensor:
+    """(T, [P]) -> (T, P) on the CPU, with its own storage."""
+    v = v.detach().cpu()
+    return (v.unsqueeze(1) if paths is None else v).clone()
+
+
+def _run_segment(p: Dict, regime: str, H: int, x0: torch.Tensor, run, tag: str, *, dtype, device) -> Dict:
+    import transformer_pde as tp
+
+    heads0 = initial_heads(p, H, dtype=dtype, device=device)
+    theta = _process(p, regime, heads0)
+    paths = p["paths"] if regime == "ou" else None
+    seed = p["noise_seed"] + H if regime == "ou" else 0
+    ckpt = run.checkpoint_path(tag)
+    start_step = 0
+    if ckpt.exists():
+        try:
+            start_step = int(torch.load(ckpt, map_location="cpu", weights_only=False).get("k", 0))
+        except Exception:  # simulate refuses it below with the full message
+            start_step = 0
+    cb_user = getattr(run, "step_callback", None)
+    callback = None if cb_user is None else (lambda k, t, x: cb_user(tag, k, t))
+    t0 = time.perf_counter()
+    traj = tp.simulate(x0, theta, t1=p["t1"], dt=p["dt"], method=p["method"], normalization=p["normalization"],
+                       direction=p["direction"], paths=paths, seed=seed, record_every=p["record_every"],
+                       progress=run.progress, checkpoint=ckpt, checkpoint_every=p["checkpoint_every"],
+                       callback=callback)
+    wall = time.perf_counter() - t0
+    k_keep = 1 if paths is None else min(p["store_paths"], paths)
+    x = traj.x.detach().cpu()
+    # clone: a slice saved by torch.save would carry the storage of every path
+    x = x.unsqueeze(1).clone() if paths is None else x[:, :k_keep].clone()
+    steps = int(traj.stats["steps"])
+    return {
+        "kind": "transformer_pde.ou_vs_oscillating.segment",
+        "fingerprint": _fingerprint(p, regime, H),
+        "regime": regime, "H": H, "paths": 1 if paths is None else paths,
+        "times": traj.times.detach().cpu(),
+        **{k: _as_paths(getattr(traj, k), paths) for k in SERIES_KEYS},
+        "ledger": {k: _as_paths(v, paths) for k, v in traj.ledger.items()},
+        "x": x,
+        "timing": {"wall_time_s": wall, "steps": steps, "resumed_from_step": start_step,
+                   "per_step_s": wall / max(1, steps - start_step),
+                   "max_sphere_error": float(traj.stats["max_sphere_error"])},
+    }
+
+
+def _series_columns(seg: Dict) -> Dict[str, torch.Tensor]:
+    cols = {"t": seg["times"]}
+    for k in SERIES_KEYS:
+        cols[f"{k}_mean"] = seg[k].mean(-1)
+        cols[f"{k}_std"] = seg[k].std(-1, unbiased=False)
+    for k in LEDGER_KEYS:
+        cols[f"ledger_{k}_mean"] = seg["ledger"][k].mean(-1)
+        cols[f"ledger_{k}_std"] = seg["ledger"][k].std(-1, unbiased=False)
+    return cols
+
+
+def _load_segment(run, tag: str, fingerprint: str) -> Optional[Dict]:
+    seg = run.load_tensors(tag)
+    if seg is None:
+        return None
+    if not isinstance(seg, dict) or seg.get("kind") != "transformer_pde.ou_vs_oscillating.segment":
+        raise ValueError(f"{run.data_path(tag)} is not a segment of an ou_vs_oscillating run; delete it to recompute")
+    if seg.get("fingerprint") != fingerprint:
+        raise ValueError(f"{run.data_path(tag)} belongs to a different configuration (fingerprint "
+                         f"{seg.get('fingerprint')} != {fingerprint}); delete it or start a new run with --name")
+    return seg
+
+
+# ---------------------------------------------------------------------------- the study
+@study("ou_vs_oscillating", OPTIONS,
+       "the paper's Section 6: time-averaged 𝒢² vs H for OU and oscillating heads, energy balance, snapshots")
+def run_ou_vs_oscillating(params: Dict, run) -> Dict:
+    """Run every (regime, H) segment (skipping finished ones on resume), then fit, summarise, plot."""
+    from tqdm.auto import tqdm
+
+    p = dict(params)
+    check_params(p)
+    dtype = getattr(torch, p["dtype"])
+    device = _device(p)
+    x0 = initial_tokens(p, dtype=dtype, device=device)
+    segments = [(r, H) for r in p["regimes"] for H in p["heads"]]
+    results: Dict = {}
+    bar = tqdm(total=len(segments), desc="ou_vs_oscillating", unit="segment", disable=not run.progress)
+    try:
+        for regime, H in segments:
+            tag = f"{regime}_H{H}"
+            fp = _fingerprint(p, regime, H)
+            seg = _load_segment(run, tag, fp)
+            if seg is None:
+                if run.progress:
+                    tqdm.write(f"[{tag}] running: H = {H}, paths = {p['paths'] if regime == 'ou' else 1}, "
+                               f"{round(p['t1'] / p['dt'])} steps")
+                seg = _run_segment(p, regime, H, x0, run, tag, dtype=dtype, device=device)
+                run.save_series(tag, _series_columns(seg))
+                run.save_tensors(tag, seg)
+                run.checkpoint_path(tag).unlink(missing_ok=True)
+                if run.progress:
+                    tm = seg["timing"]
+                    tqdm.write(f"[{tag}] done in {tm['wall_time_s']:.1f} s ({tm['per_step_s'] * 1e3:.1f} ms/step)")
+            else:
+                run.checkpoint_path(tag).unlink(missing_ok=True)  # killed between the two writes above
+                if run.progress:
+                    tqdm.write(f"[{tag}] already complete, skipped")
+            results[(regime, H)] = seg
+            bar.update(1)
+    finally:
+        bar.close()
+    metrics = _analyse(p, results, device)
+    if p["figures"]:
+        _figures(p, results, metrics, run)
+    return metrics
+
+
+def _analyse(p: Dict, results: Dict, device) -> Dict:
+    sign = -1.0 if p["direction"] == "descent" else 1.0
+    tavg: Dict = {}
+    fits: Dict = {}
+    resid: Dict = {}
+    timing: Dict = {}
+    summary: List[str] = []
+    level = p["ci_level"]
+    for regime in p["regimes"]:
+        per_path, tavg[regime], resid[regime] = [], {}, {}
+        for H in p["heads"]:
+            seg = results[(regime, H)]
+            t = seg["times"].numpy()
+            g = time_average(t, seg["slope"].double().numpy(), p["t_avg"])  # (P,)
+            dabs = time_average(t, seg["dissipation"].double().abs().numpy(), p["t_avg"])
+            per_path.append(g)
+            tavg[regime][str(H)] = {"mean": float(g.mean()), "std": float(g.std()), "per_path": g.tolist(),
+                                    "abs_dissipation_over_slope": float(dabs.mean() / g.mean()) if g.mean() > 0
+                                    else None}
+            led = seg["ledger"]
+            r = {}
+            for key in ("residual", "residual_slope"):
+                v = led[key].double()
+                r[key] = {"final_mean": float(v[-1].mean()), "final_std": float(v[-1].std(unbiased=False)),
+                          "max_abs": float(v.abs().max())}
+            r["dE_final_mean"] = float(led["dE"][-1].double().mean())
+            resid[regime][str(H)] = r
+            timing[f"{regime}_H{H}"] = seg["timing"]
+        fits[regime] = power_law_intervals(p["heads"], per_path, level=level, resamples=p["bootstrap"],
+                                           seed=p["seed"])
+        f = fits[regime]
+        fits[regime]["ci_method"] = (
+            f"b_ci: percentile bootstrap over the Monte-Carlo paths ({p['bootstrap']} resamples, paths resampled "
+            f"independently at each H); b_ci_paths: mean of per-path fits ± Student-t, level {level}")
+        name = "OU" if regime == "ou" else f"oscillating ({p['phase']} phase)"
+        if f["b"] is None:
+            summary.append(f"{name}: no fit (needs two or more head counts)")
+        else:
+            line = f"{name}: time-averaged 𝒢² (t >= {p['t_avg']:g}) ≈ a·H^b with a = {f['a']:.4g}, b = {f['b']:.4f}"
+            if f["b_ci"] is not None:
+                line += f", {100 * level:g}% CI [{f['b_ci'][0]:.4f}, {f['b_ci'][1]:.4f}] (bootstrap over paths)"
+            if f["b_ci_paths"] is not None:
+                line += f"; per-path fits {f['b_paths_mean']:.4f} [{f['b_ci_paths'][0]:.4f}, {f['b_ci_paths'][1]:.4f}]"
+            if f["b_ci"] is None and f["b_ci_paths"] is None:
+                se = f" (OLS s.e. {f['b_se']:.3g})" if f["b_se"] is not None else ""
+                line += f", single path: no interval over paths{se}"
+            summary.append(line)
+        for H in p["heads"]:
+            r = resid[regime][str(H)]
+            summary.append(
+                f"  {regime} H={H}: mean 𝒢² = {tavg[regime][str(H)]['mean']:.4g}; residual at T: "
+                f"𝒟-based {r['residual']['final_mean']:.3e} ± {r['residual']['final_std']:.2e}, "
+                f"𝒢²-based {r['residual_slope']['final_mean']:.3e} ± {r['residual_slope']['final_std']:.2e}")
+    metrics = {
+        "fit": fits,
+        "time_average_slope": tavg,
+        "residuals": resid,
+        "timing": timing,
+        "device": str(device),
+        "direction": p["direction"],
+        "sign": sign,
+        "seeds": {"tokens": p["seed"], "heads": {str(H): p["seed"] + H for H in p["heads"]},
+                  "ou_noise": {str(H): p["noise_seed"] + H for H in p["heads"]} if "ou" in p["regimes"] else {},
+                  "bootstrap": p["seed"]},
+        "summary": summary,
+    }
+    for regime in p["regimes"]:
+        f = fits[regime]
+        metrics[f"b_{regime}"] = f["b"]
+        metrics[f"a_{regime}"] = f["a"]
+        if f["b_ci"] is not None:
+            metrics[f"b_{regime}_ci_low"], metrics[f"b_{regime}_ci_high"] = f["b_ci"]
+    return metrics
+
+
+def _figures(p: Dict, results: Dict, metrics: Dict, run) -> None:
+    from .. import plotting
+
+    regimes, heads = p["regimes"], p["heads"]
+    d, T = p["d"], p["t1"]
+    dirn = p["direction"]
+    sign = -1.0 if dirn == "descent" else 1.0
+    space = {2: "S¹", 3: "S²"}.get(d, f"$S^{{{d - 1}}}$")
+    phase = f", {p['phase']} phase" if "oscillating" in regimes else ""
+    times = results[(regimes[0], heads[0])]["times"].numpy()
+    label = {"ou": "OU", "oscillating": "oscillating"}
+    # snapshots: one figure per regime (rows H), and the comparison at the largest H
+    snaps = [0.0, 0.25 * T, 0.5 * T, 0.75 * T, T]
+    for regime in regimes:
+        rows = [(f"H = {H}", results[(regime, H)]["x"][:, 0]) for H in heads]
+        which = "path 0" if regime == "ou" else "deterministic"
+        fig = plotting.sphere_snapshots(rows, times, snaps, colors=plotting.head_colors(len(heads)),
+                                        title=f"{space}, {label[regime]} heads: tokens ({dirn}, {which})")
+        run.save_figure(fig, f"snapshots_{regime}")
+    if len(regimes) > 1:
+        Hm = max(heads)
+        rows = [(f"{label[r]}, H = {Hm}", results[(r, Hm)]["x"][:, 0]) for r in regimes]
+        fig = plotting.sphere_snapshots(rows, times, [0.0, 0.8 * T, 0.9 * T, T],
+                                        colors=[plotting.REGIME_COLORS[r] for r in regimes],
+                                        title=f"{space}: OU (path 0) vs oscillating heads{phase}, H = {Hm} ({dirn})")
+        run.save_figure(fig, "snapshots_comparison")
+    # energy balance: one panel per (regime, H)
+    panels = [(f"{label[r]}, H = {H}" + (f" ({results[(r, H)]['paths']} paths)" if r == "ou" else ""),
+               results[(r, H)]["ledger"]) for r in regimes for H in heads]
+    fig = plotting.energy_balance(panels, times, sign=sign, ncols=len(heads),
+                                  title=f"{space}: energy balance, Monte-Carlo mean ± std ({dirn}{phase})")
+    run.save_figure(fig, "energy_balance")
+    # 𝒢²(t) for every H
+    fig = plotting.slope_series([(label[r], {H: results[(r, H)]["slope"] for H in heads}) for r in regimes], times,
+                                t_avg=p["t_avg"], title=f"{space}: metric slope $\\mathscr{{G}}^2(t)$ ({dirn}{phase})")
+    run.save_figure(fig, "slope")
+    # time-averaged 𝒢² vs H with the fit
+    entries = [{"label": label[r], "color": plotting.REGIME_COLORS[r], "heads": heads,
+                "per_path": [metrics["time_average_slope"][r][str(H)]["per_path"] for H in heads],
+                "fit": metrics["fit"][r]} for r in regimes]
+    fig = plotting.slope_scaling(entries, t_avg=p["t_avg"],
+                                 title=f"{space}: time-averaged $\\mathscr{{G}}^2$ vs H ({dirn}{phase})")
+    run.save_figure(fig, "scaling")
+
+
+run_ou_vs_oscillating.validate = check_params

@@ -34,7 +34,6 @@ from ._validation import (
     check_positive,
     check_same,
     check_tensor,
-    check_token_weights,
     direction_sign,
 )
 from .attention import softmax_statistics
@@ -74,25 +73,7 @@ _OUTPUT_NORMALIZATIONS = ("softmax", "unnormalized", "relu")
 # ---------------------------------------------------------------------------- checks and kernels
 def _check_any(x, heads, weights, *, on_sphere: bool):
     """The library's checks; with on_sphere=False the tokens may have any non-zero norm (flat dynamics)."""
-    if on_sphere:
-        _check_inputs(x, heads, weights)
-        return
-    check_tensor(x, "x", min_dim=2)
-    if x.shape[-1] < 2 or x.shape[-2] < 1:
-        raise ValueError(f"x must have shape (..., n, d) with n >= 1, d >= 2, got {tuple(x.shape)}")
-    if not isinstance(heads, Heads):
-        raise TypeError(f"heads must be a transformer_pde.Heads, got {type(heads).__name__}; build one with tp.Heads(A)")
-    check_same(x, heads._ref, "x", "heads")
-    if heads.dim != x.shape[-1]:
-        raise ValueError(f"heads act on dimension d = {heads.dim} but x has d = {x.shape[-1]}")
-    try:
-        torch.broadcast_shapes(x.shape[:-2], heads.batch_shape)
-    except RuntimeError:
-        raise ValueError(
-            f"the batch shape of x {tuple(x.shape[:-2])} does not broadcast against the heads' batch shape "
-            f"{tuple(heads.batch_shape)}"
-        ) from None
-    check_token_weights(weights, x)
+    _check_inputs(x, heads, weights, on_sphere=on_sphere)
 
 
 def _beta(heads: Heads, extra: int):

@@ -48,7 +48,7 @@ from .energy import ito_correction, pairing
 from .field import FieldEval, evaluate
 from .heads import Heads
 from .processes import Constant, Process, WeightPath
-from .solvers.particle import LEDGER_KEYS, Trajectory, _grid, _nonfinite, _WeightDriver
+from .solvers.particle import LEDGER_KEYS, Trajectory, _assemble_records, _grid, _nonfinite, _WeightDriver
 
 __all__ = ["rank_and_world", "shard_tokens", "gather_tokens", "distributed_evaluate", "simulate_sharded"]
 
@@ -376,13 +376,7 @@ def simulate_sharded(
             bar.close()
 
     rec_k = sorted(rec_set)
-    times = torch.tensor([t0 + k * dt for k in rec_k], dtype=torch.float64)
-    out_x = torch.stack(records["x"])
-    if diagnostics:
-        ledger = {key: torch.stack(records["ledger." + key]) for key in LEDGER_KEYS}
-        series = {key: torch.stack(records[key]) for key in ("energy", "slope", "dissipation")}
-    else:
-        ledger, series = {}, {"energy": None, "slope": None, "dissipation": None}
+    times, out_x, series, ledger = _assemble_records(records, rec_k, t0, dt, diagnostics)
     stats = {"steps": K, "field_evaluations": K + 1, "wall_time": time.perf_counter() - start, "order": 1,
              "ranks": rank_and_world(group)[1], "tokens": shard.N}
     return Trajectory(times, out_x, series["energy"], series["slope"], series["dissipation"], ledger, stats,

@@ -25,7 +25,15 @@ from typing import Optional
 
 import torch
 
-from ._validation import NORMALIZATIONS, check_choice, check_same, check_token_weights, check_tokens, direction_sign
+from ._validation import (
+    NORMALIZATIONS,
+    check_choice,
+    check_same,
+    check_tensor,
+    check_token_weights,
+    check_tokens,
+    direction_sign,
+)
 from .attention import HeadStats, relu_statistics, softmax_statistics
 from .heads import Heads
 from .sphere import tangent_projection
@@ -161,8 +169,15 @@ def evaluate(
 
 
 # ---------------------------------------------------------------------- checked entry points
-def _check_inputs(x, heads, weights):
-    check_tokens(x, "x")
+def _check_inputs(x, heads, weights, *, on_sphere: bool = True):
+    """The checks of every public entry point; on_sphere=False admits tokens of any non-zero norm
+    (the flat, unprojected dynamics of :mod:`transformer_pde.diagnostics`)."""
+    if on_sphere:
+        check_tokens(x, "x")
+    else:
+        check_tensor(x, "x", min_dim=2)
+        if x.shape[-1] < 2 or x.shape[-2] < 1:
+            raise ValueError(f"x must have shape (..., n, d) with n >= 1, d >= 2, got {tuple(x.shape)}")
     if not isinstance(heads, Heads):
         raise TypeError(f"heads must be a transformer_pde.Heads, got {type(heads).__name__}; build one with tp.Heads(A)")
     check_same(x, heads._ref, "x", "heads")

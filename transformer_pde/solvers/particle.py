@@ -604,13 +604,7 @@ def simulate(
         if bar is not None:
             bar.close()
 
-    times = torch.tensor([t0 + k * dt for k in rec_k], dtype=torch.float64)
-    out_x = torch.stack(records["x"])
-    if diagnostics:
-        ledger = {key: torch.stack(records["ledger." + key]) for key in LEDGER_KEYS}
-        series = {key: torch.stack(records[key]) for key in ("energy", "slope", "dissipation")}
-    else:
-        ledger, series = {}, {"energy": None, "slope": None, "dissipation": None}
+    times, out_x, series, ledger = _assemble_records(records, rec_k, t0, dt, diagnostics)
     stats = {"steps": K, "field_evaluations": nfe, "max_sphere_error": max_sphere,
              "wall_time": time.perf_counter() - start, "order": tab.order}
     return Trajectory(times, out_x, series["energy"], series["slope"], series["dissipation"], ledger, stats,
@@ -694,6 +688,18 @@ def _initial_step(func, t0: torch.Tensor, y0: torch.Tensor, rtol: float, atol: f
     d2 = rms((f1 - f0) / scale) / h0
     h1 = max(1e-6, h0 * 1e-3) if max(d1, d2) <= 1e-15 else (0.01 / max(d1, d2)) ** (1.0 / order)
     return min(100 * h0, h1)
+
+
+def _assemble_records(records, rec_k, t0, dt, diagnostics):
+    """(times, x, series, ledger) stacked from the per-record lists of a fixed-step loop."""
+    times = torch.tensor([t0 + k * dt for k in rec_k], dtype=torch.float64)
+    out_x = torch.stack(records["x"])
+    if diagnostics:
+        ledger = {key: torch.stack(records["ledger." + key]) for key in LEDGER_KEYS}
+        series = {key: torch.stack(records[key]) for key in ("energy", "slope", "dissipation")}
+    else:
+        ledger, series = {}, {"energy": None, "slope": None, "dissipation": None}
+    return times, out_x, series, ledger
 
 
 def _simulate_adaptive(x, process, drv, ev, *, K, t0, dt, record_every, sign, diagnostics, rtol, atol, method,

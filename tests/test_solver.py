@@ -152,6 +152,13 @@ def test_checkpoint_resume_is_bit_identical(tmp_path):
     # a foreign checkpoint (other seed) and a corrupted one are refused
     with pytest.raises(ValueError, match="different run"):
         tp.simulate(x0, theta, checkpoint=ck, **{**kw, "seed": 4})
+    # other weights (OU rate, σ, or β) with the same initial heads are another run too
+    other = tp.OrnsteinUhlenbeck(tp.Heads.random(2, 3, generator=gen(13), dtype=torch.float64), rate=2.0)
+    with pytest.raises(ValueError, match="different run"):
+        tp.simulate(x0, other, checkpoint=ck, **kw)
+    hb = tp.Heads.random(2, 3, generator=gen(13), dtype=torch.float64)
+    with pytest.raises(ValueError, match="different run"):
+        tp.simulate(x0, tp.OrnsteinUhlenbeck(tp.Heads(hb.score, beta=2.0)), checkpoint=ck, **kw)
     ck.write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match="corrupted"):
         tp.simulate(x0, theta, checkpoint=ck, **kw)

@@ -313,6 +313,33 @@ def _fingerprint(*parts) -> str:
     return h.hexdigest()[:16]
 
 
+def _process_signature(process) -> list:
+    """Everything that defines a process (type, scheme, rates, σ, means, phases, heads and β), flattened
+    for the checkpoint fingerprint, so a checkpoint of a run with other weights is refused."""
+    out = [type(process).__name__]
+
+    def add(v, depth=0):
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, Heads):
+            for t in (v.score, v.value, v.weights, v.query, v.key):
+                if t is not None:
+                    out.append(t)
+            out.append(v.beta if isinstance(v.beta, torch.Tensor) else repr(v.beta))
+        elif isinstance(v, (int, float, str, bool)) or v is None:
+            out.append(repr(v))
+        elif isinstance(v, (list, tuple)) and depth < 2:
+            for u in v:
+                add(u, depth + 1)
+        else:
+            out.append(type(v).__name__)
+
+    for key in sorted(vars(process)):
+        out.append(key)
+        add(vars(process)[key])
+    return out
+
+
 def _save_atomic(obj, path: Path):
     tmp = path.with_name(path.name + ".tmp")
     torch.save(obj, tmp)
@@ -483,7 +510,7 @@ def simulate(
     ckpt_path = None if checkpoint is None else Path(checkpoint)
     fp = None
     if ckpt_path is not None:
-        fp = _fingerprint(x0, h0.score_matrix, repr(process), t0, t1, dt, method, normalization, direction,
+        fp = _fingerprint(x0, *_process_signature(process), t0, t1, dt, method, normalization, direction,
                           paths, seed, record_every, quadrature, diagnostics, weights)
         if ckpt_path.exists():
             try:

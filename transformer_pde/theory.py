@@ -378,6 +378,18 @@ def gamma_ode(times, lambdas, *, beta: float = 1.0, n: int, gamma0: float, norma
     return -torch.expm1(ell), torch.exp(ell)
 
 
+def _time_args(lambdas, beta, n, gamma0, target, normalization):
+    """Checked (λ, β, n, γ0, target) of the clustering-time functions."""
+    check_choice(normalization, REDUCED_NORMALIZATIONS, "normalization")
+    beta = check_positive(beta, "beta")
+    n = _n(n)
+    gamma0 = _gamma(gamma0, n, "gamma0")
+    target = _gamma(target, n, "target")
+    if not target > gamma0:
+        raise ValueError(f"target must be larger than gamma0 (got gamma0 = {gamma0}, target = {target})")
+    return _lambdas(lambdas).to(torch.float64), beta, n, gamma0, target
+
+
 def hitting_time(lambdas, *, beta: float = 1.0, n: int, gamma0: float, target: float,
                  normalization: str = "softmax") -> float:
     """Time for the reduced ODE (ascent) to take γ from γ0 to ``target``:
@@ -393,14 +405,7 @@ def hitting_time(lambdas, *, beta: float = 1.0, n: int, gamma0: float, target: f
     """
     from scipy.integrate import quad
 
-    check_choice(normalization, REDUCED_NORMALIZATIONS, "normalization")
-    beta = check_positive(beta, "beta")
-    n = _n(n)
-    gamma0 = _gamma(gamma0, n, "gamma0")
-    target = _gamma(target, n, "target")
-    if not target > gamma0:
-        raise ValueError(f"target must be larger than gamma0 (got gamma0 = {gamma0}, target = {target})")
-    lam = _lambdas(lambdas).to(torch.float64)
+    lam, beta, n, gamma0, target = _time_args(lambdas, beta, n, gamma0, target, normalization)
     if lam.dim() != 1:
         raise ValueError(f"hitting_time takes one set of head strengths (H,), got shape {tuple(lam.shape)}")
 
@@ -434,14 +439,7 @@ def linearized_clustering_time(lambdas, *, beta: float = 1.0, n: int, gamma0: fl
     Raises:
         ValueError: target <= γ0, γ0 <= 0 for relu (γ = 0 is a fixed point), bad lambdas, β <= 0.
     """
-    check_choice(normalization, REDUCED_NORMALIZATIONS, "normalization")
-    beta = check_positive(beta, "beta")
-    n = _n(n)
-    gamma0 = _gamma(gamma0, n, "gamma0")
-    target = _gamma(target, n, "target")
-    if not target > gamma0:
-        raise ValueError(f"target must be larger than gamma0 (got gamma0 = {gamma0}, target = {target})")
-    lam = _lambdas(lambdas).to(torch.float64)
+    lam, beta, n, gamma0, target = _time_args(lambdas, beta, n, gamma0, target, normalization)
     if normalization in ("softmax", "unnormalized"):
         F0 = float(_reduced_field(torch.tensor(0.0, dtype=torch.float64), lam, beta, n, normalization, 1.0).sum())
         return (target - gamma0) / F0 if F0 > 0 else math.inf

@@ -1,0 +1,1 @@
+"""Causal-attention clustering study (filled in this session)."""

@@ -1,0 +1,1 @@
+"""Clustering studies: phase diagrams, metastability (filled in this session)."""

@@ -1,0 +1,369 @@
+"""Intra-op thread policy: how many threads torch uses for a solver's step loop.
+
+PyTorch's CPU kernels run on an OpenMP pool with one thread per core by default.  That is
+fast on an idle machine but collapses on a shared one: when another job holds a core, every
+parallel region waits at its barrier for the descheduled thread, and a run with 2 threads on 2
+busy cores can be several times slower than the same run with 1 thread.  Small problems do
+not gain from threads at all (the fork/join cost is larger than the work).  This module picks
+the thread count from the size of the problem and the load of the machine, so that a user
+does not need to know about OpenMP.
+
+Usage::
+
+    from transformer_pde import threads
+
+    threads.policy("auto")               # the CLI does this (``--threads auto``, its default)
+    with threads.scope(paths * H * n * n) as pool:   # what simulate / jko do around their loops
+        for step in range(steps):
+            ...
+            pool.refresh()               # optional: re-read the load every few seconds
+
+Policies (process-wide, set with :func:`policy`):
+
+``None`` (the library default)
+    leave torch alone: :func:`scope` changes nothing, so a library user keeps full control
+    through ``torch.set_num_threads`` and ``OMP_NUM_THREADS``.
+``"auto"``
+    :func:`choose` the count for each block from its ``work`` (elementary kernel terms per
+    step, e.g. paths·H·n²): 1 thread below :data:`WORK_THRESHOLD`; above it, the number of
+    cores that are free (:func:`free_cores`: the cores this process may use, at most
+    ``os.cpu_count()``, minus the load of other processes), at least 1.
+    ``OMP_NUM_THREADS``, when set to a positive integer, caps the choice.
+a positive int ``k``
+    exactly ``k`` threads in every scope (an explicit choice; ``OMP_NUM_THREADS`` does not cap
+    it).
+
+The load of other processes (:func:`other_load`) is the larger of two readings: the one-minute
+load average (``os.getloadavg``) minus this process's own share, estimated from its CPU time
+with the same one-minute averaging, so that a run does not throttle itself; and the tasks
+runnable right now (``/proc/loadavg``) minus this process's runnable threads, which sees a
+job that started seconds ago.  Where neither is available (Windows) the machine is taken to
+be idle.  Erring towards fewer threads is deliberate: on 2 shared cores a second thread
+made steps 5–15× slower (scripts/benchmark_threads.py), one thread too few costs at most the
+parallel speed-up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Iterator, Optional, Tuple, Union
+
+__all__ = ["policy", "current", "choose", "scope", "Scope", "free_cores", "other_load", "cpu_budget", "omp_cap",
+           "runnable_now",
+           "WORK_THRESHOLD", "REFRESH_SECONDS"]
+
+logger = logging.getLogger(__name__)
+
+#: Below this many elementary kernel terms per step (paths·H·n²), "auto" uses one thread.
+#: Provisional: a second thread was measured to help on 2 quiet cores for the paper's
+#: reference step (H = 100, 10 paths, n = 200: 4·10⁷ terms, 0.25 s against 0.40 s per step)
+#: and a little for the quick config as a whole (24 s against 29 s; its largest segment has
+#: 2.6·10⁵ terms), not for steps whose kernels are too short to share;
+#: ``python scripts/benchmark_threads.py --sweep`` on a quiet machine places it more exactly
+#: (on a loaded machine 2 threads lose at every size).
+WORK_THRESHOLD: float = 1.0e5
+
+# a core counts as free when at least this fraction of it is (floor(free + _ROUND))
+_ROUND = 0.25
+
+#: :meth:`Scope.refresh` re-reads the load at most this often (seconds).
+REFRESH_SECONDS: float = 5.0
+
+_lock = threading.Lock()
+_mode: Union[None, str, int] = None
+
+# This process's share of the load average: an exponential moving average of its CPU use
+# (cores) with the one-minute load average's time constant, updated whenever the load is read.
+_LOAD_TAU = 60.0
+
+
+def _validate(mode) -> Union[None, str, int]:
+    if mode is None:
+        return None
+    if isinstance(mode, bool):
+        raise TypeError(f"threads.policy: mode must be 'auto', a positive int or None, got the bool {mode!r}")
+    if isinstance(mode, str):
+        text = mode.strip().lower()
+        if text == "auto":
+            return "auto"
+        if not text.isdigit():
+            raise ValueError(f"threads.policy: mode must be 'auto', a positive int or None, got {mode!r}; "
+                             "use e.g. policy('auto') or policy(2)")
+        mode = int(text)
+    if not isinstance(mode, int):
+        if isinstance(mode, float) or not hasattr(mode, "__index__"):
+            raise TypeError(f"threads.policy: mode must be 'auto', a positive int or None, got "
+                            f"{type(mode).__name__} {mode!r}")
+        mode = int(mode.__index__())
+    if mode < 1:
+        raise ValueError(f"threads.policy: a thread count must be >= 1, got {mode}; use 'auto' to let "
+                         "the library choose or None to leave torch alone")
+    return mode
+
+
+def policy(mode: Union[None, str, int]) -> Union[None, str, int]:
+    """Set the process-wide thread policy and return the previous one.
+
+    Args:
+        mode: ``"auto"`` (choose from the work and the machine's load), a positive int
+            (exactly that many intra-op threads; a string of digits is accepted too, as the
+            CLI passes it) or ``None`` (leave torch alone: the library default).
+
+    Returns:
+        The previous policy, so that ``threads.policy(old)`` restores it.
+
+    Raises:
+        TypeError: ``mode`` is not a string, an int or None (a bool or a float is refused).
+        ValueError: a string other than ``"auto"`` or digits, or a count below 1.
+    """
+    global _mode
+    new = _validate(mode)
+    with _lock:
+        old, _mode = _mode, new
+    return old
+
+
+def current() -> Union[None, str, int]:
+    """The process-wide policy: ``None``, ``"auto"`` or a positive int."""
+    return _mode
+
+
+def _process_age() -> Optional[float]:
+    """Seconds since this process started (Linux /proc), or None."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        start_ticks = float(fields[19])  # field 22 of stat(5); fields[0] is field 3
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, IndexError, ValueError, AttributeError):
+        return None
+
+
+def _initial_own() -> Tuple[float, float, float]:
+    now, cpu = time.monotonic(), time.process_time()
+    age = _process_age()
+    if not age or age < 1.0:
+        return now, cpu, 0.0
+    # as if the CPU time so far had been spent evenly since the process started
+    return now, cpu, (cpu / age) * (1.0 - math.exp(-age / _LOAD_TAU))
+
+
+_own_state = list(_initial_own())  # [wall, cpu, ema in cores]
+
+
+def _own_load() -> float:
+    """This process's contribution to the one-minute load average, estimated in cores."""
+    now, cpu = time.monotonic(), time.process_time()
+    with _lock:
+        t0, c0, ema = _own_state
+        dt = now - t0
+        if dt > 0.05:
+            a = math.exp(-dt / _LOAD_TAU)
+            ema = a * ema + (1.0 - a) * max(0.0, (cpu - c0) / dt)
+            _own_state[:] = [now, cpu, ema]
+    return ema
+
+
+def _own_running() -> int:
+    """Threads of this process that are runnable now (Linux /proc; 1 elsewhere)."""
+    try:
+        n = 0
+        for task in os.scandir("/proc/self/task"):
+            try:
+                stat = Path(task.path, "stat").read_text()
+            except OSError:
+                continue
+            if stat.rsplit(")", 1)[1].split()[0] == "R":
+                n += 1
+        return max(n, 1)
+    except OSError:
+        return 1
+
+
+def runnable_now() -> Optional[int]:
+    """Runnable tasks on the machine now (the 4th field of /proc/loadavg), or None."""
+    try:
+        return int(Path("/proc/loadavg").read_text().split()[3].split("/")[0])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def cpu_budget() -> int:
+    """Cores this process may use: the CPU affinity set, capped by a cgroup CPU quota
+    (containers), else ``os.cpu_count()``."""
+    count = getattr(os, "process_cpu_count", None)
+    if count is not None:
+        n = count() or 1
+    else:
+        try:
+            n = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            n = os.cpu_count() or 1
+    for path, parse in (("/sys/fs/cgroup/cpu.max", lambda t: t.split()),
+                        ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", None)):
+        try:
+            if parse is not None:
+                quota, period = parse(Path(path).read_text())
+            else:
+                quota = Path(path).read_text().strip()
+                period = Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us").read_text().strip()
+            if quota not in ("max", "-1") and float(period) > 0:
+                n = min(n, max(1, math.ceil(float(quota) / float(period))))
+            break
+        except (OSError, ValueError):
+            continue
+    return max(1, n)
+
+
+def omp_cap() -> Optional[int]:
+    """``OMP_NUM_THREADS`` as a positive int, or None when it is unset or not a positive int.
+
+    OpenMP allows a list ("4,2" for nested levels); its first entry is the outer level.
+    """
+    raw = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    if not raw.isdigit() or int(raw) < 1:
+        return None
+    return int(raw)
+
+
+def other_load() -> float:
+    """Cores kept busy by other processes: the larger of the one-minute load average minus this
+    process's own share (:func:`_own_load`) and the tasks runnable right now minus this
+    process's runnable threads.  0 where neither is available (Windows).
+
+    Taking the larger errs towards fewer threads: a thread too few costs at most the parallel
+    speed-up, a thread too many on a busy core stalls every OpenMP barrier (measured: 5–15×
+    slower with 2 threads on 2 busy cores).
+    """
+    try:
+        avg = max(0.0, os.getloadavg()[0] - _own_load())
+    except (OSError, AttributeError):
+        avg = 0.0
+    now = runnable_now()
+    inst = 0.0 if now is None else float(max(0, now - _own_running()))
+    return max(avg, inst)
+
+
+def free_cores() -> float:
+    """Cores not used by other processes: :func:`cpu_budget` − :func:`other_load`, >= 0."""
+    return max(0.0, cpu_budget() - other_load())
+
+
+def _check_work(work) -> float:
+    if isinstance(work, bool) or not isinstance(work, (int, float)) and not hasattr(work, "__float__"):
+        raise TypeError(f"threads: work must be a number (elementary terms per step, e.g. paths*H*n*n), "
+                        f"got {type(work).__name__}")
+    w = float(work)
+    if not math.isfinite(w) or w < 0:
+        raise ValueError(f"threads: work must be a finite number >= 0 (e.g. paths*H*n*n), got {work!r}")
+    return w
+
+
+def choose(work: float) -> int:
+    """The intra-op thread count for a step of ``work`` elementary kernel terms.
+
+    With policy ``"auto"``: 1 when ``work < WORK_THRESHOLD``; otherwise
+    ``floor(free_cores() + 0.25)`` clamped to ``[1, cpu_budget()]`` and capped by
+    ``OMP_NUM_THREADS`` when that is set.  With an int policy: that int.  With policy ``None``:
+    ``torch.get_num_threads()`` (what torch will use anyway).
+
+    Args:
+        work: elementary kernel terms per step, e.g. ``paths * H * n**2`` (a float >= 0).
+
+    Returns:
+        A thread count >= 1.
+
+    Raises:
+        TypeError: ``work`` is not a number.
+        ValueError: ``work`` is negative, NaN or infinite.
+    """
+    w = _check_work(work)
+    mode = _mode
+    if mode is None:
+        import torch
+
+        return torch.get_num_threads()
+    if isinstance(mode, int):
+        return mode
+    if w < WORK_THRESHOLD:
+        return 1
+    k = int(math.floor(free_cores() + _ROUND))
+    k = min(max(k, 1), cpu_budget())
+    cap = omp_cap()
+    if cap is not None:
+        k = min(k, cap)
+    return k
+
+
+class Scope:
+    """The handle :func:`scope` yields: the thread count in force and a :meth:`refresh`."""
+
+    def __init__(self, work: float, active: bool):
+        self.work = work
+        self.active = active
+        self.threads: Optional[int] = None
+        self._last = time.monotonic()
+
+    def _apply(self) -> None:
+        import torch
+
+        k = choose(self.work)
+        if k != torch.get_num_threads():
+            torch.set_num_threads(k)
+            logger.debug("intra-op threads set to %d (work %.3g, policy %r)", k, self.work, _mode)
+        self.threads = k
+
+    def refresh(self, force: bool = False) -> int:
+        """Re-choose the thread count from the current load (at most every
+        :data:`REFRESH_SECONDS`, unless ``force``); cheap enough to call every step.
+
+        Returns:
+            The thread count in force (``torch.get_num_threads()`` when the policy is None).
+        """
+        if self.active:
+            now = time.monotonic()
+            if force or now - self._last >= REFRESH_SECONDS:
+                self._last = now
+                self._apply()
+            return self.threads  # type: ignore[return-value]
+        import torch
+
+        return torch.get_num_threads()
+
+
+@contextlib.contextmanager
+def scope(work: float) -> Iterator[Scope]:
+    """Apply the thread policy for a block: ``torch.set_num_threads(choose(work))`` on entry,
+    the previous count restored on exit (also on an exception).  A no-op when the policy is
+    ``None``.
+
+    Args:
+        work: elementary kernel terms per step of the block, e.g. ``paths * H * n**2``.
+
+    Yields:
+        A :class:`Scope`; call ``.refresh()`` inside long loops to follow load changes.
+
+    Raises:
+        TypeError, ValueError: as :func:`choose`, before anything is changed.
+    """
+    w = _check_work(work)
+    active = _mode is not None
+    handle = Scope(w, active)
+    if not active:
+        yield handle
+        return
+    import torch
+
+    previous = torch.get_num_threads()
+    try:
+        handle._apply()
+        yield handle
+    finally:
+        if torch.get_num_threads() != previous:
+            torch.set_num_threads(previous)

@@ -39,6 +39,20 @@ Backends (``backend=``; all return the same numbers to rounding, see tests/test_
   CPU (float32/float64) when the fused kernel is available, KeOps on CUDA for large problems
   when pykeops is importable, ``"chunked"`` elsewhere.  Never KeOps on CPU.
 
+Causal attention (``causal=True``, decoder-only models): query i sees only the keys j ≤ i in the
+stored order (the token axis), i.e. the prefix measure μ_i = Σ_{j≤i} w_j δ_{x_j} / W_i with
+W_i = Σ_{j≤i} w_j (W_i = (i+1)/n for uniform weights).  Every statistic is that of μ_i:
+
+    log m_h(x_i) = log Σ_{j≤i} w_j e^{s_ij} − log W_i,   p_ij = w_j e^{s_ij} / Σ_{k≤i} w_k e^{s_ik}  (j ≤ i)
+
+so the first token attends only to itself (ȳ_h(x_0) = x_0, log m_h(x_0) = s_00).  Queries and
+keys must be the same tokens (``keys=None``).  Every backend applies the mask without forming
+the (n, m) mask for more than one score block: "chunked"/"dense" zero e^{s_ij} above the
+diagonal block by block, "sdpa" passes ``is_causal=True`` to the fused kernel (which combines it
+with the additive log-weight mask and returns the masked log-sum-exp), "keops" adds a
+−∞-like step in the index difference, the autograd path masks with −∞ before ``logsumexp``.
+A token whose prefix has zero total weight (W_i = 0) has no causal statistics (NaN).
+
 With autograd (any input requires grad and grad mode is on) an out-of-place, chunked
 ``logsumexp``/``exp`` path is used whatever the backend, so that gradients flow to x, A, V, β
 and the token weights; it agrees with the no-grad kernels to rounding.  Its forward pass is
@@ -69,6 +83,7 @@ __all__ = [
     "keops_available",
     "sdpa_available",
     "kernel_backend",
+    "causal_log_prefix_mass",
 ]
 
 #: elements of one score block (batch · H · rows · m); 2^22 float64 = 32 MiB
@@ -266,6 +281,27 @@ def _quadratic_form(x: torch.Tensor, cols: torch.Tensor, iu, coef) -> torch.Tens
     return (cols * xx).sum(-1)
 
 
+def _check_causal(causal, keys):
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be True or False, got {type(causal).__name__}")
+    if causal and keys is not None:
+        raise ValueError("causal=True needs queries = keys (token i attends to tokens j <= i of the same "
+                         "sequence); call without keys=, or with causal=False")
+
+
+def causal_log_prefix_mass(weights: Optional[torch.Tensor], n: int, *, dtype=None, device=None) -> torch.Tensor:
+    """log W_i, the log total weight of the causal prefix j ≤ i: (..., n) from token weights
+    (..., n) (log of their cumulative sum), or (n,) = log((i+1)/n) for uniform weights (None)."""
+    if weights is None:
+        return torch.log(torch.arange(1, n + 1, dtype=dtype, device=device) / n)
+    return torch.log(torch.cumsum(weights, -1))
+
+
+def _causal_block_mask(qidx: torch.Tensor, m: int) -> torch.Tensor:
+    """(rows, m) boolean mask, True where key j > query index qidx[r] (masked out)."""
+    return torch.arange(m, device=qidx.device).unsqueeze(0) > qidx.unsqueeze(-1)
+
+
 def _exp_safe_limit(dtype: torch.dtype, m: int) -> float:
     """Largest score bound B for which e^{s}, |s| ≤ B, summed over m keys stays finite and normal."""
     return 0.5 * math.log(torch.finfo(dtype).max) - math.log(max(m, 1))
@@ -282,6 +318,7 @@ def softmax_statistics(
     transpose: bool = False,
     chunk_elements: Optional[int] = None,
     backend: str = "auto",
+    causal: bool = False,
 ) -> HeadStats:
     """Log-partitions and softmax moments of every head at the queries ``x``.
 
@@ -295,21 +332,25 @@ def softmax_statistics(
         transpose: use A_hᵀ instead of A_h (the other half of δE/δμ for non-symmetric A).
         chunk_elements: cap on the elements of one score block ("chunked"; memory ~ this, not n·m).
         backend: "auto" | "dense" | "chunked" | "sdpa" | "keops" (module docstring).
+        causal: query i sees only keys j ≤ i, statistics of the prefix measure
+            Σ_{j≤i} w_j δ_{x_j} / Σ_{j≤i} w_j (module docstring); needs keys=None.
 
     Returns:
         :class:`HeadStats` with log_partition (..., H, n), mean (..., H, n, d), second (..., H, n) or None.
 
     Raises:
-        ValueError for an unknown backend or a bad chunk_elements; ImportError for
+        ValueError for an unknown backend, a bad chunk_elements or causal=True with keys=;
+        TypeError for a non-bool causal; ImportError for
         backend="keops" without pykeops.  Tensors are not validated here (hot path); the
         public functions do it.
     """
     _check_backend(backend)
     _check_chunk(chunk_elements)
+    _check_causal(causal, keys)
     y = x if keys is None else keys
     left, right = _features(heads, transpose)
     if _needs_grad(x, y, left, right, weights):
-        return _softmax_autograd(x, y, left, right, weights, second_moment, chunk_elements)
+        return _softmax_autograd(x, y, left, right, weights, second_moment, chunk_elements, causal)
     with torch.no_grad():
         qf = x.unsqueeze(-3) @ left  # (..., H, n, k)
         kf = y.unsqueeze(-3) if right is None else y.unsqueeze(-3) @ right  # (..., 1|H, m, k)
@@ -319,16 +360,17 @@ def softmax_statistics(
         chosen = select_backend(backend, x.device, x.dtype, elements)
         if second_moment and d > _AUG_MAX_DIM and chosen != "keops":
             # (y ⊗ y) columns would cost O(d²) per pair: one explicit pass instead
-            return _softmax_autograd(x, y, left, right, weights, second_moment, chunk_elements)
+            return _softmax_autograd(x, y, left, right, weights, second_moment, chunk_elements, causal)
         if chosen == "sdpa":
             try:
-                return _softmax_sdpa(x, y, qf, kf, weights, second_moment, batch)
+                return _softmax_sdpa(x, y, qf, kf, weights, second_moment, batch, causal)
             except RuntimeError:  # a layout or build the fused kernel refuses: same numbers, plain torch
                 chosen = "chunked"
         if chosen == "keops":
-            return _softmax_keops(x, y, qf, kf, weights, second_moment, batch)
+            return _softmax_keops(x, y, qf, kf, weights, second_moment, batch, causal)
         budget = None if chosen == "dense" else chunk_elements
-        return _softmax_chunked(x, y, qf, kf, weights, second_moment, batch, budget, dense=chosen == "dense")
+        return _softmax_chunked(x, y, qf, kf, weights, second_moment, batch, budget, dense=chosen == "dense",
+                                causal=causal)
 
 
 def _key_columns(y, second_moment, iu):
@@ -339,9 +381,10 @@ def _key_columns(y, second_moment, iu):
     return torch.cat(cols, -1)
 
 
-def _softmax_chunked(x, y, qf, kf, weights, second_moment, batch, chunk_elements, dense=False):
+def _softmax_chunked(x, y, qf, kf, weights, second_moment, batch, chunk_elements, dense=False, causal=False):
     """No-grad plain-torch kernel: blocks of S = Q Kᵀ, exp (shift-free when safe), one GEMM with
-    vals_j = w_j [1, y_j, (y⊗y)_j] giving m_h, m_h ȳ_h and m_h q_h at once."""
+    vals_j = w_j [1, y_j, (y⊗y)_j] giving m_h, m_h ȳ_h and m_h q_h at once.  causal: e^{s_ij} of
+    keys j > i is zeroed (or s_ij set to −∞ before the row-max shift), one block at a time."""
     H, n, k = qf.shape[-3], qf.shape[-2], qf.shape[-1]
     m, d = y.shape[-2], y.shape[-1]
     dt, dev = x.dtype, x.device
@@ -371,6 +414,9 @@ def _softmax_chunked(x, y, qf, kf, weights, second_moment, batch, chunk_elements
         Vw = Vu * w
         logw = torch.log(w).transpose(-1, -2)  # (G, 1, m)
     KT = K.transpose(-1, -2)
+    # query index of every row (heads folded into the rows when the keys are shared)
+    qidx = (torch.arange(R, device=dev) % n) if causal else None
+    lognorm = causal_log_prefix_mass(weights, n, dtype=dt, device=dev) if causal else None
     # Cauchy–Schwarz bound on |s_ij| per row, for the shift-free exp
     bound = Q.norm(dim=-1) * K.norm(dim=-1).amax(-1, keepdim=True)  # (G, R)
     limit = _exp_safe_limit(dt, m)
@@ -383,8 +429,11 @@ def _softmax_chunked(x, y, qf, kf, weights, second_moment, batch, chunk_elements
         groups = max(1, min(G, budget // max(1, rows * m)))
     if all_safe and rows == R and groups == G:
         # one block: S = Q Kᵀ, e^S in place, one GEMM (the common small/medium case)
-        M = torch.bmm(torch.bmm(Q, KT).exp_(), Vw).reshape(*batch, H, n, c)
-        return _finish(x, M, None, weights is None, m, d, second_moment, iu, coef)
+        E = torch.bmm(Q, KT).exp_()
+        if causal:
+            E.masked_fill_(_causal_block_mask(qidx, m), 0.0)
+        M = torch.bmm(E, Vw).reshape(*batch, H, n, c)
+        return _finish(x, M, None, weights is None, m, d, second_moment, iu, coef, lognorm)
     M = torch.empty(G, R, c, dtype=dt, device=dev)
     shift = None
     S_buf = torch.empty(groups * rows * m, dtype=dt, device=dev)
@@ -394,14 +443,19 @@ def _softmax_chunked(x, y, qf, kf, weights, second_moment, batch, chunk_elements
             r1 = min(R, r0 + rows)
             S = S_buf[: (g1 - g0) * (r1 - r0) * m].view(g1 - g0, r1 - r0, m)
             torch.bmm(Q[g0:g1, r0:r1], KT[g0:g1], out=S)
+            cmask = _causal_block_mask(qidx[r0:r1], m) if causal else None
             if all_safe or float(bound[g0:g1, r0:r1].max()) <= limit:
                 S.exp_()
+                if causal:
+                    S.masked_fill_(cmask, 0.0)
                 M[g0:g1, r0:r1] = torch.bmm(S, Vw[g0:g1])
             else:
                 # large scores: shift by the row max of s_ij + log w_j (zero-weight keys
                 # cannot set the shift); the weights then live in the exponent
                 if logw is not None:
                     S.add_(logw[g0:g1])
+                if causal:
+                    S.masked_fill_(cmask, float("-inf"))
                 mx = torch.nan_to_num(S.amax(-1, keepdim=True), neginf=0.0)
                 S.sub_(mx).exp_()
                 M[g0:g1, r0:r1] = torch.bmm(S, Vu[g0:g1])
@@ -410,16 +464,19 @@ def _softmax_chunked(x, y, qf, kf, weights, second_moment, batch, chunk_elements
                 shift[g0:g1, r0:r1] = mx.squeeze(-1)
     M = M.reshape(*batch, H, n, c)
     return _finish(x, M, None if shift is None else shift.reshape(*batch, H, n), weights is None, m, d,
-                   second_moment, iu, coef)
+                   second_moment, iu, coef, lognorm)
 
 
-def _finish(x, M, shift, uniform, m, d, second_moment, iu, coef):
-    """HeadStats from the moment block M = Σ_j e^{s_ij - shift_i} vals_j, (..., H, n, c)."""
+def _finish(x, M, shift, uniform, m, d, second_moment, iu, coef, lognorm=None):
+    """HeadStats from the moment block M = Σ_j e^{s_ij - shift_i} vals_j, (..., H, n, c).
+    lognorm: causal log prefix masses log W_i ((n,) or (..., n)), or None."""
     Z = M[..., 0]
     lse = torch.log(Z)
     if shift is not None:
         lse = lse + shift
-    if uniform:
+    if lognorm is not None:
+        lse = lse - (lognorm + math.log(m) if uniform else lognorm).unsqueeze(-2)
+    elif uniform:
         lse = lse - math.log(m)
     inv = torch.reciprocal(Z)
     mean = M[..., 1:1 + d] * inv.unsqueeze(-1)
@@ -429,8 +486,9 @@ def _finish(x, M, shift, uniform, m, d, second_moment, iu, coef):
     return HeadStats(lse, mean, second)
 
 
-def _softmax_sdpa(x, y, qf, kf, weights, second_moment, batch):
-    """Fused CPU flash-attention kernel: output = softmax(Q Kᵀ + log w) [y, y⊗y], plus its logsumexp."""
+def _softmax_sdpa(x, y, qf, kf, weights, second_moment, batch, causal=False):
+    """Fused CPU flash-attention kernel: output = softmax(Q Kᵀ + log w) [y, y⊗y], plus its logsumexp.
+    causal: the kernel's own ``is_causal`` flag (top-left aligned, n = m), combined with the log-weight mask."""
     op = _flash_cpu_op()
     H, n, k = qf.shape[-3], qf.shape[-2], qf.shape[-1]
     m, d = y.shape[-2], y.shape[-1]
@@ -454,18 +512,23 @@ def _softmax_sdpa(x, y, qf, kf, weights, second_moment, batch):
     mask = None
     if weights is not None:
         mask = torch.log(weights).expand(*batch, m).reshape(G, 1, 1, m)
-    out, lse = op(q4, k4, v4, attn_mask=mask, scale=1.0)
+    out, lse = op(q4, k4, v4, is_causal=causal, attn_mask=mask, scale=1.0)
     out = out.reshape(*batch, H, n, E)
     lse = lse.reshape(*batch, H, n).to(x.dtype)
-    if weights is None:
+    if causal:
+        lognorm = causal_log_prefix_mass(weights, n, dtype=x.dtype, device=x.device)
+        lse = lse - (lognorm + math.log(m) if weights is None else lognorm).unsqueeze(-2)
+    elif weights is None:
         lse = lse - math.log(m)
     mean = out[..., :d].contiguous()  # downstream products on a strided view are several times slower
     second = _quadratic_form(x, out[..., d:c], iu, coef) if second_moment else None
     return HeadStats(lse, mean, second)
 
 
-def _softmax_keops(x, y, qf, kf, weights, second_moment, batch):  # pragma: no cover - needs pykeops
-    """KeOps symbolic reductions: log Σ_j w_j e^{s_ij} and Σ_j softmax_ij [y_j, (y⊗y)_j]."""
+def _softmax_keops(x, y, qf, kf, weights, second_moment, batch, causal=False):  # pragma: no cover - needs pykeops
+    """KeOps symbolic reductions: log Σ_j w_j e^{s_ij} and Σ_j softmax_ij [y_j, (y⊗y)_j].
+    causal: s_ij − L·step(j − i − ½) with L = finfo.max/4 (e^{…} = 0 for j > i; the diagonal key
+    always survives, so the row max is finite)."""
     from pykeops.torch import LazyTensor
 
     H, n, k = qf.shape[-3], qf.shape[-2], qf.shape[-1]
@@ -482,17 +545,25 @@ def _softmax_keops(x, y, qf, kf, weights, second_moment, batch):  # pragma: no c
     if weights is not None:
         lw = torch.log(weights).expand(*batch, m).reshape(G, 1, 1, m, 1).expand(G, H, 1, m, 1).contiguous()
         S = S + LazyTensor(lw)
+    if causal:
+        ii = torch.arange(n, dtype=x.dtype, device=x.device).reshape(1, 1, n, 1, 1)
+        jj = torch.arange(m, dtype=x.dtype, device=x.device).reshape(1, 1, 1, m, 1)
+        big = 0.25 * torch.finfo(x.dtype).max
+        S = S - big * (LazyTensor(jj) - LazyTensor(ii) - 0.5).step()
     lse = S.logsumexp(dim=3).reshape(*batch, H, n)
     mom = S.sumsoftmaxweight(LazyTensor(vv), dim=3).reshape(*batch, H, n, c)
-    if weights is None:
+    if causal:
+        lognorm = causal_log_prefix_mass(weights, n, dtype=x.dtype, device=x.device)
+        lse = lse - (lognorm + math.log(m) if weights is None else lognorm).unsqueeze(-2)
+    elif weights is None:
         lse = lse - math.log(m)
     mean = mom[..., :d]
     second = _quadratic_form(x, mom[..., d:], iu, coef) if second_moment else None
     return HeadStats(lse, mean, second)
 
 
-def _softmax_autograd(x, y, left, right, weights, second_moment, chunk_elements):
-    """Differentiable path: out-of-place log-sum-exp over query-row chunks."""
+def _softmax_autograd(x, y, left, right, weights, second_moment, chunk_elements, causal=False):
+    """Differentiable path: out-of-place log-sum-exp over query-row chunks (causal: −∞ above the diagonal)."""
     qf = x.unsqueeze(-3) @ left  # (..., H, n, k)
     n, m, d = x.shape[-2], y.shape[-2], y.shape[-1]
     H = qf.shape[-3]
@@ -506,6 +577,9 @@ def _softmax_autograd(x, y, left, right, weights, second_moment, chunk_elements)
         S = qf[..., i0:i0 + rows, :] @ kT  # (..., H, c, m)
         if logw is not None:
             S = S + logw
+        if causal:
+            qidx = torch.arange(i0, min(n, i0 + rows), device=x.device)
+            S = S.masked_fill(_causal_block_mask(qidx, m), float("-inf"))
         lse = torch.logsumexp(S, -1)
         P = torch.exp(S - lse.unsqueeze(-1))
         means.append(P @ yv)
@@ -515,7 +589,10 @@ def _softmax_autograd(x, y, left, right, weights, second_moment, chunk_elements)
             seconds.append((P * q).sum(-1))
         lses.append(lse)
     lse = torch.cat(lses, -1)
-    if weights is None:
+    if causal:
+        lognorm = causal_log_prefix_mass(weights, n, dtype=x.dtype, device=x.device)
+        lse = lse - (lognorm + math.log(m) if weights is None else lognorm).unsqueeze(-2)
+    elif weights is None:
         lse = lse - math.log(m)
     mean = torch.cat(means, -2)
     second = torch.cat(seconds, -1) if second_moment else None
@@ -531,15 +608,19 @@ def relu_statistics(
     keys: Optional[torch.Tensor] = None,
     chunk_elements: Optional[int] = None,
     backend: str = "auto",
+    causal: bool = False,
 ):
     """ReLU attention moments: mass_h(x_i) = Σ_j w_j ReLU(s_ij), first_h(x_i) = Σ_j w_j ReLU(s_ij) y_j.
 
     Returns (mass (..., H, n), first (..., H, n, d)).  The ReLU head output is f_h = V_h first_h.
     Memory ~ chunk_elements; "dense" uses one block; "sdpa" does not apply (no softmax) and
     means "chunked"; "keops" needs pykeops.  With autograd an out-of-place path is used.
+    causal: the moments of the prefix measure, Σ_{j≤i} w_j ReLU(s_ij) [1, y_j] / Σ_{j≤i} w_j
+    (module docstring); needs keys=None.
     """
     _check_backend(backend)
     _check_chunk(chunk_elements)
+    _check_causal(causal, keys)
     y = x if keys is None else keys
     left, right = _features(heads)
     qf = x.unsqueeze(-3) @ left
@@ -562,6 +643,12 @@ def relu_statistics(
     for i0 in range(0, n, rows):
         S = qf[..., i0:i0 + rows, :] @ kfT
         R = torch.relu(S) if grad else S.relu_()
+        if causal:
+            cmask = _causal_block_mask(torch.arange(i0, min(n, i0 + rows), device=x.device), m)
+            R = R.masked_fill(cmask, 0.0) if grad else R.masked_fill_(cmask, 0.0)
         outs.append(R @ vT)
     out = outs[0] if len(outs) == 1 else torch.cat(outs, -2)
+    if causal:  # divide by the prefix mass W_i
+        inv_mass = torch.exp(-causal_log_prefix_mass(weights, n, dtype=x.dtype, device=x.device))
+        out = out * inv_mass.unsqueeze(-1).unsqueeze(-3)
     return out[..., 0], out[..., 1:]

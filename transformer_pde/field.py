@@ -16,6 +16,16 @@ uses the scores only (it is the gradient of E, whatever V_h is).
 :func:`evaluate` computes the field and, from the same kernel pass, the energy, the metric
 slope 𝒢² = ∫ b |V|² dμ and the dissipation 𝒟 = ∫ ⟨∇_S δE/δμ, V⟩ dμ; the solvers call it once
 per stage.
+
+Causal attention (``causal=True``): token i sees only the tokens j ≤ i in the stored order, so
+its field is that of the prefix measure μ_i = Σ_{j≤i} w_j δ_{x_j} / Σ_{j≤i} w_j
+(:mod:`transformer_pde.attention`).  The causal field is NOT a gradient flow of E: it is not
+b^{-1} ∇_S δE/δμ of any interaction energy, so "effective" (the gradient of E) has no causal
+version and is refused.  The diagnostics keep their definitions for the whole measure μ,
+from a second, non-causal kernel pass: E(μ), ∇_S δE/δμ, b, the dissipation
+𝒟 = ∫ ⟨∇_S δE/δμ, V_causal⟩ dμ (still the chain-rule rate dE/dt − ∂_tE along the causal flow)
+and 𝒢² = ∫ b |V_causal|² dμ, which no longer equals ±𝒟 — there is no gradient-flow identity
+to check (the solvers' ledger reports "not a gradient flow").
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ from ._validation import (
     check_choice,
     check_same,
     check_tensor,
+    check_tied,
     check_token_weights,
     check_tokens,
     direction_sign,
@@ -114,6 +125,7 @@ def evaluate(
     backend: str = "auto",
     keys: Optional[torch.Tensor] = None,
     key_weights: Optional[torch.Tensor] = None,
+    causal: bool = False,
 ) -> FieldEval:
     """Field and diagnostics from one kernel pass.  No input validation (hot path):
     call :func:`velocity` / :func:`transformer_pde.energy` for checked entry points.
@@ -126,29 +138,46 @@ def evaluate(
     field of the measure μ = Σ_j key_weights_j δ_{keys_j} (default: μ = Σ_i weights_i δ_{x_i}).
     The diagnostics are then the partial sums Σ_i weights_i (...) over these queries, which add
     up over a partition of μ's support into query shards (:mod:`transformer_pde.distributed`);
-    pass the shard's share of the global token weights as ``weights``."""
+    pass the shard's share of the global token weights as ``weights``.
+
+    ``causal``: token i attends only to tokens j ≤ i (the field of the prefix measure; module
+    docstring).  Needs ``keys=None`` and a normalization other than "effective" (ValueError).
+    With diagnostics, a second non-causal pass gives E, ∇_S δE/δμ, b of the whole μ: the
+    dissipation is then the rate of E along the causal field and the slope ∫ b|V|² dμ is
+    reported but is no gradient-flow quantity (causal dynamics is not a gradient flow)."""
+    if causal:
+        if keys is not None:
+            raise ValueError("causal=True needs queries = keys (token i attends to tokens j <= i of the same "
+                             "sequence); call without keys=, or with causal=False")
+        if normalization == "effective":
+            raise ValueError("normalization='effective' is the gradient field b^{-1} ∇ δE/δμ and has no causal "
+                             "version; use 'softmax', 'unnormalized' or 'relu' with causal=True")
     if keys is None:
         key_weights = weights
     omega = heads.weights.unsqueeze(-1).unsqueeze(-1)  # (..., H, 1, 1)
     stats = softmax_statistics(x, heads, key_weights, keys=keys, second_moment=second_moment,
-                               chunk_elements=chunk_elements, backend=backend)
-    lse = stats.log_partition
+                               chunk_elements=chunk_elements, backend=backend, causal=causal)
     need_grad_fv = diagnostics or normalization == "effective"
+    # the diagnostics belong to the whole measure: under causality they need the unmasked kernel
+    full = (softmax_statistics(x, heads, key_weights, second_moment=second_moment, chunk_elements=chunk_elements,
+                               backend=backend) if causal and need_grad_fv else stats)
+    lse = full.log_partition
     outputs = None
     value_mean = None  # V_h ȳ_h, shared with the first-variation term when V_h = A_h = A_hᵀ
     if normalization in ("softmax", "unnormalized"):
         value_mean = _apply(heads.value_matrix, stats.mean)
-    reuse = value_mean if (value_mean is not None and heads.tied and heads.is_symmetric) else None
-    terms = (_grad_first_variation_terms(x, heads, key_weights, stats, chunk_elements, backend, applied=reuse,
+    reuse = value_mean if (value_mean is not None and heads.tied and heads.is_symmetric and not causal) else None
+    terms = (_grad_first_variation_terms(x, heads, key_weights, full, chunk_elements, backend, applied=reuse,
                                          keys=keys) if need_grad_fv else None)
     if normalization == "softmax":
         outputs = value_mean
         field = (omega * outputs).sum(-3)
     elif normalization == "unnormalized":
-        outputs = torch.exp(lse).unsqueeze(-1) * value_mean
+        outputs = torch.exp(stats.log_partition).unsqueeze(-1) * value_mean
         field = (omega * outputs).sum(-3)
     elif normalization == "relu":
-        _, first = relu_statistics(x, heads, key_weights, keys=keys, chunk_elements=chunk_elements, backend=backend)
+        _, first = relu_statistics(x, heads, key_weights, keys=keys, chunk_elements=chunk_elements, backend=backend,
+                                   causal=causal)
         outputs = _apply(heads.value_matrix, first)
         field = (omega * outputs).sum(-3)
     elif normalization == "effective":
@@ -193,7 +222,15 @@ def _check_inputs(x, heads, weights, *, on_sphere: bool = True):
     check_token_weights(weights, x)
 
 
-def velocity(x, heads, weights=None, normalization="softmax", direction="ascent"):
+def _check_causal_flag(causal, normalization):
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be True or False, got {type(causal).__name__}")
+    if causal and normalization == "effective":
+        raise ValueError("normalization='effective' is the gradient field b^{-1} ∇ δE/δμ and has no causal "
+                         "version; use 'softmax', 'unnormalized' or 'relu' with causal=True")
+
+
+def velocity(x, heads, weights=None, normalization="softmax", direction="ascent", *, causal=False):
     """V[μ, Θ](x_i) = s · P_{x_i} Σ_h ω_h f_h(x_i) at the tokens of μ = Σ_i w_i δ_{x_i}.
 
     Args:
@@ -201,12 +238,15 @@ def velocity(x, heads, weights=None, normalization="softmax", direction="ascent"
         weights: token weights (..., n) or None (uniform).
         normalization: "softmax" | "unnormalized" | "relu" | "effective" (module docstring).
         direction: "ascent" (s = +1, x + attention(x)) or "descent" (s = −1, reference code).
+        causal: token i attends only to tokens j ≤ i in the stored order (decoder-only masking);
+            the field of the prefix measure Σ_{j≤i} w_j δ_{x_j} / Σ_{j≤i} w_j.  Not "effective".
 
     Returns:
         (..., n, d) tangent vectors; dtype and device follow x.
 
     Raises:
-        TypeError / ValueError for tokens off the sphere, bad shapes, mixed devices, unknown names.
+        TypeError / ValueError for tokens off the sphere, bad shapes, mixed devices, unknown names,
+        causal=True with normalization="effective".
 
     Example:
         >>> import torch, transformer_pde as tp
@@ -216,17 +256,23 @@ def velocity(x, heads, weights=None, normalization="softmax", direction="ascent"
     """
     check_choice(normalization, NORMALIZATIONS, "normalization")
     sign = direction_sign(direction)
+    _check_causal_flag(causal, normalization)
     _check_inputs(x, heads, weights)
-    return evaluate(x, heads, weights, normalization=normalization, sign=sign, diagnostics=False).velocity
+    if normalization == "effective":
+        check_tied(heads, "normalization='effective'")
+    return evaluate(x, heads, weights, normalization=normalization, sign=sign, diagnostics=False,
+                    causal=causal).velocity
 
 
-def head_outputs(x, heads, weights=None, normalization="softmax"):
+def head_outputs(x, heads, weights=None, normalization="softmax", *, causal=False):
     """Per-head outputs f_h(x_i), (..., H, n, d), un-projected and unsigned (module docstring).
 
-    Defined for "softmax", "unnormalized" and "relu"; the "effective" field has no per-head split."""
+    Defined for "softmax", "unnormalized" and "relu"; the "effective" field has no per-head split.
+    causal: token i attends only to tokens j ≤ i (see :func:`velocity`)."""
     check_choice(normalization, ("softmax", "unnormalized", "relu"), "normalization")
+    _check_causal_flag(causal, normalization)
     _check_inputs(x, heads, weights)
-    return evaluate(x, heads, weights, normalization=normalization, diagnostics=False).outputs
+    return evaluate(x, heads, weights, normalization=normalization, diagnostics=False, causal=causal).outputs
 
 
 def radial_shadows(x, heads, weights=None, normalization="unnormalized"):

@@ -8,12 +8,22 @@
 For Itô weights dA_h = f_h dt + σ_h dW_sym (dW_sym = ½(dB + dBᵀ)) the energy gains the Itô
 correction Σ_h ω_h ½ (β σ_h²/4) ∫∫ e^{β⟨x,A_h y⟩}(1 + ⟨x,y⟩²) dμ dμ per unit time and the
 martingale increment Σ_h ω_h ½ ∫∫ e^{β⟨x,A_h y⟩} ⟨x, σ_h dW_h y⟩ dμ dμ.  With β = 1 and
-ω = 1/H these are the reference code's terms.
+ω = 1/H these are the reference code's terms.  The Itô correction is the expectation of the
+realised second-order term ½ ∂²_A E[ΔN, ΔN] of a noise increment ΔN (:func:`quadratic_variation`),
+
+    ∂²_A E[M, M] = Σ_h ω_h (β/2) ∫∫ e^{β⟨x,A_h y⟩} ⟨x, M_h y⟩² dμ dμ.
+
+Common scale.  Every quantity here is linear in the kernel e^{β⟨x,A y⟩}, so it overflows with
+it (at β‖A‖ ≈ 88 in float32, ≈ 709 in float64) while the softmax field, a ratio, stays finite.
+The keyword ``log_scale=c`` returns the quantity times e^{−c}, computed from the log-partitions
+(e^{log m_h − c}) so that nothing overflows on the way; :func:`log_energy` gives log E itself
+and :func:`choose_log_scale` the scale the solvers use.  Without a scale, a result that
+overflows raises OverflowError instead of returning inf.
 """
 
 from __future__ import annotations
 
-
+import math
 
 import torch
 
@@ -22,27 +32,127 @@ from .field import _check_inputs, _head_token_mean
 from .heads import Heads
 
 __all__ = ["energy", "head_energies", "first_variation", "energy_time_derivative",
-           "pairing", "ito_correction", "log_energy"]
+           "pairing", "ito_correction", "quadratic_variation", "log_energy", "choose_log_scale",
+           "scaled_exp"]
 
 
-def head_energies(x, heads: Heads, weights=None):
-    """E_h = (1/(2β)) Σ_ij w_i w_j e^{β⟨x_i, A_h x_j⟩}, (..., H) (no head weight ω_h)."""
-    _check_inputs(x, heads, weights)
+def check_log_scale(log_scale) -> float:
+    """The ``log_scale=`` argument as a finite float (TypeError / ValueError otherwise); internal, shared with mobility."""
+    if isinstance(log_scale, bool) or not isinstance(log_scale, (int, float)):
+        raise TypeError(f"log_scale must be a float (results are returned times e^(-log_scale)), "
+                        f"got {type(log_scale).__name__}")
+    c = float(log_scale)
+    if not math.isfinite(c):
+        raise ValueError(f"log_scale must be finite, got {log_scale!r}")
+    return c
+
+
+def scaled_exp(log_values: torch.Tensor, log_scale: float = 0.0) -> torch.Tensor:
+    """e^{log_values − log_scale}; exactly ``torch.exp(log_values)`` when log_scale == 0."""
+    return torch.exp(log_values) if log_scale == 0.0 else torch.exp(log_values - log_scale)
+
+
+def choose_log_scale(log_partition: torch.Tensor) -> float:
+    """The common scale c (a float) the solvers report energies and ledgers in, from the log-partitions.
+
+    With L = max log m_h(x_i) over every batch entry, head and token (a log-sum-exp, finite for any
+    β‖A‖) and R = log(finfo(dtype).max) (88.7 in float32, 709.8 in float64):
+
+        c = 0             when L ≤ R/2   (no rescaling: values up to e^{R/2}, room to grow by R/2)
+        c = ⌈L + R/4⌉     otherwise      (the largest kernel value starts at ≈ e^{−R/4}: room to grow
+                                          by 5R/4 before overflow, while values 1/eps below the
+                                          largest stay normal numbers)
+
+    Returns 0.0 for an empty or non-finite input (the caller reports the non-finite field)."""
+    lp = log_partition.detach()
+    if lp.numel() == 0:
+        return 0.0
+    L = float(lp.max())
+    if not math.isfinite(L):
+        return 0.0
+    R = math.log(torch.finfo(lp.dtype).max)
+    return 0.0 if L <= R / 2 else float(math.ceil(L + R / 4))
+
+
+def overflow_check(value: torch.Tensor, what: str, log_value, log_scale: float, fix: str) -> torch.Tensor:
+    """``value``, or OverflowError when it is not finite although its logarithm ``log_value`` (a tensor or a
+    callable returning one) is: an overflow of the kernel, not bad input.  Internal, shared with mobility."""
+    if bool(torch.isfinite(value.detach()).all()):
+        return value
+    lv = log_value() if callable(log_value) else log_value
+    if lv is None or not bool(torch.isfinite(lv.detach()).all()):
+        return value  # the inputs themselves are not finite: nothing to rescale
+    big = float(lv.detach().max())
+    R = math.log(torch.finfo(value.dtype).max)
+    raise OverflowError(
+        f"{what} overflows {value.dtype}: its logarithm is up to {big:.6g}, and minus log_scale = {log_scale:.6g} "
+        f"that exceeds log(finfo.max) = {R:.4g}. {fix}"
+    )
+
+
+def _head_energies(x, heads: Heads, weights, log_scale: float):
     stats = softmax_statistics(x, heads, weights)
     beta = heads.beta if isinstance(heads.beta, float) else heads.beta.unsqueeze(-1)
-    return _head_token_mean(torch.exp(stats.log_partition), weights) / (2 * beta)
+    return _head_token_mean(scaled_exp(stats.log_partition, log_scale), weights) / (2 * beta), stats
 
 
-def energy(x, heads: Heads, weights=None):
-    """E(μ, Θ) = Σ_h ω_h E_h, shape (...,).
+def _log_head_energies(x, heads: Heads, weights, stats) -> torch.Tensor:
+    """log E_h by log-sum-exp, (..., H)."""
+    lse = stats.log_partition
+    if weights is None:
+        per = torch.logsumexp(lse, -1) - math.log(x.shape[-2])
+    else:
+        per = torch.logsumexp(lse + torch.log(weights).unsqueeze(-2), -1)
+    beta = heads.beta_tensor()
+    return per - torch.log(2 * (beta.unsqueeze(-1) if beta.dim() else beta))
+
+
+_ENERGY_FIX = ("Use tp.log_energy(x, heads) (log E, finite for any β‖A‖) or pass log_scale=c with c ≥ that "
+               "logarithm − 80, which returns E·e^(−c)")
+
+
+def head_energies(x, heads: Heads, weights=None, *, log_scale: float = 0.0):
+    """E_h · e^{−log_scale} with E_h = (1/(2β)) Σ_ij w_i w_j e^{β⟨x_i, A_h x_j⟩}, (..., H) (no head weight ω_h).
+
+    Raises:
+        OverflowError: E_h e^{−log_scale} does not fit the dtype (the message gives log E_h and the fix)."""
+    _check_inputs(x, heads, weights)
+    c = check_log_scale(log_scale)
+    out, stats = _head_energies(x, heads, weights, c)
+    return overflow_check(out, "the head energy E_h", lambda: _log_head_energies(x, heads, weights, stats), c,
+                           _ENERGY_FIX)
+
+
+def energy(x, heads: Heads, weights=None, *, log_scale: float = 0.0):
+    """E(μ, Θ) · e^{−log_scale} with E = Σ_h ω_h E_h, shape (...,).
+
+    Args:
+        x: tokens (..., n, d).  heads: :class:`Heads`.  weights: token weights (..., n) or None.
+        log_scale: c; the result is E·e^{−c}, computed without forming E (finite whenever
+            log E − c fits the dtype).  Default 0: E itself.
+
+    Raises:
+        OverflowError: E·e^{−c} overflows the dtype (β‖A‖ above ≈ 88 in float32, ≈ 709 in float64
+            with c = 0); the message gives log E and suggests :func:`log_energy` or ``log_scale=``.
 
     Example:
         >>> import torch, transformer_pde as tp
         >>> x = torch.tensor([[1.0, 0.0], [0.0, 1.0]], dtype=torch.float64)
         >>> float(tp.energy(x, tp.Heads.scalar([1.0], 2).to(torch.float64)))  # (e + 1) / 2 / 2
         0.9295704571147613
+        >>> E = tp.energy(x, tp.Heads.scalar([1000.0], 2).to(torch.float64), log_scale=1000.0)
+        >>> round(float(E), 9)  # ((e^1000 + 1)/2)/2 · e^-1000
+        0.25
     """
-    return (heads.weights * head_energies(x, heads, weights)).sum(-1)
+    _check_inputs(x, heads, weights)
+    c = check_log_scale(log_scale)
+    per, stats = _head_energies(x, heads, weights, c)
+    out = (heads.weights * per).sum(-1)
+    return overflow_check(out, "the energy E", lambda: _log_energy(x, heads, weights, stats), c, _ENERGY_FIX)
+
+
+def _log_energy(x, heads, weights, stats):
+    return torch.logsumexp(_log_head_energies(x, heads, weights, stats) + torch.log(heads.weights), -1)
 
 
 def log_energy(x, heads: Heads, weights=None):
@@ -57,58 +167,114 @@ def log_energy(x, heads: Heads, weights=None):
     return torch.logsumexp(per_head + torch.log(heads.weights), -1) - torch.log(2 * beta)
 
 
-def first_variation(x, heads: Heads, weights=None, *, at=None):
-    """δE/δμ at the points ``at`` (default: the tokens), (..., m).
+def first_variation(x, heads: Heads, weights=None, *, at=None, log_scale: float = 0.0):
+    """δE/δμ · e^{−log_scale} at the points ``at`` (default: the tokens), (..., m).
 
     Symmetric heads: Σ_h ω_h m_h(z)/β.  General A_h: Σ_h ω_h (m_h(z) + m̃_h(z))/(2β), with m̃
     the partition function of A_hᵀ.
+
+    Raises:
+        OverflowError: the result overflows the dtype; pass ``log_scale=`` (it is e^{−c} times δE/δμ).
     """
     _check_inputs(x, heads, weights)
+    c = check_log_scale(log_scale)
     z = x if at is None else at
     beta = heads.beta if isinstance(heads.beta, float) else heads.beta.unsqueeze(-1)
     omega = heads.weights.unsqueeze(-1)
+    lses = []
 
     def part(transpose):
         s = softmax_statistics(z, heads, weights, keys=x, transpose=transpose)
-        return (omega * torch.exp(s.log_partition)).sum(-2)
+        lses.append(s.log_partition)
+        return (omega * scaled_exp(s.log_partition, c)).sum(-2)
 
     if heads.is_symmetric:
-        return part(False) / beta
-    return (part(False) + part(True)) / (2 * beta)
+        out = part(False) / beta
+    else:
+        out = (part(False) + part(True)) / (2 * beta)
+    return overflow_check(out, "the first variation δE/δμ", lambda: torch.stack([l.amax(-2) for l in lses]), c,
+                           "Pass log_scale=c (the result is δE/δμ·e^(−c)) with c near the log-partition reached")
 
 
-def pairing(x, heads: Heads, weights, stats: HeadStats, M: torch.Tensor) -> torch.Tensor:
-    """Σ_h ω_h ½ Σ_i w_i m_h(x_i) ⟨x_i, M_h ȳ_h(x_i)⟩ = ⟨∂_A E, M⟩, (...,).
+def pairing(x, heads: Heads, weights, stats: HeadStats, M: torch.Tensor, *, log_scale: float = 0.0) -> torch.Tensor:
+    """e^{−c} Σ_h ω_h ½ Σ_i w_i m_h(x_i) ⟨x_i, M_h ȳ_h(x_i)⟩ = e^{−c} ⟨∂_A E, M⟩, (...,), c = log_scale.
 
-    With M = Ȧ this is ∂_tE; with M = σ ΔW_sym it is the martingale increment."""
+    With M = Ȧ this is ∂_tE; with M = σ ΔW_sym it is the martingale increment.  ``stats`` are the
+    (non-causal) kernel statistics of the tokens x under the heads; M (..., H, d, d)."""
     # T_h = Σ_i w_i m_h(x_i) x_i ȳ_hiᵀ (d×d per head), then ⟨M_h, T_h⟩_F: O(H n d²) in one
     # batched product instead of forming M_hᵀ x_i for every token
-    mw = torch.exp(stats.log_partition)  # (..., H, n)
+    mw = scaled_exp(stats.log_partition, log_scale)  # (..., H, n)
     mw = mw / x.shape[-2] if weights is None else mw * weights.unsqueeze(-2)
     T = (mw.unsqueeze(-1) * stats.mean).transpose(-1, -2) @ x.unsqueeze(-3)  # (..., H, d, d): T_ba
     per_head = (T.transpose(-1, -2) * M).sum((-1, -2))
     return 0.5 * (heads.weights * per_head).sum(-1)
 
 
-def ito_correction(heads: Heads, weights, stats: HeadStats, sigma) -> torch.Tensor:
-    """Σ_h ω_h ½ (β σ_h²/4) Σ_i w_i m_h(x_i) (1 + q_h(x_i)), (...,); needs stats.second.
+def ito_correction(heads: Heads, weights, stats: HeadStats, sigma, *, log_scale: float = 0.0) -> torch.Tensor:
+    """e^{−c} Σ_h ω_h ½ (β σ_h²/4) Σ_i w_i m_h(x_i) (1 + q_h(x_i)), (...,); needs stats.second.
 
-    sigma: float, or tensor broadcasting against (..., H)."""
-    per_head = _head_token_mean(torch.exp(stats.log_partition) * (1 + stats.second), weights)
+    sigma: float, or tensor broadcasting against (..., H).  It is E[½ ∂²_A E[σ dW_sym, σ dW_sym]]/dt
+    (the expectation of :func:`quadratic_variation` per unit time)."""
+    per_head = _head_token_mean(scaled_exp(stats.log_partition, log_scale) * (1 + stats.second), weights)
     beta = heads.beta if isinstance(heads.beta, float) else heads.beta.unsqueeze(-1)
     sig2 = sigma * sigma
     return (heads.weights * 0.5 * beta * sig2 / 4 * per_head).sum(-1)
 
 
-def energy_time_derivative(x, heads: Heads, score_rate: torch.Tensor, weights=None, *, sigma=0.0):
-    """∂_tE along deterministic weights with Ȧ_h = score_rate (..., H, d, d), plus the Itô
-    correction when sigma > 0 (noise σ dW_sym on every A_h).  Shape (...,)."""
+def quadratic_variation(x, heads: Heads, weights, stats: HeadStats, increment: torch.Tensor, *,
+                        log_scale: float = 0.0, causal: bool = False) -> torch.Tensor:
+    """The realised second-order term ½ ∂²_A E[ΔN, ΔN] · e^{−c} of a weight increment ΔN, (...,).
+
+        ½ ∂²_A E[ΔN, ΔN] = Σ_h ω_h (β/4) Σ_ij w_i w_j e^{β⟨x_i, A_h x_j⟩} ⟨x_i, ΔN_h x_j⟩²
+                         = Σ_h ω_h (β/4) Σ_i w_i m_h(x_i) Σ_j p_ij^h ⟨x_i, ΔN_h x_j⟩²
+
+    (p^h the softmax weights of head h).  Booked per step instead of the Itô correction, it makes a
+    single noisy path's energy ledger close at order 1 in dt (the Itô correction is its expectation
+    given the state, so one path's residual only falls like dt^{1/2}).  For E of the whole measure
+    ``causal`` is False; with True the inner sum runs over j ≤ i (the prefix measures).
+
+    Args:
+        x: tokens (..., n, d).  heads: the heads at the left end of the step.
+        weights: token weights (..., n) or None.  stats: their kernel statistics (log-partitions used).
+        increment: ΔN (..., H, d, d), the martingale part of the weights' increment.
+        log_scale: c; the result is multiplied by e^{−c} (see the module docstring).
+
+    Memory: one (..., H, n, n) block (forms the pairwise kernel; used by the ledger only)."""
+    A = heads.score_matrix
+    beta = heads.beta if isinstance(heads.beta, float) else heads.beta.unsqueeze(-1)
+    beta4 = beta if isinstance(beta, float) else beta.unsqueeze(-1).unsqueeze(-1)  # (..., 1, 1, 1)
+    xs = x.unsqueeze(-3)  # (..., 1, n, d)
+    S = (xs @ A) @ xs.transpose(-1, -2)  # (..., H, n, n): ⟨x_i, A_h x_j⟩
+    logp = beta4 * S - stats.log_partition.unsqueeze(-1)
+    n = x.shape[-2]
+    if weights is not None:
+        logp = logp + torch.log(weights).unsqueeze(-2).unsqueeze(-3)
+    else:
+        logp = logp - math.log(n)
+    if causal:
+        mask = torch.ones(n, n, dtype=torch.bool, device=x.device).triu(1)
+        logp = logp.masked_fill(mask, float("-inf"))
+    Q = ((xs @ increment) @ xs.transpose(-1, -2)).square()  # ⟨x_i, ΔN_h x_j⟩²
+    inner = (torch.exp(logp) * Q).sum(-1)  # (..., H, n)
+    per_head = _head_token_mean(scaled_exp(stats.log_partition, log_scale) * inner, weights)
+    return (heads.weights * (beta / 4) * per_head).sum(-1)
+
+
+def energy_time_derivative(x, heads: Heads, score_rate: torch.Tensor, weights=None, *, sigma=0.0,
+                           log_scale: float = 0.0):
+    """∂_tE · e^{−log_scale} along deterministic weights with Ȧ_h = score_rate (..., H, d, d), plus the
+    Itô correction when sigma > 0 (noise σ dW_sym on every A_h).  Shape (...,).
+
+    Raises:
+        OverflowError: the result overflows the dtype; pass ``log_scale=``."""
     _check_inputs(x, heads, weights)
+    c = check_log_scale(log_scale)
     if not isinstance(score_rate, torch.Tensor) or score_rate.shape[-3:] != heads.score_matrix.shape[-3:]:
         raise ValueError("score_rate must be a tensor of shape (..., H, d, d) like the heads' scores")
     noisy = not (isinstance(sigma, (int, float)) and sigma == 0)
     stats = softmax_statistics(x, heads, weights, second_moment=noisy)
-    out = pairing(x, heads, weights, stats, score_rate)
+    out = pairing(x, heads, weights, stats, score_rate, log_scale=c)
     if noisy:
-        out = out + ito_correction(heads, weights, stats, sigma)
-    return out
+        out = out + ito_correction(heads, weights, stats, sigma, log_scale=c)
+    return overflow_check(out, "∂_tE", lambda: stats.log_partition, c,
+                           "Pass log_scale=c (the result is ∂_tE·e^(−c)) with c near the log-partition reached")

@@ -1,0 +1,209 @@
+"""simulate's keywords: causal, observables, quadratic_variation, energy_log_scale, progress, the thread
+scope, and the Trajectory repr (PLAN interface 2; issues 12–14)."""
+
+import numpy as np
+import pytest
+import torch
+from torch.testing import assert_close
+
+import transformer_pde as tp
+from conftest import gen
+from problems import fit_slope, integrate, two_token_angle_rate, two_tokens
+from transformer_pde.solvers import particle
+
+
+# ---------------------------------------------------------------------------- causal
+def test_causal_two_tokens_closed_form(dtype):
+    """Causal softmax, one head λI, ascent: token 0 sees only itself and stays put; token 1 sees the
+    prefix {x_0, x_1} with weights ½, ½, so only it moves and θ' is half the two-token rate of
+    tests/problems.py (where both tokens move)."""
+    lam, beta, th0, T = 1.3, 0.8, 2.0, 2.0
+    times = np.linspace(0, T, 21)
+    theta = integrate(lambda t, y: [0.5 * two_token_angle_rate(y[0], lam, beta, "softmax")], [th0], times)[0]
+    heads = tp.Heads.scalar(torch.tensor([lam], dtype=dtype), 3, beta=beta)
+    x0 = two_tokens(th0, dtype=dtype)
+    tr = tp.simulate(x0, heads, t1=T, dt=0.02, method="rk4", direction="ascent", causal=True, record_every=5,
+                     diagnostics=False)
+    got = torch.arccos((tr.x[:, 0] * tr.x[:, 1]).sum(-1).clamp(-1, 1))
+    tol = 1e-8 if dtype == torch.float64 else 1e-4
+    assert_close(got.double(), torch.as_tensor(theta), atol=tol, rtol=0)
+    assert_close(tr.x[:, 0], x0[0].expand_as(tr.x[:, 0]), atol=tol, rtol=0)
+    tr = tp.simulate(x0, heads, t1=0.2, dt=0.1, direction="ascent", causal=True)
+    assert tr.stats["gradient_flow"] is False
+    assert "residual" not in tr.ledger and "residual_slope" not in tr.ledger
+    assert set(tr.ledger) == {"dE", "partial", "dissipation", "slope", "martingale"}
+
+
+def test_causal_ledger_still_balances_by_the_chain_rule():
+    """Not a gradient flow, but 𝒟 = ∫⟨∇δE/δμ, V_causal⟩ is still dE/dt − ∂_tE: the balance
+    dE − partial − dissipation − martingale (computed here from the entries) vanishes at order 1 (euler)."""
+    x0 = tp.sphere.sample_uniform(8, 3, generator=gen(1), dtype=torch.float64)
+    theta = tp.Oscillating(tp.Heads.random(2, 3, generator=gen(2), dtype=torch.float64))
+    dts = [0.04, 0.02, 0.01, 0.005]
+    res = []
+    for dt in dts:
+        L = tp.simulate(x0, theta, t1=0.4, dt=dt, causal=True).ledger
+        res.append(abs(float((L["dE"] - L["partial"] - L["dissipation"] - L["martingale"])[-1])))
+    assert abs(fit_slope(dts, res) - 1) < 0.25, res
+    # the causal flow differs from the full one
+    full = tp.simulate(x0, theta, t1=0.8, dt=0.04)
+    cau = tp.simulate(x0, theta, t1=0.8, dt=0.04, causal=True)
+    assert (full.x[-1] - cau.x[-1]).abs().max() > 1e-3
+    assert full.stats["gradient_flow"] is True and "residual" in full.ledger
+
+
+def test_causal_adaptive_and_noisy_paths():
+    x0 = tp.sphere.sample_uniform(6, 3, generator=gen(3), dtype=torch.float64)
+    theta = tp.OrnsteinUhlenbeck(tp.Heads.random(2, 3, generator=gen(4), dtype=torch.float64))
+    tr = tp.simulate(x0, theta, t1=0.2, dt=0.05, paths=2, method="adaptive", causal=True)
+    assert "residual" not in tr.ledger and tr.stats["gradient_flow"] is False
+    eu = tp.simulate(x0, theta, t1=0.2, dt=0.05, paths=2, causal=True, quadratic_variation="realised")
+    assert set(eu.ledger) == set(tr.ledger)
+    for v in eu.ledger.values():
+        assert torch.isfinite(v).all()
+
+
+# ---------------------------------------------------------------------------- observables
+@pytest.mark.parametrize("method", ["euler", "adaptive"])
+def test_observables_are_recorded_at_every_record_time(method):
+    x0 = tp.sphere.sample_uniform(5, 3, generator=gen(5), dtype=torch.float64)
+    w = torch.rand(5, generator=gen(6), dtype=torch.float64) + 0.1
+    w = w / w.sum()
+    theta = tp.OrnsteinUhlenbeck(tp.Heads.random(2, 3, generator=gen(7), dtype=torch.float64))
+    obs = {"mean": lambda x, wt: (wt[:, None] * x).sum(-2),  # (paths, 3)
+           "gamma01": lambda x, wt: (x[..., 0, :] * x[..., 1, :]).sum(-1)}  # (paths,)
+    tr = tp.simulate(x0, theta, t1=0.5, dt=0.05, paths=2, seed=1, weights=w, record_every=3, method=method,
+                     observables=obs)
+    T = len(tr.times)
+    assert tr.observables["mean"].shape == (T, 2, 3) and tr.observables["gamma01"].shape == (T, 2)
+    # independent recomputation from the recorded tokens: the weighted mean and one Gram entry
+    assert_close(tr.observables["mean"], torch.einsum("n,tpnd->tpd", w, tr.x))
+    assert_close(tr.observables["gamma01"], torch.einsum("tpd,tpd->tp", tr.x[:, :, 0], tr.x[:, :, 1]))
+    assert tp.simulate(x0, theta, t1=0.1, dt=0.05).observables == {}
+
+
+@pytest.mark.parametrize("bad,err,match", [
+    ([("a", lambda x, w: x)], TypeError, "mapping"),
+    ({1: lambda x, w: x}, TypeError, "string"),
+    ({"a": 3}, TypeError, "callable"),
+    ({"a": lambda x, w: [1.0]}, TypeError, "must return a tensor"),
+    ({"a": lambda x, w: x}, ValueError, "shape"),
+])
+def test_observables_validation(bad, err, match):
+    x0 = tp.sphere.sample_uniform(4, 3, generator=gen(8), dtype=torch.float64)
+    with pytest.raises(err, match=match):
+        tp.simulate(x0, tp.Heads.scalar([1.0], 3).to(torch.float64), t1=0.1, dt=0.05, observables=bad)
+
+
+@pytest.mark.parametrize("kw,err,match", [
+    (dict(quadratic_variation="pathwise"), ValueError, "quadratic_variation"),
+    (dict(energy_log_scale="big"), TypeError, "energy_log_scale"),
+    (dict(energy_log_scale=float("inf")), ValueError, "energy_log_scale"),
+    (dict(causal="yes"), TypeError, "causal"),
+    (dict(causal=True, normalization="effective"), ValueError, "effective"),
+    (dict(progress="yes"), TypeError, "progress"),
+])
+def test_option_validation(kw, err, match):
+    x0 = tp.sphere.sample_uniform(4, 3, generator=gen(9), dtype=torch.float64)
+    with pytest.raises(err, match=match):
+        tp.simulate(x0, tp.Heads.scalar([1.0], 3).to(torch.float64), t1=0.1, dt=0.05, **kw)
+
+
+# ---------------------------------------------------------------------------- checkpoints
+def test_checkpoint_resume_with_new_options_is_bit_identical(tmp_path):
+    x0 = tp.sphere.sample_uniform(5, 3, generator=gen(10), dtype=torch.float64)
+    theta = tp.OrnsteinUhlenbeck(tp.Heads.random(2, 3, generator=gen(11), dtype=torch.float64))
+    obs = {"g": lambda x, w: (x[..., 0, :] * x[..., 1, :]).sum(-1)}
+    kw = dict(t1=0.5, dt=0.05, paths=2, seed=3, quadratic_variation="realised", observables=obs)
+    full = tp.simulate(x0, theta, **kw)
+    ck = tmp_path / "run.ckpt"
+
+    class Kill(Exception):
+        pass
+
+    def killer(k, t, x):
+        if k == 7:
+            raise Kill
+
+    with pytest.raises(Kill):
+        tp.simulate(x0, theta, checkpoint=ck, checkpoint_every=3, callback=killer, **kw)
+    resumed = tp.simulate(x0, theta, checkpoint=ck, checkpoint_every=3, **kw)
+    assert torch.equal(resumed.x, full.x)
+    assert torch.equal(resumed.observables["g"], full.observables["g"])
+    for key in full.ledger:
+        assert torch.equal(resumed.ledger[key], full.ledger[key]), key
+    with pytest.raises(ValueError, match="different run"):
+        tp.simulate(x0, theta, checkpoint=ck, **{**kw, "quadratic_variation": "expected"})
+
+
+# ---------------------------------------------------------------------------- repr, progress, threads
+def test_trajectory_repr_is_short():
+    x0 = tp.sphere.octahedral(50, dtype=torch.float64)
+    theta = tp.OrnsteinUhlenbeck(tp.Heads.random(2, 3, generator=gen(12), dtype=torch.float64))
+    tr = tp.simulate(x0, theta, t1=1.0, dt=0.1, paths=2, observables={"m": lambda x, w: x.mean(-2)})
+    r = repr(tr)
+    assert "tensor(" not in r and len(r) < 600, r
+    for part in ("x=(11, 2, 50, 3) float64", "times=11 in [0, 1]", "residual", "observables=[m]",
+                 "energy_log_scale", "method='euler'"):
+        assert part in r, (part, r)
+    assert "tensor(" not in repr(tp.simulate(x0, theta, t1=0.2, dt=0.1, diagnostics=False))
+
+
+class _Bar:
+    made = []
+
+    def __init__(self, *a, **k):
+        _Bar.made.append(k)
+
+    def update(self, n):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_progress_rule_and_terminal_only(monkeypatch):
+    import tqdm.auto
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", _Bar)
+    x0 = tp.sphere.sample_uniform(4, 3, generator=gen(13), dtype=torch.float64)
+    heads = tp.Heads.scalar([1.0], 3).to(torch.float64)
+    run = lambda **k: tp.simulate(x0, heads, t1=0.2, dt=0.05, **k)  # noqa: E731
+    _Bar.made.clear()
+    run()  # small: no bar
+    run(progress=False)
+    assert _Bar.made == []
+    monkeypatch.setattr(particle, "PROGRESS_MIN_WORK", 0.0)
+    run()  # long by the rule: a bar, shown on terminals only
+    run(progress=False)
+    run(progress=True)
+    assert len(_Bar.made) == 2 and all(k.get("disable", False) is None for k in _Bar.made)
+
+
+def test_progress_bar_writes_nothing_off_a_terminal(capfd):
+    x0 = tp.sphere.sample_uniform(4, 3, generator=gen(14), dtype=torch.float64)
+    tp.simulate(x0, tp.Heads.scalar([1.0], 3).to(torch.float64), t1=0.2, dt=0.05, progress=True)
+    assert capfd.readouterr().err == ""
+
+
+def test_step_loop_runs_in_a_thread_scope(monkeypatch):
+    import contextlib
+
+    seen = []
+
+    @contextlib.contextmanager
+    def scope(work):
+        seen.append(work)
+
+        class P:
+            def refresh(self, force=False):
+                return 1
+
+        yield P()
+
+    monkeypatch.setattr(tp.threads if hasattr(tp, "threads") else particle.threads, "scope", scope)
+    x0 = tp.sphere.sample_uniform(5, 3, generator=gen(15), dtype=torch.float64)
+    theta = tp.OrnsteinUhlenbeck(tp.Heads.random(2, 3, generator=gen(16), dtype=torch.float64))
+    tp.simulate(x0, theta, t1=0.1, dt=0.05, paths=3)
+    tp.simulate(x0, theta, t1=0.1, dt=0.05, paths=3, method="adaptive")
+    assert seen == [3 * 2 * 5 * 5] * 2  # paths · H · n²

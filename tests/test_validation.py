@@ -132,3 +132,115 @@ def test_validation_happens_before_work(x, heads, monkeypatch):
     with pytest.raises(ValueError):
         tp.simulate(x, heads, t1=1.0, dt=0.3)
     assert calls == []
+
+
+# ---------------------------------------------------------------------------- issue 12: input bugs
+@pytest.mark.parametrize("bad", [torch.float16, torch.bfloat16])
+def test_half_precision_is_refused_with_a_hint(x, heads, bad):
+    with pytest.raises(TypeError, match=r"x has dtype torch\.(b?float16); the kernels need float32 or float64.*x\.float\(\)"):
+        tp.velocity(x.to(bad), heads)
+    with pytest.raises(TypeError, match=r"score has dtype .*float16"):
+        tp.Heads(heads.score.to(bad))
+    with pytest.raises(TypeError, match="x0 has dtype"):
+        tp.simulate(x.to(bad), heads, t1=0.2, dt=0.1)
+    with pytest.raises(TypeError, match="x0 has dtype"):
+        tp.jko(x.to(bad), heads, tau=0.1, steps=1)
+    with pytest.raises(TypeError, match="float32 or float64"):  # integers and complex as before
+        tp.velocity(x.to(torch.complex128), heads)
+
+
+def test_scalar_checks():
+    from transformer_pde._validation import check_real, check_seed
+
+    assert check_real(1, "t1") == 1.0 and check_real(torch.tensor(0.5), "t1") == 0.5
+    for bad in ("1", True, None, [1.0], torch.ones(2)):
+        with pytest.raises(TypeError, match="t1 must be a real number"):
+            check_real(bad, "t1")
+    with pytest.raises(ValueError, match="t1 must be finite"):
+        check_real(float("inf"), "t1")
+    assert check_seed(3) == 3
+    for bad in (1.5, "1", True, None):
+        with pytest.raises(TypeError, match=r"seed must be an int"):
+            check_seed(bad)
+    with pytest.raises(ValueError, match=r"seed must lie in \[0, 2\^64\)"):
+        check_seed(-1)
+
+
+def test_sample_path_refuses_bad_arguments_up_front(heads, monkeypatch):
+    proc = tp.OrnsteinUhlenbeck(heads, sigma=0.5)
+    import transformer_pde.solvers.particle as particle
+
+    monkeypatch.setattr(particle._WeightDriver, "__init__", lambda *a, **k: pytest.fail("work started"))
+    for kw, err, msg in [
+        (dict(paths=0), ValueError, "paths must be >= 1"),
+        (dict(paths=2.0), TypeError, "paths must be an int"),
+        (dict(t1="1"), TypeError, "t1 must be a real number, got str '1'"),
+        (dict(t1=float("nan")), ValueError, "t1 must be finite"),
+        (dict(seed=1.5), TypeError, "seed must be an int"),
+        (dict(dt=-0.1), ValueError, "dt must be finite and > 0"),
+        (dict(generator=0), TypeError, "generator must be a torch.Generator"),
+    ]:
+        args = {"t1": 0.5, "dt": 0.1, **kw}
+        with pytest.raises(err, match=msg):
+            tp.sample_path(proc, **args)
+    with pytest.raises(TypeError, match="process must be a transformer_pde Process"):
+        tp.sample_path(heads, t1=0.5, dt=0.1)
+
+
+def test_weight_path_horizon_is_named(x, heads):
+    path = tp.sample_path(tp.OrnsteinUhlenbeck(heads, sigma=0.5), t1=0.5, dt=0.1)
+    assert path.horizon == pytest.approx(0.5)
+    path.check_covers(0.0, 0.5)
+    with pytest.raises(ValueError, match=r"horizon is t = 0\.5\).*t1 = 1\)"):
+        path.check_covers(0.0, 1.0)
+    with pytest.raises(ValueError, match=r"horizon is t = 0\.5.*t1 = 0\.6"):
+        tp.jko(x, path, tau=0.1, steps=6)
+
+
+def test_jko_refuses_bad_scalars_and_untied_values(x, heads):
+    ok = dict(tau=0.1, steps=1)
+    with pytest.raises(TypeError, match="seed must be an int"):
+        tp.jko(x, tp.OrnsteinUhlenbeck(heads, sigma=0.5), seed=1.5, **ok)
+    with pytest.raises(TypeError, match="t0 must be a real number"):
+        tp.jko(x, heads, t0="0", **ok)
+    with pytest.raises(TypeError, match="strict must be True or False"):
+        tp.jko(x, heads, strict="yes", **ok)
+    untied = tp.Heads.random(2, 3, symmetric=False, generator=gen(4), dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"jko is the gradient flow of the energy.*V_h ≠ A_h.*value=None"):
+        tp.jko(x, untied, **ok)
+    with pytest.raises(ValueError, match="V_h ≠ A_h"):
+        tp.jko(x, tp.Layerwise([heads, untied]), **ok)
+    # values equal to the scores are tied in all but name
+    same = tp.Heads(heads.score, heads.score.clone())
+    tp.jko(x, same, **ok)
+
+
+def test_check_tied_all_sees_every_layer_and_template(heads):
+    from transformer_pde._validation import check_tied_all
+
+    untied = tp.Heads(heads.score, heads.score + 1)
+    check_tied_all(heads, "normalization='effective'")
+    check_tied_all(tp.OrnsteinUhlenbeck(heads), "x")
+    for bad in (untied, tp.Layerwise([heads, untied]), tp.OrnsteinUhlenbeck(untied)):
+        with pytest.raises(ValueError, match="normalization='effective' is the gradient flow"):
+            check_tied_all(bad, "normalization='effective'")
+
+
+def test_simulate_scalar_horizon_and_untied_checks(x, heads):
+    proc = tp.OrnsteinUhlenbeck(heads, sigma=0.5)
+    with pytest.raises(TypeError, match="t1 must be a real number"):
+        tp.simulate(x, heads, t1="1", dt=0.1)
+    with pytest.raises(TypeError, match="seed must be an int"):
+        tp.simulate(x, proc, t1=0.2, dt=0.1, seed=1.5)
+    path = tp.sample_path(proc, t1=0.5, dt=0.1)
+    with pytest.raises(ValueError, match=r"horizon is t = 0\.5\).*t1 = 1\)"):
+        tp.simulate(x, path, t1=1.0, dt=0.1)
+    untied = tp.Heads.random(2, 3, symmetric=False, generator=gen(4), dtype=torch.float64)
+    untied = tp.Heads(untied.score_matrix, untied.score_matrix.transpose(-1, -2) + 1.0)
+    for call in (lambda: tp.velocity(x, untied, normalization="effective"),
+                 lambda: tp.slope(x, untied, normalization="effective"),
+                 lambda: tp.simulate(x, untied, t1=0.2, dt=0.1, normalization="effective")):
+        with pytest.raises(ValueError, match="V_h ≠ A_h"):
+            call()
+    # tied heads pass
+    tp.simulate(x, heads, t1=0.2, dt=0.1, normalization="effective")

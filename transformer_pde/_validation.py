@@ -9,12 +9,14 @@ hot loops call the private kernels directly.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Iterable
 
 import torch
 
 NORMALIZATIONS = ("softmax", "unnormalized", "relu", "effective")
 DIRECTIONS = ("ascent", "descent")
+DTYPES = (torch.float32, torch.float64)
 
 
 def sphere_tolerance(dtype: torch.dtype) -> float:
@@ -44,6 +46,11 @@ def check_tensor(x, name: str, *, min_dim: int = 0) -> torch.Tensor:
         raise TypeError(
             f"{name} must have a floating dtype (float32 or float64), got {x.dtype}; "
             f"convert it with {name}.double() or {name}.float()"
+        )
+    if x.dtype not in DTYPES:
+        raise TypeError(
+            f"{name} has dtype {x.dtype}; the kernels need float32 or float64 (in half precision e^(β⟨Ax, y⟩) "
+            f"overflows for β⟨Ax, y⟩ > 11); convert it with {name}.float() or {name}.double()"
         )
     if x.dim() < min_dim:
         raise ValueError(f"{name} must have at least {min_dim} dimensions, got shape {tuple(x.shape)}")
@@ -128,8 +135,80 @@ def check_positive(value, name: str, *, allow_zero: bool = False) -> float:
 
 
 def check_int(value, name: str, *, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    value = int(value)
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value
+
+
+def check_real(value, name: str) -> float:
+    """A finite real number (int, float, numpy scalar or one-element tensor) as a float.
+
+    Raises TypeError for strings, bools and other objects ("t1 must be a real number, got str '1'")
+    and ValueError for NaN / inf."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex():
+            raise TypeError(f"{name} must be a real number, got a tensor of shape {tuple(value.shape)} "
+                            f"and dtype {value.dtype}")
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def check_seed(value, name: str = "seed") -> int:
+    """A seed for torch.Generator.manual_seed: an int in [0, 2^64)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int (a random seed in [0, 2^64)), got {type(value).__name__} {value!r}")
+    value = int(value)
+    if not 0 <= value < 2 ** 64:
+        raise ValueError(f"{name} must lie in [0, 2^64) (torch.Generator.manual_seed), got {value}")
+    return value
+
+
+def check_horizon(times: torch.Tensor, t0: float, t1: float, name: str = "the weight path",
+                  fix: str = "sample it again with tp.sample_path(process, t1=..., dt=...) up to t1") -> None:
+    """Refuse replaying a stored path ``times`` (K+1,) on [t0, t1] when it does not cover it.
+
+    Raises ValueError naming the path's horizon and the requested interval (up to a relative
+    slack of 1e-9 of the horizon)."""
+    lo, hi = float(times[0]), float(times[-1])
+    slack = 1e-9 * max(1.0, abs(hi), abs(lo))
+    if t0 < lo - slack or t1 > hi + slack:
+        raise ValueError(f"{name} covers [{lo:.6g}, {hi:.6g}] (its horizon is t = {hi:.6g}) but the run asks for "
+                         f"[{t0:.6g}, {t1:.6g}] (t1 = {t1:.6g}); {fix}")
+
+
+def check_tied(heads, purpose: str) -> None:
+    """Refuse heads whose values are not tied to the scores (V_h ≠ A_h) where only A enters.
+
+    ``purpose`` names the caller, e.g. "normalization='effective'" or "jko".  The energy
+    E = Σ_h ω_h/(2β) ∫∫ e^{β⟨A_h x, y⟩} and its gradient flow (the effective field, the JKO
+    scheme) depend on the scores A only: given untied values they would silently ignore them."""
+    value = getattr(heads, "value", None)
+    if value is None:
+        return
+    A = heads.score_matrix
+    if value.shape == A.shape and bool(torch.equal(value, A)):
+        return
+    raise ValueError(
+        f"{purpose} is the gradient flow of the energy E = Σ_h ω_h/(2β) ∫∫ e^(β⟨A_h x, y⟩) dμ dμ, which depends "
+        f"on the scores A_h only, but these heads carry values V_h ≠ A_h that it would silently ignore; use tied "
+        f"heads (value=None, V_h = A_h; symmetric A_h for the paper's setting), or normalization='softmax' / "
+        f"'unnormalized' with tp.simulate for untied values"
+    )
+
+
+def check_tied_all(theta, purpose: str) -> None:
+    """:func:`check_tied` for Heads or a weight process: its ``heads0``, every ``layers`` entry
+    (Layerwise) and the ``template`` of a stored WeightPath (duck-typed: no import of processes)."""
+    heads = [theta] if hasattr(theta, "score_matrix") else [getattr(theta, "heads0", None)]
+    heads += list(getattr(theta, "layers", None) or []) + [getattr(theta, "template", None)]
+    for h in heads:
+        if h is not None:
+            check_tied(h, purpose)

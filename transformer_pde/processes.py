@@ -29,7 +29,16 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from ._validation import check_choice, check_positive, check_same, check_tensor
+from ._validation import (
+    check_choice,
+    check_horizon,
+    check_int,
+    check_positive,
+    check_real,
+    check_same,
+    check_seed,
+    check_tensor,
+)
 from .heads import Heads
 
 __all__ = [
@@ -390,7 +399,7 @@ class Layerwise(Process):
         self.heads0 = layers[0]
         self.interpolation = check_choice(interpolation, ("constant", "linear"), "interpolation")
         self.layer_time = check_positive(layer_time, "layer_time")
-        self.t0 = float(t0)
+        self.t0 = check_real(t0, "t0")
         self.scheme = "exact"
 
     @property
@@ -533,6 +542,20 @@ class WeightPath(Process):
     def drift(self, score, t):  # pragma: no cover - replay uses stored rates
         raise TypeError("a WeightPath is replayed from its stored values")
 
+    @property
+    def horizon(self) -> float:
+        """The last time of the stored grid."""
+        return float(self.times[-1])
+
+    def check_covers(self, t0: float, t1: float) -> None:
+        """Raise ValueError (naming the horizon and the requested t1) unless [t0, t1] lies in the stored grid.
+
+        The solvers call it before any work; replaying past the horizon would otherwise index past
+        the stored scores."""
+        check_horizon(self.times, t0, t1, "the stored weight path",
+                      "sample the process again with tp.sample_path(process, t1=..., dt=...) up to the t1 you need, "
+                      "or stop the run at the horizon")
+
 
 def sample_path(process: Process, *, t1: float, dt: float, t0: float = 0.0, paths: Optional[int] = None,
                 seed: int = 0, generator=None) -> WeightPath:
@@ -543,6 +566,19 @@ def sample_path(process: Process, *, t1: float, dt: float, t0: float = 0.0, path
     """
     from .solvers.particle import _WeightDriver, _grid  # local: processes sit below solvers
 
+    if not isinstance(process, Process):
+        raise TypeError(f"process must be a transformer_pde Process (OrnsteinUhlenbeck, Oscillating, Layerwise, Custom, "
+                        f"Constant), got {type(process).__name__}")
+    if isinstance(process, WeightPath):
+        raise TypeError("process is already a sampled WeightPath: replay it directly (simulate / jko take it as theta)")
+    t1 = check_real(t1, "t1")
+    t0 = check_real(t0, "t0")
+    dt = check_positive(dt, "dt")
+    if paths is not None:
+        paths = check_int(paths, "paths")
+    seed = check_seed(seed)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
     K = _grid(t0, t1, dt)
     drv = _WeightDriver(process, paths=paths, generator=generator, seed=seed, t0=t0, dt=dt, store=True)
     for _ in range(K):

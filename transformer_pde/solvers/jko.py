@@ -38,15 +38,25 @@ Transports of the Lagrangian scheme (tokens y_i are the unknowns, weights w_i ar
 
 The inner solver is Riemannian L-BFGS whose initial inverse Hessian is the metric preconditioner
 τ/(w_i b_k(x_i)) (a near-Newton step for small τ), with the projective retraction y ↦ y/|y| and
-Armijo backtracking, vectorised over the batch.  Each step records the first-order optimality residual
+Armijo backtracking, vectorised over the batch.  It minimises F/c, c = 2^k ≈ max_i b_k(x_i) per batch
+item: E and the proximal term both grow like e^{β⟨Ax, y⟩}, and F/c — evaluated from the
+log-partitions, e^{log m_h − log c} — stays O(1) where F overflows (dividing the whole objective by one
+number does not move its minimiser).  A stiff step (τ|V| > ½: the effective field at large β‖A‖ with
+heads of different scales is ~ max_h m_h / min_h m_h) is divided further so that the first
+preconditioned step moves a token by at most ½, and every iteration is capped at ½ per token (a trust
+region, inactive for τ|V| < ½).  Each step records the first-order optimality residual, the velocity
+error in L²(μ),
 
-    r = ( Σ_i |P_{y_i} ∂F/∂y_i|² / (w_i b_k(x_i)) )^{1/2}
+    r = ( Σ_i w_i |G_i|² )^{1/2},   G_i = P_{y_i} ∂F/∂y_i / (w_i b_k(x_i))   (= P(y_i − x_i)/τ − V_k(y_i)),
 
-(a velocity in the metric norm: r = |(y − x)/τ − V|_b for the identity coupling) and the inner
-iteration count; a step stops when r ≤ tol·r₀ + 100·u·(b̄^{1/2}/τ + r₀) (r₀ the value at y = x,
-u the unit round-off).  A step that does not get there warns (``strict=True``: raises
-:class:`JKOConvergenceError`).  Descent from y = x makes F(y) ≤ F(x), so the discrete energy
-inequality below holds for every accepted step.
+computed without squaring large numbers, and the inner iteration count; a step stops when
+r ≤ tol·r₀ + 100·u·(1/τ + r₀) (r₀ the value at y = x, u the unit round-off) — for a stiff step every
+token with mass must also meet that bound with its own |G_i| and r₀_i, since the tokens' scales can
+span more than 1/u.  A non-finite residual never counts as converged; neither does a step in which a
+token with mass has a mobility below the scale's range (it could not move).  A step that does not
+converge warns with its step, time and residual (``strict=True``: raises :class:`JKOConvergenceError`).
+Descent from y = x makes F(y) ≤ F(x), so the discrete energy inequality below holds for every accepted
+step.  Massless tokens (w_i = 0) do not enter F and stay where they are.
 
 Eulerian scheme (a density solver, independent of the particles): the measure is
 μ = Σ_a p_a δ_{z_a} on a fixed grid (``tp.sphere.circle_grid`` on S¹, ``fibonacci_sphere`` or
@@ -80,7 +90,13 @@ the keys of :func:`transformer_pde.simulate`: "dE", "partial" = Σ [E(μ_j, t_{j
 (the energy change due to Θ, noise included, so "martingale" is 0), "slope" = Σ W²/τ (≈ ∫𝒢²),
 "dissipation" = s Σ [W²/(2τ) + (τ/2)|∂E|²(μ_{j+1})] (the De Giorgi form, ≈ ∫𝒟),
 "residual" = dE − partial − dissipation (→ 0 like τ), "residual_slope" = dE − partial − s·slope,
-and "jko_defect" = the running sum of the defects (≤ 0).
+and "jko_defect" = the running sum of the defects (≤ 0).  Energies, 𝒢², 𝒟 and every ledger term are
+reported times e^{−c} with one common scale per run (``stats["energy_log_scale"]`` = c, chosen at t0 by
+:func:`transformer_pde.energy.choose_log_scale`, 0 for ordinary runs), as :func:`simulate` does; the
+ledger is linear, so its identities hold at any scale.
+
+The heads must be tied (V_h = A_h): the scheme is the gradient flow of E, which does not see V;
+untied values are refused (ValueError) rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -92,22 +108,28 @@ from typing import Callable, Dict, List, Optional, Union
 
 import torch
 
+from .. import threads
 from .._validation import (
     check_choice,
     check_int,
     check_positive,
+    check_real,
     check_same,
+    check_seed,
     check_token_weights,
+    check_tied_all,
     check_tokens,
     direction_sign,
 )
 from ..attention import softmax_statistics
-from ..field import _log_inverse_mobility, evaluate
+from ..energy import choose_log_scale
+from ..field import FieldEval, _log_inverse_mobility, evaluate
+from ..mobility import scaled_diagnostics
 from ..heads import Heads
 from ..processes import Process, WeightPath, sample_path
 from ..sphere import circle_grid, fibonacci_sphere, normalize, tangent_projection
 from ..transport import _emd_plans, _sq_chordal, sinkhorn_divergence
-from .particle import Trajectory, _nonfinite
+from .particle import NonFiniteError, Trajectory, _nonfinite
 
 __all__ = ["jko", "to_grid", "self_potential", "JKOConvergenceError", "TRANSPORTS", "SCHEMES", "MOBILITIES", "COSTS"]
 
@@ -154,13 +176,8 @@ def _theta_source(theta, *, t0, t_end, tau, paths, seed, generator, path_dt):
     if isinstance(theta, WeightPath):
         if paths is not None:
             raise ValueError("a stored WeightPath already carries its paths axis; call jko without paths=")
-        lo, hi = float(theta.times[0]), float(theta.times[-1])
-        slack = 1e-9 * max(1.0, abs(hi))
-        if t0 < lo - slack or t_end > hi + slack:
-            raise ValueError(
-                f"the weight path covers [{lo:.6g}, {hi:.6g}] but the JKO run needs [{t0:.6g}, {t_end:.6g}]; "
-                f"sample it with tp.sample_path(process, t1={t_end:.6g}, dt=...) or use fewer steps"
-            )
+        theta.check_covers(t0, t_end)
+        lo = float(theta.times[0])
         if theta.dt > 0:
             ratio = tau / theta.dt
             if abs(ratio - round(ratio)) > 1e-6 * max(1.0, ratio) or abs((t0 - lo) / theta.dt - round((t0 - lo) / theta.dt)) > 1e-6:
@@ -193,9 +210,13 @@ def _log_mobility(lse: torch.Tensor, heads: Heads, unit: bool) -> torch.Tensor:
     return -_log_inverse_mobility(heads, lse)
 
 
-def _energy(y: torch.Tensor, heads: Heads, w: Optional[torch.Tensor]) -> torch.Tensor:
-    """E(μ, Θ) = Σ_h ω_h/(2β) Σ_i w_i m_h(y_i), (B,) (differentiable, no validation)."""
+def _energy(y: torch.Tensor, heads: Heads, w: Optional[torch.Tensor],
+            logc: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """E(μ, Θ) = Σ_h ω_h/(2β) Σ_i w_i m_h(y_i), (B,) (differentiable, no validation);
+    with ``logc`` (B,) the scaled value E / e^{logc}, computed from the log-partitions."""
     lse = softmax_statistics(y, heads, w).log_partition  # (B, H, n)
+    if logc is not None:
+        lse = lse - logc[:, None, None]
     per = torch.exp(lse).mean(-1) if w is None else (torch.exp(lse) * w.unsqueeze(-2)).sum(-1)
     return (heads.weights * per).sum(-1) / (2 * _beta(heads, 0))
 
@@ -289,8 +310,11 @@ def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a * b).sum((-1, -2))
 
 
-def _descend(objective: Callable, y: torch.Tensor, pre: torch.Tensor, *, tau: float, tol: float, max_iter: int,
-             memory: int = 8):
+_TRUST = 0.5  # the largest move of a token in one inner iteration (chordal distance)
+
+
+def _descend(objective: Callable, y: torch.Tensor, pre: torch.Tensor, wt: torch.Tensor, *, tau: float, tol: float,
+             max_iter: int, memory: int = 8):
     """Riemannian L-BFGS with the metric preconditioner, retraction and Armijo backtracking (batched, dim 0).
 
     The initial inverse Hessian is γ·pre, pre = τ/(w_i b_i) (the inverse Hessian of the proximal
@@ -299,6 +323,12 @@ def _descend(objective: Callable, y: torch.Tensor, pre: torch.Tensor, *, tau: fl
     transport), and kept only when ⟨s, z⟩ > 0.  A non-descent direction or a failed line search
     falls back to the preconditioned gradient and clears the memory.
 
+    The residual is the velocity error in L²(μ), r = (Σ_i w_i |G_i|²)^{1/2} with
+    G_i = P_{y_i} ∂F/∂y_i / (w_i b_i) = (pre_i/τ) P_{y_i} ∂F/∂y_i (``wt`` the token weights): it has
+    the units of a velocity whatever the scale of F, and every token counts (a b-weighted norm would
+    ignore tokens whose mobility is e^{-100} of the largest).  A step is converged when
+    r ≤ tol·r₀ + 100·u·(1/τ + r₀), r₀ the value at the start; a non-finite r never counts as converged.
+
     Returns (y, f, residual (B,), iterations (B,), converged (B,), r0 (B,)); residual None when the
     objective is not finite at the start."""
     B = y.shape[0]
@@ -306,19 +336,53 @@ def _descend(objective: Callable, y: torch.Tensor, pre: torch.Tensor, *, tau: fl
     f, g = _value_and_grad(objective, y)
     if not bool(torch.isfinite(f).all()) or not bool(torch.isfinite(g).all()):
         return y, f, None, None, None, None
+    # A stiff step (τ|V| ≫ 1, e.g. the effective field at large β‖A‖ with heads of different scales,
+    # where m_max/m_min ~ e^{β Δ}): divide the objective by K = τ max_i |G_i| / ρ so that the first
+    # preconditioned step is at most ρ and the L-BFGS products stay finite; K = 1 otherwise.
+    K = (tau * (tangent_projection(y, g) * (pre / tau)).abs().amax((-1, -2)) / _TRUST).clamp_min(1.0)
+    if bool((K > 1).any()):
+        raw = objective
+
+        def objective(yy, raw=raw, K=K):
+            return raw(yy) / K
+
+        f, g = f / K, g / K.reshape(B, 1, 1)
     dev, dt = y.device, y.dtype
     iters = torch.zeros(B, dtype=torch.long, device=dev)
     stalled = torch.zeros(B, dtype=torch.bool, device=dev)
-    bscale = (tau / pre.squeeze(-1)).sum(-1)  # Σ_i w_i b_i, the mean mobility
     S_mem: List[torch.Tensor] = []
     Z_mem: List[torch.Tensor] = []
     rg = tangent_projection(y, g)
+    inv = pre / tau  # 1 / (w_i b_i), (B, n, 1): G_i = inv_i P ∂F/∂y_i (scaled before squaring: no overflow)
 
     def resid(rg):
-        return ((rg.square().sum(-1) * pre.squeeze(-1)).sum(-1) / tau).sqrt()
+        G = rg * inv
+        top = G.abs().amax((-1, -2)).clamp_min(torch.finfo(G.dtype).tiny)  # (B,): square G / top, no overflow
+        r = K * top * ((G / top[:, None, None]).square().sum(-1) * wt).sum(-1).sqrt()
+        return torch.where(torch.isfinite(r), r, torch.full_like(r, float("inf")))
+
+    def tokens_r(rg):
+        """|G_i| per token, (B, n) (relative to the batch item's largest entry: no overflow)."""
+        G = rg * inv
+        top = G.abs().amax((-1, -2), keepdim=True).clamp_min(torch.finfo(G.dtype).tiny)
+        return K.reshape(B, 1) * top.reshape(B, 1) * (G / top).norm(dim=-1)
 
     r0 = resid(rg)
-    thresh = tol * r0 + 100 * u * (bscale.sqrt() / tau + r0)
+    thresh = tol * r0 + 100 * u * (1 / tau + r0)
+    thresh = torch.where(torch.isfinite(thresh), thresh, torch.zeros_like(thresh))
+    # stiff items (K > 1): the tokens' velocity scales can span more than 1/u, and the L² norm would
+    # only see the largest; there every token with mass must converge relative to its own start
+    stiff = K > 1
+    r0_tok = tokens_r(rg)
+    thresh_tok = tol * r0_tok + 100 * u * (1 / tau + r0_tok)
+
+    def unconverged(rg, r):
+        out = ~(torch.isfinite(r) & (r <= thresh))
+        if bool(stiff.any()):
+            rt = tokens_r(rg)
+            bad_tok = ((~(rt <= thresh_tok)) & (wt > 0)).any(-1)
+            out = out | (stiff & bad_tok)
+        return out
     best = r0.clone()
     since = torch.zeros(B, dtype=torch.long, device=dev)
     for _ in range(max_iter):
@@ -328,7 +392,7 @@ def _descend(objective: Callable, y: torch.Tensor, pre: torch.Tensor, *, tau: fl
         best = torch.where(improved, r, best)
         since = torch.where(improved, torch.zeros_like(since), since + 1)
         stalled = stalled | (since > 12)
-        active = (r > thresh) & ~stalled
+        active = unconverged(rg, r) & ~stalled
         if not bool(active.any()):
             break
         # two-loop recursion, per batch item (pairs with ⟨s, z⟩ <= 0 are masked out)
@@ -355,6 +419,9 @@ def _descend(objective: Callable, y: torch.Tensor, pre: torch.Tensor, *, tau: fl
         bad = ~(gd < 0) | ~torch.isfinite(gd)
         steep = -pre * rg
         d = torch.where(bad[:, None, None], steep, d)
+        # trust region: no token moves by more than ρ (chordal) in one iteration (inactive for τ|V| < ρ)
+        dn = d.norm(dim=-1, keepdim=True)
+        d = d * torch.where(dn > _TRUST, _TRUST / dn.clamp_min(torch.finfo(dt).tiny), torch.ones_like(dn))
         d = d * active[:, None, None].to(dt)
         gd = _dot(rg, d)
         slack = 10 * u * f.abs()
@@ -386,34 +453,49 @@ def _descend(objective: Callable, y: torch.Tensor, pre: torch.Tensor, *, tau: fl
             Z_mem.pop(0)
         y, f, g, rg = y_new, f_new, g_new, rg_new
     r = resid(rg)
-    return y, f, r, iters, r <= thresh, r0
+    return y, f, r, iters, ~unconverged(rg, r), r0
 
 
 # ---------------------------------------------------------------------------- Lagrangian step
 def _lagrangian_step(x, w, wt, h_old, h_new, lb_old, *, tau, sgn, transport, symmetric, unit, eps, scaling,
-                     tol, max_iter, max_plan_updates):
-    """One JKO step for tokens x (B, n, d). Returns y, info dict (prox value, residual, iterations, ...)."""
+                     tol, max_iter, max_plan_updates, out_log_scale=0.0):
+    """One JKO step for tokens x (B, n, d). Returns y, info dict (prox value, residual, iterations, ...).
+
+    The objective is minimised divided by the common scale c = 2^k ≈ max_i b_k(x_i) of its batch
+    item (k an integer, so the division is exact where nothing underflows): the energy and the
+    proximal term both grow like e^{β⟨Ax, y⟩} (b ~ m_h), so F/c stays O(1) — computed from the
+    log-partitions, E/c = Σ_h ω_h/(2β) Σ_i w_i e^{log m_h(y_i) − log c} — where F itself overflows
+    (β‖A‖ ≳ 88 in float32, ≳ 700 in float64), and its gradient, the preconditioner τ/(w b/c) and the
+    residual are all O(1).  Dividing the whole objective by one positive number leaves the minimiser
+    unchanged; with transport="sinkhorn" ε is divided by c as well (OT_ε(c·C) = c·OT_{ε/c}(C)).
+    The returned ``prox`` is W² · e^{−out_log_scale} (the run's common scale)."""
     B, n, _ = x.shape
-    b_old = torch.exp(lb_old)  # (B, n)
+    # log c: a power of two near the largest log-mobility of each batch item ("unit": c = 1)
+    ln2 = math.log(2.0)
+    logc = torch.round(lb_old.max(-1).values / ln2) * ln2  # (B,)
+    if transport == "sinkhorn":  # one ε for the whole batch: one scale
+        logc = logc.max().expand(B)
+    b_old = torch.exp(lb_old - logc.unsqueeze(-1))  # (B, n), b_k / c
 
     def b_field(q):
-        """b_k at arbitrary points q (B, N, d): mobility field of μ_k under Θ_{t_k}."""
+        """b_k / c at arbitrary points q (B, N, d): mobility field of μ_k under Θ_{t_k}, scaled."""
         if unit:
-            return torch.ones(q.shape[:-1], dtype=q.dtype, device=q.device)
+            return torch.exp(-logc).unsqueeze(-1).expand(q.shape[:-1])
         lse = softmax_statistics(q, h_old, w, keys=x).log_partition
-        return torch.exp(-_log_inverse_mobility(h_old, lse))
+        return torch.exp(-_log_inverse_mobility(h_old, lse) - logc.unsqueeze(-1))
 
     def cost_rows(y):
-        """c_k(x_j, y_i) as a (B, n_new, n_old) matrix."""
+        """c_k(x_j, y_i) / c as a (B, n_new, n_old) matrix."""
         c2 = _sq_chordal(y, x)
         if symmetric:
             return 0.5 * (b_field(y).unsqueeze(-1) + b_old.unsqueeze(-2)) * c2
         return b_old.unsqueeze(-2) * c2
 
     def energy(y):
-        return sgn * _energy(y, h_new, w)
+        return sgn * _energy(y, h_new, w, logc)
 
-    pre = (tau / (wt * b_old)).unsqueeze(-1)
+    wb = wt * b_old
+    pre = torch.where(wb > 0, tau / wb, torch.zeros_like(wb)).unsqueeze(-1)  # massless tokens stay
     info: Dict[str, torch.Tensor] = {}
     if transport == "identity":
         def objective(y):
@@ -421,7 +503,7 @@ def _lagrangian_step(x, w, wt, h_old, h_new, lb_old, *, tau, sgn, transport, sym
             bb = 0.5 * (b_field(y) + b_old) if symmetric else b_old
             return energy(y) + (wt * bb * c2).sum(-1) / (2 * tau)
 
-        y, f, r, it, conv, r0 = _descend(objective, x, pre, tau=tau, tol=tol, max_iter=max_iter)
+        y, f, r, it, conv, r0 = _descend(objective, x, pre, wt, tau=tau, tol=tol, max_iter=max_iter)
         if r is None:
             return None, None
         c2 = (y - x).square().sum(-1)
@@ -440,7 +522,7 @@ def _lagrangian_step(x, w, wt, h_old, h_new, lb_old, *, tau, sgn, transport, sym
             def objective(yy, Pk=Pk):
                 return energy(yy) + (Pk * cost_rows(yy)).sum((-1, -2)) / (2 * tau)
 
-            y, f, r, it, conv, r0 = _descend(objective, y, pre, tau=tau, tol=tol, max_iter=max_iter)
+            y, f, r, it, conv, r0 = _descend(objective, y, pre, wt, tau=tau, tol=tol, max_iter=max_iter)
             if r is None:
                 return None, None
             r0_first = r0 if r0_first is None else r0_first
@@ -459,6 +541,7 @@ def _lagrangian_step(x, w, wt, h_old, h_new, lb_old, *, tau, sgn, transport, sym
         prox = (P * cost_rows(y)).sum((-1, -2)).detach()
         info["plan_unchanged"] = ~improve
     else:  # sinkhorn
+        scale = float(torch.exp(-logc[0])) if B > 0 else 1.0
         bmax = float(b_old.max())
 
         def sym_cost(X, Y):
@@ -466,20 +549,26 @@ def _lagrangian_step(x, w, wt, h_old, h_new, lb_old, *, tau, sgn, transport, sym
             return 0.5 * (b_field(X).unsqueeze(-1) + b_field(Y).unsqueeze(-2)) * c2
 
         diameter = 2.0 * math.sqrt(max(bmax, 1e-300)) * 1.5
+        eps_s = eps * scale
 
         def prox_fn(yy):
-            return sinkhorn_divergence(yy, wt, x, wt, eps=eps, cost=sym_cost, diameter=diameter, scaling=scaling)
+            return sinkhorn_divergence(yy, wt, x, wt, eps=eps_s, cost=sym_cost, diameter=diameter, scaling=scaling)
 
         def objective(yy):
             return energy(yy) + prox_fn(yy) / (2 * tau)
 
-        y, f, r, it, conv, r0 = _descend(objective, x, pre, tau=tau, tol=tol, max_iter=max_iter)
+        y, f, r, it, conv, r0 = _descend(objective, x, pre, wt, tau=tau, tol=tol, max_iter=max_iter)
         if r is None:
             return None, None
         with torch.no_grad():
             prox = prox_fn(y)
         plans = torch.zeros(B, dtype=torch.long, device=x.device)
-    info.update(prox=prox.detach(), residual=r, iterations=it, converged=conv, plan_updates=plans, r0=r0)
+    prox = prox.detach() * torch.exp(logc - out_log_scale)  # in the run's units (times e^{−c_run})
+    # a token with mass whose scaled mobility underflowed (b_i/c < the smallest float: a log-mobility
+    # spread beyond ~700 in float64, ~100 in float32) was held fixed: never report that step as converged
+    lost = ((wt > 0) & ~(wb > 0)).any(-1)
+    conv = conv & ~lost
+    info.update(prox=prox, residual=r, iterations=it, converged=conv, plan_updates=plans, r0=r0)
     return y.detach(), info
 
 
@@ -647,7 +736,8 @@ def jko(
         ``ledger`` (module docstring); ``stats`` with per-step tensors (steps, ...) "residual",
         "iterations", "converged", "defect", "prox" (the W² of each step), "plan_updates", and the
         scalars "steps", "wall_time", "max_defect", "max_residual", "mean_iterations",
-        "nonconverged_steps", "order" = 1; ``path`` the sampled WeightPath (noisy processes);
+        "nonconverged_steps", "order" = 1, "energy_log_scale" = c (energies, 𝒢², 𝒟, ledger and "prox" are
+        reported times e^{−c}); ``path`` the sampled WeightPath (noisy processes);
         ``extras`` {"scheme", "transport", "tau", "grid"}.  Outputs carry no gradient.
 
     Raises:
@@ -686,7 +776,10 @@ def jko(
         raise ValueError("the Eulerian scheme uses the symmetric cost ½(b_k(z_a) + b_k(z_b))|z_a − z_b|²: "
                          "use cost='symmetric' (the default)")
     eps = check_positive(eps, "eps")
-    t0 = float(t0)
+    t0 = check_real(t0, "t0")
+    seed = check_seed(seed)
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict must be True or False, got {type(strict).__name__}")
     max_iter = check_int(max_iter, "max_iter")
     max_plan_updates = check_int(max_plan_updates, "max_plan_updates")
     record_every = check_int(record_every, "record_every")
@@ -703,6 +796,7 @@ def jko(
             f"got {type(theta).__name__}"
         )
     h_ref = theta if isinstance(theta, Heads) else theta.heads0
+    check_tied_all(theta, "jko")
     d = h_ref.dim
     if scheme == "lagrangian":
         if x0 is None:
@@ -782,20 +876,43 @@ def jko(
         w = q
     warm = None
 
-    def diag(points, wts, heads):
-        return evaluate(points, heads, wts, normalization=norm, sign=sign, diagnostics=True)
+    scale = {"c": 0.0}  # the common scale c: energies, 𝒢², 𝒟 and the ledger are reported times e^{−c}
 
-    def metric_slope(ev, wts):
-        """|∂E|² in the scheme's metric: Σ w |∇δE|²/b (effective) or Σ w |∇δE|² (unit)."""
-        g2 = ev.grad_first_variation.square().sum(-1)
-        if not unit:
-            g2 = g2 / torch.exp(-_log_inverse_mobility(heads_cur, ev.stats.log_partition))
+    def diag(points, wts, heads):
+        c = scale["c"]
+        if c == 0.0:  # ordinary runs: evaluate's own diagnostics, bit for bit
+            return evaluate(points, heads, wts, normalization=norm, sign=sign, diagnostics=True)
+        fe = evaluate(points, heads, wts, normalization=norm, sign=sign, diagnostics=False)
+        E, _, _, g = scaled_diagnostics(points, heads, wts, fe.velocity, fe.stats, log_scale=c)
+        # the scheme's field is the gradient flow V = s g / b (b ≡ 1 for "unit"): 𝒢² = Σ w b|V|² = Σ w |g|²/b
+        # and 𝒟 = Σ w ⟨g, V⟩ = s 𝒢², formed from g b^{-1/2} (no |V|² ~ e^{2β‖A‖} in between)
+        G = metric_slope(g, fe.stats.log_partition, heads, wts)
+        return FieldEval(fe.velocity, fe.stats, fe.outputs, g, E, G, sign * G)
+
+    def metric_slope(g, log_partition, heads, wts):
+        """|∂E|² e^{−c} in the scheme's metric: Σ w |∇δE|²/b (effective) or Σ w |∇δE|² (unit); g = ∇_S δE/δμ e^{−c}."""
+        # |g|²/b · e^{−c} = |g e^{−c} · (e^{c}/b)^{1/2}|², scaled before squaring (finite whenever the result is)
+        lbinv = torch.zeros_like(g[..., 0]) if unit else _log_inverse_mobility(heads, log_partition)
+        g = g * torch.exp(0.5 * (lbinv + scale["c"])).unsqueeze(-1)
+        g2 = g.square().sum(-1)
         return g2.mean(-1) if wts is None else (wts * g2).sum(-1)
 
+    def check_diag(ev, t, k, heads):
+        """NonFiniteError unless the energy (and, with diagnostics, 𝒢² and 𝒟) are finite."""
+        if not bool(torch.isfinite(ev.energy).all()):
+            raise _nonfinite("the energy", t, k, heads)
+        if diagnostics:
+            for name, v in (("the metric slope 𝒢²", ev.slope), ("the dissipation 𝒟", ev.dissipation)):
+                if not bool(torch.isfinite(v).all()):
+                    err = _nonfinite(name, t, k, heads, norm)
+                    raise NonFiniteError(f"{err} (the JKO step itself does not need it: diagnostics=False)")
+
     heads_cur = flat(t0)
+    with torch.no_grad():
+        scale["c"] = choose_log_scale(softmax_statistics(pts, heads_cur, w).log_partition)
     ev = diag(pts, w, heads_cur)
-    if not bool(torch.isfinite(ev.energy).all()):
-        raise _nonfinite("the energy", t0, 0, heads_cur)
+    check_diag(ev, t0, 0, heads_cur)
+    log_c = torch.full((B,), scale["c"], **f)
     E0 = ev.energy
     E_prev = E0
     lb = _log_mobility(ev.stats.log_partition, heads_cur, unit)
@@ -828,19 +945,23 @@ def jko(
 
         bar = tqdm(total=steps, desc=f"jko ({scheme}, {transport})", unit="step", leave=False)
     bad_steps: List[int] = []
+    bad_residuals: List[float] = []
+    pool_cm = threads.scope(float(B) * heads_cur.num_heads * n_or_m * n_or_m)
+    pool = pool_cm.__enter__()
     try:
         for k in range(steps):
             t_new = t0 + (k + 1) * tau
             heads_new = flat(t_new)
             state_old = x if scheme == "lagrangian" else q
             with torch.no_grad():
-                E_cross = _energy(pts, heads_new, w)
+                E_cross = _energy(pts, heads_new, w, log_c)
             if not bool(torch.isfinite(E_cross).all()):
                 raise _nonfinite("the energy", t_new, k + 1, heads_new)
             if scheme == "lagrangian":
                 y, info = _lagrangian_step(x, w, wt, heads_cur, heads_new, lb, tau=tau, sgn=sgn, transport=transport,
                                            symmetric=cost == "symmetric", unit=unit, eps=eps, scaling=sinkhorn_scaling,
-                                           tol=tol, max_iter=max_iter, max_plan_updates=max_plan_updates)
+                                           tol=tol, max_iter=max_iter, max_plan_updates=max_plan_updates,
+                                           out_log_scale=scale["c"])
                 if y is None:
                     raise _nonfinite("the JKO objective", t_new, k + 1, heads_new)
                 new_state = y
@@ -849,28 +970,38 @@ def jko(
                 with torch.no_grad():
                     p, info, warm = _eulerian_step(z, q, heads_cur, heads_new, lb, tau=tau, sgn=sgn, eps=eps, tol=tol,
                                                    max_iter=max_iter, warm=warm)
+                    if scale["c"] != 0.0:
+                        info["prox"] = info["prox"] * math.exp(-scale["c"])
                 new_state = p
                 new_pts, new_w = pts, p
+            if not bool(torch.isfinite(info["residual"]).all()):  # the velocity error itself overflows the dtype
+                raise _nonfinite("the inner residual (velocity error |P(y − x)/τ − V|)", t_new, k + 1, heads_new, norm)
             if not bool(torch.isfinite(new_state).all()):
                 raise _nonfinite("the token positions" if scheme == "lagrangian" else "the grid weights",
                                  t_new, k + 1, heads_new)
             with torch.no_grad():
                 heads_cur = heads_new
                 ev = diag(new_pts, new_w, heads_cur)
-            if not bool(torch.isfinite(ev.energy).all()):
-                raise _nonfinite("the energy", t_new, k + 1, heads_cur)
+            check_diag(ev, t_new, k + 1, heads_cur)
             prox = info["prox"]
             defect = sgn * (ev.energy - E_cross) + prox / (2 * tau)
             acc["partial"] = acc["partial"] + (E_cross - E_prev)
             acc["slope"] = acc["slope"] + prox / tau
-            acc["dissipation"] = acc["dissipation"] + sign * (prox / (2 * tau) + 0.5 * tau * metric_slope(ev, new_w))
+            acc["dissipation"] = acc["dissipation"] + sign * (prox / (2 * tau) + 0.5 * tau * metric_slope(ev.grad_first_variation, ev.stats.log_partition, heads_cur, new_w))
             acc["jko_defect"] = acc["jko_defect"] + defect
+            for key in ("partial", "slope", "dissipation", "jko_defect"):
+                if not bool(torch.isfinite(acc[key]).all()):
+                    raise _nonfinite(f"the ledger term {key!r}", t_new, k + 1, heads_cur)
             for key in S:
                 S[key].append(defect if key == "defect" else info[key])
             if not bool(info["converged"].all()):
                 bad_steps.append(k + 1)
+                res_bad = info["residual"][~info["converged"]]
+                bad_residuals.append(float(res_bad.max()))
+                what = (f" (velocity error in L²(μ); {float(info['r0'].max()):.3e} at the start)" if "r0" in info
+                        else " (‖T(p) − p‖₁)")
                 msg = (f"JKO step {k + 1} (t = {t_new:.6g}) did not converge in {max_iter} inner iterations: residual "
-                       f"{float(info['residual'].max()):.3e}; raise max_iter, loosen tol, or reduce tau"
+                       f"{bad_residuals[-1]:.3e}{what}; raise max_iter, loosen tol, or reduce tau"
                        + (" (with transport='sinkhorn': raise sinkhorn_scaling towards 1 or lower eps)"
                           if transport == "sinkhorn" and scheme == "lagrangian" else ""))
                 if strict:
@@ -889,13 +1020,16 @@ def jko(
                 callback(k + 1, t_new, new_state)
             if bar is not None:
                 bar.update(1)
+            pool.refresh()
     finally:
+        pool_cm.__exit__(None, None, None)
         if bar is not None:
             bar.close()
     if bad_steps:
         warnings.warn(f"{len(bad_steps)} of {steps} JKO steps did not reach the inner tolerance (first: step "
-                      f"{bad_steps[0]}); see traj.stats['residual'] — raise max_iter, loosen tol, or reduce tau "
-                      f"(strict=True raises instead)", RuntimeWarning, stacklevel=2)
+                      f"{bad_steps[0]}, t = {t0 + bad_steps[0] * tau:.6g}, residual {bad_residuals[0]:.3e}; largest "
+                      f"residual {max(bad_residuals):.3e}); see traj.stats['residual'] — raise max_iter, loosen tol, "
+                      f"or reduce tau (strict=True raises instead)", RuntimeWarning, stacklevel=2)
 
     # ---------------- assemble
     shape_b = batch
@@ -917,6 +1051,7 @@ def jko(
         "max_residual": float(st["residual"].max()),
         "mean_iterations": float(st["iterations"].double().mean()),
         "nonconverged_steps": len(bad_steps),
+        "energy_log_scale": scale["c"],
         "order": 1,
     }
     if scheme == "lagrangian":

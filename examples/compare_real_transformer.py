@@ -149,7 +149,7 @@ def run(*, quick: bool = False, d: Optional[int] = None, heads: Optional[int] = 
         print(f"  observed order in 1/m (three finest): {metrics['refinement_order']:.3f} (expected 1)")
         print(f"wall time {metrics['wall_time']:.1f} s")
     if out is not None:
-        rd = RunDir(Path(out), progress=False)
+        rd = RunDir.for_script(Path(out), "example:compare_real_transformer")
         rd.write_json("metrics.json", metrics)
         rd.save_series("discrepancy", series)
         rd.save_series("refinement", {"m": refinements, "block_vs_flow": refined})

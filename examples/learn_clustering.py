@@ -130,7 +130,7 @@ def run(*, quick: bool = False, iters: Optional[int] = None, batch: int = 8, n: 
         print(f"  tokens in the right cluster hemisphere {acc0:.3f} -> {acc1:.3f}")
         print(f"  wall time {metrics['wall_time']:.1f} s")
     if out is not None:
-        rd = RunDir(Path(out), progress=False)
+        rd = RunDir.for_script(Path(out), "example:learn_clustering")
         rd.write_json("metrics.json", metrics)
         rd.save_series("training", history)
         _figure(rd, history, x_test, t_test, xT0, xT1)

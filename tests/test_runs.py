@@ -183,7 +183,7 @@ def test_interrupted_run_status_and_resume(monkeypatch, tmp_path):
     with pytest.raises(ValueError, match="not both"):
         execute(cfg, out_dir=tmp_path, progress=False, overwrite=True, resume=True)
     (tmp_path / "plain").mkdir()
-    with pytest.raises(ValueError, match="not a run directory"):
+    with pytest.raises(ValueError, match="not a transformer-pde run directory"):
         execute(cfg, out_dir=tmp_path, name="plain", progress=False, overwrite=True)
     # --resume on a directory that does not exist yet just starts the run
     execute(cfg, out_dir=tmp_path, name="fresh", progress=False, resume=True)
@@ -202,7 +202,8 @@ def test_cli_prints_summary_and_scalars(monkeypatch, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "'mode'" in err and "'a', 'b'" in err
     assert cli_main(["run", str(toml), "--out", str(tmp_path), "--threads", "0"]) == 2
-    assert "--threads must be >= 1" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--threads" in err and "integer >= 1" in err
 
 
 def test_cli_interrupt_prints_resume_command(monkeypatch, tmp_path, capsys):
@@ -218,7 +219,7 @@ def test_cli_interrupt_prints_resume_command(monkeypatch, tmp_path, capsys):
     finally:
         torch.set_num_threads(threads)
     err = capsys.readouterr().err
-    assert "--resume" in err and "-o 'n=2'" in err and str(toml) in err and "--threads 1" in err
+    assert "--resume" in err and "-o n=2" in err and str(toml) in err and "--threads 1" in err
     assert json.loads((tmp_path / "c" / "status.json").read_text())["state"] == "interrupted"
 
 

@@ -9,10 +9,13 @@ are refused with the key and the allowed values before anything runs.
 from __future__ import annotations
 
 import importlib
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Tuple
 
-__all__ = ["Option", "Study", "study", "get_study", "available", "validate_params"]
+__all__ = ["Option", "Study", "study", "get_study", "available", "validate_params", "SEED_MAX"]
+
+SEED_MAX = 2**32 - 1
 
 
 @dataclass(frozen=True)
@@ -20,6 +23,10 @@ class Option:
     """One parameter of a study: default, accepted type(s), optional choices and check.
 
     check(value) returns None when the value is fine, else a short description of what is allowed.
+
+    Checks every option gets, whatever its ``check``: floats (alone or in a list) must be finite
+    (``inf``/``nan`` are refused); keys named ``seed`` or ending in ``_seed`` are random seeds and
+    must be integers in [0, 2³² − 1] (what numpy and torch generators accept).
     """
 
     default: Any
@@ -34,6 +41,14 @@ class Option:
         if not isinstance(value, self.types) or (isinstance(value, bool) and bool not in self.types):
             names = " or ".join(t.__name__ for t in self.types)
             raise ValueError(f"config key '{key}' must be {names}, got {value!r} ({type(value).__name__})")
+        items = value if isinstance(value, list) else [value]
+        if any(isinstance(v, float) and not math.isfinite(v) for v in items):
+            raise ValueError(f"config key '{key}' = {value!r} is not a finite number; give a finite value "
+                             f"(e.g. -o {key}=1.0)")
+        if (key == "seed" or key.endswith("_seed")) and isinstance(value, int) and not isinstance(value, bool):
+            if not 0 <= value <= SEED_MAX:
+                raise ValueError(f"config key '{key}' = {value!r} is not a valid random seed; give an integer in "
+                                 f"[0, {SEED_MAX}]")
         if self.choices is not None:
             items = value if isinstance(value, list) else [value]
             bad = [v for v in items if v not in self.choices]

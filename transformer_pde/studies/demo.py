@@ -17,7 +17,7 @@ OPTIONS = {
 }
 
 
-@study("demo", OPTIONS, "a one-second tour: OU heads on S², energy ledger, token snapshot")
+@study("demo", OPTIONS, "a few-second tour: OU heads on S², energy ledger, token snapshots")
 def run_demo(params, run):
     import transformer_pde as tp
 
@@ -25,8 +25,10 @@ def run_demo(params, run):
     g = torch.Generator().manual_seed(params["seed"] + 1)
     x0 = tp.sphere.sample_uniform(params["n"], 3, generator=g, dtype=dtype)
     heads = tp.Heads.random(params["heads"], 3, generator=torch.Generator().manual_seed(params["seed"]), dtype=dtype)
+    cb_user = getattr(run, "step_callback", None)
+    callback = None if cb_user is None else (lambda k, t, x: cb_user("demo", k, t))
     traj = tp.simulate(x0, tp.OrnsteinUhlenbeck(heads), t1=params["t1"], dt=params["dt"], paths=params["paths"],
-                       seed=params["seed"], direction="descent", progress=run.progress)
+                       seed=params["seed"], direction="descent", progress=run.progress, callback=callback)
     led = traj.ledger
     metrics = {
         "energy_final_mean": float(traj.energy[-1].mean()),
@@ -35,14 +37,16 @@ def run_demo(params, run):
         "residual_slope_final_abs_mean": float(led["residual_slope"][-1].abs().mean()),
     }
     run.save_series("ledger", {"t": traj.times, **{k: v.mean(-1) for k, v in led.items()}})
-    import matplotlib.pyplot as plt
+    from .. import plotting
 
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    t = traj.times.numpy()
-    for key in ("dE", "partial", "dissipation", "martingale", "residual"):
-        ax.plot(t, led[key].mean(-1).numpy(), label=key)
-    ax.set_xlabel("t")
-    ax.set_title("demo: energy ledger (descent, mean over paths)")
-    ax.legend(fontsize=8)
+    desc = f"OU heads, H = {params['heads']}, n = {params['n']}, {params['paths']} paths, descent"
+    fig = plotting.plot_ledger(traj.times, led, sign=-1.0, title=f"demo: energy ledger, {desc}")
     run.save_figure(fig, "ledger")
+    x = traj.x.detach().cpu()
+    x = x[:, 0] if x.dim() == 4 else x  # (T, paths, n, d) -> path 0
+    fig = plotting.sphere_snapshots([("path 0", x)], traj.times.cpu(), 4, title=f"demo: tokens on S² ({desc})",
+                                    caption="Tokens of Monte-Carlo path 0 at evenly spaced recorded times. "
+                                    + plotting.snapshot_caption(3, traj.times.cpu()[
+                                        plotting.snapshot_indices(traj.times.cpu(), 4)]))
+    run.save_figure(fig, "snapshots")
     return metrics

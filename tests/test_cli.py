@@ -1,0 +1,164 @@
+"""The `transformer-pde` command's interface (issue 14): help, version, output streams, logging, threads,
+several configs in one call, configs by name, `list` errors before output."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+
+import torch
+
+import transformer_pde
+from transformer_pde import studies, threads
+from transformer_pde.cli import build_parser, main as cli_main
+from transformer_pde.studies import Option, Study, positive
+
+
+def _register(monkeypatch, kind, fn):
+    studies.available()
+    monkeypatch.setitem(studies._REGISTRY, kind, Study(kind, fn, {"n": Option(3, (int,), "a count", check=positive)},
+                                                       "test study"))
+
+
+def _subparsers(parser):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices
+    raise AssertionError("no subcommands")
+
+
+def test_version(capsys):
+    assert cli_main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"transformer-pde {transformer_pde.__version__}"
+
+
+def test_help_is_plain_text_and_every_option_is_explained(capsys):
+    assert cli_main(["--help"]) == 0
+    top = capsys.readouterr().out
+    assert "``" not in top and ":func:" not in top
+    subs = _subparsers(build_parser())
+    assert {"run", "list", "demo"} <= set(subs)
+    for name, sp in subs.items():
+        assert name in top
+        for action in sp._actions:
+            assert action.help and action.help.strip(), f"`{name} {action.option_strings or action.dest}` has no help"
+        for opt in ("--threads", "--verbose", "--quiet"):
+            assert opt in sp.format_help(), (name, opt)
+        assert cli_main([name, "--help"]) == 0
+        assert "``" not in capsys.readouterr().out
+
+
+def test_list_refuses_an_unknown_kind_before_printing(capsys):
+    assert cli_main(["list", "foo"]) == 2
+    cap = capsys.readouterr()
+    assert cap.out == "" and "'foo'" in cap.err and "'demo'" in cap.err
+
+
+def test_list_shows_shipped_config_names(capsys):
+    from transformer_pde.resources import config_names
+
+    assert cli_main(["list"]) == 0
+    out = capsys.readouterr().out
+    names = config_names()
+    assert "ou_vs_oscillating_quick" in names
+    for n in names:
+        assert f"  {n} " in out, n
+
+
+def test_a_shipped_config_is_found_by_name(tmp_path, capsys, monkeypatch):
+    # the name resolves to the ou_vs_oscillating config: its keys are known, a wrong one is refused by name,
+    # also from another working directory that holds a folder of that name (a run made with --out .)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ou_vs_oscillating_quick").mkdir()
+    for name in ("ou_vs_oscillating_quick", "ou_vs_oscillating_quick.toml"):
+        assert cli_main(["run", name, "--out", str(tmp_path / "o"), "-o", "bogus=1"]) == 2
+        err = capsys.readouterr().err
+        assert "'bogus'" in err and "'ou_vs_oscillating'" in err
+    assert [p.name for p in tmp_path.iterdir()] == ["ou_vs_oscillating_quick"]
+
+
+def test_results_on_stdout_messages_on_stderr_and_verbosity(monkeypatch, tmp_path, capsys):
+    def study(params, run):
+        logging.getLogger("transformer_pde.studies.fake").info("segment done: one")
+        logging.getLogger("transformer_pde.studies.fake").debug("a debug detail")
+        return {"n": params["n"]}
+
+    _register(monkeypatch, "_t_cli", study)
+    (tmp_path / "c.toml").write_text('kind = "_t_cli"\n')
+    handlers = list(logging.getLogger("transformer_pde").handlers)
+    cfg = str(tmp_path / "c.toml")
+    for i, (flags, info, debug) in enumerate([([], True, False), (["-v"], True, True), (["-q"], False, False)]):
+        assert cli_main(["run", cfg, "--out", str(tmp_path), "--name", f"r{i}", "--no-progress", *flags]) == 0
+        cap = capsys.readouterr()
+        assert f"run directory: {tmp_path / f'r{i}'}" in cap.out and "n = 3" in cap.out
+        assert "segment done" not in cap.out and "running" not in cap.out  # diagnostics never on stdout
+        assert ("segment done: one" in cap.err) == info and ("a debug detail" in cap.err) == debug, (flags, cap.err)
+    assert logging.getLogger("transformer_pde").handlers == handlers  # the CLI removes its handler again
+
+
+def test_threads_option_sets_the_policy_for_the_command_only(monkeypatch, tmp_path, capsys):
+    seen = []
+
+    def study(params, run):
+        seen.append((threads.current(), torch.get_num_threads()))
+        return {}
+
+    _register(monkeypatch, "_t_threads", study)
+    (tmp_path / "c.toml").write_text('kind = "_t_threads"\n')
+    before = (threads.current(), torch.get_num_threads())
+    assert cli_main(["run", str(tmp_path / "c.toml"), "--out", str(tmp_path), "--name", "a", "--no-progress"]) == 0
+    assert cli_main(["run", str(tmp_path / "c.toml"), "--out", str(tmp_path), "--name", "b", "--no-progress",
+                     "--threads", "1"]) == 0
+    assert seen == [("auto", before[1]), (1, 1)]
+    assert (threads.current(), torch.get_num_threads()) == before
+    for cmd in (["list", "--threads", "2"], ["list", "demo", "--threads", "auto"]):
+        assert cli_main(cmd) == 0
+    for bad in ("0", "-1", "two", "1.5"):
+        assert cli_main(["list", "--threads", bad]) == 2
+        assert "--threads" in capsys.readouterr().err
+
+
+def test_several_configs_in_one_call(monkeypatch, tmp_path, capsys):
+    def study(params, run):
+        if params["n"] == 13:
+            raise ValueError("config key 'n' = 13 is unlucky")
+        return {"n": params["n"]}
+
+    _register(monkeypatch, "_t_multi", study)
+    a, b, c = (tmp_path / f"{x}.toml" for x in "abc")
+    a.write_text('kind = "_t_multi"\n[params]\nn = 1\n')
+    b.write_text('kind = "_t_multi"\n[params]\nn = 2\n')
+    c.write_text('kind = "_t_multi"\n[params]\nn = 13\n')
+    out = tmp_path / "out"
+    assert cli_main(["run", str(a), str(b), "--out", str(out), "--no-progress"]) == 0
+    cap = capsys.readouterr()
+    assert f"run directory: {out / 'a'}" in cap.out and f"run directory: {out / 'b'}" in cap.out
+    assert [json.loads((out / x / "metrics.json").read_text())["n"] for x in "ab"] == [1, 2]
+    # one refused config: nothing runs at all
+    assert cli_main(["run", str(a), str(tmp_path / "missing.toml"), "--out", str(tmp_path / "o2")]) == 2
+    assert not (tmp_path / "o2").exists()
+    # one failing run does not stop the others; the exit code says something failed
+    assert cli_main(["run", str(c), str(a), "--out", str(tmp_path / "o3"), "--no-progress"]) == 1
+    cap = capsys.readouterr()
+    assert "unlucky" in cap.err and "1 of 2 runs failed" in cap.err
+    assert json.loads((tmp_path / "o3" / "a" / "status.json").read_text())["state"] == "complete"
+    assert json.loads((tmp_path / "o3" / "c" / "status.json").read_text())["state"] == "interrupted"
+
+
+def test_interrupt_in_a_series_names_the_resume_command_and_what_did_not_start(monkeypatch, tmp_path, capsys):
+    def study(params, run):
+        if params["n"] == 2:
+            raise KeyboardInterrupt
+        return {}
+
+    _register(monkeypatch, "_t_int", study)
+    files = []
+    for n in (1, 2, 3):
+        f = tmp_path / f"c{n}.toml"
+        f.write_text(f'kind = "_t_int"\n[params]\nn = {n}\n')
+        files.append(str(f))
+    assert cli_main(["run", *files, "--out", str(tmp_path / "o"), "--no-progress"]) == 130
+    err = capsys.readouterr().err
+    assert f"transformer-pde run {files[1]} --out {tmp_path / 'o'} --resume" in err
+    assert f"not started: {files[2]}" in err

@@ -1,0 +1,504 @@
+"""Parameter sweeps: the cartesian grid of a config's parameters as independent runs.
+
+    transformer-pde sweep CONFIG -s 'beta=[0.5,1,2]' -s 'heads=[1,4]' [-o KEY=VALUE ...]
+                          [--workers N | --scheduler ADDRESS] [--resume] [--out runs] [--name NAME]
+
+Syntax.  ``-s/--sweep KEY=[v1, v2, ...]`` declares a sweep axis: KEY takes each listed value
+(a TOML list).  ``-o/--override KEY=VALUE`` fixes a parameter for every point, exactly as in
+``transformer-pde run`` — so ``-o 'heads=[1,10]'`` keeps its meaning for list-valued options
+(one run with both head counts), and sweeping a list-valued option lists lists:
+``-s 'heads=[[1],[1,10]]'`` makes two points.  A key may not be both an axis and an override.
+
+Layout of ``<out>/<name>/`` (name defaults to ``<config name>_sweep``)::
+
+    sweep.json            the resolved base config, the axes and the point names (resume checks it)
+    points/<point>/       one ordinary run directory per grid point (transformer_pde.runs.execute)
+    results.csv           one row per point: point, state, wall time, every parameter, scalar metrics
+    figures/sweep.png|pdf the metrics against the first axis, one line per value of the other axes
+
+Execution.  Every point is validated before anything runs.  ``workers=1`` runs the points one
+after another in this process; ``workers=N > 1`` on a pool of N worker processes
+(``concurrent.futures.ProcessPoolExecutor``, spawn context, so no forked torch state; each
+worker gets ``threads`` torch threads, by default cpu_count // N; from a script, call
+:func:`run_sweep` under ``if __name__ == "__main__":``, since spawned workers import the main
+module); ``scheduler=ADDRESS`` on an
+existing Dask distributed cluster (``dask.distributed.Client(ADDRESS)``; the workers need this
+package installed and the output folder on a filesystem they share).  A point that raises is
+recorded as "failed" (with its error) and the others continue.
+
+Resume.  ``resume=True`` continues a sweep directory with the same sweep.json: points whose run
+directory says ``status.json: complete`` are skipped, interrupted ones are resumed (their
+studies continue from their own checkpoints), missing ones run.  Without ``resume`` an existing
+sweep directory is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import itertools
+import json
+import logging
+import math
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+__all__ = ["SweepResult", "parse_axis", "expand_grid", "point_name", "run_sweep", "gather", "plot_sweep",
+           "add_parser"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SweepResult:
+    """path: the sweep directory; table: results.csv; figure: the png (None without numeric metrics);
+    rows: one dict per point (the table's rows); ran / skipped / failed: point names."""
+
+    path: Path
+    table: Path
+    figure: Optional[Path]
+    rows: List[Dict[str, Any]]
+    ran: List[str]
+    skipped: List[str]
+    failed: List[str]
+
+
+# ---------------------------------------------------------------------------- the grid
+def parse_axis(text: str) -> Tuple[str, list]:
+    """'key=[v1, v2, ...]' (TOML list) -> (key, [v1, v2, ...]).
+
+    Raises ValueError when the text is not key=value or the value is not a non-empty list."""
+    from .runs import parse_override
+
+    key, value = parse_override(text)
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"sweep axis {text!r} needs a non-empty TOML list of values, e.g. -s 'beta=[0.5,1,2]' "
+                         f"(to sweep a list-valued option, list lists: -s 'heads=[[1],[1,10]]')")
+    return key, value
+
+
+def expand_grid(axes: Dict[str, list]) -> List[Dict[str, Any]]:
+    """The cartesian product of the axes, first axis slowest: [{key: value, ...}, ...].
+
+    expand_grid({"a": [1, 2], "b": [3, 4, 5]}) has 6 points, (1,3), (1,4), (1,5), (2,3), ...
+    No axes give one point (the base config)."""
+    keys = list(axes)
+    return [dict(zip(keys, combo)) for combo in itertools.product(*(axes[k] for k in keys))]
+
+
+def _fmt(v) -> str:
+    if isinstance(v, list):
+        return "[" + ",".join(_fmt(u) for u in v) + "]"
+    if isinstance(v, float):
+        return repr(v)
+    return str(v)
+
+
+def point_name(index: int, point: Dict[str, Any]) -> str:
+    """Directory name of a point: p<index>_<key>=<value>_..., with characters outside
+    [A-Za-z0-9.,=+-] replaced by '_' (the index keeps names unique)."""
+    body = "_".join(f"{k}={_fmt(v)}" for k, v in point.items())
+    body = re.sub(r"[^A-Za-z0-9.,=+\-\[\]]", "_", body).replace("[", "(").replace("]", ")")
+    return f"p{index:03d}" + (f"_{body}" if body else "")
+
+
+# ---------------------------------------------------------------------------- one point (worker side)
+def _run_point(cfg: dict, out_dir: str, name: str, threads: Optional[int]) -> Dict[str, Any]:
+    """Run (or resume) one point; returns {"point", "state", "error"}.  Module level: picklable."""
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(int(threads))
+    from .runs import execute
+
+    t0 = time.perf_counter()
+    try:
+        # resume=True: continues an interrupted point, starts a missing one (runs.execute)
+        execute(cfg, out_dir=out_dir, name=name, resume=True, progress=False)
+    except Exception as e:  # recorded; the other points go on
+        return {"point": name, "state": "failed", "error": f"{type(e).__name__}: {e}",
+                "wall_time_s": time.perf_counter() - t0}
+    return {"point": name, "state": "complete", "error": "", "wall_time_s": time.perf_counter() - t0}
+
+
+def _is_complete(run_path: Path) -> bool:
+    try:
+        st = json.loads((run_path / "status.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return st.get("state") == "complete" and (run_path / "metrics.json").exists()
+
+
+# ---------------------------------------------------------------------------- the sweep
+def _check_int(v, name, minimum=1):
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {v!r}")
+    return v
+
+
+def run_sweep(config, axes: Dict[str, list] | Sequence[str], *, overrides: Iterable[str] = (), out_dir="runs",
+              name: Optional[str] = None, workers: int = 1, scheduler: Optional[str] = None,
+              threads: Optional[int] = None, resume: bool = False, progress: bool = False,
+              metrics: Sequence[str] = (), figure: bool = True) -> SweepResult:
+    """Run the cartesian grid of ``axes`` over ``config`` as independent runs (module docstring).
+
+    Args:
+        config: TOML path or config dict {"kind", "name", "params"} (as for ``runs.execute``).
+        axes: {key: [values]} or a sequence of "key=[v1,v2]" strings (the CLI's -s).
+        overrides: "key=value" strings fixed for every point (the CLI's -o).
+        out_dir, name: the sweep directory is out_dir/name (default name: <config name>_sweep).
+        workers: worker processes (1: in this process).  scheduler: a Dask scheduler address
+            ("tcp://host:8786"); when given, ``workers`` is ignored.
+        threads: torch threads per point (default: cpu_count // workers, at least 1).
+        resume: continue an existing sweep directory (finished points are skipped).
+        progress: a bar over the points.  metrics: metric keys for the figure (default: up to 4).
+        figure: write figures/sweep.png|pdf (False: the table only).
+
+    Returns:
+        :class:`SweepResult`.
+
+    Raises:
+        ValueError for a bad axis, a key both swept and overridden, an invalid point (before
+        anything runs), an existing sweep directory without resume or one holding another
+        sweep; ImportError (with the install command) for scheduler= without dask.distributed.
+    """
+    from .runs import atomic_write_text, check_run_name, load_config
+
+    workers = _check_int(workers, "workers")
+    threads = _check_int(threads, "threads")
+    if scheduler is not None and (not isinstance(scheduler, str) or not scheduler):
+        raise ValueError(f"scheduler must be a Dask scheduler address such as 'tcp://127.0.0.1:8786', "
+                         f"got {scheduler!r}")
+    if not isinstance(axes, dict):
+        parsed: Dict[str, list] = {}
+        for text in axes:
+            k, vals = parse_axis(text)
+            if k in parsed:
+                raise ValueError(f"sweep axis '{k}' is given twice; give all its values in one -s '{k}=[...]'")
+            parsed[k] = vals
+        axes = parsed
+    else:
+        axes = {(k[len("params."):] if k.startswith("params.") else k): list(v) for k, v in axes.items()}
+        for k, v in axes.items():
+            if not v:
+                raise ValueError(f"sweep axis '{k}' has no values")
+    overrides = list(overrides)
+    from .runs import parse_override
+
+    fixed = {parse_override(o)[0] for o in overrides}
+    both = sorted(fixed & set(axes))
+    if both:
+        raise ValueError(f"'{both[0]}' is both a sweep axis (-s) and a fixed override (-o); keep one")
+    base = load_config(config, overrides)
+    points = expand_grid(axes)
+    names = [point_name(i, p) for i, p in enumerate(points)]
+    cfgs = []
+    for nm, p in zip(names, points):
+        raw = {"kind": base["kind"], "name": nm, "description": base["description"],
+               "params": {**base["params"], **p}}
+        try:
+            resolved = load_config(raw)
+        except ValueError as e:
+            raise ValueError(f"sweep point {nm}: {e}") from None
+        cfgs.append(resolved)
+
+    sweep_dir = Path(out_dir) / check_run_name(name if name is not None else f"{base['name']}_sweep")
+    spec = json.loads(json.dumps({"config": base, "axes": axes, "points": names}, default=str))
+    spec_file = sweep_dir / "sweep.json"
+    if spec_file.exists():
+        if not resume:
+            raise ValueError(f"sweep directory {sweep_dir} exists; pass --resume to continue it (finished points are "
+                             f"skipped) or --name NEW for another sweep")
+        old = json.loads(spec_file.read_text())
+        if old != spec:
+            raise ValueError(f"cannot resume {sweep_dir}: it holds another sweep (config, axes or points differ); "
+                             f"use --name NEW")
+    elif sweep_dir.exists() and any(sweep_dir.iterdir()):
+        raise ValueError(f"{sweep_dir} exists and is not a sweep directory (no sweep.json); choose another --name")
+    points_dir = sweep_dir / "points"
+    points_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(spec_file, json.dumps(spec, indent=2, sort_keys=True) + "\n")
+
+    todo = [(nm, cfg) for nm, cfg in zip(names, cfgs) if not _is_complete(points_dir / nm)]
+    skipped = [nm for nm in names if not any(nm == t[0] for t in todo)]
+    if skipped:
+        log.info("sweep %s: %d of %d points already complete, skipped", sweep_dir, len(skipped), len(names))
+    n_par = 1 if scheduler is None and workers == 1 else (workers if scheduler is None else None)
+    if threads is None and scheduler is None:
+        threads = max(1, (os.cpu_count() or 1) // max(1, workers))
+    results = _dispatch(todo, str(points_dir), threads, n_par, scheduler, progress)
+    failed = [r["point"] for r in results if r["state"] != "complete"]
+    for r in results:
+        if r["state"] != "complete":
+            log.warning("sweep point %s failed: %s", r["point"], r["error"])
+    table, rows, metric_keys = gather(sweep_dir, errors={r["point"]: r["error"] for r in results})
+    fig_path = None
+    if figure:
+        fig_path = plot_sweep(sweep_dir, rows, list(axes),
+                              metrics=metrics or [k for k in metric_keys if k != "wall_time_s"][:4])
+    return SweepResult(sweep_dir, table, fig_path, rows, [r["point"] for r in results], skipped, failed)
+
+
+def _dispatch(todo, points_dir, threads, n_par, scheduler, progress) -> List[Dict[str, Any]]:
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=len(todo), desc="sweep", unit="point", disable=None if progress else True)
+    out: List[Dict[str, Any]] = []
+    try:
+        if not todo:
+            return out
+        if scheduler is not None:
+            try:
+                from dask.distributed import Client, as_completed
+            except ImportError:
+                raise ImportError("scheduler= needs Dask distributed: pip install \"dask[distributed]\" "
+                                  "(or the extra: pip install \"transformer_pde[sweep]\")") from None
+            with Client(scheduler) as client:
+                futs = [client.submit(_run_point, cfg, points_dir, nm, threads, pure=False, key=f"tp-sweep-{nm}-"
+                                      f"{time.time_ns()}") for nm, cfg in todo]
+                for fut in as_completed(futs):
+                    out.append(fut.result())
+                    bar.update(1)
+        elif n_par == 1:
+            saved = None
+            if threads is not None:
+                import torch
+
+                saved = torch.get_num_threads()
+            try:
+                for nm, cfg in todo:
+                    out.append(_run_point(cfg, points_dir, nm, threads))
+                    bar.update(1)
+            finally:
+                if saved is not None:
+                    import torch
+
+                    torch.set_num_threads(saved)
+        else:
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor, as_completed as cf_completed
+
+            from concurrent.futures.process import BrokenProcessPool
+
+            ctx = multiprocessing.get_context("spawn")
+            try:
+                with ProcessPoolExecutor(max_workers=min(n_par, len(todo)), mp_context=ctx) as pool:
+                    futs = [pool.submit(_run_point, cfg, points_dir, nm, threads) for nm, cfg in todo]
+                    for fut in cf_completed(futs):
+                        out.append(fut.result())
+                        bar.update(1)
+            except BrokenProcessPool as e:
+                raise RuntimeError(
+                    "a sweep worker process died (killed, out of memory, or the calling script re-ran its sweep "
+                    "on import: spawned workers import the main module, so call run_sweep under "
+                    "`if __name__ == \"__main__\":`); rerun with resume=True / --resume to continue") from e
+    finally:
+        bar.close()
+    return out
+
+
+# ---------------------------------------------------------------------------- gathering
+def _scalar(v) -> bool:
+    return v is None or (isinstance(v, (int, float, str)) and not isinstance(v, bool)) or isinstance(v, bool)
+
+
+def gather(sweep_dir, errors: Optional[Dict[str, str]] = None) -> Tuple[Path, List[Dict[str, Any]], List[str]]:
+    """Write <sweep_dir>/results.csv from the point run directories; returns (path, rows, metric columns).
+
+    Columns: point, state, error, the swept keys, the other parameters (lists written as TOML),
+    then every scalar metric (flattened nested metrics, "a.b"); a metric whose name is also a
+    parameter is prefixed "metric.".  Points not (yet) complete have state "running",
+    "interrupted", "failed" or "missing" and empty metrics."""
+    from .runs import atomic_write_text, flatten_metrics
+
+    sweep_dir = Path(sweep_dir)
+    spec = json.loads((sweep_dir / "sweep.json").read_text())
+    axes = list(spec["axes"])
+    errors = errors or {}
+    rows: List[Dict[str, Any]] = []
+    param_keys: List[str] = list(axes)
+    metric_keys: List[str] = []
+    for nm in spec["points"]:
+        rp = sweep_dir / "points" / nm
+        row: Dict[str, Any] = {"point": nm}
+        try:
+            st = json.loads((rp / "status.json").read_text())
+            state = st.get("state", "unknown")
+            err = st.get("error", "")
+        except (OSError, ValueError):
+            state, err = "missing", ""
+        if nm in errors and errors[nm]:
+            state, err = "failed", errors[nm]
+        row["state"], row["error"] = state, err
+        try:
+            params = json.loads((rp / "config.json").read_text())["params"]
+        except (OSError, ValueError, KeyError):
+            i = spec["points"].index(nm)
+            params = {**spec["config"]["params"], **expand_grid(spec["axes"])[i]}
+        for k, v in params.items():
+            if k not in param_keys:
+                param_keys.append(k)
+            row[k] = v
+        if state == "complete":
+            try:
+                met = flatten_metrics(json.loads((rp / "metrics.json").read_text()))
+            except (OSError, ValueError):
+                met = {}
+            for k, v in met.items():
+                if not _scalar(v):
+                    continue
+                col = f"metric.{k}" if k in params or k in ("point", "state", "error") else k
+                if col not in metric_keys:
+                    metric_keys.append(col)
+                row[col] = v
+        rows.append(row)
+    cols = ["point", "state", "error", *param_keys, *metric_keys]
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(cols)
+    for row in rows:
+        w.writerow([_cell(row.get(c)) for c in cols])
+    path = sweep_dir / "results.csv"
+    atomic_write_text(path, buf.getvalue())
+    return path, rows, metric_keys
+
+
+def _cell(v):
+    if v is None:
+        return ""
+    if isinstance(v, list):
+        return _fmt(v)
+    if isinstance(v, float):
+        return repr(v)
+    return v
+
+
+def _numeric(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def plot_sweep(sweep_dir, rows: List[Dict[str, Any]], axes: List[str], metrics: Sequence[str]) -> Optional[Path]:
+    """figures/sweep.png|pdf: each metric (numeric ones; at most 6) against the first axis
+    (categorical positions when its values are not numbers), one line per combination of the
+    other axes.  None when no complete point has one of the metrics as a number."""
+    done = [r for r in rows if r.get("state") == "complete"]
+    keys = [m for m in metrics if any(_numeric(r.get(m)) for r in done)][:6]
+    missing = [m for m in metrics if m not in keys]
+    if missing:
+        log.warning("sweep figure: no numeric metric named %s in the complete points", missing[0])
+    if not keys:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    xkey = axes[0] if axes else None
+    others = axes[1:]
+    xs_all = [r.get(xkey) for r in done] if xkey else [0 for _ in done]
+    numeric_x = all(_numeric(v) for v in xs_all)
+    cats = []
+    for v in xs_all:
+        if _fmt(v) not in cats:
+            cats.append(_fmt(v))
+    fig, axs = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.4), squeeze=False)
+    groups: Dict[str, List[Dict[str, Any]]] = {}
+    for r in done:
+        groups.setdefault(", ".join(f"{k}={_fmt(r.get(k))}" for k in others), []).append(r)
+    for ax, key in zip(axs[0], keys):
+        for label, rs in groups.items():
+            pts = [(r.get(xkey) if numeric_x else cats.index(_fmt(r.get(xkey))), r.get(key)) for r in rs
+                   if _numeric(r.get(key))] if xkey else [(0, r.get(key)) for r in rs if _numeric(r.get(key))]
+            if not pts:
+                continue
+            pts.sort(key=lambda p: p[0])
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=label or None)
+        ax.set_xlabel(xkey or "point")
+        ax.set_ylabel(key)
+        if not numeric_x and xkey:
+            ax.set_xticks(range(len(cats)), cats, rotation=30)
+        ax.set_title(key, fontsize=9)
+        if others:
+            ax.legend(fontsize=7)
+    spec_name = Path(sweep_dir).name
+    fig.suptitle(f"sweep {spec_name}: {len(done)} complete points; metrics against {xkey or 'point'}"
+                 + (f", one line per {', '.join(others)}" if others else ""), fontsize=9)
+    fig.tight_layout()
+    fig_dir = Path(sweep_dir) / "figures"
+    fig_dir.mkdir(exist_ok=True)
+    out = None
+    for ext in ("png", "pdf"):
+        p = fig_dir / f"sweep.{ext}"
+        tmp = p.with_name(p.stem + ".tmp." + ext)
+        fig.savefig(tmp, dpi=130, bbox_inches="tight")
+        os.replace(tmp, p)
+        out = out or p
+    plt.close(fig)
+    return out
+
+
+# ---------------------------------------------------------------------------- CLI
+def add_parser(subparsers, parents: Sequence[argparse.ArgumentParser] = ()):
+    """Register ``transformer-pde sweep`` on an argparse subparsers object (cli.build_parser).
+
+    ``parents``: parent parsers of shared options (the CLI's -v/-q/--threads); when one defines
+    ``--threads`` ("auto" or N), N means torch threads per point and "auto" the default."""
+    p = subparsers.add_parser(
+        "sweep", parents=list(parents), help="run a config over a grid of parameters (one run directory per point)",
+        description="Run the cartesian grid of -s axes as independent runs, on worker processes or a Dask "
+                    "cluster; finished points are skipped on --resume; writes results.csv and figures/sweep.png.")
+    p.add_argument("config", help="path to a TOML config")
+    p.add_argument("--sweep", "-s", action="append", default=[], metavar="KEY=[V1,V2,...]",
+                   help="a sweep axis: KEY takes each value of the TOML list, repeatable (grid = cartesian product); "
+                        "list-valued options list lists: -s 'heads=[[1],[1,10]]'")
+    p.add_argument("--override", "-o", action="append", default=[], metavar="KEY=VALUE",
+                   help="fix a parameter for every point (TOML value), as in `transformer-pde run`")
+    p.add_argument("--workers", type=int, default=1, metavar="N", help="worker processes on this machine (default 1)")
+    p.add_argument("--scheduler", default=None, metavar="ADDRESS",
+                   help="run on an existing Dask distributed cluster (e.g. tcp://host:8786) instead of local workers")
+    try:
+        p.add_argument("--threads", type=int, default=None, metavar="N",
+                       help="torch threads per point (default: CPU cores // workers)")
+    except argparse.ArgumentError:  # a parent parser already has --threads
+        pass
+    p.add_argument("--out", default="runs", help="parent folder of the sweep directory (default: runs)")
+    p.add_argument("--name", default=None, help="sweep directory name (default: <config name>_sweep)")
+    p.add_argument("--resume", action="store_true", help="continue a sweep: complete points are skipped")
+    p.add_argument("--metric", action="append", default=[], metavar="KEY", help="metric(s) for the figure")
+    p.add_argument("--no-figure", action="store_true", help="write the table only, no figures/sweep.png")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(fn=_cmd_sweep)
+    return p
+
+
+def _cmd_sweep(args) -> int:
+    import sys
+
+    try:
+        res = run_sweep(args.config, args.sweep, overrides=args.override, out_dir=args.out, name=args.name,
+                        workers=args.workers, scheduler=args.scheduler,
+                        threads=args.threads if isinstance(args.threads, int) else None, resume=args.resume,
+                        progress=not args.no_progress, metrics=args.metric, figure=not args.no_figure)
+    except KeyboardInterrupt:
+        print("\ntransformer-pde: sweep interrupted; run the same command with --resume to continue "
+              "(complete points are skipped)", file=sys.stderr)
+        return 130
+    print(f"sweep directory: {res.path}")
+    print(f"  points: {len(res.rows)}  ran: {len(res.ran)}  skipped (complete): {len(res.skipped)}  "
+          f"failed: {len(res.failed)}")
+    print(f"  table: {res.table}")
+    if res.figure is not None:
+        print(f"  figure: {res.figure}")
+    for nm in res.failed:
+        err = next((r["error"] for r in res.rows if r["point"] == nm), "")
+        print(f"  FAILED {nm}: {err}")
+    if res.failed:
+        print("rerun the same command with --resume to retry the failed points", flush=True)
+    return 1 if res.failed else 0

@@ -35,6 +35,9 @@ from .distributed import distributed_evaluate, simulate_sharded
 from .nn import attention_matrix, heads_from_multihead_attention, layerwise_from_transformer, residual_attention_step
 from .solvers.jko import JKOConvergenceError, jko, to_grid
 from .transport import distance, transport_plan
+from . import clustering, ensembles
+from .clustering import Staircase, cluster_statistics, detect_plateaus, gram_rank_count, pair_fraction
+from .ensembles import random_heads
 
 
 def __getattr__(name):
@@ -101,4 +104,12 @@ __all__ = [
     "layerwise_from_transformer",
     "attention_matrix",
     "residual_attention_step",
+    "clustering",
+    "ensembles",
+    "cluster_statistics",
+    "gram_rank_count",
+    "pair_fraction",
+    "detect_plateaus",
+    "Staircase",
+    "random_heads",
 ]

@@ -1,0 +1,471 @@
+"""Cluster statistics of token configurations and plateau (metastability) detection.
+
+Every statistic takes tokens ``x`` of shape ``(..., n, d)`` on S^{d-1} and optional token
+weights ``w`` of shape ``(..., n)`` (non-negative, summing to 1; ``None`` = uniform 1/n) and
+is batched over the leading dims (ensembles, Monte-Carlo paths, recorded times).  dtype and
+device follow ``x``.
+
+One scale links them.  Two tokens are *linked* when their chordal distance is below the
+radius r, equivalently when their overlap exceeds 1 − ε with ε = r²/2:
+
+    |x_i − x_j| < r   ⇔   ⟨x_i, x_j⟩ > 1 − ε,      ε = r²/2      (unit vectors)
+
+* :func:`cluster_labels` / :func:`cluster_count` — single linkage at radius r: the connected
+  components of the graph of linked tokens (tokens of zero weight are ignored);
+* :func:`gram_rank_count` — the numerical rank of the thresholded Gram matrix
+  T_ij = 1[⟨x_i, x_j⟩ > 1 − ε] (k exactly separated clusters give k all-ones blocks: rank k);
+* :func:`pair_fraction` — P_ε = Σ_{i≠j} w_i w_j 1[⟨x_i, x_j⟩ > 1 − ε] / Σ_{i≠j} w_i w_j, the
+  (weighted) fraction of distinct token pairs that are ε-close; a smooth version (logistic of
+  width ``temperature`` in place of the indicator) is differentiable in x;
+* :func:`largest_cluster_mass` — max over the single-linkage clusters C of Σ_{i∈C} w_i
+  (differentiable in w);
+* :func:`cluster_radius` — max over clusters C and members i ∈ C of the geodesic distance from
+  x_i to the normalised weighted mean of C (differentiable in x, through the means);
+* :func:`cluster_statistics` — all of them (and the mean overlap) as a dict, the form that
+  ``tp.simulate(..., observables=...)`` and the studies record over time.
+
+:func:`crossing_time` gives the first time a recorded series reaches a level (clustering times).
+Metastability: :func:`detect_plateaus` finds the flat steps of a staircase (energy, cluster
+count) in a time series, batched over leading dims; see its docstring for the thresholds.
+
+    >>> import torch, transformer_pde as tp
+    >>> e = torch.eye(3, dtype=torch.float64)
+    >>> x = torch.stack([e[0], e[0], e[1], e[2]])          # three clusters, one of two tokens
+    >>> int(tp.clustering.cluster_count(x, radius=0.1)), int(tp.clustering.gram_rank_count(x, radius=0.1))
+    (3, 3)
+    >>> round(float(tp.clustering.pair_fraction(x, radius=0.1)), 4)   # 2 ordered pairs of 12
+    0.1667
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+import torch
+
+from ._validation import check_positive, check_tensor, check_token_weights, check_tokens
+
+__all__ = [
+    "linked",
+    "cluster_labels",
+    "cluster_count",
+    "gram_rank_count",
+    "pair_fraction",
+    "cluster_masses",
+    "largest_cluster_mass",
+    "cluster_radius",
+    "cluster_statistics",
+    "statistics_observables",
+    "Staircase",
+    "detect_plateaus",
+    "crossing_time",
+    "radius_from_eps",
+    "eps_from_radius",
+]
+
+
+# ---------------------------------------------------------------------------- helpers
+def eps_from_radius(radius: float) -> float:
+    """ε = r²/2: ⟨x, y⟩ > 1 − ε ⇔ |x − y| < r for unit vectors."""
+    return 0.5 * check_positive(radius, "radius") ** 2
+
+
+def radius_from_eps(eps: float) -> float:
+    """r = √(2ε), the inverse of :func:`eps_from_radius`."""
+    return math.sqrt(2 * check_positive(eps, "eps"))
+
+
+def _check(x, weights, radius):
+    check_tokens(x, "x")
+    check_token_weights(weights, x, "weights", "x")
+    radius = check_positive(radius, "radius")
+    if radius > 2.0:
+        raise ValueError(f"radius is a chordal distance and must be <= 2 (the diameter of the sphere), got {radius}; "
+                         f"every pair is linked already at radius 2")
+    return radius
+
+
+def _weights(x, weights):
+    n = x.shape[-2]
+    if weights is None:
+        return torch.full(x.shape[:-2] + (n,), 1.0 / n, dtype=x.dtype, device=x.device)
+    return weights.expand(*torch.broadcast_shapes(weights.shape[:-1], x.shape[:-2]), n)
+
+
+def _half_sq_dist(x):
+    """|x_i − x_j|²/2, (..., n, n): by differences (accurate when tokens nearly coincide)."""
+    return torch.cdist(x, x, compute_mode="donot_use_mm_for_euclid_dist").square() * 0.5
+
+
+def linked(x, *, radius: float = 0.1, weights=None) -> torch.Tensor:
+    """Adjacency of single linkage, (..., n, n) bool: |x_i − x_j| < radius and w_i, w_j > 0.
+
+    The diagonal is True for tokens of positive weight.  Raises ValueError / TypeError for bad input."""
+    radius = _check(x, weights, radius)
+    adj = _half_sq_dist(x.detach()) < 0.5 * radius * radius
+    if weights is not None:
+        pos = weights.detach() > 0
+        adj = adj & pos.unsqueeze(-1) & pos.unsqueeze(-2)
+    return adj
+
+
+# ---------------------------------------------------------------------------- single linkage
+def _components(adj: torch.Tensor) -> torch.Tensor:
+    """Connected components of the boolean graphs adj (..., n, n) (symmetric, reflexive).
+
+    Minimum-label propagation with pointer jumping, vectorised over the batch:
+        ℓ_i ← min_{j : adj_ij} ℓ_j,   then   ℓ_i ← ℓ_{ℓ_i},
+    iterated to the fixed point (at most n rounds; O(log n)-ish on clustered configurations).
+    At the fixed point ℓ_i is the smallest index of i's component.  Returns (..., n) int64."""
+    n = adj.shape[-1]
+    batch = adj.shape[:-2]
+    idx = torch.arange(n, device=adj.device)
+    labels = idx.expand(*batch, n).clone()
+    big = torch.tensor(n, device=adj.device)
+    for _ in range(n):  # bound on the rounds, not a loop over tokens: each round is one batched pass
+        new = torch.where(adj, labels.unsqueeze(-2), big).amin(-1)
+        new = torch.minimum(new, labels)
+        new = torch.gather(new, -1, new)  # pointer jumping: a label points at a token of the same component
+        if torch.equal(new, labels):
+            break
+        labels = new
+    return labels
+
+
+def cluster_labels(x, *, radius: float = 0.1, weights=None) -> torch.Tensor:
+    """Single-linkage cluster labels at chordal radius r, (..., n) int64.
+
+    Clusters are the connected components of the graph i ~ j ⇔ |x_i − x_j| < r; the label of a
+    token is the smallest token index of its cluster.  Tokens of zero weight form no links (each
+    is its own singleton) and are not counted by :func:`cluster_count`.
+
+    Args:
+        x: (..., n, d) unit vectors.  radius: r in (0, 2].  weights: (..., n) or None.
+    Raises:
+        TypeError / ValueError: bad x, weights or radius (before any work)."""
+    return _components(linked(x, radius=radius, weights=weights))
+
+
+def cluster_masses(x, *, radius: float = 0.1, weights=None) -> torch.Tensor:
+    """Mass of every single-linkage cluster, indexed by its label: (..., n) with
+    M_c = Σ_{i : ℓ_i = c} w_i (zero for indices that label no cluster).  Differentiable in w."""
+    labels = cluster_labels(x, radius=radius, weights=weights)
+    w = _weights(x, weights)
+    onehot = (labels.unsqueeze(-1) == torch.arange(x.shape[-2], device=x.device)).to(w.dtype)  # (..., n_i, n_c)
+    return (w.unsqueeze(-1) * onehot).sum(-2)
+
+
+def cluster_count(x, *, radius: float = 0.1, weights=None) -> torch.Tensor:
+    """Number of single-linkage clusters at chordal radius r that carry positive mass, (...,) int64.
+
+    k groups of tokens whose within-group links chain together at radius r and whose groups are
+    more than r apart give exactly k.  See :func:`cluster_labels`."""
+    w = _weights(x, weights)
+    labels = cluster_labels(x, radius=radius, weights=weights)
+    roots = labels == torch.arange(x.shape[-2], device=x.device)
+    return (roots & (w > 0)).sum(-1)
+
+
+def largest_cluster_mass(x, *, radius: float = 0.1, weights=None) -> torch.Tensor:
+    """max_C Σ_{i∈C} w_i over the single-linkage clusters at radius r, (...,) in (0, 1].
+    1 for one cluster; 1/n for n separated tokens of uniform weight.  Differentiable in w."""
+    return cluster_masses(x, radius=radius, weights=weights).amax(-1)
+
+
+def cluster_radius(x, *, radius: float = 0.1, weights=None) -> torch.Tensor:
+    """Largest geodesic spread of a single-linkage cluster, (...,):
+
+        R = max_C max_{i∈C, w_i>0} d_geo(x_i, m_C),   m_C = Σ_{i∈C} w_i x_i / |Σ_{i∈C} w_i x_i|
+
+    (0 when every cluster is a point; a cluster whose weighted mean vanishes, e.g. antipodal
+    tokens, which single linkage at r < 2 never joins, would give NaN).  Differentiable in x and w
+    through the means.  Uniform weights count every token."""
+    labels = cluster_labels(x, radius=radius, weights=weights)
+    return _spread(x, _weights(x, weights), labels)
+
+
+def _spread(x, w, labels):
+    """max_i d_geo(x_i, m_{C(i)}) over tokens of positive weight, (...,)."""
+    same = (labels.unsqueeze(-1) == labels.unsqueeze(-2)).to(x.dtype)  # (..., i, j): j in i's cluster
+    m = (same * w.unsqueeze(-2)) @ x  # (..., n, d): weighted sum of i's cluster
+    m = m / m.norm(dim=-1, keepdim=True)
+    dist = 2 * torch.asin(((x - m).norm(dim=-1) / 2).clamp(max=1.0))
+    return torch.where(w > 0, dist, torch.zeros_like(dist)).amax(-1)
+
+
+# ---------------------------------------------------------------------------- Gram statistics
+def pair_fraction(x, *, radius: Optional[float] = None, eps: Optional[float] = None, weights=None,
+                  temperature: Optional[float] = None) -> torch.Tensor:
+    """Weighted fraction of distinct ε-close token pairs, (...,) in [0, 1]:
+
+        P_ε = Σ_{i≠j} w_i w_j 1[⟨x_i, x_j⟩ > 1 − ε] / Σ_{i≠j} w_i w_j
+
+    with ε given directly or as ε = r²/2 from a chordal radius (default r = 0.1).  Uniform weights:
+    the number of ordered pairs i ≠ j with ⟨x_i, x_j⟩ > 1 − ε over n(n − 1).  With ``temperature`` τ
+    the indicator is replaced by the logistic σ((ε − |x_i − x_j|²/2)/τ), a smooth version that is
+    differentiable in x (and tends to the hard one as τ → 0).
+
+    Equiangular tokens (⟨x_i, x_j⟩ = γ for all i ≠ j) give 1 when γ > 1 − ε and 0 otherwise; one
+    point gives 1; k equal clusters of m tokens give (m − 1)/(km − 1).
+
+    Raises:
+        TypeError / ValueError: bad x or weights, both or invalid radius/eps, τ <= 0, n < 2."""
+    if radius is not None and eps is not None:
+        raise ValueError("give either radius (chordal) or eps (overlap > 1 - eps), not both; eps = radius**2 / 2")
+    if eps is None:
+        eps = eps_from_radius(0.1 if radius is None else radius)
+    eps = check_positive(eps, "eps")
+    if eps > 2.0:
+        raise ValueError(f"eps must be <= 2 (overlaps are >= -1), got {eps}")
+    _check(x, weights, 1.0)
+    if x.shape[-2] < 2:
+        raise ValueError(f"pair_fraction needs n >= 2 tokens, got x of shape {tuple(x.shape)}")
+    w = _weights(x, weights)
+    gap = _half_sq_dist(x)
+    if temperature is None:
+        close = (gap < eps).to(x.dtype)
+    else:
+        temperature = check_positive(temperature, "temperature")
+        close = torch.sigmoid((eps - gap) / temperature)
+    ww = w.unsqueeze(-1) * w.unsqueeze(-2)
+    offdiag = 1.0 - torch.eye(x.shape[-2], dtype=x.dtype, device=x.device)
+    num = (ww * offdiag * close).sum((-1, -2))
+    den = (ww * offdiag).sum((-1, -2))
+    return num / den.clamp_min(torch.finfo(x.dtype).tiny)
+
+
+def gram_rank_count(x, *, radius: Optional[float] = None, eps: Optional[float] = None, weights=None,
+                    rtol: float = 1e-3) -> torch.Tensor:
+    """Number of clusters as the numerical rank of the thresholded Gram matrix, (...,) int64:
+
+        T_ij = 1[⟨x_i, x_j⟩ > 1 − ε] 1[w_i > 0] 1[w_j > 0],    count = #{eigenvalues λ of T : |λ| > rtol·n}
+
+    (ε given or ε = r²/2, default r = 0.1).  Exactly separated clusters (overlap > 1 − ε within,
+    < 1 − ε across) make T block diagonal with all-ones blocks of sizes m_1 … m_k, eigenvalues
+    m_1 … m_k and 0: the rank is k, as the single-linkage count.  When linking is not transitive the
+    two counts differ (a chain of three tokens: single linkage 1, rank 2 or 3), which flags
+    clusters that are not well separated.  Computed with ``torch.linalg.eigvalsh`` (batched)."""
+    if radius is not None and eps is not None:
+        raise ValueError("give either radius (chordal) or eps (overlap > 1 - eps), not both; eps = radius**2 / 2")
+    if eps is None:
+        eps = eps_from_radius(0.1 if radius is None else radius)
+    eps = check_positive(eps, "eps")
+    _check(x, weights, 1.0)
+    rtol = check_positive(rtol, "rtol")
+    T = (_half_sq_dist(x.detach()) < eps)
+    if weights is not None:
+        pos = weights.detach() > 0
+        T = T & pos.unsqueeze(-1) & pos.unsqueeze(-2)
+    n = x.shape[-2]
+    ev = torch.linalg.eigvalsh(T.to(x.dtype))
+    return (ev.abs() > rtol * n).sum(-1)
+
+
+# ---------------------------------------------------------------------------- all at once
+def cluster_statistics(x, weights=None, *, radius: float = 0.1, eps: Optional[float] = None,
+                       gram_rank: bool = True) -> Dict[str, torch.Tensor]:
+    """Every cluster statistic of this module at one scale, as a dict of (...,) tensors:
+
+        "clusters"        single-linkage count at radius r (int64)            :func:`cluster_count`
+        "gram_rank"       rank of the thresholded Gram matrix (int64)          :func:`gram_rank_count`
+        "pair_fraction"   fraction of distinct ε-close pairs                   :func:`pair_fraction`
+        "largest_mass"    mass of the largest cluster                          :func:`largest_cluster_mass`
+        "radius"          largest geodesic spread of a cluster                 :func:`cluster_radius`
+        "mean_overlap"    Σ_{i≠j} w_i w_j ⟨x_i, x_j⟩ / Σ_{i≠j} w_i w_j
+
+    with ε = r²/2 unless ``eps`` is given (then r = √(2ε)).  ``gram_rank=False`` skips the
+    eigenvalues (the costliest part, O(n³)).  The signature ``(x, weights)`` is the observable
+    form of ``tp.simulate(..., observables={"clusters": tp.clustering.cluster_statistics})``;
+    :func:`statistics_observables` makes one entry per statistic with other settings.
+    """
+    if eps is not None:
+        radius = radius_from_eps(eps)
+    radius = _check(x, weights, radius)
+    eps = eps_from_radius(radius)
+    w = _weights(x, weights)
+    n = x.shape[-2]
+    adj = linked(x, radius=radius, weights=weights)
+    labels = _components(adj)
+    ar = torch.arange(n, device=x.device)
+    roots = labels == ar
+    onehot = (labels.unsqueeze(-1) == ar).to(x.dtype)
+    masses = (w.unsqueeze(-1) * onehot).sum(-2)
+    out = {"clusters": (roots & (w > 0)).sum(-1), "largest_mass": masses.amax(-1)}
+    if gram_rank:
+        ev = torch.linalg.eigvalsh(adj.to(x.dtype))
+        out["gram_rank"] = (ev.abs() > 1e-3 * n).sum(-1)
+    ww = w.unsqueeze(-1) * w.unsqueeze(-2)
+    offdiag = 1.0 - torch.eye(n, dtype=x.dtype, device=x.device)
+    den = (ww * offdiag).sum((-1, -2)).clamp_min(torch.finfo(x.dtype).tiny)
+    out["pair_fraction"] = (ww * offdiag * adj.to(x.dtype)).sum((-1, -2)) / den
+    G = x @ x.transpose(-1, -2)
+    out["mean_overlap"] = (ww * offdiag * G).sum((-1, -2)) / den
+    out["radius"] = _spread(x, w, labels)
+    return out
+
+
+def statistics_observables(*, radius: float = 0.1, eps: Optional[float] = None, keys=None,
+                           stacked: bool = False) -> Dict[str, object]:
+    """Observables for ``tp.simulate(..., observables=...)`` from :func:`cluster_statistics`.
+
+    stacked=False: one entry per statistic in ``keys`` (default: all), each a callable(x, weights)
+    returning (...,); every entry recomputes the statistics.  stacked=True: one entry
+    ``"cluster_statistics"`` whose callable returns (..., k), the k statistics of ``keys`` in that order
+    (cast to x's dtype), computed once per recorded time; ``traj.observables["cluster_statistics"][..., i]``
+    is ``keys[i]``.  The Gram rank (eigenvalues, O(n³)) is computed only when "gram_rank" is in keys.
+
+    Raises:
+        ValueError: unknown key, bad radius/eps."""
+    if eps is not None:
+        radius = radius_from_eps(eps)
+    check_positive(radius, "radius")
+    allowed = ("clusters", "gram_rank", "pair_fraction", "largest_mass", "radius", "mean_overlap")
+    keys = allowed if keys is None else tuple(keys)
+    bad = [k for k in keys if k not in allowed]
+    if bad or not keys:
+        raise ValueError(f"unknown statistic {bad[0] if bad else None!r}; allowed values: {', '.join(map(repr, allowed))}")
+    rank = "gram_rank" in keys
+    if stacked:
+        def fn(x, w):
+            st = cluster_statistics(x, w, radius=radius, gram_rank=rank)
+            return torch.stack([st[k].to(x.dtype) for k in keys], -1)
+
+        return {"cluster_statistics": fn}
+
+    def make(key):
+        return lambda x, w: cluster_statistics(x, w, radius=radius, gram_rank=(key == "gram_rank"))[key]
+
+    return {k: make(k) for k in keys}
+
+
+# ---------------------------------------------------------------------------- plateaus
+@dataclass
+class Staircase:
+    """Plateaus found by :func:`detect_plateaus`, padded to the largest count P over the batch.
+
+    start, end, level, duration: (..., P) float (NaN where there is no plateau); count (...,) int64;
+    valid (..., P) bool.  Plateaus are in time order.  ``threshold`` records the slope threshold
+    used (per series, (...,)); ``min_duration`` the minimum length."""
+
+    start: torch.Tensor
+    end: torch.Tensor
+    level: torch.Tensor
+    duration: torch.Tensor
+    count: torch.Tensor
+    valid: torch.Tensor
+    threshold: torch.Tensor
+    min_duration: float
+
+    def as_rows(self, index=()) -> list:
+        """The plateaus of one series (batch ``index``) as [{"start", "end", "level"}, ...]."""
+        v = self.valid[index]
+        return [{"start": float(s), "end": float(e), "level": float(lv)}
+                for s, e, lv in zip(self.start[index][v], self.end[index][v], self.level[index][v])]
+
+
+def detect_plateaus(times, values, *, slope_tol: float = 0.05, min_duration: Optional[float] = None,
+                    abs_slope: float = 0.0) -> Staircase:
+    """Plateaus (flat steps) of a staircase-like series y(t), vectorised over leading dims.
+
+    Thresholds.  On each recorded interval [t_k, t_{k+1}] the slope s_k = |y_{k+1} − y_k| / (t_{k+1} − t_k)
+    is compared with the series' *average* slope
+
+        s̄ = (max y − min y) / (t_end − t_0)      (per series),
+
+    and the interval is flat when s_k <= slope_tol · s̄ + abs_slope.  A plateau is a maximal run of
+    consecutive flat intervals [t_a, t_{b+1}] lasting at least ``min_duration`` (default: 2 % of the
+    horizon t_end − t_0); its level is the time average of y over it (trapezoid rule).  A constant
+    series is one plateau.  Integer series (cluster counts) are flat exactly where they do not
+    change (any jump of 1 over one interval is steeper than slope_tol · s̄ unless the series has
+    fewer than 1/slope_tol intervals per unit of range; pass abs_slope = 0).  For noisy series
+    smooth first or raise slope_tol / abs_slope.
+
+    Args:
+        times: (T,) strictly increasing (tensor or sequence).  values: (..., T) real.
+        slope_tol: relative slope threshold (>= 0).  min_duration: minimum plateau length (> 0).
+        abs_slope: absolute slope added to the threshold (>= 0).
+    Returns:
+        :class:`Staircase` (dtype of ``values``; the times are converted to it).
+    Raises:
+        TypeError / ValueError: non-tensor values, T < 2, times not increasing or of the wrong
+        length, negative thresholds, non-finite values.
+    """
+    check_tensor(values, "values", min_dim=1)
+    t = times if isinstance(times, torch.Tensor) else torch.as_tensor(times, dtype=torch.float64)
+    t = t.to(dtype=values.dtype, device=values.device)
+    if t.dim() != 1 or t.shape[0] != values.shape[-1]:
+        raise ValueError(f"times must be 1-D with one entry per value: times {tuple(t.shape)}, values {tuple(values.shape)} "
+                         f"(time is the last axis of values)")
+    T = t.shape[0]
+    if T < 2:
+        raise ValueError("detect_plateaus needs at least two recorded times")
+    dtv = t[1:] - t[:-1]
+    if not bool((dtv > 0).all()):
+        raise ValueError("times must be strictly increasing")
+    slope_tol = check_positive(slope_tol, "slope_tol", allow_zero=True)
+    abs_slope = check_positive(abs_slope, "abs_slope", allow_zero=True)
+    span = float(t[-1] - t[0])
+    min_duration = 0.02 * span if min_duration is None else check_positive(min_duration, "min_duration")
+
+    y = values.detach()
+    batch = y.shape[:-1]
+    rng = y.amax(-1) - y.amin(-1)  # (...,)
+    thr = slope_tol * rng / span + abs_slope
+    s = (y[..., 1:] - y[..., :-1]).abs() / dtv
+    flat = (s <= thr.unsqueeze(-1)) | (rng == 0).unsqueeze(-1)  # (..., T-1)
+    prev = torch.cat([torch.zeros_like(flat[..., :1]), flat[..., :-1]], -1)
+    starts = flat & ~prev
+    run = torch.cumsum(starts.long(), -1) * flat.long()  # 1, 2, ... for the runs; 0 for steep intervals
+    R = T  # more than the largest possible number of runs (+1 for the "0" bin)
+    k = torch.arange(T - 1, device=y.device).expand_as(run)
+    first = torch.full(batch + (R,), T, dtype=torch.long, device=y.device).scatter_reduce(-1, run, k, "amin")
+    last = torch.full(batch + (R,), -1, dtype=torch.long, device=y.device).scatter_reduce(-1, run, k, "amax")
+    area = (0.5 * (y[..., 1:] + y[..., :-1]) * dtv)
+    area_sum = torch.zeros(batch + (R,), dtype=y.dtype, device=y.device).scatter_add(-1, run, area)
+    length = torch.zeros(batch + (R,), dtype=y.dtype, device=y.device).scatter_add(-1, run, dtv.expand_as(area))
+    exists = last >= 0
+    exists[..., 0] = False  # bin 0 gathers the steep intervals
+    t_start = t[first.clamp(max=T - 1)]
+    t_end = t[(last + 1).clamp(min=0, max=T - 1)]
+    valid = exists & ((t_end - t_start) >= min_duration * (1 - 1e-9))
+    # compact the valid runs to the left, in time order (runs are numbered in time order)
+    order = torch.argsort((~valid).to(torch.int8), dim=-1, stable=True)
+    valid = torch.gather(valid, -1, order)
+    P = int(valid.sum(-1).max()) if valid.numel() else 0
+    pick = lambda v: torch.gather(v, -1, order)[..., :P]  # noqa: E731
+    valid = valid[..., :P]
+    nan = torch.tensor(float("nan"), dtype=y.dtype, device=y.device)
+    start = torch.where(valid, pick(t_start), nan)
+    end = torch.where(valid, pick(t_end), nan)
+    level = torch.where(valid, pick(area_sum) / pick(length).clamp_min(torch.finfo(y.dtype).tiny), nan)
+    return Staircase(start=start, end=end, level=level, duration=end - start, count=valid.sum(-1),
+                     valid=valid, threshold=thr, min_duration=min_duration)
+
+
+def crossing_time(times, values, level: float) -> torch.Tensor:
+    """First time a series reaches ``level`` from below, (...,), linearly interpolated between
+    the two recorded times that bracket the crossing (``inf`` when it is never reached, t_0 when
+    it starts at or above the level).
+
+    times: (T,) increasing; values: (..., T) (time last).  dtype follows ``values``."""
+    check_tensor(values, "values", min_dim=1)
+    t = times if isinstance(times, torch.Tensor) else torch.as_tensor(times, dtype=torch.float64)
+    t = t.to(dtype=values.dtype, device=values.device)
+    if t.dim() != 1 or t.shape[0] != values.shape[-1]:
+        raise ValueError(f"times must be 1-D with one entry per value: times {tuple(t.shape)}, "
+                         f"values {tuple(values.shape)} (time is the last axis of values)")
+    if isinstance(level, bool) or not isinstance(level, (int, float)) or not math.isfinite(level):
+        raise TypeError(f"level must be a finite real number, got {level!r}")
+    y = values.detach()
+    above = y >= level
+    reached = above.any(-1)
+    k = above.to(torch.int8).argmax(-1)  # first index at or above the level
+    km = (k - 1).clamp(min=0)
+    y1 = torch.gather(y, -1, k.unsqueeze(-1)).squeeze(-1)
+    y0 = torch.gather(y, -1, km.unsqueeze(-1)).squeeze(-1)
+    t1, t0 = t[k], t[km]
+    frac = ((level - y0) / (y1 - y0).clamp_min(torch.finfo(y.dtype).tiny)).clamp(0, 1)
+    out = torch.where(k > 0, t0 + frac * (t1 - t0), t1)
+    return torch.where(reached, out, torch.full_like(out, math.inf))

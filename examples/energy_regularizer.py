@@ -14,8 +14,14 @@ regularisation of neural ODEs.  The script trains twice, with λ = 0 and λ > 0,
 held-out accuracy, ∫𝒢² dt, the energy and the number of field evaluations that the adaptive
 solver needs for the learned flow (regularised flows are straighter and cheaper to solve).
 
-    python examples/energy_regularizer.py             # ~2-3 minutes on 2 CPU cores
-    python examples/energy_regularizer.py --quick     # a few seconds
+    python examples/energy_regularizer.py             # 120 Adam steps, ~2-3 minutes on 2 CPU cores
+    python examples/energy_regularizer.py --quick     # 30 Adam steps of 16 sets, about a minute
+
+The regulariser first pulls the flow towards rest (∫𝒢² dt falls within a few steps) and only
+then does the read-out catch up: after 8 Adam steps the λ = 1 model is still behind (held-out
+accuracy 0.73 against 0.92 for λ = 0, an earlier quick mode); from about 30 steps on both
+reach the same accuracy while the regularised flow has a far smaller ∫𝒢² dt and needs fewer
+field evaluations of the adaptive solver.
 
 Writes ``metrics.json``, ``series/training.csv`` and ``figures/energy_regularizer.{png,pdf}``
 into ``--out`` (default ``runs/examples/energy_regularizer``).
@@ -121,15 +127,16 @@ def train(lam: float, *, kind: str, iters: int, batch: int, n: int, lr: float, s
 
 
 def run(*, quick: bool = False, iters: Optional[int] = None, lambdas: Sequence[float] = (0.0, 1.0),
-        regularizer_kind: str = "slope", batch: int = 32, n: int = 16, lr: float = 0.05, seed: int = 0,
+        regularizer_kind: str = "slope", batch: Optional[int] = None, n: int = 16, lr: float = 0.05, seed: int = 0,
         test_size: Optional[int] = None, out: Optional[Path] = None, progress: bool = True,
         verbose: bool = True) -> dict:
     """Train once per λ; returns the metrics (also written to ``out``/metrics.json)."""
     if regularizer_kind not in ("slope", "energy"):
         raise ValueError(f"unknown regularizer {regularizer_kind!r}; choose 'slope' or 'energy'")
-    iters = iters if iters is not None else (8 if quick else 120)
+    iters = iters if iters is not None else (30 if quick else 120)
+    batch = batch if batch is not None else (16 if quick else 32)
     start = time.perf_counter()
-    test_size = test_size or (64 if quick else 256)
+    test_size = test_size or (128 if quick else 256)
     x_test, y_test = make_batch(test_size, n, torch.Generator().manual_seed(seed + 1000))
     results, histories = {}, {}
     for lam in lambdas:
@@ -149,7 +156,7 @@ def run(*, quick: bool = False, iters: Optional[int] = None, lambdas: Sequence[f
                   f"{r['energy']:>8.4f} {r['adaptive_nfe']:>13d}")
         print(f"wall time {metrics['wall_time']:.1f} s")
     if out is not None:
-        rd = RunDir(Path(out), progress=False)
+        rd = RunDir.for_script(Path(out), "example:energy_regularizer")
         rd.write_json("metrics.json", metrics)
         cols = {"iteration": list(range(iters))}
         for lam, h in histories.items():
@@ -181,7 +188,7 @@ def _figure(rd, histories, kind):
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="a few Adam steps (seconds)")
+    p.add_argument("--quick", action="store_true", help="30 Adam steps of 16 sets (about a minute)")
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--lambdas", type=float, nargs="+", default=[0.0, 1.0])
     p.add_argument("--regularizer", choices=("slope", "energy"), default="slope")

@@ -11,6 +11,7 @@ the other arguments through (``-o key=value``, ``--resume``, ``--out``, ``--name
     python scripts/reproduce_paper.py s2_oscillating -o phase=per_head --name s2_osc_per_head
     python scripts/reproduce_paper.py s1 | hd
     python scripts/reproduce_paper.py full --resume    # after an interruption
+    python scripts/reproduce_paper.py quick -o animate=true   # also figures/tokens.gif (OU vs oscillating)
     python scripts/reproduce_paper.py all              # full, s1 and hd one after the other
 """
 

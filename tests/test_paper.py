@@ -1,7 +1,9 @@
 """The paper's OU-vs-oscillating study (transformer_pde/studies/paper.py).
 
 What is checked, and against what:
-* the quick config runs end to end (shrunk by overrides) and writes every figure and metric file;
+* the quick config runs end to end (shrunk by overrides) and writes every figure and metric file,
+  a caption per figure in metrics.json and, with animate=true, a GIF with one frame per record;
+* the per-segment lines go through logging at INFO (so --no-progress does not silence them);
 * one segment, weights stepped by scheme="euler", equals an independent dense implementation of
   the reference code's algorithm written here (same seeds, same draws) step for step;
 * a run interrupted mid-segment (twice) and resumed gives bit-for-bit the same records,
@@ -18,6 +20,7 @@ What is checked, and against what:
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import signal
@@ -114,7 +117,8 @@ def test_shipped_configs_validate():
 
 
 def test_quick_config_end_to_end(tmp_path, capsys):
-    rc = cli_main(["run", str(QUICK), "--out", str(tmp_path), "--no-progress", *sum([["-o", o] for o in TINY], [])])
+    rc = cli_main(["run", str(QUICK), "--out", str(tmp_path), "--no-progress", "-o", "animate=true",
+                   *sum([["-o", o] for o in TINY], [])])
     assert rc == 0
     out = capsys.readouterr().out
     run = tmp_path / "ou_vs_oscillating_quick"
@@ -148,6 +152,29 @@ def test_quick_config_end_to_end(tmp_path, capsys):
     assert seg["x"].shape == (6, 1, 16, 3) and seg["slope"].shape == (6, 2)  # 10 steps recorded every 2
     # only the stored path is on disk (a saved slice would carry the storage of all paths)
     assert seg["x"].untyped_storage().nbytes() == seg["x"].numel() * seg["x"].element_size()
+    # a caption per figure, saying what bands / bars are; the OU-vs-oscillating animation
+    caps = m["figure_captions"]
+    assert set(caps) == set(FIGURES)
+    assert "± 1 std over the paths" in caps["energy_balance"] and "one path" in caps["snapshots_comparison"]
+    from PIL import Image
+
+    with Image.open(run / "figures" / "tokens.gif") as im:
+        assert im.format == "GIF" and im.n_frames == 6  # one frame per recorded time (6 < 60 frames asked)
+    assert m["animation"]["frames"] == 6 and m["animation"]["bytes"] < 3 * 2 ** 20
+
+
+def test_segment_lines_go_through_logging(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="transformer_pde.studies.paper")
+    cfg = _cfg(heads=[1], regimes=["oscillating", "ou"])
+    execute(cfg, out_dir=tmp_path, progress=False)
+    msgs = [r.getMessage() for r in caplog.records if r.name == "transformer_pde.studies.paper"]
+    assert any(m.startswith("[oscillating_H1] segment 1/2 running") for m in msgs), msgs
+    assert any(m.startswith("[ou_H1] done in") for m in msgs), msgs
+    assert all(r.levelno == logging.INFO for r in caplog.records if r.name == "transformer_pde.studies.paper")
+    caplog.clear()
+    execute(cfg, out_dir=tmp_path, progress=False, resume=True)
+    msgs = [r.getMessage() for r in caplog.records if r.name == "transformer_pde.studies.paper"]
+    assert "[ou_H1] segment 2/2 already complete, skipped" in msgs, msgs
 
 
 # ---------------------------------------------------------------------------- reference oracle

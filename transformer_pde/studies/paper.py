@@ -20,12 +20,20 @@ a percentile bootstrap (paths resampled independently at every H) and a t-interv
 per-path fits (path p of every H fitted alone); the final EDI residuals (𝒟-based ``residual``
 and 𝒢²-based ``residual_slope``), Monte-Carlo mean ± std.  The paper reports b ≈ −1 (OU) and
 b ≈ 0 (oscillating, shared phase).
+
+Figures (``figures = true``): snapshots at five evenly spaced recorded times, the energy
+balance, 𝒢²(t) and the scaling plot, each with a caption line (also in ``metrics.json`` under
+``figure_captions``).  ``animate = true`` or ``figures = "all"`` adds ``figures/tokens.gif``,
+the OU (path 0) and oscillating token flows at the largest H side by side
+(:func:`transformer_pde.animation.animate_tokens`).  Segment progress is logged at INFO
+through ``logging.getLogger(__name__)``; the tqdm bar shows only on a terminal.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import time
 from typing import Dict, List, Optional, Sequence
@@ -38,6 +46,8 @@ from . import Option, nonnegative, positive, study
 
 __all__ = ["OPTIONS", "run_ou_vs_oscillating", "fit_power_law", "power_law_intervals", "time_average",
            "initial_tokens", "initial_heads", "check_params"]
+
+logger = logging.getLogger(__name__)
 
 REGIMES = ("ou", "oscillating")
 LEDGER_KEYS = ("dE", "partial", "dissipation", "slope", "martingale", "residual", "residual_slope")
@@ -71,6 +81,10 @@ def _at_least(k):
 
 def _open_unit(v):
     return None if 0 < v < 1 else "must lie strictly between 0 and 1"
+
+
+def _figures_value(v):
+    return None if isinstance(v, bool) or v == "all" else 'must be true, false or "all" (figures and the animation)'
 
 
 OPTIONS = {
@@ -110,7 +124,12 @@ OPTIONS = {
     "checkpoint_every": Option(500, (int,), "steps between atomic checkpoints of a segment", check=positive),
     "bootstrap": Option(2000, (int,), "bootstrap resamples for the interval of b (0: none)", check=nonnegative),
     "ci_level": Option(0.95, (float,), "confidence level of the intervals", check=_open_unit),
-    "figures": Option(True, (bool,), "draw the figures (PNG + PDF)"),
+    "figures": Option(True, (bool, str), 'draw the figures (PNG + PDF); "all" also writes the animation',
+                      check=_figures_value),
+    "animate": Option(False, (bool,), "write figures/tokens.gif: OU (path 0) vs oscillating token flows at the "
+                                      "largest H, side by side"),
+    "animation_frames": Option(60, (int,), "frames of the animation (evenly spaced recorded times)",
+                               check=_at_least(2)),
 }
 
 
@@ -171,7 +190,8 @@ def _process(p: Dict, regime: str, heads0):
 
 
 def _fingerprint(p: Dict, regime: str, H: int) -> str:
-    keys = sorted(k for k in p if k not in ("figures", "bootstrap", "ci_level", "t_avg", "checkpoint_every"))
+    keys = sorted(k for k in p if k not in ("figures", "animate", "animation_frames", "bootstrap", "ci_level",
+                                            "t_avg", "checkpoint_every"))
     blob = json.dumps({"regime": regime, "H": H, **{k: p[k] for k in keys}}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -357,34 +377,38 @@ def run_ou_vs_oscillating(params: Dict, run) -> Dict:
     x0 = initial_tokens(p, dtype=dtype, device=device)
     segments = [(r, H) for r in p["regimes"] for H in p["heads"]]
     results: Dict = {}
-    bar = tqdm(total=len(segments), desc="ou_vs_oscillating", unit="segment", disable=not run.progress)
+    # disable=None: a bar only on a terminal (never escape codes in a log file)
+    bar = tqdm(total=len(segments), desc="ou_vs_oscillating", unit="segment", disable=None if run.progress else True)
     try:
-        for regime, H in segments:
+        for i, (regime, H) in enumerate(segments):
             tag = f"{regime}_H{H}"
             fp = _fingerprint(p, regime, H)
             seg = _load_segment(run, tag, fp)
             if seg is None:
-                if run.progress:
-                    tqdm.write(f"[{tag}] running: H = {H}, paths = {p['paths'] if regime == 'ou' else 1}, "
-                               f"{round(p['t1'] / p['dt'])} steps")
+                logger.info("[%s] segment %d/%d running: H = %d, paths = %d, %d steps", tag, i + 1, len(segments), H,
+                            p["paths"] if regime == "ou" else 1, round(p["t1"] / p["dt"]))
                 seg = _run_segment(p, regime, H, x0, run, tag, dtype=dtype, device=device)
                 run.save_series(tag, _series_columns(seg))
                 run.save_tensors(tag, seg)
                 run.checkpoint_path(tag).unlink(missing_ok=True)
-                if run.progress:
-                    tm = seg["timing"]
-                    tqdm.write(f"[{tag}] done in {tm['wall_time_s']:.1f} s ({tm['per_step_s'] * 1e3:.1f} ms/step)")
+                tm = seg["timing"]
+                logger.info("[%s] done in %.1f s (%.1f ms/step)", tag, tm["wall_time_s"], tm["per_step_s"] * 1e3)
             else:
                 run.checkpoint_path(tag).unlink(missing_ok=True)  # killed between the two writes above
-                if run.progress:
-                    tqdm.write(f"[{tag}] already complete, skipped")
+                logger.info("[%s] segment %d/%d already complete, skipped", tag, i + 1, len(segments))
             results[(regime, H)] = seg
             bar.update(1)
     finally:
         bar.close()
     metrics = _analyse(p, results, device)
     if p["figures"]:
-        _figures(p, results, metrics, run)
+        t0 = time.perf_counter()
+        metrics["figure_captions"] = _figures(p, results, metrics, run)
+        logger.info("figures written in %.1f s", time.perf_counter() - t0)
+    if (p["animate"] or p["figures"] == "all") and len(p["regimes"]) > 0:
+        t0 = time.perf_counter()
+        metrics["animation"] = _animation(p, results, run)
+        logger.info("animation %s written in %.1f s", metrics["animation"]["file"], time.perf_counter() - t0)
     return metrics
 
 
@@ -463,49 +487,90 @@ def _analyse(p: Dict, results: Dict, device) -> Dict:
     return metrics
 
 
-def _figures(p: Dict, results: Dict, metrics: Dict, run) -> None:
+def _space(d: int) -> str:
+    return {2: "S¹", 3: "S²"}.get(d, f"S^{d - 1}")
+
+
+def _figures(p: Dict, results: Dict, metrics: Dict, run) -> Dict[str, str]:
+    """Write the six figures; returns {figure name: caption} (also drawn under each figure)."""
     from .. import plotting
 
     regimes, heads = p["regimes"], p["heads"]
-    d, T = p["d"], p["t1"]
+    d = p["d"]
     dirn = p["direction"]
     sign = -1.0 if dirn == "descent" else 1.0
-    space = {2: "S¹", 3: "S²"}.get(d, f"$S^{{{d - 1}}}$")
+    space = _space(d)
     phase = f", {p['phase']} phase" if "oscillating" in regimes else ""
     times = results[(regimes[0], heads[0])]["times"].numpy()
-    label = {"ou": "OU", "oscillating": "oscillating"}
+    label = plotting.REGIME_LABELS
+    captions: Dict[str, str] = {}
+
+    def save(fig, name):
+        captions[name] = plotting.figure_caption(fig)
+        run.save_figure(fig, name)
+
+    def which(regime):
+        P = results[(regime, heads[0])]["paths"]
+        if regime == "ou":
+            return f"Monte-Carlo path 0 of {P}"
+        return "the deterministic run, one path"
+
+    columns = 5
     # snapshots: one figure per regime (rows H), and the comparison at the largest H
-    snaps = [0.0, 0.25 * T, 0.5 * T, 0.75 * T, T]
     for regime in regimes:
         rows = [(f"H = {H}", results[(regime, H)]["x"][:, 0]) for H in heads]
-        which = "path 0" if regime == "ou" else "deterministic"
-        fig = plotting.sphere_snapshots(rows, times, snaps, colors=plotting.head_colors(len(heads)),
-                                        title=f"{space}, {label[regime]} heads: tokens ({dirn}, {which})")
-        run.save_figure(fig, f"snapshots_{regime}")
+        shown = times[plotting.snapshot_indices(times, columns)]
+        cap = (f"{label[regime]} heads, rows: H = {', '.join(map(str, heads))}; tokens of {which(regime)}. "
+               + plotting.snapshot_caption(d, shown) + " Same x(0) in every row.")
+        fig = plotting.sphere_snapshots(rows, times, columns, colors=plotting.head_colors(len(heads)),
+                                        title=f"{space}, {label[regime]} heads: tokens ({dirn})", caption=cap)
+        save(fig, f"snapshots_{regime}")
     if len(regimes) > 1:
         Hm = max(heads)
         rows = [(f"{label[r]}, H = {Hm}", results[(r, Hm)]["x"][:, 0]) for r in regimes]
-        fig = plotting.sphere_snapshots(rows, times, [0.0, 0.8 * T, 0.9 * T, T],
-                                        colors=[plotting.REGIME_COLORS[r] for r in regimes],
-                                        title=f"{space}: OU (path 0) vs oscillating heads{phase}, H = {Hm} ({dirn})")
-        run.save_figure(fig, "snapshots_comparison")
-    # energy balance: one panel per (regime, H)
-    panels = [(f"{label[r]}, H = {H}" + (f" ({results[(r, H)]['paths']} paths)" if r == "ou" else ""),
-               results[(r, H)]["ledger"]) for r in regimes for H in heads]
+        shown = times[plotting.snapshot_indices(times, columns)]
+        cap = (f"Rows: " + "; ".join(f"{label[r]} heads ({which(r)})" for r in regimes) + f", H = {Hm}. "
+               + plotting.snapshot_caption(d, shown))
+        fig = plotting.sphere_snapshots(rows, times, columns, colors=[plotting.REGIME_COLORS[r] for r in regimes],
+                                        title=f"{space}: OU vs oscillating heads{phase}, H = {Hm} ({dirn})",
+                                        caption=cap)
+        save(fig, "snapshots_comparison")
+    # energy balance: one panel per (regime, H); the panel titles say mean ± std of P paths / one path
+    panels = [(f"{label[r]}, H = {H}", results[(r, H)]["ledger"]) for r in regimes for H in heads]
     fig = plotting.energy_balance(panels, times, sign=sign, ncols=len(heads),
-                                  title=f"{space}: energy balance, Monte-Carlo mean ± std ({dirn}{phase})")
-    run.save_figure(fig, "energy_balance")
+                                  title=f"{space}: energy balance ({dirn}{phase})")
+    save(fig, "energy_balance")
     # 𝒢²(t) for every H
     fig = plotting.slope_series([(label[r], {H: results[(r, H)]["slope"] for H in heads}) for r in regimes], times,
                                 t_avg=p["t_avg"], title=f"{space}: metric slope $\\mathscr{{G}}^2(t)$ ({dirn}{phase})")
-    run.save_figure(fig, "slope")
+    save(fig, "slope")
     # time-averaged 𝒢² vs H with the fit
     entries = [{"label": label[r], "color": plotting.REGIME_COLORS[r], "heads": heads,
                 "per_path": [metrics["time_average_slope"][r][str(H)]["per_path"] for H in heads],
                 "fit": metrics["fit"][r]} for r in regimes]
     fig = plotting.slope_scaling(entries, t_avg=p["t_avg"],
                                  title=f"{space}: time-averaged $\\mathscr{{G}}^2$ vs H ({dirn}{phase})")
-    run.save_figure(fig, "scaling")
+    save(fig, "scaling")
+    return captions
+
+
+def _animation(p: Dict, results: Dict, run) -> Dict:
+    """figures/tokens.gif: the regimes side by side at the largest H (OU path 0); returns its description."""
+    from ..animation import animate_tokens
+
+    Hm = max(p["heads"])
+    trajs = [(results[(r, Hm)]["times"], results[(r, Hm)]["x"][:, 0]) for r in p["regimes"]]
+    titles = [("OU heads, path 0" if r == "ou" else f"oscillating heads ({p['phase']} phase)") for r in p["regimes"]]
+    path = run.path / "figures" / "tokens.gif"
+    animate_tokens(trajs, titles, path, frames=p["animation_frames"], overwrite=True,
+                   suptitle=f"{_space(p['d'])}, H = {Hm}, n = {p['n']} ({p['direction']}): colours = initial group")
+    from PIL import Image
+
+    with Image.open(path) as im:
+        frames = int(getattr(im, "n_frames", 1))
+    return {"file": "figures/tokens.gif", "frames": frames, "bytes": path.stat().st_size,
+            "caption": f"Token flows at H = {Hm}, " + " vs ".join(titles) + ", at evenly spaced recorded times; "
+                       "tokens coloured by their initial vertex ±e_k (at most 150 drawn)."}
 
 
 run_ou_vs_oscillating.validate = check_params

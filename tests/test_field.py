@@ -55,6 +55,12 @@ def test_factored_heads_equal_full_scores():
     fac = tp.Heads(None, V, query=Q, key=K, beta=1.3)
     full = tp.Heads(Q.transpose(-1, -2) @ K, V, beta=1.3)
     for norm in NORMS:
+        if norm == "effective":  # the gradient field of E depends on A only: untied V is refused, tied V = A is not
+            with pytest.raises(ValueError, match="V_h ≠ A_h"):
+                tp.velocity(x, fac, normalization=norm)
+            fac_t, full_t = tp.Heads(None, None, query=Q, key=K, beta=1.3), tp.Heads(Q.transpose(-1, -2) @ K, beta=1.3)
+            assert_close(tp.velocity(x, fac_t, normalization=norm), tp.velocity(x, full_t, normalization=norm))
+            continue
         assert_close(tp.velocity(x, fac, normalization=norm), tp.velocity(x, full, normalization=norm))
 
 
@@ -190,8 +196,9 @@ def test_rotation_and_permutation_equivariance():
     w = torch.softmax(torch.randn(10, generator=gen(31), dtype=torch.float64), 0)
     perm = torch.randperm(10, generator=gen(32))
     for norm in NORMS:
-        h = tp.Heads(A, V)
-        hr = tp.Heads(Q @ A @ Q.T, Q @ V @ Q.T)
+        tied = norm == "effective"  # the effective field needs V = A (untied values are refused)
+        h = tp.Heads(A, None if tied else V)
+        hr = tp.Heads(Q @ A @ Q.T, None if tied else Q @ V @ Q.T)
         v = tp.velocity(x, h, w, normalization=norm)
         assert_close(tp.velocity(x @ Q.T, hr, w, normalization=norm), v @ Q.T)
         assert_close(tp.velocity(x[perm], h, w[perm], normalization=norm), v[perm])

@@ -246,7 +246,8 @@ def velocity(x, heads, weights=None, normalization="softmax", direction="ascent"
 
     Raises:
         TypeError / ValueError for tokens off the sphere, bad shapes, mixed devices, unknown names,
-        causal=True with normalization="effective".
+        causal=True with normalization="effective"; OverflowError when an "unnormalized" or "effective"
+        field overflows the dtype (the softmax field never does).
 
     Example:
         >>> import torch, transformer_pde as tp
@@ -260,8 +261,12 @@ def velocity(x, heads, weights=None, normalization="softmax", direction="ascent"
     _check_inputs(x, heads, weights)
     if normalization == "effective":
         check_tied(heads, "normalization='effective'")
-    return evaluate(x, heads, weights, normalization=normalization, sign=sign, diagnostics=False,
-                    causal=causal).velocity
+    v = evaluate(x, heads, weights, normalization=normalization, sign=sign, diagnostics=False, causal=causal).velocity
+    if normalization != "softmax" and not bool(torch.isfinite(v.detach()).all()) and bool(torch.isfinite(x).all()):
+        raise OverflowError(
+            f"the {normalization!r} field overflows {v.dtype} at these heads (β·‖A‖ too large for an unnormalised "
+            f"kernel e^(β⟨x, A y⟩)); use normalization='softmax' (finite for any β‖A‖), float64, or a smaller β·‖A‖")
+    return v
 
 
 def head_outputs(x, heads, weights=None, normalization="softmax", *, causal=False):

@@ -86,7 +86,9 @@ def log_mobility(x, heads: Heads, weights=None):
 def mobility(x, heads: Heads, weights=None):
     """(m (..., H, n), b (..., n)): per-head and effective mobilities at the tokens."""
     lm, lb = log_mobility(x, heads, weights)
-    return torch.exp(lm), torch.exp(lb)
+    fix = "use tp.log_mobility(x, heads, weights), which returns (log m, log b) and stays finite"
+    m = overflow_check(torch.exp(lm), "the per-head mobility m_h", lm, 0.0, fix)
+    return m, overflow_check(torch.exp(lb), "the effective mobility b", lb, 0.0, fix)
 
 
 def _diag(x, heads, weights, normalization, direction):

@@ -98,3 +98,93 @@ def fit_slope(xs, ys):
     """Least-squares slope of log ys against log xs."""
     lx, ly = np.log(np.asarray(xs, float)), np.log(np.asarray(ys, float))
     return float(np.polyfit(lx, ly, 1)[0])
+
+
+# ---------------------------------------------------------------------------- dense naive formulas
+# Written from DESIGN §2 with explicit einsums over all pairs (i, j) and heads h: no log-sum-exp,
+# no shared kernel pass, no library helper.  Shapes: x (..., n, d), A and V (..., H, d, d),
+# omega (H,), w (..., n) token weights (sum 1), beta a float.  Symmetric tied heads unless V is given.
+
+def naive_kernel(x, A, beta):
+    """K_hij = exp(β ⟨x_i, A_h x_j⟩), (..., H, n, n)."""
+    return torch.exp(beta * torch.einsum("...id,...hde,...je->...hij", x, A, x))
+
+
+def naive_energy(x, A, omega, beta, w):
+    """E = Σ_h ω_h/(2β) Σ_ij w_i w_j e^{β⟨x_i, A_h x_j⟩}, (...,)."""
+    K = naive_kernel(x, A, beta)
+    ww = w.unsqueeze(-1) * w.unsqueeze(-2)
+    return (omega / (2 * beta) * (K * ww.unsqueeze(-3)).sum((-1, -2))).sum(-1)
+
+
+def naive_field(x, A, omega, beta, w, *, normalization="softmax", sign=1.0, V=None):
+    """V(x_i) = s P_{x_i} Σ_h ω_h f_h(x_i) (softmax / unnormalized) or the effective field
+    s (Σ_h ω̄_h / m_h(x_i)) P_{x_i} Σ_h ω_h m_h A_h ȳ_h, with ω̄ = ω / Σω.  Returns (V, m (..., H, n))."""
+    V = A if V is None else V
+    K = naive_kernel(x, A, beta) * w.unsqueeze(-2).unsqueeze(-3)  # w_j K_hij
+    m = K.sum(-1)
+    ybar = torch.einsum("...hij,...jd->...hid", K, x) / m.unsqueeze(-1)
+    if normalization == "softmax":
+        f = torch.einsum("...hde,...hie->...hid", V, ybar)
+    elif normalization == "unnormalized":
+        f = m.unsqueeze(-1) * torch.einsum("...hde,...hie->...hid", V, ybar)
+    elif normalization == "effective":
+        binv = (omega / omega.sum()).unsqueeze(-1).div(m).sum(-2)  # (..., n)
+        g = (omega.unsqueeze(-1).unsqueeze(-1) * m.unsqueeze(-1) * torch.einsum("...hde,...hie->...hid", A, ybar)).sum(-3)
+        out = binv.unsqueeze(-1) * g
+        return sign * (out - (out * x).sum(-1, keepdim=True) * x), m
+    else:
+        raise ValueError(normalization)
+    out = (omega.unsqueeze(-1).unsqueeze(-1) * f).sum(-3)
+    return sign * (out - (out * x).sum(-1, keepdim=True) * x), m
+
+
+def naive_slope(x, A, omega, beta, w, **kw):
+    """𝒢² = Σ_i w_i b(x_i) |V(x_i)|², b = (Σ_h ω̄_h / m_h)^{-1} the harmonic mean, ω̄ = ω/Σω."""
+    Vf, m = naive_field(x, A, omega, beta, w, **kw)
+    b = 1.0 / ((omega / omega.sum()).unsqueeze(-1) / m).sum(-2)
+    return (w * b * Vf.square().sum(-1)).sum(-1)
+
+
+def naive_dissipation(x, A, omega, beta, w, **kw):
+    """𝒟 = Σ_i ⟨∂E/∂x_i, V(x_i)⟩ by autograd of the naive energy (for symmetric heads
+    ∂E/∂x_i = w_i ∇δE/δμ(x_i), and V is tangent, so this is Σ_i w_i ⟨∇_S δE/δμ(x_i), V(x_i)⟩)."""
+    xr = x.detach().clone().requires_grad_(True)
+    (gx,) = torch.autograd.grad(naive_energy(xr, A.detach(), omega, beta, w).sum(), xr)
+    Vf, _ = naive_field(x, A, omega, beta, w, **kw)
+    return (gx * Vf).sum((-1, -2))
+
+
+def naive_grad_A(x, A, omega, beta, w):
+    """∂E/∂A_h (..., H, d, d) by autograd of the naive energy."""
+    Ar = A.detach().clone().requires_grad_(True)
+    (gA,) = torch.autograd.grad(naive_energy(x.detach(), Ar, omega, beta, w).sum(), Ar)
+    return gA
+
+
+def naive_pairing(x, A, omega, beta, w, M):
+    """⟨∂_A E, M⟩ = Σ_h Σ_ab (∂E/∂A_h)_ab M_h,ab, (...,)."""
+    return (naive_grad_A(x, A, omega, beta, w) * M).sum((-1, -2, -3))
+
+
+def naive_ito(x, A, omega, beta, w, sigma):
+    """Itô correction ½ E[∂²_A E [σ dW_sym, σ dW_sym]] / dt.
+
+    ∂²_A E [M, M] = Σ_h ω_h (β/2) Σ_ij w_i w_j e^{β⟨x_i,A_h x_j⟩} ⟨x_i, M_h x_j⟩², and for
+    dW_sym = ½(dB + dBᵀ): E⟨x, dW_sym y⟩² = dt (|x|²|y|² + ⟨x, y⟩²)/2.  Hence
+    Σ_h ω_h (β σ²/8) Σ_ij w_i w_j e^{β⟨x_i,A_h x_j⟩} (1 + ⟨x_i, x_j⟩²)."""
+    K = naive_kernel(x, A, beta)
+    c2 = torch.einsum("...id,...jd->...ij", x, x).square()
+    ww = w.unsqueeze(-1) * w.unsqueeze(-2)
+    return (omega * beta * sigma ** 2 / 8 * (K * (ww * (1 + c2)).unsqueeze(-3)).sum((-1, -2))).sum(-1)
+
+
+def log_sinkhorn_ot(C, a, b, eps, iters=1000):
+    """OT_ε = min ⟨π, C⟩ + ε KL(π | a⊗b) by plain log-domain Sinkhorn (float64); at the fixed
+    point the value is ⟨a, f⟩ + ⟨b, g⟩."""
+    f = torch.zeros_like(a)
+    g = torch.zeros_like(b)
+    for _ in range(iters):
+        f = -eps * torch.logsumexp(torch.log(b)[None, :] + (g[None, :] - C) / eps, 1)
+        g = -eps * torch.logsumexp(torch.log(a)[:, None] + (f[:, None] - C) / eps, 0)
+    return float((a * f).sum() + (b * g).sum())

@@ -6,7 +6,7 @@ from torch.testing import assert_close
 
 import transformer_pde as tp
 from conftest import gen
-from problems import fit_slope
+from problems import fit_slope, naive_dissipation, naive_energy, naive_field, naive_ito, naive_pairing, naive_slope
 
 DTS = [0.04, 0.02, 0.01, 0.005]
 
@@ -64,21 +64,86 @@ def test_softmax_multihead_slope_differs_from_dissipation_but_ledger_closes():
     assert_close(tr2.ledger["residual_slope"][-1], tr.ledger["residual_slope"][-1], rtol=0.05, atol=0)
 
 
-def test_ledger_terms_definitions():
-    theta = tp.OrnsteinUhlenbeck(tp.Heads.random(3, 3, generator=gen(4), dtype=torch.float64))
-    tr = tp.simulate(_x0(), theta, t1=0.3, dt=0.01, paths=2, seed=1)
+def _noisy_case(method, record_every=1, t1=0.2, dt=0.02):
+    """OU weights (κ = 1.2, σ = 0.8, Ā = I) on H = 2 heads with ω = 1 per head and β = 1.3,
+    non-uniform token weights, 2 paths; returns (traj, ω, β, w, κ, σ, dt)."""
+    om = torch.ones(2, dtype=torch.float64)
+    heads = tp.Heads.random(2, 3, generator=gen(4), dtype=torch.float64, scale=0.5, beta=1.3, weights=om)
+    w = torch.rand(12, generator=gen(40), dtype=torch.float64) + 0.2
+    w = w / w.sum()
+    kappa, sigma = 1.2, 0.8
+    proc = tp.OrnsteinUhlenbeck(heads, rate=kappa, sigma=sigma)
+    tr = tp.simulate(_x0(), proc, t1=t1, dt=dt, paths=2, seed=1, weights=w, method=method,
+                     record_every=record_every, return_path=True)
+    return tr, om, 1.3, w, kappa, sigma, dt
+
+
+def _increments(A, kappa, dt):
+    """Drift κ(I − A_k) and martingale increments A_{k+1} − A_k − dt·κ(I − A_k) of the exact OU
+    transition, recomputed from the stored scores alone."""
+    rate = kappa * (torch.eye(3, dtype=A.dtype) - A)
+    return rate, A[1:] - A[:-1] - dt * rate[:-1]
+
+
+def test_euler_ledger_terms_against_dense_recomputation():
+    """Every ledger term of an Euler run with noisy weights, rebuilt from the recorded tokens and
+    the stored scores with the dense formulas of problems.py (energy, autograd ∂_A E and ∂_x E,
+    harmonic-mean slope, Itô term βσ²/8 Σ ww e^{β⟨x,Ay⟩}(1 + ⟨x,y⟩²)), left-point sums; and the
+    token update x_{k+1} = (x_k + dt V_k)/|·| with the dense descent field."""
+    tr, om, beta, w, kappa, sigma, dt = _noisy_case("euler")
+    x, A = tr.x, tr.path.scores  # (T, paths, n, d), (T, paths, H, d, d)
+    rate, noise = _increments(A, kappa, dt)
+    kw = dict(normalization="softmax", sign=-1.0)
+    E = naive_energy(x, A, om, beta, w)
+    Vf, _ = naive_field(x, A, om, beta, w, **kw)
+    step = x[:-1] + dt * Vf[:-1]
+    assert_close(x[1:], step / step.norm(dim=-1, keepdim=True), rtol=1e-12, atol=1e-13)
+    D = naive_dissipation(x, A, om, beta, w, **kw)
+    G = naive_slope(x, A, om, beta, w, **kw)
+    P = naive_pairing(x, A, om, beta, w, rate) + naive_ito(x, A, om, beta, w, sigma)
+    Mk = naive_pairing(x[:-1], A[:-1], om, beta, w, noise)
+    cum = lambda v: torch.cat([torch.zeros_like(v[:1]), torch.cumsum(v, 0)])  # noqa: E731
     L = tr.ledger
-    assert_close(L["dE"], tr.energy - tr.energy[0])
-    assert_close(L["residual"], L["dE"] - L["partial"] - L["dissipation"] - L["martingale"])
-    assert_close(L["residual_slope"], L["dE"] - L["partial"] + L["slope"] - L["martingale"])
-    # left-point rule with euler: the running integrals are cumulative sums of the recorded series
-    assert_close(L["slope"][1:], torch.cumsum(tr.slope[:-1] * 0.01, 0))
-    assert_close(L["dissipation"][1:], torch.cumsum(tr.dissipation[:-1] * 0.01, 0))
-    assert (L["martingale"][-1] != 0).all()
-    # constant heads: no partial, no martingale, and the residual is O(dt)
+    tol = dict(rtol=1e-10, atol=1e-12)
+    assert_close(L["dE"], E - E[0], **tol)
+    assert_close(L["dissipation"], cum(dt * D[:-1]), **tol)
+    assert_close(L["slope"], cum(dt * G[:-1]), **tol)
+    assert_close(L["partial"], cum(dt * P[:-1]), **tol)
+    assert_close(L["martingale"], cum(Mk), **tol)
+    assert_close(L["residual"], E - E[0] - cum(dt * (P + D)[:-1]) - cum(Mk), **tol)
+    assert_close(L["residual_slope"], E - E[0] - cum(dt * (P - G)[:-1]) - cum(Mk), **tol)
+    # constant heads: no partial, no martingale
     const = tp.simulate(_x0(), tp.Heads.random(3, 3, generator=gen(5), dtype=torch.float64), t1=0.3, dt=0.01)
     assert torch.equal(const.ledger["partial"], torch.zeros_like(const.ledger["partial"]))
     assert torch.equal(const.ledger["martingale"], torch.zeros_like(const.ledger["martingale"]))
+
+
+def test_adaptive_ledger_terms_against_dense_recomputation():
+    """The dopri5 ledger (trapezoid on the record grid, Itô term, martingale summed between
+    records) rebuilt from the recorded tokens and the stored scores with the dense formulas."""
+    tr, om, beta, w, kappa, sigma, dt = _noisy_case("adaptive", record_every=2)
+    A_all = tr.path.scores
+    rate_all, noise = _increments(A_all, kappa, dt)
+    ks = list(range(0, A_all.shape[0], 2))
+    x, A, rate = tr.x, A_all[ks], rate_all[ks]
+    kw = dict(normalization="softmax", sign=-1.0)
+    E = naive_energy(x, A, om, beta, w)
+    D = naive_dissipation(x, A, om, beta, w, **kw)
+    G = naive_slope(x, A, om, beta, w, **kw)
+    P = naive_pairing(x, A, om, beta, w, rate) + naive_ito(x, A, om, beta, w, sigma)
+    dn = noise.reshape(len(ks) - 1, 2, *noise.shape[1:]).sum(1)
+    Mk = naive_pairing(x[:-1], A[:-1], om, beta, w, dn)
+    h = 2 * dt
+    cum = lambda v: torch.cat([torch.zeros_like(v[:1]), torch.cumsum(v, 0)])  # noqa: E731
+    trap = lambda v: cum(h * 0.5 * (v[1:] + v[:-1]))  # noqa: E731
+    L = tr.ledger
+    tol = dict(rtol=1e-9, atol=1e-11)
+    assert_close(L["dE"], E - E[0], **tol)
+    assert_close(L["dissipation"], trap(D), **tol)
+    assert_close(L["slope"], trap(G), **tol)
+    assert_close(L["partial"], trap(P), **tol)
+    assert_close(L["martingale"], cum(Mk), **tol)
+    assert_close(L["residual"], E - E[0] - trap(P + D) - cum(Mk), **tol)
 
 
 def test_energy_time_derivative_matches_finite_difference():

@@ -1,0 +1,222 @@
+"""Independent oracles for the formulas a mutation pass found unguarded (issue 13).
+
+Every expected value here comes from a dense formula written in this file or in
+tests/problems.py (einsums over all pairs, no library helper), from autograd of that naive
+energy, from an ODE solved by scipy, or from a log-domain Sinkhorn written here.  The cases
+use β ≠ 1, head weights ω that do not sum to 1 (ω = 1 per head, as
+``Heads.from_multihead_attention`` gives) and non-uniform token weights, so that a dropped β,
+ω in place of ω/Σω or a uniform-weight shortcut all change the numbers.
+"""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch.testing import assert_close
+
+import transformer_pde as tp
+from conftest import gen
+from problems import (
+    integrate,
+    log_sinkhorn_ot,
+    naive_dissipation,
+    naive_energy,
+    naive_field,
+    naive_ito,
+    naive_pairing,
+    naive_slope,
+    oscillating_target_reference,
+)
+
+BETA = 1.7
+
+
+def _case(H=3, n=7, d=3, seed=0, omega="ones", dtype=torch.float64):
+    """Tokens, symmetric tied heads with ω not summing to 1, β = 1.7, non-uniform token weights."""
+    x = tp.sphere.sample_uniform(n, d, generator=gen(seed), dtype=torch.float64)
+    om = torch.ones(H, dtype=torch.float64) if omega == "ones" else torch.linspace(0.3, 1.9, H, dtype=torch.float64)
+    heads = tp.Heads.random(H, d, generator=gen(seed + 1), dtype=torch.float64, scale=0.6, beta=BETA, weights=om)
+    w = torch.rand(n, generator=gen(seed + 2), dtype=torch.float64) + 0.1
+    w = w / w.sum()
+    return x.to(dtype), heads.to(dtype), w.to(dtype), om.to(dtype)
+
+
+def _tol(dtype):
+    return dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=2e-4, atol=1e-5)
+
+
+def test_multihead_attention_heads_have_unit_weights():
+    """The conversion from torch.nn.MultiheadAttention gives ω_h = 1 (the sum convention), so ω
+    does not sum to 1 in practice and every ω̄ = ω/Σω must be normalised explicitly."""
+    mha = torch.nn.MultiheadAttention(4, 2, bias=False, dtype=torch.float64)
+    heads = tp.Heads.from_multihead_attention(mha)
+    assert_close(heads.weights, torch.ones(2, dtype=torch.float64))
+
+
+# ---------------------------------------------------------------------------- mobility, field, slope, 𝒟
+@pytest.mark.parametrize("omega", ["ones", "ramp"])
+def test_harmonic_mobility_normalises_head_weights(dtype, omega):
+    """b(x_i) = (Σ_h ω̄_h / m_h(x_i))^{-1}, ω̄ = ω/Σω, m_h(x_i) = Σ_j w_j e^{β⟨x_i, A_h x_j⟩}."""
+    x, heads, w, om = _case(omega=omega, dtype=dtype)
+    m, b = tp.mobility(x, heads, w)
+    K = torch.exp(BETA * torch.einsum("id,hde,je->hij", x.double(), heads.score.double(), x.double()))
+    m_ref = (K * w.double()).sum(-1)
+    b_ref = 1.0 / ((om.double() / om.double().sum())[:, None] / m_ref).sum(0)
+    assert_close(m, m_ref.to(dtype), **_tol(dtype))
+    assert_close(b, b_ref.to(dtype), **_tol(dtype))
+    # the harmonic mean lies between the smallest and the largest head mobility
+    assert bool((b >= m.min(0).values * (1 - 1e-6)).all() and (b <= m.max(0).values * (1 + 1e-6)).all())
+
+
+@pytest.mark.parametrize("normalization", ["softmax", "unnormalized", "effective"])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_field_energy_slope_dissipation_against_dense_formulas(normalization, sign):
+    """One kernel pass of tp.evaluate against the dense formulas (field, E, 𝒢² with the
+    harmonic-mean mobility, 𝒟 by autograd of the naive energy) at β = 1.7, ω = 1 per head,
+    non-uniform token weights."""
+    x, heads, w, om = _case()
+    ev = tp.field.evaluate(x, heads, w, normalization=normalization, sign=sign, diagnostics=True)
+    A = heads.score
+    Vf, _ = naive_field(x, A, om, BETA, w, normalization=normalization, sign=sign)
+    assert_close(ev.velocity, Vf, rtol=1e-10, atol=1e-12)
+    assert_close(ev.energy, naive_energy(x, A, om, BETA, w), rtol=1e-12, atol=0)
+    assert_close(ev.slope, naive_slope(x, A, om, BETA, w, normalization=normalization, sign=sign), rtol=1e-10, atol=1e-14)
+    assert_close(ev.dissipation, naive_dissipation(x, A, om, BETA, w, normalization=normalization, sign=sign),
+                 rtol=1e-10, atol=1e-14)
+    if normalization == "effective":  # gradient flow of E for the harmonic metric: 𝒟 = s 𝒢²
+        assert_close(ev.dissipation, sign * ev.slope, rtol=1e-10, atol=1e-14)
+
+
+# ---------------------------------------------------------------------------- ∂_tE and the Itô term
+def test_energy_time_derivative_at_beta_and_weights():
+    """⟨∂_A E, Ȧ⟩ against autograd of the naive energy; the Itô term against the dense formula."""
+    x, heads, w, om = _case()
+    rate = tp.processes.symmetric_noise((3, 3, 3), generator=gen(9), dtype=torch.float64)
+    got = tp.energy_time_derivative(x, heads, rate, w)
+    assert_close(got, naive_pairing(x, heads.score, om, BETA, w, rate), rtol=1e-11, atol=1e-13)
+    sigma = 0.8
+    zero = torch.zeros_like(rate)
+    ito = tp.energy_time_derivative(x, heads, zero, w, sigma=sigma)
+    assert_close(ito, naive_ito(x, heads.score, om, BETA, w, sigma), rtol=1e-11, atol=0)
+    # per-head σ_h broadcasting against (H,)
+    sig_h = torch.tensor([0.2, 0.8, 1.3], dtype=torch.float64)
+    ito_h = tp.energy_time_derivative(x, heads, zero, w, sigma=sig_h)
+    ref_h = sum(naive_ito(x, heads.score[h:h + 1], om[h:h + 1], BETA, w, float(sig_h[h])) for h in range(3))
+    assert_close(ito_h, ref_h, rtol=1e-11, atol=0)
+
+
+def test_ito_term_is_half_the_expected_hessian():
+    """The Itô term equals ½ σ² E[∂²_A E[W_sym, W_sym]] with the exact covariance of W_sym
+    (diagonal entries variance 1, off-diagonal ones 1/2), the second derivatives taken by
+    autograd (Hessian-vector products) of the naive energy: no Monte Carlo, no closed form."""
+    x, heads, w, om = _case(H=2)
+    sigma = 0.9
+    A = heads.score.detach()
+    H, d = A.shape[0], A.shape[-1]
+    f = lambda a: naive_energy(x, a, om, BETA, w)  # noqa: E731
+    total = torch.zeros((), dtype=torch.float64)
+    for h in range(H):
+        for i in range(d):
+            for j in range(i, d):
+                M = torch.zeros_like(A)
+                M[h, i, j] = M[h, j, i] = 1.0
+                _, hv = torch.autograd.functional.hvp(f, A, M)
+                var = 1.0 if i == j else 0.5
+                total = total + var * (hv * M).sum()
+    expect = 0.5 * sigma ** 2 * total
+    got = tp.energy_time_derivative(x, heads, torch.zeros_like(A), w, sigma=sigma)
+    assert_close(got, expect, rtol=1e-10, atol=0)
+
+
+# ---------------------------------------------------------------------------- closed forms of the processes
+def test_ou_noiseless_closed_form_and_rate():
+    """σ = 0: A(t) = Ā + (A0 − Ā) e^{−κt} and Ȧ(t) = −κ (A0 − Ā) e^{−κt}, against the written
+    formula and a central difference of heads_at."""
+    A0 = tp.Heads.random(2, 3, generator=gen(3), dtype=torch.float64).score
+    Abar = torch.tensor([[1.0, 0.3, 0.0], [0.3, 2.0, -0.5], [0.0, -0.5, 0.5]], dtype=torch.float64)
+    kappa = 0.7
+    proc = tp.OrnsteinUhlenbeck(tp.Heads(A0), mean=Abar, rate=kappa, sigma=0.0)
+    assert proc.closed_form and not proc.noisy
+    for t in (0.0, 0.4, 1.3):
+        e = math.exp(-kappa * t)
+        assert_close(proc.heads_at(t).score_matrix, Abar + (A0 - Abar) * e, rtol=1e-13, atol=1e-14)
+        assert_close(proc.score_rate(t), -kappa * (A0 - Abar) * e, rtol=1e-13, atol=1e-14)
+        h = 1e-5
+        fd = (proc.heads_at(t + h).score_matrix - proc.heads_at(t - h).score_matrix) / (2 * h)
+        assert_close(proc.score_rate(t), fd, rtol=1e-8, atol=1e-9)
+
+
+@pytest.mark.parametrize("phase", ["shared", "per_head"])
+def test_noisy_oscillating_transition_law(phase):
+    """σ > 0: A(t) is Gaussian with mean m(t), m' = F(t) − m, m(t0) = A(t0) (scipy ODE with the
+    target written entry by entry in problems.py), and entrywise variance σ²(1 − e^{−2(t−t0)})/2 on
+    the diagonal, half of it off the diagonal, uncorrelated entries (linear SDE, Itô isometry).
+
+    20000 samples: the mean is checked to 5 standard errors, the variance to 5·√(2/N) relative."""
+    H, d, N = 2, 3, 20000
+    sigma = 0.9
+    A0 = torch.diag(torch.tensor([3.0, -1.0, 0.5], dtype=torch.float64)).expand(H, d, d).clone()
+    A0[1, 0, 2] = A0[1, 2, 0] = 1.5
+    proc = tp.Oscillating(tp.Heads(A0), phase=phase, sigma=sigma)
+    t0, dt, steps = 0.3, 0.35, 2
+    A = A0.expand(N, H, d, d).clone()
+    g = gen(4)
+    for k in range(steps):
+        A, noise = proc.step(A, t0 + k * dt, dt, g)
+    t1 = t0 + steps * dt
+    s = t1 - t0
+    v = sigma ** 2 * (1 - math.exp(-2 * s)) / 2
+    var = torch.full((d, d), v / 2, dtype=torch.float64)
+    var.fill_diagonal_(v)
+    for h in range(H):
+        rhs = lambda t, y, h=h: (oscillating_target_reference(t, d, h, H, phase == "per_head").ravel() - y)  # noqa: E731
+        sol = integrate(lambda t, y: rhs(t + t0, y), A0[h].numpy().ravel(), [0.0, s])
+        mean = torch.tensor(sol[:, -1].reshape(d, d))
+        se = (var / N).sqrt()
+        assert bool(((A[:, h].mean(0) - mean).abs() < 5 * se).all()), (A[:, h].mean(0), mean)
+        assert_close(A[:, h].var(0), var, rtol=5 * math.sqrt(2 / N), atol=0)
+    assert torch.equal(A, A.transpose(-1, -2))
+    c = torch.corrcoef(torch.stack([A[:, 0, 0, 0], A[:, 0, 0, 1], A[:, 1, 1, 2]]))
+    assert bool((c - torch.eye(3, dtype=torch.float64)).abs().max() < 5 / math.sqrt(N))
+
+
+# ---------------------------------------------------------------------------- geodesic Sinkhorn ε
+def test_geodesic_sinkhorn_divergence_against_log_domain_sinkhorn():
+    """S_ε with the geodesic cost c = d_S² = arccos(⟨x, y⟩)² equals
+    OT_ε(μ,ν) − ½OT_ε(μ,μ) − ½OT_ε(ν,ν), OT_ε = min ⟨π, c⟩ + ε KL(π | a⊗b), by the plain
+    log-domain Sinkhorn of problems.py (same c, same ε), with non-uniform weights."""
+    x = tp.sphere.sample_uniform(8, 3, generator=gen(21), dtype=torch.float64)
+    y = tp.sphere.sample_uniform(9, 3, generator=gen(22), dtype=torch.float64)
+    a = torch.rand(8, generator=gen(23), dtype=torch.float64) + 0.3
+    a = a / a.sum()
+    b = torch.full((9,), 1 / 9, dtype=torch.float64)
+    dS2 = lambda p, q: torch.arccos((p @ q.T).clamp(-1, 1)).square()  # noqa: E731
+    eps = 0.4
+    oracle = (log_sinkhorn_ot(dS2(x, y), a, b, eps) - 0.5 * log_sinkhorn_ot(dS2(x, x), a, a, eps)
+              - 0.5 * log_sinkhorn_ot(dS2(y, y), b, b, eps))
+    ours = float(tp.distance((x, a), (y, b), "sinkhorn", squared=True, eps=eps, metric="geodesic", scaling=0.999))
+    assert abs(ours - oracle) <= 1e-3 * abs(oracle), (ours, oracle)
+    # the oracle tells ε from 2ε (the factor-2 slip of the geomloss convention, blur² = ε/2)
+    for other in (2 * eps,):
+        alt = (log_sinkhorn_ot(dS2(x, y), a, b, other) - 0.5 * log_sinkhorn_ot(dS2(x, x), a, a, other)
+               - 0.5 * log_sinkhorn_ot(dS2(y, y), b, b, other))
+        assert abs(alt - oracle) > 20 * 1e-3 * abs(oracle), (alt, oracle)
+
+
+def test_energy_entry_points_with_token_weights_and_tensor_beta():
+    """tp.energy and tp.head_energies with token weights and a batch of β (tensor), against the
+    dense formula per batch member (mutation pass: dropped weights and β broadcasting survived)."""
+    x, heads, w, om = _case()
+    assert_close(tp.energy(x, heads, w), naive_energy(x, heads.score, om, BETA, w), rtol=1e-12, atol=0)
+    betas = torch.tensor([0.7, 1.7], dtype=torch.float64)
+    A = heads.score.expand(2, *heads.score.shape).clone()
+    xb = torch.stack([x, x.flip(0)])
+    hb = tp.Heads(A, weights=om, beta=betas)
+    got = tp.energy(xb, hb, w)
+    ref = torch.stack([naive_energy(xb[k], A[k], om, float(betas[k]), w) for k in range(2)])
+    assert_close(got, ref, rtol=1e-12, atol=0)
+    per_head = tp.head_energies(xb, hb, w)
+    ref_h = torch.stack([torch.stack([naive_energy(xb[k], A[k, h:h + 1], torch.ones(1, dtype=torch.float64),
+                                                   float(betas[k]), w) for h in range(3)]) for k in range(2)])
+    assert_close(per_head, ref_h, rtol=1e-12, atol=0)

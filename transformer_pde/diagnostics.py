@@ -37,7 +37,7 @@ from ._validation import (
     direction_sign,
 )
 from .attention import softmax_statistics
-from .field import _check_inputs, _grad_first_variation_terms, _token_mean, evaluate
+from .field import check_inputs, grad_first_variation_terms, token_mean, evaluate
 from .heads import Heads
 from .sphere import equiangular, tangent_projection
 
@@ -73,7 +73,7 @@ _OUTPUT_NORMALIZATIONS = ("softmax", "unnormalized", "relu")
 # ---------------------------------------------------------------------------- checks and kernels
 def _check_any(x, heads, weights, *, on_sphere: bool):
     """The library's checks; with on_sphere=False the tokens may have any non-zero norm (flat dynamics)."""
-    _check_inputs(x, heads, weights, on_sphere=on_sphere)
+    check_inputs(x, heads, weights, on_sphere=on_sphere)
 
 
 def _beta(heads: Heads, extra: int):
@@ -92,7 +92,7 @@ def _outputs(x, heads, weights, normalization):
 def _gradients(x, heads, weights):
     """G_h(x_i), (..., H, n, d), and the kernel statistics (log m_h at x_i)."""
     stats = softmax_statistics(x, heads, weights)
-    terms = _grad_first_variation_terms(x, heads, weights, stats)
+    terms = grad_first_variation_terms(x, heads, weights, stats)
     G = sum(torch.exp(l).unsqueeze(-1) * u for l, u in terms)
     return G, stats
 
@@ -145,7 +145,7 @@ def flat_head_energies(x, heads: Heads, weights=None):
     (``tp.head_energies`` requires unit tokens)."""
     _check_any(x, heads, weights, on_sphere=False)
     lse = softmax_statistics(x, heads, weights).log_partition
-    return _token_mean(torch.exp(lse), weights) / (2 * _beta(heads, 1))
+    return token_mean(torch.exp(lse), weights) / (2 * _beta(heads, 1))
 
 
 def _token_velocity(x, heads, weights, normalization, direction, flat):
@@ -178,7 +178,7 @@ def head_energy_rates(x, heads: Heads, weights=None, *, normalization: str = "un
         check_same(x, velocity, "x", "velocity")
         if velocity.shape[-2:] != x.shape[-2:]:
             raise ValueError(f"velocity must have the shape (..., n, d) of x, got {tuple(velocity.shape)}")
-    return _token_mean((G * velocity.unsqueeze(-3)).sum(-1), weights)
+    return token_mean((G * velocity.unsqueeze(-3)).sum(-1), weights)
 
 
 @dataclass
@@ -233,9 +233,9 @@ def energy_balance(x, heads: Heads, weights=None, *, flat: bool = False, directi
     omega = heads.weights[..., None, None]
     v = (omega * f).sum(-3)
     xdot = s * (v if flat else tangent_projection(x, v))
-    rate = _token_mean(((omega * G).sum(-3) * xdot).sum(-1), weights)
+    rate = token_mean(((omega * G).sum(-3) * xdot).sum(-1), weights)
     speed = xdot.norm(dim=-1)
-    kinetic = _token_mean(speed.square(), weights)
+    kinetic = token_mean(speed.square(), weights)
     A, V = heads.score_matrix, heads.value_matrix
     R = x.norm(dim=-1).amax(-1)  # (...,)
     normA = torch.linalg.matrix_norm(A, ord=2)
@@ -244,7 +244,7 @@ def energy_balance(x, heads: Heads, weights=None, *, flat: bool = False, directi
     bR2 = _beta(heads, 1) * (R * R).unsqueeze(-1)
     smax = _dense_scores(x, heads).amax((-1, -2))  # max_ij s_ij^h ≤ βR²‖A_h‖, (..., H)
     per_head = heads.weights * R.unsqueeze(-1) * torch.exp(smax) * (mis + 0.5 * (1 + bR2 * normA) * asym)
-    bound = _token_mean(speed, weights) * per_head.sum(-1)
+    bound = token_mean(speed, weights) * per_head.sum(-1)
     return EnergyBalance(rate, kinetic, rate - s * kinetic, bound)
 
 
@@ -304,8 +304,8 @@ def radial_decomposition(x, heads: Heads, weights=None, *, normalization: str = 
     # per token, [h, k, i]: ⟨G_h(x_i), f_k(x_i)⟩ and ⟨x_i, G_h⟩ a_i^k, weighted by ω_k
     inner = om * (G.unsqueeze(-3) * f.unsqueeze(-4)).sum(-1)
     sh = om * (aG.unsqueeze(-2) * a.unsqueeze(-3))
-    C = _token_mean(inner, weights)
-    S = _token_mean(sh, weights)
+    C = token_mean(inner, weights)
+    S = token_mean(sh, weights)
     diag = torch.diagonal(C - S, dim1=-2, dim2=-1)
     return RadialDecomposition(a, aG, C, S, C.sum(-1), (C - S).sum(-1), diag,
                                (inner - sh).sum(-2), inner.sum(-2))
@@ -670,7 +670,8 @@ def flat_flow(x0, heads: Heads, *, t1: float, dt: float, weights=None, normaliza
         TypeError / ValueError for bad input; ``tp.NonFiniteError`` with the time, step and quantity
         when the tokens or energies overflow.
     """
-    from .solvers.particle import TABLEAUX, NonFiniteError, _grid
+    from .processes import grid_steps
+    from .solvers.particle import TABLEAUX, NonFiniteError
 
     check_choice(normalization, _OUTPUT_NORMALIZATIONS, "normalization")
     s = direction_sign(direction)
@@ -678,7 +679,7 @@ def flat_flow(x0, heads: Heads, *, t1: float, dt: float, weights=None, normaliza
     _check_any(x0, heads, weights, on_sphere=False)
     dt = check_positive(dt, "dt")
     record_every = check_int(record_every, "record_every")
-    K = _grid(0.0, float(t1), dt)
+    K = grid_steps(0.0, float(t1), dt)
     tab = TABLEAUX[method]
     omega = heads.weights[..., None, None]
 
@@ -687,7 +688,7 @@ def flat_flow(x0, heads: Heads, *, t1: float, dt: float, weights=None, normaliza
 
     def energies(x):
         lse = softmax_statistics(x, heads, weights).log_partition
-        return _token_mean(torch.exp(lse), weights) / (2 * _beta(heads, 1))
+        return token_mean(torch.exp(lse), weights) / (2 * _beta(heads, 1))
 
     rec = sorted(set(range(0, K + 1, record_every)) | {K})
     xs, Es, Ks, Ns = [], [], [], []
@@ -696,7 +697,7 @@ def flat_flow(x0, heads: Heads, *, t1: float, dt: float, weights=None, normaliza
     def record(xk, vk):
         xs.append(xk)
         Es.append(energies(xk))
-        Ks.append(_token_mean(vk.square().sum(-1), weights))
+        Ks.append(token_mean(vk.square().sum(-1), weights))
         Ns.append(xk.norm(dim=-1).amax(-1))
 
     v = field(x)

@@ -47,8 +47,8 @@ from ._validation import NORMALIZATIONS, check_choice, check_int, check_positive
 from .energy import ito_correction, pairing
 from .field import FieldEval, evaluate
 from .heads import Heads
-from .processes import Constant, Process, WeightPath
-from .solvers.particle import LEDGER_KEYS, Trajectory, _assemble_records, _grid, _nonfinite, _WeightDriver
+from .processes import Constant, Process, WeightDriver, WeightPath, grid_steps
+from .solvers.particle import LEDGER_KEYS, Trajectory, assemble_records, nonfinite_error
 
 __all__ = ["rank_and_world", "shard_tokens", "gather_tokens", "distributed_evaluate", "simulate_sharded"]
 
@@ -245,7 +245,7 @@ def simulate_sharded(
     sign = direction_sign(direction)
     dt = check_positive(dt, "dt")
     t0, t1 = float(t0), float(t1)
-    K = _grid(t0, t1, dt)
+    K = grid_steps(t0, t1, dt)
     record_every = check_int(record_every, "record_every")
     if paths is not None:
         paths = check_int(paths, "paths")
@@ -266,7 +266,7 @@ def simulate_sharded(
     shard = _Shard(x0_local, weights, group)
     wq, wk = shard.query, shard.keys
     bx = tuple(x0_local.shape[:-2])
-    drv = _WeightDriver(process, paths=paths, generator=None, seed=seed, t0=t0, dt=dt, batch_rank=len(bx))
+    drv = WeightDriver(process, paths=paths, generator=None, seed=seed, t0=t0, dt=dt, batch_rank=len(bx))
     x = x0_local if paths is None else x0_local.unsqueeze(0).expand(paths, *x0_local.shape)
     x = x.expand(*torch.broadcast_shapes(x.shape[:-2], drv.current.batch_shape), *x.shape[-2:])
     noisy = process.noisy
@@ -308,7 +308,7 @@ def simulate_sharded(
         _, bad = reduce([], flag(cur.velocity))
         E = G2 = Dis = None
     if bad:
-        raise _nonfinite("the velocity field", drv.t, drv.k, heads)
+        raise nonfinite_error("the velocity field", drv.t, drv.k, heads)
 
     rec_set = set(range(0, K + 1, record_every)) | {K}
     records: Dict[str, List[torch.Tensor]] = {"x": [], "energy": [], "slope": [], "dissipation": []}
@@ -353,7 +353,7 @@ def simulate_sharded(
                                    partial_density(x_new, heads, nxt, drv.rate, drv.sigma), mart, before],
                                   flag(x_new, nxt.velocity))
                 if bad:
-                    raise _nonfinite("the token positions or the velocity field", drv.t, drv.k, heads)
+                    raise nonfinite_error("the token positions or the velocity field", drv.t, drv.k, heads)
                 E, G2, Dis, dens_p, mart_g, before_g = red
                 if noise is not None:
                     acc["martingale"] = acc["martingale"] + mart_g
@@ -365,7 +365,7 @@ def simulate_sharded(
             else:
                 _, bad = reduce([], flag(x_new, nxt.velocity))
                 if bad:
-                    raise _nonfinite("the token positions or the velocity field", drv.t, drv.k, heads)
+                    raise nonfinite_error("the token positions or the velocity field", drv.t, drv.k, heads)
             x, cur = x_new, nxt
             if (k + 1) in rec_set:
                 record(x, keys, E, G2, Dis)
@@ -376,7 +376,7 @@ def simulate_sharded(
             bar.close()
 
     rec_k = sorted(rec_set)
-    times, out_x, series, ledger = _assemble_records(records, rec_k, t0, dt, diagnostics)
+    times, out_x, series, ledger = assemble_records(records, rec_k, t0, dt, diagnostics)
     stats = {"steps": K, "field_evaluations": K + 1, "wall_time": time.perf_counter() - start, "order": 1,
              "ranks": rank_and_world(group)[1], "tokens": shard.N}
     return Trajectory(times, out_x, series["energy"], series["slope"], series["dissipation"], ledger, stats,

@@ -123,13 +123,13 @@ from .._validation import (
 )
 from ..attention import softmax_statistics
 from ..energy import choose_log_scale
-from ..field import FieldEval, _log_inverse_mobility, evaluate
+from ..field import FieldEval, log_inverse_mobility, evaluate
 from ..mobility import scaled_diagnostics
 from ..heads import Heads
 from ..processes import Process, WeightPath, sample_path
 from ..sphere import circle_grid, fibonacci_sphere, normalize, tangent_projection
-from ..transport import _emd_plans, _sq_chordal, sinkhorn_divergence
-from .particle import NonFiniteError, Trajectory, _nonfinite
+from ..transport import emd_plans, sq_chordal, sinkhorn_divergence
+from .particle import NonFiniteError, Trajectory, nonfinite_error
 
 __all__ = ["jko", "to_grid", "self_potential", "JKOConvergenceError", "TRANSPORTS", "SCHEMES", "MOBILITIES", "COSTS"]
 
@@ -207,7 +207,7 @@ def _log_mobility(lse: torch.Tensor, heads: Heads, unit: bool) -> torch.Tensor:
     """log b from the log-partitions (B, H, n); 0 for mobility="unit"."""
     if unit:
         return torch.zeros_like(lse[..., 0, :])
-    return -_log_inverse_mobility(heads, lse)
+    return -log_inverse_mobility(heads, lse)
 
 
 def _energy(y: torch.Tensor, heads: Heads, w: Optional[torch.Tensor],
@@ -262,7 +262,7 @@ def _resolve_grid(grid, d, dtype, device) -> torch.Tensor:
 
 def _grid_spacing(grid: torch.Tensor) -> float:
     """Mean nearest-neighbour distance of the grid points."""
-    D = _sq_chordal(grid, grid)
+    D = sq_chordal(grid, grid)
     D.fill_diagonal_(float("inf"))
     return float(D.min(-1).values.clamp_min(0).sqrt().mean())
 
@@ -482,11 +482,11 @@ def _lagrangian_step(x, w, wt, h_old, h_new, lb_old, *, tau, sgn, transport, sym
         if unit:
             return torch.exp(-logc).unsqueeze(-1).expand(q.shape[:-1])
         lse = softmax_statistics(q, h_old, w, keys=x).log_partition
-        return torch.exp(-_log_inverse_mobility(h_old, lse) - logc.unsqueeze(-1))
+        return torch.exp(-log_inverse_mobility(h_old, lse) - logc.unsqueeze(-1))
 
     def cost_rows(y):
         """c_k(x_j, y_i) / c as a (B, n_new, n_old) matrix."""
-        c2 = _sq_chordal(y, x)
+        c2 = sq_chordal(y, x)
         if symmetric:
             return 0.5 * (b_field(y).unsqueeze(-1) + b_old.unsqueeze(-2)) * c2
         return b_old.unsqueeze(-2) * c2
@@ -529,7 +529,7 @@ def _lagrangian_step(x, w, wt, h_old, h_new, lb_old, *, tau, sgn, transport, sym
             it_total = it_total + it
             with torch.no_grad():
                 M = cost_rows(y)
-                Pn = _emd_plans(wt, wt, M)
+                Pn = emd_plans(wt, wt, M)
                 old, new = (P * M).sum((-1, -2)), (Pn * M).sum((-1, -2))
                 improve = old - new > 1e-12 * (old.abs() + 1e-300) + 1e-300
             if not bool(improve.any()):
@@ -545,7 +545,7 @@ def _lagrangian_step(x, w, wt, h_old, h_new, lb_old, *, tau, sgn, transport, sym
         bmax = float(b_old.max())
 
         def sym_cost(X, Y):
-            c2 = _sq_chordal(X, Y)
+            c2 = sq_chordal(X, Y)
             return 0.5 * (b_field(X).unsqueeze(-1) + b_field(Y).unsqueeze(-2)) * c2
 
         diameter = 2.0 * math.sqrt(max(bmax, 1e-300)) * 1.5
@@ -610,7 +610,7 @@ def self_potential(q: torch.Tensor, C: torch.Tensor, eps: float, *, init: Option
 def _eulerian_step(z, q, h_old, h_new, lb_old, *, tau, sgn, eps, tol, max_iter, warm):
     """One entropic JKO step of the grid weights q (B, m). Returns p, info, warm-start state."""
     B, m = q.shape
-    c2 = _sq_chordal(z, z)  # (m, m)
+    c2 = sq_chordal(z, z)  # (m, m)
     bz = torch.exp(lb_old)  # (B, m)
     C = 0.5 * (bz.unsqueeze(-1) + bz.unsqueeze(-2)) * c2  # (B, m, m), symmetric
     f_self, _, _ = self_potential(q, C, eps, init=warm)
@@ -892,7 +892,7 @@ def jko(
     def metric_slope(g, log_partition, heads, wts):
         """|∂E|² e^{−c} in the scheme's metric: Σ w |∇δE|²/b (effective) or Σ w |∇δE|² (unit); g = ∇_S δE/δμ e^{−c}."""
         # |g|²/b · e^{−c} = |g e^{−c} · (e^{c}/b)^{1/2}|², scaled before squaring (finite whenever the result is)
-        lbinv = torch.zeros_like(g[..., 0]) if unit else _log_inverse_mobility(heads, log_partition)
+        lbinv = torch.zeros_like(g[..., 0]) if unit else log_inverse_mobility(heads, log_partition)
         g = g * torch.exp(0.5 * (lbinv + scale["c"])).unsqueeze(-1)
         g2 = g.square().sum(-1)
         return g2.mean(-1) if wts is None else (wts * g2).sum(-1)
@@ -900,11 +900,11 @@ def jko(
     def check_diag(ev, t, k, heads):
         """NonFiniteError unless the energy (and, with diagnostics, 𝒢² and 𝒟) are finite."""
         if not bool(torch.isfinite(ev.energy).all()):
-            raise _nonfinite("the energy", t, k, heads)
+            raise nonfinite_error("the energy", t, k, heads)
         if diagnostics:
             for name, v in (("the metric slope 𝒢²", ev.slope), ("the dissipation 𝒟", ev.dissipation)):
                 if not bool(torch.isfinite(v).all()):
-                    err = _nonfinite(name, t, k, heads, norm)
+                    err = nonfinite_error(name, t, k, heads, norm)
                     raise NonFiniteError(f"{err} (the JKO step itself does not need it: diagnostics=False)")
 
     heads_cur = flat(t0)
@@ -956,14 +956,14 @@ def jko(
             with torch.no_grad():
                 E_cross = _energy(pts, heads_new, w, log_c)
             if not bool(torch.isfinite(E_cross).all()):
-                raise _nonfinite("the energy", t_new, k + 1, heads_new)
+                raise nonfinite_error("the energy", t_new, k + 1, heads_new)
             if scheme == "lagrangian":
                 y, info = _lagrangian_step(x, w, wt, heads_cur, heads_new, lb, tau=tau, sgn=sgn, transport=transport,
                                            symmetric=cost == "symmetric", unit=unit, eps=eps, scaling=sinkhorn_scaling,
                                            tol=tol, max_iter=max_iter, max_plan_updates=max_plan_updates,
                                            out_log_scale=scale["c"])
                 if y is None:
-                    raise _nonfinite("the JKO objective", t_new, k + 1, heads_new)
+                    raise nonfinite_error("the JKO objective", t_new, k + 1, heads_new)
                 new_state = y
                 new_pts, new_w = y, w
             else:
@@ -975,9 +975,9 @@ def jko(
                 new_state = p
                 new_pts, new_w = pts, p
             if not bool(torch.isfinite(info["residual"]).all()):  # the velocity error itself overflows the dtype
-                raise _nonfinite("the inner residual (velocity error |P(y − x)/τ − V|)", t_new, k + 1, heads_new, norm)
+                raise nonfinite_error("the inner residual (velocity error |P(y − x)/τ − V|)", t_new, k + 1, heads_new, norm)
             if not bool(torch.isfinite(new_state).all()):
-                raise _nonfinite("the token positions" if scheme == "lagrangian" else "the grid weights",
+                raise nonfinite_error("the token positions" if scheme == "lagrangian" else "the grid weights",
                                  t_new, k + 1, heads_new)
             with torch.no_grad():
                 heads_cur = heads_new
@@ -991,7 +991,7 @@ def jko(
             acc["jko_defect"] = acc["jko_defect"] + defect
             for key in ("partial", "slope", "dissipation", "jko_defect"):
                 if not bool(torch.isfinite(acc[key]).all()):
-                    raise _nonfinite(f"the ledger term {key!r}", t_new, k + 1, heads_cur)
+                    raise nonfinite_error(f"the ledger term {key!r}", t_new, k + 1, heads_cur)
             for key in S:
                 S[key].append(defect if key == "defect" else info[key])
             if not bool(info["converged"].all()):

@@ -42,7 +42,7 @@ from ..energy import quadratic_variation as realised_qv_term
 from ..field import FieldEval, evaluate
 from ..mobility import scaled_diagnostics
 from ..heads import Heads
-from ..processes import Constant, Process, WeightPath
+from ..processes import Constant, Process, WeightDriver, WeightPath, grid_steps
 from ..sphere import normalize
 
 __all__ = ["simulate", "Trajectory", "ButcherTableau", "TABLEAUX", "METHODS", "NonFiniteError", "LEDGER_KEYS",
@@ -58,6 +58,11 @@ QUADRATIC_VARIATIONS = ("expected", "realised")
 PROGRESS_MIN_WORK = 1e9
 
 logger = logging.getLogger(__name__)
+
+#: named internal API (not public), used by the sharded solver and the JKO scheme
+__internal__ = ["nonfinite_error", "assemble_records"]
+
+_WeightDriver = WeightDriver  # the old name, which tests monkeypatch
 
 
 class NonFiniteError(FloatingPointError):
@@ -201,162 +206,8 @@ class Trajectory:
         return (w.reshape(-1, *([1] * (v.dim() - 1))) * v).sum(0)
 
 
-# ---------------------------------------------------------------------------- weights driver
-def _grid(t0: float, t1: float, dt: float) -> int:
-    span = t1 - t0
-    if not span > 0:
-        raise ValueError(f"t1 must be larger than t0 (got t0 = {t0}, t1 = {t1})")
-    K = round(span / dt)
-    if K < 1 or abs(K * dt - span) > 1e-9 * max(1.0, abs(span)):
-        raise ValueError(
-            f"(t1 - t0) / dt = {span / dt:.6g} is not a whole number of steps; choose dt = {span / max(K, 1):.6g} "
-            f"or another dt that divides t1 - t0"
-        )
-    return K
-
-
-def _lift_paths(score: torch.Tensor, paths: Optional[int], batch_rank: int, n_head_dims: int = 3) -> torch.Tensor:
-    """Prepend singleton dims so the heads' batch rank matches the tokens', then a paths axis."""
-    if paths is None:
-        return score
-    extra = batch_rank - (score.dim() - n_head_dims)
-    if extra > 0:
-        score = score.reshape((1,) * extra + tuple(score.shape))
-    return score.unsqueeze(0).expand(paths, *score.shape).clone()
-
-
-class _WeightDriver:
-    """Moves Θ along the solver grid: closed form, grid sampling, or replay of a WeightPath."""
-
-    def __init__(self, process: Process, *, paths, generator, seed, t0, dt, store=False, batch_rank=None, device=None):
-        self.p = process
-        self.t0, self.dt, self.k = float(t0), float(dt), 0
-        h0 = process.heads0
-        self.batch_rank = len(h0.batch_shape) if batch_rank is None else batch_rank
-        if generator is None:
-            generator = torch.Generator(device=h0.device)
-            generator.manual_seed(int(seed))
-        self.gen = generator
-        self.replay = isinstance(process, WeightPath)
-        self.mode = "replay" if self.replay else ("closed" if process.closed_form else "stepped")
-        self.store = store
-        self._scores: List[torch.Tensor] = []
-        self._rates: List[torch.Tensor] = []
-        self._noise: List[torch.Tensor] = []
-        self._sigmas: List = []
-        if self.replay:
-            if abs(process.dt - dt) > 1e-12 * max(1.0, dt) or abs(float(process.times[0]) - t0) > 1e-12:
-                raise ValueError(
-                    f"the stored weight path has t0 = {float(process.times[0])}, dt = {process.dt}; "
-                    f"replay it with the same t0 and dt (got t0 = {t0}, dt = {dt})"
-                )
-            self.A = process.scores[0]
-        elif self.mode == "stepped":
-            self.A = _lift_paths(h0.score_matrix, paths, self.batch_rank)
-        else:
-            self.A = None
-        self._next = None
-        self._cur_heads = self._heads(0.0)
-        self._record_current()
-
-    @property
-    def t(self) -> float:
-        return self.t0 + self.k * self.dt
-
-    def _heads(self, c: float) -> Heads:
-        if self.mode == "closed":
-            if c > 0.0 and hasattr(self.p, "left_heads_at"):  # stages inside (t_k, t_{k+1}]: left limits
-                return self.p.left_heads_at(self.t + c * self.dt)
-            return self.p.heads_at(self.t + c * self.dt)
-        if c == 0.0:
-            A = self.A
-        else:
-            A = self.A + c * (self._next[0] - self.A)
-        tmpl = self.p.template if self.replay else self.p.heads0
-        return tmpl.with_score(A, symmetric=tmpl._symmetric)
-
-    @property
-    def current(self) -> Heads:
-        return self._cur_heads
-
-    @property
-    def rate(self) -> torch.Tensor:
-        """dA/dt used by the ledger at the current grid point."""
-        if self.mode == "replay":
-            return self.p.rates[self.k]
-        if self.mode == "closed":
-            return self.p.score_rate(self.t)
-        return self.p.drift(self.A, self.t)
-
-    @property
-    def sigma(self):
-        if self.mode == "replay":
-            return self.p.sigmas[self.k]
-        return self.p.sigma(self.t) if self.p.noisy else 0.0
-
-    @property
-    def noisy(self) -> bool:
-        return self.p.noisy
-
-    def prepare(self):
-        """Sample (or read) the weights of the next grid point; returns the noise increment."""
-        if self.mode == "closed" or self._next is not None:
-            return None if self._next is None else self._next[1]
-        if self.mode == "replay":
-            noise = None if self.p.noise is None else self.p.noise[self.k]
-            self._next = (self.p.scores[self.k + 1], noise)
-        else:
-            self._next = self.p.step(self.A, self.t, self.dt, self.gen)
-        return self._next[1]
-
-    def stage(self, c: float) -> Heads:
-        if c == 0.0:
-            return self._cur_heads
-        self.prepare()
-        return self._heads(c)
-
-    def jumps(self) -> List[float]:
-        return [] if self.mode != "closed" else self.p.jumps(self.t, self.t + self.dt)
-
-    def advance(self):
-        noise = self.prepare()
-        if self.store and self.mode != "closed":
-            self._noise.append(noise)
-        if self.mode != "closed":
-            self.A = self._next[0]
-        self._next = None
-        self.k += 1
-        self._cur_heads = self._heads(0.0)
-        self._record_current()
-
-    def _record_current(self):
-        if self.store:
-            self._scores.append(self._cur_heads.score_matrix)
-            self._rates.append(self.rate)
-            self._sigmas.append(self.sigma)
-
-    def path(self) -> WeightPath:
-        times = self.t0 + self.dt * torch.arange(self.k + 1, dtype=torch.float64)
-        noise = None
-        if self.p.noisy and self._noise:
-            noise = torch.stack(self._noise)
-        tmpl = self.p.template if self.replay else self.p.heads0
-        return WeightPath(times, torch.stack(self._scores), torch.stack(self._rates), noise, list(self._sigmas), tmpl)
-
-    # checkpoint support
-    def state(self):
-        return {"k": self.k, "A": self.A, "gen": self.gen.get_state()}
-
-    def load_state(self, st):
-        self.k = st["k"]
-        self.A = st["A"]
-        self.gen.set_state(st["gen"])
-        self._next = None
-        self._cur_heads = self._heads(0.0)
-
-
 # ---------------------------------------------------------------------------- helpers
-def _nonfinite(what: str, t: float, k: int, heads: Heads, normalization: Optional[str] = None) -> NonFiniteError:
+def nonfinite_error(what: str, t: float, k: int, heads: Heads, normalization: Optional[str] = None) -> NonFiniteError:
     """NonFiniteError for a non-finite field or token step, with the fix that fits the normalisation."""
     A = heads.score_matrix.detach()
     bmax = (A.flatten(-2).abs().amax(-1).max() * (heads.beta if isinstance(heads.beta, float) else heads.beta.max())).item()
@@ -563,7 +414,7 @@ def simulate(
     dt = check_positive(dt, "dt")
     t1 = check_real(t1, "t1")
     t0 = check_real(t0, "t0")
-    K = _grid(t0, t1, dt)
+    K = grid_steps(t0, t1, dt)
     record_every = check_int(record_every, "record_every")
     checkpoint_every = check_int(checkpoint_every, "checkpoint_every")
     if paths is not None:
@@ -629,7 +480,7 @@ def simulate(
     start = time.perf_counter()
     x = x0 if paths is None else x0.unsqueeze(0).expand(paths, *x0.shape)
     w = weights
-    drv = _WeightDriver(process, paths=paths, generator=generator, seed=seed, t0=t0, dt=dt,
+    drv = WeightDriver(process, paths=paths, generator=generator, seed=seed, t0=t0, dt=dt,
                         store=return_path, batch_rank=len(bx))
     # tokens carry every batch axis of the heads (paths, replayed paths) from the start
     x = x.expand(*torch.broadcast_shapes(x.shape[:-2], drv.current.batch_shape), *x.shape[-2:])
@@ -727,7 +578,7 @@ def simulate(
     cur = ev(x, heads, diagnostics)
     nfe += 1
     if not _check_finite(cur.velocity):
-        raise _nonfinite("the velocity field", drv.t, drv.k, heads, normalization)
+        raise nonfinite_error("the velocity field", drv.t, drv.k, heads, normalization)
     if diagnostics and not resumed and fix_scale(cur):
         cur = ev(x, heads, True)
     c_scale = scale["c"]
@@ -808,7 +659,7 @@ def simulate(
                 max_sphere = max(max_sphere, float((ny - 1).abs().max()))
                 x_new = y / ny.unsqueeze(-1) if not y.requires_grad else normalize(y)
                 if not _check_finite(x_new):
-                    raise _nonfinite("the token positions", t + dt, k + 1, heads, normalization)
+                    raise nonfinite_error("the token positions", t + dt, k + 1, heads, normalization)
                 jumps = drv.jumps()
                 prev_heads = heads
                 drv.advance()
@@ -816,7 +667,7 @@ def simulate(
                 nxt = ev(x_new, heads, diagnostics)
                 nfe += 1
                 if not _check_finite(nxt.velocity):
-                    raise _nonfinite("the velocity field", drv.t, drv.k, heads, normalization)
+                    raise nonfinite_error("the velocity field", drv.t, drv.k, heads, normalization)
                 if diagnostics:
                     dens_new = densities(x_new, heads, nxt, drv.rate, drv.sigma)
                     check_ledger(nxt, dens_new, drv.t, drv.k)
@@ -843,7 +694,7 @@ def simulate(
         if bar is not None:
             bar.close()
 
-    times, out_x, series, ledger = _assemble_records(records, rec_k, t0, dt, diagnostics, ledger_keys)
+    times, out_x, series, ledger = assemble_records(records, rec_k, t0, dt, diagnostics, ledger_keys)
     stats = {"steps": K, "field_evaluations": nfe, "max_sphere_error": max_sphere,
              "wall_time": time.perf_counter() - start, "order": tab.order,
              "energy_log_scale": c_scale, "gradient_flow": not causal}
@@ -962,7 +813,7 @@ def _initial_step(func, t0: torch.Tensor, y0: torch.Tensor, rtol: float, atol: f
     return min(100 * h0, h1)
 
 
-def _assemble_records(records, rec_k, t0, dt, diagnostics, ledger_keys=LEDGER_KEYS):
+def assemble_records(records, rec_k, t0, dt, diagnostics, ledger_keys=LEDGER_KEYS):
     """(times, x, series, ledger) stacked from the per-record lists of a fixed-step loop."""
     times = torch.tensor([t0 + k * dt for k in rec_k], dtype=torch.float64)
     out_x = torch.stack(records["x"])
@@ -1025,7 +876,7 @@ def _simulate_adaptive(x, process, drv, ev, *, K, t0, dt, record_every, sign, di
     xs = normalize(ys)
     if not _check_finite(xs):
         bad = int((~torch.isfinite(xs.flatten(1)).all(-1)).nonzero()[0])
-        raise _nonfinite("the token positions", float(times[bad]), rec_k[bad], heads_at(float(times[bad])),
+        raise nonfinite_error("the token positions", float(times[bad]), rec_k[bad], heads_at(float(times[bad])),
                          normalization)
     ledger, series = {}, {"energy": None, "slope": None, "dissipation": None}
     if diagnostics:

@@ -27,7 +27,8 @@ LAYERS = [
     {"transformer_pde.mobility"},
     {"transformer_pde.processes"},  # weight processes and the Θ_t grid driver
     {"transformer_pde.nn"},
-    {"transformer_pde.solvers", "transformer_pde.solvers.particle"},
+    {"transformer_pde.solvers", "transformer_pde.solvers.parts"},
+    {"transformer_pde.solvers.particle"},
     {"transformer_pde.solvers.jko", "transformer_pde.distributed"},
     {"transformer_pde.diagnostics", "transformer_pde.theory", "transformer_pde.clustering",
      "transformer_pde.ensembles"},
@@ -99,7 +100,7 @@ def test_no_private_name_crosses_modules():
     assert not bad, "\n".join(bad)
 
 
-@pytest.mark.parametrize("module", ["field", "transport", "heads", "solvers.particle"])
+@pytest.mark.parametrize("module", ["field", "transport", "heads", "solvers.particle", "solvers.parts"])
 def test_internal_api_is_named_and_exists(module):
     import importlib
 

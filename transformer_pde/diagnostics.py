@@ -672,6 +672,7 @@ def flat_flow(x0, heads: Heads, *, t1: float, dt: float, weights=None, normaliza
     """
     from .processes import grid_steps
     from .solvers.particle import TABLEAUX, NonFiniteError
+    from .solvers.parts import Recorder, Stepper
 
     check_choice(normalization, _OUTPUT_NORMALIZATIONS, "normalization")
     s = direction_sign(direction)
@@ -680,7 +681,6 @@ def flat_flow(x0, heads: Heads, *, t1: float, dt: float, weights=None, normaliza
     dt = check_positive(dt, "dt")
     record_every = check_int(record_every, "record_every")
     K = grid_steps(0.0, float(t1), dt)
-    tab = TABLEAUX[method]
     omega = heads.weights[..., None, None]
 
     def field(x):
@@ -690,42 +690,31 @@ def flat_flow(x0, heads: Heads, *, t1: float, dt: float, weights=None, normaliza
         lse = softmax_statistics(x, heads, weights).log_partition
         return token_mean(torch.exp(lse), weights) / (2 * _beta(heads, 1))
 
-    rec = sorted(set(range(0, K + 1, record_every)) | {K})
-    xs, Es, Ks, Ns = [], [], [], []
+    state = {}
+    rec = Recorder(K, record_every, diagnostics=False, weights=weights, observables={
+        "head_energies": lambda xk, w: energies(xk),
+        "kinetic": lambda xk, w: token_mean(state["v"].square().sum(-1), w),
+        "norms": lambda xk, w: xk.norm(dim=-1).amax(-1)})
+    stepper = Stepper(TABLEAUX[method], retract=False)
     x = x0
-
-    def record(xk, vk):
-        xs.append(xk)
-        Es.append(energies(xk))
-        Ks.append(token_mean(vk.square().sum(-1), weights))
-        Ns.append(xk.norm(dim=-1).amax(-1))
-
-    v = field(x)
-    record(x, v)
+    state["v"] = field(x)
+    rec.record(x)
     for k in range(K):
-        ks = [v]
-        for i in range(1, tab.stages):
-            xi = x
-            for j, aij in enumerate(tab.a[i]):
-                if aij != 0.0:
-                    xi = xi + (dt * aij) * ks[j]
-            ks.append(field(xi))
-        for bi, ki in zip(tab.b, ks):
-            x = x + (dt * bi) * ki
-        v = field(x)
-        if not (bool(torch.isfinite(x).all()) and bool(torch.isfinite(v).all())):
+        x, _ = stepper.step(x, state["v"], dt, lambda xi, c: field(xi))
+        state["v"] = field(x)
+        if not (bool(torch.isfinite(x).all()) and bool(torch.isfinite(state["v"]).all())):
             raise NonFiniteError(
                 f"the flat dynamics overflowed at t = {(k + 1) * dt:.6g} (step {k + 1}): token norms grow and the "
                 f"scores β⟨x, A x⟩ with them; use a shorter t1, smaller heads or a smaller beta")
-        if (k + 1) in rec:
-            record(x, v)
-            if not bool(torch.isfinite(Es[-1]).all()):
+        if rec.keeps(k + 1):
+            rec.record(x)
+            if not bool(torch.isfinite(rec.records["obs.head_energies"][-1]).all()):
                 raise NonFiniteError(f"the flat energy became inf at t = {(k + 1) * dt:.6g} (step {k + 1}); "
                                      f"use a shorter t1")
-    times = torch.tensor([k * dt for k in rec], dtype=torch.float64)
-    H = torch.stack(Es)
+    times, xs, _, _, obs = rec.stacked(0.0, dt)
+    H = obs["head_energies"]
     E = (heads.weights * H).sum(-1)
-    return FlatTrajectory(times, torch.stack(xs), E, H, torch.stack(Ks), torch.stack(Ns), method)
+    return FlatTrajectory(times, xs, E, H, obs["kinetic"], obs["norms"], method)
 
 
 class _Reached(Exception):

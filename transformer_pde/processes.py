@@ -579,10 +579,7 @@ def sample_path(process: Process, *, t1: float, dt: float, t0: float = 0.0, path
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
     K = grid_steps(t0, t1, dt)
-    drv = WeightDriver(process, paths=paths, generator=generator, seed=seed, t0=t0, dt=dt, store=True)
-    for _ in range(K):
-        drv.advance()
-    return drv.path()
+    return WeightDriver(process, paths=paths, generator=generator, seed=seed, t0=t0, dt=dt).sample_path(K)
 
 
 # ---------------------------------------------------------------------------- weights driver
@@ -716,6 +713,16 @@ class WeightDriver:
         self.k += 1
         self._cur_heads = self._heads(0.0)
         self._record_current()
+
+    def sample_path(self, K: int) -> WeightPath:
+        """Sample (or read) the next K grid steps at once and return them, from the current point, as a
+        WeightPath (for solvers that need Θ off the grid: "adaptive", JKO)."""
+        self.store = True
+        self._scores, self._rates, self._sigmas, self._noise = [], [], [], []
+        self._record_current()
+        for _ in range(K):
+            self.advance()
+        return self.path()
 
     def _record_current(self):
         if self.store:

@@ -195,6 +195,32 @@ def distributed_evaluate(
 
 
 @torch.no_grad()
+def _check_sharded_args(x0_local, theta, *, t1, dt, t0, paths, normalization, direction, record_every):
+    """The checks of :func:`simulate_sharded`, before any work; returns the arguments it normalises."""
+    check_tokens(x0_local, "x0_local")
+    check_choice(normalization, NORMALIZATIONS, "normalization")
+    sign = direction_sign(direction)
+    dt = check_positive(dt, "dt")
+    t0, t1 = float(t0), float(t1)
+    K = grid_steps(t0, t1, dt)
+    record_every = check_int(record_every, "record_every")
+    if paths is not None:
+        paths = check_int(paths, "paths")
+    if isinstance(theta, Heads):
+        process: Process = Constant(theta)
+    elif isinstance(theta, Process):
+        process = theta
+    else:
+        raise TypeError(f"theta must be a Heads or a Process, got {type(theta).__name__}")
+    if isinstance(process, WeightPath) and paths is not None:
+        raise ValueError("a stored WeightPath already carries its paths axis; call without paths=")
+    h0 = process.heads0
+    check_same(x0_local, h0._ref, "x0_local", "theta's heads")
+    if h0.dim != x0_local.shape[-1]:
+        raise ValueError(f"the heads act on d = {h0.dim} but x0_local has d = {x0_local.shape[-1]}")
+    return process, sign, dt, t0, t1, K, record_every, paths
+
+
 def simulate_sharded(
     x0_local: torch.Tensor,
     theta,
@@ -241,27 +267,9 @@ def simulate_sharded(
         TypeError / ValueError for bad input; NonFiniteError on every rank when any rank
         produces NaN/inf (the ranks agree through the all-reduced flag, so none hangs).
     """
-    check_tokens(x0_local, "x0_local")
-    check_choice(normalization, NORMALIZATIONS, "normalization")
-    sign = direction_sign(direction)
-    dt = check_positive(dt, "dt")
-    t0, t1 = float(t0), float(t1)
-    K = grid_steps(t0, t1, dt)
-    record_every = check_int(record_every, "record_every")
-    if paths is not None:
-        paths = check_int(paths, "paths")
-    if isinstance(theta, Heads):
-        process: Process = Constant(theta)
-    elif isinstance(theta, Process):
-        process = theta
-    else:
-        raise TypeError(f"theta must be a Heads or a Process, got {type(theta).__name__}")
-    if isinstance(process, WeightPath) and paths is not None:
-        raise ValueError("a stored WeightPath already carries its paths axis; call without paths=")
-    h0 = process.heads0
-    check_same(x0_local, h0._ref, "x0_local", "theta's heads")
-    if h0.dim != x0_local.shape[-1]:
-        raise ValueError(f"the heads act on d = {h0.dim} but x0_local has d = {x0_local.shape[-1]}")
+    process, sign, dt, t0, t1, K, record_every, paths = _check_sharded_args(
+        x0_local, theta, t1=t1, dt=dt, t0=t0, paths=paths, normalization=normalization, direction=direction,
+        record_every=record_every)
     rank, _ = rank_and_world(group)
     start = time.perf_counter()
     shard = _Shard(x0_local, weights, group)

@@ -41,18 +41,8 @@ from ._validation import (
 )
 from .heads import Heads
 
-__all__ = [
-    "Process",
-    "Constant",
-    "OrnsteinUhlenbeck",
-    "Oscillating",
-    "Layerwise",
-    "Custom",
-    "WeightPath",
-    "sample_path",
-    "symmetric_noise",
-    "oscillating_target",
-]
+__all__ = ["Process", "Constant", "OrnsteinUhlenbeck", "Oscillating", "Layerwise", "Custom", "WeightPath", "sample_path",
+           "symmetric_noise", "oscillating_target"]
 
 SCHEMES = ("exact", "euler")
 
@@ -187,7 +177,20 @@ class Constant(Process):
         return torch.zeros_like(self.heads0.score_matrix)
 
 
-class OrnsteinUhlenbeck(Process):
+class _Diffusive(Process):
+    """A process with a noise amplitude ``sigma_value``: noisy when it is > 0, closed-form otherwise
+    (with scheme="exact")."""
+
+    @property
+    def noisy(self):
+        return bool(self.sigma_value > 0)
+
+    @property
+    def closed_form(self):
+        return not self.noisy and self.scheme == "exact"
+
+
+class OrnsteinUhlenbeck(_Diffusive):
     """dA_h = κ (Ā − A_h) dt + σ dW_sym, independently per head (and per path).
 
     Exact transition (scheme="exact"):  A(t+h) = Ā + e^{−κh}(A(t) − Ā) + σ √((1 − e^{−2κh})/(2κ)) W_sym,
@@ -222,14 +225,6 @@ class OrnsteinUhlenbeck(Process):
             except RuntimeError:
                 raise ValueError(f"mean of shape {tuple(mean.shape)} does not broadcast against the scores {tuple(A0.shape)}") from None
         self.mean = mean
-
-    @property
-    def noisy(self):
-        return bool(self.sigma_value > 0)
-
-    @property
-    def closed_form(self):
-        return not self.noisy and self.scheme == "exact"
 
     def drift(self, score, t):
         return self.rate * (self.mean - score)
@@ -300,7 +295,7 @@ def _phase_shift(H, phase):
     return 2 * math.pi * torch.arange(H, dtype=torch.float64) / H
 
 
-class Oscillating(Process):
+class Oscillating(_Diffusive):
     """dA_h = (F_h(t) − A_h) dt + σ dW_sym with the reference target F(t) (DESIGN §2).
 
     ``phase="shared"`` (default): one F(t) for all heads — what produced the paper's
@@ -326,14 +321,6 @@ class Oscillating(Process):
         self._mats = mats.to(**f)
         self._shift = _phase_shift(H, self.phase).to(**f)
         self._eye2 = 2 * torch.eye(d, **f)
-
-    @property
-    def noisy(self):
-        return bool(self.sigma_value > 0)
-
-    @property
-    def closed_form(self):
-        return not self.noisy and self.scheme == "exact"
 
     def _angles(self, t):
         return self._om * (t + self._shift[:, None]) + self._ph  # (H, K)

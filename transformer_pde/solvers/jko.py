@@ -109,18 +109,8 @@ from typing import Callable, Dict, List, Optional, Union
 import torch
 
 from .. import threads
-from .._validation import (
-    check_choice,
-    check_int,
-    check_positive,
-    check_real,
-    check_same,
-    check_seed,
-    check_token_weights,
-    check_tied_all,
-    check_tokens,
-    direction_sign,
-)
+from .._validation import (check_choice, check_int, check_positive, check_real, check_same, check_seed,
+                           check_tied_all, check_token_weights, check_tokens, direction_sign)
 from ..attention import softmax_statistics
 from ..energy import choose_log_scale
 from ..field import FieldEval, log_inverse_mobility, evaluate
@@ -130,6 +120,7 @@ from ..processes import Process, WeightPath, sample_path
 from ..sphere import circle_grid, fibonacci_sphere, normalize, tangent_projection
 from ..transport import emd_plans, sq_chordal, sinkhorn_divergence
 from .particle import NonFiniteError, Trajectory, nonfinite_error
+from .parts import Ledger, Recorder, progress_bar
 
 __all__ = ["jko", "to_grid", "self_potential", "JKOConvergenceError", "TRANSPORTS", "SCHEMES", "MOBILITIES", "COSTS"]
 
@@ -660,6 +651,25 @@ def _eulerian_step(z, q, h_old, h_new, lb_old, *, tau, sgn, eps, tol, max_iter, 
 
 
 # ---------------------------------------------------------------------------- entry point
+def _check_x0(x0, h_ref: Heads):
+    check_tokens(x0, "x0")
+    check_same(x0, h_ref._ref, "x0", "theta's heads")
+    if x0.shape[-1] != h_ref.dim:
+        raise ValueError(f"the heads act on d = {h_ref.dim} but x0 has d = {x0.shape[-1]}")
+
+
+def _not_converged(k, t_new, info, residual, *, max_iter, strict, sinkhorn):
+    """JKOConvergenceError (strict) for an inner solve that missed its tolerance; else nothing (warned at the end)."""
+    if not strict:
+        return
+    what = (f" (velocity error in L²(μ); {float(info['r0'].max()):.3e} at the start)" if "r0" in info
+            else " (‖T(p) − p‖₁)")
+    raise JKOConvergenceError(
+        f"JKO step {k + 1} (t = {t_new:.6g}) did not converge in {max_iter} inner iterations: residual "
+        f"{residual:.3e}{what}; raise max_iter, loosen tol, or reduce tau"
+        + (" (with transport='sinkhorn': raise sinkhorn_scaling towards 1 or lower eps)" if sinkhorn else ""))
+
+
 def jko(
     x0: Optional[torch.Tensor],
     theta: Union[Heads, Process],
@@ -801,10 +811,7 @@ def jko(
     if scheme == "lagrangian":
         if x0 is None:
             raise ValueError("the Lagrangian scheme needs the initial tokens x0 (..., n, d)")
-        check_tokens(x0, "x0")
-        check_same(x0, h_ref._ref, "x0", "theta's heads")
-        if x0.shape[-1] != d:
-            raise ValueError(f"the heads act on d = {d} but x0 has d = {x0.shape[-1]}")
+        _check_x0(x0, h_ref)
         check_token_weights(weights, x0, "weights", "x0")
         ref = x0
     else:
@@ -816,10 +823,7 @@ def jko(
         if grid_weights is None:
             if x0 is None:
                 raise ValueError("the Eulerian scheme needs grid_weights= (..., m) or tokens x0 to deposit on the grid")
-            check_tokens(x0, "x0")
-            check_same(x0, h_ref._ref, "x0", "theta's heads")
-            if x0.shape[-1] != d:
-                raise ValueError(f"the heads act on d = {d} but x0 has d = {x0.shape[-1]}")
+            _check_x0(x0, h_ref)
             q0 = to_grid(x0, z, bandwidth=bandwidth)
         else:
             if x0 is not None:
@@ -913,46 +917,28 @@ def jko(
     ev = diag(pts, w, heads_cur)
     check_diag(ev, t0, 0, heads_cur)
     log_c = torch.full((B,), scale["c"], **f)
-    E0 = ev.energy
-    E_prev = E0
+    E_prev = ev.energy
     lb = _log_mobility(ev.stats.log_partition, heads_cur, unit)
-    zero = torch.zeros_like(E0)
-    acc = {"partial": zero, "dissipation": zero, "slope": zero, "jko_defect": zero}
-    rec_k = sorted(set(range(0, steps + 1, record_every)) | {steps})
-    rec_set = set(rec_k)
-    R: Dict[str, List[torch.Tensor]] = {k: [] for k in ("x", "w", "energy", "slope", "dissipation")}
-    L: Dict[str, List[torch.Tensor]] = {k: [] for k in LEDGER_KEYS}
+    ledger = Ledger(ev.energy, sign=sign)
+    ledger.acc["jko_defect"] = ledger.acc["partial"]
+    rec = Recorder(steps, record_every, diagnostics=True, ledger_keys=LEDGER_KEYS)
+    rec.records.update({"w": [], "ledger.jko_defect": []})
     S: Dict[str, List[torch.Tensor]] = {k: [] for k in ("residual", "iterations", "converged", "defect", "prox",
                                                         "plan_updates")}
 
     def record(state, ev):
-        R["x"].append(state if scheme == "lagrangian" else pts)
-        R["w"].append(state)
-        for key in ("energy", "slope", "dissipation"):
-            R[key].append(getattr(ev, key))
-        dE = ev.energy - E0
-        L["dE"].append(dE)
-        for key in ("partial", "dissipation", "slope", "jko_defect"):
-            L[key].append(acc[key])
-        L["martingale"].append(torch.zeros_like(dE))
-        L["residual"].append(dE - acc["partial"] - acc["dissipation"])
-        L["residual_slope"].append(dE - acc["partial"] - sign * acc["slope"])
+        rec.record(state if scheme == "lagrangian" else pts, ev.energy, ev.slope, ev.dissipation,
+                   {**ledger.terms(ev.energy), "jko_defect": ledger.acc["jko_defect"]})
+        rec.records["w"].append(state)
 
     record(x if scheme == "lagrangian" else q, ev)
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=steps, desc=f"jko ({scheme}, {transport})", unit="step", leave=False)
     bad_steps: List[int] = []
     bad_residuals: List[float] = []
-    pool_cm = threads.scope(float(B) * heads_cur.num_heads * n_or_m * n_or_m)
-    pool = pool_cm.__enter__()
-    try:
+    with progress_bar(progress, steps, f"jko ({scheme}, {transport})") as bar, \
+            threads.scope(float(B) * heads_cur.num_heads * n_or_m * n_or_m) as pool:
         for k in range(steps):
             t_new = t0 + (k + 1) * tau
             heads_new = flat(t_new)
-            state_old = x if scheme == "lagrangian" else q
             with torch.no_grad():
                 E_cross = _energy(pts, heads_new, w, log_c)
             if not bool(torch.isfinite(E_cross).all()):
@@ -978,34 +964,28 @@ def jko(
                 raise nonfinite_error("the inner residual (velocity error |P(y − x)/τ − V|)", t_new, k + 1, heads_new, norm)
             if not bool(torch.isfinite(new_state).all()):
                 raise nonfinite_error("the token positions" if scheme == "lagrangian" else "the grid weights",
-                                 t_new, k + 1, heads_new)
+                                      t_new, k + 1, heads_new)
             with torch.no_grad():
                 heads_cur = heads_new
                 ev = diag(new_pts, new_w, heads_cur)
             check_diag(ev, t_new, k + 1, heads_cur)
             prox = info["prox"]
             defect = sgn * (ev.energy - E_cross) + prox / (2 * tau)
-            acc["partial"] = acc["partial"] + (E_cross - E_prev)
-            acc["slope"] = acc["slope"] + prox / tau
-            acc["dissipation"] = acc["dissipation"] + sign * (prox / (2 * tau) + 0.5 * tau * metric_slope(ev.grad_first_variation, ev.stats.log_partition, heads_cur, new_w))
-            acc["jko_defect"] = acc["jko_defect"] + defect
+            ledger.add("partial", E_cross - E_prev)
+            ledger.add("slope", prox / tau)
+            ledger.add("dissipation", sign * (prox / (2 * tau) + 0.5 * tau * metric_slope(
+                ev.grad_first_variation, ev.stats.log_partition, heads_cur, new_w)))
+            ledger.add("jko_defect", defect)
             for key in ("partial", "slope", "dissipation", "jko_defect"):
-                if not bool(torch.isfinite(acc[key]).all()):
+                if not bool(torch.isfinite(ledger.acc[key]).all()):
                     raise nonfinite_error(f"the ledger term {key!r}", t_new, k + 1, heads_cur)
             for key in S:
                 S[key].append(defect if key == "defect" else info[key])
             if not bool(info["converged"].all()):
                 bad_steps.append(k + 1)
-                res_bad = info["residual"][~info["converged"]]
-                bad_residuals.append(float(res_bad.max()))
-                what = (f" (velocity error in L²(μ); {float(info['r0'].max()):.3e} at the start)" if "r0" in info
-                        else " (‖T(p) − p‖₁)")
-                msg = (f"JKO step {k + 1} (t = {t_new:.6g}) did not converge in {max_iter} inner iterations: residual "
-                       f"{bad_residuals[-1]:.3e}{what}; raise max_iter, loosen tol, or reduce tau"
-                       + (" (with transport='sinkhorn': raise sinkhorn_scaling towards 1 or lower eps)"
-                          if transport == "sinkhorn" and scheme == "lagrangian" else ""))
-                if strict:
-                    raise JKOConvergenceError(msg)
+                bad_residuals.append(float(info["residual"][~info["converged"]].max()))
+                _not_converged(k, t_new, info, bad_residuals[-1], max_iter=max_iter, strict=strict,
+                               sinkhorn=transport == "sinkhorn" and scheme == "lagrangian")
             if scheme == "lagrangian":
                 x = y
                 pts = y
@@ -1014,17 +994,12 @@ def jko(
                 w = p
             lb = _log_mobility(ev.stats.log_partition, heads_cur, unit)
             E_prev = ev.energy
-            if (k + 1) in rec_set:
+            if rec.keeps(k + 1):
                 record(new_state, ev)
             if callback is not None:
                 callback(k + 1, t_new, new_state)
-            if bar is not None:
-                bar.update(1)
+            bar.update(1)
             pool.refresh()
-    finally:
-        pool_cm.__exit__(None, None, None)
-        if bar is not None:
-            bar.close()
     if bad_steps:
         warnings.warn(f"{len(bad_steps)} of {steps} JKO steps did not reach the inner tolerance (first: step "
                       f"{bad_steps[0]}, t = {t0 + bad_steps[0] * tau:.6g}, residual {bad_residuals[0]:.3e}; largest "
@@ -1037,11 +1012,10 @@ def jko(
     def unflat(v, tail=()):
         return v.reshape(tuple(shape_b) + tuple(tail))
 
-    times = torch.tensor([t0 + k * tau for k in rec_k], dtype=torch.float64)
-    xs = torch.stack([unflat(v, v.shape[1:]) for v in R["x"]])
-    ledger = {key: torch.stack([unflat(v) for v in L[key]]) for key in LEDGER_KEYS}
-    series = {key: torch.stack([unflat(v) for v in R[key]]) if diagnostics else None
-              for key in ("energy", "slope", "dissipation")}
+    times, xs, series, ledger_out, _ = rec.stacked(t0, tau)
+    xs = xs.reshape(len(rec.steps), *shape_b, *xs.shape[2:])
+    ledger_out = {key: v.reshape(len(rec.steps), *shape_b) for key, v in ledger_out.items()}
+    series = {key: v.reshape(len(rec.steps), *shape_b) if diagnostics else None for key, v in series.items()}
     st = {key: torch.stack([unflat(v) for v in vals]) for key, vals in S.items()}
     stats = {
         **st,
@@ -1057,8 +1031,8 @@ def jko(
     if scheme == "lagrangian":
         tw = None if weights is None else unflat(wt, (n_or_m,))
     else:
-        tw = torch.stack([unflat(v, (n_or_m,)) for v in R["w"]])
+        tw = torch.stack([unflat(v, (n_or_m,)) for v in rec.records["w"]])
     extras = {"scheme": scheme, "transport": transport, "tau": tau, "mobility": mobility, "cost": cost,
               "eps": eps if transport == "sinkhorn" else None, "grid": z if scheme == "eulerian" else None}
-    return Trajectory(times, xs, series["energy"], series["slope"], series["dissipation"], ledger, stats,
+    return Trajectory(times, xs, series["energy"], series["slope"], series["dissipation"], ledger_out, stats,
                       f"jko-{scheme}-{transport}", norm, direction, tw, path, extras)

@@ -365,6 +365,17 @@ class Staircase:
                 for s, e, lv in zip(self.start[index][v], self.end[index][v], self.level[index][v])]
 
 
+def _time_axis(times, values) -> torch.Tensor:
+    """The times (T,) in the dtype and device of ``values`` (..., T), checked against its last axis."""
+    check_tensor(values, "values", min_dim=1)
+    t = times if isinstance(times, torch.Tensor) else torch.as_tensor(times, dtype=torch.float64)
+    t = t.to(dtype=values.dtype, device=values.device)
+    if t.dim() != 1 or t.shape[0] != values.shape[-1]:
+        raise ValueError(f"times must be 1-D with one entry per value: times {tuple(t.shape)}, "
+                         f"values {tuple(values.shape)} (time is the last axis of values)")
+    return t
+
+
 def detect_plateaus(times, values, *, slope_tol: float = 0.05, min_duration: Optional[float] = None,
                     abs_slope: float = 0.0) -> Staircase:
     """Plateaus (flat steps) of a staircase-like series y(t), vectorised over leading dims.
@@ -392,12 +403,7 @@ def detect_plateaus(times, values, *, slope_tol: float = 0.05, min_duration: Opt
         TypeError / ValueError: non-tensor values, T < 2, times not increasing or of the wrong
         length, negative thresholds, non-finite values.
     """
-    check_tensor(values, "values", min_dim=1)
-    t = times if isinstance(times, torch.Tensor) else torch.as_tensor(times, dtype=torch.float64)
-    t = t.to(dtype=values.dtype, device=values.device)
-    if t.dim() != 1 or t.shape[0] != values.shape[-1]:
-        raise ValueError(f"times must be 1-D with one entry per value: times {tuple(t.shape)}, values {tuple(values.shape)} "
-                         f"(time is the last axis of values)")
+    t = _time_axis(times, values)
     T = t.shape[0]
     if T < 2:
         raise ValueError("detect_plateaus needs at least two recorded times")
@@ -450,12 +456,7 @@ def crossing_time(times, values, level: float) -> torch.Tensor:
     it starts at or above the level).
 
     times: (T,) increasing; values: (..., T) (time last).  dtype follows ``values``."""
-    check_tensor(values, "values", min_dim=1)
-    t = times if isinstance(times, torch.Tensor) else torch.as_tensor(times, dtype=torch.float64)
-    t = t.to(dtype=values.dtype, device=values.device)
-    if t.dim() != 1 or t.shape[0] != values.shape[-1]:
-        raise ValueError(f"times must be 1-D with one entry per value: times {tuple(t.shape)}, "
-                         f"values {tuple(values.shape)} (time is the last axis of values)")
+    t = _time_axis(times, values)
     if isinstance(level, bool) or not isinstance(level, (int, float)) or not math.isfinite(level):
         raise TypeError(f"level must be a finite real number, got {level!r}")
     y = values.detach()

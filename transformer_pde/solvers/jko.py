@@ -174,7 +174,7 @@ def _theta_source(theta, *, t0, t_end, tau, paths, seed, generator, path_dt):
             if abs(ratio - round(ratio)) > 1e-6 * max(1.0, ratio) or abs((t0 - lo) / theta.dt - round((t0 - lo) / theta.dt)) > 1e-6:
                 warnings.warn(
                     f"tau = {tau:.6g} (or t0) is not a multiple of the weight path's dt = {theta.dt:.6g}: the JKO steps "
-                    f"see the path linearly interpolated between its grid values", stacklevel=3)
+                    f"see the path linearly interpolated between its grid values", stacklevel=4)
         return theta.heads_at, theta
     if theta.closed_form:
         return theta.heads_at, None
@@ -670,6 +670,93 @@ def _not_converged(k, t_new, info, residual, *, max_iter, strict, sinkhorn):
         + (" (with transport='sinkhorn': raise sinkhorn_scaling towards 1 or lower eps)" if sinkhorn else ""))
 
 
+def _check_jko_args(x0, theta, *, tau, steps, t0, transport, scheme, direction, mobility, cost,
+                    eps, weights, grid, grid_weights, bandwidth, paths, seed, generator, path_dt, tol, max_iter,
+                    max_plan_updates, sinkhorn_scaling, strict, record_every):
+    """Every check of :func:`jko`, before any work; returns the arguments it normalises, the grid z and
+    weights q0 (Eulerian; None otherwise), the tolerance and the source of Θ_t (heads_at, sampled path)."""
+    z = q0 = None
+    tau = check_positive(tau, "tau")
+    steps = check_int(steps, "steps")
+    check_choice(scheme, SCHEMES, "scheme")
+    if transport is None:
+        transport = "emd" if scheme == "lagrangian" else "sinkhorn"
+    check_choice(transport, TRANSPORTS, "transport")
+    if scheme == "eulerian" and transport != "sinkhorn":
+        raise ValueError(f"the Eulerian scheme moves weights on a fixed grid with entropic transport: use "
+                         f"transport='sinkhorn' (got {transport!r}); transport='emd' / 'identity' are Lagrangian")
+    sign = direction_sign(direction)
+    sgn = -sign
+    check_choice(mobility, MOBILITIES, "mobility")
+    unit = mobility == "unit"
+    if cost is None:
+        cost = "symmetric" if transport == "sinkhorn" else "source"
+    check_choice(cost, COSTS, "cost")
+    if transport == "sinkhorn" and scheme == "lagrangian" and cost != "symmetric":
+        raise ValueError("the debiased Sinkhorn divergence needs a symmetric cost: use cost='symmetric' (the default) "
+                         "with transport='sinkhorn'")
+    if scheme == "eulerian" and cost != "symmetric":
+        raise ValueError("the Eulerian scheme uses the symmetric cost ½(b_k(z_a) + b_k(z_b))|z_a − z_b|²: "
+                         "use cost='symmetric' (the default)")
+    eps = check_positive(eps, "eps")
+    t0 = check_real(t0, "t0")
+    seed = check_seed(seed)
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict must be True or False, got {type(strict).__name__}")
+    max_iter = check_int(max_iter, "max_iter")
+    max_plan_updates = check_int(max_plan_updates, "max_plan_updates")
+    record_every = check_int(record_every, "record_every")
+    sinkhorn_scaling = check_positive(sinkhorn_scaling, "sinkhorn_scaling")
+    if not sinkhorn_scaling < 1:
+        raise ValueError(f"sinkhorn_scaling must lie in (0, 1), got {sinkhorn_scaling}")
+    if paths is not None:
+        paths = check_int(paths, "paths")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError("generator must be a torch.Generator")
+    if not isinstance(theta, (Heads, Process)):
+        raise TypeError(
+            f"theta must be a Heads, a Process (OrnsteinUhlenbeck, Oscillating, Layerwise, Custom) or a WeightPath, "
+            f"got {type(theta).__name__}"
+        )
+    h_ref = theta if isinstance(theta, Heads) else theta.heads0
+    check_tied_all(theta, "jko")
+    d = h_ref.dim
+    if scheme == "lagrangian":
+        if x0 is None:
+            raise ValueError("the Lagrangian scheme needs the initial tokens x0 (..., n, d)")
+        _check_x0(x0, h_ref)
+        check_token_weights(weights, x0, "weights", "x0")
+        ref = x0
+    else:
+        if weights is not None:
+            raise ValueError("weights= are token weights of the Lagrangian scheme; for the Eulerian scheme give "
+                             "grid_weights= (or tokens x0, deposited with to_grid)")
+        z = _resolve_grid(grid, d, h_ref.dtype, h_ref.device)
+        check_same(z, h_ref._ref, "grid", "theta's heads")
+        if grid_weights is None:
+            if x0 is None:
+                raise ValueError("the Eulerian scheme needs grid_weights= (..., m) or tokens x0 to deposit on the grid")
+            _check_x0(x0, h_ref)
+            q0 = to_grid(x0, z, bandwidth=bandwidth)
+        else:
+            if x0 is not None:
+                raise ValueError("give either tokens x0 or grid_weights for the Eulerian scheme, not both")
+            check_token_weights(grid_weights, z, "grid_weights", "grid")
+            q0 = grid_weights
+        ref = q0
+    if tol is None:
+        tol = (1e-6 if transport == "sinkhorn" and scheme == "lagrangian" else 1e-9) if ref.dtype == torch.float64 else 1e-4
+    else:
+        tol = check_positive(tol, "tol")
+    if path_dt is not None:
+        check_positive(path_dt, "path_dt")
+    t_end = t0 + steps * tau
+    heads_at, path = _theta_source(theta, t0=t0, t_end=t_end, tau=tau, paths=paths, seed=seed, generator=generator,
+                                   path_dt=path_dt)
+    return (tau, steps, transport, sign, sgn, unit, cost, eps, t0, max_iter, max_plan_updates, record_every,
+            sinkhorn_scaling, paths, z, q0, tol, heads_at, path)
+
+
 def jko(
     x0: Optional[torch.Tensor],
     theta: Union[Heads, Process],
@@ -762,84 +849,13 @@ def jko(
         >>> traj.x.shape, bool((traj.stats["defect"] <= 1e-12).all())
         (torch.Size([4, 12, 3]), True)
     """
-    # ---------------- validation (before any work)
-    tau = check_positive(tau, "tau")
-    steps = check_int(steps, "steps")
-    check_choice(scheme, SCHEMES, "scheme")
-    if transport is None:
-        transport = "emd" if scheme == "lagrangian" else "sinkhorn"
-    check_choice(transport, TRANSPORTS, "transport")
-    if scheme == "eulerian" and transport != "sinkhorn":
-        raise ValueError(f"the Eulerian scheme moves weights on a fixed grid with entropic transport: use "
-                         f"transport='sinkhorn' (got {transport!r}); transport='emd' / 'identity' are Lagrangian")
-    sign = direction_sign(direction)
-    sgn = -sign
-    check_choice(mobility, MOBILITIES, "mobility")
-    unit = mobility == "unit"
-    if cost is None:
-        cost = "symmetric" if transport == "sinkhorn" else "source"
-    check_choice(cost, COSTS, "cost")
-    if transport == "sinkhorn" and scheme == "lagrangian" and cost != "symmetric":
-        raise ValueError("the debiased Sinkhorn divergence needs a symmetric cost: use cost='symmetric' (the default) "
-                         "with transport='sinkhorn'")
-    if scheme == "eulerian" and cost != "symmetric":
-        raise ValueError("the Eulerian scheme uses the symmetric cost ½(b_k(z_a) + b_k(z_b))|z_a − z_b|²: "
-                         "use cost='symmetric' (the default)")
-    eps = check_positive(eps, "eps")
-    t0 = check_real(t0, "t0")
-    seed = check_seed(seed)
-    if not isinstance(strict, bool):
-        raise TypeError(f"strict must be True or False, got {type(strict).__name__}")
-    max_iter = check_int(max_iter, "max_iter")
-    max_plan_updates = check_int(max_plan_updates, "max_plan_updates")
-    record_every = check_int(record_every, "record_every")
-    sinkhorn_scaling = check_positive(sinkhorn_scaling, "sinkhorn_scaling")
-    if not sinkhorn_scaling < 1:
-        raise ValueError(f"sinkhorn_scaling must lie in (0, 1), got {sinkhorn_scaling}")
-    if paths is not None:
-        paths = check_int(paths, "paths")
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError("generator must be a torch.Generator")
-    if not isinstance(theta, (Heads, Process)):
-        raise TypeError(
-            f"theta must be a Heads, a Process (OrnsteinUhlenbeck, Oscillating, Layerwise, Custom) or a WeightPath, "
-            f"got {type(theta).__name__}"
-        )
-    h_ref = theta if isinstance(theta, Heads) else theta.heads0
-    check_tied_all(theta, "jko")
-    d = h_ref.dim
-    if scheme == "lagrangian":
-        if x0 is None:
-            raise ValueError("the Lagrangian scheme needs the initial tokens x0 (..., n, d)")
-        _check_x0(x0, h_ref)
-        check_token_weights(weights, x0, "weights", "x0")
-        ref = x0
-    else:
-        if weights is not None:
-            raise ValueError("weights= are token weights of the Lagrangian scheme; for the Eulerian scheme give "
-                             "grid_weights= (or tokens x0, deposited with to_grid)")
-        z = _resolve_grid(grid, d, h_ref.dtype, h_ref.device)
-        check_same(z, h_ref._ref, "grid", "theta's heads")
-        if grid_weights is None:
-            if x0 is None:
-                raise ValueError("the Eulerian scheme needs grid_weights= (..., m) or tokens x0 to deposit on the grid")
-            _check_x0(x0, h_ref)
-            q0 = to_grid(x0, z, bandwidth=bandwidth)
-        else:
-            if x0 is not None:
-                raise ValueError("give either tokens x0 or grid_weights for the Eulerian scheme, not both")
-            check_token_weights(grid_weights, z, "grid_weights", "grid")
-            q0 = grid_weights
-        ref = q0
-    if tol is None:
-        tol = (1e-6 if transport == "sinkhorn" and scheme == "lagrangian" else 1e-9) if ref.dtype == torch.float64 else 1e-4
-    else:
-        tol = check_positive(tol, "tol")
-    if path_dt is not None:
-        check_positive(path_dt, "path_dt")
-    t_end = t0 + steps * tau
-    heads_at, path = _theta_source(theta, t0=t0, t_end=t_end, tau=tau, paths=paths, seed=seed, generator=generator,
-                                   path_dt=path_dt)
+    (tau, steps, transport, sign, sgn, unit, cost, eps, t0, max_iter, max_plan_updates, record_every,
+     sinkhorn_scaling, paths, z, q0, tol, heads_at, path) = _check_jko_args(
+        x0, theta, tau=tau, steps=steps, t0=t0, transport=transport, scheme=scheme, direction=direction,
+        mobility=mobility, cost=cost, eps=eps, weights=weights, grid=grid, grid_weights=grid_weights,
+        bandwidth=bandwidth, paths=paths, seed=seed, generator=generator, path_dt=path_dt, tol=tol, max_iter=max_iter,
+        max_plan_updates=max_plan_updates, sinkhorn_scaling=sinkhorn_scaling, strict=strict,
+        record_every=record_every)
 
     # ---------------- batch layout
     start = time.perf_counter()
@@ -859,6 +875,7 @@ def jko(
                          f"shape {hb}") from None
     B = math.prod(batch)
     n_or_m = x0.shape[-2] if scheme == "lagrangian" else z.shape[0]
+    ref = x0 if scheme == "lagrangian" else q0
     f = dict(dtype=ref.dtype, device=ref.device)
     flat = lambda t: _flatten_heads(heads_at(t), batch, B)  # noqa: E731
     norm = "unnormalized" if unit else "effective"

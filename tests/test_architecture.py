@@ -30,8 +30,9 @@ LAYERS = [
     {"transformer_pde.solvers", "transformer_pde.solvers.parts"},
     {"transformer_pde.solvers.particle"},
     {"transformer_pde.solvers.jko", "transformer_pde.distributed"},
-    {"transformer_pde.diagnostics", "transformer_pde.theory", "transformer_pde.clustering",
-     "transformer_pde.ensembles"},
+    {"transformer_pde.clustering", "transformer_pde.ensembles", "transformer_pde.theory"},  # generic; closed forms
+    {"transformer_pde.theory.particles"},  # the particle diagnostics of the theory
+    {"transformer_pde.diagnostics"},  # tp.diagnostics = theory.particles
     {"transformer_pde"},  # the public facade (import transformer_pde as tp)
     {"transformer_pde.plotting"},
     {"transformer_pde.animation"},

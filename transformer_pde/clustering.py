@@ -51,6 +51,7 @@ __all__ = [
     "linked",
     "cluster_labels",
     "cluster_count",
+    "mean_overlap",
     "gram_rank_count",
     "pair_fraction",
     "cluster_masses",
@@ -470,3 +471,19 @@ def crossing_time(times, values, level: float) -> torch.Tensor:
     frac = ((level - y0) / (y1 - y0).clamp_min(torch.finfo(y.dtype).tiny)).clamp(0, 1)
     out = torch.where(k > 0, t0 + frac * (t1 - t0), t1)
     return torch.where(reached, out, torch.full_like(out, math.inf))
+
+
+# ---------------------------------------------------------------------------- overlaps
+def mean_overlap(x):
+    """(γ̄, gap): the mean over pairs i ≠ j of ⟨x_i, x_j⟩ and of ‖x_i − x_j‖²/2 (= 1 − ⟨x_i, x_j⟩ for
+    unit tokens, but accurate when tokens nearly coincide), each (...,)."""
+    check_tensor(x, "x", min_dim=2)
+    n = x.shape[-2]
+    if n < 2:
+        raise ValueError("mean_overlap needs at least two tokens")
+    Gm = x @ x.transpose(-1, -2)
+    off = Gm.sum((-1, -2)) - torch.diagonal(Gm, dim1=-2, dim2=-1).sum(-1)
+    gbar = off / (n * (n - 1))
+    D = torch.cdist(x, x, compute_mode="donot_use_mm_for_euclid_dist").square() / 2
+    gap = D.sum((-1, -2)) / (n * (n - 1))
+    return gbar, gap

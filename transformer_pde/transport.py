@@ -136,10 +136,6 @@ def _prepare(mu, nu):
     return xs, a.expand(*batch, n).reshape(B, n), ys, b.expand(*batch, m).reshape(B, m), tuple(batch)
 
 
-def _entropy(w: torch.Tensor) -> torch.Tensor:
-    return -(w * torch.log(w.clamp_min(torch.finfo(w.dtype).tiny))).sum(-1)
-
-
 # ---------------------------------------------------------------------------- exact OT
 def emd_plans(a: torch.Tensor, b: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
     """Exact plans for every batch item (POT emd, a loop over the batch: POT's LP is not batched).

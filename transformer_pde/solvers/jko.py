@@ -651,6 +651,55 @@ def _eulerian_step(z, q, h_old, h_new, lb_old, *, tau, sgn, eps, tol, max_iter, 
 
 
 # ---------------------------------------------------------------------------- entry point
+class _JKODiagnostics:
+    """Energy, 𝒢² and 𝒟 of the JKO scheme's measure in its own metric, at the common scale
+    ``scale["c"]`` (energies, 𝒢², 𝒟 and the ledger are reported times e^{−c})."""
+
+    def __init__(self, *, norm, sign, unit, diagnostics):
+        self.norm, self.sign, self.unit, self.diagnostics = norm, sign, unit, diagnostics
+        self.scale = {"c": 0.0}
+
+    def __call__(self, points, wts, heads):
+        c, norm, sign = self.scale["c"], self.norm, self.sign
+        if c == 0.0:  # ordinary runs: evaluate's own diagnostics, bit for bit
+            return evaluate(points, heads, wts, normalization=norm, sign=sign, diagnostics=True)
+        fe = evaluate(points, heads, wts, normalization=norm, sign=sign, diagnostics=False)
+        E, _, _, g = scaled_diagnostics(points, heads, wts, fe.velocity, fe.stats, log_scale=c)
+        # the scheme's field is the gradient flow V = s g / b (b ≡ 1 for "unit"): 𝒢² = Σ w b|V|² = Σ w |g|²/b
+        # and 𝒟 = Σ w ⟨g, V⟩ = s 𝒢², formed from g b^{-1/2} (no |V|² ~ e^{2β‖A‖} in between)
+        G = self.metric_slope(g, fe.stats.log_partition, heads, wts)
+        return FieldEval(fe.velocity, fe.stats, fe.outputs, g, E, G, sign * G)
+
+    def metric_slope(self, g, log_partition, heads, wts):
+        """|∂E|² e^{−c} in the scheme's metric: Σ w |∇δE|²/b (effective) or Σ w |∇δE|² (unit); g = ∇_S δE/δμ e^{−c}."""
+        # |g|²/b · e^{−c} = |g e^{−c} · (e^{c}/b)^{1/2}|², scaled before squaring (finite whenever the result is)
+        lbinv = torch.zeros_like(g[..., 0]) if self.unit else log_inverse_mobility(heads, log_partition)
+        g = g * torch.exp(0.5 * (lbinv + self.scale["c"])).unsqueeze(-1)
+        g2 = g.square().sum(-1)
+        return g2.mean(-1) if wts is None else (wts * g2).sum(-1)
+
+    def check(self, ev, t, k, heads):
+        """NonFiniteError unless the energy (and, with diagnostics, 𝒢² and 𝒟) are finite."""
+        if not bool(torch.isfinite(ev.energy).all()):
+            raise nonfinite_error("the energy", t, k, heads)
+        if self.diagnostics:
+            for name, v in (("the metric slope 𝒢²", ev.slope), ("the dissipation 𝒟", ev.dissipation)):
+                if not bool(torch.isfinite(v).all()):
+                    err = nonfinite_error(name, t, k, heads, self.norm)
+                    raise NonFiniteError(f"{err} (the JKO step itself does not need it: diagnostics=False)")
+
+
+def _jko_records(rec, S, batch: tuple, t0: float, tau: float, diagnostics: bool):
+    """The Recorder's series and the per-step statistics S, from the flat batch axis to ``batch``."""
+    T = len(rec.steps)
+    times, xs, series, ledger, _ = rec.stacked(t0, tau)
+    xs = xs.reshape(T, *batch, *xs.shape[2:])
+    ledger = {key: v.reshape(T, *batch) for key, v in ledger.items()}
+    series = {key: v.reshape(T, *batch) if diagnostics else None for key, v in series.items()}
+    st = {key: torch.stack([v.reshape(batch) for v in vals]) for key, vals in S.items()}
+    return times, xs, series, ledger, st
+
+
 def _check_x0(x0, h_ref: Heads):
     check_tokens(x0, "x0")
     check_same(x0, h_ref._ref, "x0", "theta's heads")
@@ -857,199 +906,186 @@ def jko(
         max_plan_updates=max_plan_updates, sinkhorn_scaling=sinkhorn_scaling, strict=strict,
         record_every=record_every)
 
-    # ---------------- batch layout
     start = time.perf_counter()
-    hb = tuple(heads_at(t0).batch_shape)
-    if scheme == "lagrangian":
-        xb = tuple(x0.shape[:-2])
-        if weights is not None:
-            xb = tuple(torch.broadcast_shapes(xb, weights.shape[:-1]))
-    else:
-        xb = tuple(q0.shape[:-1])
-    if paths is not None and path is None:
-        xb = (paths, *xb)
-    try:
-        batch = tuple(torch.broadcast_shapes(xb, hb))
-    except RuntimeError:
-        raise ValueError(f"the batch shape of the initial measure {xb} does not broadcast against the heads' batch "
-                         f"shape {hb}") from None
-    B = math.prod(batch)
-    n_or_m = x0.shape[-2] if scheme == "lagrangian" else z.shape[0]
-    ref = x0 if scheme == "lagrangian" else q0
-    f = dict(dtype=ref.dtype, device=ref.device)
-    flat = lambda t: _flatten_heads(heads_at(t), batch, B)  # noqa: E731
-    norm = "unnormalized" if unit else "effective"
-
-    if scheme == "lagrangian":
-        x = x0.detach()
-        if paths is not None and path is None:
-            x = x.unsqueeze(0).expand(paths, *x.shape)
-        x = x.expand(*batch, *x0.shape[-2:]).reshape(B, *x0.shape[-2:])
-        w = None if weights is None else weights.detach().expand(*batch, n_or_m).reshape(B, n_or_m)
-        wt = torch.full((B, n_or_m), 1.0 / n_or_m, **f) if w is None else w
-        pts = x
-    else:
-        q = q0.detach()
-        if paths is not None and path is None:
-            q = q.unsqueeze(0).expand(paths, *q.shape)
-        q = q.expand(*batch, n_or_m).reshape(B, n_or_m)
-        pts = z.expand(B, *z.shape)
-        w = q
-    warm = None
-
-    scale = {"c": 0.0}  # the common scale c: energies, 𝒢², 𝒟 and the ledger are reported times e^{−c}
-
-    def diag(points, wts, heads):
-        c = scale["c"]
-        if c == 0.0:  # ordinary runs: evaluate's own diagnostics, bit for bit
-            return evaluate(points, heads, wts, normalization=norm, sign=sign, diagnostics=True)
-        fe = evaluate(points, heads, wts, normalization=norm, sign=sign, diagnostics=False)
-        E, _, _, g = scaled_diagnostics(points, heads, wts, fe.velocity, fe.stats, log_scale=c)
-        # the scheme's field is the gradient flow V = s g / b (b ≡ 1 for "unit"): 𝒢² = Σ w b|V|² = Σ w |g|²/b
-        # and 𝒟 = Σ w ⟨g, V⟩ = s 𝒢², formed from g b^{-1/2} (no |V|² ~ e^{2β‖A‖} in between)
-        G = metric_slope(g, fe.stats.log_partition, heads, wts)
-        return FieldEval(fe.velocity, fe.stats, fe.outputs, g, E, G, sign * G)
-
-    def metric_slope(g, log_partition, heads, wts):
-        """|∂E|² e^{−c} in the scheme's metric: Σ w |∇δE|²/b (effective) or Σ w |∇δE|² (unit); g = ∇_S δE/δμ e^{−c}."""
-        # |g|²/b · e^{−c} = |g e^{−c} · (e^{c}/b)^{1/2}|², scaled before squaring (finite whenever the result is)
-        lbinv = torch.zeros_like(g[..., 0]) if unit else log_inverse_mobility(heads, log_partition)
-        g = g * torch.exp(0.5 * (lbinv + scale["c"])).unsqueeze(-1)
-        g2 = g.square().sum(-1)
-        return g2.mean(-1) if wts is None else (wts * g2).sum(-1)
-
-    def check_diag(ev, t, k, heads):
-        """NonFiniteError unless the energy (and, with diagnostics, 𝒢² and 𝒟) are finite."""
-        if not bool(torch.isfinite(ev.energy).all()):
-            raise nonfinite_error("the energy", t, k, heads)
-        if diagnostics:
-            for name, v in (("the metric slope 𝒢²", ev.slope), ("the dissipation 𝒟", ev.dissipation)):
-                if not bool(torch.isfinite(v).all()):
-                    err = nonfinite_error(name, t, k, heads, norm)
-                    raise NonFiniteError(f"{err} (the JKO step itself does not need it: diagnostics=False)")
-
-    heads_cur = flat(t0)
-    with torch.no_grad():
-        scale["c"] = choose_log_scale(softmax_statistics(pts, heads_cur, w).log_partition)
-    ev = diag(pts, w, heads_cur)
-    check_diag(ev, t0, 0, heads_cur)
-    log_c = torch.full((B,), scale["c"], **f)
-    E_prev = ev.energy
-    lb = _log_mobility(ev.stats.log_partition, heads_cur, unit)
-    ledger = Ledger(ev.energy, sign=sign)
-    ledger.acc["jko_defect"] = ledger.acc["partial"]
-    rec = Recorder(steps, record_every, diagnostics=True, ledger_keys=LEDGER_KEYS)
-    rec.records.update({"w": [], "ledger.jko_defect": []})
-    S: Dict[str, List[torch.Tensor]] = {k: [] for k in ("residual", "iterations", "converged", "defect", "prox",
-                                                        "plan_updates")}
-
-    def record(state, ev):
-        rec.record(state if scheme == "lagrangian" else pts, ev.energy, ev.slope, ev.dissipation,
-                   {**ledger.terms(ev.energy), "jko_defect": ledger.acc["jko_defect"]})
-        rec.records["w"].append(state)
-
-    record(x if scheme == "lagrangian" else q, ev)
-    bad_steps: List[int] = []
-    bad_residuals: List[float] = []
-    with progress_bar(progress, steps, f"jko ({scheme}, {transport})") as bar, \
-            threads.scope(float(B) * heads_cur.num_heads * n_or_m * n_or_m) as pool:
+    run = _JKORun(x0, weights, z, q0, heads_at=heads_at, path=path, paths=paths, t0=t0, tau=tau, steps=steps,
+                  scheme=scheme, transport=transport, cost=cost, unit=unit, sign=sign, sgn=sgn, eps=eps, tol=tol,
+                  max_iter=max_iter, max_plan_updates=max_plan_updates, sinkhorn_scaling=sinkhorn_scaling,
+                  strict=strict, record_every=record_every, diagnostics=diagnostics)
+    run.start()
+    with progress_bar(progress, steps, f"jko ({scheme}, {transport})") as bar, threads.scope(run.work) as pool:
         for k in range(steps):
-            t_new = t0 + (k + 1) * tau
-            heads_new = flat(t_new)
-            with torch.no_grad():
-                E_cross = _energy(pts, heads_new, w, log_c)
-            if not bool(torch.isfinite(E_cross).all()):
-                raise nonfinite_error("the energy", t_new, k + 1, heads_new)
-            if scheme == "lagrangian":
-                y, info = _lagrangian_step(x, w, wt, heads_cur, heads_new, lb, tau=tau, sgn=sgn, transport=transport,
-                                           symmetric=cost == "symmetric", unit=unit, eps=eps, scaling=sinkhorn_scaling,
-                                           tol=tol, max_iter=max_iter, max_plan_updates=max_plan_updates,
-                                           out_log_scale=scale["c"])
-                if y is None:
-                    raise nonfinite_error("the JKO objective", t_new, k + 1, heads_new)
-                new_state = y
-                new_pts, new_w = y, w
-            else:
-                with torch.no_grad():
-                    p, info, warm = _eulerian_step(z, q, heads_cur, heads_new, lb, tau=tau, sgn=sgn, eps=eps, tol=tol,
-                                                   max_iter=max_iter, warm=warm)
-                    if scale["c"] != 0.0:
-                        info["prox"] = info["prox"] * math.exp(-scale["c"])
-                new_state = p
-                new_pts, new_w = pts, p
-            if not bool(torch.isfinite(info["residual"]).all()):  # the velocity error itself overflows the dtype
-                raise nonfinite_error("the inner residual (velocity error |P(y − x)/τ − V|)", t_new, k + 1, heads_new, norm)
-            if not bool(torch.isfinite(new_state).all()):
-                raise nonfinite_error("the token positions" if scheme == "lagrangian" else "the grid weights",
-                                      t_new, k + 1, heads_new)
-            with torch.no_grad():
-                heads_cur = heads_new
-                ev = diag(new_pts, new_w, heads_cur)
-            check_diag(ev, t_new, k + 1, heads_cur)
-            prox = info["prox"]
-            defect = sgn * (ev.energy - E_cross) + prox / (2 * tau)
-            ledger.add("partial", E_cross - E_prev)
-            ledger.add("slope", prox / tau)
-            ledger.add("dissipation", sign * (prox / (2 * tau) + 0.5 * tau * metric_slope(
-                ev.grad_first_variation, ev.stats.log_partition, heads_cur, new_w)))
-            ledger.add("jko_defect", defect)
-            for key in ("partial", "slope", "dissipation", "jko_defect"):
-                if not bool(torch.isfinite(ledger.acc[key]).all()):
-                    raise nonfinite_error(f"the ledger term {key!r}", t_new, k + 1, heads_cur)
-            for key in S:
-                S[key].append(defect if key == "defect" else info[key])
-            if not bool(info["converged"].all()):
-                bad_steps.append(k + 1)
-                bad_residuals.append(float(info["residual"][~info["converged"]].max()))
-                _not_converged(k, t_new, info, bad_residuals[-1], max_iter=max_iter, strict=strict,
-                               sinkhorn=transport == "sinkhorn" and scheme == "lagrangian")
-            if scheme == "lagrangian":
-                x = y
-                pts = y
-            else:
-                q = p
-                w = p
-            lb = _log_mobility(ev.stats.log_partition, heads_cur, unit)
-            E_prev = ev.energy
-            if rec.keeps(k + 1):
-                record(new_state, ev)
+            t_new, new_state = run.step(k)
             if callback is not None:
                 callback(k + 1, t_new, new_state)
             bar.update(1)
             pool.refresh()
-    if bad_steps:
-        warnings.warn(f"{len(bad_steps)} of {steps} JKO steps did not reach the inner tolerance (first: step "
-                      f"{bad_steps[0]}, t = {t0 + bad_steps[0] * tau:.6g}, residual {bad_residuals[0]:.3e}; largest "
-                      f"residual {max(bad_residuals):.3e}); see traj.stats['residual'] — raise max_iter, loosen tol, "
-                      f"or reduce tau (strict=True raises instead)", RuntimeWarning, stacklevel=2)
-
-    # ---------------- assemble
-    shape_b = batch
-
-    def unflat(v, tail=()):
-        return v.reshape(tuple(shape_b) + tuple(tail))
-
-    times, xs, series, ledger_out, _ = rec.stacked(t0, tau)
-    xs = xs.reshape(len(rec.steps), *shape_b, *xs.shape[2:])
-    ledger_out = {key: v.reshape(len(rec.steps), *shape_b) for key, v in ledger_out.items()}
-    series = {key: v.reshape(len(rec.steps), *shape_b) if diagnostics else None for key, v in series.items()}
-    st = {key: torch.stack([unflat(v) for v in vals]) for key, vals in S.items()}
-    stats = {
-        **st,
-        "steps": steps,
-        "wall_time": time.perf_counter() - start,
-        "max_defect": float(st["defect"].max()),
-        "max_residual": float(st["residual"].max()),
-        "mean_iterations": float(st["iterations"].double().mean()),
-        "nonconverged_steps": len(bad_steps),
-        "energy_log_scale": scale["c"],
-        "order": 1,
-    }
-    if scheme == "lagrangian":
-        tw = None if weights is None else unflat(wt, (n_or_m,))
-    else:
-        tw = torch.stack([unflat(v, (n_or_m,)) for v in rec.records["w"]])
+    run.warn_nonconverged()
+    times, xs, series, ledger_out, st = _jko_records(run.rec, run.S, run.batch, t0, tau, diagnostics)
+    stats = {**st, "steps": steps, "wall_time": time.perf_counter() - start, "max_defect": float(st["defect"].max()),
+             "max_residual": float(st["residual"].max()), "mean_iterations": float(st["iterations"].double().mean()),
+             "nonconverged_steps": len(run.bad_steps), "energy_log_scale": run.dg.scale["c"], "order": 1}
     extras = {"scheme": scheme, "transport": transport, "tau": tau, "mobility": mobility, "cost": cost,
               "eps": eps if transport == "sinkhorn" else None, "grid": z if scheme == "eulerian" else None}
     return Trajectory(times, xs, series["energy"], series["slope"], series["dissipation"], ledger_out, stats,
-                      f"jko-{scheme}-{transport}", norm, direction, tw, path, extras)
+                      f"jko-{scheme}-{transport}", run.norm, direction, run.token_weights(weights), path, extras)
+
+
+class _JKORun:
+    """One JKO solve: the batch layout (flattened to B), the proximal steps (Lagrangian or Eulerian),
+    the ledger (:class:`~.parts.Ledger` with the extra ``jko_defect`` term) and the recorder."""
+
+    def __init__(self, x0, weights, z, q0, *, heads_at, path, paths, t0, tau, steps, scheme, transport, cost, unit,
+                 sign, sgn, eps, tol, max_iter, max_plan_updates, sinkhorn_scaling, strict, record_every, diagnostics):
+        self.heads_at, self.t0, self.tau, self.steps, self.scheme, self.z = heads_at, t0, tau, steps, scheme, z
+        self.sign, self.sgn, self.unit, self.strict, self.max_iter = sign, sgn, unit, strict, max_iter
+        self.sinkhorn = transport == "sinkhorn" and scheme == "lagrangian"
+        self.norm = "unnormalized" if unit else "effective"
+        self.prox_kw = dict(tau=tau, sgn=sgn, eps=eps, tol=tol, max_iter=max_iter)
+        self.lag_kw = dict(transport=transport, symmetric=cost == "symmetric", unit=unit, scaling=sinkhorn_scaling,
+                           max_plan_updates=max_plan_updates)
+        self.dg = _JKODiagnostics(norm=self.norm, sign=sign, unit=unit, diagnostics=diagnostics)
+        self.rec = Recorder(steps, record_every, diagnostics=True, ledger_keys=LEDGER_KEYS)
+        self.rec.records.update({"w": [], "ledger.jko_defect": []})
+        self.S: Dict[str, List[torch.Tensor]] = {k: [] for k in ("residual", "iterations", "converged", "defect",
+                                                                 "prox", "plan_updates")}
+        self.bad_steps: List[int] = []
+        self.bad_residuals: List[float] = []
+        self._layout(x0, weights, q0, path, paths)
+
+    def _layout(self, x0, weights, q0, path, paths):
+        """The batch shape of measure and heads, flattened to one axis of size B."""
+        hb = tuple(self.heads_at(self.t0).batch_shape)
+        if self.scheme == "lagrangian":
+            xb = tuple(x0.shape[:-2])
+            if weights is not None:
+                xb = tuple(torch.broadcast_shapes(xb, weights.shape[:-1]))
+        else:
+            xb = tuple(q0.shape[:-1])
+        if paths is not None and path is None:
+            xb = (paths, *xb)
+        try:
+            batch = tuple(torch.broadcast_shapes(xb, hb))
+        except RuntimeError:
+            raise ValueError(f"the batch shape of the initial measure {xb} does not broadcast against the heads' "
+                             f"batch shape {hb}") from None
+        B = math.prod(batch)
+        self.batch, self.B = batch, B
+        n = self.n = x0.shape[-2] if self.scheme == "lagrangian" else self.z.shape[0]
+        ref = x0 if self.scheme == "lagrangian" else q0
+        self.f = dict(dtype=ref.dtype, device=ref.device)
+        self.warm = None
+        if self.scheme == "lagrangian":
+            x = x0.detach()
+            if paths is not None and path is None:
+                x = x.unsqueeze(0).expand(paths, *x.shape)
+            self.x = self.pts = x.expand(*batch, *x0.shape[-2:]).reshape(B, *x0.shape[-2:])
+            self.w = None if weights is None else weights.detach().expand(*batch, n).reshape(B, n)
+            self.wt = torch.full((B, n), 1.0 / n, **self.f) if self.w is None else self.w
+        else:
+            q = q0.detach()
+            if paths is not None and path is None:
+                q = q.unsqueeze(0).expand(paths, *q.shape)
+            self.q = self.w = q.expand(*batch, n).reshape(B, n)
+            self.pts = self.z.expand(B, *self.z.shape)
+
+    def flat(self, t) -> Heads:
+        return _flatten_heads(self.heads_at(t), self.batch, self.B)
+
+    def start(self):
+        """Θ at t0, the common scale, the first evaluation and record."""
+        self.heads_cur = self.flat(self.t0)
+        with torch.no_grad():
+            self.dg.scale["c"] = choose_log_scale(softmax_statistics(self.pts, self.heads_cur, self.w).log_partition)
+        ev = self.dg(self.pts, self.w, self.heads_cur)
+        self.dg.check(ev, self.t0, 0, self.heads_cur)
+        self.log_c = torch.full((self.B,), self.dg.scale["c"], **self.f)
+        self.work = float(self.B) * self.heads_cur.num_heads * self.n * self.n
+        self.E_prev = ev.energy
+        self.lb = _log_mobility(ev.stats.log_partition, self.heads_cur, self.unit)
+        self.ledger = Ledger(ev.energy, sign=self.sign)
+        self.ledger.acc["jko_defect"] = self.ledger.acc["partial"]
+        self._record(self.x if self.scheme == "lagrangian" else self.q, ev)
+
+    def _record(self, state, ev):
+        self.rec.record(state if self.scheme == "lagrangian" else self.pts, ev.energy, ev.slope, ev.dissipation,
+                        {**self.ledger.terms(ev.energy), "jko_defect": self.ledger.acc["jko_defect"]})
+        self.rec.records["w"].append(state)
+
+    def _proximal(self, heads_new, t_new, k):
+        """The JKO step's minimiser: (new state, its points, its weights, the inner solve's info)."""
+        c = self.dg.scale["c"]
+        if self.scheme == "lagrangian":
+            y, info = _lagrangian_step(self.x, self.w, self.wt, self.heads_cur, heads_new, self.lb, **self.prox_kw,
+                                       **self.lag_kw, out_log_scale=c)
+            if y is None:
+                raise nonfinite_error("the JKO objective", t_new, k + 1, heads_new)
+            new = (y, y, self.w, info)
+        else:
+            with torch.no_grad():
+                p, info, self.warm = _eulerian_step(self.z, self.q, self.heads_cur, heads_new, self.lb,
+                                                    **self.prox_kw, warm=self.warm)
+                if c != 0.0:
+                    info["prox"] = info["prox"] * math.exp(-c)
+            new = (p, self.pts, p, info)
+        if not bool(torch.isfinite(info["residual"]).all()):  # the velocity error itself overflows the dtype
+            raise nonfinite_error("the inner residual (velocity error |P(y − x)/τ − V|)", t_new, k + 1, heads_new,
+                                  self.norm)
+        if not bool(torch.isfinite(new[0]).all()):
+            raise nonfinite_error("the token positions" if self.scheme == "lagrangian" else "the grid weights",
+                                  t_new, k + 1, heads_new)
+        return new
+
+    def step(self, k):
+        """JKO step k → k + 1 with its ledger terms; returns (t_{k+1}, the new state)."""
+        tau, t_new = self.tau, self.t0 + (k + 1) * self.tau
+        heads_new = self.flat(t_new)
+        with torch.no_grad():
+            E_cross = _energy(self.pts, heads_new, self.w, self.log_c)
+        if not bool(torch.isfinite(E_cross).all()):
+            raise nonfinite_error("the energy", t_new, k + 1, heads_new)
+        new_state, new_pts, new_w, info = self._proximal(heads_new, t_new, k)
+        with torch.no_grad():
+            self.heads_cur = heads_new
+            ev = self.dg(new_pts, new_w, self.heads_cur)
+        self.dg.check(ev, t_new, k + 1, self.heads_cur)
+        prox = info["prox"]
+        defect = self.sgn * (ev.energy - E_cross) + prox / (2 * tau)
+        led = self.ledger
+        led.add("partial", E_cross - self.E_prev)
+        led.add("slope", prox / tau)
+        led.add("dissipation", self.sign * (prox / (2 * tau) + 0.5 * tau * self.dg.metric_slope(
+            ev.grad_first_variation, ev.stats.log_partition, self.heads_cur, new_w)))
+        led.add("jko_defect", defect)
+        for key in ("partial", "slope", "dissipation", "jko_defect"):
+            if not bool(torch.isfinite(led.acc[key]).all()):
+                raise nonfinite_error(f"the ledger term {key!r}", t_new, k + 1, self.heads_cur)
+        for key in self.S:
+            self.S[key].append(defect if key == "defect" else info[key])
+        if not bool(info["converged"].all()):
+            self.bad_steps.append(k + 1)
+            self.bad_residuals.append(float(info["residual"][~info["converged"]].max()))
+            _not_converged(k, t_new, info, self.bad_residuals[-1], max_iter=self.max_iter, strict=self.strict,
+                           sinkhorn=self.sinkhorn)
+        if self.scheme == "lagrangian":
+            self.x = self.pts = new_state
+        else:
+            self.q = self.w = new_state
+        self.lb = _log_mobility(ev.stats.log_partition, self.heads_cur, self.unit)
+        self.E_prev = ev.energy
+        if self.rec.keeps(k + 1):
+            self._record(new_state, ev)
+        return t_new, new_state
+
+    def warn_nonconverged(self):
+        if self.bad_steps:
+            b, r = self.bad_steps, self.bad_residuals
+            warnings.warn(f"{len(b)} of {self.steps} JKO steps did not reach the inner tolerance (first: step "
+                          f"{b[0]}, t = {self.t0 + b[0] * self.tau:.6g}, residual {r[0]:.3e}; largest "
+                          f"residual {max(r):.3e}); see traj.stats['residual'] — raise max_iter, loosen tol, "
+                          f"or reduce tau (strict=True raises instead)", RuntimeWarning, stacklevel=3)
+
+    def token_weights(self, weights):
+        """The Trajectory's weights: the token weights (Lagrangian) or the grid weights per record (Eulerian)."""
+        if self.scheme == "lagrangian":
+            return None if weights is None else self.wt.reshape(*self.batch, self.n)
+        return torch.stack([v.reshape(*self.batch, self.n) for v in self.rec.records["w"]])

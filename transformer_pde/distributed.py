@@ -195,6 +195,20 @@ def distributed_evaluate(
 
 
 @torch.no_grad()
+def _flag(*ts) -> float:
+    """1.0 when any of the tensors holds NaN/inf, else 0.0 (all-reduced with the entries, so every rank agrees)."""
+    return float(any(not bool(torch.isfinite(t).all()) for t in ts))
+
+
+def _reduce_with_flag(entries, bad: float, zero: torch.Tensor, group):
+    """Sum the entries (tensors broadcast to the batch shape of ``zero``, or numbers) and the non-finite flag
+    over the ranks in one all-reduce; returns (the summed entries, whether any rank flagged)."""
+    batch = zero.shape
+    vec = torch.stack([e.expand(batch) if isinstance(e, torch.Tensor) else zero + e for e in entries] + [zero + bad])
+    vec = _all_reduce(vec, group)
+    return vec[:-1], float(vec[-1].max()) > 0
+
+
 def _check_sharded_args(x0_local, theta, *, t1, dt, t0, paths, normalization, direction, record_every):
     """The checks of :func:`simulate_sharded`, before any work; returns the arguments it normalises."""
     check_tokens(x0_local, "x0_local")
@@ -286,30 +300,24 @@ def simulate_sharded(
                         diagnostics=diag, second_moment=diag and noisy, backend=backend,
                         chunk_elements=chunk_elements)
 
-    def flag(*ts):
-        bad = any(not bool(torch.isfinite(t).all()) for t in ts)
-        return float(bad)
-
     keys = shard.gather(x)
     cur = ev(x, keys, heads, diagnostics)
     batch = cur.velocity.shape[:-2]
     zero = torch.zeros(batch, dtype=x.dtype, device=x.device)
 
     def reduce(entries, bad):
-        vec = torch.stack([e.expand(batch) if isinstance(e, torch.Tensor) else zero + e for e in entries]
-                          + [zero + bad])
-        vec = _all_reduce(vec, group)
-        return vec[:-1], float(vec[-1].max()) > 0
+        return _reduce_with_flag(entries, bad, zero, group)
 
     ledger, rec = None, Recorder(K, record_every, diagnostics=diagnostics)
     if diagnostics:
         red, bad = reduce([cur.energy, cur.slope, cur.dissipation,
-                           partial_density(x, heads, wq, cur.stats, drv.rate, drv.sigma, ito=noisy)], flag(cur.velocity))
+                           partial_density(x, heads, wq, cur.stats, drv.rate, drv.sigma, ito=noisy)],
+                          _flag(cur.velocity))
         E, G2, Dis, dens_p = red
         ledger = Ledger(E, sign=sign, quadrature="left")
         dens = {"partial": dens_p, "dissipation": Dis, "slope": G2}
     else:
-        _, bad = reduce([], flag(cur.velocity))
+        _, bad = reduce([], _flag(cur.velocity))
         E = G2 = Dis = None
     if bad:
         raise nonfinite_error("the velocity field", drv.t, drv.k, heads)
@@ -334,9 +342,9 @@ def simulate_sharded(
                 before = ev(x_new, keys, prev_heads, True).energy if jumps else 0.0
                 red, bad = reduce([nxt.energy, nxt.slope, nxt.dissipation,
                                    partial_density(x_new, heads, wq, nxt.stats, drv.rate, drv.sigma, ito=noisy),
-                                   mart, before], flag(x_new, nxt.velocity))
+                                   mart, before], _flag(x_new, nxt.velocity))
             else:
-                red, bad = reduce([], flag(x_new, nxt.velocity))
+                red, bad = reduce([], _flag(x_new, nxt.velocity))
             if bad:
                 raise nonfinite_error("the token positions or the velocity field", drv.t, drv.k, heads)
             if diagnostics:

@@ -51,6 +51,7 @@ __all__ = [
     "linked",
     "cluster_labels",
     "cluster_count",
+    "mean_overlap",
     "gram_rank_count",
     "pair_fraction",
     "cluster_masses",
@@ -365,6 +366,17 @@ class Staircase:
                 for s, e, lv in zip(self.start[index][v], self.end[index][v], self.level[index][v])]
 
 
+def _time_axis(times, values) -> torch.Tensor:
+    """The times (T,) in the dtype and device of ``values`` (..., T), checked against its last axis."""
+    check_tensor(values, "values", min_dim=1)
+    t = times if isinstance(times, torch.Tensor) else torch.as_tensor(times, dtype=torch.float64)
+    t = t.to(dtype=values.dtype, device=values.device)
+    if t.dim() != 1 or t.shape[0] != values.shape[-1]:
+        raise ValueError(f"times must be 1-D with one entry per value: times {tuple(t.shape)}, "
+                         f"values {tuple(values.shape)} (time is the last axis of values)")
+    return t
+
+
 def detect_plateaus(times, values, *, slope_tol: float = 0.05, min_duration: Optional[float] = None,
                     abs_slope: float = 0.0) -> Staircase:
     """Plateaus (flat steps) of a staircase-like series y(t), vectorised over leading dims.
@@ -392,12 +404,7 @@ def detect_plateaus(times, values, *, slope_tol: float = 0.05, min_duration: Opt
         TypeError / ValueError: non-tensor values, T < 2, times not increasing or of the wrong
         length, negative thresholds, non-finite values.
     """
-    check_tensor(values, "values", min_dim=1)
-    t = times if isinstance(times, torch.Tensor) else torch.as_tensor(times, dtype=torch.float64)
-    t = t.to(dtype=values.dtype, device=values.device)
-    if t.dim() != 1 or t.shape[0] != values.shape[-1]:
-        raise ValueError(f"times must be 1-D with one entry per value: times {tuple(t.shape)}, values {tuple(values.shape)} "
-                         f"(time is the last axis of values)")
+    t = _time_axis(times, values)
     T = t.shape[0]
     if T < 2:
         raise ValueError("detect_plateaus needs at least two recorded times")
@@ -450,12 +457,7 @@ def crossing_time(times, values, level: float) -> torch.Tensor:
     it starts at or above the level).
 
     times: (T,) increasing; values: (..., T) (time last).  dtype follows ``values``."""
-    check_tensor(values, "values", min_dim=1)
-    t = times if isinstance(times, torch.Tensor) else torch.as_tensor(times, dtype=torch.float64)
-    t = t.to(dtype=values.dtype, device=values.device)
-    if t.dim() != 1 or t.shape[0] != values.shape[-1]:
-        raise ValueError(f"times must be 1-D with one entry per value: times {tuple(t.shape)}, "
-                         f"values {tuple(values.shape)} (time is the last axis of values)")
+    t = _time_axis(times, values)
     if isinstance(level, bool) or not isinstance(level, (int, float)) or not math.isfinite(level):
         raise TypeError(f"level must be a finite real number, got {level!r}")
     y = values.detach()
@@ -469,3 +471,19 @@ def crossing_time(times, values, level: float) -> torch.Tensor:
     frac = ((level - y0) / (y1 - y0).clamp_min(torch.finfo(y.dtype).tiny)).clamp(0, 1)
     out = torch.where(k > 0, t0 + frac * (t1 - t0), t1)
     return torch.where(reached, out, torch.full_like(out, math.inf))
+
+
+# ---------------------------------------------------------------------------- overlaps
+def mean_overlap(x):
+    """(γ̄, gap): the mean over pairs i ≠ j of ⟨x_i, x_j⟩ and of ‖x_i − x_j‖²/2 (= 1 − ⟨x_i, x_j⟩ for
+    unit tokens, but accurate when tokens nearly coincide), each (...,)."""
+    check_tensor(x, "x", min_dim=2)
+    n = x.shape[-2]
+    if n < 2:
+        raise ValueError("mean_overlap needs at least two tokens")
+    Gm = x @ x.transpose(-1, -2)
+    off = Gm.sum((-1, -2)) - torch.diagonal(Gm, dim1=-2, dim2=-1).sum(-1)
+    gbar = off / (n * (n - 1))
+    D = torch.cdist(x, x, compute_mode="donot_use_mm_for_euclid_dist").square() / 2
+    gap = D.sum((-1, -2)) / (n * (n - 1))
+    return gbar, gap

@@ -38,17 +38,18 @@ redundantly on each rank (it is tiny), so all ranks see the same Θ_t without co
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ._validation import NORMALIZATIONS, check_choice, check_int, check_positive, check_same, check_tokens, direction_sign
-from .energy import ito_correction, pairing
+from .energy import pairing
 from .field import FieldEval, evaluate
 from .heads import Heads
-from .processes import Constant, Process, WeightPath
-from .solvers.particle import LEDGER_KEYS, Trajectory, _assemble_records, _grid, _nonfinite, _WeightDriver
+from .processes import Constant, Process, WeightDriver, WeightPath, grid_steps
+from .solvers.particle import TABLEAUX, Trajectory, nonfinite_error
+from .solvers.parts import Ledger, Recorder, Stepper, partial_density, progress_bar
 
 __all__ = ["rank_and_world", "shard_tokens", "gather_tokens", "distributed_evaluate", "simulate_sharded"]
 
@@ -194,6 +195,46 @@ def distributed_evaluate(
 
 
 @torch.no_grad()
+def _flag(*ts) -> float:
+    """1.0 when any of the tensors holds NaN/inf, else 0.0 (all-reduced with the entries, so every rank agrees)."""
+    return float(any(not bool(torch.isfinite(t).all()) for t in ts))
+
+
+def _reduce_with_flag(entries, bad: float, zero: torch.Tensor, group):
+    """Sum the entries (tensors broadcast to the batch shape of ``zero``, or numbers) and the non-finite flag
+    over the ranks in one all-reduce; returns (the summed entries, whether any rank flagged)."""
+    batch = zero.shape
+    vec = torch.stack([e.expand(batch) if isinstance(e, torch.Tensor) else zero + e for e in entries] + [zero + bad])
+    vec = _all_reduce(vec, group)
+    return vec[:-1], float(vec[-1].max()) > 0
+
+
+def _check_sharded_args(x0_local, theta, *, t1, dt, t0, paths, normalization, direction, record_every):
+    """The checks of :func:`simulate_sharded`, before any work; returns the arguments it normalises."""
+    check_tokens(x0_local, "x0_local")
+    check_choice(normalization, NORMALIZATIONS, "normalization")
+    sign = direction_sign(direction)
+    dt = check_positive(dt, "dt")
+    t0, t1 = float(t0), float(t1)
+    K = grid_steps(t0, t1, dt)
+    record_every = check_int(record_every, "record_every")
+    if paths is not None:
+        paths = check_int(paths, "paths")
+    if isinstance(theta, Heads):
+        process: Process = Constant(theta)
+    elif isinstance(theta, Process):
+        process = theta
+    else:
+        raise TypeError(f"theta must be a Heads or a Process, got {type(theta).__name__}")
+    if isinstance(process, WeightPath) and paths is not None:
+        raise ValueError("a stored WeightPath already carries its paths axis; call without paths=")
+    h0 = process.heads0
+    check_same(x0_local, h0._ref, "x0_local", "theta's heads")
+    if h0.dim != x0_local.shape[-1]:
+        raise ValueError(f"the heads act on d = {h0.dim} but x0_local has d = {x0_local.shape[-1]}")
+    return process, sign, dt, t0, t1, K, record_every, paths
+
+
 def simulate_sharded(
     x0_local: torch.Tensor,
     theta,
@@ -240,33 +281,15 @@ def simulate_sharded(
         TypeError / ValueError for bad input; NonFiniteError on every rank when any rank
         produces NaN/inf (the ranks agree through the all-reduced flag, so none hangs).
     """
-    check_tokens(x0_local, "x0_local")
-    check_choice(normalization, NORMALIZATIONS, "normalization")
-    sign = direction_sign(direction)
-    dt = check_positive(dt, "dt")
-    t0, t1 = float(t0), float(t1)
-    K = _grid(t0, t1, dt)
-    record_every = check_int(record_every, "record_every")
-    if paths is not None:
-        paths = check_int(paths, "paths")
-    if isinstance(theta, Heads):
-        process: Process = Constant(theta)
-    elif isinstance(theta, Process):
-        process = theta
-    else:
-        raise TypeError(f"theta must be a Heads or a Process, got {type(theta).__name__}")
-    if isinstance(process, WeightPath) and paths is not None:
-        raise ValueError("a stored WeightPath already carries its paths axis; call without paths=")
-    h0 = process.heads0
-    check_same(x0_local, h0._ref, "x0_local", "theta's heads")
-    if h0.dim != x0_local.shape[-1]:
-        raise ValueError(f"the heads act on d = {h0.dim} but x0_local has d = {x0_local.shape[-1]}")
+    process, sign, dt, t0, t1, K, record_every, paths = _check_sharded_args(
+        x0_local, theta, t1=t1, dt=dt, t0=t0, paths=paths, normalization=normalization, direction=direction,
+        record_every=record_every)
     rank, _ = rank_and_world(group)
     start = time.perf_counter()
     shard = _Shard(x0_local, weights, group)
     wq, wk = shard.query, shard.keys
     bx = tuple(x0_local.shape[:-2])
-    drv = _WeightDriver(process, paths=paths, generator=None, seed=seed, t0=t0, dt=dt, batch_rank=len(bx))
+    drv = WeightDriver(process, paths=paths, generator=None, seed=seed, t0=t0, dt=dt, batch_rank=len(bx))
     x = x0_local if paths is None else x0_local.unsqueeze(0).expand(paths, *x0_local.shape)
     x = x.expand(*torch.broadcast_shapes(x.shape[:-2], drv.current.batch_shape), *x.shape[-2:])
     noisy = process.noisy
@@ -277,70 +300,38 @@ def simulate_sharded(
                         diagnostics=diag, second_moment=diag and noisy, backend=backend,
                         chunk_elements=chunk_elements)
 
-    def partial_density(xk, hk, evk, rate, sigma):
-        pt = pairing(xk, hk, wq, evk.stats, rate)
-        if noisy:
-            pt = pt + ito_correction(hk, wq, evk.stats, sigma)
-        return pt
-
-    def flag(*ts):
-        bad = any(not bool(torch.isfinite(t).all()) for t in ts)
-        return float(bad)
-
     keys = shard.gather(x)
     cur = ev(x, keys, heads, diagnostics)
     batch = cur.velocity.shape[:-2]
     zero = torch.zeros(batch, dtype=x.dtype, device=x.device)
 
     def reduce(entries, bad):
-        vec = torch.stack([e.expand(batch) if isinstance(e, torch.Tensor) else zero + e for e in entries]
-                          + [zero + bad])
-        vec = _all_reduce(vec, group)
-        return vec[:-1], float(vec[-1].max()) > 0
+        return _reduce_with_flag(entries, bad, zero, group)
 
+    ledger, rec = None, Recorder(K, record_every, diagnostics=diagnostics)
     if diagnostics:
         red, bad = reduce([cur.energy, cur.slope, cur.dissipation,
-                           partial_density(x, heads, cur, drv.rate, drv.sigma)], flag(cur.velocity))
+                           partial_density(x, heads, wq, cur.stats, drv.rate, drv.sigma, ito=noisy)],
+                          _flag(cur.velocity))
         E, G2, Dis, dens_p = red
-        acc = {"E0": E, "partial": zero, "dissipation": zero, "slope": zero, "martingale": zero}
+        ledger = Ledger(E, sign=sign, quadrature="left")
         dens = {"partial": dens_p, "dissipation": Dis, "slope": G2}
     else:
-        _, bad = reduce([], flag(cur.velocity))
+        _, bad = reduce([], _flag(cur.velocity))
         E = G2 = Dis = None
     if bad:
-        raise _nonfinite("the velocity field", drv.t, drv.k, heads)
+        raise nonfinite_error("the velocity field", drv.t, drv.k, heads)
 
-    rec_set = set(range(0, K + 1, record_every)) | {K}
-    records: Dict[str, List[torch.Tensor]] = {"x": [], "energy": [], "slope": [], "dissipation": []}
-    for key in LEDGER_KEYS:
-        records["ledger." + key] = []
+    def record(xk, keysk):
+        rec.record(keysk if gather_x else xk, E, G2, Dis, ledger.terms(E) if diagnostics else None)
 
-    def record(xk, keysk, Ek, Gk, Dk):
-        records["x"].append(keysk if gather_x else xk)
-        if diagnostics:
-            dE = Ek - acc["E0"]
-            led = {"dE": dE, "partial": acc["partial"], "dissipation": acc["dissipation"], "slope": acc["slope"],
-                   "martingale": acc["martingale"],
-                   "residual": dE - acc["partial"] - acc["dissipation"] - acc["martingale"],
-                   "residual_slope": dE - acc["partial"] - sign * acc["slope"] - acc["martingale"]}
-            records["energy"].append(Ek)
-            records["slope"].append(Gk)
-            records["dissipation"].append(Dk)
-            for key in LEDGER_KEYS:
-                records["ledger." + key].append(led[key])
-
-    record(x, keys, E, G2, Dis)
-    bar = None
-    if progress and rank == 0:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=K, desc="simulate_sharded (euler)", unit="step", leave=False)
-    try:
+    record(x, keys)
+    stepper = Stepper(TABLEAUX["euler"], retract=True)
+    with progress_bar(progress and rank == 0, K, "simulate_sharded (euler)") as bar:
         for k in range(K):
             noise = drv.prepare() if noisy else None
             mart = pairing(x, heads, wq, cur.stats, noise) if (diagnostics and noise is not None) else 0.0
-            y = x + dt * cur.velocity
-            x_new = y / y.norm(dim=-1, keepdim=True)
+            x_new, _ = stepper.step(x, cur.velocity, dt, None)
             jumps = drv.jumps()
             prev_heads = heads
             drv.advance()
@@ -350,35 +341,28 @@ def simulate_sharded(
             if diagnostics:
                 before = ev(x_new, keys, prev_heads, True).energy if jumps else 0.0
                 red, bad = reduce([nxt.energy, nxt.slope, nxt.dissipation,
-                                   partial_density(x_new, heads, nxt, drv.rate, drv.sigma), mart, before],
-                                  flag(x_new, nxt.velocity))
-                if bad:
-                    raise _nonfinite("the token positions or the velocity field", drv.t, drv.k, heads)
+                                   partial_density(x_new, heads, wq, nxt.stats, drv.rate, drv.sigma, ito=noisy),
+                                   mart, before], _flag(x_new, nxt.velocity))
+            else:
+                red, bad = reduce([], _flag(x_new, nxt.velocity))
+            if bad:
+                raise nonfinite_error("the token positions or the velocity field", drv.t, drv.k, heads)
+            if diagnostics:
                 E, G2, Dis, dens_p, mart_g, before_g = red
                 if noise is not None:
-                    acc["martingale"] = acc["martingale"] + mart_g
-                for key in ("partial", "dissipation", "slope"):
-                    acc[key] = acc[key] + dt * dens[key]
+                    ledger.add("martingale", mart_g)
+                ledger.integrate(dens, None, dt)
                 if jumps:
-                    acc["partial"] = acc["partial"] + (E - before_g)
+                    ledger.add("partial", E - before_g)
                 dens = {"partial": dens_p, "dissipation": Dis, "slope": G2}
-            else:
-                _, bad = reduce([], flag(x_new, nxt.velocity))
-                if bad:
-                    raise _nonfinite("the token positions or the velocity field", drv.t, drv.k, heads)
             x, cur = x_new, nxt
-            if (k + 1) in rec_set:
-                record(x, keys, E, G2, Dis)
-            if bar is not None:
-                bar.update(1)
-    finally:
-        if bar is not None:
-            bar.close()
+            if rec.keeps(k + 1):
+                record(x, keys)
+            bar.update(1)
 
-    rec_k = sorted(rec_set)
-    times, out_x, series, ledger = _assemble_records(records, rec_k, t0, dt, diagnostics)
+    times, out_x, series, led, _ = rec.stacked(t0, dt)
     stats = {"steps": K, "field_evaluations": K + 1, "wall_time": time.perf_counter() - start, "order": 1,
              "ranks": rank_and_world(group)[1], "tokens": shard.N}
-    return Trajectory(times, out_x, series["energy"], series["slope"], series["dissipation"], ledger, stats,
+    return Trajectory(times, out_x, series["energy"], series["slope"], series["dissipation"], led, stats,
                       "euler", normalization, direction, weights)
 

@@ -28,7 +28,7 @@ import math
 import torch
 
 from .attention import HeadStats, softmax_statistics
-from .field import _check_inputs, _head_token_mean
+from .field import check_inputs, head_token_mean
 from .heads import Heads
 
 __all__ = ["energy", "head_energies", "first_variation", "energy_time_derivative",
@@ -93,7 +93,7 @@ def overflow_check(value: torch.Tensor, what: str, log_value, log_scale: float, 
 def _head_energies(x, heads: Heads, weights, log_scale: float):
     stats = softmax_statistics(x, heads, weights)
     beta = heads.beta if isinstance(heads.beta, float) else heads.beta.unsqueeze(-1)
-    return _head_token_mean(scaled_exp(stats.log_partition, log_scale), weights) / (2 * beta), stats
+    return head_token_mean(scaled_exp(stats.log_partition, log_scale), weights) / (2 * beta), stats
 
 
 def _log_head_energies(x, heads: Heads, weights, stats) -> torch.Tensor:
@@ -116,7 +116,7 @@ def head_energies(x, heads: Heads, weights=None, *, log_scale: float = 0.0):
 
     Raises:
         OverflowError: E_h e^{−log_scale} does not fit the dtype (the message gives log E_h and the fix)."""
-    _check_inputs(x, heads, weights)
+    check_inputs(x, heads, weights)
     c = check_log_scale(log_scale)
     out, stats = _head_energies(x, heads, weights, c)
     return overflow_check(out, "the head energy E_h", lambda: _log_head_energies(x, heads, weights, stats), c,
@@ -144,7 +144,7 @@ def energy(x, heads: Heads, weights=None, *, log_scale: float = 0.0):
         >>> round(float(E), 9)  # ((e^1000 + 1)/2)/2 · e^-1000
         0.25
     """
-    _check_inputs(x, heads, weights)
+    check_inputs(x, heads, weights)
     c = check_log_scale(log_scale)
     per, stats = _head_energies(x, heads, weights, c)
     out = (heads.weights * per).sum(-1)
@@ -157,7 +157,7 @@ def _log_energy(x, heads, weights, stats):
 
 def log_energy(x, heads: Heads, weights=None):
     """log E, computed by log-sum-exp (finite where E itself overflows), (...,)."""
-    _check_inputs(x, heads, weights)
+    check_inputs(x, heads, weights)
     stats = softmax_statistics(x, heads, weights)
     lse = stats.log_partition
     logw_tok = 0.0 if weights is None else torch.log(weights).unsqueeze(-2)
@@ -176,7 +176,7 @@ def first_variation(x, heads: Heads, weights=None, *, at=None, log_scale: float 
     Raises:
         OverflowError: the result overflows the dtype; pass ``log_scale=`` (it is e^{−c} times δE/δμ).
     """
-    _check_inputs(x, heads, weights)
+    check_inputs(x, heads, weights)
     c = check_log_scale(log_scale)
     z = x if at is None else at
     beta = heads.beta if isinstance(heads.beta, float) else heads.beta.unsqueeze(-1)
@@ -215,7 +215,7 @@ def ito_correction(heads: Heads, weights, stats: HeadStats, sigma, *, log_scale:
 
     sigma: float, or tensor broadcasting against (..., H).  It is E[½ ∂²_A E[σ dW_sym, σ dW_sym]]/dt
     (the expectation of :func:`quadratic_variation` per unit time)."""
-    per_head = _head_token_mean(scaled_exp(stats.log_partition, log_scale) * (1 + stats.second), weights)
+    per_head = head_token_mean(scaled_exp(stats.log_partition, log_scale) * (1 + stats.second), weights)
     beta = heads.beta if isinstance(heads.beta, float) else heads.beta.unsqueeze(-1)
     sig2 = sigma * sigma
     return (heads.weights * 0.5 * beta * sig2 / 4 * per_head).sum(-1)
@@ -256,7 +256,7 @@ def quadratic_variation(x, heads: Heads, weights, stats: HeadStats, increment: t
         logp = logp.masked_fill(mask, float("-inf"))
     Q = ((xs @ increment) @ xs.transpose(-1, -2)).square()  # ⟨x_i, ΔN_h x_j⟩²
     inner = (torch.exp(logp) * Q).sum(-1)  # (..., H, n)
-    per_head = _head_token_mean(scaled_exp(stats.log_partition, log_scale) * inner, weights)
+    per_head = head_token_mean(scaled_exp(stats.log_partition, log_scale) * inner, weights)
     return (heads.weights * (beta / 4) * per_head).sum(-1)
 
 
@@ -267,7 +267,7 @@ def energy_time_derivative(x, heads: Heads, score_rate: torch.Tensor, weights=No
 
     Raises:
         OverflowError: the result overflows the dtype; pass ``log_scale=``."""
-    _check_inputs(x, heads, weights)
+    check_inputs(x, heads, weights)
     c = check_log_scale(log_scale)
     if not isinstance(score_rate, torch.Tensor) or score_rate.shape[-3:] != heads.score_matrix.shape[-3:]:
         raise ValueError("score_rate must be a tensor of shape (..., H, d, d) like the heads' scores")

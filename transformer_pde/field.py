@@ -50,6 +50,9 @@ from .heads import Heads
 from .sphere import tangent_projection
 
 __all__ = ["FieldEval", "evaluate", "velocity", "head_outputs", "radial_shadows"]
+#: named internal API (not public): the shared input checks and token/head means of the energy,
+#: mobility, diagnostics and nn modules
+__internal__ = ["check_inputs", "token_mean", "head_token_mean", "log_inverse_mobility", "grad_first_variation_terms"]
 
 
 @dataclass
@@ -72,12 +75,12 @@ class FieldEval:
     dissipation: Optional[torch.Tensor] = None
 
 
-def _token_mean(values: torch.Tensor, weights: Optional[torch.Tensor]) -> torch.Tensor:
+def token_mean(values: torch.Tensor, weights: Optional[torch.Tensor]) -> torch.Tensor:
     """Σ_i w_i values_i over the last axis (mean when weights is None)."""
     return values.mean(-1) if weights is None else (values * weights).sum(-1)
 
 
-def _head_token_mean(values: torch.Tensor, weights: Optional[torch.Tensor]) -> torch.Tensor:
+def head_token_mean(values: torch.Tensor, weights: Optional[torch.Tensor]) -> torch.Tensor:
     """Σ_i w_i values_hi for per-head values (..., H, n) and token weights (..., n) -> (..., H)."""
     return values.mean(-1) if weights is None else (values * weights.unsqueeze(-2)).sum(-1)
 
@@ -87,13 +90,13 @@ def _apply(M: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return v @ M.transpose(-1, -2)
 
 
-def _log_inverse_mobility(heads: Heads, lse: torch.Tensor) -> torch.Tensor:
+def log_inverse_mobility(heads: Heads, lse: torch.Tensor) -> torch.Tensor:
     """log b^{-1}(x_i) = log Σ_h ω̄_h e^{-log m_h(x_i)}, (..., n)."""
     logw = torch.log(heads.normalized_weights).unsqueeze(-1)  # (..., H, 1)
     return torch.logsumexp(logw - lse, dim=-2)
 
 
-def _grad_first_variation_terms(x, heads: Heads, weights, stats: HeadStats, chunk_elements=None, backend="auto",
+def grad_first_variation_terms(x, heads: Heads, weights, stats: HeadStats, chunk_elements=None, backend="auto",
                                 applied=None, keys=None):
     """Per-head un-projected terms c_h(x_i) with ∇ δE/δμ(x_i) = Σ_h ω_h c_h(x_i), as
     (log-scale, direction): c_h = e^{lse_h} u_h.  Returns list of (lse, u) pairs.
@@ -167,7 +170,7 @@ def evaluate(
     if normalization in ("softmax", "unnormalized"):
         value_mean = _apply(heads.value_matrix, stats.mean)
     reuse = value_mean if (value_mean is not None and heads.tied and heads.is_symmetric and not causal) else None
-    terms = (_grad_first_variation_terms(x, heads, key_weights, full, chunk_elements, backend, applied=reuse,
+    terms = (grad_first_variation_terms(x, heads, key_weights, full, chunk_elements, backend, applied=reuse,
                                          keys=keys) if need_grad_fv else None)
     if normalization == "softmax":
         outputs = value_mean
@@ -181,7 +184,7 @@ def evaluate(
         outputs = _apply(heads.value_matrix, first)
         field = (omega * outputs).sum(-3)
     elif normalization == "effective":
-        log_binv = _log_inverse_mobility(heads, lse).unsqueeze(-2)  # (..., 1, n)
+        log_binv = log_inverse_mobility(heads, lse).unsqueeze(-2)  # (..., 1, n)
         field = sum((omega * torch.exp(l + log_binv).unsqueeze(-1) * u).sum(-3) for l, u in terms)
     else:  # pragma: no cover - validated by callers
         raise ValueError(f"unknown normalization {normalization!r}")
@@ -190,15 +193,15 @@ def evaluate(
     if diagnostics:
         g = tangent_projection(x, sum((omega * torch.exp(l).unsqueeze(-1) * u).sum(-3) for l, u in terms))
         out.grad_first_variation = g
-        out.energy = (heads.weights * _head_token_mean(torch.exp(lse), weights)).sum(-1) / (2 * heads.beta)
-        b = torch.exp(-_log_inverse_mobility(heads, lse))
-        out.slope = _token_mean(b * V.square().sum(-1), weights)
-        out.dissipation = _token_mean((g * V).sum(-1), weights)
+        out.energy = (heads.weights * head_token_mean(torch.exp(lse), weights)).sum(-1) / (2 * heads.beta)
+        b = torch.exp(-log_inverse_mobility(heads, lse))
+        out.slope = token_mean(b * V.square().sum(-1), weights)
+        out.dissipation = token_mean((g * V).sum(-1), weights)
     return out
 
 
 # ---------------------------------------------------------------------- checked entry points
-def _check_inputs(x, heads, weights, *, on_sphere: bool = True):
+def check_inputs(x, heads, weights, *, on_sphere: bool = True):
     """The checks of every public entry point; on_sphere=False admits tokens of any non-zero norm
     (the flat, unprojected dynamics of :mod:`transformer_pde.diagnostics`)."""
     if on_sphere:
@@ -258,7 +261,7 @@ def velocity(x, heads, weights=None, normalization="softmax", direction="ascent"
     check_choice(normalization, NORMALIZATIONS, "normalization")
     sign = direction_sign(direction)
     _check_causal_flag(causal, normalization)
-    _check_inputs(x, heads, weights)
+    check_inputs(x, heads, weights)
     if normalization == "effective":
         check_tied(heads, "normalization='effective'")
     v = evaluate(x, heads, weights, normalization=normalization, sign=sign, diagnostics=False, causal=causal).velocity
@@ -276,7 +279,7 @@ def head_outputs(x, heads, weights=None, normalization="softmax", *, causal=Fals
     causal: token i attends only to tokens j ≤ i (see :func:`velocity`)."""
     check_choice(normalization, ("softmax", "unnormalized", "relu"), "normalization")
     _check_causal_flag(causal, normalization)
-    _check_inputs(x, heads, weights)
+    check_inputs(x, heads, weights)
     return evaluate(x, heads, weights, normalization=normalization, diagnostics=False, causal=causal).outputs
 
 

@@ -14,13 +14,16 @@ compute scores as ⟨Q_h x, K_h y⟩ at cost O(k) instead of O(d²).
 
 from __future__ import annotations
 
-from typing import Optional, Union
+import math
+from typing import Mapping, Optional, Union
 
 import torch
 
-from ._validation import check_positive, check_same, check_tensor
+from ._validation import check_choice, check_positive, check_same, check_tensor
 
 __all__ = ["Heads"]
+#: named internal API (not public): the MultiheadAttention inside a module, for :mod:`transformer_pde.nn`
+__internal__ = ["heads_from_multihead_attention", "mha_module"]
 
 Beta = Union[float, torch.Tensor]
 
@@ -187,8 +190,6 @@ class Heads:
         query/key/value/output tensors): A_h = W_{Q,h}ᵀ W_{K,h}, V_h = W_{O,h} W_{V,h}, β = r²/√k,
         ω_h = 1, factors kept when k < d.  Options, and what the conversion keeps and drops:
         :func:`transformer_pde.nn.heads_from_multihead_attention`."""
-        from .nn import heads_from_multihead_attention  # nn sits above heads
-
         return heads_from_multihead_attention(module, **kwargs)
 
     # ------------------------------------------------------------------ properties
@@ -293,3 +294,171 @@ class Heads:
         )
 
 
+# ---------------------------------------------------------------------------- torch.nn.MultiheadAttention → Heads
+# (here, not in nn, so that Heads.from_multihead_attention needs nothing above heads; tp.nn re-exports it)
+
+_KEYS = {
+    "query": ("query", "q", "w_q", "wq"),
+    "key": ("key", "k", "w_k", "wk"),
+    "value": ("value", "v", "w_v", "wv"),
+    "output": ("output", "o", "w_o", "wo", "out"),
+}
+
+
+def mha_module(module):
+    """The MultiheadAttention inside ``module`` (itself, or a layer's ``self_attn``)."""
+    if isinstance(module, torch.nn.MultiheadAttention):
+        return module
+    inner = getattr(module, "self_attn", None)
+    if isinstance(inner, torch.nn.MultiheadAttention):
+        return inner
+    return None
+
+
+def _head_weights(head_weights, H, ref: torch.Tensor):
+    if isinstance(head_weights, str):
+        check_choice(head_weights, ("sum", "mean"), "head_weights")
+        return torch.ones(H, dtype=ref.dtype, device=ref.device) if head_weights == "sum" else None
+    if isinstance(head_weights, torch.Tensor):
+        return head_weights
+    raise TypeError(f"head_weights must be 'sum', 'mean' or a tensor (..., H), got {type(head_weights).__name__}")
+
+
+def _beta(beta, token_norm, k):
+    if beta is None:
+        r = check_positive(token_norm, "token_norm")
+        return r * r / math.sqrt(k)
+    if isinstance(beta, torch.Tensor):
+        return beta
+    return check_positive(beta, "beta")
+
+
+def _split_mha(mha: torch.nn.MultiheadAttention, bias: str):
+    """Per-head factors (Q, K, W_V: (H, k, d); O: (H, d, k)) of a MultiheadAttention."""
+    E, H = mha.embed_dim, mha.num_heads
+    k = E // H
+    if mha.kdim != E or mha.vdim != E:
+        raise ValueError(
+            f"this MultiheadAttention has kdim = {mha.kdim}, vdim = {mha.vdim} != embed_dim = {E}: its keys and values "
+            f"live in another space (cross-attention), which is not a self-attention flow of tokens in R^{E}"
+        )
+    if mha.in_proj_weight is not None:
+        Wq, Wk, Wv = mha.in_proj_weight.split(E, dim=0)
+    else:
+        Wq, Wk, Wv = mha.q_proj_weight, mha.k_proj_weight, mha.v_proj_weight
+    Wo = mha.out_proj.weight
+    if bias == "error":
+        found = []
+        if mha.in_proj_bias is not None:
+            bq, _bk, bv = mha.in_proj_bias.split(E)
+            if bool((bq != 0).any()):
+                found.append("query bias (in_proj_bias[:E])")
+            if bool((bv != 0).any()):
+                found.append("value bias (in_proj_bias[2E:])")
+        if mha.out_proj.bias is not None and bool((mha.out_proj.bias != 0).any()):
+            found.append("output bias (out_proj.bias)")
+        if mha.bias_k is not None or mha.bias_v is not None:
+            found.append("add_bias_kv (bias_k, bias_v)")
+        if mha.add_zero_attn:
+            found.append("add_zero_attn")
+        if found:
+            raise ValueError(
+                "the module has terms the model cannot represent: " + ", ".join(found)
+                + "; zero them, or pass bias='drop' to drop them (the key bias is always exact)"
+            )
+    Q = Wq.reshape(H, k, E)
+    K = Wk.reshape(H, k, E)
+    V = Wv.reshape(H, k, E)
+    O = Wo.reshape(E, H, k).permute(1, 0, 2)  # (H, E, k): columns hk … (h+1)k − 1 of W_O
+    return Q, K, V, O
+
+
+def _from_dict(d: Mapping):
+    found = {}
+    lower = {str(key).lower(): key for key in d}
+    for role, names in _KEYS.items():
+        for name in names:
+            if name in lower:
+                found[role] = d[lower[name]]
+                break
+    unknown = set(lower) - {n for names in _KEYS.values() for n in names}
+    if unknown:
+        raise ValueError(
+            f"unknown keys {sorted(unknown)} in the dict of heads; use 'query', 'key', 'value' and optionally 'output' "
+            f"(or q, k, v, o)"
+        )
+    missing = [r for r in ("query", "key", "value") if r not in found]
+    if missing:
+        raise ValueError(f"the dict of heads lacks {missing}; give per-head tensors query, key (H, k, d), value (H, k_v, d)"
+                         f" and optionally output (H, d, k_v)")
+    for role, t in found.items():
+        check_tensor(t, role, min_dim=3)
+    Q, K, V, O = found["query"], found["key"], found["value"], found.get("output")
+    if Q.shape != K.shape:
+        raise ValueError(f"query and key must have the same shape (..., H, k, d); got {tuple(Q.shape)} and {tuple(K.shape)}")
+    if V.shape[-1] != Q.shape[-1] or V.shape[-3] != Q.shape[-3]:
+        raise ValueError(f"value must have shape (..., H, k_v, d) with H = {Q.shape[-3]}, d = {Q.shape[-1]}; got {tuple(V.shape)}")
+    return Q, K, V, O
+
+
+def heads_from_multihead_attention(
+    module,
+    *,
+    head_weights: Union[str, torch.Tensor] = "sum",
+    beta: Optional[Union[float, torch.Tensor]] = None,
+    token_norm: float = 1.0,
+    keep_factors: Optional[bool] = None,
+    bias: str = "drop",
+    detach: bool = False,
+    dtype: Optional[torch.dtype] = None,
+    device=None,
+) -> Heads:
+    """Heads (A_h = Q_hᵀK_h, V_h = O_h W_{V,h}, β = r²/√k) of a real attention layer (module docstring).
+
+    Args:
+        module: a ``torch.nn.MultiheadAttention`` (packed ``in_proj_weight`` or separate
+            ``q/k/v_proj_weight``), a layer holding one as ``self_attn``
+            (``TransformerEncoderLayer``, ``TransformerDecoderLayer``: its self-attention), or a
+            dict of per-head tensors ``query``, ``key`` (..., H, k, d), ``value`` (..., H, k_v, d) and
+            optionally ``output`` (..., H, d, k_v) (keys q, k, v, o accepted; V_h = O_h W_{V,h},
+            or V_h = value when output is absent and k_v = d).
+        head_weights: "sum" (ω_h = 1: MHA(x) = Σ_h f_h exactly), "mean" (ω_h = 1/H) or a tensor (..., H).
+        beta: inverse temperature; None means r²/√k with r = ``token_norm`` (the module's 1/√k scaling).
+        token_norm: r, the norm of the tokens the module sees (1 on the unit sphere, √d after a
+            LayerNorm without affine parameters).
+        keep_factors: keep Q_h, K_h (k×d) instead of forming A_h; None means "when k < d".
+        bias: "drop" (default) or "error" (refuse non-zero query/value/output biases, bias_k/v, zero attention).
+        detach: cut the autograd link to the module's parameters.
+        dtype, device: convert the tensors (e.g. ``dtype=torch.float64``).
+
+    Returns:
+        :class:`~transformer_pde.Heads` with batch shape () for a module, (...) for a batched dict.
+
+    Raises:
+        TypeError: an unsupported module type or head_weights.
+        ValueError: cross-attention (kdim/vdim != embed_dim), unknown/missing dict keys, bad shapes,
+            non-zero biases with ``bias="error"``, unknown options.
+    """
+    check_choice(bias, ("drop", "error"), "bias")
+    if isinstance(module, Mapping):
+        Q, K, Wv, O = _from_dict(module)
+    else:
+        mha = mha_module(module)
+        if mha is None:
+            raise TypeError(
+                f"expected a torch.nn.MultiheadAttention, a layer with a .self_attn MultiheadAttention "
+                f"(TransformerEncoderLayer) or a dict of per-head query/key/value/output tensors; got {type(module).__name__}"
+            )
+        Q, K, Wv, O = _split_mha(mha, bias)
+    tensors = [Q, K, Wv, O]
+    if detach:
+        tensors = [None if t is None else t.detach() for t in tensors]
+    if dtype is not None or device is not None:
+        tensors = [None if t is None else t.to(dtype=dtype, device=device) for t in tensors]
+    Q, K, Wv, O = tensors
+    H, k, d = Q.shape[-3], Q.shape[-2], Q.shape[-1]
+    if keep_factors is None:
+        keep_factors = k < d
+    w = _head_weights(head_weights, H, Q)
+    b = _beta(beta, token_norm, k)
+    return Heads.from_qkv(Q, K, Wv, O, beta=b, weights=w, keep_factors=bool(keep_factors))

@@ -22,7 +22,7 @@ import torch
 from ._validation import NORMALIZATIONS, check_choice, check_tied, direction_sign
 from .attention import HeadStats, softmax_statistics
 from .energy import check_log_scale, overflow_check, scaled_exp
-from .field import _check_inputs, _log_inverse_mobility, evaluate
+from .field import check_inputs, log_inverse_mobility, evaluate
 from .heads import Heads
 from .sphere import tangent_projection
 
@@ -70,7 +70,7 @@ def scaled_diagnostics(x: torch.Tensor, heads: Heads, weights: Optional[torch.Te
     g = tangent_projection(x, sum((omega * scaled_exp(l, c).unsqueeze(-1) * u).sum(-3) for l, u in terms))
     beta = heads.beta
     energy = (heads.weights * token_mean(scaled_exp(lse, c), per_head=True)).sum(-1) / (2 * beta)
-    b = torch.exp(-_log_inverse_mobility(heads, lse) - c) if c != 0.0 else torch.exp(-_log_inverse_mobility(heads, lse))
+    b = torch.exp(-log_inverse_mobility(heads, lse) - c) if c != 0.0 else torch.exp(-log_inverse_mobility(heads, lse))
     slope = token_mean(b * velocity.square().sum(-1))
     diss = token_mean((g * velocity).sum(-1))
     return energy, slope, diss, g
@@ -78,9 +78,9 @@ def scaled_diagnostics(x: torch.Tensor, heads: Heads, weights: Optional[torch.Te
 
 def log_mobility(x, heads: Heads, weights=None):
     """(log m (..., H, n), log b (..., n)), finite for any β‖A‖."""
-    _check_inputs(x, heads, weights)
+    check_inputs(x, heads, weights)
     lse = softmax_statistics(x, heads, weights).log_partition
-    return lse, -_log_inverse_mobility(heads, lse)
+    return lse, -log_inverse_mobility(heads, lse)
 
 
 def mobility(x, heads: Heads, weights=None):
@@ -94,7 +94,7 @@ def mobility(x, heads: Heads, weights=None):
 def _diag(x, heads, weights, normalization, direction):
     check_choice(normalization, NORMALIZATIONS, "normalization")
     sign = direction_sign(direction)
-    _check_inputs(x, heads, weights)
+    check_inputs(x, heads, weights)
     if normalization == "effective":
         check_tied(heads, "normalization='effective'")
     return evaluate(x, heads, weights, normalization=normalization, sign=sign, diagnostics=True)
@@ -109,7 +109,7 @@ def _scaled(x, heads, weights, normalization, direction, log_scale, which):
     else:
         check_choice(normalization, NORMALIZATIONS, "normalization")
         sign = direction_sign(direction)
-        _check_inputs(x, heads, weights)
+        check_inputs(x, heads, weights)
         ev = evaluate(x, heads, weights, normalization=normalization, sign=sign, diagnostics=False)
         stats = ev.stats
         E, G, D, _ = scaled_diagnostics(x, heads, weights, ev.velocity, stats, log_scale=c)

@@ -528,13 +528,10 @@ def slope_series(panels: Sequence[Tuple[str, Mapping[int, object]]], times, *, t
     if title:
         fig.suptitle(title, fontsize=11)
     if caption is None:
+        band = "; shaded: 16–84 % quantiles over the paths (± 1σ for a Gaussian; a ± std band would cross 0)"
+        dotted = f". Dotted: t = {t_avg:g}, where the time average of the scaling figure starts" if t_avg is not None else ""
         caption = ("Metric slope 𝒢² = ∫ b|V|² dμ on a log axis, one colour per head count H. Lines: mean over the "
-                   "Monte-Carlo paths (or the single path of a deterministic run)")
-        if any_band:
-            caption += "; shaded: 16–84 % quantiles over the paths (± 1σ for a Gaussian; a ± std band would cross 0)"
-        if t_avg is not None:
-            caption += f". Dotted: t = {t_avg:g}, where the time average of the scaling figure starts"
-        caption += "."
+                   f"Monte-Carlo paths (or the single path of a deterministic run){band if any_band else ''}{dotted}.")
     add_caption(fig, caption)
     return fig
 

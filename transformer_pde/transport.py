@@ -46,6 +46,8 @@ from ._validation import check_choice, check_int, check_positive, check_same, ch
 
 __all__ = ["distance", "transport_plan", "cost_matrix", "sinkhorn_divergence", "KINDS", "METRICS", "BACKENDS",
            "keops_available"]
+#: named internal API (not public), used by the JKO scheme
+__internal__ = ["emd_plans", "sq_chordal"]
 
 KINDS = ("w2", "sinkhorn", "sliced")
 METRICS = ("chordal", "geodesic")
@@ -67,7 +69,7 @@ def keops_available() -> bool:
 
 
 # ---------------------------------------------------------------------------- costs
-def _sq_chordal(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def sq_chordal(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """|x_i − y_j|², (..., n, m); exact differences when small (no cancellation, safe gradient at 0)."""
     n, m, d = x.shape[-2], y.shape[-2], x.shape[-1]
     batch = torch.broadcast_shapes(x.shape[:-2], y.shape[:-2])
@@ -94,7 +96,7 @@ def cost_matrix(x: torch.Tensor, y: torch.Tensor, *, metric: str = "chordal") ->
         (..., n, m) costs, dtype and device of x; differentiable (also at x_i = y_j).
     """
     check_choice(metric, METRICS, "metric")
-    c2 = _sq_chordal(x, y)
+    c2 = sq_chordal(x, y)
     return c2 if metric == "chordal" else _sq_geodesic(c2)
 
 
@@ -134,12 +136,8 @@ def _prepare(mu, nu):
     return xs, a.expand(*batch, n).reshape(B, n), ys, b.expand(*batch, m).reshape(B, m), tuple(batch)
 
 
-def _entropy(w: torch.Tensor) -> torch.Tensor:
-    return -(w * torch.log(w.clamp_min(torch.finfo(w.dtype).tiny))).sum(-1)
-
-
 # ---------------------------------------------------------------------------- exact OT
-def _emd_plans(a: torch.Tensor, b: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
+def emd_plans(a: torch.Tensor, b: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
     """Exact plans for every batch item (POT emd, a loop over the batch: POT's LP is not batched).
 
     The LP runs in float64 on the CPU with the weights renormalised there; the plan is
@@ -174,7 +172,7 @@ def transport_plan(mu: Measure, nu: Measure, *, metric: str = "chordal") -> torc
     """
     check_choice(metric, METRICS, "metric")
     x, a, y, b, batch = _prepare(mu, nu)
-    P = _emd_plans(a, b, cost_matrix(x, y, metric=metric))
+    P = emd_plans(a, b, cost_matrix(x, y, metric=metric))
     return P.reshape(*batch, *P.shape[-2:])
 
 
@@ -301,7 +299,7 @@ def distance(mu: Measure, nu: Measure, kind: str = "w2", *, squared: bool = Fals
         _resolve_backend(backend, metric == "geodesic", x.shape[-2], y.shape[-2])  # errors before any work
     if kind == "w2":
         M = cost_matrix(x, y, metric=metric)
-        P = _emd_plans(a, b, M)
+        P = emd_plans(a, b, M)
         val = (P * M).sum((-1, -2))
     elif kind == "sinkhorn":
         val = sinkhorn_divergence(x, a, y, b, eps=eps, metric=metric, scaling=scaling, backend=backend)

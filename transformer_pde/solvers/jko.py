@@ -109,27 +109,18 @@ from typing import Callable, Dict, List, Optional, Union
 import torch
 
 from .. import threads
-from .._validation import (
-    check_choice,
-    check_int,
-    check_positive,
-    check_real,
-    check_same,
-    check_seed,
-    check_token_weights,
-    check_tied_all,
-    check_tokens,
-    direction_sign,
-)
+from .._validation import (check_choice, check_int, check_positive, check_real, check_same, check_seed,
+                           check_tied_all, check_token_weights, check_tokens, direction_sign)
 from ..attention import softmax_statistics
 from ..energy import choose_log_scale
-from ..field import FieldEval, _log_inverse_mobility, evaluate
+from ..field import FieldEval, log_inverse_mobility, evaluate
 from ..mobility import scaled_diagnostics
 from ..heads import Heads
 from ..processes import Process, WeightPath, sample_path
 from ..sphere import circle_grid, fibonacci_sphere, normalize, tangent_projection
-from ..transport import _emd_plans, _sq_chordal, sinkhorn_divergence
-from .particle import NonFiniteError, Trajectory, _nonfinite
+from ..transport import emd_plans, sq_chordal, sinkhorn_divergence
+from .particle import NonFiniteError, Trajectory, nonfinite_error
+from .parts import Ledger, Recorder, progress_bar
 
 __all__ = ["jko", "to_grid", "self_potential", "JKOConvergenceError", "TRANSPORTS", "SCHEMES", "MOBILITIES", "COSTS"]
 
@@ -183,7 +174,7 @@ def _theta_source(theta, *, t0, t_end, tau, paths, seed, generator, path_dt):
             if abs(ratio - round(ratio)) > 1e-6 * max(1.0, ratio) or abs((t0 - lo) / theta.dt - round((t0 - lo) / theta.dt)) > 1e-6:
                 warnings.warn(
                     f"tau = {tau:.6g} (or t0) is not a multiple of the weight path's dt = {theta.dt:.6g}: the JKO steps "
-                    f"see the path linearly interpolated between its grid values", stacklevel=3)
+                    f"see the path linearly interpolated between its grid values", stacklevel=4)
         return theta.heads_at, theta
     if theta.closed_form:
         return theta.heads_at, None
@@ -207,7 +198,7 @@ def _log_mobility(lse: torch.Tensor, heads: Heads, unit: bool) -> torch.Tensor:
     """log b from the log-partitions (B, H, n); 0 for mobility="unit"."""
     if unit:
         return torch.zeros_like(lse[..., 0, :])
-    return -_log_inverse_mobility(heads, lse)
+    return -log_inverse_mobility(heads, lse)
 
 
 def _energy(y: torch.Tensor, heads: Heads, w: Optional[torch.Tensor],
@@ -262,7 +253,7 @@ def _resolve_grid(grid, d, dtype, device) -> torch.Tensor:
 
 def _grid_spacing(grid: torch.Tensor) -> float:
     """Mean nearest-neighbour distance of the grid points."""
-    D = _sq_chordal(grid, grid)
+    D = sq_chordal(grid, grid)
     D.fill_diagonal_(float("inf"))
     return float(D.min(-1).values.clamp_min(0).sqrt().mean())
 
@@ -482,11 +473,11 @@ def _lagrangian_step(x, w, wt, h_old, h_new, lb_old, *, tau, sgn, transport, sym
         if unit:
             return torch.exp(-logc).unsqueeze(-1).expand(q.shape[:-1])
         lse = softmax_statistics(q, h_old, w, keys=x).log_partition
-        return torch.exp(-_log_inverse_mobility(h_old, lse) - logc.unsqueeze(-1))
+        return torch.exp(-log_inverse_mobility(h_old, lse) - logc.unsqueeze(-1))
 
     def cost_rows(y):
         """c_k(x_j, y_i) / c as a (B, n_new, n_old) matrix."""
-        c2 = _sq_chordal(y, x)
+        c2 = sq_chordal(y, x)
         if symmetric:
             return 0.5 * (b_field(y).unsqueeze(-1) + b_old.unsqueeze(-2)) * c2
         return b_old.unsqueeze(-2) * c2
@@ -529,7 +520,7 @@ def _lagrangian_step(x, w, wt, h_old, h_new, lb_old, *, tau, sgn, transport, sym
             it_total = it_total + it
             with torch.no_grad():
                 M = cost_rows(y)
-                Pn = _emd_plans(wt, wt, M)
+                Pn = emd_plans(wt, wt, M)
                 old, new = (P * M).sum((-1, -2)), (Pn * M).sum((-1, -2))
                 improve = old - new > 1e-12 * (old.abs() + 1e-300) + 1e-300
             if not bool(improve.any()):
@@ -545,7 +536,7 @@ def _lagrangian_step(x, w, wt, h_old, h_new, lb_old, *, tau, sgn, transport, sym
         bmax = float(b_old.max())
 
         def sym_cost(X, Y):
-            c2 = _sq_chordal(X, Y)
+            c2 = sq_chordal(X, Y)
             return 0.5 * (b_field(X).unsqueeze(-1) + b_field(Y).unsqueeze(-2)) * c2
 
         diameter = 2.0 * math.sqrt(max(bmax, 1e-300)) * 1.5
@@ -610,7 +601,7 @@ def self_potential(q: torch.Tensor, C: torch.Tensor, eps: float, *, init: Option
 def _eulerian_step(z, q, h_old, h_new, lb_old, *, tau, sgn, eps, tol, max_iter, warm):
     """One entropic JKO step of the grid weights q (B, m). Returns p, info, warm-start state."""
     B, m = q.shape
-    c2 = _sq_chordal(z, z)  # (m, m)
+    c2 = sq_chordal(z, z)  # (m, m)
     bz = torch.exp(lb_old)  # (B, m)
     C = 0.5 * (bz.unsqueeze(-1) + bz.unsqueeze(-2)) * c2  # (B, m, m), symmetric
     f_self, _, _ = self_potential(q, C, eps, init=warm)
@@ -660,6 +651,161 @@ def _eulerian_step(z, q, h_old, h_new, lb_old, *, tau, sgn, eps, tol, max_iter, 
 
 
 # ---------------------------------------------------------------------------- entry point
+class _JKODiagnostics:
+    """Energy, 𝒢² and 𝒟 of the JKO scheme's measure in its own metric, at the common scale
+    ``scale["c"]`` (energies, 𝒢², 𝒟 and the ledger are reported times e^{−c})."""
+
+    def __init__(self, *, norm, sign, unit, diagnostics):
+        self.norm, self.sign, self.unit, self.diagnostics = norm, sign, unit, diagnostics
+        self.scale = {"c": 0.0}
+
+    def __call__(self, points, wts, heads):
+        c, norm, sign = self.scale["c"], self.norm, self.sign
+        if c == 0.0:  # ordinary runs: evaluate's own diagnostics, bit for bit
+            return evaluate(points, heads, wts, normalization=norm, sign=sign, diagnostics=True)
+        fe = evaluate(points, heads, wts, normalization=norm, sign=sign, diagnostics=False)
+        E, _, _, g = scaled_diagnostics(points, heads, wts, fe.velocity, fe.stats, log_scale=c)
+        # the scheme's field is the gradient flow V = s g / b (b ≡ 1 for "unit"): 𝒢² = Σ w b|V|² = Σ w |g|²/b
+        # and 𝒟 = Σ w ⟨g, V⟩ = s 𝒢², formed from g b^{-1/2} (no |V|² ~ e^{2β‖A‖} in between)
+        G = self.metric_slope(g, fe.stats.log_partition, heads, wts)
+        return FieldEval(fe.velocity, fe.stats, fe.outputs, g, E, G, sign * G)
+
+    def metric_slope(self, g, log_partition, heads, wts):
+        """|∂E|² e^{−c} in the scheme's metric: Σ w |∇δE|²/b (effective) or Σ w |∇δE|² (unit); g = ∇_S δE/δμ e^{−c}."""
+        # |g|²/b · e^{−c} = |g e^{−c} · (e^{c}/b)^{1/2}|², scaled before squaring (finite whenever the result is)
+        lbinv = torch.zeros_like(g[..., 0]) if self.unit else log_inverse_mobility(heads, log_partition)
+        g = g * torch.exp(0.5 * (lbinv + self.scale["c"])).unsqueeze(-1)
+        g2 = g.square().sum(-1)
+        return g2.mean(-1) if wts is None else (wts * g2).sum(-1)
+
+    def check(self, ev, t, k, heads):
+        """NonFiniteError unless the energy (and, with diagnostics, 𝒢² and 𝒟) are finite."""
+        if not bool(torch.isfinite(ev.energy).all()):
+            raise nonfinite_error("the energy", t, k, heads)
+        if self.diagnostics:
+            for name, v in (("the metric slope 𝒢²", ev.slope), ("the dissipation 𝒟", ev.dissipation)):
+                if not bool(torch.isfinite(v).all()):
+                    err = nonfinite_error(name, t, k, heads, self.norm)
+                    raise NonFiniteError(f"{err} (the JKO step itself does not need it: diagnostics=False)")
+
+
+def _jko_records(rec, S, batch: tuple, t0: float, tau: float, diagnostics: bool):
+    """The Recorder's series and the per-step statistics S, from the flat batch axis to ``batch``."""
+    T = len(rec.steps)
+    times, xs, series, ledger, _ = rec.stacked(t0, tau)
+    xs = xs.reshape(T, *batch, *xs.shape[2:])
+    ledger = {key: v.reshape(T, *batch) for key, v in ledger.items()}
+    series = {key: v.reshape(T, *batch) if diagnostics else None for key, v in series.items()}
+    st = {key: torch.stack([v.reshape(batch) for v in vals]) for key, vals in S.items()}
+    return times, xs, series, ledger, st
+
+
+def _check_x0(x0, h_ref: Heads):
+    check_tokens(x0, "x0")
+    check_same(x0, h_ref._ref, "x0", "theta's heads")
+    if x0.shape[-1] != h_ref.dim:
+        raise ValueError(f"the heads act on d = {h_ref.dim} but x0 has d = {x0.shape[-1]}")
+
+
+def _not_converged(k, t_new, info, residual, *, max_iter, strict, sinkhorn):
+    """JKOConvergenceError (strict) for an inner solve that missed its tolerance; else nothing (warned at the end)."""
+    if not strict:
+        return
+    what = (f" (velocity error in L²(μ); {float(info['r0'].max()):.3e} at the start)" if "r0" in info
+            else " (‖T(p) − p‖₁)")
+    raise JKOConvergenceError(
+        f"JKO step {k + 1} (t = {t_new:.6g}) did not converge in {max_iter} inner iterations: residual "
+        f"{residual:.3e}{what}; raise max_iter, loosen tol, or reduce tau"
+        + (" (with transport='sinkhorn': raise sinkhorn_scaling towards 1 or lower eps)" if sinkhorn else ""))
+
+
+def _check_jko_args(x0, theta, *, tau, steps, t0, transport, scheme, direction, mobility, cost,
+                    eps, weights, grid, grid_weights, bandwidth, paths, seed, generator, path_dt, tol, max_iter,
+                    max_plan_updates, sinkhorn_scaling, strict, record_every):
+    """Every check of :func:`jko`, before any work; returns the arguments it normalises, the grid z and
+    weights q0 (Eulerian; None otherwise), the tolerance and the source of Θ_t (heads_at, sampled path)."""
+    z = q0 = None
+    tau = check_positive(tau, "tau")
+    steps = check_int(steps, "steps")
+    check_choice(scheme, SCHEMES, "scheme")
+    if transport is None:
+        transport = "emd" if scheme == "lagrangian" else "sinkhorn"
+    check_choice(transport, TRANSPORTS, "transport")
+    if scheme == "eulerian" and transport != "sinkhorn":
+        raise ValueError(f"the Eulerian scheme moves weights on a fixed grid with entropic transport: use "
+                         f"transport='sinkhorn' (got {transport!r}); transport='emd' / 'identity' are Lagrangian")
+    sign = direction_sign(direction)
+    sgn = -sign
+    check_choice(mobility, MOBILITIES, "mobility")
+    unit = mobility == "unit"
+    if cost is None:
+        cost = "symmetric" if transport == "sinkhorn" else "source"
+    check_choice(cost, COSTS, "cost")
+    if transport == "sinkhorn" and scheme == "lagrangian" and cost != "symmetric":
+        raise ValueError("the debiased Sinkhorn divergence needs a symmetric cost: use cost='symmetric' (the default) "
+                         "with transport='sinkhorn'")
+    if scheme == "eulerian" and cost != "symmetric":
+        raise ValueError("the Eulerian scheme uses the symmetric cost ½(b_k(z_a) + b_k(z_b))|z_a − z_b|²: "
+                         "use cost='symmetric' (the default)")
+    eps = check_positive(eps, "eps")
+    t0 = check_real(t0, "t0")
+    seed = check_seed(seed)
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict must be True or False, got {type(strict).__name__}")
+    max_iter = check_int(max_iter, "max_iter")
+    max_plan_updates = check_int(max_plan_updates, "max_plan_updates")
+    record_every = check_int(record_every, "record_every")
+    sinkhorn_scaling = check_positive(sinkhorn_scaling, "sinkhorn_scaling")
+    if not sinkhorn_scaling < 1:
+        raise ValueError(f"sinkhorn_scaling must lie in (0, 1), got {sinkhorn_scaling}")
+    if paths is not None:
+        paths = check_int(paths, "paths")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError("generator must be a torch.Generator")
+    if not isinstance(theta, (Heads, Process)):
+        raise TypeError(
+            f"theta must be a Heads, a Process (OrnsteinUhlenbeck, Oscillating, Layerwise, Custom) or a WeightPath, "
+            f"got {type(theta).__name__}"
+        )
+    h_ref = theta if isinstance(theta, Heads) else theta.heads0
+    check_tied_all(theta, "jko")
+    d = h_ref.dim
+    if scheme == "lagrangian":
+        if x0 is None:
+            raise ValueError("the Lagrangian scheme needs the initial tokens x0 (..., n, d)")
+        _check_x0(x0, h_ref)
+        check_token_weights(weights, x0, "weights", "x0")
+        ref = x0
+    else:
+        if weights is not None:
+            raise ValueError("weights= are token weights of the Lagrangian scheme; for the Eulerian scheme give "
+                             "grid_weights= (or tokens x0, deposited with to_grid)")
+        z = _resolve_grid(grid, d, h_ref.dtype, h_ref.device)
+        check_same(z, h_ref._ref, "grid", "theta's heads")
+        if grid_weights is None:
+            if x0 is None:
+                raise ValueError("the Eulerian scheme needs grid_weights= (..., m) or tokens x0 to deposit on the grid")
+            _check_x0(x0, h_ref)
+            q0 = to_grid(x0, z, bandwidth=bandwidth)
+        else:
+            if x0 is not None:
+                raise ValueError("give either tokens x0 or grid_weights for the Eulerian scheme, not both")
+            check_token_weights(grid_weights, z, "grid_weights", "grid")
+            q0 = grid_weights
+        ref = q0
+    if tol is None:
+        tol = (1e-6 if transport == "sinkhorn" and scheme == "lagrangian" else 1e-9) if ref.dtype == torch.float64 else 1e-4
+    else:
+        tol = check_positive(tol, "tol")
+    if path_dt is not None:
+        check_positive(path_dt, "path_dt")
+    t_end = t0 + steps * tau
+    heads_at, path = _theta_source(theta, t0=t0, t_end=t_end, tau=tau, paths=paths, seed=seed, generator=generator,
+                                   path_dt=path_dt)
+    return (tau, steps, transport, sign, sgn, unit, cost, eps, t0, max_iter, max_plan_updates, record_every,
+            sinkhorn_scaling, paths, z, q0, tol, heads_at, path)
+
+
 def jko(
     x0: Optional[torch.Tensor],
     theta: Union[Heads, Process],
@@ -752,313 +898,194 @@ def jko(
         >>> traj.x.shape, bool((traj.stats["defect"] <= 1e-12).all())
         (torch.Size([4, 12, 3]), True)
     """
-    # ---------------- validation (before any work)
-    tau = check_positive(tau, "tau")
-    steps = check_int(steps, "steps")
-    check_choice(scheme, SCHEMES, "scheme")
-    if transport is None:
-        transport = "emd" if scheme == "lagrangian" else "sinkhorn"
-    check_choice(transport, TRANSPORTS, "transport")
-    if scheme == "eulerian" and transport != "sinkhorn":
-        raise ValueError(f"the Eulerian scheme moves weights on a fixed grid with entropic transport: use "
-                         f"transport='sinkhorn' (got {transport!r}); transport='emd' / 'identity' are Lagrangian")
-    sign = direction_sign(direction)
-    sgn = -sign
-    check_choice(mobility, MOBILITIES, "mobility")
-    unit = mobility == "unit"
-    if cost is None:
-        cost = "symmetric" if transport == "sinkhorn" else "source"
-    check_choice(cost, COSTS, "cost")
-    if transport == "sinkhorn" and scheme == "lagrangian" and cost != "symmetric":
-        raise ValueError("the debiased Sinkhorn divergence needs a symmetric cost: use cost='symmetric' (the default) "
-                         "with transport='sinkhorn'")
-    if scheme == "eulerian" and cost != "symmetric":
-        raise ValueError("the Eulerian scheme uses the symmetric cost ½(b_k(z_a) + b_k(z_b))|z_a − z_b|²: "
-                         "use cost='symmetric' (the default)")
-    eps = check_positive(eps, "eps")
-    t0 = check_real(t0, "t0")
-    seed = check_seed(seed)
-    if not isinstance(strict, bool):
-        raise TypeError(f"strict must be True or False, got {type(strict).__name__}")
-    max_iter = check_int(max_iter, "max_iter")
-    max_plan_updates = check_int(max_plan_updates, "max_plan_updates")
-    record_every = check_int(record_every, "record_every")
-    sinkhorn_scaling = check_positive(sinkhorn_scaling, "sinkhorn_scaling")
-    if not sinkhorn_scaling < 1:
-        raise ValueError(f"sinkhorn_scaling must lie in (0, 1), got {sinkhorn_scaling}")
-    if paths is not None:
-        paths = check_int(paths, "paths")
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError("generator must be a torch.Generator")
-    if not isinstance(theta, (Heads, Process)):
-        raise TypeError(
-            f"theta must be a Heads, a Process (OrnsteinUhlenbeck, Oscillating, Layerwise, Custom) or a WeightPath, "
-            f"got {type(theta).__name__}"
-        )
-    h_ref = theta if isinstance(theta, Heads) else theta.heads0
-    check_tied_all(theta, "jko")
-    d = h_ref.dim
-    if scheme == "lagrangian":
-        if x0 is None:
-            raise ValueError("the Lagrangian scheme needs the initial tokens x0 (..., n, d)")
-        check_tokens(x0, "x0")
-        check_same(x0, h_ref._ref, "x0", "theta's heads")
-        if x0.shape[-1] != d:
-            raise ValueError(f"the heads act on d = {d} but x0 has d = {x0.shape[-1]}")
-        check_token_weights(weights, x0, "weights", "x0")
-        ref = x0
-    else:
-        if weights is not None:
-            raise ValueError("weights= are token weights of the Lagrangian scheme; for the Eulerian scheme give "
-                             "grid_weights= (or tokens x0, deposited with to_grid)")
-        z = _resolve_grid(grid, d, h_ref.dtype, h_ref.device)
-        check_same(z, h_ref._ref, "grid", "theta's heads")
-        if grid_weights is None:
-            if x0 is None:
-                raise ValueError("the Eulerian scheme needs grid_weights= (..., m) or tokens x0 to deposit on the grid")
-            check_tokens(x0, "x0")
-            check_same(x0, h_ref._ref, "x0", "theta's heads")
-            if x0.shape[-1] != d:
-                raise ValueError(f"the heads act on d = {d} but x0 has d = {x0.shape[-1]}")
-            q0 = to_grid(x0, z, bandwidth=bandwidth)
-        else:
-            if x0 is not None:
-                raise ValueError("give either tokens x0 or grid_weights for the Eulerian scheme, not both")
-            check_token_weights(grid_weights, z, "grid_weights", "grid")
-            q0 = grid_weights
-        ref = q0
-    if tol is None:
-        tol = (1e-6 if transport == "sinkhorn" and scheme == "lagrangian" else 1e-9) if ref.dtype == torch.float64 else 1e-4
-    else:
-        tol = check_positive(tol, "tol")
-    if path_dt is not None:
-        check_positive(path_dt, "path_dt")
-    t_end = t0 + steps * tau
-    heads_at, path = _theta_source(theta, t0=t0, t_end=t_end, tau=tau, paths=paths, seed=seed, generator=generator,
-                                   path_dt=path_dt)
+    (tau, steps, transport, sign, sgn, unit, cost, eps, t0, max_iter, max_plan_updates, record_every,
+     sinkhorn_scaling, paths, z, q0, tol, heads_at, path) = _check_jko_args(
+        x0, theta, tau=tau, steps=steps, t0=t0, transport=transport, scheme=scheme, direction=direction,
+        mobility=mobility, cost=cost, eps=eps, weights=weights, grid=grid, grid_weights=grid_weights,
+        bandwidth=bandwidth, paths=paths, seed=seed, generator=generator, path_dt=path_dt, tol=tol, max_iter=max_iter,
+        max_plan_updates=max_plan_updates, sinkhorn_scaling=sinkhorn_scaling, strict=strict,
+        record_every=record_every)
 
-    # ---------------- batch layout
     start = time.perf_counter()
-    hb = tuple(heads_at(t0).batch_shape)
-    if scheme == "lagrangian":
-        xb = tuple(x0.shape[:-2])
-        if weights is not None:
-            xb = tuple(torch.broadcast_shapes(xb, weights.shape[:-1]))
-    else:
-        xb = tuple(q0.shape[:-1])
-    if paths is not None and path is None:
-        xb = (paths, *xb)
-    try:
-        batch = tuple(torch.broadcast_shapes(xb, hb))
-    except RuntimeError:
-        raise ValueError(f"the batch shape of the initial measure {xb} does not broadcast against the heads' batch "
-                         f"shape {hb}") from None
-    B = math.prod(batch)
-    n_or_m = x0.shape[-2] if scheme == "lagrangian" else z.shape[0]
-    f = dict(dtype=ref.dtype, device=ref.device)
-    flat = lambda t: _flatten_heads(heads_at(t), batch, B)  # noqa: E731
-    norm = "unnormalized" if unit else "effective"
-
-    if scheme == "lagrangian":
-        x = x0.detach()
-        if paths is not None and path is None:
-            x = x.unsqueeze(0).expand(paths, *x.shape)
-        x = x.expand(*batch, *x0.shape[-2:]).reshape(B, *x0.shape[-2:])
-        w = None if weights is None else weights.detach().expand(*batch, n_or_m).reshape(B, n_or_m)
-        wt = torch.full((B, n_or_m), 1.0 / n_or_m, **f) if w is None else w
-        pts = x
-    else:
-        q = q0.detach()
-        if paths is not None and path is None:
-            q = q.unsqueeze(0).expand(paths, *q.shape)
-        q = q.expand(*batch, n_or_m).reshape(B, n_or_m)
-        pts = z.expand(B, *z.shape)
-        w = q
-    warm = None
-
-    scale = {"c": 0.0}  # the common scale c: energies, 𝒢², 𝒟 and the ledger are reported times e^{−c}
-
-    def diag(points, wts, heads):
-        c = scale["c"]
-        if c == 0.0:  # ordinary runs: evaluate's own diagnostics, bit for bit
-            return evaluate(points, heads, wts, normalization=norm, sign=sign, diagnostics=True)
-        fe = evaluate(points, heads, wts, normalization=norm, sign=sign, diagnostics=False)
-        E, _, _, g = scaled_diagnostics(points, heads, wts, fe.velocity, fe.stats, log_scale=c)
-        # the scheme's field is the gradient flow V = s g / b (b ≡ 1 for "unit"): 𝒢² = Σ w b|V|² = Σ w |g|²/b
-        # and 𝒟 = Σ w ⟨g, V⟩ = s 𝒢², formed from g b^{-1/2} (no |V|² ~ e^{2β‖A‖} in between)
-        G = metric_slope(g, fe.stats.log_partition, heads, wts)
-        return FieldEval(fe.velocity, fe.stats, fe.outputs, g, E, G, sign * G)
-
-    def metric_slope(g, log_partition, heads, wts):
-        """|∂E|² e^{−c} in the scheme's metric: Σ w |∇δE|²/b (effective) or Σ w |∇δE|² (unit); g = ∇_S δE/δμ e^{−c}."""
-        # |g|²/b · e^{−c} = |g e^{−c} · (e^{c}/b)^{1/2}|², scaled before squaring (finite whenever the result is)
-        lbinv = torch.zeros_like(g[..., 0]) if unit else _log_inverse_mobility(heads, log_partition)
-        g = g * torch.exp(0.5 * (lbinv + scale["c"])).unsqueeze(-1)
-        g2 = g.square().sum(-1)
-        return g2.mean(-1) if wts is None else (wts * g2).sum(-1)
-
-    def check_diag(ev, t, k, heads):
-        """NonFiniteError unless the energy (and, with diagnostics, 𝒢² and 𝒟) are finite."""
-        if not bool(torch.isfinite(ev.energy).all()):
-            raise _nonfinite("the energy", t, k, heads)
-        if diagnostics:
-            for name, v in (("the metric slope 𝒢²", ev.slope), ("the dissipation 𝒟", ev.dissipation)):
-                if not bool(torch.isfinite(v).all()):
-                    err = _nonfinite(name, t, k, heads, norm)
-                    raise NonFiniteError(f"{err} (the JKO step itself does not need it: diagnostics=False)")
-
-    heads_cur = flat(t0)
-    with torch.no_grad():
-        scale["c"] = choose_log_scale(softmax_statistics(pts, heads_cur, w).log_partition)
-    ev = diag(pts, w, heads_cur)
-    check_diag(ev, t0, 0, heads_cur)
-    log_c = torch.full((B,), scale["c"], **f)
-    E0 = ev.energy
-    E_prev = E0
-    lb = _log_mobility(ev.stats.log_partition, heads_cur, unit)
-    zero = torch.zeros_like(E0)
-    acc = {"partial": zero, "dissipation": zero, "slope": zero, "jko_defect": zero}
-    rec_k = sorted(set(range(0, steps + 1, record_every)) | {steps})
-    rec_set = set(rec_k)
-    R: Dict[str, List[torch.Tensor]] = {k: [] for k in ("x", "w", "energy", "slope", "dissipation")}
-    L: Dict[str, List[torch.Tensor]] = {k: [] for k in LEDGER_KEYS}
-    S: Dict[str, List[torch.Tensor]] = {k: [] for k in ("residual", "iterations", "converged", "defect", "prox",
-                                                        "plan_updates")}
-
-    def record(state, ev):
-        R["x"].append(state if scheme == "lagrangian" else pts)
-        R["w"].append(state)
-        for key in ("energy", "slope", "dissipation"):
-            R[key].append(getattr(ev, key))
-        dE = ev.energy - E0
-        L["dE"].append(dE)
-        for key in ("partial", "dissipation", "slope", "jko_defect"):
-            L[key].append(acc[key])
-        L["martingale"].append(torch.zeros_like(dE))
-        L["residual"].append(dE - acc["partial"] - acc["dissipation"])
-        L["residual_slope"].append(dE - acc["partial"] - sign * acc["slope"])
-
-    record(x if scheme == "lagrangian" else q, ev)
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=steps, desc=f"jko ({scheme}, {transport})", unit="step", leave=False)
-    bad_steps: List[int] = []
-    bad_residuals: List[float] = []
-    pool_cm = threads.scope(float(B) * heads_cur.num_heads * n_or_m * n_or_m)
-    pool = pool_cm.__enter__()
-    try:
+    run = _JKORun(x0, weights, z, q0, heads_at=heads_at, path=path, paths=paths, t0=t0, tau=tau, steps=steps,
+                  scheme=scheme, transport=transport, cost=cost, unit=unit, sign=sign, sgn=sgn, eps=eps, tol=tol,
+                  max_iter=max_iter, max_plan_updates=max_plan_updates, sinkhorn_scaling=sinkhorn_scaling,
+                  strict=strict, record_every=record_every, diagnostics=diagnostics)
+    run.start()
+    with progress_bar(progress, steps, f"jko ({scheme}, {transport})") as bar, threads.scope(run.work) as pool:
         for k in range(steps):
-            t_new = t0 + (k + 1) * tau
-            heads_new = flat(t_new)
-            state_old = x if scheme == "lagrangian" else q
-            with torch.no_grad():
-                E_cross = _energy(pts, heads_new, w, log_c)
-            if not bool(torch.isfinite(E_cross).all()):
-                raise _nonfinite("the energy", t_new, k + 1, heads_new)
-            if scheme == "lagrangian":
-                y, info = _lagrangian_step(x, w, wt, heads_cur, heads_new, lb, tau=tau, sgn=sgn, transport=transport,
-                                           symmetric=cost == "symmetric", unit=unit, eps=eps, scaling=sinkhorn_scaling,
-                                           tol=tol, max_iter=max_iter, max_plan_updates=max_plan_updates,
-                                           out_log_scale=scale["c"])
-                if y is None:
-                    raise _nonfinite("the JKO objective", t_new, k + 1, heads_new)
-                new_state = y
-                new_pts, new_w = y, w
-            else:
-                with torch.no_grad():
-                    p, info, warm = _eulerian_step(z, q, heads_cur, heads_new, lb, tau=tau, sgn=sgn, eps=eps, tol=tol,
-                                                   max_iter=max_iter, warm=warm)
-                    if scale["c"] != 0.0:
-                        info["prox"] = info["prox"] * math.exp(-scale["c"])
-                new_state = p
-                new_pts, new_w = pts, p
-            if not bool(torch.isfinite(info["residual"]).all()):  # the velocity error itself overflows the dtype
-                raise _nonfinite("the inner residual (velocity error |P(y − x)/τ − V|)", t_new, k + 1, heads_new, norm)
-            if not bool(torch.isfinite(new_state).all()):
-                raise _nonfinite("the token positions" if scheme == "lagrangian" else "the grid weights",
-                                 t_new, k + 1, heads_new)
-            with torch.no_grad():
-                heads_cur = heads_new
-                ev = diag(new_pts, new_w, heads_cur)
-            check_diag(ev, t_new, k + 1, heads_cur)
-            prox = info["prox"]
-            defect = sgn * (ev.energy - E_cross) + prox / (2 * tau)
-            acc["partial"] = acc["partial"] + (E_cross - E_prev)
-            acc["slope"] = acc["slope"] + prox / tau
-            acc["dissipation"] = acc["dissipation"] + sign * (prox / (2 * tau) + 0.5 * tau * metric_slope(ev.grad_first_variation, ev.stats.log_partition, heads_cur, new_w))
-            acc["jko_defect"] = acc["jko_defect"] + defect
-            for key in ("partial", "slope", "dissipation", "jko_defect"):
-                if not bool(torch.isfinite(acc[key]).all()):
-                    raise _nonfinite(f"the ledger term {key!r}", t_new, k + 1, heads_cur)
-            for key in S:
-                S[key].append(defect if key == "defect" else info[key])
-            if not bool(info["converged"].all()):
-                bad_steps.append(k + 1)
-                res_bad = info["residual"][~info["converged"]]
-                bad_residuals.append(float(res_bad.max()))
-                what = (f" (velocity error in L²(μ); {float(info['r0'].max()):.3e} at the start)" if "r0" in info
-                        else " (‖T(p) − p‖₁)")
-                msg = (f"JKO step {k + 1} (t = {t_new:.6g}) did not converge in {max_iter} inner iterations: residual "
-                       f"{bad_residuals[-1]:.3e}{what}; raise max_iter, loosen tol, or reduce tau"
-                       + (" (with transport='sinkhorn': raise sinkhorn_scaling towards 1 or lower eps)"
-                          if transport == "sinkhorn" and scheme == "lagrangian" else ""))
-                if strict:
-                    raise JKOConvergenceError(msg)
-            if scheme == "lagrangian":
-                x = y
-                pts = y
-            else:
-                q = p
-                w = p
-            lb = _log_mobility(ev.stats.log_partition, heads_cur, unit)
-            E_prev = ev.energy
-            if (k + 1) in rec_set:
-                record(new_state, ev)
+            t_new, new_state = run.step(k)
             if callback is not None:
                 callback(k + 1, t_new, new_state)
-            if bar is not None:
-                bar.update(1)
+            bar.update(1)
             pool.refresh()
-    finally:
-        pool_cm.__exit__(None, None, None)
-        if bar is not None:
-            bar.close()
-    if bad_steps:
-        warnings.warn(f"{len(bad_steps)} of {steps} JKO steps did not reach the inner tolerance (first: step "
-                      f"{bad_steps[0]}, t = {t0 + bad_steps[0] * tau:.6g}, residual {bad_residuals[0]:.3e}; largest "
-                      f"residual {max(bad_residuals):.3e}); see traj.stats['residual'] — raise max_iter, loosen tol, "
-                      f"or reduce tau (strict=True raises instead)", RuntimeWarning, stacklevel=2)
-
-    # ---------------- assemble
-    shape_b = batch
-
-    def unflat(v, tail=()):
-        return v.reshape(tuple(shape_b) + tuple(tail))
-
-    times = torch.tensor([t0 + k * tau for k in rec_k], dtype=torch.float64)
-    xs = torch.stack([unflat(v, v.shape[1:]) for v in R["x"]])
-    ledger = {key: torch.stack([unflat(v) for v in L[key]]) for key in LEDGER_KEYS}
-    series = {key: torch.stack([unflat(v) for v in R[key]]) if diagnostics else None
-              for key in ("energy", "slope", "dissipation")}
-    st = {key: torch.stack([unflat(v) for v in vals]) for key, vals in S.items()}
-    stats = {
-        **st,
-        "steps": steps,
-        "wall_time": time.perf_counter() - start,
-        "max_defect": float(st["defect"].max()),
-        "max_residual": float(st["residual"].max()),
-        "mean_iterations": float(st["iterations"].double().mean()),
-        "nonconverged_steps": len(bad_steps),
-        "energy_log_scale": scale["c"],
-        "order": 1,
-    }
-    if scheme == "lagrangian":
-        tw = None if weights is None else unflat(wt, (n_or_m,))
-    else:
-        tw = torch.stack([unflat(v, (n_or_m,)) for v in R["w"]])
+    run.warn_nonconverged()
+    times, xs, series, ledger_out, st = _jko_records(run.rec, run.S, run.batch, t0, tau, diagnostics)
+    stats = {**st, "steps": steps, "wall_time": time.perf_counter() - start, "max_defect": float(st["defect"].max()),
+             "max_residual": float(st["residual"].max()), "mean_iterations": float(st["iterations"].double().mean()),
+             "nonconverged_steps": len(run.bad_steps), "energy_log_scale": run.dg.scale["c"], "order": 1}
     extras = {"scheme": scheme, "transport": transport, "tau": tau, "mobility": mobility, "cost": cost,
               "eps": eps if transport == "sinkhorn" else None, "grid": z if scheme == "eulerian" else None}
-    return Trajectory(times, xs, series["energy"], series["slope"], series["dissipation"], ledger, stats,
-                      f"jko-{scheme}-{transport}", norm, direction, tw, path, extras)
+    return Trajectory(times, xs, series["energy"], series["slope"], series["dissipation"], ledger_out, stats,
+                      f"jko-{scheme}-{transport}", run.norm, direction, run.token_weights(weights), path, extras)
+
+
+class _JKORun:
+    """One JKO solve: the batch layout (flattened to B), the proximal steps (Lagrangian or Eulerian),
+    the ledger (:class:`~.parts.Ledger` with the extra ``jko_defect`` term) and the recorder."""
+
+    def __init__(self, x0, weights, z, q0, *, heads_at, path, paths, t0, tau, steps, scheme, transport, cost, unit,
+                 sign, sgn, eps, tol, max_iter, max_plan_updates, sinkhorn_scaling, strict, record_every, diagnostics):
+        self.heads_at, self.t0, self.tau, self.steps, self.scheme, self.z = heads_at, t0, tau, steps, scheme, z
+        self.sign, self.sgn, self.unit, self.strict, self.max_iter = sign, sgn, unit, strict, max_iter
+        self.sinkhorn = transport == "sinkhorn" and scheme == "lagrangian"
+        self.norm = "unnormalized" if unit else "effective"
+        self.prox_kw = dict(tau=tau, sgn=sgn, eps=eps, tol=tol, max_iter=max_iter)
+        self.lag_kw = dict(transport=transport, symmetric=cost == "symmetric", unit=unit, scaling=sinkhorn_scaling,
+                           max_plan_updates=max_plan_updates)
+        self.dg = _JKODiagnostics(norm=self.norm, sign=sign, unit=unit, diagnostics=diagnostics)
+        self.rec = Recorder(steps, record_every, diagnostics=True, ledger_keys=LEDGER_KEYS)
+        self.rec.records.update({"w": [], "ledger.jko_defect": []})
+        self.S: Dict[str, List[torch.Tensor]] = {k: [] for k in ("residual", "iterations", "converged", "defect",
+                                                                 "prox", "plan_updates")}
+        self.bad_steps: List[int] = []
+        self.bad_residuals: List[float] = []
+        self._layout(x0, weights, q0, path, paths)
+
+    def _layout(self, x0, weights, q0, path, paths):
+        """The batch shape of measure and heads, flattened to one axis of size B."""
+        hb = tuple(self.heads_at(self.t0).batch_shape)
+        if self.scheme == "lagrangian":
+            xb = tuple(x0.shape[:-2])
+            if weights is not None:
+                xb = tuple(torch.broadcast_shapes(xb, weights.shape[:-1]))
+        else:
+            xb = tuple(q0.shape[:-1])
+        if paths is not None and path is None:
+            xb = (paths, *xb)
+        try:
+            batch = tuple(torch.broadcast_shapes(xb, hb))
+        except RuntimeError:
+            raise ValueError(f"the batch shape of the initial measure {xb} does not broadcast against the heads' "
+                             f"batch shape {hb}") from None
+        B = math.prod(batch)
+        self.batch, self.B = batch, B
+        n = self.n = x0.shape[-2] if self.scheme == "lagrangian" else self.z.shape[0]
+        ref = x0 if self.scheme == "lagrangian" else q0
+        self.f = dict(dtype=ref.dtype, device=ref.device)
+        self.warm = None
+        if self.scheme == "lagrangian":
+            x = x0.detach()
+            if paths is not None and path is None:
+                x = x.unsqueeze(0).expand(paths, *x.shape)
+            self.x = self.pts = x.expand(*batch, *x0.shape[-2:]).reshape(B, *x0.shape[-2:])
+            self.w = None if weights is None else weights.detach().expand(*batch, n).reshape(B, n)
+            self.wt = torch.full((B, n), 1.0 / n, **self.f) if self.w is None else self.w
+        else:
+            q = q0.detach()
+            if paths is not None and path is None:
+                q = q.unsqueeze(0).expand(paths, *q.shape)
+            self.q = self.w = q.expand(*batch, n).reshape(B, n)
+            self.pts = self.z.expand(B, *self.z.shape)
+
+    def flat(self, t) -> Heads:
+        return _flatten_heads(self.heads_at(t), self.batch, self.B)
+
+    def start(self):
+        """Θ at t0, the common scale, the first evaluation and record."""
+        self.heads_cur = self.flat(self.t0)
+        with torch.no_grad():
+            self.dg.scale["c"] = choose_log_scale(softmax_statistics(self.pts, self.heads_cur, self.w).log_partition)
+        ev = self.dg(self.pts, self.w, self.heads_cur)
+        self.dg.check(ev, self.t0, 0, self.heads_cur)
+        self.log_c = torch.full((self.B,), self.dg.scale["c"], **self.f)
+        self.work = float(self.B) * self.heads_cur.num_heads * self.n * self.n
+        self.E_prev = ev.energy
+        self.lb = _log_mobility(ev.stats.log_partition, self.heads_cur, self.unit)
+        self.ledger = Ledger(ev.energy, sign=self.sign)
+        self.ledger.acc["jko_defect"] = self.ledger.acc["partial"]
+        self._record(self.x if self.scheme == "lagrangian" else self.q, ev)
+
+    def _record(self, state, ev):
+        self.rec.record(state if self.scheme == "lagrangian" else self.pts, ev.energy, ev.slope, ev.dissipation,
+                        {**self.ledger.terms(ev.energy), "jko_defect": self.ledger.acc["jko_defect"]})
+        self.rec.records["w"].append(state)
+
+    def _proximal(self, heads_new, t_new, k):
+        """The JKO step's minimiser: (new state, its points, its weights, the inner solve's info)."""
+        c = self.dg.scale["c"]
+        if self.scheme == "lagrangian":
+            y, info = _lagrangian_step(self.x, self.w, self.wt, self.heads_cur, heads_new, self.lb, **self.prox_kw,
+                                       **self.lag_kw, out_log_scale=c)
+            if y is None:
+                raise nonfinite_error("the JKO objective", t_new, k + 1, heads_new)
+            new = (y, y, self.w, info)
+        else:
+            with torch.no_grad():
+                p, info, self.warm = _eulerian_step(self.z, self.q, self.heads_cur, heads_new, self.lb,
+                                                    **self.prox_kw, warm=self.warm)
+                if c != 0.0:
+                    info["prox"] = info["prox"] * math.exp(-c)
+            new = (p, self.pts, p, info)
+        if not bool(torch.isfinite(info["residual"]).all()):  # the velocity error itself overflows the dtype
+            raise nonfinite_error("the inner residual (velocity error |P(y − x)/τ − V|)", t_new, k + 1, heads_new,
+                                  self.norm)
+        if not bool(torch.isfinite(new[0]).all()):
+            raise nonfinite_error("the token positions" if self.scheme == "lagrangian" else "the grid weights",
+                                  t_new, k + 1, heads_new)
+        return new
+
+    def step(self, k):
+        """JKO step k → k + 1 with its ledger terms; returns (t_{k+1}, the new state)."""
+        tau, t_new = self.tau, self.t0 + (k + 1) * self.tau
+        heads_new = self.flat(t_new)
+        with torch.no_grad():
+            E_cross = _energy(self.pts, heads_new, self.w, self.log_c)
+        if not bool(torch.isfinite(E_cross).all()):
+            raise nonfinite_error("the energy", t_new, k + 1, heads_new)
+        new_state, new_pts, new_w, info = self._proximal(heads_new, t_new, k)
+        with torch.no_grad():
+            self.heads_cur = heads_new
+            ev = self.dg(new_pts, new_w, self.heads_cur)
+        self.dg.check(ev, t_new, k + 1, self.heads_cur)
+        prox = info["prox"]
+        defect = self.sgn * (ev.energy - E_cross) + prox / (2 * tau)
+        led = self.ledger
+        led.add("partial", E_cross - self.E_prev)
+        led.add("slope", prox / tau)
+        led.add("dissipation", self.sign * (prox / (2 * tau) + 0.5 * tau * self.dg.metric_slope(
+            ev.grad_first_variation, ev.stats.log_partition, self.heads_cur, new_w)))
+        led.add("jko_defect", defect)
+        for key in ("partial", "slope", "dissipation", "jko_defect"):
+            if not bool(torch.isfinite(led.acc[key]).all()):
+                raise nonfinite_error(f"the ledger term {key!r}", t_new, k + 1, self.heads_cur)
+        for key in self.S:
+            self.S[key].append(defect if key == "defect" else info[key])
+        if not bool(info["converged"].all()):
+            self.bad_steps.append(k + 1)
+            self.bad_residuals.append(float(info["residual"][~info["converged"]].max()))
+            _not_converged(k, t_new, info, self.bad_residuals[-1], max_iter=self.max_iter, strict=self.strict,
+                           sinkhorn=self.sinkhorn)
+        if self.scheme == "lagrangian":
+            self.x = self.pts = new_state
+        else:
+            self.q = self.w = new_state
+        self.lb = _log_mobility(ev.stats.log_partition, self.heads_cur, self.unit)
+        self.E_prev = ev.energy
+        if self.rec.keeps(k + 1):
+            self._record(new_state, ev)
+        return t_new, new_state
+
+    def warn_nonconverged(self):
+        if self.bad_steps:
+            b, r = self.bad_steps, self.bad_residuals
+            warnings.warn(f"{len(b)} of {self.steps} JKO steps did not reach the inner tolerance (first: step "
+                          f"{b[0]}, t = {self.t0 + b[0] * self.tau:.6g}, residual {r[0]:.3e}; largest "
+                          f"residual {max(r):.3e}); see traj.stats['residual'] — raise max_iter, loosen tol, "
+                          f"or reduce tau (strict=True raises instead)", RuntimeWarning, stacklevel=3)
+
+    def token_weights(self, weights):
+        """The Trajectory's weights: the token weights (Lagrangian) or the grid weights per record (Eulerian)."""
+        if self.scheme == "lagrangian":
+            return None if weights is None else self.wt.reshape(*self.batch, self.n)
+        return torch.stack([v.reshape(*self.batch, self.n) for v in self.rec.records["w"]])

@@ -11,14 +11,12 @@ the energy–dissipation ledger of DESIGN §2 (see :class:`Trajectory`).
 from __future__ import annotations
 
 import copy
-import hashlib
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Mapping, Optional, Tuple, Union
+from typing import Callable, Dict, Mapping, Optional, Tuple, Union
 
 import torch
 
@@ -37,18 +35,18 @@ from .._validation import (
     direction_sign,
 )
 from ..attention import softmax_statistics
-from ..energy import choose_log_scale, ito_correction, pairing
+from ..energy import choose_log_scale, pairing
 from ..energy import quadratic_variation as realised_qv_term
 from ..field import FieldEval, evaluate
 from ..mobility import scaled_diagnostics
 from ..heads import Heads
-from ..processes import Constant, Process, WeightPath
+from ..processes import Constant, Process, WeightDriver, WeightPath, grid_steps
 from ..sphere import normalize
+from .parts import (LEDGER_KEYS, Checkpointer, Ledger, Recorder, Stepper, check_observables, ledger_from_series,
+                    partial_density, process_signature, progress_bar)
 
 __all__ = ["simulate", "Trajectory", "ButcherTableau", "TABLEAUX", "METHODS", "NonFiniteError", "LEDGER_KEYS",
            "QUADRATIC_VARIATIONS", "PROGRESS_MIN_WORK"]
-
-LEDGER_KEYS = ("dE", "partial", "dissipation", "slope", "martingale", "residual", "residual_slope")
 
 #: the ways the ledger books the second-order (Itô) term of noisy weights (``quadratic_variation=``)
 QUADRATIC_VARIATIONS = ("expected", "realised")
@@ -58,6 +56,11 @@ QUADRATIC_VARIATIONS = ("expected", "realised")
 PROGRESS_MIN_WORK = 1e9
 
 logger = logging.getLogger(__name__)
+
+#: named internal API (not public), used by the sharded solver and the JKO scheme
+__internal__ = ["nonfinite_error"]
+
+_WeightDriver = WeightDriver  # the old name, which tests monkeypatch
 
 
 class NonFiniteError(FloatingPointError):
@@ -201,162 +204,8 @@ class Trajectory:
         return (w.reshape(-1, *([1] * (v.dim() - 1))) * v).sum(0)
 
 
-# ---------------------------------------------------------------------------- weights driver
-def _grid(t0: float, t1: float, dt: float) -> int:
-    span = t1 - t0
-    if not span > 0:
-        raise ValueError(f"t1 must be larger than t0 (got t0 = {t0}, t1 = {t1})")
-    K = round(span / dt)
-    if K < 1 or abs(K * dt - span) > 1e-9 * max(1.0, abs(span)):
-        raise ValueError(
-            f"(t1 - t0) / dt = {span / dt:.6g} is not a whole number of steps; choose dt = {span / max(K, 1):.6g} "
-            f"or another dt that divides t1 - t0"
-        )
-    return K
-
-
-def _lift_paths(score: torch.Tensor, paths: Optional[int], batch_rank: int, n_head_dims: int = 3) -> torch.Tensor:
-    """Prepend singleton dims so the heads' batch rank matches the tokens', then a paths axis."""
-    if paths is None:
-        return score
-    extra = batch_rank - (score.dim() - n_head_dims)
-    if extra > 0:
-        score = score.reshape((1,) * extra + tuple(score.shape))
-    return score.unsqueeze(0).expand(paths, *score.shape).clone()
-
-
-class _WeightDriver:
-    """Moves Θ along the solver grid: closed form, grid sampling, or replay of a WeightPath."""
-
-    def __init__(self, process: Process, *, paths, generator, seed, t0, dt, store=False, batch_rank=None, device=None):
-        self.p = process
-        self.t0, self.dt, self.k = float(t0), float(dt), 0
-        h0 = process.heads0
-        self.batch_rank = len(h0.batch_shape) if batch_rank is None else batch_rank
-        if generator is None:
-            generator = torch.Generator(device=h0.device)
-            generator.manual_seed(int(seed))
-        self.gen = generator
-        self.replay = isinstance(process, WeightPath)
-        self.mode = "replay" if self.replay else ("closed" if process.closed_form else "stepped")
-        self.store = store
-        self._scores: List[torch.Tensor] = []
-        self._rates: List[torch.Tensor] = []
-        self._noise: List[torch.Tensor] = []
-        self._sigmas: List = []
-        if self.replay:
-            if abs(process.dt - dt) > 1e-12 * max(1.0, dt) or abs(float(process.times[0]) - t0) > 1e-12:
-                raise ValueError(
-                    f"the stored weight path has t0 = {float(process.times[0])}, dt = {process.dt}; "
-                    f"replay it with the same t0 and dt (got t0 = {t0}, dt = {dt})"
-                )
-            self.A = process.scores[0]
-        elif self.mode == "stepped":
-            self.A = _lift_paths(h0.score_matrix, paths, self.batch_rank)
-        else:
-            self.A = None
-        self._next = None
-        self._cur_heads = self._heads(0.0)
-        self._record_current()
-
-    @property
-    def t(self) -> float:
-        return self.t0 + self.k * self.dt
-
-    def _heads(self, c: float) -> Heads:
-        if self.mode == "closed":
-            if c > 0.0 and hasattr(self.p, "left_heads_at"):  # stages inside (t_k, t_{k+1}]: left limits
-                return self.p.left_heads_at(self.t + c * self.dt)
-            return self.p.heads_at(self.t + c * self.dt)
-        if c == 0.0:
-            A = self.A
-        else:
-            A = self.A + c * (self._next[0] - self.A)
-        tmpl = self.p.template if self.replay else self.p.heads0
-        return tmpl.with_score(A, symmetric=tmpl._symmetric)
-
-    @property
-    def current(self) -> Heads:
-        return self._cur_heads
-
-    @property
-    def rate(self) -> torch.Tensor:
-        """dA/dt used by the ledger at the current grid point."""
-        if self.mode == "replay":
-            return self.p.rates[self.k]
-        if self.mode == "closed":
-            return self.p.score_rate(self.t)
-        return self.p.drift(self.A, self.t)
-
-    @property
-    def sigma(self):
-        if self.mode == "replay":
-            return self.p.sigmas[self.k]
-        return self.p.sigma(self.t) if self.p.noisy else 0.0
-
-    @property
-    def noisy(self) -> bool:
-        return self.p.noisy
-
-    def prepare(self):
-        """Sample (or read) the weights of the next grid point; returns the noise increment."""
-        if self.mode == "closed" or self._next is not None:
-            return None if self._next is None else self._next[1]
-        if self.mode == "replay":
-            noise = None if self.p.noise is None else self.p.noise[self.k]
-            self._next = (self.p.scores[self.k + 1], noise)
-        else:
-            self._next = self.p.step(self.A, self.t, self.dt, self.gen)
-        return self._next[1]
-
-    def stage(self, c: float) -> Heads:
-        if c == 0.0:
-            return self._cur_heads
-        self.prepare()
-        return self._heads(c)
-
-    def jumps(self) -> List[float]:
-        return [] if self.mode != "closed" else self.p.jumps(self.t, self.t + self.dt)
-
-    def advance(self):
-        noise = self.prepare()
-        if self.store and self.mode != "closed":
-            self._noise.append(noise)
-        if self.mode != "closed":
-            self.A = self._next[0]
-        self._next = None
-        self.k += 1
-        self._cur_heads = self._heads(0.0)
-        self._record_current()
-
-    def _record_current(self):
-        if self.store:
-            self._scores.append(self._cur_heads.score_matrix)
-            self._rates.append(self.rate)
-            self._sigmas.append(self.sigma)
-
-    def path(self) -> WeightPath:
-        times = self.t0 + self.dt * torch.arange(self.k + 1, dtype=torch.float64)
-        noise = None
-        if self.p.noisy and self._noise:
-            noise = torch.stack(self._noise)
-        tmpl = self.p.template if self.replay else self.p.heads0
-        return WeightPath(times, torch.stack(self._scores), torch.stack(self._rates), noise, list(self._sigmas), tmpl)
-
-    # checkpoint support
-    def state(self):
-        return {"k": self.k, "A": self.A, "gen": self.gen.get_state()}
-
-    def load_state(self, st):
-        self.k = st["k"]
-        self.A = st["A"]
-        self.gen.set_state(st["gen"])
-        self._next = None
-        self._cur_heads = self._heads(0.0)
-
-
 # ---------------------------------------------------------------------------- helpers
-def _nonfinite(what: str, t: float, k: int, heads: Heads, normalization: Optional[str] = None) -> NonFiniteError:
+def nonfinite_error(what: str, t: float, k: int, heads: Heads, normalization: Optional[str] = None) -> NonFiniteError:
     """NonFiniteError for a non-finite field or token step, with the fix that fits the normalisation."""
     A = heads.score_matrix.detach()
     bmax = (A.flatten(-2).abs().amax(-1).max() * (heads.beta if isinstance(heads.beta, float) else heads.beta.max())).item()
@@ -404,48 +253,13 @@ def _check_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(t).all())
 
 
-def _fingerprint(*parts) -> str:
-    h = hashlib.sha256()
-    for p in parts:
-        if isinstance(p, torch.Tensor):
-            h.update(p.detach().cpu().contiguous().numpy().tobytes())
-            h.update(str((tuple(p.shape), p.dtype)).encode())
-        else:
-            h.update(repr(p).encode())
-    return h.hexdigest()[:16]
-
-
-def _process_signature(process) -> list:
-    """Everything that defines a process (type, scheme, rates, σ, means, phases, heads and β), flattened
-    for the checkpoint fingerprint, so a checkpoint of a run with other weights is refused."""
-    out = [type(process).__name__]
-
-    def add(v, depth=0):
-        if isinstance(v, torch.Tensor):
-            out.append(v)
-        elif isinstance(v, Heads):
-            for t in (v.score, v.value, v.weights, v.query, v.key):
-                if t is not None:
-                    out.append(t)
-            out.append(v.beta if isinstance(v.beta, torch.Tensor) else repr(v.beta))
-        elif isinstance(v, (int, float, str, bool)) or v is None:
-            out.append(repr(v))
-        elif isinstance(v, (list, tuple)) and depth < 2:
-            for u in v:
-                add(u, depth + 1)
-        else:
-            out.append(type(v).__name__)
-
-    for key in sorted(vars(process)):
-        out.append(key)
-        add(vars(process)[key])
-    return out
-
-
-def _save_atomic(obj, path: Path):
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+def _check_ledger(e: FieldEval, pt: torch.Tensor, t: float, k: int, scale: Mapping):
+    """NonFiniteError unless the energy, 𝒟, 𝒢² and ∂_tE of one evaluation are finite."""
+    for name, v in (("the energy", e.energy), ("the dissipation 𝒟", e.dissipation),
+                    ("the metric slope 𝒢²", e.slope), ("∂_tE (ledger 'partial')", pt)):
+        if not _check_finite(v):
+            raise _ledger_nonfinite(name, t, k, e.stats.log_partition, scale["c"], scale["start_max"],
+                                    scale.get("given", False))
 
 
 # ---------------------------------------------------------------------------- simulate
@@ -555,7 +369,75 @@ def simulate(
         >>> traj.x.shape
         torch.Size([11, 20, 3])
     """
-    # ---------------- validation (before any work)
+    (process, sign, t0, t1, dt, K, record_every, checkpoint_every, paths, seed, quadrature, obs,
+     energy_log_scale) = _check_simulate_args(
+        x0, theta, t1=t1, dt=dt, t0=t0, method=method, normalization=normalization, direction=direction,
+        weights=weights, paths=paths, seed=seed, generator=generator, record_every=record_every,
+        quadrature=quadrature, adjoint=adjoint, progress=progress, checkpoint=checkpoint,
+        checkpoint_every=checkpoint_every, causal=causal, observables=observables,
+        quadratic_variation=quadratic_variation, energy_log_scale=energy_log_scale)
+    realised = quadratic_variation == "realised"
+    h0 = process.heads0
+    bx = tuple(x0.shape[:-2])
+    start = time.perf_counter()
+    x = x0 if paths is None else x0.unsqueeze(0).expand(paths, *x0.shape)
+    w = weights
+    drv = WeightDriver(process, paths=paths, generator=generator, seed=seed, t0=t0, dt=dt,
+                        store=return_path, batch_rank=len(bx))
+    # tokens carry every batch axis of the heads (paths, replayed paths) from the start
+    x = x.expand(*torch.broadcast_shapes(x.shape[:-2], drv.current.batch_shape), *x.shape[-2:])
+    noisy = process.noisy
+    ev = _Evaluator(weights, normalization=normalization, sign=sign, noisy=noisy, causal=causal,
+                    chunk_elements=chunk_elements, energy_log_scale=energy_log_scale)
+    scale, fix_scale = ev.scale, ev.fix_scale
+    work = float(math.prod(x.shape[:-2])) * h0.num_heads * x.shape[-2] ** 2
+
+    if method == "adaptive":
+        with threads.scope(work):
+            return _simulate_adaptive(x, process, drv, ev, K=K, t0=t0, dt=dt, record_every=record_every,
+                                      sign=sign, diagnostics=diagnostics, rtol=rtol, atol=atol, method=method,
+                                      normalization=normalization, direction=direction, weights=w, start=start,
+                                      return_path=return_path, adjoint=adjoint, chunk_elements=chunk_elements,
+                                      causal=causal, obs=obs, realised=realised, scale=scale,
+                                      fix_scale=fix_scale)
+
+    show = progress if progress is not None else K * TABLEAUX[method].stages * work >= PROGRESS_MIN_WORK
+
+    def fingerprint_parts():
+        # options added later enter the fingerprint only when not at their default, so that
+        # checkpoints of ordinary runs written before them still resume
+        extra = ([("causal", True)] if causal else []) + ([("quadratic_variation", "realised")] if realised else []) \
+            + ([("energy_log_scale", energy_log_scale)] if energy_log_scale is not None else []) \
+            + ([("observables", tuple(sorted(obs)))] if obs else [])
+        return (x0, *process_signature(process), t0, t1, dt, method, normalization, direction,
+                paths, seed, record_every, quadrature, diagnostics, weights, *extra)
+
+    run = _FixedStepRun(x, drv, ev, fix_scale, scale, K=K, dt=dt, method=method, quadrature=quadrature,
+                        record_every=record_every, diagnostics=diagnostics, sign=sign, causal=causal,
+                        realised=realised, obs=obs, weights=w, normalization=normalization,
+                        ckpt=Checkpointer(checkpoint, checkpoint_every, K, fingerprint_parts))
+    run.start()
+    with progress_bar(show, K, f"simulate ({method})", initial=run.k) as bar, threads.scope(work) as pool:
+        while run.k < K:
+            run.step()
+            if callback is not None:
+                callback(run.k, drv.t, run.x)
+            bar.update(1)
+            pool.refresh()
+            run.ckpt.after_step(run.k, run.state)
+    times, out_x, series, ledger, observed = run.rec.stacked(t0, dt)
+    stats = {"steps": K, "field_evaluations": run.nfe, "max_sphere_error": run.max_sphere,
+             "wall_time": time.perf_counter() - start, "order": TABLEAUX[method].order,
+             "energy_log_scale": scale["c"], "gradient_flow": not causal}
+    return Trajectory(times, out_x, series["energy"], series["slope"], series["dissipation"], ledger, stats,
+                      method, normalization, direction, weights, drv.path() if return_path else None,
+                      observables=observed)
+
+
+def _check_simulate_args(x0, theta, *, t1, dt, t0, method, normalization, direction, weights, paths, seed, generator,
+                         record_every, quadrature, adjoint, progress, checkpoint, checkpoint_every, causal,
+                         observables, quadratic_variation, energy_log_scale):
+    """Every check of :func:`simulate`, before any work; returns the arguments it normalises."""
     check_tokens(x0, "x0")
     check_choice(method, METHODS, "method")
     check_choice(normalization, NORMALIZATIONS, "normalization")
@@ -563,7 +445,7 @@ def simulate(
     dt = check_positive(dt, "dt")
     t1 = check_real(t1, "t1")
     t0 = check_real(t0, "t0")
-    K = _grid(t0, t1, dt)
+    K = grid_steps(t0, t1, dt)
     record_every = check_int(record_every, "record_every")
     checkpoint_every = check_int(checkpoint_every, "checkpoint_every")
     if paths is not None:
@@ -578,8 +460,7 @@ def simulate(
         raise ValueError("normalization='effective' is the gradient field b^{-1} ∇ δE/δμ and has no causal version; "
                          "use 'softmax', 'unnormalized' or 'relu' with causal=True")
     check_choice(quadratic_variation, QUADRATIC_VARIATIONS, "quadratic_variation")
-    realised = quadratic_variation == "realised"
-    obs = _check_observables(observables)
+    obs = check_observables(observables)
     if progress is not None and not isinstance(progress, bool):
         raise TypeError(f"progress must be True, False or None (automatic), got {type(progress).__name__}")
     if energy_log_scale is not None:
@@ -626,261 +507,140 @@ def simulate(
     if method == "adaptive" and checkpoint is not None:
         raise ValueError("checkpointing is supported for the fixed-step methods; use euler, heun or rk4")
 
-    start = time.perf_counter()
-    x = x0 if paths is None else x0.unsqueeze(0).expand(paths, *x0.shape)
-    w = weights
-    drv = _WeightDriver(process, paths=paths, generator=generator, seed=seed, t0=t0, dt=dt,
-                        store=return_path, batch_rank=len(bx))
-    # tokens carry every batch axis of the heads (paths, replayed paths) from the start
-    x = x.expand(*torch.broadcast_shapes(x.shape[:-2], drv.current.batch_shape), *x.shape[-2:])
-    noisy = process.noisy
-    causal_kw = {"causal": True} if causal else {}
-    # the common scale c of the energy and the ledger (0: the values themselves); fixed at t0
-    scale = {"c": 0.0 if energy_log_scale is None else energy_log_scale, "start_max": float("nan"),
-             "given": energy_log_scale is not None}
+    return (process, sign, t0, t1, dt, K, record_every, checkpoint_every, paths, seed, quadrature, obs,
+            energy_log_scale)
 
-    def ev(xk, heads, diag):
-        """One field evaluation; with diag, the (non-causal) statistics and the diagnostics times e^{−c}."""
-        c = scale["c"]
-        if not diag or (c == 0.0 and not causal):  # ordinary runs: evaluate's own diagnostics, bit for bit
-            return evaluate(xk, heads, w, normalization=normalization, sign=sign, diagnostics=diag,
-                            second_moment=diag and noisy, chunk_elements=chunk_elements, **causal_kw)
-        fe = evaluate(xk, heads, w, normalization=normalization, sign=sign, diagnostics=False,
-                      second_moment=noisy and not causal, chunk_elements=chunk_elements, **causal_kw)
-        full = (softmax_statistics(xk, heads, w, second_moment=noisy, chunk_elements=chunk_elements) if causal
+
+class _Evaluator:
+    """The field evaluation of a solve: ``ev(x, heads, diag)`` (a FieldEval; with diag the non-causal
+    statistics and energy, 𝒢², 𝒟 times e^{−c}) and the common scale c (``scale``, fixed at t0 by
+    :meth:`fix_scale` unless given)."""
+
+    def __init__(self, weights, *, normalization, sign, noisy, causal, chunk_elements, energy_log_scale):
+        self.w, self.normalization, self.sign, self.noisy = weights, normalization, sign, noisy
+        self.causal, self.chunk, self.given = causal, chunk_elements, energy_log_scale
+        self.causal_kw = {"causal": True} if causal else {}
+        self.scale = {"c": 0.0 if energy_log_scale is None else energy_log_scale, "start_max": float("nan"),
+                      "given": energy_log_scale is not None}
+
+    def __call__(self, xk, heads, diag):
+        c, w, noisy, chunk = self.scale["c"], self.w, self.noisy, self.chunk
+        if not diag or (c == 0.0 and not self.causal):  # ordinary runs: evaluate's own diagnostics, bit for bit
+            return evaluate(xk, heads, w, normalization=self.normalization, sign=self.sign, diagnostics=diag,
+                            second_moment=diag and noisy, chunk_elements=chunk, **self.causal_kw)
+        fe = evaluate(xk, heads, w, normalization=self.normalization, sign=self.sign, diagnostics=False,
+                      second_moment=noisy and not self.causal, chunk_elements=chunk, **self.causal_kw)
+        full = (softmax_statistics(xk, heads, w, second_moment=noisy, chunk_elements=chunk) if self.causal
                 else fe.stats)
-        E, G, D, g = scaled_diagnostics(xk, heads, w, fe.velocity, full, log_scale=c, chunk_elements=chunk_elements)
+        E, G, D, g = scaled_diagnostics(xk, heads, w, fe.velocity, full, log_scale=c, chunk_elements=chunk)
         return FieldEval(fe.velocity, full, fe.outputs, g, E, G, D)
 
-    def fix_scale(evk) -> bool:
+    def fix_scale(self, evk) -> bool:
         """Fix c from the log-partitions of the first evaluation (unless given); True when c ≠ 0
         (the caller then evaluates again, at that scale)."""
         lp = evk.stats.log_partition.detach()
-        scale["start_max"] = float(lp.max()) if lp.numel() else 0.0
-        if energy_log_scale is None:
-            scale["c"] = choose_log_scale(lp)
-        if energy_log_scale is not None:
+        self.scale["start_max"] = float(lp.max()) if lp.numel() else 0.0
+        if self.given is not None:
             return False  # the first evaluation already used the given scale
-        if scale["c"] != 0.0:
+        self.scale["c"] = choose_log_scale(lp)
+        if self.scale["c"] != 0.0:
             logger.info("energy and ledger reported times e^(-%.6g) (largest log-partition at t0: %.6g)",
-                        scale["c"], scale["start_max"])
-        return scale["c"] != 0.0
+                        self.scale["c"], self.scale["start_max"])
+        return self.scale["c"] != 0.0
 
-    work = float(math.prod(x.shape[:-2])) * h0.num_heads * x.shape[-2] ** 2
 
-    if method == "adaptive":
-        with threads.scope(work):
-            return _simulate_adaptive(x, process, drv, ev, K=K, t0=t0, dt=dt, record_every=record_every,
-                                      sign=sign, diagnostics=diagnostics, rtol=rtol, atol=atol, method=method,
-                                      normalization=normalization, direction=direction, weights=w, start=start,
-                                      return_path=return_path, adjoint=adjoint, chunk_elements=chunk_elements,
-                                      causal=causal, obs=obs, realised=realised, scale=scale,
-                                      fix_scale=fix_scale)
+class _FixedStepRun:
+    """A fixed-step solve composed of the parts: the weight driver (Θ_t), the stepper (tableau +
+    sphere retraction), the ledger, the recorder and the checkpointer; one :meth:`step` at a time."""
 
-    tab = TABLEAUX[method]
-    rec_k = sorted(set(range(0, K + 1, record_every)) | {K})
-    rec_set = set(rec_k)
-    records: Dict[str, List[torch.Tensor]] = {"x": []}
-    if diagnostics:
-        for key in ("energy", "slope", "dissipation", *("ledger." + k for k in LEDGER_KEYS)):
-            records[key] = []
-    for name in obs:
-        records["obs." + name] = []
-    nfe = 0
-    max_sphere = 0.0
-    acc = {}
-    k_start = 0
+    def __init__(self, x, drv, ev, fix_scale, scale, *, K, dt, method, quadrature, record_every, diagnostics, sign,
+                 causal, realised, obs, weights, normalization, ckpt):
+        self.x, self.drv, self.ev, self.fix_scale, self.scale = x, drv, ev, fix_scale, scale
+        self.K, self.dt, self.diagnostics, self.realised, self.w = K, dt, diagnostics, realised, weights
+        self.normalization, self.ckpt, self.noisy = normalization, ckpt, drv.noisy
+        self.stepper = Stepper(TABLEAUX[method], retract=True)
+        keys = LEDGER_KEYS if not causal else tuple(k for k in LEDGER_KEYS if not k.startswith("residual"))
+        self.rec = Recorder(K, record_every, diagnostics=diagnostics, observables=obs, weights=weights,
+                            ledger_keys=keys)
+        self.ledger = Ledger(torch.zeros(()), sign=sign, quadrature=quadrature, causal=causal)
+        self.k, self.nfe, self.max_sphere = 0, 0, 0.0
 
-    # ---------------- checkpoint / resume
-    ckpt_path = None if checkpoint is None else Path(checkpoint)
-    fp = None
-    resumed = False
-    if ckpt_path is not None:
-        # options added later enter the fingerprint only when not at their default, so that
-        # checkpoints of ordinary runs written before them still resume
-        extra = ([("causal", True)] if causal else []) + ([("quadratic_variation", "realised")] if realised else []) \
-            + ([("energy_log_scale", energy_log_scale)] if energy_log_scale is not None else []) \
-            + ([("observables", tuple(sorted(obs)))] if obs else [])
-        fp = _fingerprint(x0, *_process_signature(process), t0, t1, dt, method, normalization, direction,
-                          paths, seed, record_every, quadrature, diagnostics, weights, *extra)
-        if ckpt_path.exists():
-            try:
-                ck = torch.load(ckpt_path, map_location=x0.device, weights_only=False)
-            except Exception as e:  # corrupt or unreadable
-                raise ValueError(f"checkpoint {ckpt_path} is corrupted or unreadable ({type(e).__name__}: {e}); "
-                                 f"delete it to start afresh") from None
-            if not isinstance(ck, dict) or ck.get("kind") != "transformer_pde.simulate":
-                raise ValueError(f"{ckpt_path} is not a transformer_pde simulate checkpoint; delete it or choose another path")
-            if ck.get("fingerprint") != fp:
-                raise ValueError(f"checkpoint {ckpt_path} belongs to a different run (config fingerprint "
-                                 f"{ck.get('fingerprint')} != {fp}); delete it or use another path")
-            k_start = ck["k"]
-            x = ck["x"]
-            drv.load_state(ck["driver"])
-            records = ck["records"]
-            acc = ck["acc"]
-            nfe, max_sphere = ck["nfe"], ck["max_sphere"]
-            scale.update(ck.get("scale", {"c": 0.0, "start_max": float("nan")}))
-            resumed = True
+    def state(self) -> dict:
+        return {"x": self.x.detach(), "driver": self.drv.state(), "records": self.rec.records, "acc": self.ledger.acc,
+                "nfe": self.nfe, "max_sphere": self.max_sphere, "scale": dict(self.scale)}
 
-    heads = drv.current
-    cur = ev(x, heads, diagnostics)
-    nfe += 1
-    if not _check_finite(cur.velocity):
-        raise _nonfinite("the velocity field", drv.t, drv.k, heads, normalization)
-    if diagnostics and not resumed and fix_scale(cur):
-        cur = ev(x, heads, True)
-    c_scale = scale["c"]
+    def _evaluate(self, x, heads):
+        e = self.ev(x, heads, self.diagnostics)
+        self.nfe += 1
+        if not _check_finite(e.velocity):
+            raise nonfinite_error("the velocity field", self.drv.t, self.drv.k, heads, self.normalization)
+        return e
 
-    def densities(xk, hk, evk, rate, sigma):
-        if not diagnostics:
+    def _densities(self, x, heads, e):
+        """The ledger's densities at the current grid point, checked finite."""
+        if not self.diagnostics:
             return None
-        pt = pairing(xk, hk, w, evk.stats, rate, log_scale=c_scale)
-        if noisy and not realised:
-            pt = pt + ito_correction(hk, w, evk.stats, sigma, log_scale=c_scale)
-        return {"partial": pt, "dissipation": evk.dissipation, "slope": evk.slope}
+        c = self.scale["c"]
+        pt = partial_density(x, heads, self.w, e.stats, self.drv.rate, self.drv.sigma,
+                             ito=self.noisy and not self.realised, log_scale=c)
+        _check_ledger(e, pt, self.drv.t, self.drv.k, self.scale)
+        return {"partial": pt, "dissipation": e.dissipation, "slope": e.slope}
 
-    def check_ledger(evk, dens_k, t, k):
-        for name, v in (("the energy", evk.energy), ("the dissipation 𝒟", evk.dissipation),
-                        ("the metric slope 𝒢²", evk.slope), ("∂_tE (ledger 'partial')", dens_k["partial"])):
-            if not _check_finite(v):
-                raise _ledger_nonfinite(name, t, k, evk.stats.log_partition, c_scale, scale["start_max"],
-                                        energy_log_scale is not None)
+    def _record(self):
+        e = self.cur
+        if self.diagnostics:
+            self.rec.record(self.x, e.energy, e.slope, e.dissipation, self.ledger.terms(e.energy))
+        else:
+            self.rec.record(self.x)
 
-    dens = densities(x, heads, cur, drv.rate, drv.sigma)
-    if diagnostics and k_start == 0:
-        check_ledger(cur, dens, drv.t, drv.k)
-        E0 = cur.energy
-        zero = torch.zeros_like(E0)
-        acc = {"E0": E0, "partial": zero, "dissipation": zero, "slope": zero, "martingale": zero}
-    ledger_keys = LEDGER_KEYS if not causal else tuple(k for k in LEDGER_KEYS if not k.startswith("residual"))
+    def start(self):
+        """Resume from the checkpoint or start at t0: first evaluation, common scale, first record."""
+        ck = self.ckpt.load(self.x.device)
+        if ck is not None:
+            self.k, self.x, self.nfe, self.max_sphere = ck["k"], ck["x"], ck["nfe"], ck["max_sphere"]
+            self.drv.load_state(ck["driver"])
+            self.rec.records, self.ledger.acc = ck["records"], ck["acc"]
+            self.scale.update(ck.get("scale", {"c": 0.0, "start_max": float("nan")}))
+        self.cur = self._evaluate(self.x, self.drv.current)
+        if self.diagnostics and ck is None and self.fix_scale(self.cur):
+            self.cur = self.ev(self.x, self.drv.current, True)
+        self.dens = self._densities(self.x, self.drv.current, self.cur)
+        if ck is None:
+            if self.diagnostics:
+                self.ledger = Ledger(self.cur.energy, sign=self.ledger.sign, quadrature=self.ledger.quadrature,
+                                     causal=self.ledger.causal)
+            self._record()
 
-    def record(xk, evk):
-        records["x"].append(xk.detach() if not xk.requires_grad else xk)
-        if diagnostics:
-            dE = evk.energy - acc["E0"]
-            led = {"dE": dE, "partial": acc["partial"], "dissipation": acc["dissipation"], "slope": acc["slope"],
-                   "martingale": acc["martingale"],
-                   "residual": dE - acc["partial"] - acc["dissipation"] - acc["martingale"],
-                   "residual_slope": dE - acc["partial"] - sign * acc["slope"] - acc["martingale"]}
-            for key in ("energy", "slope", "dissipation"):
-                records[key].append(getattr(evk, key))
-            for key in LEDGER_KEYS:
-                records["ledger." + key].append(led[key])
-        for name, fn in obs.items():
-            records["obs." + name].append(_observe(name, fn, xk, w))
+    def step(self):
+        """One step t_k → t_{k+1}: Itô terms at the left end, the Runge–Kutta step with retraction, the
+        ledger's quadrature and jumps, the record."""
+        drv, x, heads, cur, c = self.drv, self.x, self.drv.current, self.cur, self.scale["c"]
+        noise = drv.prepare() if self.noisy else None
+        if self.diagnostics and noise is not None:  # martingale (and realised QV) at the left end (Itô)
+            self.ledger.add("martingale", pairing(x, heads, self.w, cur.stats, noise, log_scale=c))
+            if self.realised:
+                self.ledger.add("partial", realised_qv_term(x, heads, self.w, cur.stats, noise, log_scale=c))
 
-    # ledger "dissipation"/"slope" are running integrals; the series of the same names are instantaneous
-    if k_start == 0:
-        record(x, cur)
+        def stage(xs, ci):
+            self.nfe += 1
+            return self.ev(xs, drv.stage(ci), False).velocity
 
-    show = progress if progress is not None else K * tab.stages * work >= PROGRESS_MIN_WORK
-    bar = None
-    if show:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=K, initial=k_start, desc=f"simulate ({method})", unit="step", leave=False, disable=None)
-    try:
-        with threads.scope(work) as pool:
-            for k in range(k_start, K):
-                t = drv.t
-                noise = drv.prepare() if noisy else None
-                # martingale increment (and the realised quadratic variation) at the left end (Itô)
-                if diagnostics and noise is not None:
-                    acc["martingale"] = acc["martingale"] + pairing(x, heads, w, cur.stats, noise, log_scale=c_scale)
-                    if realised:
-                        acc["partial"] = acc["partial"] + realised_qv_term(x, heads, w, cur.stats, noise,
-                                                                              log_scale=c_scale)
-                # token step with retraction at every stage
-                ks = [cur.velocity]
-                for i in range(1, tab.stages):
-                    xs = x
-                    for j, aij in enumerate(tab.a[i]):
-                        if aij != 0.0:
-                            xs = xs + (dt * aij) * ks[j]
-                    xs = normalize(xs)
-                    ks.append(ev(xs, drv.stage(tab.c[i]), False).velocity)
-                    nfe += 1
-                y = x
-                for bi, ki in zip(tab.b, ks):
-                    y = y + (dt * bi) * ki
-                ny = y.detach().norm(dim=-1)
-                max_sphere = max(max_sphere, float((ny - 1).abs().max()))
-                x_new = y / ny.unsqueeze(-1) if not y.requires_grad else normalize(y)
-                if not _check_finite(x_new):
-                    raise _nonfinite("the token positions", t + dt, k + 1, heads, normalization)
-                jumps = drv.jumps()
-                prev_heads = heads
-                drv.advance()
-                heads = drv.current
-                nxt = ev(x_new, heads, diagnostics)
-                nfe += 1
-                if not _check_finite(nxt.velocity):
-                    raise _nonfinite("the velocity field", drv.t, drv.k, heads, normalization)
-                if diagnostics:
-                    dens_new = densities(x_new, heads, nxt, drv.rate, drv.sigma)
-                    check_ledger(nxt, dens_new, drv.t, drv.k)
-                    for key in ("partial", "dissipation", "slope"):
-                        inc = dens[key] if quadrature == "left" else 0.5 * (dens[key] + dens_new[key])
-                        acc[key] = acc[key] + dt * inc
-                    if jumps:
-                        before = ev(x_new, prev_heads, True).energy
-                        acc["partial"] = acc["partial"] + (nxt.energy - before)
-                    dens = dens_new
-                x, cur = x_new, nxt
-                if (k + 1) in rec_set:
-                    record(x, cur)
-                if callback is not None:
-                    callback(k + 1, drv.t, x)
-                if bar is not None:
-                    bar.update(1)
-                pool.refresh()
-                if ckpt_path is not None and ((k + 1) % checkpoint_every == 0) and (k + 1) < K:
-                    _save_atomic({"kind": "transformer_pde.simulate", "fingerprint": fp, "k": k + 1, "x": x.detach(),
-                                  "driver": drv.state(), "records": records, "acc": acc, "nfe": nfe,
-                                  "max_sphere": max_sphere, "scale": dict(scale)}, ckpt_path)
-    finally:
-        if bar is not None:
-            bar.close()
-
-    times, out_x, series, ledger = _assemble_records(records, rec_k, t0, dt, diagnostics, ledger_keys)
-    stats = {"steps": K, "field_evaluations": nfe, "max_sphere_error": max_sphere,
-             "wall_time": time.perf_counter() - start, "order": tab.order,
-             "energy_log_scale": c_scale, "gradient_flow": not causal}
-    return Trajectory(times, out_x, series["energy"], series["slope"], series["dissipation"], ledger, stats,
-                      method, normalization, direction, weights, drv.path() if return_path else None,
-                      observables={name: torch.stack(records["obs." + name]) for name in obs})
-
-
-def _check_observables(observables) -> Dict[str, Callable]:
-    """``observables=`` as a dict of str -> callable (TypeError otherwise, before any work)."""
-    if observables is None:
-        return {}
-    if not isinstance(observables, Mapping):
-        raise TypeError(f"observables must be a mapping name -> callable(x, weights) (e.g. "
-                        f"{{'mean': lambda x, w: x.mean(-2)}}), got {type(observables).__name__}")
-    out = {}
-    for name, fn in observables.items():
-        if not isinstance(name, str) or not name:
-            raise TypeError(f"observables: every name must be a non-empty string, got {name!r}")
-        if not callable(fn):
-            raise TypeError(f"observables[{name!r}] must be a callable(x, weights) returning a tensor, "
-                            f"got {type(fn).__name__}")
-        out[name] = fn
-    return out
-
-
-def _observe(name: str, fn: Callable, x: torch.Tensor, weights) -> torch.Tensor:
-    """One observable at one recorded time, checked: a tensor of shape (*batch,) or (*batch, k)."""
-    v = fn(x, weights)
-    if not isinstance(v, torch.Tensor):
-        raise TypeError(f"observables[{name!r}] returned {type(v).__name__}; it must return a tensor of shape "
-                        f"(*batch,) or (*batch, k) for tokens of shape (*batch, n, d)")
-    batch = tuple(x.shape[:-2])
-    if tuple(v.shape[:len(batch)]) != batch or v.dim() not in (len(batch), len(batch) + 1):
-        raise ValueError(f"observables[{name!r}] returned shape {tuple(v.shape)}; for tokens of shape "
-                         f"{tuple(x.shape)} it must be {batch} or {batch + ('k',)}")
-    return v.detach() if not v.requires_grad else v
+        x_new, err = self.stepper.step(x, cur.velocity, self.dt, stage)
+        self.max_sphere = max(self.max_sphere, err)
+        if not _check_finite(x_new):
+            raise nonfinite_error("the token positions", drv.t + self.dt, self.k + 1, heads, self.normalization)
+        jumps = drv.jumps()
+        drv.advance()
+        nxt = self._evaluate(x_new, drv.current)
+        if self.diagnostics:
+            dens_new = self._densities(x_new, drv.current, nxt)
+            self.ledger.integrate(self.dens, dens_new, self.dt)
+            if jumps:
+                self.ledger.add("partial", nxt.energy - self.ev(x_new, heads, True).energy)
+            self.dens = dens_new
+        self.x, self.cur, self.k = x_new, nxt, self.k + 1
+        if self.rec.keeps(self.k):
+            self._record()
 
 
 class _AdjointField(torch.nn.Module):
@@ -962,18 +722,6 @@ def _initial_step(func, t0: torch.Tensor, y0: torch.Tensor, rtol: float, atol: f
     return min(100 * h0, h1)
 
 
-def _assemble_records(records, rec_k, t0, dt, diagnostics, ledger_keys=LEDGER_KEYS):
-    """(times, x, series, ledger) stacked from the per-record lists of a fixed-step loop."""
-    times = torch.tensor([t0 + k * dt for k in rec_k], dtype=torch.float64)
-    out_x = torch.stack(records["x"])
-    if diagnostics:
-        ledger = {key: torch.stack(records["ledger." + key]) for key in ledger_keys}
-        series = {key: torch.stack(records[key]) for key in ("energy", "slope", "dissipation")}
-    else:
-        ledger, series = {}, {"energy": None, "slope": None, "dissipation": None}
-    return times, out_x, series, ledger
-
-
 def _simulate_adaptive(x, process, drv, ev, *, K, t0, dt, record_every, sign, diagnostics, rtol, atol, method,
                        normalization, direction, weights, start, return_path, adjoint=False, chunk_elements=None,
                        causal=False, obs=None, realised=False, scale=None, fix_scale=None):
@@ -981,103 +729,87 @@ def _simulate_adaptive(x, process, drv, ev, *, K, t0, dt, record_every, sign, di
     (the martingale, and with ``realised`` the quadratic variation, as Itô sums over the record intervals).
 
     With ``adjoint`` the solve goes through ``odeint_adjoint`` (gradients by the adjoint ODE)."""
-    from torchdiffeq import odeint, odeint_adjoint
-
-    obs = obs or {}
     scale = {"c": 0.0, "start_max": float("nan"), "given": False} if scale is None else scale
-    w = weights
     # stochastic or grid-stepped weights: sample the whole path on the dt grid first
-    if drv.mode != "closed":
-        drv.store = True
-        drv._scores, drv._rates, drv._sigmas, drv._noise = [], [], [], []
-        drv._record_current()
-        for _ in range(K):
-            drv.advance()
-        path = drv.path()
-        heads_at = path.heads_at
-    else:
-        path = None
-        heads_at = process.heads_at
-    nfe = [0]
-
-    def func(t, y):
-        nfe[0] += 1
-        return ev(normalize(y), heads_at(float(t.detach())), False).velocity
-
-    rec_k = sorted(set(range(0, K + 1, record_every)) | {K})
-    times = torch.tensor([t0 + k * dt for k in rec_k], dtype=torch.float64)
-    grid = times.to(x.dtype).to(x.device)
-    if adjoint:
-        (source, w_c), params = _rebind_for_adjoint(path if path is not None else process, w)
-        heads_at_c = source.heads_at
-        causal_kw = {"causal": True} if causal else {}
-
-        def afunc(t, y):
-            nfe[0] += 1
-            return evaluate(normalize(y), heads_at_c(float(t.detach())), w_c, normalization=normalization, sign=sign,
-                            diagnostics=False, chunk_elements=chunk_elements, **causal_kw).velocity
-
-        field_module = _AdjointField(afunc, params)
-        ys = odeint_adjoint(field_module, x, grid, method="dopri5", rtol=rtol, atol=atol, adjoint_params=params)
-    else:
-        first = _initial_step(func, grid[0], x.detach(), rtol, atol)
-        ys = odeint(func, x, grid, method="dopri5", rtol=rtol, atol=atol, options={"first_step": first})
+    path = drv.sample_path(K) if drv.mode != "closed" else None
+    heads_at = path.heads_at if path is not None else process.heads_at
+    rec = Recorder(K, record_every, diagnostics=False, observables=obs, weights=weights)
+    times = rec.times(t0, dt)
+    ys, nfe = _dopri5(x, ev, heads_at, path if path is not None else process, times.to(x.dtype).to(x.device),
+                      weights=weights, rtol=rtol, atol=atol, adjoint=adjoint, normalization=normalization, sign=sign,
+                      chunk_elements=chunk_elements, causal=causal)
     xs = normalize(ys)
     if not _check_finite(xs):
         bad = int((~torch.isfinite(xs.flatten(1)).all(-1)).nonzero()[0])
-        raise _nonfinite("the token positions", float(times[bad]), rec_k[bad], heads_at(float(times[bad])),
-                         normalization)
+        raise nonfinite_error("the token positions", float(times[bad]), rec.steps[bad], heads_at(float(times[bad])),
+                              normalization)
     ledger, series = {}, {"energy": None, "slope": None, "dissipation": None}
     if diagnostics:
-        E, G, D, P, M, Q = [], [], [], [], [], []
-        for r, k in enumerate(rec_k):
-            t = float(times[r])
-            hk = heads_at(t)
-            e = ev(xs[r], hk, True)
-            if r == 0 and fix_scale is not None and fix_scale(e):
-                e = ev(xs[r], hk, True)
-            c = scale["c"]
-            if path is not None:
-                rate, sig = path.rates[k], path.sigmas[k]
-            else:
-                rate, sig = process.score_rate(t), 0.0
-            pt = pairing(xs[r], hk, w, e.stats, rate, log_scale=c)
-            if process.noisy:
-                if not realised:
-                    pt = pt + ito_correction(hk, w, e.stats, sig, log_scale=c)
-                if r + 1 < len(rec_k):
-                    dn = path.noise[k:rec_k[r + 1]].sum(0)
-                    M.append(pairing(xs[r], hk, w, e.stats, dn, log_scale=c))
-                    if realised:
-                        Q.append(realised_qv_term(xs[r], hk, w, e.stats, dn, log_scale=c))
-            for name, v in (("the energy", e.energy), ("the dissipation 𝒟", e.dissipation),
-                            ("the metric slope 𝒢²", e.slope), ("∂_tE (ledger 'partial')", pt)):
-                if not _check_finite(v):
-                    raise _ledger_nonfinite(name, t, k, e.stats.log_partition, c, scale["start_max"],
-                                            scale.get("given", False))
-            E.append(e.energy)
-            G.append(e.slope)
-            D.append(e.dissipation)
-            P.append(pt)
-        E, G, D, P = map(torch.stack, (E, G, D, P))
-        dts = (times[1:] - times[:-1]).to(E.dtype).reshape(-1, *([1] * (E.dim() - 1)))
-        cum = lambda v: torch.cat([torch.zeros_like(v[:1]), torch.cumsum(dts * 0.5 * (v[1:] + v[:-1]), 0)])  # noqa: E731
-        Mc = torch.zeros_like(E)
-        if M:
-            Mc = torch.cat([torch.zeros_like(E[:1]), torch.cumsum(torch.stack(M), 0)])
-        partial = cum(P)
-        if Q:
-            partial = partial + torch.cat([torch.zeros_like(E[:1]), torch.cumsum(torch.stack(Q), 0)])
-        dE = E - E[0]
-        ledger = {"dE": dE, "partial": partial, "dissipation": cum(D), "slope": cum(G), "martingale": Mc}
-        if not causal:
-            ledger["residual"] = dE - ledger["partial"] - ledger["dissipation"] - Mc
-            ledger["residual_slope"] = dE - ledger["partial"] - sign * ledger["slope"] - Mc
-        series = {"energy": E, "slope": G, "dissipation": D}
-    observed = {name: torch.stack([_observe(name, fn, xs[r], w) for r in range(len(rec_k))]) for name, fn in obs.items()}
-    stats = {"steps": K, "field_evaluations": nfe[0], "max_sphere_error": float((ys.detach().norm(dim=-1) - 1).abs().max()),
+        ledger, series = _record_grid_ledger(xs, times, rec.steps, ev, heads_at, path, process, weights=weights,
+                                             scale=scale, fix_scale=fix_scale, realised=realised, sign=sign,
+                                             causal=causal)
+    for r in range(len(rec.steps)):
+        rec.record(xs[r])
+    observed = rec.stacked(t0, dt)[4]
+    stats = {"steps": K, "field_evaluations": nfe, "max_sphere_error": float((ys.detach().norm(dim=-1) - 1).abs().max()),
              "wall_time": time.perf_counter() - start, "order": 5, "energy_log_scale": scale["c"],
              "gradient_flow": not causal}
     return Trajectory(times, xs, series["energy"], series["slope"], series["dissipation"], ledger, stats,
                       method, normalization, direction, weights, path if return_path else None,
                       observables=observed)
+
+
+def _dopri5(x, ev, heads_at, source, grid, *, weights, rtol, atol, adjoint, normalization, sign, chunk_elements,
+            causal):
+    """torchdiffeq's dopri5 on the projected field through the record grid; (ys, field evaluations)."""
+    from torchdiffeq import odeint, odeint_adjoint
+
+    nfe = [0]
+    if adjoint:
+        (source_c, w_c), params = _rebind_for_adjoint(source, weights)
+        causal_kw = {"causal": True} if causal else {}
+
+        def afunc(t, y):
+            nfe[0] += 1
+            return evaluate(normalize(y), source_c.heads_at(float(t.detach())), w_c, normalization=normalization,
+                            sign=sign, diagnostics=False, chunk_elements=chunk_elements, **causal_kw).velocity
+
+        ys = odeint_adjoint(_AdjointField(afunc, params), x, grid, method="dopri5", rtol=rtol, atol=atol,
+                            adjoint_params=params)
+        return ys, nfe[0]
+
+    def func(t, y):
+        nfe[0] += 1
+        return ev(normalize(y), heads_at(float(t.detach())), False).velocity
+
+    first = _initial_step(func, grid[0], x.detach(), rtol, atol)
+    return odeint(func, x, grid, method="dopri5", rtol=rtol, atol=atol, options={"first_step": first}), nfe[0]
+
+
+def _record_grid_ledger(xs, times, rec_k, ev, heads_at, path, process, *, weights, scale, fix_scale, realised, sign,
+                        causal):
+    """Energy, 𝒢², 𝒟 and the ledger (:func:`~.parts.ledger_from_series`) at the recorded tokens xs."""
+    w = weights
+    E, G, D, P, M, Q = [], [], [], [], [], []
+    for r, k in enumerate(rec_k):
+        t = float(times[r])
+        hk = heads_at(t)
+        e = ev(xs[r], hk, True)
+        if r == 0 and fix_scale is not None and fix_scale(e):
+            e = ev(xs[r], hk, True)
+        c = scale["c"]
+        rate, sig = (path.rates[k], path.sigmas[k]) if path is not None else (process.score_rate(t), 0.0)
+        pt = partial_density(xs[r], hk, w, e.stats, rate, sig, ito=process.noisy and not realised, log_scale=c)
+        if process.noisy and r + 1 < len(rec_k):
+            dn = path.noise[k:rec_k[r + 1]].sum(0)
+            M.append(pairing(xs[r], hk, w, e.stats, dn, log_scale=c))
+            if realised:
+                Q.append(realised_qv_term(xs[r], hk, w, e.stats, dn, log_scale=c))
+        _check_ledger(e, pt, t, k, scale)
+        E.append(e.energy)
+        G.append(e.slope)
+        D.append(e.dissipation)
+        P.append(pt)
+    E, G, D, P = map(torch.stack, (E, G, D, P))
+    ledger = ledger_from_series(E, G, D, P, M, Q, times, sign=sign, causal=causal)
+    return ledger, {"energy": E, "slope": G, "dissipation": D}

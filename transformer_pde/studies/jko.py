@@ -326,6 +326,14 @@ def run_jko_vs_particles(params, run) -> Dict[str, object]:
     return metrics
 
 
+def _panel(a, xlabel, ylabel, title, legend):
+    """Axis labels, a title and the legend of one panel."""
+    a.set_xlabel(xlabel)
+    a.set_ylabel(ylabel)
+    a.set_title(title, fontsize=10)
+    a.legend(**legend)
+
+
 def _log_ticks(ax, axis: str, values) -> None:
     """Tick a log axis at the data values only (plain numbers): no crowded minor labels."""
     from matplotlib.ticker import FixedFormatter, FixedLocator, NullFormatter, NullLocator
@@ -359,10 +367,8 @@ def _figure(run, p, t_curve, curves, taus, tau_err, Ns, w2_jko, w2_part, eps_val
     for k, v in curves.items():
         ls, _, lw = styles.get(k, ("-", "o", 1.4))
         a.plot(t_curve, v, ls=ls, lw=lw, label=f"{k} transport")
-    a.set_xlabel("t")
-    a.set_ylabel("$W_2$(JKO, particles)")
-    a.set_title(f"(a) {space}, n = {p['n']}: JKO with τ = {min(taus):g} vs particles", fontsize=10)
-    a.legend(**legend)
+    _panel(a, "t", "$W_2$(JKO, particles)", f"(a) {space}, n = {p['n']}: JKO with τ = {min(taus):g} vs particles",
+           legend)
     a = ax[0, 1]
     for k, v in tau_err.items():
         if len(v) == len(taus):
@@ -371,26 +377,19 @@ def _figure(run, p, t_curve, curves, taus, tau_err, Ns, w2_jko, w2_part, eps_val
                      label=f"{k}: slope {metrics.get(f'tau_slope_{k}', float('nan')):.2f}")
     a.loglog(taus, [tau_err[next(iter(tau_err))][-1] * t / taus[-1] for t in taus], "k:", label="order 1 (∝ τ)")
     _log_ticks(a, "x", taus)
-    a.set_xlabel("JKO step τ")
-    a.set_ylabel(f"$W_2$(JKO, particles) at t = {p['t1']:g}")
-    a.set_title(f"(b) {space}: convergence in τ", fontsize=10)
-    a.legend(**legend)
+    _panel(a, "JKO step τ", f"$W_2$(JKO, particles) at t = {p['t1']:g}", f"(b) {space}: convergence in τ", legend)
     a = ax[1, 0]
     a.loglog(Ns, w2_jko, "o-", label=f"Lagrangian JKO: slope {metrics['n_slope_jko_vs_eulerian']:.2f}")
     a.loglog(Ns, w2_part, "s--", label="particle ODE")
     a.loglog(Ns, [w2_jko[0] * Ns[0] / N for N in Ns], "k:", label="∝ 1/N")
     _log_ticks(a, "x", Ns)
-    a.set_xlabel("N tokens (quantiles of a smooth ρ₀ on S¹)")
-    a.set_ylabel(f"$W_2$(·, Eulerian JKO) at t = {p['n_t1']:g}")
-    a.set_title(f"(c) S¹: N tokens vs the Eulerian density (grid {p['grid']})", fontsize=10)
-    a.legend(**legend)
+    _panel(a, "N tokens (quantiles of a smooth ρ₀ on S¹)", f"$W_2$(·, Eulerian JKO) at t = {p['n_t1']:g}",
+           f"(c) S¹: N tokens vs the Eulerian density (grid {p['grid']})", legend)
     a = ax[1, 1]
     a.loglog(eps_vals, eps_err, "o-", label="Sinkhorn JKO vs emd JKO (symmetric cost)")
     _log_ticks(a, "x", eps_vals)
-    a.set_xlabel("Sinkhorn ε")
-    a.set_ylabel(f"$W_2$(Sinkhorn JKO, emd JKO) at t = {p['t1']:g}")
-    a.set_title(f"(d) {space}: convergence in ε (τ = {p['eps_tau']:g})", fontsize=10)
-    a.legend(**legend)
+    _panel(a, "Sinkhorn ε", f"$W_2$(Sinkhorn JKO, emd JKO) at t = {p['t1']:g}",
+           f"(d) {space}: convergence in ε (τ = {p['eps_tau']:g})", legend)
     fig.suptitle(f"JKO vs particles: one {p['process']} weight path Θ replayed by every solver, H = {p['heads']}, "
                  f"{p['direction']}", fontsize=11)
     caption = (f"One weight path Θ ({p['process']}), deterministic solvers: no bands or error bars. (a) W₂ between the "

@@ -30,7 +30,7 @@ from typing import Union
 
 import torch
 
-from ._validation import check_choice, check_int, check_positive
+from .._validation import check_choice, check_int, check_positive
 
 __all__ = [
     "REDUCED_NORMALIZATIONS",

@@ -1,0 +1,312 @@
+"""The small parts every solver is composed of (see ARCHITECTURE.md).
+
+* :class:`Stepper` — one explicit Runge–Kutta step (a Butcher tableau) followed by the retraction
+  onto the sphere, or none for flat dynamics;
+* :class:`Ledger` — the running energy ledger (left-point or trapezoid quadrature of ∂_sE, 𝒟 and
+  𝒢², the martingale, jumps), :func:`ledger_terms` (the residuals) and
+  :func:`ledger_from_series` (the same ledger from series on a record grid, for "adaptive");
+* :class:`Recorder` — which steps to keep, the per-record lists, the stacked series;
+* :class:`Checkpointer` — fingerprint, atomic save every k steps, resume or refuse;
+* :func:`progress_bar` — the tqdm bar (on a terminal only) or nothing.
+
+The Θ_t grid driver is :class:`transformer_pde.processes.WeightDriver`.  Everything here is a named
+internal API: used by the solvers of this package, not part of the public API.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+from pathlib import Path
+from typing import Callable, Dict, List, Mapping, Optional, Sequence
+
+import torch
+
+from ..energy import ito_correction, pairing
+from ..heads import Heads
+from ..sphere import normalize
+
+__all__: List[str] = []
+__internal__ = ["Stepper", "Ledger", "ledger_terms", "ledger_from_series", "partial_density", "Recorder",
+                "check_observables", "observe", "Checkpointer", "process_signature", "progress_bar", "LEDGER_KEYS"]
+
+LEDGER_KEYS = ("dE", "partial", "dissipation", "slope", "martingale", "residual", "residual_slope")
+
+
+# ---------------------------------------------------------------------------- stepper
+class Stepper:
+    """One explicit Runge–Kutta step x ↦ x_new of ẋ = F(x, t) for a tableau (c, a, b).
+
+    retract=True: the stages and the result are pulled back to the unit sphere (x ↦ x/|x|, the
+    projective retraction); False: flat dynamics in R^d."""
+
+    def __init__(self, tableau, retract: bool = True):
+        self.tableau = tableau
+        self.retract = retract
+
+    def step(self, x: torch.Tensor, k1: torch.Tensor, dt: float, stage_field: Callable):
+        """x (..., n, d), k1 = F(x) at the left end, stage_field(x_stage, c_i) the field at stage i.
+
+        Returns (x_new, the largest |‖y‖ − 1| before the retraction (0 for flat dynamics))."""
+        tab = self.tableau
+        ks = [k1]
+        for i in range(1, tab.stages):
+            xs = x
+            for j, aij in enumerate(tab.a[i]):
+                if aij != 0.0:
+                    xs = xs + (dt * aij) * ks[j]
+            if self.retract:
+                xs = normalize(xs)
+            ks.append(stage_field(xs, tab.c[i]))
+        y = x
+        for bi, ki in zip(tab.b, ks):
+            y = y + (dt * bi) * ki
+        if not self.retract:
+            return y, 0.0
+        ny = y.detach().norm(dim=-1)
+        return (y / ny.unsqueeze(-1) if not y.requires_grad else normalize(y)), float((ny - 1).abs().max())
+
+
+# ---------------------------------------------------------------------------- ledger
+def partial_density(x, heads: Heads, weights, stats, rate, sigma, *, ito: bool, log_scale: float = 0.0):
+    """∂_tE = e^{−c}⟨∂_A E, Ȧ⟩, plus the expected Itô correction when ``ito``, (...,)."""
+    pt = pairing(x, heads, weights, stats, rate, log_scale=log_scale)
+    if ito:
+        pt = pt + ito_correction(heads, weights, stats, sigma, log_scale=log_scale)
+    return pt
+
+
+def ledger_terms(dE, partial, dissipation, slope, martingale, *, sign: float, causal: bool = False) -> Dict:
+    """The ledger entries (:data:`LEDGER_KEYS`): the running terms and the residuals
+    dE − ∫∂_sE − ∫𝒟 − M and dE − ∫∂_sE − s∫𝒢² − M (none for causal attention: no gradient flow)."""
+    out = {"dE": dE, "partial": partial, "dissipation": dissipation, "slope": slope, "martingale": martingale}
+    if not causal:
+        out["residual"] = dE - partial - dissipation - martingale
+        out["residual_slope"] = dE - partial - sign * slope - martingale
+    return out
+
+
+class Ledger:
+    """The running energy ledger of a fixed-step solve (DESIGN §2).
+
+    ``quadrature`` "left" or "trapezoid" for the time integrals of the densities ∂_sE, 𝒟, 𝒢²; the
+    martingale and the realised quadratic variation are Itô sums (left end), added by the solver
+    through :meth:`add`; jumps of piecewise-constant weights through :meth:`add` to "partial"."""
+
+    def __init__(self, E0: torch.Tensor, *, sign: float, quadrature: str = "left", causal: bool = False):
+        zero = torch.zeros_like(E0)
+        self.acc = {"E0": E0, "partial": zero, "dissipation": zero, "slope": zero, "martingale": zero}
+        self.sign, self.quadrature, self.causal = sign, quadrature, causal
+
+    def add(self, key: str, value):
+        self.acc[key] = self.acc[key] + value
+
+    def integrate(self, dens: Mapping, dens_new: Mapping, dt: float):
+        """Add dt × (left value, or the mean of both ends) of each density."""
+        for key in ("partial", "dissipation", "slope"):
+            inc = dens[key] if self.quadrature == "left" else 0.5 * (dens[key] + dens_new[key])
+            self.acc[key] = self.acc[key] + dt * inc
+
+    def terms(self, energy: torch.Tensor) -> Dict:
+        a = self.acc
+        return ledger_terms(energy - a["E0"], a["partial"], a["dissipation"], a["slope"], a["martingale"],
+                            sign=self.sign, causal=self.causal)
+
+
+def ledger_from_series(E, G, D, P, M: Sequence, Q: Sequence, times, *, sign: float, causal: bool = False) -> Dict:
+    """The ledger from series on a record grid: trapezoid integrals of ∂_sE (P), 𝒟, 𝒢², Itô sums of
+    the martingale increments M and the realised quadratic variation Q (one per interval)."""
+    dts = (times[1:] - times[:-1]).to(E.dtype).reshape(-1, *([1] * (E.dim() - 1)))
+    first = torch.zeros_like(E[:1])
+
+    def cum(v):
+        return torch.cat([first, torch.cumsum(dts * 0.5 * (v[1:] + v[:-1]), 0)])
+
+    Mc = torch.cat([first, torch.cumsum(torch.stack(list(M)), 0)]) if M else torch.zeros_like(E)
+    partial = cum(P)
+    if Q:
+        partial = partial + torch.cat([first, torch.cumsum(torch.stack(list(Q)), 0)])
+    return ledger_terms(E - E[0], partial, cum(D), cum(G), Mc, sign=sign, causal=causal)
+
+
+# ---------------------------------------------------------------------------- recorder
+def check_observables(observables) -> Dict[str, Callable]:
+    """``observables=`` as a dict of str -> callable (TypeError otherwise, before any work)."""
+    if observables is None:
+        return {}
+    if not isinstance(observables, Mapping):
+        raise TypeError(f"observables must be a mapping name -> callable(x, weights) (e.g. "
+                        f"{{'mean': lambda x, w: x.mean(-2)}}), got {type(observables).__name__}")
+    out = {}
+    for name, fn in observables.items():
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"observables: every name must be a non-empty string, got {name!r}")
+        if not callable(fn):
+            raise TypeError(f"observables[{name!r}] must be a callable(x, weights) returning a tensor, "
+                            f"got {type(fn).__name__}")
+        out[name] = fn
+    return out
+
+
+def observe(name: str, fn: Callable, x: torch.Tensor, weights) -> torch.Tensor:
+    """One observable at one recorded time, checked: a tensor of shape (*batch,) or (*batch, k)."""
+    v = fn(x, weights)
+    if not isinstance(v, torch.Tensor):
+        raise TypeError(f"observables[{name!r}] returned {type(v).__name__}; it must return a tensor of shape "
+                        f"(*batch,) or (*batch, k) for tokens of shape (*batch, n, d)")
+    batch = tuple(x.shape[:-2])
+    if tuple(v.shape[:len(batch)]) != batch or v.dim() not in (len(batch), len(batch) + 1):
+        raise ValueError(f"observables[{name!r}] returned shape {tuple(v.shape)}; for tokens of shape "
+                         f"{tuple(x.shape)} it must be {batch} or {batch + ('k',)}")
+    return v.detach() if not v.requires_grad else v
+
+
+class Recorder:
+    """Keeps every ``every``-th of the steps 0..K (and K), and stacks them into a Trajectory's series.
+
+    ``records`` (name -> list) is plain data, so a checkpoint can store and restore it."""
+
+    def __init__(self, K: int, every: int, *, diagnostics: bool, observables: Optional[Mapping] = None,
+                 weights=None, ledger_keys=LEDGER_KEYS):
+        self.steps = sorted(set(range(0, K + 1, every)) | {K})
+        self._keep = set(self.steps)
+        self.diagnostics, self.weights, self.ledger_keys = diagnostics, weights, ledger_keys
+        self.observables = dict(observables or {})
+        self.records: Dict[str, List[torch.Tensor]] = {"x": []}
+        if diagnostics:
+            for key in ("energy", "slope", "dissipation", *("ledger." + k for k in LEDGER_KEYS)):
+                self.records[key] = []
+        for name in self.observables:
+            self.records["obs." + name] = []
+
+    def keeps(self, k: int) -> bool:
+        return k in self._keep
+
+    def record(self, x: torch.Tensor, energy=None, slope=None, dissipation=None, ledger: Optional[Mapping] = None,
+               observe_x: Optional[torch.Tensor] = None):
+        """Append one recorded time: tokens x, with diagnostics the series and the ledger entries;
+        the observables are evaluated at ``observe_x`` (default x)."""
+        r = self.records
+        r["x"].append(x.detach() if not x.requires_grad else x)
+        if self.diagnostics:
+            r["energy"].append(energy)
+            r["slope"].append(slope)
+            r["dissipation"].append(dissipation)
+            for key, v in ledger.items():
+                r["ledger." + key].append(v)
+        xo = x if observe_x is None else observe_x
+        for name, fn in self.observables.items():
+            r["obs." + name].append(observe(name, fn, xo, self.weights))
+
+    def times(self, t0: float, dt: float) -> torch.Tensor:
+        """The recorded times t0 + k·dt, (T,) float64."""
+        return torch.tensor([t0 + k * dt for k in self.steps], dtype=torch.float64)
+
+    def stacked(self, t0: float, dt: float):
+        """(times (T,) float64, x (T, ...), series {energy, slope, dissipation}, ledger, observables)."""
+        r = self.records
+        times = self.times(t0, dt)
+        if self.diagnostics:
+            ledger = {key: torch.stack(r["ledger." + key]) for key in self.ledger_keys}
+            series = {key: torch.stack(r[key]) for key in ("energy", "slope", "dissipation")}
+        else:
+            ledger, series = {}, {"energy": None, "slope": None, "dissipation": None}
+        obs = {name: torch.stack(r["obs." + name]) for name in self.observables}
+        return times, torch.stack(r["x"]), series, ledger, obs
+
+
+# ---------------------------------------------------------------------------- checkpointer
+def _fingerprint(*parts) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        if isinstance(p, torch.Tensor):
+            h.update(p.detach().cpu().contiguous().numpy().tobytes())
+            h.update(str((tuple(p.shape), p.dtype)).encode())
+        else:
+            h.update(repr(p).encode())
+    return h.hexdigest()[:16]
+
+
+def process_signature(process) -> list:
+    """Everything that defines a process (type, scheme, rates, σ, means, phases, heads and β), flattened
+    for the checkpoint fingerprint, so a checkpoint of a run with other weights is refused."""
+    out = [type(process).__name__]
+
+    def add(v, depth=0):
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, Heads):
+            for t in (v.score, v.value, v.weights, v.query, v.key):
+                if t is not None:
+                    out.append(t)
+            out.append(v.beta if isinstance(v.beta, torch.Tensor) else repr(v.beta))
+        elif isinstance(v, (int, float, str, bool)) or v is None:
+            out.append(repr(v))
+        elif isinstance(v, (list, tuple)) and depth < 2:
+            for u in v:
+                add(u, depth + 1)
+        else:
+            out.append(type(v).__name__)
+
+    for key in sorted(vars(process)):
+        out.append(key)
+        add(vars(process)[key])
+    return out
+
+
+class Checkpointer:
+    """Atomic checkpoints of a fixed-step solve every ``every`` steps; resumes a matching file and
+    refuses a foreign, corrupt or other-run one (ValueError).  path=None: does nothing."""
+
+    KIND = "transformer_pde.simulate"
+
+    def __init__(self, path, every: int, K: int, fingerprint_parts: Callable[[], Sequence]):
+        self.path = None if path is None else Path(path)
+        self.every, self.K = every, K
+        self.fingerprint = None if self.path is None else _fingerprint(*fingerprint_parts())
+
+    def load(self, device) -> Optional[dict]:
+        """The saved state of this run, or None when there is none."""
+        if self.path is None or not self.path.exists():
+            return None
+        try:
+            ck = torch.load(self.path, map_location=device, weights_only=False)
+        except Exception as e:  # corrupt or unreadable
+            raise ValueError(f"checkpoint {self.path} is corrupted or unreadable ({type(e).__name__}: {e}); "
+                             f"delete it to start afresh") from None
+        if not isinstance(ck, dict) or ck.get("kind") != self.KIND:
+            raise ValueError(f"{self.path} is not a transformer_pde simulate checkpoint; delete it or choose another path")
+        if ck.get("fingerprint") != self.fingerprint:
+            raise ValueError(f"checkpoint {self.path} belongs to a different run (config fingerprint "
+                             f"{ck.get('fingerprint')} != {self.fingerprint}); delete it or use another path")
+        return ck
+
+    def after_step(self, k: int, state: Callable[[], dict]):
+        """Save state() after step k when k is a multiple of ``every`` (and not the last step)."""
+        if self.path is None or k % self.every != 0 or k >= self.K:
+            return
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        torch.save({"kind": self.KIND, "fingerprint": self.fingerprint, "k": k, **state()}, tmp)
+        os.replace(tmp, self.path)
+
+
+# ---------------------------------------------------------------------------- progress
+class _NoBar:
+    def update(self, n=1):
+        pass
+
+
+@contextlib.contextmanager
+def progress_bar(show: bool, total: int, desc: str, initial: int = 0):
+    """A tqdm bar (shown on a terminal only: ``disable=None``) when ``show``, else a do-nothing bar."""
+    if not show:
+        yield _NoBar()
+        return
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total, initial=initial, desc=desc, unit="step", leave=False, disable=None)
+    try:
+        yield bar
+    finally:
+        bar.close()

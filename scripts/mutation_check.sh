@@ -18,7 +18,7 @@ MAX_CHILDREN=${MAX_CHILDREN:-2}
 MODULE_TIMEOUT=${MODULE_TIMEOUT:-1200}
 WORKDIR=${WORKDIR:-$(mktemp -d /tmp/transformer_pde_mutation.XXXXXX)}
 if [ "$#" -eq 0 ]; then
-  set -- mobility energy field attention processes transport theory diagnostics solvers.particle solvers.jko
+  set -- mobility energy field attention processes transport theory.__init__ theory.particles solvers.parts solvers.particle solvers.jko
 fi
 python -c "import mutmut" 2>/dev/null || { echo "mutmut is not installed: pip install -e '.[mutation]'" >&2; exit 2; }
 

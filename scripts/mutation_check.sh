@@ -16,7 +16,7 @@ cd "$(dirname "$0")/.."
 REPO=$(pwd)
 MAX_CHILDREN=${MAX_CHILDREN:-2}
 MODULE_TIMEOUT=${MODULE_TIMEOUT:-1200}
-WORKDIR=${WORKDIR:-$(mktemp -d /tmp/transformer_pde_mutation.XXXXXX)}
+WORKDIR=${WORKDIR:-$(mktemp -d -t transformer_pde_mutation.XXXXXX)}
 if [ "$#" -eq 0 ]; then
   set -- mobility energy field attention processes transport theory.__init__ theory.particles solvers.parts solvers.particle solvers.jko
 fi

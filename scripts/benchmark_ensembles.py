@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import threading
 import time
 
 if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None and __name__ == "__main__":
@@ -38,49 +37,8 @@ import torch  # noqa: E402
 import transformer_pde as tp  # noqa: E402
 
 
-class PeakMemory:
-    """Peak memory above the baseline during a block (bytes): CUDA allocator or sampled RSS."""
-
-    def __init__(self, device):
-        self.device = torch.device(device)
-        self.peak = 0
-
-    @staticmethod
-    def _rss():
-        try:
-            with open("/proc/self/statm") as f:
-                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        except OSError:  # not Linux: no sampling
-            return 0
-
-    def __enter__(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self.base = torch.cuda.memory_allocated(self.device)
-            return self
-        self.base = self._rss()
-        self._stop = False
-        self._max = self.base
-
-        def sample():
-            while not self._stop:
-                self._max = max(self._max, self._rss())
-                time.sleep(5e-4)
-
-        self._thread = threading.Thread(target=sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self.peak = torch.cuda.max_memory_allocated(self.device) - self.base
-        else:
-            self._stop = True
-            self._thread.join()
-            self.peak = max(0, max(self._max, self._rss()) - self.base)
-        return False
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchmark_field import PeakMemory  # noqa: E402  (one peak-memory meter for both benchmarks)
 
 
 def _sync(device):

@@ -24,8 +24,8 @@ python -c "import mutmut" 2>/dev/null || { echo "mutmut is not installed: pip in
 
 echo "scratch copy: $WORKDIR"
 mkdir -p "$WORKDIR"
-# the sources, tests and configuration only (no runs/, results/, caches)
-tar -C "$REPO" -cf - pyproject.toml transformer_pde tests | tar -C "$WORKDIR" -xf -
+# the sources, tests, shipped configs and configuration only (no runs/, results/, caches)
+tar -C "$REPO" -cf - pyproject.toml transformer_pde tests experiments | tar -C "$WORKDIR" -xf -
 cd "$WORKDIR"
 # mutate only the modules asked for (mutmut generates every configured module before it runs
 # any), and optionally a narrower test selection, e.g. TESTS="tests/test_oracles.py"

@@ -10,13 +10,12 @@ the ledger actually has.  What that order is, per case (measured, then asserted)
   tokens are at least second-order accurate, so the ledger is order 2 — not 4 for rk4 or 5
   for dopri5: the quadrature, not the integrator, limits it.
 * Layerwise weights are only piecewise smooth in t.  "constant": Θ jumps at the layer
-  boundaries; the fixed-step solvers book each jump exactly, but the trapezoid's right end
-  point of the step that ends on a boundary uses the densities of the new layer, so heun and
-  rk4 close at order 1 only.  "linear": Ȧ jumps at the layer starts (a kink), and the same
-  right-end-point evaluation gives order 1 for every method (order 2 on a stretch without a
-  kink).  The adaptive ledger does not book the jumps of piecewise-constant weights at all,
-  so its residual tends to the sum of the energy jumps: marked xfail(strict) (a reported bug
-  in solvers/particle.py; the test turns green when it is fixed).
+  boundaries; "linear": Ȧ jumps there (a kink).  The ledger books each jump exactly, and the
+  trapezoid rule of a step (record interval) that ends on a boundary takes its right end point
+  from the left limits Θ(t−), Ȧ(t−), so heun, rk4 and adaptive close at order 2 here too
+  (adaptive solves piece by piece between the boundaries and samples the ledger on both sides
+  of each).  Before that fix the fixed-step ledger was order 1 and the adaptive one did not
+  book the jumps at all; the matrix now asserts order 2, which would catch either again.
 * Noisy weights (OU, Oscillating with σ > 0) are sampled on the grid and the stages see
   their linear interpolation, so every method is order 1.  With the realised quadratic
   variation booked (quadratic_variation="realised") every single path closes at order 1: we
@@ -61,9 +60,6 @@ NOISY = ("ou", "oscillating")
 T1 = 0.4
 DTS_DET = (0.025, 0.0125, 0.00625)
 DTS_NOISY = (0.05, 0.025, 0.0125)
-# layer_constant: the residual changes sign between dt = 0.025 and 0.0125 in some cases (two
-# error terms of opposite sign), so its fit starts after the crossing and uses 4 step sizes
-DTS_LAYER_CONSTANT = (0.0125, 0.00625, 0.003125, 0.0015625)
 PATHS = 48
 
 # Every level of every factor appears at least once, every process with a trapezoid method and
@@ -76,6 +72,7 @@ DEFAULT = {
     ("rk4", "unnormalized", "descent", "weighted", "layer_constant"),
     ("heun", "unnormalized", "ascent", "uniform", "layer_constant"),
     ("adaptive", "softmax", "ascent", "uniform", "layer_linear"),
+    ("adaptive", "unnormalized", "descent", "weighted", "layer_constant"),
     ("euler", "effective", "ascent", "uniform", "layer_linear"),
     ("euler", "unnormalized", "ascent", "weighted", "ou"),
     ("rk4", "effective", "descent", "uniform", "ou"),
@@ -85,11 +82,9 @@ DEFAULT = {
 
 
 def asserted_order(method, process):
-    if process in NOISY or process == "layer_linear" or method == "euler":
+    if process in NOISY or method == "euler":
         return 1
-    if process == "layer_constant":
-        return 1  # heun, rk4: right end point of the step ending on a jump (module docstring)
-    return 2  # trapezoid ledger (heun, rk4, adaptive)
+    return 2  # trapezoid ledger (heun, rk4, adaptive), layerwise weights included
 
 
 def _setup(process, tokens):
@@ -115,9 +110,6 @@ def _setup(process, tokens):
 def _cases():
     for case in itertools.product(METHODS, NORMALIZATIONS, DIRECTIONS, TOKENS, PROCESSES):
         marks = [] if case in DEFAULT else [pytest.mark.slow]
-        if case[0] == "adaptive" and case[4] == "layer_constant":
-            marks.append(pytest.mark.xfail(strict=True, reason="the adaptive ledger does not book the jumps of "
-                                                                "piecewise-constant weights (solvers/particle.py)"))
         yield pytest.param(*case, marks=marks, id="-".join(case))
 
 
@@ -128,16 +120,13 @@ def test_ledger_closes_at_the_asserted_order(method, normalization, direction, t
     kw = dict(t1=T1, method=method, normalization=normalization, direction=direction, weights=w)
     if process not in NOISY:
         res, scale = [], 0.0
-        dts = DTS_LAYER_CONSTANT if process == "layer_constant" else DTS_DET
+        dts = DTS_DET
         for dt in dts:
             tr = tp.simulate(x0, theta, dt=dt, **kw)
             res.append(abs(tr.ledger["residual"][-1].item()))
             scale = max(scale, tr.ledger["dissipation"].abs().max().item() + tr.ledger["partial"].abs().max().item())
         slope = fit_slope(dts, res)
-        # layer_constant with heun / rk4: the O(dt) jump term and an O(dt²) term of opposite sign
-        # nearly cancel for unnormalized heads (measured slope 0.62 on the 4 steps): 0.5 there
-        tol = 0.5 if process == "layer_constant" else 0.3
-        assert slope >= order - tol or max(res) <= 2e-4 * scale, (res, slope, scale)
+        assert slope >= order - 0.3 or max(res) <= 2e-4 * scale, (res, slope, scale)
         return
     # noisy weights: every path closes at order 1 with the realised quadratic variation
     pathwise = []
@@ -156,3 +145,17 @@ def test_ledger_closes_at_the_asserted_order(method, normalization, direction, t
         assert fit_slope(DTS_NOISY, np.abs(means)) >= order - 0.3, (means, ses)
     else:  # bias below the Monte-Carlo error: the mean is zero within 5 standard errors
         assert abs(means[-1]) <= 5 * ses[-1], (means, ses)
+
+
+@pytest.mark.parametrize("interpolation", ["constant", "linear"])
+def test_adaptive_ledger_with_layer_boundaries_off_the_record_grid(interpolation):
+    """Layer boundaries at 0.13, 0.26 fall inside record intervals (record spacing 2·dt): the
+    adaptive solve stops at them, books the jumps and still closes at order 2 in dt."""
+    x0, w, theta = _setup("layer_constant", "weighted")
+    theta = tp.Layerwise(theta.layers, interpolation, layer_time=0.13)
+    dts, res = (0.05, 0.025, 0.0125), []
+    for dt in dts:
+        tr = tp.simulate(x0, theta, dt=dt, t1=T1, method="adaptive", weights=w, record_every=2)
+        assert tr.x.shape[0] == tr.energy.shape[0] == round(T1 / dt) // 2 + 1  # records only, no knot rows
+        res.append(abs(tr.ledger["residual"][-1].item()))
+    assert fit_slope(dts, res) >= 1.7, res

@@ -205,3 +205,28 @@ def test_piecewise_constant_layers_keep_the_method_order(method, order):
     errs = [(tp.simulate(x0, theta, t1=1.5, dt=dt, method=method, diagnostics=False).final - ref).norm().item()
             for dt in dts]
     assert abs(fit_slope(dts, errs) - order) < 0.35, errs
+
+
+def test_layerwise_knots_and_left_limits_against_the_layers():
+    """Knots are the layer starts inside (t0, t1]; at a knot the left limits are the layer (or
+    segment) that ends there, the plain values the one that starts there."""
+    dt = torch.float64
+    layers = [tp.Heads(torch.full((1, 2, 2), float(v), dtype=dt)) for v in (1.0, 3.0, 4.0)]
+    const = tp.Layerwise(layers, "constant", layer_time=0.5)
+    lin = tp.Layerwise(layers, "linear", layer_time=0.5)
+    for p in (const, lin):
+        assert p.knots(0.0, 1.0) == [0.5, 1.0]
+        assert p.knots(0.5, 0.9) == []
+    assert const.jumps(0.0, 1.0) == [0.5, 1.0] and lin.jumps(0.0, 1.0) == []
+    A = lambda h: float(h.score_matrix[0, 0, 0])  # noqa: E731
+    assert (A(const.left_heads_at(0.5)), A(const.heads_at(0.5))) == (1.0, 3.0)
+    assert (A(const.left_heads_at(0.7)), A(const.heads_at(0.7))) == (3.0, 3.0)
+    assert A(lin.left_heads_at(0.5)) == A(lin.heads_at(0.5)) == 3.0
+    # rates: 0 for constant; (3 − 1)/0.5 then (4 − 3)/0.5, then 0 after the last layer start
+    assert float(const.left_score_rate(0.5).abs().max()) == 0.0
+    assert float(lin.left_score_rate(0.5)[0, 0, 0]) == 4.0 and float(lin.score_rate(0.5)[0, 0, 0]) == 2.0
+    assert float(lin.left_score_rate(1.0)[0, 0, 0]) == 2.0 and float(lin.score_rate(1.0)[0, 0, 0]) == 0.0
+    assert float(lin.left_score_rate(0.25)[0, 0, 0]) == float(lin.score_rate(0.25)[0, 0, 0]) == 4.0
+    # a process without knots: left limits are the plain values
+    ou = tp.OrnsteinUhlenbeck(layers[0], sigma=0.0)
+    assert ou.knots(0.0, 1.0) == [] and torch.equal(ou.left_score_rate(0.3), ou.score_rate(0.3))

@@ -125,6 +125,18 @@ class Process:
         """Times in (t0, t1] where Θ_t jumps (piecewise-constant layer weights)."""
         return []
 
+    def knots(self, t0: float, t1: float) -> List[float]:
+        """Times in (t0, t1] where Θ_t or its rate is discontinuous (the jumps and the kinks)."""
+        return self.jumps(t0, t1)
+
+    def left_heads_at(self, t: float) -> Heads:
+        """The left limit Θ(t−); Θ(t) where Θ is continuous."""
+        return self.heads_at(t)
+
+    def left_score_rate(self, t: float) -> torch.Tensor:
+        """The left limit of dA/dt at t; dA/dt where it is continuous."""
+        return self.score_rate(t)
+
     def step(self, score: torch.Tensor, t: float, dt: float, generator=None):
         """One grid step: (A(t + dt), noise) where noise = A(t+dt) − A(t) − drift(A(t), t)·dt
         is the martingale part of the increment (None for a noiseless step)."""
@@ -393,10 +405,11 @@ class Layerwise(Process):
     def closed_form(self):
         return True
 
-    def _locate(self, t):
+    def _locate(self, t, left: bool = False):
+        """(layer l, fraction of it) at t; ``left``: of the layer that ends at a boundary t."""
         u = (t - self.t0) / self.layer_time
-        L = len(self.layers)
-        l = min(max(int(math.floor(u + 1e-12)), 0), L - 1)
+        l = int(math.ceil(u - 1e-12)) - 1 if left else int(math.floor(u + 1e-12))
+        l = min(max(l, 0), len(self.layers) - 1)
         return l, u - l
 
     def left_heads_at(self, t):
@@ -404,9 +417,7 @@ class Layerwise(Process):
         Runge–Kutta stages inside (t_k, t_{k+1}] use it, so a step that ends on a boundary
         integrates one smooth piece and keeps its order."""
         if self.interpolation == "constant":
-            u = (t - self.t0) / self.layer_time
-            l = min(max(int(math.ceil(u - 1e-12)) - 1, 0), len(self.layers) - 1)
-            return self.layers[l]
+            return self.layers[self._locate(t, left=True)[0]]
         return self.heads_at(t)
 
     def heads_at(self, t):
@@ -420,24 +431,29 @@ class Layerwise(Process):
         beta = a.beta if isinstance(a.beta, float) and isinstance(b.beta, float) and a.beta == b.beta else lerp(a.beta_tensor(), b.beta_tensor())
         return Heads(A, V, lerp(a.weights, b.weights), beta)
 
-    def score_rate(self, t):
-        l, frac = self._locate(t)
+    def score_rate(self, t, left: bool = False):
+        l, frac = self._locate(t, left)
         if self.interpolation == "constant" or l == len(self.layers) - 1:
             return torch.zeros_like(self.layers[l].score_matrix)
         return (self.layers[l + 1].score_matrix - self.layers[l].score_matrix) / self.layer_time
 
+    def left_score_rate(self, t):
+        return self.score_rate(t, left=True)
+
     def drift(self, score, t):
         return self.score_rate(t)
 
-    def jumps(self, t0, t1):
-        if self.interpolation != "constant":
-            return []
+    def knots(self, t0, t1):
+        """The layer starts in (t0, t1]: Θ jumps there ("constant") or Ȧ does ("linear")."""
         out = []
         for l in range(1, len(self.layers)):
             tj = self.t0 + l * self.layer_time
             if t0 < tj <= t1 + 1e-12:
                 out.append(tj)
         return out
+
+    def jumps(self, t0, t1):
+        return self.knots(t0, t1) if self.interpolation == "constant" else []
 
     @property
     def time_dependent_values(self) -> bool:
@@ -637,7 +653,7 @@ class WeightDriver:
 
     def _heads(self, c: float) -> Heads:
         if self.mode == "closed":
-            if c > 0.0 and hasattr(self.p, "left_heads_at"):  # stages inside (t_k, t_{k+1}]: left limits
+            if c > 0.0:  # stages inside (t_k, t_{k+1}]: left limits
                 return self.p.left_heads_at(self.t + c * self.dt)
             return self.p.heads_at(self.t + c * self.dt)
         if c == 0.0:
@@ -689,6 +705,14 @@ class WeightDriver:
 
     def jumps(self) -> List[float]:
         return [] if self.mode != "closed" else self.p.jumps(self.t, self.t + self.dt)
+
+    def left_limit(self):
+        """(Θ(t_k−), Ȧ(t_k−)) when Θ or Ȧ is discontinuous at the current grid point, else None: the
+        trapezoid rule of the step that ends here takes its right end point from the left limits."""
+        if self.mode != "closed" or not any(abs(tj - self.t) <= 1e-9 * self.dt for tj in self.p.knots(
+                self.t - self.dt, self.t)):
+            return None
+        return self.p.left_heads_at(self.t), self.p.left_score_rate(self.t)
 
     def advance(self):
         noise = self.prepare()

@@ -576,12 +576,13 @@ class _FixedStepRun:
             raise nonfinite_error("the velocity field", self.drv.t, self.drv.k, heads, self.normalization)
         return e
 
-    def _densities(self, x, heads, e):
-        """The ledger's densities at the current grid point, checked finite."""
+    def _densities(self, x, heads, e, rate=None):
+        """The ledger's densities at the current grid point (rate: Ȧ there, default the driver's),
+        checked finite."""
         if not self.diagnostics:
             return None
         c = self.scale["c"]
-        pt = partial_density(x, heads, self.w, e.stats, self.drv.rate, self.drv.sigma,
+        pt = partial_density(x, heads, self.w, e.stats, self.drv.rate if rate is None else rate, self.drv.sigma,
                              ito=self.noisy and not self.realised, log_scale=c)
         _check_ledger(e, pt, self.drv.t, self.drv.k, self.scale)
         return {"partial": pt, "dissipation": e.dissipation, "slope": e.slope}
@@ -634,9 +635,12 @@ class _FixedStepRun:
         nxt = self._evaluate(x_new, drv.current)
         if self.diagnostics:
             dens_new = self._densities(x_new, drv.current, nxt)
-            self.ledger.integrate(self.dens, dens_new, self.dt)
+            left = drv.left_limit()  # Θ or Ȧ discontinuous at t_{k+1}: the step's right end is the left limit
+            e_left = self.ev(x_new, heads if left is None else left[0], True) if jumps or left else None
+            right = dens_new if left is None else self._densities(x_new, left[0], e_left, rate=left[1])
+            self.ledger.integrate(self.dens, right, self.dt)
             if jumps:
-                self.ledger.add("partial", nxt.energy - self.ev(x_new, heads, True).energy)
+                self.ledger.add("partial", nxt.energy - e_left.energy)
             self.dens = dens_new
         self.x, self.cur, self.k = x_new, nxt, self.k + 1
         if self.rec.keeps(self.k):
@@ -727,27 +731,32 @@ def _simulate_adaptive(x, process, drv, ev, *, K, t0, dt, record_every, sign, di
                        causal=False, obs=None, realised=False, scale=None, fix_scale=None):
     """dopri5 through torchdiffeq on the projected field; ledger by the trapezoid rule on the record grid
     (the martingale, and with ``realised`` the quadratic variation, as Itô sums over the record intervals).
+    A closed-form Θ with knots (layer starts) is solved piece by piece between them, and the ledger
+    is sampled on both sides of each knot, so it books the jumps of Θ.
 
     With ``adjoint`` the solve goes through ``odeint_adjoint`` (gradients by the adjoint ODE)."""
     scale = {"c": 0.0, "start_max": float("nan"), "given": False} if scale is None else scale
     # stochastic or grid-stepped weights: sample the whole path on the dt grid first
     path = drv.sample_path(K) if drv.mode != "closed" else None
-    heads_at = path.heads_at if path is not None else process.heads_at
+    source = path if path is not None else process
     rec = Recorder(K, record_every, diagnostics=False, observables=obs, weights=weights)
     times = rec.times(t0, dt)
-    ys, nfe = _dopri5(x, ev, heads_at, path if path is not None else process, times.to(x.dtype).to(x.device),
-                      weights=weights, rtol=rtol, atol=atol, adjoint=adjoint, normalization=normalization, sign=sign,
-                      chunk_elements=chunk_elements, causal=causal)
+    knots = [] if path is not None else process.knots(t0, float(times[-1]))
+    grid, rows = _knot_grid(times, knots)
+    ys, nfe = _dopri5(x, ev, source, grid.to(x.dtype).to(x.device), knots, weights=weights, rtol=rtol, atol=atol,
+                      adjoint=adjoint, normalization=normalization, sign=sign, chunk_elements=chunk_elements,
+                      causal=causal)
     xs = normalize(ys)
     if not _check_finite(xs):
         bad = int((~torch.isfinite(xs.flatten(1)).all(-1)).nonzero()[0])
-        raise nonfinite_error("the token positions", float(times[bad]), rec.steps[bad], heads_at(float(times[bad])),
+        raise nonfinite_error("the token positions", float(grid[bad]), bad, source.heads_at(float(grid[bad])),
                               normalization)
     ledger, series = {}, {"energy": None, "slope": None, "dissipation": None}
     if diagnostics:
-        ledger, series = _record_grid_ledger(xs, times, rec.steps, ev, heads_at, path, process, weights=weights,
+        ledger, series = _record_grid_ledger(xs, grid, rows, rec.steps, ev, path, process, knots, weights=weights,
                                              scale=scale, fix_scale=fix_scale, realised=realised, sign=sign,
                                              causal=causal)
+    xs, ys = xs[rows], ys[rows]
     for r in range(len(rec.steps)):
         rec.record(xs[r])
     observed = rec.stacked(t0, dt)[4]
@@ -759,57 +768,104 @@ def _simulate_adaptive(x, process, drv, ev, *, K, t0, dt, record_every, sign, di
                       observables=observed)
 
 
-def _dopri5(x, ev, heads_at, source, grid, *, weights, rtol, atol, adjoint, normalization, sign, chunk_elements,
+def _knot_grid(times, knots):
+    """(the record times with the knots added, float64; the index of each record time in it)."""
+    if not knots:
+        return times, list(range(len(times)))
+    tol = 1e-9 * float(times[-1] - times[0])
+    extra = [tj for tj in knots if bool((times - tj).abs().min() > tol)]
+    grid = torch.sort(torch.cat([times, torch.tensor(extra, dtype=torch.float64)])).values
+    return grid, [int((grid - t).abs().argmin()) for t in times]
+
+
+def _pieces(grid, knots):
+    """Index ranges [i, j] of the grid between consecutive knots (each knot ends one piece, starts the next)."""
+    tol = 1e-9 * float(grid[-1] - grid[0])
+    cuts = [0] + [int((grid - tj).abs().argmin()) for tj in knots if abs(float(grid[-1]) - tj) > tol] + [len(grid) - 1]
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+def _piece_heads(source, a: float, b: float, closed: bool):
+    """Θ on the piece [a, b]: its right limit at a, its left limit at b (the piece's own layer),
+    whatever the rounding of the solver's time; the plain ``heads_at`` without knots."""
+    if not closed:
+        return source.heads_at
+    tol = 1e-6 * (b - a)
+
+    def heads(t):
+        return source.heads_at(a) if t <= a + tol else source.left_heads_at(min(t, b))
+    return heads
+
+
+def _dopri5(x, ev, source, grid, knots, *, weights, rtol, atol, adjoint, normalization, sign, chunk_elements,
             causal):
-    """torchdiffeq's dopri5 on the projected field through the record grid; (ys, field evaluations)."""
+    """torchdiffeq's dopri5 on the projected field through the grid, one solve per piece between knots;
+    (ys, field evaluations)."""
     from torchdiffeq import odeint, odeint_adjoint
 
     nfe = [0]
+    pieces = _pieces(grid, knots) if knots else [(0, len(grid) - 1)]
     if adjoint:
-        (source_c, w_c), params = _rebind_for_adjoint(source, weights)
+        (source, w_c), params = _rebind_for_adjoint(source, weights)
         causal_kw = {"causal": True} if causal else {}
+    out, y = [x[None]], x
+    for i, j in pieces:
+        heads_at = _piece_heads(source, float(grid[i]), float(grid[j]), bool(knots))
+        if adjoint:
+            def afunc(t, y, heads_at=heads_at):
+                nfe[0] += 1
+                return evaluate(normalize(y), heads_at(float(t.detach())), w_c, normalization=normalization,
+                                sign=sign, diagnostics=False, chunk_elements=chunk_elements, **causal_kw).velocity
 
-        def afunc(t, y):
-            nfe[0] += 1
-            return evaluate(normalize(y), source_c.heads_at(float(t.detach())), w_c, normalization=normalization,
-                            sign=sign, diagnostics=False, chunk_elements=chunk_elements, **causal_kw).velocity
+            ys = odeint_adjoint(_AdjointField(afunc, params), y, grid[i:j + 1], method="dopri5", rtol=rtol,
+                                atol=atol, adjoint_params=params)
+        else:
+            def func(t, y, heads_at=heads_at):
+                nfe[0] += 1
+                return ev(normalize(y), heads_at(float(t.detach())), False).velocity
 
-        ys = odeint_adjoint(_AdjointField(afunc, params), x, grid, method="dopri5", rtol=rtol, atol=atol,
-                            adjoint_params=params)
-        return ys, nfe[0]
-
-    def func(t, y):
-        nfe[0] += 1
-        return ev(normalize(y), heads_at(float(t.detach())), False).velocity
-
-    first = _initial_step(func, grid[0], x.detach(), rtol, atol)
-    return odeint(func, x, grid, method="dopri5", rtol=rtol, atol=atol, options={"first_step": first}), nfe[0]
+            first = _initial_step(func, grid[i], y.detach(), rtol, atol)
+            ys = odeint(func, y, grid[i:j + 1], method="dopri5", rtol=rtol, atol=atol, options={"first_step": first})
+        out.append(ys[1:])
+        y = ys[-1]
+    return (torch.cat(out) if len(out) > 2 else ys), nfe[0]
 
 
-def _record_grid_ledger(xs, times, rec_k, ev, heads_at, path, process, *, weights, scale, fix_scale, realised, sign,
-                        causal):
-    """Energy, 𝒢², 𝒟 and the ledger (:func:`~.parts.ledger_from_series`) at the recorded tokens xs."""
-    w = weights
+def _record_grid_ledger(xs, grid, rows, rec_k, ev, path, process, knots, *, weights, scale, fix_scale, realised,
+                        sign, causal):
+    """Energy, 𝒢², 𝒟 and the ledger (:func:`~.parts.ledger_from_series`) at the tokens xs on the grid
+    (record times and knots); at a knot a left-limit sample first, and the jump E(Θ) − E(Θ−) booked."""
+    w, tol = weights, 1e-9 * float(grid[-1] - grid[0])
+    samples, step_of = [], dict(zip(rows, rec_k))  # (t, x, heads, rate, σ, record step or None)
+    for g in range(len(grid)):
+        t, k = float(grid[g]), step_of.get(g)
+        if any(abs(t - tj) <= tol for tj in knots):
+            samples.append((t, xs[g], process.left_heads_at(t), process.left_score_rate(t), 0.0, None))
+        if path is not None:
+            samples.append((t, xs[g], path.heads_at(t), path.rates[k], path.sigmas[k], k))
+        else:
+            samples.append((t, xs[g], process.heads_at(t), process.score_rate(t), 0.0, k))
     E, G, D, P, M, Q = [], [], [], [], [], []
-    for r, k in enumerate(rec_k):
-        t = float(times[r])
-        hk = heads_at(t)
-        e = ev(xs[r], hk, True)
+    for r, (t, x, hk, rate, sig, k) in enumerate(samples):
+        e = ev(x, hk, True)
         if r == 0 and fix_scale is not None and fix_scale(e):
-            e = ev(xs[r], hk, True)
+            e = ev(x, hk, True)
         c = scale["c"]
-        rate, sig = (path.rates[k], path.sigmas[k]) if path is not None else (process.score_rate(t), 0.0)
-        pt = partial_density(xs[r], hk, w, e.stats, rate, sig, ito=process.noisy and not realised, log_scale=c)
-        if process.noisy and r + 1 < len(rec_k):
-            dn = path.noise[k:rec_k[r + 1]].sum(0)
-            M.append(pairing(xs[r], hk, w, e.stats, dn, log_scale=c))
+        pt = partial_density(x, hk, w, e.stats, rate, sig, ito=process.noisy and not realised, log_scale=c)
+        if process.noisy and r + 1 < len(samples):
+            dn = path.noise[k:samples[r + 1][5]].sum(0)
+            M.append(pairing(x, hk, w, e.stats, dn, log_scale=c))
             if realised:
-                Q.append(realised_qv_term(xs[r], hk, w, e.stats, dn, log_scale=c))
-        _check_ledger(e, pt, t, k, scale)
+                Q.append(realised_qv_term(x, hk, w, e.stats, dn, log_scale=c))
+        elif knots and r > 0:  # the jump of Θ between a left-limit sample and the next (0 elsewhere)
+            Q.append(e.energy - E[-1] if samples[r - 1][0] == t else torch.zeros_like(e.energy))
+        _check_ledger(e, pt, t, -1 if k is None else k, scale)
         E.append(e.energy)
         G.append(e.slope)
         D.append(e.dissipation)
         P.append(pt)
+    keep = [r for r, smp in enumerate(samples) if smp[5] is not None]
     E, G, D, P = map(torch.stack, (E, G, D, P))
+    times = torch.tensor([smp[0] for smp in samples], dtype=torch.float64)
     ledger = ledger_from_series(E, G, D, P, M, Q, times, sign=sign, causal=causal)
-    return ledger, {"energy": E, "slope": G, "dissipation": D}
+    return {key: v[keep] for key, v in ledger.items()}, {"energy": E[keep], "slope": G[keep], "dissipation": D[keep]}

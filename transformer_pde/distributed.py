@@ -284,85 +284,93 @@ def simulate_sharded(
     process, sign, dt, t0, t1, K, record_every, paths = _check_sharded_args(
         x0_local, theta, t1=t1, dt=dt, t0=t0, paths=paths, normalization=normalization, direction=direction,
         record_every=record_every)
-    rank, _ = rank_and_world(group)
     start = time.perf_counter()
     shard = _Shard(x0_local, weights, group)
-    wq, wk = shard.query, shard.keys
-    bx = tuple(x0_local.shape[:-2])
-    drv = WeightDriver(process, paths=paths, generator=None, seed=seed, t0=t0, dt=dt, batch_rank=len(bx))
+    drv = WeightDriver(process, paths=paths, generator=None, seed=seed, t0=t0, dt=dt,
+                       batch_rank=x0_local.dim() - 2)
     x = x0_local if paths is None else x0_local.unsqueeze(0).expand(paths, *x0_local.shape)
     x = x.expand(*torch.broadcast_shapes(x.shape[:-2], drv.current.batch_shape), *x.shape[-2:])
-    noisy = process.noisy
-    heads = drv.current
-
-    def ev(xk, keys, hk, diag):
-        return evaluate(xk, hk, wq, keys=keys, key_weights=wk, normalization=normalization, sign=sign,
-                        diagnostics=diag, second_moment=diag and noisy, backend=backend,
-                        chunk_elements=chunk_elements)
-
-    keys = shard.gather(x)
-    cur = ev(x, keys, heads, diagnostics)
-    batch = cur.velocity.shape[:-2]
-    zero = torch.zeros(batch, dtype=x.dtype, device=x.device)
-
-    def reduce(entries, bad):
-        return _reduce_with_flag(entries, bad, zero, group)
-
-    ledger, rec = None, Recorder(K, record_every, diagnostics=diagnostics)
-    if diagnostics:
-        red, bad = reduce([cur.energy, cur.slope, cur.dissipation,
-                           partial_density(x, heads, wq, cur.stats, drv.rate, drv.sigma, ito=noisy)],
-                          _flag(cur.velocity))
-        E, G2, Dis, dens_p = red
-        ledger = Ledger(E, sign=sign, quadrature="left")
-        dens = {"partial": dens_p, "dissipation": Dis, "slope": G2}
-    else:
-        _, bad = reduce([], _flag(cur.velocity))
-        E = G2 = Dis = None
-    if bad:
-        raise nonfinite_error("the velocity field", drv.t, drv.k, heads)
-
-    def record(xk, keysk):
-        rec.record(keysk if gather_x else xk, E, G2, Dis, ledger.terms(E) if diagnostics else None)
-
-    record(x, keys)
-    stepper = Stepper(TABLEAUX["euler"], retract=True)
-    with progress_bar(progress and rank == 0, K, "simulate_sharded (euler)") as bar:
-        for k in range(K):
-            noise = drv.prepare() if noisy else None
-            mart = pairing(x, heads, wq, cur.stats, noise) if (diagnostics and noise is not None) else 0.0
-            x_new, _ = stepper.step(x, cur.velocity, dt, None)
-            jumps = drv.jumps()
-            prev_heads = heads
-            drv.advance()
-            heads = drv.current
-            keys = shard.gather(x_new)
-            nxt = ev(x_new, keys, heads, diagnostics)
-            if diagnostics:
-                before = ev(x_new, keys, prev_heads, True).energy if jumps else 0.0
-                red, bad = reduce([nxt.energy, nxt.slope, nxt.dissipation,
-                                   partial_density(x_new, heads, wq, nxt.stats, drv.rate, drv.sigma, ito=noisy),
-                                   mart, before], _flag(x_new, nxt.velocity))
-            else:
-                red, bad = reduce([], _flag(x_new, nxt.velocity))
-            if bad:
-                raise nonfinite_error("the token positions or the velocity field", drv.t, drv.k, heads)
-            if diagnostics:
-                E, G2, Dis, dens_p, mart_g, before_g = red
-                if noise is not None:
-                    ledger.add("martingale", mart_g)
-                ledger.integrate(dens, None, dt)
-                if jumps:
-                    ledger.add("partial", E - before_g)
-                dens = {"partial": dens_p, "dissipation": Dis, "slope": G2}
-            x, cur = x_new, nxt
-            if rec.keeps(k + 1):
-                record(x, keys)
+    run = _ShardedRun(x, drv, shard, K=K, dt=dt, sign=sign, record_every=record_every, diagnostics=diagnostics,
+                      gather_x=gather_x, kw=dict(normalization=normalization, backend=backend,
+                                                 chunk_elements=chunk_elements))
+    with progress_bar(progress and rank_and_world(group)[0] == 0, K, "simulate_sharded (euler)") as bar:
+        for _ in range(K):
+            run.step()
             bar.update(1)
-
-    times, out_x, series, led, _ = rec.stacked(t0, dt)
+    times, out_x, series, led, _ = run.rec.stacked(t0, dt)
     stats = {"steps": K, "field_evaluations": K + 1, "wall_time": time.perf_counter() - start, "order": 1,
              "ranks": rank_and_world(group)[1], "tokens": shard.N}
     return Trajectory(times, out_x, series["energy"], series["slope"], series["dissipation"], led, stats,
                       "euler", normalization, direction, weights)
 
+
+class _ShardedRun:
+    """The projected Euler solve of :func:`simulate_sharded`, composed of the solver parts (weight
+    driver, stepper, left-point ledger, recorder); each evaluation's partial sums (E, 𝒢², 𝒟,
+    ∂_tE + Itô, martingale, jump) and the NaN flag are summed over the ranks in one all-reduce."""
+
+    def __init__(self, x, drv, shard, *, K, dt, sign, record_every, diagnostics, gather_x, kw):
+        self.x, self.drv, self.shard, self.dt, self.sign, self.gather_x = x, drv, shard, dt, sign, gather_x
+        self.diagnostics, self.noisy, self.kw = diagnostics, drv.noisy, kw
+        self.stepper = Stepper(TABLEAUX["euler"], retract=True)
+        self.rec = Recorder(K, record_every, diagnostics=diagnostics)
+        self.keys = shard.gather(x)
+        self.cur = self._evaluate(x, self.keys, drv.current, diagnostics)
+        self.zero = torch.zeros(self.cur.velocity.shape[:-2], dtype=x.dtype, device=x.device)
+        red = self._reduce(x, self.cur, [], "the velocity field", self.cur.velocity)
+        self.ledger = Ledger(red[0], sign=sign, quadrature="left") if diagnostics else None
+        self._take(red)
+        self._record()
+
+    def _evaluate(self, xk, keys, heads, diag):
+        return evaluate(xk, heads, self.shard.query, keys=keys, key_weights=self.shard.keys, sign=self.sign,
+                        diagnostics=diag, second_moment=diag and self.noisy, **self.kw)
+
+    def _reduce(self, x, e, extra, what, *check):
+        """All-reduce [E, 𝒢², 𝒟, ∂_tE (+ Itô), *extra] of the evaluation e at x (nothing without
+        diagnostics) with the NaN flag of ``check``; NonFiniteError on every rank when any flagged."""
+        drv = self.drv
+        entries = [] if not self.diagnostics else [
+            e.energy, e.slope, e.dissipation,
+            partial_density(x, drv.current, self.shard.query, e.stats, drv.rate, drv.sigma, ito=self.noisy), *extra]
+        red, bad = _reduce_with_flag(entries, _flag(*check), self.zero, self.shard.group)
+        if bad:
+            raise nonfinite_error(what, drv.t, drv.k, drv.current)
+        return red
+
+    def _take(self, red):
+        if self.diagnostics:
+            self.E, G2, Dis, dens_p = red[:4]
+            self.dens = {"partial": dens_p, "dissipation": Dis, "slope": G2}
+
+    def _record(self):
+        x = self.keys if self.gather_x else self.x
+        if not self.diagnostics:
+            return self.rec.record(x)
+        self.rec.record(x, self.E, self.dens["slope"], self.dens["dissipation"], self.ledger.terms(self.E))
+
+    def step(self):
+        """t_k → t_{k+1}: martingale at the left end, the Euler step, one evaluation and one all-reduce,
+        the ledger (left point, jumps of Θ), the record."""
+        drv, x, heads, cur = self.drv, self.x, self.drv.current, self.cur
+        noise = drv.prepare() if self.noisy else None
+        diag_noise = self.diagnostics and noise is not None
+        mart = pairing(x, heads, self.shard.query, cur.stats, noise) if diag_noise else 0.0
+        x_new, _ = self.stepper.step(x, cur.velocity, self.dt, None)
+        jumps = drv.jumps()
+        drv.advance()
+        keys = self.shard.gather(x_new)
+        nxt = self._evaluate(x_new, keys, drv.current, self.diagnostics)
+        before = self._evaluate(x_new, keys, heads, True).energy if (self.diagnostics and jumps) else 0.0
+        red = self._reduce(x_new, nxt, [mart, before], "the token positions or the velocity field", x_new,
+                           nxt.velocity)
+        if self.diagnostics:
+            if diag_noise:
+                self.ledger.add("martingale", red[4])
+            self.ledger.integrate(self.dens, None, self.dt)
+            self._take(red)
+            if jumps:
+                self.ledger.add("partial", self.E - red[5])
+        self.x, self.cur, self.keys = x_new, nxt, keys
+        if self.rec.keeps(self.drv.k):
+            self._record()

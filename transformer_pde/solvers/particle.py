@@ -377,54 +377,37 @@ def simulate(
         checkpoint_every=checkpoint_every, causal=causal, observables=observables,
         quadratic_variation=quadratic_variation, energy_log_scale=energy_log_scale)
     realised = quadratic_variation == "realised"
-    h0 = process.heads0
-    bx = tuple(x0.shape[:-2])
     start = time.perf_counter()
     x = x0 if paths is None else x0.unsqueeze(0).expand(paths, *x0.shape)
-    w = weights
     drv = WeightDriver(process, paths=paths, generator=generator, seed=seed, t0=t0, dt=dt,
-                        store=return_path, batch_rank=len(bx))
+                       store=return_path, batch_rank=x0.dim() - 2)
     # tokens carry every batch axis of the heads (paths, replayed paths) from the start
     x = x.expand(*torch.broadcast_shapes(x.shape[:-2], drv.current.batch_shape), *x.shape[-2:])
-    noisy = process.noisy
-    ev = _Evaluator(weights, normalization=normalization, sign=sign, noisy=noisy, causal=causal,
+    ev = _Evaluator(weights, normalization=normalization, sign=sign, noisy=process.noisy, causal=causal,
                     chunk_elements=chunk_elements, energy_log_scale=energy_log_scale)
     scale, fix_scale = ev.scale, ev.fix_scale
-    work = float(math.prod(x.shape[:-2])) * h0.num_heads * x.shape[-2] ** 2
-
+    work = float(math.prod(x.shape[:-2])) * process.heads0.num_heads * x.shape[-2] ** 2
+    common = dict(K=K, dt=dt, record_every=record_every, diagnostics=diagnostics, sign=sign, causal=causal,
+                  realised=realised, obs=obs, weights=weights, normalization=normalization)
     if method == "adaptive":
         with threads.scope(work):
-            return _simulate_adaptive(x, process, drv, ev, K=K, t0=t0, dt=dt, record_every=record_every,
-                                      sign=sign, diagnostics=diagnostics, rtol=rtol, atol=atol, method=method,
-                                      normalization=normalization, direction=direction, weights=w, start=start,
-                                      return_path=return_path, adjoint=adjoint, chunk_elements=chunk_elements,
-                                      causal=causal, obs=obs, realised=realised, scale=scale,
-                                      fix_scale=fix_scale)
+            return _simulate_adaptive(x, process, drv, ev, t0=t0, rtol=rtol, atol=atol, method=method,
+                                      direction=direction, start=start, return_path=return_path, adjoint=adjoint,
+                                      chunk_elements=chunk_elements, scale=scale, fix_scale=fix_scale, **common)
 
     show = progress if progress is not None else K * TABLEAUX[method].stages * work >= PROGRESS_MIN_WORK
-
-    def fingerprint_parts():
-        # options added later enter the fingerprint only when not at their default, so that
-        # checkpoints of ordinary runs written before them still resume
-        extra = ([("causal", True)] if causal else []) + ([("quadratic_variation", "realised")] if realised else []) \
-            + ([("energy_log_scale", energy_log_scale)] if energy_log_scale is not None else []) \
-            + ([("observables", tuple(sorted(obs)))] if obs else [])
-        return (x0, *process_signature(process), t0, t1, dt, method, normalization, direction,
-                paths, seed, record_every, quadrature, diagnostics, weights, *extra)
-
-    run = _FixedStepRun(x, drv, ev, fix_scale, scale, K=K, dt=dt, method=method, quadrature=quadrature,
-                        record_every=record_every, diagnostics=diagnostics, sign=sign, causal=causal,
-                        realised=realised, obs=obs, weights=w, normalization=normalization,
-                        ckpt=Checkpointer(checkpoint, checkpoint_every, K, fingerprint_parts))
+    # options added later enter the checkpoint's fingerprint only when not at their default, so that
+    # checkpoints of ordinary runs written before them still resume
+    extra = ([("causal", True)] if causal else []) + ([("quadratic_variation", "realised")] if realised else []) \
+        + ([("energy_log_scale", energy_log_scale)] if energy_log_scale is not None else []) \
+        + ([("observables", tuple(sorted(obs)))] if obs else [])
+    ckpt = Checkpointer(checkpoint, checkpoint_every, K, lambda: (
+        x0, *process_signature(process), t0, t1, dt, method, normalization, direction, paths, seed, record_every,
+        quadrature, diagnostics, weights, *extra))
+    run = _FixedStepRun(x, drv, ev, fix_scale, scale, method=method, quadrature=quadrature, ckpt=ckpt, **common)
     run.start()
-    with progress_bar(show, K, f"simulate ({method})", initial=run.k) as bar, threads.scope(work) as pool:
-        while run.k < K:
-            run.step()
-            if callback is not None:
-                callback(run.k, drv.t, run.x)
-            bar.update(1)
-            pool.refresh()
-            run.ckpt.after_step(run.k, run.state)
+    with threads.scope(work) as pool:
+        run.solve(show, callback, pool)
     times, out_x, series, ledger, observed = run.rec.stacked(t0, dt)
     stats = {"steps": K, "field_evaluations": run.nfe, "max_sphere_error": run.max_sphere,
              "wall_time": time.perf_counter() - start, "order": TABLEAUX[method].order,
@@ -557,7 +540,7 @@ class _FixedStepRun:
                  causal, realised, obs, weights, normalization, ckpt):
         self.x, self.drv, self.ev, self.fix_scale, self.scale = x, drv, ev, fix_scale, scale
         self.K, self.dt, self.diagnostics, self.realised, self.w = K, dt, diagnostics, realised, weights
-        self.normalization, self.ckpt, self.noisy = normalization, ckpt, drv.noisy
+        self.normalization, self.ckpt, self.noisy, self.method = normalization, ckpt, drv.noisy, method
         self.stepper = Stepper(TABLEAUX[method], retract=True)
         keys = LEDGER_KEYS if not causal else tuple(k for k in LEDGER_KEYS if not k.startswith("residual"))
         self.rec = Recorder(K, record_every, diagnostics=diagnostics, observables=obs, weights=weights,
@@ -611,6 +594,17 @@ class _FixedStepRun:
                 self.ledger = Ledger(self.cur.energy, sign=self.ledger.sign, quadrature=self.ledger.quadrature,
                                      causal=self.ledger.causal)
             self._record()
+
+    def solve(self, show: bool, callback, pool):
+        """Step from the start (or the resumed step) to t1: progress bar, ``callback(k, t, x)``, checkpoints."""
+        with progress_bar(show, self.K, f"simulate ({self.method})", initial=self.k) as bar:
+            while self.k < self.K:
+                self.step()
+                if callback is not None:
+                    callback(self.k, self.drv.t, self.x)
+                bar.update(1)
+                pool.refresh()
+                self.ckpt.after_step(self.k, self.state)
 
     def step(self):
         """One step t_k → t_{k+1}: Itô terms at the left end, the Runge–Kutta step with retraction, the

@@ -220,3 +220,8 @@ def test_energy_entry_points_with_token_weights_and_tensor_beta():
     ref_h = torch.stack([torch.stack([naive_energy(xb[k], A[k, h:h + 1], torch.ones(1, dtype=torch.float64),
                                                    float(betas[k]), w) for h in range(3)]) for k in range(2)])
     assert_close(per_head, ref_h, rtol=1e-12, atol=0)
+    # the Itô term with a batch of β (its β must broadcast over the batch axis, not the heads')
+    zero = torch.zeros_like(A)
+    ito = tp.energy_time_derivative(xb, hb, zero, w, sigma=0.8)
+    ref_ito = torch.stack([naive_ito(xb[k], A[k], om, float(betas[k]), w, 0.8) for k in range(2)])
+    assert_close(ito, ref_ito, rtol=1e-11, atol=0)

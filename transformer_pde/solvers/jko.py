@@ -101,10 +101,13 @@ untied values are refused (ValueError) rather than silently ignored.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 import warnings
-from typing import Callable, Dict, List, Optional, Union
+from collections import deque
+from types import SimpleNamespace
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -113,14 +116,14 @@ from .._validation import (check_choice, check_int, check_positive, check_real, 
                            check_tied_all, check_token_weights, check_tokens, direction_sign)
 from ..attention import softmax_statistics
 from ..energy import choose_log_scale
-from ..field import FieldEval, log_inverse_mobility, evaluate
+from ..field import FieldEval, evaluate, head_token_mean, log_inverse_mobility, token_mean
 from ..mobility import scaled_diagnostics
 from ..heads import Heads
 from ..processes import Process, WeightPath, sample_path
 from ..sphere import circle_grid, fibonacci_sphere, normalize, tangent_projection
 from ..transport import emd_plans, sq_chordal, sinkhorn_divergence
 from .particle import NonFiniteError, Trajectory, nonfinite_error
-from .parts import Ledger, Recorder, progress_bar
+from .parts import LEDGER_KEYS as STEP_LEDGER_KEYS, Ledger, Recorder, progress_bar
 
 __all__ = ["jko", "to_grid", "self_potential", "JKOConvergenceError", "TRANSPORTS", "SCHEMES", "MOBILITIES", "COSTS"]
 
@@ -128,7 +131,7 @@ TRANSPORTS = ("emd", "sinkhorn", "identity")
 SCHEMES = ("lagrangian", "eulerian")
 MOBILITIES = ("effective", "unit")
 COSTS = ("source", "symmetric")
-LEDGER_KEYS = ("dE", "partial", "dissipation", "slope", "martingale", "residual", "residual_slope", "jko_defect")
+LEDGER_KEYS = (*STEP_LEDGER_KEYS, "jko_defect")
 
 
 class JKOConvergenceError(RuntimeError):
@@ -156,29 +159,24 @@ def _flatten_heads(h: Heads, batch: tuple, B: int) -> Heads:
 
 
 def _theta_source(theta, *, t0, t_end, tau, paths, seed, generator, path_dt):
-    """(heads_at(t) callable, WeightPath or None) for Heads / closed-form process / noisy process / path."""
+    """(heads_at(t) callable, WeightPath or None) for Heads / closed-form process / noisy process / stored path
+    (theta and path_dt already checked)."""
     if isinstance(theta, Heads):
         return (lambda t: theta), None
-    if not isinstance(theta, Process):
-        raise TypeError(
-            f"theta must be a Heads, a Process (OrnsteinUhlenbeck, Oscillating, Layerwise, Custom) or a WeightPath, "
-            f"got {type(theta).__name__}"
-        )
     if isinstance(theta, WeightPath):
         if paths is not None:
             raise ValueError("a stored WeightPath already carries its paths axis; call jko without paths=")
         theta.check_covers(t0, t_end)
-        lo = float(theta.times[0])
         if theta.dt > 0:
-            ratio = tau / theta.dt
-            if abs(ratio - round(ratio)) > 1e-6 * max(1.0, ratio) or abs((t0 - lo) / theta.dt - round((t0 - lo) / theta.dt)) > 1e-6:
+            ratio, offset = tau / theta.dt, (t0 - float(theta.times[0])) / theta.dt
+            if abs(ratio - round(ratio)) > 1e-6 * max(1.0, ratio) or abs(offset - round(offset)) > 1e-6:
                 warnings.warn(
-                    f"tau = {tau:.6g} (or t0) is not a multiple of the weight path's dt = {theta.dt:.6g}: the JKO steps "
-                    f"see the path linearly interpolated between its grid values", stacklevel=4)
+                    f"tau = {tau:.6g} (or t0) is not a multiple of the weight path's dt = {theta.dt:.6g}: the JKO "
+                    f"steps see the path linearly interpolated between its grid values", stacklevel=4)
         return theta.heads_at, theta
     if theta.closed_form:
         return theta.heads_at, None
-    dt = tau if path_dt is None else check_positive(path_dt, "path_dt")
+    dt = tau if path_dt is None else path_dt
     ratio = tau / dt
     if abs(ratio - round(ratio)) > 1e-9 * max(1.0, ratio) or round(ratio) < 1:
         raise ValueError(f"path_dt = {dt:.6g} must divide tau = {tau:.6g} (tau / path_dt = {ratio:.6g} is not a whole "
@@ -187,40 +185,22 @@ def _theta_source(theta, *, t0, t_end, tau, paths, seed, generator, path_dt):
     return path.heads_at, path
 
 
-def _beta(h: Heads, ndim_tail: int = 1):
-    b = h.beta
-    if isinstance(b, torch.Tensor) and b.dim() > 0:
-        return b.reshape(*b.shape, *([1] * ndim_tail))
-    return b
-
-
-def _log_mobility(lse: torch.Tensor, heads: Heads, unit: bool) -> torch.Tensor:
-    """log b from the log-partitions (B, H, n); 0 for mobility="unit"."""
-    if unit:
-        return torch.zeros_like(lse[..., 0, :])
-    return -log_inverse_mobility(heads, lse)
-
-
-def _energy(y: torch.Tensor, heads: Heads, w: Optional[torch.Tensor],
-            logc: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """E(μ, Θ) = Σ_h ω_h/(2β) Σ_i w_i m_h(y_i), (B,) (differentiable, no validation);
-    with ``logc`` (B,) the scaled value E / e^{logc}, computed from the log-partitions."""
-    lse = softmax_statistics(y, heads, w).log_partition  # (B, H, n)
-    if logc is not None:
-        lse = lse - logc[:, None, None]
-    per = torch.exp(lse).mean(-1) if w is None else (torch.exp(lse) * w.unsqueeze(-2)).sum(-1)
-    return (heads.weights * per).sum(-1) / (2 * _beta(heads, 0))
+def _energy(y: torch.Tensor, heads: Heads, w: Optional[torch.Tensor], logc: torch.Tensor) -> torch.Tensor:
+    """The scaled energy E(μ, Θ) / e^{logc} = Σ_h ω_h/(2β) Σ_i w_i e^{log m_h(y_i) − logc}, (B,), from the
+    log-partitions (differentiable, no validation; logc (B,))."""
+    lse = softmax_statistics(y, heads, w).log_partition - logc[:, None, None]  # (B, H, n)
+    return (heads.weights * head_token_mean(torch.exp(lse), w)).sum(-1) / (2 * heads.beta)
 
 
 def _first_variation(z: torch.Tensor, heads: Heads, p: torch.Tensor) -> torch.Tensor:
     """δE/δμ at the grid points for μ = Σ p_a δ_{z_a}: Σ_h ω_h (m_h + m̃_h)/(2β), (B, m)."""
-    omega = heads.weights.unsqueeze(-1)
+    omega, beta = heads.weights.unsqueeze(-1), heads.beta
     s = softmax_statistics(z, heads, p)
     g = (omega * torch.exp(s.log_partition)).sum(-2)
     if not heads.is_symmetric:
         st = softmax_statistics(z, heads, p, transpose=True)
         g = 0.5 * (g + (omega * torch.exp(st.log_partition)).sum(-2))
-    return g / _beta(heads, 1)
+    return g / (beta.unsqueeze(-1) if isinstance(beta, torch.Tensor) and beta.dim() > 0 else beta)
 
 
 # ---------------------------------------------------------------------------- grid helpers
@@ -228,8 +208,9 @@ def _resolve_grid(grid, d, dtype, device) -> torch.Tensor:
     if grid is None:
         raise ValueError("scheme='eulerian' needs grid=: a tensor (m, d) of points on the sphere, or an int m "
                          "(circle_grid on S¹, fibonacci_sphere on S²)")
-    if isinstance(grid, bool):
-        raise TypeError("grid must be a tensor (m, d) or an int m, got a bool")
+    if isinstance(grid, bool) or not isinstance(grid, (int, torch.Tensor)):
+        got = "a bool" if isinstance(grid, bool) else type(grid).__name__
+        raise TypeError(f"grid must be a tensor (m, d) or an int m, got {got}")
     if isinstance(grid, int):
         if grid < 3:
             raise ValueError(f"an int grid is the number of grid points m >= 3, got {grid}")
@@ -239,8 +220,6 @@ def _resolve_grid(grid, d, dtype, device) -> torch.Tensor:
             return fibonacci_sphere(max(grid, 4), dtype=dtype, device=device)
         raise ValueError(f"an int grid is only understood on S¹ (d = 2) and S² (d = 3); for d = {d} pass the grid "
                          f"points as a tensor (m, {d})")
-    if not isinstance(grid, torch.Tensor):
-        raise TypeError(f"grid must be a tensor (m, d) or an int m, got {type(grid).__name__}")
     check_tokens(grid, "grid")
     if grid.dim() != 2:
         raise ValueError(f"grid must have shape (m, d) (one grid shared by the batch), got {tuple(grid.shape)}")
@@ -304,6 +283,94 @@ def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 _TRUST = 0.5  # the largest move of a token in one inner iteration (chordal distance)
 
 
+class _Residual:
+    """The velocity error of an inner solve and its stopping test (:func:`_descend`), from the Riemannian
+    gradient rg of F/K: G_i = K inv_i rg_i with inv = 1/(w_i b_i), r = (Σ_i w_i |G_i|²)^{1/2} (batch) and
+    |G_i| (tokens), both squared relative to the largest entry of the batch item (no overflow)."""
+
+    def __init__(self, rg, inv, wt, K, *, tau: float, tol: float):
+        u = torch.finfo(rg.dtype).eps
+        self.inv, self.wt, self.K = inv, wt, K
+        self.r0 = self.total(rg)
+        thresh = tol * self.r0 + 100 * u * (1 / tau + self.r0)
+        self.thresh = torch.where(torch.isfinite(thresh), thresh, torch.zeros_like(thresh))
+        self.stiff = K > 1  # there every token with mass must converge relative to its own start, too
+        r0_tok = self.tokens(rg)
+        self.thresh_tok = tol * r0_tok + 100 * u * (1 / tau + r0_tok)
+
+    def _scaled(self, rg):
+        """(G / top, top (B, 1, 1)), top the largest |entry| of G = inv · rg per batch item."""
+        G = rg * self.inv
+        top = G.abs().amax((-1, -2), keepdim=True).clamp_min(torch.finfo(G.dtype).tiny)
+        return G / top, top
+
+    def total(self, rg):
+        """r, (B,); inf where it is not finite."""
+        Gs, top = self._scaled(rg)
+        r = self.K * top.reshape(-1) * (Gs.square().sum(-1) * self.wt).sum(-1).sqrt()
+        return torch.where(torch.isfinite(r), r, torch.full_like(r, float("inf")))
+
+    def tokens(self, rg):
+        """|G_i| per token, (B, n)."""
+        Gs, top = self._scaled(rg)
+        return self.K.reshape(-1, 1) * top.reshape(-1, 1) * Gs.norm(dim=-1)
+
+    def unconverged(self, rg, r):
+        out = ~(torch.isfinite(r) & (r <= self.thresh))
+        if bool(self.stiff.any()):
+            bad_tok = ((~(self.tokens(rg) <= self.thresh_tok)) & (self.wt > 0)).any(-1)
+            out = out | (self.stiff & bad_tok)
+        return out
+
+
+def _lbfgs_direction(y, rg, pre, memory):
+    """The L-BFGS direction at y: the two-loop recursion over the pairs (s, z) of ``memory``, projected on the
+    tangent space at y (pairs with ⟨s, z⟩ <= 0 masked out), with the initial inverse Hessian γ·pre.  Where it is
+    not a descent direction: the preconditioned gradient −pre·rg.  Returns (direction, mask of those items)."""
+    qv = rg.clone()
+    alphas = []
+    for s_, z_ in reversed(memory):
+        s_p, z_p = tangent_projection(y, s_), tangent_projection(y, z_)
+        sz = _dot(s_p, z_p)
+        rho = torch.where(sz > 0, 1 / sz.clamp_min(1e-300), torch.zeros_like(sz))
+        al = rho * _dot(s_p, qv)
+        qv = qv - al[:, None, None] * z_p
+        alphas.append((al, rho, s_p, z_p))
+    gamma = torch.ones(y.shape[0], dtype=y.dtype, device=y.device)
+    if alphas:  # γ from the newest pair
+        s_p, z_p = alphas[0][2:]
+        sz, zz = _dot(s_p, z_p), _dot(z_p, pre * z_p)
+        gamma = torch.where((sz > 0) & (zz > 0), sz / zz.clamp_min(1e-300), gamma)
+    rv = gamma[:, None, None] * pre * qv
+    for al, rho, s_p, z_p in reversed(alphas):
+        be = rho * _dot(z_p, rv)
+        rv = rv + (al - be)[:, None, None] * s_p
+    d = tangent_projection(y, -rv)
+    gd = _dot(rg, d)
+    bad = ~(gd < 0) | ~torch.isfinite(gd)
+    return torch.where(bad[:, None, None], -pre * rg, d), bad
+
+
+def _line_search(objective: Callable, y, f, g, d, gd, active):
+    """Armijo backtracking along y ↦ normalize(y + a d), a = 1, ½, ... (20 tries), batched: (y, f, g) with
+    the items that found a decrease updated, and the mask of the items done (found one, or inactive)."""
+    slack = 10 * torch.finfo(y.dtype).eps * f.abs()
+    a = torch.ones(y.shape[0], dtype=y.dtype, device=y.device)
+    done = ~active
+    y_new, f_new, g_new = y.clone(), f.clone(), g.clone()
+    for _ls in range(20):
+        cand = normalize(y + a[:, None, None] * d)
+        fc, gc = _value_and_grad(objective, cand)
+        ok = ~done & torch.isfinite(fc) & (fc <= f + 1e-4 * a * gd + slack)
+        if bool(ok.any()):
+            y_new[ok], f_new[ok], g_new[ok] = cand[ok], fc[ok], gc[ok]
+        done = done | ok
+        if bool(done.all()):
+            break
+        a = torch.where(done, a, a / 2)
+    return y_new, f_new, g_new, done
+
+
 def _descend(objective: Callable, y: torch.Tensor, pre: torch.Tensor, wt: torch.Tensor, *, tau: float, tol: float,
              max_iter: int, memory: int = 8):
     """Riemannian L-BFGS with the metric preconditioner, retraction and Armijo backtracking (batched, dim 0).
@@ -314,22 +381,18 @@ def _descend(objective: Callable, y: torch.Tensor, pre: torch.Tensor, wt: torch.
     transport), and kept only when ⟨s, z⟩ > 0.  A non-descent direction or a failed line search
     falls back to the preconditioned gradient and clears the memory.
 
-    The residual is the velocity error in L²(μ), r = (Σ_i w_i |G_i|²)^{1/2} with
-    G_i = P_{y_i} ∂F/∂y_i / (w_i b_i) = (pre_i/τ) P_{y_i} ∂F/∂y_i (``wt`` the token weights): it has
-    the units of a velocity whatever the scale of F, and every token counts (a b-weighted norm would
-    ignore tokens whose mobility is e^{-100} of the largest).  A step is converged when
-    r ≤ tol·r₀ + 100·u·(1/τ + r₀), r₀ the value at the start; a non-finite r never counts as converged.
+    The residual is the velocity error in L²(μ) of the module docstring, G_i = (pre_i/τ) P_{y_i} ∂F/∂y_i
+    (``wt`` the token weights): it has the units of a velocity whatever the scale of F, and every token counts
+    (a b-weighted norm would ignore tokens whose mobility is e^{-100} of the largest).
 
-    Returns (y, f, residual (B,), iterations (B,), converged (B,), r0 (B,)); residual None when the
-    objective is not finite at the start."""
+    Returns (y, {"residual", "iterations", "converged", "r0"}, each (B,)); (y, None) when the objective is
+    not finite at the start."""
     B = y.shape[0]
-    u = torch.finfo(y.dtype).eps
     f, g = _value_and_grad(objective, y)
     if not bool(torch.isfinite(f).all()) or not bool(torch.isfinite(g).all()):
-        return y, f, None, None, None, None
-    # A stiff step (τ|V| ≫ 1, e.g. the effective field at large β‖A‖ with heads of different scales,
-    # where m_max/m_min ~ e^{β Δ}): divide the objective by K = τ max_i |G_i| / ρ so that the first
-    # preconditioned step is at most ρ and the L-BFGS products stay finite; K = 1 otherwise.
+        return y, None
+    # a stiff step (τ|V| ≫ 1, module docstring): F/K, K = τ max_i |G_i| / ρ, so that the first preconditioned
+    # step is at most ρ and the L-BFGS products stay finite; K = 1 otherwise
     K = (tau * (tangent_projection(y, g) * (pre / tau)).abs().amax((-1, -2)) / _TRUST).clamp_min(1.0)
     if bool((K > 1).any()):
         raw = objective
@@ -338,135 +401,59 @@ def _descend(objective: Callable, y: torch.Tensor, pre: torch.Tensor, wt: torch.
             return raw(yy) / K
 
         f, g = f / K, g / K.reshape(B, 1, 1)
-    dev, dt = y.device, y.dtype
-    iters = torch.zeros(B, dtype=torch.long, device=dev)
-    stalled = torch.zeros(B, dtype=torch.bool, device=dev)
-    S_mem: List[torch.Tensor] = []
-    Z_mem: List[torch.Tensor] = []
     rg = tangent_projection(y, g)
-    inv = pre / tau  # 1 / (w_i b_i), (B, n, 1): G_i = inv_i P ∂F/∂y_i (scaled before squaring: no overflow)
-
-    def resid(rg):
-        G = rg * inv
-        top = G.abs().amax((-1, -2)).clamp_min(torch.finfo(G.dtype).tiny)  # (B,): square G / top, no overflow
-        r = K * top * ((G / top[:, None, None]).square().sum(-1) * wt).sum(-1).sqrt()
-        return torch.where(torch.isfinite(r), r, torch.full_like(r, float("inf")))
-
-    def tokens_r(rg):
-        """|G_i| per token, (B, n) (relative to the batch item's largest entry: no overflow)."""
-        G = rg * inv
-        top = G.abs().amax((-1, -2), keepdim=True).clamp_min(torch.finfo(G.dtype).tiny)
-        return K.reshape(B, 1) * top.reshape(B, 1) * (G / top).norm(dim=-1)
-
-    r0 = resid(rg)
-    thresh = tol * r0 + 100 * u * (1 / tau + r0)
-    thresh = torch.where(torch.isfinite(thresh), thresh, torch.zeros_like(thresh))
-    # stiff items (K > 1): the tokens' velocity scales can span more than 1/u, and the L² norm would
-    # only see the largest; there every token with mass must converge relative to its own start
-    stiff = K > 1
-    r0_tok = tokens_r(rg)
-    thresh_tok = tol * r0_tok + 100 * u * (1 / tau + r0_tok)
-
-    def unconverged(rg, r):
-        out = ~(torch.isfinite(r) & (r <= thresh))
-        if bool(stiff.any()):
-            rt = tokens_r(rg)
-            bad_tok = ((~(rt <= thresh_tok)) & (wt > 0)).any(-1)
-            out = out | (stiff & bad_tok)
-        return out
-    best = r0.clone()
-    since = torch.zeros(B, dtype=torch.long, device=dev)
+    res = _Residual(rg, pre / tau, wt, K, tau=tau, tol=tol)
+    iters = torch.zeros(B, dtype=torch.long, device=y.device)
+    since = torch.zeros(B, dtype=torch.long, device=y.device)
+    stalled = torch.zeros(B, dtype=torch.bool, device=y.device)
+    best = res.r0.clone()
+    pairs = deque(maxlen=memory)  # (s, z): differences of iterates and of Riemannian gradients
     for _ in range(max_iter):
-        r = resid(rg)
+        r = res.total(rg)
         # stagnation (an inexact objective, e.g. Sinkhorn potentials): no halving of the residual in 12 iterations
         improved = r < 0.5 * best
         best = torch.where(improved, r, best)
         since = torch.where(improved, torch.zeros_like(since), since + 1)
         stalled = stalled | (since > 12)
-        active = unconverged(rg, r) & ~stalled
+        active = res.unconverged(rg, r) & ~stalled
         if not bool(active.any()):
             break
-        # two-loop recursion, per batch item (pairs with ⟨s, z⟩ <= 0 are masked out)
-        qv = rg.clone()
-        alphas = []
-        for s_, z_ in zip(reversed(S_mem), reversed(Z_mem)):
-            s_p, z_p = tangent_projection(y, s_), tangent_projection(y, z_)
-            sz = _dot(s_p, z_p)
-            rho = torch.where(sz > 0, 1 / sz.clamp_min(1e-300), torch.zeros_like(sz))
-            al = rho * _dot(s_p, qv)
-            qv = qv - al[:, None, None] * z_p
-            alphas.append((al, rho, s_p, z_p))
-        gamma = torch.ones(B, dtype=dt, device=dev)
-        if S_mem:
-            s_p, z_p = tangent_projection(y, S_mem[-1]), tangent_projection(y, Z_mem[-1])
-            sz, zz = _dot(s_p, z_p), _dot(z_p, pre * z_p)
-            gamma = torch.where((sz > 0) & (zz > 0), sz / zz.clamp_min(1e-300), gamma)
-        rv = gamma[:, None, None] * pre * qv
-        for al, rho, s_p, z_p in reversed(alphas):
-            be = rho * _dot(z_p, rv)
-            rv = rv + (al - be)[:, None, None] * s_p
-        d = tangent_projection(y, -rv)
-        gd = _dot(rg, d)
-        bad = ~(gd < 0) | ~torch.isfinite(gd)
-        steep = -pre * rg
-        d = torch.where(bad[:, None, None], steep, d)
+        d, bad = _lbfgs_direction(y, rg, pre, pairs)
         # trust region: no token moves by more than ρ (chordal) in one iteration (inactive for τ|V| < ρ)
         dn = d.norm(dim=-1, keepdim=True)
-        d = d * torch.where(dn > _TRUST, _TRUST / dn.clamp_min(torch.finfo(dt).tiny), torch.ones_like(dn))
-        d = d * active[:, None, None].to(dt)
-        gd = _dot(rg, d)
-        slack = 10 * u * f.abs()
-        a = torch.ones(B, dtype=dt, device=dev)
-        done = ~active
-        y_new, f_new, g_new = y.clone(), f.clone(), g.clone()
-        for _ls in range(20):
-            cand = normalize(y + a[:, None, None] * d)
-            fc, gc = _value_and_grad(objective, cand)
-            ok = ~done & torch.isfinite(fc) & (fc <= f + 1e-4 * a * gd + slack)
-            if bool(ok.any()):
-                y_new[ok], f_new[ok], g_new[ok] = cand[ok], fc[ok], gc[ok]
-            done = done | ok
-            if bool(done.all()):
-                break
-            a = torch.where(done, a, a / 2)
-        failed = active & ~done
+        d = d * torch.where(dn > _TRUST, _TRUST / dn.clamp_min(torch.finfo(y.dtype).tiny), torch.ones_like(dn))
+        d = d * active[:, None, None].to(y.dtype)
+        y_new, f_new, g_new, done = _line_search(objective, y, f, g, d, _dot(rg, d), active)
+        failed, moved = active & ~done, active & done
         stalled = stalled | (failed & bad)  # even the preconditioned gradient found no decrease
-        moved = active & done
         iters = iters + moved.long()
         rg_new = tangent_projection(y_new, g_new)
-        S_mem.append(torch.where(moved[:, None, None], y_new - y, torch.zeros_like(y)))
-        Z_mem.append(torch.where(moved[:, None, None], rg_new - rg, torch.zeros_like(y)))
+        pairs.append((torch.where(moved[:, None, None], y_new - y, torch.zeros_like(y)),
+                      torch.where(moved[:, None, None], rg_new - rg, torch.zeros_like(y))))
         if bool((failed & ~bad).any()):  # L-BFGS direction failed: retry with the gradient next time
-            S_mem.clear()
-            Z_mem.clear()
-        if len(S_mem) > memory:
-            S_mem.pop(0)
-            Z_mem.pop(0)
+            pairs.clear()
         y, f, g, rg = y_new, f_new, g_new, rg_new
-    r = resid(rg)
-    return y, f, r, iters, ~unconverged(rg, r), r0
+    r = res.total(rg)
+    return y, dict(residual=r, iterations=iters, converged=~res.unconverged(rg, r), r0=res.r0)
 
 
 # ---------------------------------------------------------------------------- Lagrangian step
 def _lagrangian_step(x, w, wt, h_old, h_new, lb_old, *, tau, sgn, transport, symmetric, unit, eps, scaling,
                      tol, max_iter, max_plan_updates, out_log_scale=0.0):
-    """One JKO step for tokens x (B, n, d). Returns y, info dict (prox value, residual, iterations, ...).
+    """One JKO step for tokens x (B, n, d): (y, info) with the proximal value, residual, iterations, ...;
+    (None, None) when the objective is not finite at the start.
 
-    The objective is minimised divided by the common scale c = 2^k ≈ max_i b_k(x_i) of its batch
-    item (k an integer, so the division is exact where nothing underflows): the energy and the
-    proximal term both grow like e^{β⟨Ax, y⟩} (b ~ m_h), so F/c stays O(1) — computed from the
-    log-partitions, E/c = Σ_h ω_h/(2β) Σ_i w_i e^{log m_h(y_i) − log c} — where F itself overflows
-    (β‖A‖ ≳ 88 in float32, ≳ 700 in float64), and its gradient, the preconditioner τ/(w b/c) and the
-    residual are all O(1).  Dividing the whole objective by one positive number leaves the minimiser
-    unchanged; with transport="sinkhorn" ε is divided by c as well (OT_ε(c·C) = c·OT_{ε/c}(C)).
-    The returned ``prox`` is W² · e^{−out_log_scale} (the run's common scale)."""
-    B, n, _ = x.shape
-    # log c: a power of two near the largest log-mobility of each batch item ("unit": c = 1)
+    F is minimised divided by c = 2^k ≈ max_i b_k(x_i) per batch item (module docstring; k an integer, so the
+    division is exact where nothing underflows); with transport="sinkhorn" ε is divided by c as well
+    (OT_ε(c·C) = c·OT_{ε/c}(C)).  The returned ``prox`` is W² · e^{−out_log_scale} (the run's common scale)."""
+    B = x.shape[0]
     ln2 = math.log(2.0)
-    logc = torch.round(lb_old.max(-1).values / ln2) * ln2  # (B,)
+    logc = torch.round(lb_old.max(-1).values / ln2) * ln2  # (B,) ("unit": c = 1)
     if transport == "sinkhorn":  # one ε for the whole batch: one scale
         logc = logc.max().expand(B)
     b_old = torch.exp(lb_old - logc.unsqueeze(-1))  # (B, n), b_k / c
+    wb = wt * b_old
+    pre = torch.where(wb > 0, tau / wb, torch.zeros_like(wb)).unsqueeze(-1)  # massless tokens stay
 
     def b_field(q):
         """b_k / c at arbitrary points q (B, N, d): mobility field of μ_k under Θ_{t_k}, scaled."""
@@ -475,92 +462,83 @@ def _lagrangian_step(x, w, wt, h_old, h_new, lb_old, *, tau, sgn, transport, sym
         lse = softmax_statistics(q, h_old, w, keys=x).log_partition
         return torch.exp(-log_inverse_mobility(h_old, lse) - logc.unsqueeze(-1))
 
-    def cost_rows(y):
-        """c_k(x_j, y_i) / c as a (B, n_new, n_old) matrix."""
-        c2 = sq_chordal(y, x)
-        if symmetric:
-            return 0.5 * (b_field(y).unsqueeze(-1) + b_old.unsqueeze(-2)) * c2
-        return b_old.unsqueeze(-2) * c2
+    solve = functools.partial(_descend, pre=pre, wt=wt, tau=tau, tol=tol, max_iter=max_iter)
 
     def energy(y):
         return sgn * _energy(y, h_new, w, logc)
 
-    wb = wt * b_old
-    pre = torch.where(wb > 0, tau / wb, torch.zeros_like(wb)).unsqueeze(-1)  # massless tokens stay
-    info: Dict[str, torch.Tensor] = {}
     if transport == "identity":
-        def objective(y):
+        def objective(y):  # the terms in their historical order: it fixes the round-off of the gradient
             c2 = (y - x).square().sum(-1)
             bb = 0.5 * (b_field(y) + b_old) if symmetric else b_old
             return energy(y) + (wt * bb * c2).sum(-1) / (2 * tau)
 
-        y, f, r, it, conv, r0 = _descend(objective, x, pre, wt, tau=tau, tol=tol, max_iter=max_iter)
-        if r is None:
-            return None, None
-        c2 = (y - x).square().sum(-1)
-        bb = 0.5 * (b_field(y) + b_old) if symmetric else b_old
-        prox = (wt * bb * c2).sum(-1)
-        plans = torch.zeros(B, dtype=torch.long, device=x.device)
+        def prox_fn(y):
+            return (wt * (0.5 * (b_field(y) + b_old) if symmetric else b_old) * (y - x).square().sum(-1)).sum(-1)
+
+        y, info = solve(objective, x)
     elif transport == "emd":
-        P = torch.diag_embed(wt)  # optimal at y = x
-        y = x
-        it_total = torch.zeros(B, dtype=torch.long, device=x.device)
-        plans = torch.zeros(B, dtype=torch.long, device=x.device)
-        r0_first = None
-        for _u in range(max_plan_updates):
-            Pk = P
+        def cost_rows(y):
+            """c_k(x_j, y_i) / c as a (B, n_new, n_old) matrix."""
+            c2 = sq_chordal(y, x)
+            if symmetric:
+                return 0.5 * (b_field(y).unsqueeze(-1) + b_old.unsqueeze(-2)) * c2
+            return b_old.unsqueeze(-2) * c2
 
-            def objective(yy, Pk=Pk):
-                return energy(yy) + (Pk * cost_rows(yy)).sum((-1, -2)) / (2 * tau)
+        def solve_at(P, y0):
+            return solve(lambda y: energy(y) + (P * cost_rows(y)).sum((-1, -2)) / (2 * tau), y0)
 
-            y, f, r, it, conv, r0 = _descend(objective, y, pre, wt, tau=tau, tol=tol, max_iter=max_iter)
-            if r is None:
-                return None, None
-            r0_first = r0 if r0_first is None else r0_first
-            it_total = it_total + it
-            with torch.no_grad():
-                M = cost_rows(y)
-                Pn = emd_plans(wt, wt, M)
-                old, new = (P * M).sum((-1, -2)), (Pn * M).sum((-1, -2))
-                improve = old - new > 1e-12 * (old.abs() + 1e-300) + 1e-300
-            if not bool(improve.any()):
-                break
-            plans = plans + improve.long()
-            P = torch.where(improve[:, None, None], Pn, P)
-        it, r0 = it_total, r0_first
-        conv = conv & ~improve  # the last recomputed plan was not used by an inner solve
-        prox = (P * cost_rows(y)).sum((-1, -2)).detach()
-        info["plan_unchanged"] = ~improve
-    else:  # sinkhorn
-        scale = float(torch.exp(-logc[0])) if B > 0 else 1.0
-        bmax = float(b_old.max())
+        y, info, P = _plan_descent(solve_at, cost_rows, x, wt, max_plan_updates)
 
+        def prox_fn(y):
+            return (P * cost_rows(y)).sum((-1, -2))
+    else:  # sinkhorn, with the symmetric cost
         def sym_cost(X, Y):
             c2 = sq_chordal(X, Y)
             return 0.5 * (b_field(X).unsqueeze(-1) + b_field(Y).unsqueeze(-2)) * c2
 
-        diameter = 2.0 * math.sqrt(max(bmax, 1e-300)) * 1.5
-        eps_s = eps * scale
+        eps_s = eps * (float(torch.exp(-logc[0])) if B > 0 else 1.0)
+        diameter = 2.0 * math.sqrt(max(float(b_old.max()), 1e-300)) * 1.5
 
-        def prox_fn(yy):
-            return sinkhorn_divergence(yy, wt, x, wt, eps=eps_s, cost=sym_cost, diameter=diameter, scaling=scaling)
+        def prox_fn(y):
+            return sinkhorn_divergence(y, wt, x, wt, eps=eps_s, cost=sym_cost, diameter=diameter, scaling=scaling)
 
-        def objective(yy):
-            return energy(yy) + prox_fn(yy) / (2 * tau)
-
-        y, f, r, it, conv, r0 = _descend(objective, x, pre, wt, tau=tau, tol=tol, max_iter=max_iter)
-        if r is None:
-            return None, None
-        with torch.no_grad():
-            prox = prox_fn(y)
-        plans = torch.zeros(B, dtype=torch.long, device=x.device)
-    prox = prox.detach() * torch.exp(logc - out_log_scale)  # in the run's units (times e^{−c_run})
-    # a token with mass whose scaled mobility underflowed (b_i/c < the smallest float: a log-mobility
-    # spread beyond ~700 in float64, ~100 in float32) was held fixed: never report that step as converged
-    lost = ((wt > 0) & ~(wb > 0)).any(-1)
-    conv = conv & ~lost
-    info.update(prox=prox, residual=r, iterations=it, converged=conv, plan_updates=plans, r0=r0)
+        y, info = solve(lambda y: energy(y) + prox_fn(y) / (2 * tau), x)
+    if info is None:
+        return None, None
+    with torch.no_grad():
+        info["prox"] = prox_fn(y).detach() * torch.exp(logc - out_log_scale)  # in the run's units (times e^{−c_run})
+    # a token with mass whose scaled mobility underflowed (b_i/c = 0) was held fixed: not converged
+    info["converged"] = info["converged"] & ~((wt > 0) & ~(wb > 0)).any(-1)
+    info.setdefault("plan_updates", torch.zeros(B, dtype=torch.long, device=x.device))
     return y.detach(), info
+
+
+def _plan_descent(solve_at: Callable, cost_rows: Callable, x, wt, max_plan_updates: int):
+    """transport="emd": inner solves ``solve_at(π, y)`` at a fixed plan π, each followed by the exact plan of the
+    cost at its solution, until that plan is no better (block-coordinate descent in (y, π), monotone in F).
+    Returns (y, info of the last solve with the iterations of all and r₀ of the first, π), or (y, None, None)."""
+    P, y = torch.diag_embed(wt), x  # optimal at y = x
+    iters = plans = torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
+    r0 = None
+    for _ in range(max_plan_updates):
+        y, info = solve_at(P, y)
+        if info is None:
+            return y, None, None
+        r0 = info["r0"] if r0 is None else r0
+        iters = iters + info["iterations"]
+        with torch.no_grad():
+            M = cost_rows(y)
+            Pn = emd_plans(wt, wt, M)
+            old, new = (P * M).sum((-1, -2)), (Pn * M).sum((-1, -2))
+            improve = old - new > 1e-12 * (old.abs() + 1e-300) + 1e-300
+        if not bool(improve.any()):
+            break
+        plans = plans + improve.long()
+        P = torch.where(improve[:, None, None], Pn, P)
+    # the last recomputed plan was not used by an inner solve
+    info.update(iterations=iters, r0=r0, converged=info["converged"] & ~improve, plan_updates=plans)
+    return y, info, P
 
 
 # ---------------------------------------------------------------------------- Eulerian step
@@ -605,7 +583,6 @@ def _eulerian_step(z, q, h_old, h_new, lb_old, *, tau, sgn, eps, tol, max_iter, 
     bz = torch.exp(lb_old)  # (B, m)
     C = 0.5 * (bz.unsqueeze(-1) + bz.unsqueeze(-2)) * c2  # (B, m, m), symmetric
     f_self, _, _ = self_potential(q, C, eps, init=warm)
-    new_warm = f_self
     log_v = torch.log(q) + f_self / eps
     base = log_v.unsqueeze(-2) - C / eps  # (B, m, m)
     zb = z.expand(B, m, z.shape[-1])
@@ -621,7 +598,6 @@ def _eulerian_step(z, q, h_old, h_new, lb_old, *, tau, sgn, eps, tol, max_iter, 
     theta = torch.ones(B, dtype=q.dtype, device=q.device)
     r_prev = torch.full((B,), float("inf"), dtype=q.dtype, device=q.device)
     iters = torch.zeros(B, dtype=torch.long, device=q.device)
-    conv = torch.zeros(B, dtype=torch.bool, device=q.device)
     for i in range(max_iter + 1):
         Tp, ls = T(p)
         r = (Tp - p).abs().sum(-1)
@@ -645,61 +621,11 @@ def _eulerian_step(z, q, h_old, h_new, lb_old, *, tau, sgn, eps, tol, max_iter, 
 
     prox = J(ls) - J(ls0)
     info = dict(prox=prox, residual=r, iterations=iters, converged=conv,
-                plan_updates=torch.zeros(B, dtype=torch.long, device=q.device),
-                transport_cost=(q.unsqueeze(-1) * torch.exp(ls) * C).sum((-1, -2)))
-    return p, info, new_warm
+                plan_updates=torch.zeros(B, dtype=torch.long, device=q.device))
+    return p, info, f_self
 
 
 # ---------------------------------------------------------------------------- entry point
-class _JKODiagnostics:
-    """Energy, 𝒢² and 𝒟 of the JKO scheme's measure in its own metric, at the common scale
-    ``scale["c"]`` (energies, 𝒢², 𝒟 and the ledger are reported times e^{−c})."""
-
-    def __init__(self, *, norm, sign, unit, diagnostics):
-        self.norm, self.sign, self.unit, self.diagnostics = norm, sign, unit, diagnostics
-        self.scale = {"c": 0.0}
-
-    def __call__(self, points, wts, heads):
-        c, norm, sign = self.scale["c"], self.norm, self.sign
-        if c == 0.0:  # ordinary runs: evaluate's own diagnostics, bit for bit
-            return evaluate(points, heads, wts, normalization=norm, sign=sign, diagnostics=True)
-        fe = evaluate(points, heads, wts, normalization=norm, sign=sign, diagnostics=False)
-        E, _, _, g = scaled_diagnostics(points, heads, wts, fe.velocity, fe.stats, log_scale=c)
-        # the scheme's field is the gradient flow V = s g / b (b ≡ 1 for "unit"): 𝒢² = Σ w b|V|² = Σ w |g|²/b
-        # and 𝒟 = Σ w ⟨g, V⟩ = s 𝒢², formed from g b^{-1/2} (no |V|² ~ e^{2β‖A‖} in between)
-        G = self.metric_slope(g, fe.stats.log_partition, heads, wts)
-        return FieldEval(fe.velocity, fe.stats, fe.outputs, g, E, G, sign * G)
-
-    def metric_slope(self, g, log_partition, heads, wts):
-        """|∂E|² e^{−c} in the scheme's metric: Σ w |∇δE|²/b (effective) or Σ w |∇δE|² (unit); g = ∇_S δE/δμ e^{−c}."""
-        # |g|²/b · e^{−c} = |g e^{−c} · (e^{c}/b)^{1/2}|², scaled before squaring (finite whenever the result is)
-        lbinv = torch.zeros_like(g[..., 0]) if self.unit else log_inverse_mobility(heads, log_partition)
-        g = g * torch.exp(0.5 * (lbinv + self.scale["c"])).unsqueeze(-1)
-        g2 = g.square().sum(-1)
-        return g2.mean(-1) if wts is None else (wts * g2).sum(-1)
-
-    def check(self, ev, t, k, heads):
-        """NonFiniteError unless the energy (and, with diagnostics, 𝒢² and 𝒟) are finite."""
-        if not bool(torch.isfinite(ev.energy).all()):
-            raise nonfinite_error("the energy", t, k, heads)
-        if self.diagnostics:
-            for name, v in (("the metric slope 𝒢²", ev.slope), ("the dissipation 𝒟", ev.dissipation)):
-                if not bool(torch.isfinite(v).all()):
-                    err = nonfinite_error(name, t, k, heads, self.norm)
-                    raise NonFiniteError(f"{err} (the JKO step itself does not need it: diagnostics=False)")
-
-
-def _jko_records(rec, S, batch: tuple, t0: float, tau: float, diagnostics: bool):
-    """The Recorder's series and the per-step statistics S, from the flat batch axis to ``batch``."""
-    T = len(rec.steps)
-    times, xs, series, ledger, _ = rec.stacked(t0, tau)
-    xs = xs.reshape(T, *batch, *xs.shape[2:])
-    ledger = {key: v.reshape(T, *batch) for key, v in ledger.items()}
-    series = {key: v.reshape(T, *batch) if diagnostics else None for key, v in series.items()}
-    st = {key: torch.stack([v.reshape(batch) for v in vals]) for key, vals in S.items()}
-    return times, xs, series, ledger, st
-
-
 def _check_x0(x0, h_ref: Heads):
     check_tokens(x0, "x0")
     check_same(x0, h_ref._ref, "x0", "theta's heads")
@@ -707,103 +633,91 @@ def _check_x0(x0, h_ref: Heads):
         raise ValueError(f"the heads act on d = {h_ref.dim} but x0 has d = {x0.shape[-1]}")
 
 
-def _not_converged(k, t_new, info, residual, *, max_iter, strict, sinkhorn):
-    """JKOConvergenceError (strict) for an inner solve that missed its tolerance; else nothing (warned at the end)."""
-    if not strict:
-        return
-    what = (f" (velocity error in L²(μ); {float(info['r0'].max()):.3e} at the start)" if "r0" in info
-            else " (‖T(p) − p‖₁)")
-    raise JKOConvergenceError(
-        f"JKO step {k + 1} (t = {t_new:.6g}) did not converge in {max_iter} inner iterations: residual "
-        f"{residual:.3e}{what}; raise max_iter, loosen tol, or reduce tau"
-        + (" (with transport='sinkhorn': raise sinkhorn_scaling towards 1 or lower eps)" if sinkhorn else ""))
-
-
-def _check_jko_args(x0, theta, *, tau, steps, t0, transport, scheme, direction, mobility, cost,
-                    eps, weights, grid, grid_weights, bandwidth, paths, seed, generator, path_dt, tol, max_iter,
-                    max_plan_updates, sinkhorn_scaling, strict, record_every):
-    """Every check of :func:`jko`, before any work; returns the arguments it normalises, the grid z and
-    weights q0 (Eulerian; None otherwise), the tolerance and the source of Θ_t (heads_at, sampled path)."""
-    z = q0 = None
-    tau = check_positive(tau, "tau")
-    steps = check_int(steps, "steps")
-    check_choice(scheme, SCHEMES, "scheme")
-    if transport is None:
-        transport = "emd" if scheme == "lagrangian" else "sinkhorn"
-    check_choice(transport, TRANSPORTS, "transport")
-    if scheme == "eulerian" and transport != "sinkhorn":
-        raise ValueError(f"the Eulerian scheme moves weights on a fixed grid with entropic transport: use "
-                         f"transport='sinkhorn' (got {transport!r}); transport='emd' / 'identity' are Lagrangian")
-    sign = direction_sign(direction)
-    sgn = -sign
-    check_choice(mobility, MOBILITIES, "mobility")
-    unit = mobility == "unit"
-    if cost is None:
-        cost = "symmetric" if transport == "sinkhorn" else "source"
-    check_choice(cost, COSTS, "cost")
-    if transport == "sinkhorn" and scheme == "lagrangian" and cost != "symmetric":
-        raise ValueError("the debiased Sinkhorn divergence needs a symmetric cost: use cost='symmetric' (the default) "
-                         "with transport='sinkhorn'")
-    if scheme == "eulerian" and cost != "symmetric":
-        raise ValueError("the Eulerian scheme uses the symmetric cost ½(b_k(z_a) + b_k(z_b))|z_a − z_b|²: "
-                         "use cost='symmetric' (the default)")
-    eps = check_positive(eps, "eps")
-    t0 = check_real(t0, "t0")
-    seed = check_seed(seed)
-    if not isinstance(strict, bool):
-        raise TypeError(f"strict must be True or False, got {type(strict).__name__}")
-    max_iter = check_int(max_iter, "max_iter")
-    max_plan_updates = check_int(max_plan_updates, "max_plan_updates")
-    record_every = check_int(record_every, "record_every")
-    sinkhorn_scaling = check_positive(sinkhorn_scaling, "sinkhorn_scaling")
-    if not sinkhorn_scaling < 1:
-        raise ValueError(f"sinkhorn_scaling must lie in (0, 1), got {sinkhorn_scaling}")
-    if paths is not None:
-        paths = check_int(paths, "paths")
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError("generator must be a torch.Generator")
-    if not isinstance(theta, (Heads, Process)):
-        raise TypeError(
-            f"theta must be a Heads, a Process (OrnsteinUhlenbeck, Oscillating, Layerwise, Custom) or a WeightPath, "
-            f"got {type(theta).__name__}"
-        )
+def _check_measure(x0, theta, lagrangian: bool, *, weights, grid, grid_weights, bandwidth):
+    """The checks of the initial measure: tokens x0 and their weights (Lagrangian), or the grid z and its weights
+    q0 (given, or x0 deposited with :func:`to_grid`) (Eulerian).  Returns (z, q0), (None, None) for Lagrangian."""
     h_ref = theta if isinstance(theta, Heads) else theta.heads0
     check_tied_all(theta, "jko")
-    d = h_ref.dim
-    if scheme == "lagrangian":
+    if lagrangian:
         if x0 is None:
             raise ValueError("the Lagrangian scheme needs the initial tokens x0 (..., n, d)")
         _check_x0(x0, h_ref)
         check_token_weights(weights, x0, "weights", "x0")
-        ref = x0
+        return None, None
+    if weights is not None:
+        raise ValueError("weights= are token weights of the Lagrangian scheme; for the Eulerian scheme give "
+                         "grid_weights= (or tokens x0, deposited with to_grid)")
+    z = _resolve_grid(grid, h_ref.dim, h_ref.dtype, h_ref.device)
+    check_same(z, h_ref._ref, "grid", "theta's heads")
+    if grid_weights is None:
+        if x0 is None:
+            raise ValueError("the Eulerian scheme needs grid_weights= (..., m) or tokens x0 to deposit on the grid")
+        _check_x0(x0, h_ref)
+        return z, to_grid(x0, z, bandwidth=bandwidth)
+    if x0 is not None:
+        raise ValueError("give either tokens x0 or grid_weights for the Eulerian scheme, not both")
+    check_token_weights(grid_weights, z, "grid_weights", "grid")
+    return z, grid_weights
+
+
+def _check_jko_args(x0, theta, **settings) -> SimpleNamespace:
+    """Every check of :func:`jko`, before any work: its keyword arguments ``settings``, normalised, with the sign
+    of the direction, the grid z and weights q0 (Eulerian; None otherwise), the tolerance and the source of Θ_t
+    (heads_at, sampled path)."""
+    o = SimpleNamespace(**settings)
+    o.tau = check_positive(o.tau, "tau")
+    o.steps = check_int(o.steps, "steps")
+    check_choice(o.scheme, SCHEMES, "scheme")
+    lagrangian = o.scheme == "lagrangian"
+    if o.transport is None:
+        o.transport = "emd" if lagrangian else "sinkhorn"
+    check_choice(o.transport, TRANSPORTS, "transport")
+    if not lagrangian and o.transport != "sinkhorn":
+        raise ValueError(f"the Eulerian scheme moves weights on a fixed grid with entropic transport: use "
+                         f"transport='sinkhorn' (got {o.transport!r}); transport='emd' / 'identity' are Lagrangian")
+    o.sign = direction_sign(o.direction)
+    o.sgn = -o.sign
+    check_choice(o.mobility, MOBILITIES, "mobility")
+    o.unit = o.mobility == "unit"
+    if o.cost is None:
+        o.cost = "symmetric" if o.transport == "sinkhorn" else "source"
+    check_choice(o.cost, COSTS, "cost")
+    if o.transport == "sinkhorn" and lagrangian and o.cost != "symmetric":
+        raise ValueError("the debiased Sinkhorn divergence needs a symmetric cost: use cost='symmetric' (the default) "
+                         "with transport='sinkhorn'")
+    if not lagrangian and o.cost != "symmetric":
+        raise ValueError("the Eulerian scheme uses the symmetric cost ½(b_k(z_a) + b_k(z_b))|z_a − z_b|²: "
+                         "use cost='symmetric' (the default)")
+    o.eps = check_positive(o.eps, "eps")
+    o.t0 = check_real(o.t0, "t0")
+    o.seed = check_seed(o.seed)
+    if not isinstance(o.strict, bool):
+        raise TypeError(f"strict must be True or False, got {type(o.strict).__name__}")
+    o.max_iter = check_int(o.max_iter, "max_iter")
+    o.max_plan_updates = check_int(o.max_plan_updates, "max_plan_updates")
+    o.record_every = check_int(o.record_every, "record_every")
+    o.sinkhorn_scaling = check_positive(o.sinkhorn_scaling, "sinkhorn_scaling")
+    if not o.sinkhorn_scaling < 1:
+        raise ValueError(f"sinkhorn_scaling must lie in (0, 1), got {o.sinkhorn_scaling}")
+    if o.paths is not None:
+        o.paths = check_int(o.paths, "paths")
+    if o.generator is not None and not isinstance(o.generator, torch.Generator):
+        raise TypeError("generator must be a torch.Generator")
+    if not isinstance(theta, (Heads, Process)):
+        raise TypeError(f"theta must be a Heads, a Process (OrnsteinUhlenbeck, Oscillating, Layerwise, Custom) or a "
+                        f"WeightPath, got {type(theta).__name__}")
+    o.z, o.q0 = _check_measure(x0, theta, lagrangian, weights=o.weights, grid=o.grid, grid_weights=o.grid_weights,
+                               bandwidth=o.bandwidth)
+    if o.tol is None:
+        dtype = (x0 if lagrangian else o.q0).dtype
+        o.tol = (1e-6 if o.transport == "sinkhorn" and lagrangian else 1e-9) if dtype == torch.float64 else 1e-4
     else:
-        if weights is not None:
-            raise ValueError("weights= are token weights of the Lagrangian scheme; for the Eulerian scheme give "
-                             "grid_weights= (or tokens x0, deposited with to_grid)")
-        z = _resolve_grid(grid, d, h_ref.dtype, h_ref.device)
-        check_same(z, h_ref._ref, "grid", "theta's heads")
-        if grid_weights is None:
-            if x0 is None:
-                raise ValueError("the Eulerian scheme needs grid_weights= (..., m) or tokens x0 to deposit on the grid")
-            _check_x0(x0, h_ref)
-            q0 = to_grid(x0, z, bandwidth=bandwidth)
-        else:
-            if x0 is not None:
-                raise ValueError("give either tokens x0 or grid_weights for the Eulerian scheme, not both")
-            check_token_weights(grid_weights, z, "grid_weights", "grid")
-            q0 = grid_weights
-        ref = q0
-    if tol is None:
-        tol = (1e-6 if transport == "sinkhorn" and scheme == "lagrangian" else 1e-9) if ref.dtype == torch.float64 else 1e-4
-    else:
-        tol = check_positive(tol, "tol")
-    if path_dt is not None:
-        check_positive(path_dt, "path_dt")
-    t_end = t0 + steps * tau
-    heads_at, path = _theta_source(theta, t0=t0, t_end=t_end, tau=tau, paths=paths, seed=seed, generator=generator,
-                                   path_dt=path_dt)
-    return (tau, steps, transport, sign, sgn, unit, cost, eps, t0, max_iter, max_plan_updates, record_every,
-            sinkhorn_scaling, paths, z, q0, tol, heads_at, path)
+        o.tol = check_positive(o.tol, "tol")
+    if o.path_dt is not None:
+        o.path_dt = check_positive(o.path_dt, "path_dt")
+    o.heads_at, o.path = _theta_source(theta, t0=o.t0, t_end=o.t0 + o.steps * o.tau, tau=o.tau, paths=o.paths,
+                                       seed=o.seed, generator=o.generator, path_dt=o.path_dt)
+    return o
 
 
 def jko(
@@ -884,7 +798,7 @@ def jko(
         scalars "steps", "wall_time", "max_defect", "max_residual", "mean_iterations",
         "nonconverged_steps", "order" = 1, "energy_log_scale" = c (energies, 𝒢², 𝒟, ledger and "prox" are
         reported times e^{−c}); ``path`` the sampled WeightPath (noisy processes);
-        ``extras`` {"scheme", "transport", "tau", "grid"}.  Outputs carry no gradient.
+        ``extras`` {"scheme", "transport", "tau", "mobility", "cost", "eps", "grid"}.  Outputs carry no gradient.
 
     Raises:
         TypeError / ValueError for bad input (before any work), NonFiniteError when a step
@@ -898,162 +812,178 @@ def jko(
         >>> traj.x.shape, bool((traj.stats["defect"] <= 1e-12).all())
         (torch.Size([4, 12, 3]), True)
     """
-    (tau, steps, transport, sign, sgn, unit, cost, eps, t0, max_iter, max_plan_updates, record_every,
-     sinkhorn_scaling, paths, z, q0, tol, heads_at, path) = _check_jko_args(
+    o = _check_jko_args(
         x0, theta, tau=tau, steps=steps, t0=t0, transport=transport, scheme=scheme, direction=direction,
         mobility=mobility, cost=cost, eps=eps, weights=weights, grid=grid, grid_weights=grid_weights,
         bandwidth=bandwidth, paths=paths, seed=seed, generator=generator, path_dt=path_dt, tol=tol, max_iter=max_iter,
         max_plan_updates=max_plan_updates, sinkhorn_scaling=sinkhorn_scaling, strict=strict,
-        record_every=record_every)
-
+        record_every=record_every, diagnostics=diagnostics)
     start = time.perf_counter()
-    run = _JKORun(x0, weights, z, q0, heads_at=heads_at, path=path, paths=paths, t0=t0, tau=tau, steps=steps,
-                  scheme=scheme, transport=transport, cost=cost, unit=unit, sign=sign, sgn=sgn, eps=eps, tol=tol,
-                  max_iter=max_iter, max_plan_updates=max_plan_updates, sinkhorn_scaling=sinkhorn_scaling,
-                  strict=strict, record_every=record_every, diagnostics=diagnostics)
-    run.start()
-    with progress_bar(progress, steps, f"jko ({scheme}, {transport})") as bar, threads.scope(run.work) as pool:
-        for k in range(steps):
+    run = _JKORun(x0, o)
+    with progress_bar(progress, o.steps, f"jko ({scheme}, {o.transport})") as bar, threads.scope(run.work) as pool:
+        for k in range(o.steps):
             t_new, new_state = run.step(k)
             if callback is not None:
                 callback(k + 1, t_new, new_state)
             bar.update(1)
             pool.refresh()
     run.warn_nonconverged()
-    times, xs, series, ledger_out, st = _jko_records(run.rec, run.S, run.batch, t0, tau, diagnostics)
-    stats = {**st, "steps": steps, "wall_time": time.perf_counter() - start, "max_defect": float(st["defect"].max()),
-             "max_residual": float(st["residual"].max()), "mean_iterations": float(st["iterations"].double().mean()),
-             "nonconverged_steps": len(run.bad_steps), "energy_log_scale": run.dg.scale["c"], "order": 1}
-    extras = {"scheme": scheme, "transport": transport, "tau": tau, "mobility": mobility, "cost": cost,
-              "eps": eps if transport == "sinkhorn" else None, "grid": z if scheme == "eulerian" else None}
-    return Trajectory(times, xs, series["energy"], series["slope"], series["dissipation"], ledger_out, stats,
-                      f"jko-{scheme}-{transport}", run.norm, direction, run.token_weights(weights), path, extras)
+    return run.trajectory(start)
 
 
 class _JKORun:
     """One JKO solve: the batch layout (flattened to B), the proximal steps (Lagrangian or Eulerian),
-    the ledger (:class:`~.parts.Ledger` with the extra ``jko_defect`` term) and the recorder."""
+    the diagnostics in the scheme's metric, the ledger (:class:`~.parts.Ledger` with the extra
+    ``jko_defect`` term) and the recorder.
 
-    def __init__(self, x0, weights, z, q0, *, heads_at, path, paths, t0, tau, steps, scheme, transport, cost, unit,
-                 sign, sgn, eps, tol, max_iter, max_plan_updates, sinkhorn_scaling, strict, record_every, diagnostics):
-        self.heads_at, self.t0, self.tau, self.steps, self.scheme, self.z = heads_at, t0, tau, steps, scheme, z
-        self.sign, self.sgn, self.unit, self.strict, self.max_iter = sign, sgn, unit, strict, max_iter
-        self.sinkhorn = transport == "sinkhorn" and scheme == "lagrangian"
-        self.norm = "unnormalized" if unit else "effective"
-        self.prox_kw = dict(tau=tau, sgn=sgn, eps=eps, tol=tol, max_iter=max_iter)
-        self.lag_kw = dict(transport=transport, symmetric=cost == "symmetric", unit=unit, scaling=sinkhorn_scaling,
-                           max_plan_updates=max_plan_updates)
-        self.dg = _JKODiagnostics(norm=self.norm, sign=sign, unit=unit, diagnostics=diagnostics)
-        self.rec = Recorder(steps, record_every, diagnostics=True, ledger_keys=LEDGER_KEYS)
+    The state is the tokens (B, n, d) (Lagrangian) or the grid weights (B, m) (Eulerian); :meth:`measure`
+    gives the points and weights of the measure it stands for.  Energies, 𝒢², 𝒟 and the ledger are
+    reported times e^{−c}, c = ``self.c`` the common scale chosen at t0."""
+
+    def __init__(self, x0, o: SimpleNamespace):
+        self.o, self.lagrangian, self.c = o, o.scheme == "lagrangian", 0.0
+        self.norm = "unnormalized" if o.unit else "effective"
+        self.prox_kw = dict(tau=o.tau, sgn=o.sgn, eps=o.eps, tol=o.tol, max_iter=o.max_iter)
+        self.lag_kw = dict(transport=o.transport, symmetric=o.cost == "symmetric", unit=o.unit,
+                           scaling=o.sinkhorn_scaling, max_plan_updates=o.max_plan_updates)
+        self.rec = Recorder(o.steps, o.record_every, diagnostics=True, ledger_keys=LEDGER_KEYS)
         self.rec.records.update({"w": [], "ledger.jko_defect": []})
-        self.S: Dict[str, List[torch.Tensor]] = {k: [] for k in ("residual", "iterations", "converged", "defect",
-                                                                 "prox", "plan_updates")}
-        self.bad_steps: List[int] = []
-        self.bad_residuals: List[float] = []
-        self._layout(x0, weights, q0, path, paths)
+        self.S = {k: [] for k in ("residual", "iterations", "converged", "defect", "prox", "plan_updates")}
+        self.bad_steps, self.bad_residuals = [], []
+        self._layout(x0)
+        self._start()
 
-    def _layout(self, x0, weights, q0, path, paths):
+    def _layout(self, x0):
         """The batch shape of measure and heads, flattened to one axis of size B."""
-        hb = tuple(self.heads_at(self.t0).batch_shape)
-        if self.scheme == "lagrangian":
-            xb = tuple(x0.shape[:-2])
-            if weights is not None:
-                xb = tuple(torch.broadcast_shapes(xb, weights.shape[:-1]))
-        else:
-            xb = tuple(q0.shape[:-1])
-        if paths is not None and path is None:
-            xb = (paths, *xb)
+        o, weights = self.o, self.o.weights
+        hb = tuple(o.heads_at(o.t0).batch_shape)
+        state = (x0 if self.lagrangian else o.q0).detach()
+        event = tuple(state.shape[-2:] if self.lagrangian else state.shape[-1:])  # (n, d) or (m,)
+        xb = tuple(state.shape[:state.dim() - len(event)])
+        if self.lagrangian and weights is not None:
+            xb = tuple(torch.broadcast_shapes(xb, weights.shape[:-1]))
+        if o.paths is not None and o.path is None:
+            xb, state = (o.paths, *xb), state.unsqueeze(0).expand(o.paths, *state.shape)
         try:
             batch = tuple(torch.broadcast_shapes(xb, hb))
         except RuntimeError:
             raise ValueError(f"the batch shape of the initial measure {xb} does not broadcast against the heads' "
                              f"batch shape {hb}") from None
-        B = math.prod(batch)
-        self.batch, self.B = batch, B
-        n = self.n = x0.shape[-2] if self.scheme == "lagrangian" else self.z.shape[0]
-        ref = x0 if self.scheme == "lagrangian" else q0
-        self.f = dict(dtype=ref.dtype, device=ref.device)
-        self.warm = None
-        if self.scheme == "lagrangian":
-            x = x0.detach()
-            if paths is not None and path is None:
-                x = x.unsqueeze(0).expand(paths, *x.shape)
-            self.x = self.pts = x.expand(*batch, *x0.shape[-2:]).reshape(B, *x0.shape[-2:])
+        B, n = math.prod(batch), event[0]
+        self.batch, self.B, self.n, self.warm = batch, B, n, None
+        self.f = dict(dtype=state.dtype, device=state.device)
+        self.state = state.expand(*batch, *event).reshape(B, *event)
+        if self.lagrangian:
             self.w = None if weights is None else weights.detach().expand(*batch, n).reshape(B, n)
             self.wt = torch.full((B, n), 1.0 / n, **self.f) if self.w is None else self.w
         else:
-            q = q0.detach()
-            if paths is not None and path is None:
-                q = q.unsqueeze(0).expand(paths, *q.shape)
-            self.q = self.w = q.expand(*batch, n).reshape(B, n)
-            self.pts = self.z.expand(B, *self.z.shape)
+            self.pts = o.z.expand(B, *o.z.shape)
+
+    def measure(self, state):
+        """(points, weights) of the measure: the tokens and token weights, or the grid and the state."""
+        return (state, self.w) if self.lagrangian else (self.pts, state)
 
     def flat(self, t) -> Heads:
-        return _flatten_heads(self.heads_at(t), self.batch, self.B)
+        return _flatten_heads(self.o.heads_at(t), self.batch, self.B)
 
-    def start(self):
+    # ------------------------------------------------------------------ diagnostics in the scheme's metric
+    def evaluate(self, points, wts, heads) -> FieldEval:
+        """The field, energy, 𝒢² and 𝒟 of the measure (points, wts), times e^{−c}."""
+        c, norm, sign = self.c, self.norm, self.o.sign
+        if c == 0.0:  # ordinary runs: evaluate's own diagnostics, bit for bit
+            return evaluate(points, heads, wts, normalization=norm, sign=sign, diagnostics=True)
+        fe = evaluate(points, heads, wts, normalization=norm, sign=sign, diagnostics=False)
+        E, _, _, g = scaled_diagnostics(points, heads, wts, fe.velocity, fe.stats, log_scale=c)
+        # the scheme's field is the gradient flow V = s g / b (b ≡ 1 for "unit"): 𝒢² = Σ w b|V|² = Σ w |g|²/b
+        # and 𝒟 = Σ w ⟨g, V⟩ = s 𝒢², formed from g b^{-1/2} (no |V|² ~ e^{2β‖A‖} in between)
+        G = self.metric_slope(g, fe.stats.log_partition, heads, wts)
+        return FieldEval(fe.velocity, fe.stats, fe.outputs, g, E, G, sign * G)
+
+    def metric_slope(self, g, log_partition, heads, wts):
+        """|∂E|² e^{−c} in the scheme's metric: Σ w |∇δE|²/b (effective) or Σ w |∇δE|² (unit); g = ∇_S δE/δμ e^{−c}."""
+        # |g|²/b · e^{−c} = |g e^{−c} · (e^{c}/b)^{1/2}|², scaled before squaring (finite whenever the result is)
+        lbinv = torch.zeros_like(g[..., 0]) if self.o.unit else log_inverse_mobility(heads, log_partition)
+        g = g * torch.exp(0.5 * (lbinv + self.c)).unsqueeze(-1)
+        return token_mean(g.square().sum(-1), wts)
+
+    def check(self, ev, t, k, heads):
+        """NonFiniteError unless the energy (and, with diagnostics, 𝒢² and 𝒟) are finite."""
+        if not bool(torch.isfinite(ev.energy).all()):
+            raise nonfinite_error("the energy", t, k, heads)
+        if self.o.diagnostics:
+            for name, v in (("the metric slope 𝒢²", ev.slope), ("the dissipation 𝒟", ev.dissipation)):
+                if not bool(torch.isfinite(v).all()):
+                    err = nonfinite_error(name, t, k, heads, self.norm)
+                    raise NonFiniteError(f"{err} (the JKO step itself does not need it: diagnostics=False)")
+
+    # ------------------------------------------------------------------ steps
+    def _start(self):
         """Θ at t0, the common scale, the first evaluation and record."""
-        self.heads_cur = self.flat(self.t0)
+        t0, (pts, w) = self.o.t0, self.measure(self.state)
+        self.heads_cur = self.flat(t0)
         with torch.no_grad():
-            self.dg.scale["c"] = choose_log_scale(softmax_statistics(self.pts, self.heads_cur, self.w).log_partition)
-        ev = self.dg(self.pts, self.w, self.heads_cur)
-        self.dg.check(ev, self.t0, 0, self.heads_cur)
-        self.log_c = torch.full((self.B,), self.dg.scale["c"], **self.f)
+            self.c = choose_log_scale(softmax_statistics(pts, self.heads_cur, w).log_partition)
+        ev = self.evaluate(pts, w, self.heads_cur)
+        self.check(ev, t0, 0, self.heads_cur)
+        self.log_c = torch.full((self.B,), self.c, **self.f)
         self.work = float(self.B) * self.heads_cur.num_heads * self.n * self.n
-        self.E_prev = ev.energy
-        self.lb = _log_mobility(ev.stats.log_partition, self.heads_cur, self.unit)
-        self.ledger = Ledger(ev.energy, sign=self.sign)
+        self.ledger = Ledger(ev.energy, sign=self.o.sign)
         self.ledger.acc["jko_defect"] = self.ledger.acc["partial"]
-        self._record(self.x if self.scheme == "lagrangian" else self.q, ev)
+        self._accept(self.state, ev, record=True)
 
-    def _record(self, state, ev):
-        self.rec.record(state if self.scheme == "lagrangian" else self.pts, ev.energy, ev.slope, ev.dissipation,
-                        {**self.ledger.terms(ev.energy), "jko_defect": self.ledger.acc["jko_defect"]})
-        self.rec.records["w"].append(state)
+    def _accept(self, state, ev, record: bool):
+        """Move to the new state, evaluated in ``ev``: the mobility and energy of the next step, the record."""
+        self.state, self.E_prev = state, ev.energy
+        lse = ev.stats.log_partition  # log b ("unit": 0)
+        self.lb = torch.zeros_like(lse[..., 0, :]) if self.o.unit else -log_inverse_mobility(self.heads_cur, lse)
+        if record:
+            self.rec.record(self.measure(state)[0], ev.energy, ev.slope, ev.dissipation,
+                            {**self.ledger.terms(ev.energy), "jko_defect": self.ledger.acc["jko_defect"]})
+            self.rec.records["w"].append(state)
 
     def _proximal(self, heads_new, t_new, k):
-        """The JKO step's minimiser: (new state, its points, its weights, the inner solve's info)."""
-        c = self.dg.scale["c"]
-        if self.scheme == "lagrangian":
-            y, info = _lagrangian_step(self.x, self.w, self.wt, self.heads_cur, heads_new, self.lb, **self.prox_kw,
-                                       **self.lag_kw, out_log_scale=c)
-            if y is None:
+        """The JKO step's minimiser (the new state) and the inner solve's info."""
+        if self.lagrangian:
+            new, info = _lagrangian_step(self.state, self.w, self.wt, self.heads_cur, heads_new, self.lb,
+                                         **self.prox_kw, **self.lag_kw, out_log_scale=self.c)
+            if new is None:
                 raise nonfinite_error("the JKO objective", t_new, k + 1, heads_new)
-            new = (y, y, self.w, info)
         else:
             with torch.no_grad():
-                p, info, self.warm = _eulerian_step(self.z, self.q, self.heads_cur, heads_new, self.lb,
-                                                    **self.prox_kw, warm=self.warm)
-                if c != 0.0:
-                    info["prox"] = info["prox"] * math.exp(-c)
-            new = (p, self.pts, p, info)
+                new, info, self.warm = _eulerian_step(self.o.z, self.state, self.heads_cur, heads_new, self.lb,
+                                                      **self.prox_kw, warm=self.warm)
+                if self.c != 0.0:
+                    info["prox"] = info["prox"] * math.exp(-self.c)
         if not bool(torch.isfinite(info["residual"]).all()):  # the velocity error itself overflows the dtype
             raise nonfinite_error("the inner residual (velocity error |P(y − x)/τ − V|)", t_new, k + 1, heads_new,
                                   self.norm)
-        if not bool(torch.isfinite(new[0]).all()):
-            raise nonfinite_error("the token positions" if self.scheme == "lagrangian" else "the grid weights",
+        if not bool(torch.isfinite(new).all()):
+            raise nonfinite_error("the token positions" if self.lagrangian else "the grid weights",
                                   t_new, k + 1, heads_new)
-        return new
+        return new, info
 
     def step(self, k):
         """JKO step k → k + 1 with its ledger terms; returns (t_{k+1}, the new state)."""
-        tau, t_new = self.tau, self.t0 + (k + 1) * self.tau
+        o, tau = self.o, self.o.tau
+        t_new = o.t0 + (k + 1) * tau
         heads_new = self.flat(t_new)
+        pts, w = self.measure(self.state)
         with torch.no_grad():
-            E_cross = _energy(self.pts, heads_new, self.w, self.log_c)
+            E_cross = _energy(pts, heads_new, w, self.log_c)
         if not bool(torch.isfinite(E_cross).all()):
             raise nonfinite_error("the energy", t_new, k + 1, heads_new)
-        new_state, new_pts, new_w, info = self._proximal(heads_new, t_new, k)
+        new_state, info = self._proximal(heads_new, t_new, k)
+        new_pts, new_w = self.measure(new_state)
         with torch.no_grad():
             self.heads_cur = heads_new
-            ev = self.dg(new_pts, new_w, self.heads_cur)
-        self.dg.check(ev, t_new, k + 1, self.heads_cur)
+            ev = self.evaluate(new_pts, new_w, self.heads_cur)
+        self.check(ev, t_new, k + 1, self.heads_cur)
         prox = info["prox"]
-        defect = self.sgn * (ev.energy - E_cross) + prox / (2 * tau)
+        defect = o.sgn * (ev.energy - E_cross) + prox / (2 * tau)
         led = self.ledger
         led.add("partial", E_cross - self.E_prev)
         led.add("slope", prox / tau)
-        led.add("dissipation", self.sign * (prox / (2 * tau) + 0.5 * tau * self.dg.metric_slope(
+        led.add("dissipation", o.sign * (prox / (2 * tau) + 0.5 * tau * self.metric_slope(
             ev.grad_first_variation, ev.stats.log_partition, self.heads_cur, new_w)))
         led.add("jko_defect", defect)
         for key in ("partial", "slope", "dissipation", "jko_defect"):
@@ -1062,30 +992,49 @@ class _JKORun:
         for key in self.S:
             self.S[key].append(defect if key == "defect" else info[key])
         if not bool(info["converged"].all()):
-            self.bad_steps.append(k + 1)
-            self.bad_residuals.append(float(info["residual"][~info["converged"]].max()))
-            _not_converged(k, t_new, info, self.bad_residuals[-1], max_iter=self.max_iter, strict=self.strict,
-                           sinkhorn=self.sinkhorn)
-        if self.scheme == "lagrangian":
-            self.x = self.pts = new_state
-        else:
-            self.q = self.w = new_state
-        self.lb = _log_mobility(ev.stats.log_partition, self.heads_cur, self.unit)
-        self.E_prev = ev.energy
-        if self.rec.keeps(k + 1):
-            self._record(new_state, ev)
+            self._not_converged(k, t_new, info)
+        self._accept(new_state, ev, record=self.rec.keeps(k + 1))
         return t_new, new_state
+
+    def _not_converged(self, k, t_new, info):
+        """Note a step whose inner solve missed its tolerance (warned at the end); JKOConvergenceError if strict."""
+        self.bad_steps.append(k + 1)
+        self.bad_residuals.append(float(info["residual"][~info["converged"]].max()))
+        if not self.o.strict:
+            return
+        what = (f" (velocity error in L²(μ); {float(info['r0'].max()):.3e} at the start)" if "r0" in info
+                else " (‖T(p) − p‖₁)")
+        sinkhorn = self.lagrangian and self.o.transport == "sinkhorn"
+        raise JKOConvergenceError(
+            f"JKO step {k + 1} (t = {t_new:.6g}) did not converge in {self.o.max_iter} inner iterations: residual "
+            f"{self.bad_residuals[-1]:.3e}{what}; raise max_iter, loosen tol, or reduce tau"
+            + (" (with transport='sinkhorn': raise sinkhorn_scaling towards 1 or lower eps)" if sinkhorn else ""))
 
     def warn_nonconverged(self):
         if self.bad_steps:
             b, r = self.bad_steps, self.bad_residuals
-            warnings.warn(f"{len(b)} of {self.steps} JKO steps did not reach the inner tolerance (first: step "
-                          f"{b[0]}, t = {self.t0 + b[0] * self.tau:.6g}, residual {r[0]:.3e}; largest "
+            warnings.warn(f"{len(b)} of {self.o.steps} JKO steps did not reach the inner tolerance (first: step "
+                          f"{b[0]}, t = {self.o.t0 + b[0] * self.o.tau:.6g}, residual {r[0]:.3e}; largest "
                           f"residual {max(r):.3e}); see traj.stats['residual'] — raise max_iter, loosen tol, "
                           f"or reduce tau (strict=True raises instead)", RuntimeWarning, stacklevel=3)
 
-    def token_weights(self, weights):
-        """The Trajectory's weights: the token weights (Lagrangian) or the grid weights per record (Eulerian)."""
-        if self.scheme == "lagrangian":
-            return None if weights is None else self.wt.reshape(*self.batch, self.n)
-        return torch.stack([v.reshape(*self.batch, self.n) for v in self.rec.records["w"]])
+    def trajectory(self, start: float) -> Trajectory:
+        """The records and per-step statistics, from the flat batch axis to the batch shape."""
+        o, batch, T = self.o, self.batch, len(self.rec.steps)
+        times, xs, series, ledger, _ = self.rec.stacked(o.t0, o.tau)
+        xs = xs.reshape(T, *batch, *xs.shape[2:])
+        ledger = {key: v.reshape(T, *batch) for key, v in ledger.items()}
+        series = {key: v.reshape(T, *batch) if o.diagnostics else None for key, v in series.items()}
+        st = {key: torch.stack([v.reshape(batch) for v in vals]) for key, vals in self.S.items()}
+        stats = {**st, "steps": o.steps, "wall_time": time.perf_counter() - start,
+                 "max_defect": float(st["defect"].max()), "max_residual": float(st["residual"].max()),
+                 "mean_iterations": float(st["iterations"].double().mean()), "nonconverged_steps": len(self.bad_steps),
+                 "energy_log_scale": self.c, "order": 1}
+        extras = {"scheme": o.scheme, "transport": o.transport, "tau": o.tau, "mobility": o.mobility, "cost": o.cost,
+                  "eps": o.eps if o.transport == "sinkhorn" else None, "grid": None if self.lagrangian else o.z}
+        if self.lagrangian:  # the token weights; Eulerian: the grid weights of every record
+            weights = None if self.w is None else self.wt.reshape(*batch, self.n)
+        else:
+            weights = torch.stack([v.reshape(*batch, self.n) for v in self.rec.records["w"]])
+        return Trajectory(times, xs, series["energy"], series["slope"], series["dissipation"], ledger, stats,
+                          f"jko-{o.scheme}-{o.transport}", self.norm, o.direction, weights, o.path, extras)

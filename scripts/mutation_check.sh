@@ -7,6 +7,7 @@
 #   TESTS="tests/test_oracles.py tests/test_field.py" scripts/mutation_check.sh mobility   # narrower tests
 #   SAMPLE=0.3 SEED=0 scripts/mutation_check.sh attention  # a seeded random 30 % of the module's mutants
 #   SAMPLE=0.25 FULL="energy mobility" scripts/mutation_check.sh energy mobility field  # all of energy, mobility
+#   REF=HEAD scripts/mutation_check.sh energy               # the committed tree, not the working copy
 #   python scripts/mutation_summary.py "$WORKDIR"            # the score table and every survivor
 #
 # Works on a scratch copy of the tree (WORKDIR, default a fresh mktemp dir) so the checkout is
@@ -30,7 +31,13 @@ python -c "import mutmut" 2>/dev/null || { echo "mutmut is not installed: pip in
 echo "scratch copy: $WORKDIR"
 mkdir -p "$WORKDIR"
 # the sources, tests, shipped configs and configuration only (no runs/, results/, caches)
-tar -C "$REPO" -cf - pyproject.toml transformer_pde tests experiments | tar -C "$WORKDIR" -xf -
+# (REF=<commit>: those files as committed there, so the run is reproducible and edits in progress
+# in the checkout cannot leak into it)
+if [ -n "${REF:-}" ]; then
+  git -C "$REPO" archive "$REF" pyproject.toml transformer_pde tests experiments | tar -C "$WORKDIR" -xf -
+else
+  tar -C "$REPO" -cf - pyproject.toml transformer_pde tests experiments | tar -C "$WORKDIR" -xf -
+fi
 cd "$WORKDIR"
 # mutate only the modules asked for (mutmut generates every configured module before it runs
 # any), and optionally a narrower test selection, e.g. TESTS="tests/test_oracles.py"

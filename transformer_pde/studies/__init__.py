@@ -1,19 +1,34 @@
 """Registry of experiment kinds ("studies") that ``transformer-pde run CONFIG`` can execute.
 
 A study is a function ``fn(params: dict, run: RunDir) -> dict`` registered with
-:func:`study`, together with the schema of its parameters.  Config files (TOML) name the
+:func:`study`, together with the schema of its parameters (every study takes the floating
+``dtype``, :data:`DTYPE`).  Config files (TOML) name the
 study in ``kind`` and give its parameters in ``[params]``; unknown keys or invalid values
 are refused with the key and the allowed values before anything runs.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import json
 import math
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Tuple
 
+import torch
+
+import transformer_pde as tp
+
+from .. import plotting
+
 __all__ = ["Option", "Study", "study", "get_study", "available", "validate_params", "SEED_MAX"]
+# what the study modules share (named internal API): option checks and options, run set-up, stored pieces, figures
+__internal__ = ["positive", "nonnegative", "at_least", "open_unit", "unique_nonempty", "DTYPE", "DEVICE",
+                "check_whole_steps", "check_device", "device_of", "weight_process", "step_callback", "cached",
+                "fingerprint", "load_segment", "segment_bar", "subplots", "save_captioned", "panel", "log_ticks",
+                "sphere_name"]
 
 SEED_MAX = 2**32 - 1
 
@@ -50,7 +65,6 @@ class Option:
                 raise ValueError(f"config key '{key}' = {value!r} is not a valid random seed; give an integer in "
                                  f"[0, {SEED_MAX}]")
         if self.choices is not None:
-            items = value if isinstance(value, list) else [value]
             bad = [v for v in items if v not in self.choices]
             if bad:
                 raise ValueError(
@@ -73,15 +87,23 @@ class Study:
 
 _REGISTRY: Dict[str, Study] = {}
 # modules that register studies; imported lazily so `import transformer_pde` stays light
-_MODULES = ["transformer_pde.studies.demo", "transformer_pde.studies.paper", "transformer_pde.studies.theory", "transformer_pde.studies.jko",
-            "transformer_pde.studies.clustering", "transformer_pde.studies.causal"]
+_MODULES = ["transformer_pde.studies.demo", "transformer_pde.studies.paper", "transformer_pde.studies.theory",
+            "transformer_pde.studies.jko", "transformer_pde.studies.clustering", "transformer_pde.studies.causal"]
 
 
-def study(kind: str, options: Dict[str, Option], description: str = ""):
-    """Decorator registering ``fn(params, run) -> metrics`` as the study ``kind``."""
+def study(kind: str, options: Dict[str, Option], description: str = "", *, validate: Optional[Callable] = None):
+    """Decorator registering ``fn(params, run) -> metrics`` as the study ``kind``.
+
+    ``options`` gets the option ``dtype`` (:data:`DTYPE`) at its end unless it places it itself.
+    ``validate(params)``, when given, checks across keys (raises ValueError); it becomes ``fn.validate``, which
+    ``runs.load_config`` runs before anything is written.
+    """
 
     def deco(fn):
-        _REGISTRY[kind] = Study(kind, fn, dict(options), description or (fn.__doc__ or "").strip().split("\n")[0])
+        if validate is not None:
+            fn.validate = validate
+        _REGISTRY[kind] = Study(kind, fn, {**options, "dtype": options.get("dtype", DTYPE)},
+                                description or (fn.__doc__ or "").strip().split("\n")[0])
         return fn
 
     return deco
@@ -118,6 +140,7 @@ def validate_params(kind: str, params: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
+# ---------------------------------------------------------------------------- option checks and options
 def positive(v):
     vals = v if isinstance(v, list) else [v]
     return None if all(x > 0 for x in vals) else "must be > 0"
@@ -126,3 +149,164 @@ def positive(v):
 def nonnegative(v):
     vals = v if isinstance(v, list) else [v]
     return None if all(x >= 0 for x in vals) else "must be >= 0"
+
+
+def at_least(k):
+    return lambda v: None if v >= k else f"must be >= {k}"
+
+
+def open_unit(v):
+    return None if 0 < v < 1 else "must lie strictly between 0 and 1"
+
+
+def unique_nonempty(v):
+    if len(v) == 0:
+        return "must not be empty"
+    if len(set(v)) != len(v):
+        return "must not repeat a value"
+    return None
+
+
+DTYPE = Option("float64", (str,), "floating dtype", choices=("float32", "float64"))
+DEVICE = Option("auto", (str,), "'auto' = cuda when available, else cpu", choices=("auto", "cpu", "cuda"))
+
+
+# ---------------------------------------------------------------------------- run set-up
+def check_whole_steps(p: Dict) -> None:
+    """Refuse a final time ``t1`` that is not a whole number of steps ``dt`` (ValueError)."""
+    K = round(p["t1"] / p["dt"])
+    if K < 1 or abs(K * p["dt"] - p["t1"]) > 1e-9 * max(1.0, p["t1"]):
+        raise ValueError(
+            f"config keys 't1' = {p['t1']} and 'dt' = {p['dt']}: t1/dt = {p['t1'] / p['dt']:.6g} is not a whole "
+            f"number of steps; choose dt = {p['t1'] / max(K, 1):.6g} or another dt that divides t1")
+
+
+def check_device(p: Dict) -> None:
+    """Refuse ``device = "cuda"`` where CUDA is not available (ValueError)."""
+    if p["device"] == "cuda" and not torch.cuda.is_available():
+        raise ValueError("config key 'device' = 'cuda' but CUDA is not available here; allowed values: 'auto', 'cpu'")
+
+
+def device_of(p: Dict) -> torch.device:
+    """The torch device of ``p["device"]``: "auto" is cuda when available, else cpu."""
+    if p["device"] == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(p["device"])
+
+
+def weight_process(regime: str, heads0, *, rate: float = 1.0, sigma: float = 2 ** 0.5, phase: str = "shared",
+                   scheme: str = "exact"):
+    """Θ_t of a study: "ou" (dA = κ(I − A)dt + σ dW_sym, κ = ``rate``), "oscillating" (dA = (F(t) − A)dt,
+    ``phase`` shared | per_head, no noise) or, for any other regime, the constant heads ``heads0``."""
+    if regime == "ou":
+        return tp.OrnsteinUhlenbeck(heads0, rate=rate, sigma=sigma, scheme=scheme)
+    if regime == "oscillating":
+        return tp.Oscillating(heads0, phase=phase, scheme=scheme)
+    return tp.Constant(heads0)
+
+
+def step_callback(run, tag: str):
+    """The solver callback ``(k, t, ...)`` that reports step k at time t of the piece ``tag`` to
+    ``run.step_callback(tag, k, t)``; None when the run directory has no step callback."""
+    report = getattr(run, "step_callback", None)
+    return None if report is None else (lambda k, t, *_: report(tag, k, t))
+
+
+# ---------------------------------------------------------------------------- stored pieces
+def cached(run, tag: str, compute: Callable[[], Any], log, *, timed: bool = False) -> Any:
+    """compute() once per run directory (``data/<tag>.pt``), reused on --resume; progress on the logger ``log``;
+    ``timed``: the result (a dict) also holds its wall time in seconds under "wall"."""
+    got = run.load_tensors(tag) if run.resume else None
+    if got is not None:
+        log.info("[%s] already complete, reused from data/", tag)
+        return got
+    log.info("[%s] running", tag)
+    t0 = time.perf_counter()
+    out = compute()
+    if timed:
+        out["wall"] = time.perf_counter() - t0
+    log.info("[%s] done in %.1f s", tag, time.perf_counter() - t0)
+    run.save_tensors(tag, out)
+    return out
+
+
+def fingerprint(p: Dict, ignore, **ident) -> str:
+    """Short hash of ``ident`` and every parameter not in ``ignore`` (the keys that do not change a segment)."""
+    blob = json.dumps({**ident, **{k: v for k, v in p.items() if k not in ignore}}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def load_segment(run, tag: str, kind: str, fp: str) -> Optional[Dict]:
+    """The finished segment ``data/<tag>.pt`` of a ``kind`` run, None when there is none; ValueError when the file
+    is not such a segment or was made with another configuration (fingerprint ``fp``)."""
+    seg = run.load_tensors(tag)
+    if seg is None:
+        return None
+    if not isinstance(seg, dict) or seg.get("kind") != f"transformer_pde.{kind}.segment":
+        raise ValueError(f"{run.data_path(tag)} is not a segment of {'an' if kind[0] in 'aeiou' else 'a'} {kind} "
+                         "run; delete it to recompute")
+    if seg.get("fingerprint") != fp:
+        raise ValueError(f"{run.data_path(tag)} belongs to a different configuration (fingerprint "
+                         f"{seg.get('fingerprint')} != {fp}); delete it or start a new run with --name")
+    return seg
+
+
+def segment_bar(run, total: int, desc: str, unit: str):
+    """A tqdm bar over a study's segments, shown only on a terminal (never escape codes in a log file) and only when
+    the run allows progress bars; use it as a context manager."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, disable=None if run.progress else True)
+
+
+# ---------------------------------------------------------------------------- figures
+def subplots(rows: int, cols: int, figsize, title: Optional[str] = None, **kw):
+    """A matplotlib Figure with an Agg canvas (no pyplot state), its title when given, and its grid of axes
+    (``Figure.subplots(rows, cols, **kw)``); returns (figure, axes)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=figsize)
+    FigureCanvasAgg(fig)
+    if title is not None:
+        fig.suptitle(title)
+    return fig, fig.subplots(rows, cols, **kw)
+
+
+def save_captioned(run, fig, name: str, caption: str, metrics: Dict, *, tidy: bool = False) -> None:
+    """Write ``caption`` under the figure, record it in ``metrics["figure_captions"][name]`` and save
+    figures/<name>.png and .pdf; ``tidy``: first move the legends under their axes and lay the figure out
+    (``plotting.finish_figure``)."""
+    (plotting.finish_figure if tidy else plotting.add_caption)(fig, caption)
+    metrics.setdefault("figure_captions", {})[name] = caption
+    run.save_figure(fig, name)
+
+
+def panel(ax, xlabel=None, ylabel=None, title=None, *, legend=None, title_size=None) -> None:
+    """Label one panel: the axis labels and the title that are given, and a legend (``legend``: True or the
+    keyword arguments of ``ax.legend``)."""
+    if xlabel is not None:
+        ax.set_xlabel(xlabel)
+    if ylabel is not None:
+        ax.set_ylabel(ylabel)
+    if title is not None:
+        ax.set_title(title, **({} if title_size is None else {"fontsize": title_size}))
+    if legend:
+        ax.legend(**({} if legend is True else legend))
+
+
+def log_ticks(ax, values) -> None:
+    """Tick a log x axis at the data values only (plain numbers): no crowded minor labels."""
+    from matplotlib.ticker import FixedFormatter, FixedLocator, NullFormatter, NullLocator
+
+    a = ax.xaxis
+    vals = sorted(set(float(v) for v in values))
+    a.set_major_locator(FixedLocator(vals))
+    a.set_major_formatter(FixedFormatter([f"{v:g}" for v in vals]))
+    a.set_minor_locator(NullLocator())
+    a.set_minor_formatter(NullFormatter())
+
+
+def sphere_name(d: int) -> str:
+    """S¹, S² or S^{d-1}."""
+    return {2: "S¹", 3: "S²"}.get(d, f"S^{d - 1}")

@@ -5,10 +5,11 @@ For every regime (OU heads, oscillating heads) the unmasked and the causal flow 
 same tokens and are driven by the SAME weight path (same seed: a paired comparison).  Over time
 it records, per path, the cluster statistics of :mod:`transformer_pde.clustering` at a chordal
 radius r (single-linkage cluster count, fraction of ε-close token pairs with ε = r²/2,
-largest-cluster mass, mean overlap Σ_{i≠j} w_i w_j ⟨x_i, x_j⟩ / Σ_{i≠j} w_i w_j) and, per token, its merge time τ_i: the first recorded time at which
-token i is linked (⟨x_i, x_j⟩ > 1 − ε) to another token.  "Which tokens cluster first" is the
-Spearman correlation ρ(i, τ_i) between the token's position i in the stored order and τ_i
-(ρ > 0: early tokens merge first), and the mean τ over the first and the last quarter of tokens.
+largest-cluster mass, mean overlap Σ_{i≠j} w_i w_j ⟨x_i, x_j⟩ / Σ_{i≠j} w_i w_j) and, per token, its
+merge time τ_i: the first recorded time at which token i is linked (⟨x_i, x_j⟩ > 1 − ε) to another
+token.  "Which tokens cluster first" is the Spearman correlation ρ(i, τ_i) between the token's
+position i in the stored order and τ_i (ρ > 0: early tokens merge first), and the mean τ over the
+first and the last quarter of tokens.
 Tokens that never merge get τ = t1 (right-censored) in ρ and the quarter means.
 
 Expected picture (Karagodin, Polyanskiy, Rigollet 2024, "Clustering in causal attention
@@ -24,15 +25,18 @@ import math
 
 import torch
 
-from . import Option, nonnegative, positive, study
+import transformer_pde as tp
+
+from . import Option, at_least, cached, nonnegative, panel, positive, step_callback, study, subplots, weight_process
 
 log = logging.getLogger(__name__)
 
 REGIMES = ("ou", "oscillating")
+_STATS = ("pair_fraction", "clusters", "largest_mass", "mean_overlap")  # recorded per (time, path)
 
 OPTIONS = {
     "n": Option(32, (int,), "number of tokens", check=positive),
-    "d": Option(3, (int,), "dimension (tokens on S^{d-1})", check=lambda v: None if v >= 2 else "must be >= 2"),
+    "d": Option(3, (int,), "dimension (tokens on S^{d-1})", check=at_least(2)),
     "heads": Option(4, (int,), "number of heads H (symmetric D_h(0) = Z + Zᵀ, ω = 1/H, as the paper)",
                     check=positive),
     "beta": Option(1.0, (float,), "inverse temperature β", check=positive),
@@ -50,7 +54,6 @@ OPTIONS = {
                      check=positive),
     "record_every": Option(5, (int,), "record every k-th step", check=positive),
     "figures": Option(True, (bool,), "write the figures (off for large sweeps)"),
-    "dtype": Option("float64", (str,), "floating dtype", choices=("float32", "float64")),
 }
 
 
@@ -62,11 +65,13 @@ def _validate(p):
         raise ValueError("config key 'regimes' must list at least one of 'ou', 'oscillating'")
 
 
+def _tag(regime: str, causal: bool) -> str:
+    return f"{regime}_{'causal' if causal else 'full'}"
+
+
 def _merge_times(times: torch.Tensor, x: torch.Tensor, radius: float) -> torch.Tensor:
     """τ_i: first recorded time token i is linked to another token, (paths, n); t_end when never."""
-    from .. import clustering
-
-    adj = clustering.linked(x, radius=radius)  # (T, paths, n, n) bool
+    adj = tp.clustering.linked(x, radius=radius)  # (T, paths, n, n) bool
     n = x.shape[-2]
     adj = adj & ~torch.eye(n, dtype=torch.bool, device=x.device)
     merged = adj.any(-1)  # (T, paths, n)
@@ -96,45 +101,26 @@ def _spearman(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _piece(p, regime, causal, x0, heads0, run):
     """Simulate one (regime, mask) flow and reduce it to the recorded statistics (cached on resume)."""
-    import transformer_pde as tp
-    from .. import clustering
+    tag = _tag(regime, causal)
 
-    tag = f"{regime}_{'causal' if causal else 'full'}"
-    saved = run.load_tensors(tag) if run.resume else None
-    if saved is not None:
-        log.info("causal study: %s already done, loaded", tag)
-        return saved
-    if regime == "ou":
-        proc = tp.OrnsteinUhlenbeck(heads0, rate=p["ou_rate"], sigma=math.sqrt(p["ou_sigma2"]))
-    else:
-        proc = tp.Oscillating(heads0, phase=p["phase"])
-    step_cb = None
-    if run.step_callback is not None:
-        def step_cb(k, t, *_):  # noqa: E306
-            run.step_callback(tag, k, t)
-    traj = tp.simulate(x0, proc, t1=p["t1"], dt=p["dt"], paths=p["paths"], seed=p["seed"],
-                       direction=p["direction"], causal=causal, diagnostics=False,
-                       record_every=p["record_every"], progress=run.progress, callback=step_cb)
-    st = clustering.cluster_statistics(traj.x, radius=p["radius"], gram_rank=False)  # (T, paths) each
-    out = {
-        "t": traj.times.to(torch.float64),
-        "pair_fraction": st["pair_fraction"].double(),
-        "clusters": st["clusters"].double(),
-        "largest_mass": st["largest_mass"].double(),
-        "mean_overlap": st["mean_overlap"].double(),
-        "merge_time": _merge_times(traj.times, traj.x, p["radius"]).double(),  # (paths, n)
-        "x_final": traj.x[-1].double(),
-    }
-    run.save_tensors(tag, out)
-    log.info("causal study: %s done, final pair fraction %.3f", tag, float(out["pair_fraction"][-1].mean()))
-    return out
+    def compute():
+        proc = weight_process(regime, heads0, rate=p["ou_rate"], sigma=math.sqrt(p["ou_sigma2"]), phase=p["phase"])
+        traj = tp.simulate(x0, proc, t1=p["t1"], dt=p["dt"], paths=p["paths"], seed=p["seed"],
+                           direction=p["direction"], causal=causal, diagnostics=False,
+                           record_every=p["record_every"], progress=run.progress, callback=step_callback(run, tag))
+        st = tp.clustering.cluster_statistics(traj.x, radius=p["radius"], gram_rank=False)  # (T, paths) each
+        out = {"t": traj.times.to(torch.float64), **{k: st[k].double() for k in _STATS},
+               "merge_time": _merge_times(traj.times, traj.x, p["radius"]).double(),  # (paths, n)
+               "x_final": traj.x[-1].double()}
+        log.info("[%s] final pair fraction %.3f", tag, float(out["pair_fraction"][-1].mean()))
+        return out
+
+    return cached(run, tag, compute, log)
 
 
 def _summaries(res, t1):
     t = res["t"]
     pf_mean = res["pair_fraction"].mean(-1)
-    from .. import clustering
-
     tau = res["merge_time"]  # (paths, n)
     n = tau.shape[-1]
     q = max(1, n // 4)
@@ -146,7 +132,7 @@ def _summaries(res, t1):
         "clusters_final_median": float(res["clusters"][-1].median()),
         "largest_mass_final": float(res["largest_mass"][-1].mean()),
         "mean_overlap_final": float(res["mean_overlap"][-1].mean()),
-        "time_to_half_pairs": float(clustering.crossing_time(t, pf_mean, 0.5)),
+        "time_to_half_pairs": float(tp.clustering.crossing_time(t, pf_mean, 0.5)),
         "merge_spearman_index_vs_time": _spearman(idx, tau_mean),
         "merge_time_first_quarter": float(tau[:, :q].mean()),
         "merge_time_last_quarter": float(tau[:, -q:].mean()),
@@ -155,10 +141,9 @@ def _summaries(res, t1):
 
 
 @study("causal_clustering", OPTIONS,
-       "causal (decoder-mask) vs full attention: clustering over time under OU and oscillating heads")
+       "causal (decoder-mask) vs full attention: clustering over time under OU and oscillating heads",
+       validate=_validate)  # checks across keys, run by runs.load_config before anything is written
 def run_causal(params, run):
-    import transformer_pde as tp
-
     p = params
     _validate(p)
     dtype = getattr(torch, p["dtype"])
@@ -170,7 +155,7 @@ def run_causal(params, run):
     results, metrics, summary = {}, {}, []
     for regime in p["regimes"]:
         for causal in (False, True):
-            key = f"{regime}_{'causal' if causal else 'full'}"
+            key = _tag(regime, causal)
             res = _piece(p, regime, causal, x0, heads0, run)
             results[key] = res
             metrics[key] = _summaries(res, p["t1"])
@@ -193,19 +178,14 @@ def run_causal(params, run):
 
 
 def _figures(p, results, run):
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
     regimes = p["regimes"]
     caption = (f"n = {p['n']} tokens on S^{p['d'] - 1}, H = {p['heads']}, β = {p['beta']}, {p['direction']}, "
                f"{p['paths']} paths (same weight paths with and without the mask); r = {p['radius']}. "
                f"Full attention vs causal (token i sees j ≤ i).")
-    fig, axs = plt.subplots(2, len(regimes), figsize=(5 * len(regimes), 6.4), squeeze=False, sharex=True)
+    fig, axs = subplots(2, len(regimes), (5 * len(regimes), 6.4), squeeze=False, sharex=True)
     for col, regime in enumerate(regimes):
         for causal, ls in ((False, "-"), (True, "--")):
-            res = results[f"{regime}_{'causal' if causal else 'full'}"]
+            res = results[_tag(regime, causal)]
             t = res["t"].numpy()
             lab = "causal" if causal else "full"
             pf = res["pair_fraction"]
@@ -213,30 +193,22 @@ def _figures(p, results, run):
             axs[0, col].fill_between(t, pf.min(-1).values.numpy(), pf.max(-1).values.numpy(), color="C0",
                                      alpha=0.12 if causal else 0.2)
             axs[1, col].plot(t, res["clusters"].median(-1).values.numpy(), ls, color="C3", label=f"{lab}: median")
-        axs[0, col].set_title(f"{regime} heads")
-        axs[0, col].set_ylabel(f"pair fraction P_ε (ε = {p['radius'] ** 2 / 2:.3g})")
-        axs[1, col].set_ylabel(f"clusters (single linkage, r = {p['radius']})")
-        axs[1, col].set_xlabel("time t")
         axs[1, col].set_yscale("log")
-        for ax in axs[:, col]:
-            ax.legend(fontsize=8)
+        panel(axs[0, col], None, f"pair fraction P_ε (ε = {p['radius'] ** 2 / 2:.3g})", f"{regime} heads",
+              legend={"fontsize": 8})
+        panel(axs[1, col], "time t", f"clusters (single linkage, r = {p['radius']})", legend={"fontsize": 8})
     fig.suptitle("causal vs full attention: clustering over time", fontsize=11)
     fig.text(0.5, -0.02, caption + " Solid: full, dashed: causal; band: min–max over paths.", ha="center",
              va="top", fontsize=8, wrap=True)
     run.save_figure(fig, "causal_clustering")
 
-    fig, axs = plt.subplots(1, len(regimes), figsize=(5 * len(regimes), 3.6), squeeze=False)
+    fig, axs = subplots(1, len(regimes), (5 * len(regimes), 3.6), squeeze=False)
     for col, regime in enumerate(regimes):
         for causal, mk in ((False, "o"), (True, "s")):
-            tau = results[f"{regime}_{'causal' if causal else 'full'}"]["merge_time"]
+            tau = results[_tag(regime, causal)]["merge_time"]
             axs[0, col].plot(range(p["n"]), tau.mean(0).numpy(), mk, ms=3.5, label="causal" if causal else "full")
-        axs[0, col].set_xlabel("token index i (stored order)")
-        axs[0, col].set_ylabel("merge time τ_i (mean over paths)")
-        axs[0, col].set_title(f"{regime} heads: which tokens cluster first")
-        axs[0, col].legend(fontsize=8)
+        panel(axs[0, col], "token index i (stored order)", "merge time τ_i (mean over paths)",
+              f"{regime} heads: which tokens cluster first", legend={"fontsize": 8})
     fig.text(0.5, -0.04, caption + f" τ_i = first time token i is within r of another token (t1 = {p['t1']} "
              f"if never).", ha="center", va="top", fontsize=8, wrap=True)
     run.save_figure(fig, "merge_times")
-
-
-run_causal.validate = _validate  # checks across keys, run by runs.load_config before anything is written

@@ -36,8 +36,6 @@ Each regime is a segment: simulated, checkpointed every ``checkpoint_every`` ste
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import math
 import time
@@ -46,7 +44,12 @@ from typing import Dict
 import numpy as np
 import torch
 
-from . import Option, nonnegative, positive, study
+import transformer_pde as tp
+import transformer_pde.theory as th
+
+from . import (DEVICE, DTYPE, Option, at_least, check_device, check_whole_steps, device_of, fingerprint, load_segment,
+               nonnegative, open_unit, panel, positive, save_captioned, segment_bar, step_callback, study, subplots,
+               unique_nonempty, weight_process)
 
 __all__ = ["PHASE_OPTIONS", "META_OPTIONS", "run_phase_diagram", "run_metastability"]
 
@@ -56,14 +59,6 @@ REGIMES = ("constant", "ou", "oscillating")
 COLORS = {"constant": "#2c3e50", "ou": "#27ae60", "oscillating": "#c0392b"}
 LABELS = {"constant": "constant", "ou": "OU", "oscillating": "oscillating"}
 STATS = ("pair_fraction", "clusters", "mean_overlap", "largest_mass")
-
-
-def _unique_nonempty(v):
-    if len(v) == 0:
-        return "must not be empty"
-    if len(set(v)) != len(v):
-        return "must not repeat a value"
-    return None
 
 
 def _betas(v):
@@ -76,24 +71,16 @@ def _betas(v):
     return None
 
 
-def _open_unit(v):
-    return None if 0 < v < 1 else "must lie strictly between 0 and 1"
-
-
 def _radius(v):
     return None if 0 < v <= 2 else "is a chordal distance in (0, 2]"
 
 
-def _at_least(k):
-    return lambda v: None if v >= k else f"must be >= {k}"
-
-
 _COMMON = {
     "regimes": Option(["constant", "ou", "oscillating"], (list,), "head processes, side by side", choices=REGIMES,
-                      check=_unique_nonempty),
+                      check=unique_nonempty),
     "heads": Option(1, (int,), "number of heads H (ω_h = 1/H)", check=positive),
-    "n": Option(16, (int,), "tokens per system", check=_at_least(2)),
-    "d": Option(8, (int,), "ambient dimension: tokens on S^{d-1}", check=_at_least(2)),
+    "n": Option(16, (int,), "tokens per system", check=at_least(2)),
+    "d": Option(8, (int,), "ambient dimension: tokens on S^{d-1}", check=at_least(2)),
     "systems": Option(64, (int,), "ensemble size B per β", check=positive),
     "init_heads": Option("identity", (str,), "A_h(0): I, or a random law (tied values)",
                          choices=("identity", "goe", "wigner", "gaussian")),
@@ -108,23 +95,23 @@ _COMMON = {
     "seed": Option(0, (int,), "tokens from seed, random heads from seed + 1, OU noise from seed + 2"),
     "dt": Option(0.05, (float,), "time step (t1/dt must be a whole number)", check=positive),
     "record_every": Option(4, (int,), "record every k-th step", check=positive),
-    "dtype": Option("float64", (str,), "floating dtype", choices=("float32", "float64")),
-    "device": Option("auto", (str,), "'auto' = cuda when available, else cpu", choices=("auto", "cpu", "cuda")),
+    "dtype": DTYPE,
+    "device": DEVICE,
     "checkpoint_every": Option(200, (int,), "steps between atomic checkpoints of a segment", check=positive),
     "figures": Option(True, (bool,), "draw the figures (PNG + PDF)"),
 }
 
-PHASE_OPTIONS = dict(_COMMON)
-PHASE_OPTIONS.update({
+PHASE_OPTIONS = {
+    **_COMMON,
     "betas": Option([0.5, 1.0, 2.0, 4.0, 8.0], (list,), "inverse temperatures β (rows of the maps)", check=_betas),
     "t1": Option(30.0, (float,), "final time", check=positive),
-    "target": Option(0.9, (float,), "clustering time: first time the mean overlap reaches this", check=_open_unit),
-})
+    "target": Option(0.9, (float,), "clustering time: first time the mean overlap reaches this", check=open_unit),
+}
 
-META_OPTIONS = dict(_COMMON)
-META_OPTIONS.update({
-    "n": Option(32, (int,), "tokens per system", check=_at_least(2)),
-    "d": Option(2, (int,), "ambient dimension (low: metastable multi-cluster states)", check=_at_least(2)),
+META_OPTIONS = {
+    **_COMMON,
+    "n": Option(32, (int,), "tokens per system", check=at_least(2)),
+    "d": Option(2, (int,), "ambient dimension (low: metastable multi-cluster states)", check=at_least(2)),
     "systems": Option(8, (int,), "ensemble size B", check=positive),
     "beta": Option(16.0, (float,), "inverse temperature β (large: long-lived plateaus)", check=positive),
     "t1": Option(200.0, (float,), "final time (long horizon)", check=positive),
@@ -132,35 +119,21 @@ META_OPTIONS.update({
     "record_every": Option(5, (int,), "record every k-th step", check=positive),
     "slope_tol": Option(0.05, (float,), "plateau threshold: flat where |dy/dt| <= slope_tol · (range of y)/(horizon)",
                         check=nonnegative),
-    "min_duration": Option(0.02, (float,), "shortest plateau, as a fraction of t1", check=_open_unit),
-})
+    "min_duration": Option(0.02, (float,), "shortest plateau, as a fraction of t1", check=open_unit),
+}
 
 
 def _check(p: Dict) -> None:
-    K = round(p["t1"] / p["dt"])
-    if K < 1 or abs(K * p["dt"] - p["t1"]) > 1e-9 * max(1.0, p["t1"]):
-        raise ValueError(f"config keys 't1' = {p['t1']} and 'dt' = {p['dt']}: t1/dt = {p['t1'] / p['dt']:.6g} is not "
-                         f"a whole number of steps; choose dt = {p['t1'] / max(K, 1):.6g} or another dt that divides t1")
-    if p["device"] == "cuda" and not torch.cuda.is_available():
-        raise ValueError("config key 'device' = 'cuda' but CUDA is not available here; allowed values: 'auto', 'cpu'")
+    check_whole_steps(p)
+    check_device(p)
 
 
-def _device(p):
-    if p["device"] == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(p["device"])
-
-
-def _fingerprint(kind: str, p: Dict, regime: str) -> str:
-    keys = sorted(k for k in p if k not in ("figures", "checkpoint_every", "slope_tol", "min_duration", "target"))
-    blob = json.dumps({"kind": kind, "regime": regime, **{k: p[k] for k in keys}}, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+# parameters that do not change a segment (analysis and output only)
+_NOT_IN_SEGMENT = ("figures", "checkpoint_every", "slope_tol", "min_duration", "target")
 
 
 def _initial(p: Dict, betas, *, dtype, device):
     """x0 (nβ, B, n, d) and heads0 with score (B, H, d, d), β (nβ, B)."""
-    import transformer_pde as tp
-
     B, H, d = p["systems"], p["heads"], p["d"]
     x0 = tp.ensembles.random_tokens(B, p["n"], d, generator=torch.Generator().manual_seed(p["seed"]),
                                     dtype=torch.float64).to(dtype=dtype, device=device)
@@ -179,33 +152,20 @@ def _initial(p: Dict, betas, *, dtype, device):
     return x0.expand(nb, *x0.shape), heads0
 
 
-def _process(p: Dict, regime: str, heads0):
-    import transformer_pde as tp
-
-    if regime == "constant":
-        return heads0
-    if regime == "ou":
-        return tp.OrnsteinUhlenbeck(heads0, rate=p["ou_rate"], sigma=math.sqrt(p["ou_sigma2"]))
-    return tp.Oscillating(heads0, phase=p["phase"])
-
-
 def _run_segment(kind: str, p: Dict, regime: str, betas, run, tag: str, *, dtype, device) -> Dict:
-    import transformer_pde as tp
-
     x0, heads0 = _initial(p, betas, dtype=dtype, device=device)
-    theta = _process(p, regime, heads0)
-    cb_user = getattr(run, "step_callback", None)
-    callback = None if cb_user is None else (lambda k, t, x: cb_user(tag, k, t))
+    theta = weight_process(regime, heads0, rate=p["ou_rate"], sigma=math.sqrt(p["ou_sigma2"]), phase=p["phase"])
     t0 = time.perf_counter()
     traj = tp.simulate(x0, theta, t1=p["t1"], dt=p["dt"], method="euler", normalization="softmax",
                        direction=p["direction"], seed=p["seed"] + 2, record_every=p["record_every"],
                        diagnostics=False, progress=run.progress, checkpoint=run.checkpoint_path(tag),
-                       checkpoint_every=p["checkpoint_every"], callback=callback,
+                       checkpoint_every=p["checkpoint_every"], callback=step_callback(run, tag),
                        observables=tp.clustering.statistics_observables(radius=p["radius"], keys=STATS, stacked=True))
     wall = time.perf_counter() - t0
     x = traj.x.detach()
     st = traj.observables["cluster_statistics"].detach().cpu()  # (T, nβ, B, k), the statistics STATS in order
-    seg = {"kind": f"transformer_pde.{kind}.segment", "fingerprint": _fingerprint(kind, p, regime),
+    seg = {"kind": f"transformer_pde.{kind}.segment", "fingerprint": fingerprint(p, _NOT_IN_SEGMENT, kind=kind,
+                                                                                  regime=regime),
            "regime": regime, "times": traj.times.detach().cpu(),
            **{k: (st[..., i].round().long() if k == "clusters" else st[..., i].clone()) for i, k in enumerate(STATS)},
            "timing": {"wall_time_s": wall, "steps": int(traj.stats["steps"]),
@@ -217,43 +177,28 @@ def _run_segment(kind: str, p: Dict, regime: str, betas, run, tag: str, *, dtype
     return seg
 
 
-def _load_segment(run, kind, tag, fp):
-    seg = run.load_tensors(tag)
-    if seg is None:
-        return None
-    if not isinstance(seg, dict) or seg.get("kind") != f"transformer_pde.{kind}.segment":
-        raise ValueError(f"{run.data_path(tag)} is not a segment of a {kind} run; delete it to recompute")
-    if seg.get("fingerprint") != fp:
-        raise ValueError(f"{run.data_path(tag)} belongs to a different configuration; delete it or use --name NEW")
-    return seg
-
-
-def _segments(kind: str, p: Dict, betas, run) -> Dict[str, Dict]:
-    from tqdm.auto import tqdm
-
+def _segments(kind: str, params: Dict, betas, run):
+    """The checked parameters and every regime's segment (data/<regime>.pt: loaded when finished, else run)."""
+    p = dict(params)
+    _check(p)
     dtype = getattr(torch, p["dtype"])
-    device = _device(p)
+    device = device_of(p)
     out = {}
-    bar = tqdm(total=len(p["regimes"]), desc=kind, unit="regime", disable=None if run.progress else True)
-    try:
+    with segment_bar(run, len(p["regimes"]), kind, "regime") as bar:
         for regime in p["regimes"]:
-            tag = regime
-            fp = _fingerprint(kind, p, regime)
-            seg = _load_segment(run, kind, tag, fp)
+            seg = load_segment(run, regime, kind, fingerprint(p, _NOT_IN_SEGMENT, kind=kind, regime=regime))
             if seg is None:
                 log.info("[%s] %s: %d systems x %d steps", kind, regime, len(betas) * p["systems"],
                          round(p["t1"] / p["dt"]))
-                seg = _run_segment(kind, p, regime, betas, run, tag, dtype=dtype, device=device)
-                run.save_tensors(tag, seg)
+                seg = _run_segment(kind, p, regime, betas, run, regime, dtype=dtype, device=device)
+                run.save_tensors(regime, seg)
                 log.info("[%s] %s done in %.1f s", kind, regime, seg["timing"]["wall_time_s"])
             else:
                 log.info("[%s] %s already complete, skipped", kind, regime)
-            run.checkpoint_path(tag).unlink(missing_ok=True)
+            run.checkpoint_path(regime).unlink(missing_ok=True)
             out[regime] = seg
             bar.update(1)
-    finally:
-        bar.close()
-    return out
+    return p, out
 
 
 def _q(v, q):
@@ -264,43 +209,25 @@ def _q(v, q):
     return float(v[min(v.size - 1, int(math.floor(q * (v.size - 1) + 0.5)))])
 
 
-def _figure(figsize):
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=figsize)
-    FigureCanvasAgg(fig)
-    return fig
-
-
 # ---------------------------------------------------------------------------- phase diagram
 @study("phase_diagram", PHASE_OPTIONS,
        "(β × t) maps of the pair fraction and the median cluster count over an ensemble; constant vs OU vs "
-       "oscillating heads; clustering time vs β against the reduced-ODE theory")
+       "oscillating heads; clustering time vs β against the reduced-ODE theory", validate=_check)
 def run_phase_diagram(params: Dict, run) -> Dict:
-    import transformer_pde as tp
-    import transformer_pde.theory as th
-
-    p = dict(params)
-    _check(p)
-    betas = [float(b) for b in p["betas"]]
-    segs = _segments("phase_diagram", p, betas, run)
+    betas = [float(b) for b in params["betas"]]
+    p, segs = _segments("phase_diagram", params, betas, run)
     n, H = p["n"], p["heads"]
     metrics: Dict = {"regimes": {}, "betas": betas, "target": p["target"], "radius": p["radius"],
                      "eps": 0.5 * p["radius"] ** 2, "direction": p["direction"], "systems": p["systems"]}
     times = segs[p["regimes"][0]]["times"]
     gamma0 = float(segs[p["regimes"][0]]["mean_overlap"][0].double().median())
     g0 = max(gamma0, 0.0)
-    theory = {"gamma0": gamma0, "hitting_time": [], "linearized": [],
+    kw = dict(n=n, gamma0=g0, target=p["target"])  # the times are 0 when γ̄(0) is already past the target
+    theory = {"gamma0": gamma0,
+              "hitting_time": [th.hitting_time([1.0], beta=b, **kw) if p["target"] > g0 else 0.0 for b in betas],
+              "linearized": [th.linearized_clustering_time([1.0], beta=b, **kw) if p["target"] > g0 else 0.0
+                             for b in betas],
               "beta_star": th.critical_beta(H, n, 1.0) if H >= 2 else math.inf}
-    for b in betas:
-        if p["target"] > g0:
-            theory["hitting_time"].append(th.hitting_time([1.0], beta=b, n=n, gamma0=g0, target=p["target"]))
-            theory["linearized"].append(th.linearized_clustering_time([1.0], beta=b, n=n, gamma0=g0,
-                                                                      target=p["target"]))
-        else:
-            theory["hitting_time"].append(0.0)
-            theory["linearized"].append(0.0)
     metrics["theory"] = theory
     summary = []
     for regime, seg in segs.items():
@@ -329,7 +256,7 @@ def run_phase_diagram(params: Dict, run) -> Dict:
         f"{b:g}: {t:.3g}" for b, t in zip(betas, theory["hitting_time"])))
     metrics["summary"] = summary
     if p["figures"]:
-        metrics["figure_captions"] = _phase_figures(p, segs, metrics, run)
+        _phase_figures(p, segs, metrics, run)
     return metrics
 
 
@@ -343,19 +270,17 @@ def _phase_columns(times, seg, betas):
     return cols
 
 
-def _phase_figures(p, segs, metrics, run) -> Dict[str, str]:
-    from ..plotting import add_caption
-
+def _phase_figures(p, segs, metrics, run) -> None:
+    """The phase diagram and the clustering time against β; their captions go to metrics["figure_captions"]."""
     betas = metrics["betas"]
     regimes = list(segs)
     times = segs[regimes[0]]["times"].numpy()
     R = len(regimes)
     theory = metrics["theory"]
     bstar = theory["beta_star"]
-    caps = {}
+    tt = np.array(theory["hitting_time"], dtype=float)
     space = f"$S^{{{p['d'] - 1}}}$"
-    fig = _figure((4.2 * R + 1.2, 6.4))
-    axes = fig.subplots(2, R, squeeze=False, sharex=True, sharey=True)
+    fig, axes = subplots(2, R, (4.2 * R + 1.2, 6.4), squeeze=False, sharex=True, sharey=True)
     extent = [times[0], times[-1], -0.5, len(betas) - 0.5]
     for j, regime in enumerate(regimes):
         seg = segs[regime]
@@ -368,7 +293,6 @@ def _phase_figures(p, segs, metrics, run) -> Dict[str, str]:
             im = ax.imshow(img, origin="lower", aspect="auto", extent=extent, cmap=cmap, vmin=vmin, vmax=vmax,
                            interpolation="nearest")
             if regime == "constant" and p["init_heads"] == "identity":
-                tt = np.array(theory["hitting_time"], dtype=float)
                 ok = np.isfinite(tt) & (tt <= times[-1])
                 ax.plot(tt[ok], np.arange(len(betas))[ok], "w^", ms=6, mec="k", label="theory: reduced-ODE time")
                 ax.legend(fontsize=7, loc="upper right")
@@ -378,11 +302,8 @@ def _phase_figures(p, segs, metrics, run) -> Dict[str, str]:
                 ax.text(times[-1], yb, r" $\beta^*$", color="w", va="bottom", ha="right", fontsize=8)
             ax.set_yticks(range(len(betas)))
             ax.set_yticklabels([f"{b:g}" for b in betas])
-            ax.set_title(f"{LABELS[regime]} heads: {name}", fontsize=9)
-            if row == 1:
-                ax.set_xlabel("time t")
-            if j == 0:
-                ax.set_ylabel(r"inverse temperature $\beta$")
+            panel(ax, "time t" if row == 1 else None, r"inverse temperature $\beta$" if j == 0 else None,
+                  f"{LABELS[regime]} heads: {name}", title_size=9)
             if j == R - 1:  # one colour bar per row (same scale in every column)
                 fig.colorbar(im, ax=list(axes[row]), label=name, shrink=0.9, pad=0.02)
     fig.suptitle(f"{space}: clustering phase diagram, n = {p['n']}, H = {p['heads']}, B = {p['systems']} systems "
@@ -391,17 +312,13 @@ def _phase_figures(p, segs, metrics, run) -> Dict[str, str]:
            f"(ε = r²/2, r = {p['radius']:g}) (top) and ensemble median of the single-linkage cluster count at chordal "
            f"radius r (bottom); triangles: clustering time of the equiangular reduced ODE (Pendharkar), A = I; "
            + ("dashed line: critical β* (radial dominance)." if math.isfinite(bstar) else "β* is infinite for H = 1."))
-    add_caption(fig, cap)
-    run.save_figure(fig, "phase_diagram")
-    caps["phase_diagram"] = cap
+    save_captioned(run, fig, "phase_diagram", cap, metrics)
     # clustering time vs β
-    fig = _figure((6.4, 4.2))
-    ax = fig.subplots()
+    fig, ax = subplots(1, 1, (6.4, 4.2))
     for k, regime in enumerate(regimes):
         rows = metrics["regimes"][regime]["per_beta"]
-        med = np.array([r["clustering_time_median"] for r in rows], dtype=float)
-        lo = np.array([r["clustering_time_q25"] for r in rows], dtype=float)
-        hi = np.array([r["clustering_time_q75"] for r in rows], dtype=float)
+        med, lo, hi = (np.array([r[f"clustering_time_{q}"] for r in rows], dtype=float)
+                       for q in ("median", "q25", "q75"))
         x = np.array(betas) * (1 + 0.03 * (k - 1))
         ok = np.isfinite(med)
         hi = np.where(np.isfinite(hi), hi, med)
@@ -410,7 +327,6 @@ def _phase_figures(p, segs, metrics, run) -> Dict[str, str]:
                     label=f"{LABELS[regime]} heads (median, IQR)")
         if (~ok).any():
             ax.plot(x[~ok], np.full((~ok).sum(), times[-1]), "v", color=COLORS[regime], ms=7)
-    tt = np.array(theory["hitting_time"], dtype=float)
     tl = np.array(theory["linearized"], dtype=float)
     ax.plot(betas, tt, "k--", label="theory: reduced ODE (A = I)")
     ax.plot(betas, tl, "k:", label="theory: linearised")
@@ -418,34 +334,23 @@ def _phase_figures(p, segs, metrics, run) -> Dict[str, str]:
     if math.isfinite(bstar):
         ax.axvline(bstar, color="0.3", ls="-.", lw=1, label=r"$\beta^*$ (radial dominance)")
     ax.set_yscale("log")
-    ax.set_xlabel(r"inverse temperature $\beta$")
-    ax.set_ylabel(rf"clustering time: $\bar\gamma(t) \geq {p['target']:g}$")
     ax.set_ylim(top=max(times[-1] * 2, np.nanmax(np.where(np.isfinite(tt), tt, 0)) * 1.2))
-    ax.set_title(f"clustering time vs β (n = {p['n']}, d = {p['d']}, H = {p['heads']}, {p['direction']})", fontsize=9)
-    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
+    panel(ax, r"inverse temperature $\beta$", rf"clustering time: $\bar\gamma(t) \geq {p['target']:g}$",
+          f"clustering time vs β (n = {p['n']}, d = {p['d']}, H = {p['heads']}, {p['direction']})", title_size=9,
+          legend=dict(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5)))
     cap = (f"Markers: median over B = {p['systems']} systems of the first time the mean overlap reaches "
            f"{p['target']:g}; bars: interquartile range; down-triangles at the grey line: the median member did not "
            f"cluster by t1 = {p['t1']:g}; dashed/dotted: Pendharkar's equiangular reduced ODE and its linearisation "
            f"from γ0 = {theory['gamma0']:.3f}.")
-    add_caption(fig, cap)
-    run.save_figure(fig, "clustering_time")
-    caps["clustering_time"] = cap
-    return caps
-
-
-run_phase_diagram.validate = _check
+    save_captioned(run, fig, "clustering_time", cap, metrics)
 
 
 # ---------------------------------------------------------------------------- metastability
 @study("metastability", META_OPTIONS,
        "long-horizon metastability: energy and cluster-count staircases with detected plateaus, constant vs OU vs "
-       "oscillating heads")
+       "oscillating heads", validate=_check)
 def run_metastability(params: Dict, run) -> Dict:
-    import transformer_pde as tp
-
-    p = dict(params)
-    _check(p)
-    segs = _segments("metastability", p, [p["beta"]], run)
+    p, segs = _segments("metastability", params, [params["beta"]], run)
     metrics: Dict = {"regimes": {}, "beta": p["beta"], "radius": p["radius"], "slope_tol": p["slope_tol"],
                      "min_duration": p["min_duration"] * p["t1"], "direction": p["direction"]}
     summary = []
@@ -476,19 +381,17 @@ def run_metastability(params: Dict, run) -> Dict:
                        f"{m['cluster_plateau_duration_max']}")
     metrics["summary"] = summary
     if p["figures"]:
-        metrics["figure_captions"] = _meta_figures(p, segs, run)
+        _meta_figures(p, segs, metrics, run)
     for seg in segs.values():
         seg.pop("_stairs", None)
     return metrics
 
 
-def _meta_figures(p, segs, run) -> Dict[str, str]:
-    from ..plotting import add_caption
-
+def _meta_figures(p, segs, metrics, run) -> None:
+    """The energy and cluster-count staircases; the caption goes to metrics["figure_captions"]."""
     regimes = list(segs)
     R = len(regimes)
-    fig = _figure((4.6 * R, 5.6))
-    axes = fig.subplots(2, R, squeeze=False, sharex=True)
+    fig, axes = subplots(2, R, (4.6 * R, 5.6), squeeze=False, sharex=True)
     fig.subplots_adjust(wspace=0.45)
     for j, regime in enumerate(regimes):
         seg = segs[regime]
@@ -504,19 +407,11 @@ def _meta_figures(p, segs, run) -> Dict[str, str]:
             for s, e, lv in zip(st.start[0], st.end[0], st.level[0]):
                 if np.isfinite(float(s)):
                     ax.hlines(float(lv), float(s), float(e), color="k", lw=2.2)
-            ax.set_ylabel(name)
-            if row == 1:
-                ax.set_xlabel("time t")
-            ax.set_title(f"{LABELS[regime]} heads", fontsize=9)
+            panel(ax, "time t" if row == 1 else None, name, f"{LABELS[regime]} heads", title_size=9)
     fig.suptitle(f"$S^{{{p['d'] - 1}}}$: metastability, β = {p['beta']:g}, n = {p['n']}, H = {p['heads']} "
                  f"({p['direction']})", fontsize=10)
     cap = (f"Coloured line: member 0; grey: members 1–3; black bars: plateaus of member 0 detected where "
            f"|dy/dt| <= {p['slope_tol']:g} × (range of y)/t1 for at least {p['min_duration'] * p['t1']:g} time units, "
            f"at their time-averaged level; energy at the reference heads A = I; clusters: single linkage at chordal "
            f"radius {p['radius']:g}.")
-    add_caption(fig, cap)
-    run.save_figure(fig, "staircases")
-    return {"staircases": cap}
-
-
-run_metastability.validate = _check
+    save_captioned(run, fig, "staircases", cap, metrics)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from . import Option, positive, study
+import transformer_pde as tp
+
+from .. import plotting
+from . import Option, positive, step_callback, study
 
 OPTIONS = {
     "n": Option(64, (int,), "number of tokens", check=positive),
@@ -13,22 +16,18 @@ OPTIONS = {
     "dt": Option(0.01, (float,), "time step", check=positive),
     "paths": Option(4, (int,), "Monte-Carlo paths of the OU weights", check=positive),
     "seed": Option(0, (int,), "seed of the weights (tokens use seed + 1)"),
-    "dtype": Option("float64", (str,), "floating dtype", choices=("float32", "float64")),
 }
 
 
 @study("demo", OPTIONS, "a few-second tour: OU heads on S², energy ledger, token snapshots")
 def run_demo(params, run):
-    import transformer_pde as tp
-
     dtype = getattr(torch, params["dtype"])
     g = torch.Generator().manual_seed(params["seed"] + 1)
     x0 = tp.sphere.sample_uniform(params["n"], 3, generator=g, dtype=dtype)
     heads = tp.Heads.random(params["heads"], 3, generator=torch.Generator().manual_seed(params["seed"]), dtype=dtype)
-    cb_user = getattr(run, "step_callback", None)
-    callback = None if cb_user is None else (lambda k, t, x: cb_user("demo", k, t))
     traj = tp.simulate(x0, tp.OrnsteinUhlenbeck(heads), t1=params["t1"], dt=params["dt"], paths=params["paths"],
-                       seed=params["seed"], direction="descent", progress=run.progress, callback=callback)
+                       seed=params["seed"], direction="descent", progress=run.progress,
+                       callback=step_callback(run, "demo"))
     led = traj.ledger
     metrics = {
         "energy_final_mean": float(traj.energy[-1].mean()),
@@ -37,8 +36,6 @@ def run_demo(params, run):
         "residual_slope_final_abs_mean": float(led["residual_slope"][-1].abs().mean()),
     }
     run.save_series("ledger", {"t": traj.times, **{k: v.mean(-1) for k, v in led.items()}})
-    from .. import plotting
-
     desc = f"OU heads, H = {params['heads']}, n = {params['n']}, {params['paths']} paths, descent"
     fig = plotting.plot_ledger(traj.times, led, sign=-1.0, title=f"demo: energy ledger, {desc}")
     run.save_figure(fig, "ledger")

@@ -24,8 +24,8 @@ Panels (figure ``jko_vs_particles``, series in ``series/``):
 
 Metrics (``metrics.json``): fitted slopes, the errors behind them, the largest discrete energy
 defect (must be ≤ 0), the De Giorgi ledger residuals, inner iterations, wall times.  Every
-finished piece is stored in ``data/`` (when the run directory supports it) and skipped on
-``--resume``.  All figures use direction "descent" unless the config says otherwise.
+finished piece is stored in ``data/`` and skipped on ``--resume``.  All figures use direction
+"descent" unless the config says otherwise.
 """
 
 from __future__ import annotations
@@ -39,7 +39,10 @@ from typing import Dict, List
 import numpy as np
 import torch
 
-from . import Option, positive, study
+import transformer_pde as tp
+
+from . import (DTYPE, Option, at_least, cached, log_ticks, nonnegative, panel, positive, save_captioned, sphere_name,
+               study, subplots, unique_nonempty, weight_process)
 
 __all__ = ["OPTIONS", "run_jko_vs_particles", "fit_slope", "quantile_tokens"]
 
@@ -47,13 +50,9 @@ logger = logging.getLogger(__name__)
 
 
 def _positive_list(v):
-    if len(v) == 0:
-        return "must not be empty"
-    if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in v):
+    if len(v) and not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in v):
         return "must be a list of positive numbers"
-    if len(set(v)) != len(v):
-        return "must not repeat a value"
-    return None
+    return unique_nonempty(v)
 
 
 def _int_list(v):
@@ -73,14 +72,12 @@ def _transports(v):
 
 
 OPTIONS = {
-    "d": Option(3, (int,), "ambient dimension of the token comparison (S^{d-1})",
-                check=lambda v: None if v >= 2 else "must be >= 2"),
+    "d": Option(3, (int,), "ambient dimension of the token comparison (S^{d-1})", check=at_least(2)),
     "n": Option(32, (int,), "number of tokens of the τ / ε comparisons", check=positive),
     "heads": Option(3, (int,), "number of heads H", check=positive),
     "head_scale": Option(0.5, (float,), "A_h(0) = scale·(Z + Zᵀ)", check=positive),
     "process": Option("oscillating", (str,), "weight process", choices=("ou", "oscillating", "constant")),
-    "sigma": Option(2 ** 0.5, (float,), "OU noise σ (σ² = 2 in the paper)",
-                    check=lambda v: None if v >= 0 else "must be >= 0"),
+    "sigma": Option(2 ** 0.5, (float,), "OU noise σ (σ² = 2 in the paper)", check=nonnegative),
     "direction": Option("descent", (str,), "descent (the reference code) or ascent", choices=("descent", "ascent")),
     "t1": Option(1.0, (float,), "final time", check=positive),
     "taus": Option([0.2, 0.1, 0.05, 0.025], (list,), "JKO steps τ (multiples of ref_dt dividing t1)",
@@ -92,12 +89,12 @@ OPTIONS = {
     "eps_tau": Option(0.05, (float,), "τ of the ε sweep", check=positive),
     "ref_dt": Option(0.0025, (float,), "particle RK4 step = weight-path grid", check=positive),
     "n_sweep": Option([16, 32, 64, 128, 256, 512], (list,), "token counts N of panel (c) (S¹)", check=_int_list),
-    "grid": Option(512, (int,), "Eulerian grid points on S¹", check=lambda v: None if v >= 8 else "must be >= 8"),
+    "grid": Option(512, (int,), "Eulerian grid points on S¹", check=at_least(8)),
     "grid_eps_factor": Option(2.0, (float,), "Eulerian ε = (factor · 2π/grid)²", check=positive),
     "n_tau": Option(0.05, (float,), "τ of panel (c)", check=positive),
     "n_t1": Option(0.5, (float,), "final time of panel (c)", check=positive),
     "seed": Option(0, (int,), "seed of the heads (tokens seed + 1, weights noise seed + 2)"),
-    "dtype": Option("float64", (str,), "floating dtype", choices=("float32", "float64")),
+    "dtype": DTYPE,
     "figures": Option(True, (bool,), "write the figure"),
 }
 
@@ -146,108 +143,81 @@ def check_params(p) -> None:
         raise ValueError(f"n_t1 = {p['n_t1']} must not exceed t1 = {p['t1']}")
 
 
-def _process(p, heads):
-    import transformer_pde as tp
-
-    if p["process"] == "ou":
-        return tp.OrnsteinUhlenbeck(heads, sigma=p["sigma"])
-    if p["process"] == "oscillating":
-        return tp.Oscillating(heads, sigma=0.0)
-    return tp.Constant(heads)
-
-
-def _cached(run, tag: str, fn):
-    """Compute fn() once per run directory (data/<tag>.pt), reused on --resume."""
-    load = getattr(run, "load_tensors", None)
-    if load is not None and run.resume:
-        got = load(tag)
-        if got is not None:
-            logger.info("[%s] already complete, reused from data/", tag)
-            return got
-    logger.info("[%s] running", tag)
-    t0 = time.perf_counter()
-    out = fn()
-    logger.info("[%s] done in %.1f s", tag, time.perf_counter() - t0)
-    save = getattr(run, "save_tensors", None)
-    if save is not None:
-        save(tag, out)
-    return out
+def _jko_piece(run, p, x0, path, transport: str, tau: float, **kw):
+    """The JKO solution with this transport and step on the shared weight path (cached in data/)."""
+    def go():
+        with warnings.catch_warnings():
+            # unconverged inner solves (geomloss' accuracy limit at larger ε) are counted in the metrics
+            warnings.simplefilter("ignore", RuntimeWarning)
+            tr = tp.jko(x0, path, tau=tau, steps=_whole(p["t1"], tau, "t1"), transport=transport,
+                        direction=p["direction"], progress=run.progress, **kw)
+        return {"times": tr.times, "x": tr.x, "ledger_residual": tr.ledger["residual"][-1],
+                "ledger_residual_slope": tr.ledger["residual_slope"][-1], "max_defect": tr.stats["max_defect"],
+                "mean_iterations": tr.stats["mean_iterations"], "max_residual": tr.stats["max_residual"],
+                "nonconverged": tr.stats["nonconverged_steps"]}
+    tag = f"jko_{transport}_tau{tau:g}" + "".join(f"_{k}{v:g}" if isinstance(v, float) else f"_{k}{v}"
+                                                  for k, v in sorted(kw.items()))
+    return cached(run, tag, go, logger, timed=True)
 
 
 @study("jko_vs_particles", OPTIONS,
        "JKO (Lagrangian emd/Sinkhorn/identity, Eulerian) vs particles: convergence in τ, N and ε")
 def run_jko_vs_particles(params, run) -> Dict[str, object]:
-    import transformer_pde as tp
-
     p = dict(params)
     check_params(p)
     dtype = getattr(torch, p["dtype"])
     d, n, H, t1, dt = p["d"], p["n"], p["heads"], p["t1"], p["ref_dt"]
-    sign = p["direction"]
     taus = sorted(p["taus"], reverse=True)
     walls: Dict[str, float] = {}
-    metrics: Dict[str, object] = {"direction": sign}
+    metrics: Dict[str, object] = {"direction": p["direction"]}
 
     # ---------------- shared weight path and particle reference (S^{d-1})
     heads = tp.Heads.random(H, d, scale=p["head_scale"], generator=torch.Generator().manual_seed(p["seed"]),
                             dtype=torch.float64).to(dtype)
     x0 = tp.sphere.sample_uniform(n, d, generator=torch.Generator().manual_seed(p["seed"] + 1),
                                   dtype=torch.float64).to(dtype)
-    path = tp.sample_path(_process(p, heads), t1=t1, dt=dt, seed=p["seed"] + 2)
-    tau_min = taus[-1]
+    path = tp.sample_path(weight_process(p["process"], heads, sigma=p["sigma"]), t1=t1, dt=dt, seed=p["seed"] + 2)
 
     def particle_reference():
-        t = time.perf_counter()
-        tr = tp.simulate(x0, path, t1=t1, dt=dt, method="rk4", normalization="effective", direction=sign,
-                         record_every=_whole(tau_min, dt, "tau"), progress=run.progress)
-        return {"times": tr.times, "x": tr.x, "energy": tr.energy, "wall": time.perf_counter() - t}
+        tr = tp.simulate(x0, path, t1=t1, dt=dt, method="rk4", normalization="effective", direction=p["direction"],
+                         record_every=_whole(taus[-1], dt, "tau"), progress=run.progress)
+        return {"times": tr.times, "x": tr.x, "energy": tr.energy}
 
-    ref = _cached(run, "particles", particle_reference)
+    ref = cached(run, "particles", particle_reference, logger, timed=True)
     walls["particles"] = ref["wall"]
-    ref_times, ref_x = ref["times"], ref["x"]
+    fig_data = {"taus": taus, **_tau_convergence(run, p, x0, path, ref["x"], taus, metrics, walls),
+                **_eps_convergence(run, p, x0, path, ref["x"], metrics, walls),
+                **_n_convergence(run, p, dtype, metrics, walls)}
+    metrics["wall_times_s"] = walls
+    if p["figures"]:
+        _figure(run, p, fig_data, metrics)
+    return metrics
 
-    def at(times_jko):
-        idx = [int(round(float(t) / tau_min)) for t in times_jko]
-        return ref_x[idx]
 
-    def jko_piece(transport, tau, **kw):
-        def go():
-            t = time.perf_counter()
-            with warnings.catch_warnings():
-                # unconverged inner solves (geomloss' accuracy limit at larger ε) are counted in the metrics
-                warnings.simplefilter("ignore", RuntimeWarning)
-                tr = tp.jko(x0, path, tau=tau, steps=_whole(t1, tau, "t1"), transport=transport, direction=sign,
-                            progress=run.progress, **kw)
-            return {"times": tr.times, "x": tr.x, "ledger_residual": tr.ledger["residual"][-1],
-                    "ledger_residual_slope": tr.ledger["residual_slope"][-1], "max_defect": tr.stats["max_defect"],
-                    "mean_iterations": tr.stats["mean_iterations"], "max_residual": tr.stats["max_residual"],
-                    "nonconverged": tr.stats["nonconverged_steps"], "wall": time.perf_counter() - t}
-        tag = f"jko_{transport}_tau{tau:g}" + "".join(f"_{k}{v:g}" if isinstance(v, float) else f"_{k}{v}"
-                                                      for k, v in sorted(kw.items()))
-        return _cached(run, tag, go)
-
-    # ---------------- (a) + (b): W2 over time and convergence in τ
+def _tau_convergence(run, p, x0, path, ref_x, taus, metrics, walls) -> Dict:
+    """(a) + (b): W2(JKO, particles) over time at the smallest τ, and at t1 against τ."""
+    tau_min = taus[-1]
     curves: Dict[str, List[float]] = {}
+    times_min = {}  # the JKO times at tau_min
     tau_err: Dict[str, List[float]] = {}
     ledger_res: Dict[str, List[float]] = {}
     max_defect = -float("inf")
     for tr_name in p["transports"]:
         kw = {"eps": p["eps"]} if tr_name == "sinkhorn" else {}
-        taus_here = taus if tr_name != "sinkhorn" else [tau_min]
-        for tau in taus_here:
-            res = jko_piece(tr_name, tau, **kw)
+        for tau in (taus if tr_name != "sinkhorn" else [tau_min]):
+            res = _jko_piece(run, p, x0, path, tr_name, tau, **kw)
             walls[f"jko_{tr_name}_tau{tau:g}"] = res["wall"]
             max_defect = max(max_defect, res["max_defect"])
-            w2 = tp.distance(res["x"], at(res["times"])).double()
+            # the particle reference is recorded every tau_min
+            w2 = tp.distance(res["x"], ref_x[[int(round(float(t) / tau_min)) for t in res["times"]]]).double()
             if tau == tau_min:
-                curves[tr_name] = w2.tolist()
+                curves[tr_name], times_min[tr_name] = w2.tolist(), res["times"]
                 metrics[f"w2_max_{tr_name}"] = float(w2.max())
                 metrics[f"mean_iterations_{tr_name}"] = res["mean_iterations"]
                 metrics[f"nonconverged_steps_{tr_name}"] = res["nonconverged"]
             tau_err.setdefault(tr_name, []).append(float(w2[-1]))
             ledger_res.setdefault(tr_name, []).append(abs(float(res["ledger_residual"])))
-    t_curve = [float(t) for t in jko_piece(p["transports"][0], tau_min,
-                                           **({"eps": p["eps"]} if p["transports"][0] == "sinkhorn" else {}))["times"]]
+    t_curve = [float(t) for t in times_min[p["transports"][0]]]
     run.save_series("w2_vs_time", {"t": t_curve, **{f"w2_{k}": v for k, v in curves.items()}})
     tau_cols = {"tau": taus}
     for k, v in tau_err.items():
@@ -259,13 +229,16 @@ def run_jko_vs_particles(params, run) -> Dict[str, object]:
             metrics[f"w2_t1_{k}"] = dict(zip([f"{t:g}" for t in taus], v))
     run.save_series("tau_convergence", tau_cols)
     metrics["max_energy_defect"] = max_defect
+    return {"t_curve": t_curve, "curves": curves, "tau_err": tau_err}
 
-    # ---------------- (d): convergence in ε
+
+def _eps_convergence(run, p, x0, path, ref_x, metrics, walls) -> Dict:
+    """(d): W2(Sinkhorn-JKO(ε), emd-JKO) at t1, the same symmetric cost."""
     eps_vals = sorted(p["eps_sweep"], reverse=True)
-    emd_sym = jko_piece("emd", p["eps_tau"], cost="symmetric")
+    emd_sym = _jko_piece(run, p, x0, path, "emd", p["eps_tau"], cost="symmetric")
     eps_err, eps_part, eps_bad = [], [], []
     for eps in eps_vals:
-        res = jko_piece("sinkhorn", p["eps_tau"], eps=eps)
+        res = _jko_piece(run, p, x0, path, "sinkhorn", p["eps_tau"], eps=eps)
         walls[f"jko_sinkhorn_eps{eps:g}"] = res["wall"]
         eps_bad.append(res["nonconverged"])
         eps_err.append(float(tp.distance(res["x"][-1], emd_sym["x"][-1])))
@@ -274,12 +247,16 @@ def run_jko_vs_particles(params, run) -> Dict[str, object]:
                                         "w2_sinkhorn_vs_particles": eps_part})
     metrics["eps_w2_vs_emd"] = dict(zip([f"{e:g}" for e in eps_vals], eps_err))
     metrics["eps_nonconverged_steps"] = dict(zip([f"{e:g}" for e in eps_vals], eps_bad))
+    return {"eps_vals": eps_vals, "eps_err": eps_err}
 
-    # ---------------- (c): convergence in N on S¹ against the Eulerian density
-    m, nt = p["grid"], p["n_tau"]
-    heads2 = tp.Heads.random(H, 2, scale=p["head_scale"], generator=torch.Generator().manual_seed(p["seed"] + 3),
-                             dtype=torch.float64).to(dtype)
-    path2 = tp.sample_path(_process(p, heads2), t1=p["n_t1"], dt=dt, seed=p["seed"] + 4)
+
+def _n_convergence(run, p, dtype, metrics, walls) -> Dict:
+    """(c): N quantile tokens on S¹ (Lagrangian JKO and particles) against the Eulerian density."""
+    m, nt, dt = p["grid"], p["n_tau"], p["ref_dt"]
+    heads2 = tp.Heads.random(p["heads"], 2, scale=p["head_scale"],
+                             generator=torch.Generator().manual_seed(p["seed"] + 3), dtype=torch.float64).to(dtype)
+    path2 = tp.sample_path(weight_process(p["process"], heads2, sigma=p["sigma"]), t1=p["n_t1"], dt=dt,
+                           seed=p["seed"] + 4)
     z = tp.sphere.circle_grid(m, dtype=dtype)
     q0 = _density(torch.atan2(z[:, 1], z[:, 0]).double()).to(dtype)
     q0 = q0 / q0.sum()
@@ -287,14 +264,13 @@ def run_jko_vs_particles(params, run) -> Dict[str, object]:
     steps2 = _whole(p["n_t1"], nt, "n_t1")
 
     def eulerian():
-        t = time.perf_counter()
         tr = tp.jko(None, path2, tau=nt, steps=steps2, scheme="eulerian", grid=z, grid_weights=q0, eps=eps_grid,
-                    direction=sign, progress=run.progress)
+                    direction=p["direction"], progress=run.progress)
         return {"w": tr.weights[-1], "mass_error": float((tr.weights.sum(-1) - 1).abs().max()),
                 "min_weight": float(tr.weights.min()), "max_defect": tr.stats["max_defect"],
-                "max_residual": tr.stats["max_residual"], "wall": time.perf_counter() - t}
+                "max_residual": tr.stats["max_residual"]}
 
-    eul = _cached(run, "eulerian", eulerian)
+    eul = cached(run, "eulerian", eulerian, logger, timed=True)
     walls["eulerian"] = eul["wall"]
     metrics.update(eulerian_mass_error=eul["mass_error"], eulerian_min_weight=eul["min_weight"],
                    eulerian_max_defect=eul["max_defect"], eulerian_eps=eps_grid)
@@ -304,12 +280,12 @@ def run_jko_vs_particles(params, run) -> Dict[str, object]:
         def piece(N=N):
             xN = quantile_tokens(N, dtype=dtype)
             t = time.perf_counter()
-            lag = tp.jko(xN, path2, tau=nt, steps=steps2, transport="identity", direction=sign).x[-1]
+            lag = tp.jko(xN, path2, tau=nt, steps=steps2, transport="identity", direction=p["direction"]).x[-1]
             t_l = time.perf_counter() - t
             part = tp.simulate(xN, path2, t1=p["n_t1"], dt=dt, method="rk4", normalization="effective",
-                               direction=sign, diagnostics=False).x[-1]
+                               direction=p["direction"], diagnostics=False).x[-1]
             return {"jko": lag, "particles": part, "wall": t_l}
-        res = _cached(run, f"n_sweep_N{N}", piece)
+        res = cached(run, f"n_sweep_N{N}", piece, logger)
         walls[f"n_sweep_N{N}"] = res["wall"]
         w2_jko.append(float(tp.distance(res["jko"], (z, eul["w"]))))
         w2_part.append(float(tp.distance(res["particles"], (z, eul["w"]))))
@@ -317,58 +293,24 @@ def run_jko_vs_particles(params, run) -> Dict[str, object]:
     metrics["n_slope_jko_vs_eulerian"] = fit_slope(Ns, w2_jko)
     metrics["w2_jko_vs_eulerian"] = dict(zip([str(N) for N in Ns], w2_jko))
     metrics["w2_particles_vs_eulerian"] = dict(zip([str(N) for N in Ns], w2_part))
-    metrics["wall_times_s"] = walls
-
-    if p["figures"]:
-        metrics["figure_captions"] = {
-            "jko_vs_particles": _figure(run, p, t_curve, curves, taus, tau_err, Ns, w2_jko, w2_part, eps_vals, eps_err,
-                                        metrics)}
-    return metrics
+    return {"Ns": Ns, "w2_jko": w2_jko, "w2_part": w2_part}
 
 
-def _panel(a, xlabel, ylabel, title, legend):
-    """Axis labels, a title and the legend of one panel."""
-    a.set_xlabel(xlabel)
-    a.set_ylabel(ylabel)
-    a.set_title(title, fontsize=10)
-    a.legend(**legend)
-
-
-def _log_ticks(ax, axis: str, values) -> None:
-    """Tick a log axis at the data values only (plain numbers): no crowded minor labels."""
-    from matplotlib.ticker import FixedFormatter, FixedLocator, NullFormatter, NullLocator
-
-    a = ax.xaxis if axis == "x" else ax.yaxis
-    vals = sorted(set(float(v) for v in values))
-    a.set_major_locator(FixedLocator(vals))
-    a.set_major_formatter(FixedFormatter([f"{v:g}" for v in vals]))
-    a.set_minor_locator(NullLocator())
-    a.set_minor_formatter(NullFormatter())
-
-
-def _space(d: int) -> str:
-    return {2: "S¹", 3: "S²"}.get(d, f"S^{d - 1}")
-
-
-def _figure(run, p, t_curve, curves, taus, tau_err, Ns, w2_jko, w2_part, eps_vals, eps_err, metrics) -> str:
-    """The four-panel figure; returns its caption (also drawn under it)."""
-    from .. import plotting
-
-    space = _space(p["d"])
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(11.5, 8.8))
-    FigureCanvasAgg(fig)
-    ax = fig.subplots(2, 2, gridspec_kw={"hspace": 0.72, "wspace": 0.28})
-    legend = dict(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), frameon=False, ncol=2)
+def _figure(run, p, data: Dict, metrics) -> None:
+    """The four-panel figure of the series in ``data``; its caption (drawn under it) goes to
+    metrics["figure_captions"]."""
+    space = sphere_name(p["d"])
+    taus, tau_err, Ns, w2_jko = data["taus"], data["tau_err"], data["Ns"], data["w2_jko"]
+    fig, ax = subplots(2, 2, (11.5, 8.8), gridspec_kw={"hspace": 0.72, "wspace": 0.28})
+    panel_style = dict(legend=dict(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), frameon=False, ncol=2),
+                       title_size=10)  # of every panel
     styles = {"identity": ("-", "o", 2.4), "emd": ("--", "s", 1.4), "sinkhorn": (":", "^", 1.4)}
     a = ax[0, 0]
-    for k, v in curves.items():
+    for k, v in data["curves"].items():
         ls, _, lw = styles.get(k, ("-", "o", 1.4))
-        a.plot(t_curve, v, ls=ls, lw=lw, label=f"{k} transport")
-    _panel(a, "t", "$W_2$(JKO, particles)", f"(a) {space}, n = {p['n']}: JKO with τ = {min(taus):g} vs particles",
-           legend)
+        a.plot(data["t_curve"], v, ls=ls, lw=lw, label=f"{k} transport")
+    panel(a, "t", "$W_2$(JKO, particles)", f"(a) {space}, n = {p['n']}: JKO with τ = {min(taus):g} vs particles",
+          **panel_style)
     a = ax[0, 1]
     for k, v in tau_err.items():
         if len(v) == len(taus):
@@ -376,29 +318,27 @@ def _figure(run, p, t_curve, curves, taus, tau_err, Ns, w2_jko, w2_part, eps_val
             a.loglog(taus, v, ls=ls, marker=mk, lw=lw,
                      label=f"{k}: slope {metrics.get(f'tau_slope_{k}', float('nan')):.2f}")
     a.loglog(taus, [tau_err[next(iter(tau_err))][-1] * t / taus[-1] for t in taus], "k:", label="order 1 (∝ τ)")
-    _log_ticks(a, "x", taus)
-    _panel(a, "JKO step τ", f"$W_2$(JKO, particles) at t = {p['t1']:g}", f"(b) {space}: convergence in τ", legend)
+    log_ticks(a, taus)
+    panel(a, "JKO step τ", f"$W_2$(JKO, particles) at t = {p['t1']:g}", f"(b) {space}: convergence in τ", **panel_style)
     a = ax[1, 0]
     a.loglog(Ns, w2_jko, "o-", label=f"Lagrangian JKO: slope {metrics['n_slope_jko_vs_eulerian']:.2f}")
-    a.loglog(Ns, w2_part, "s--", label="particle ODE")
+    a.loglog(Ns, data["w2_part"], "s--", label="particle ODE")
     a.loglog(Ns, [w2_jko[0] * Ns[0] / N for N in Ns], "k:", label="∝ 1/N")
-    _log_ticks(a, "x", Ns)
-    _panel(a, "N tokens (quantiles of a smooth ρ₀ on S¹)", f"$W_2$(·, Eulerian JKO) at t = {p['n_t1']:g}",
-           f"(c) S¹: N tokens vs the Eulerian density (grid {p['grid']})", legend)
+    log_ticks(a, Ns)
+    panel(a, "N tokens (quantiles of a smooth ρ₀ on S¹)", f"$W_2$(·, Eulerian JKO) at t = {p['n_t1']:g}",
+          f"(c) S¹: N tokens vs the Eulerian density (grid {p['grid']})", **panel_style)
     a = ax[1, 1]
-    a.loglog(eps_vals, eps_err, "o-", label="Sinkhorn JKO vs emd JKO (symmetric cost)")
-    _log_ticks(a, "x", eps_vals)
-    _panel(a, "Sinkhorn ε", f"$W_2$(Sinkhorn JKO, emd JKO) at t = {p['t1']:g}",
-           f"(d) {space}: convergence in ε (τ = {p['eps_tau']:g})", legend)
+    a.loglog(data["eps_vals"], data["eps_err"], "o-", label="Sinkhorn JKO vs emd JKO (symmetric cost)")
+    log_ticks(a, data["eps_vals"])
+    panel(a, "Sinkhorn ε", f"$W_2$(Sinkhorn JKO, emd JKO) at t = {p['t1']:g}",
+          f"(d) {space}: convergence in ε (τ = {p['eps_tau']:g})", **panel_style)
     fig.suptitle(f"JKO vs particles: one {p['process']} weight path Θ replayed by every solver, H = {p['heads']}, "
                  f"{p['direction']}", fontsize=11)
     caption = (f"One weight path Θ ({p['process']}), deterministic solvers: no bands or error bars. (a) W₂ between the "
-               f"token measures of the JKO scheme (τ = {min(taus):g}) and of the particle ODE (RK4, dt = {p['ref_dt']:g})"
-               f" over time; the three transports give nearly the same tokens (the curves overlap). (b) the same "
-               f"W₂ at t = {p['t1']:g} against τ (dotted: order 1). (c) on S¹: N quantile tokens of a smooth density, "
-               f"Lagrangian JKO (identity) and particle ODE, W₂ to the Eulerian JKO density on {p['grid']} grid points "
-               f"(same Θ path, τ = {p['n_tau']:g}; dotted: 1/N). (d) W₂ at t = {p['t1']:g} between the Sinkhorn JKO at "
-               f"ε and the emd JKO with the same symmetric cost.")
-    plotting.add_caption(fig, caption)
-    run.save_figure(fig, "jko_vs_particles")
-    return caption
+               f"token measures of the JKO scheme (τ = {min(taus):g}) and of the particle ODE (RK4, dt = "
+               f"{p['ref_dt']:g}) over time; the three transports give nearly the same tokens (the curves overlap). "
+               f"(b) the same W₂ at t = {p['t1']:g} against τ (dotted: order 1). (c) on S¹: N quantile tokens of a "
+               f"smooth density, Lagrangian JKO (identity) and particle ODE, W₂ to the Eulerian JKO density on "
+               f"{p['grid']} grid points (same Θ path, τ = {p['n_tau']:g}; dotted: 1/N). (d) W₂ at t = {p['t1']:g} "
+               f"between the Sinkhorn JKO at ε and the emd JKO with the same symmetric cost.")
+    save_captioned(run, fig, "jko_vs_particles", caption, metrics)

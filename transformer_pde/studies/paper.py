@@ -31,8 +31,6 @@ through ``logging.getLogger(__name__)``; the tqdm bar shows only on a terminal.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import math
 import time
@@ -41,8 +39,13 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
+import transformer_pde as tp
+
+from .. import plotting
 from .._validation import NORMALIZATIONS
-from . import Option, nonnegative, positive, study
+from . import (DEVICE, DTYPE, Option, at_least, check_device, check_whole_steps, device_of, fingerprint, load_segment,
+               nonnegative, open_unit, positive, segment_bar, sphere_name, step_callback, study, unique_nonempty,
+               weight_process)
 
 __all__ = ["OPTIONS", "run_ou_vs_oscillating", "fit_power_law", "power_law_intervals", "time_average",
            "initial_tokens", "initial_heads", "check_params"]
@@ -55,14 +58,6 @@ SERIES_KEYS = ("energy", "slope", "dissipation")
 
 
 # ---------------------------------------------------------------------------- options
-def _nonempty_unique(v):
-    if len(v) == 0:
-        return "must not be empty"
-    if len(set(v)) != len(v):
-        return "must not repeat a value"
-    return None
-
-
 def _head_list(v):
     if len(v) == 0:
         return "must list at least one head count, e.g. [1, 10, 100]"
@@ -75,24 +70,16 @@ def _head_list(v):
     return None
 
 
-def _at_least(k):
-    return lambda v: None if v >= k else f"must be >= {k}"
-
-
-def _open_unit(v):
-    return None if 0 < v < 1 else "must lie strictly between 0 and 1"
-
-
 def _figures_value(v):
     return None if isinstance(v, bool) or v == "all" else 'must be true, false or "all" (figures and the animation)'
 
 
 OPTIONS = {
     "regimes": Option(["ou", "oscillating"], (list,), "weight processes to run", choices=REGIMES,
-                      check=_nonempty_unique),
+                      check=unique_nonempty),
     "heads": Option([1, 10, 100], (list,), "head counts H", check=_head_list),
     "n": Option(200, (int,), "number of tokens", check=positive),
-    "d": Option(3, (int,), "ambient dimension: tokens on S^{d-1}", check=_at_least(2)),
+    "d": Option(3, (int,), "ambient dimension: tokens on S^{d-1}", check=at_least(2)),
     "init": Option("octahedral", (str,), "initial tokens: near ±e_k (reference), circle clusters (d = 2), uniform",
                    choices=("octahedral", "clustered_circle", "uniform")),
     "init_noise": Option(0.05, (float,), "std of the initial noise around the vertices / base angles",
@@ -118,49 +105,36 @@ OPTIONS = {
                      choices=("euler", "heun", "rk4")),
     "scheme": Option("exact", (str,), "weights: exact transition / closed form, or 'euler' to match the reference "
                                       "code step for step", choices=("exact", "euler")),
-    "dtype": Option("float64", (str,), "floating dtype", choices=("float32", "float64")),
-    "device": Option("auto", (str,), "'auto' = cuda when available, else cpu", choices=("auto", "cpu", "cuda")),
+    "dtype": DTYPE,
+    "device": DEVICE,
     "store_paths": Option(1, (int,), "OU paths whose token trajectories are kept (snapshots)", check=positive),
     "checkpoint_every": Option(500, (int,), "steps between atomic checkpoints of a segment", check=positive),
     "bootstrap": Option(2000, (int,), "bootstrap resamples for the interval of b (0: none)", check=nonnegative),
-    "ci_level": Option(0.95, (float,), "confidence level of the intervals", check=_open_unit),
+    "ci_level": Option(0.95, (float,), "confidence level of the intervals", check=open_unit),
     "figures": Option(True, (bool, str), 'draw the figures (PNG + PDF); "all" also writes the animation',
                       check=_figures_value),
     "animate": Option(False, (bool,), "write figures/tokens.gif: OU (path 0) vs oscillating token flows at the "
                                       "largest H, side by side"),
     "animation_frames": Option(60, (int,), "frames of the animation (evenly spaced recorded times)",
-                               check=_at_least(2)),
+                               check=at_least(2)),
 }
 
 
 def check_params(p: Dict) -> None:
     """Checks that involve several keys (the schema checks each key alone); raises ValueError."""
-    K = round(p["t1"] / p["dt"])
-    if K < 1 or abs(K * p["dt"] - p["t1"]) > 1e-9 * max(1.0, p["t1"]):
-        raise ValueError(
-            f"config keys 't1' = {p['t1']} and 'dt' = {p['dt']}: t1/dt = {p['t1'] / p['dt']:.6g} is not a whole "
-            f"number of steps; choose dt = {p['t1'] / max(K, 1):.6g} or another dt that divides t1")
+    check_whole_steps(p)
     if p["t_avg"] >= p["t1"]:
         raise ValueError(f"config key 't_avg' = {p['t_avg']} must be smaller than 't1' = {p['t1']} "
                          f"(the time average runs over t_avg <= t <= t1)")
     if p["init"] == "clustered_circle" and p["d"] != 2:
         raise ValueError(f"config key 'init' = 'clustered_circle' needs d = 2 (got 'd' = {p['d']}); "
                          f"allowed values for d = {p['d']}: 'octahedral', 'uniform'")
-    if p["device"] == "cuda" and not torch.cuda.is_available():
-        raise ValueError("config key 'device' = 'cuda' but CUDA is not available here; allowed values: 'auto', 'cpu'")
+    check_device(p)
 
 
 # ---------------------------------------------------------------------------- setup
-def _device(p) -> torch.device:
-    if p["device"] == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(p["device"])
-
-
 def initial_tokens(p: Dict, *, dtype=torch.float64, device=None) -> torch.Tensor:
     """x(0), (n, d): the reference's octahedral draw (numpy seed), circle clusters, or uniform."""
-    import transformer_pde as tp
-
     if p["init"] == "octahedral":
         x = tp.sphere.octahedral(p["n"], p["d"], noise=p["init_noise"], seed=p["seed"], dtype=torch.float64)
     elif p["init"] == "clustered_circle":
@@ -174,26 +148,13 @@ def initial_tokens(p: Dict, *, dtype=torch.float64, device=None) -> torch.Tensor
 
 def initial_heads(p: Dict, H: int, *, dtype=torch.float64, device=None):
     """Symmetric heads D_h(0) = Z + Zᵀ (Z drawn in float64 from seed + H, as the reference), ω = 1/H."""
-    import transformer_pde as tp
-
     D = tp.Heads.random(H, p["d"], generator=torch.Generator().manual_seed(p["seed"] + H),
                         dtype=torch.float64).score_matrix
     return tp.Heads.symmetric(D.to(dtype=dtype, device=device), beta=p["beta"])
 
 
-def _process(p: Dict, regime: str, heads0):
-    import transformer_pde as tp
-
-    if regime == "ou":
-        return tp.OrnsteinUhlenbeck(heads0, rate=p["ou_rate"], sigma=math.sqrt(p["ou_sigma2"]), scheme=p["scheme"])
-    return tp.Oscillating(heads0, phase=p["phase"], sigma=0.0, scheme=p["scheme"])
-
-
-def _fingerprint(p: Dict, regime: str, H: int) -> str:
-    keys = sorted(k for k in p if k not in ("figures", "animate", "animation_frames", "bootstrap", "ci_level",
-                                            "t_avg", "checkpoint_every"))
-    blob = json.dumps({"regime": regime, "H": H, **{k: p[k] for k in keys}}, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+# parameters that do not change a segment (analysis and output only)
+_NOT_IN_SEGMENT = ("figures", "animate", "animation_frames", "bootstrap", "ci_level", "t_avg", "checkpoint_every")
 
 
 # ---------------------------------------------------------------------------- statistics
@@ -300,10 +261,9 @@ def _as_paths(v: torch.Tensor, paths: Optional[int]) -> torch.Tensor:
 
 
 def _run_segment(p: Dict, regime: str, H: int, x0: torch.Tensor, run, tag: str, *, dtype, device) -> Dict:
-    import transformer_pde as tp
-
     heads0 = initial_heads(p, H, dtype=dtype, device=device)
-    theta = _process(p, regime, heads0)
+    theta = weight_process(regime, heads0, rate=p["ou_rate"], sigma=math.sqrt(p["ou_sigma2"]), phase=p["phase"],
+                           scheme=p["scheme"])
     paths = p["paths"] if regime == "ou" else None
     seed = p["noise_seed"] + H if regime == "ou" else 0
     ckpt = run.checkpoint_path(tag)
@@ -313,13 +273,11 @@ def _run_segment(p: Dict, regime: str, H: int, x0: torch.Tensor, run, tag: str, 
             start_step = int(torch.load(ckpt, map_location="cpu", weights_only=False).get("k", 0))
         except Exception:  # simulate refuses it below with the full message
             start_step = 0
-    cb_user = getattr(run, "step_callback", None)
-    callback = None if cb_user is None else (lambda k, t, x: cb_user(tag, k, t))
     t0 = time.perf_counter()
     traj = tp.simulate(x0, theta, t1=p["t1"], dt=p["dt"], method=p["method"], normalization=p["normalization"],
                        direction=p["direction"], paths=paths, seed=seed, record_every=p["record_every"],
                        progress=run.progress, checkpoint=ckpt, checkpoint_every=p["checkpoint_every"],
-                       callback=callback)
+                       callback=step_callback(run, tag))
     wall = time.perf_counter() - t0
     k_keep = 1 if paths is None else min(p["store_paths"], paths)
     x = traj.x.detach().cpu()
@@ -328,7 +286,7 @@ def _run_segment(p: Dict, regime: str, H: int, x0: torch.Tensor, run, tag: str, 
     steps = int(traj.stats["steps"])
     return {
         "kind": "transformer_pde.ou_vs_oscillating.segment",
-        "fingerprint": _fingerprint(p, regime, H),
+        "fingerprint": fingerprint(p, _NOT_IN_SEGMENT, regime=regime, H=H),
         "regime": regime, "H": H, "paths": 1 if paths is None else paths,
         "times": traj.times.detach().cpu(),
         **{k: _as_paths(getattr(traj, k), paths) for k in SERIES_KEYS},
@@ -342,48 +300,29 @@ def _run_segment(p: Dict, regime: str, H: int, x0: torch.Tensor, run, tag: str, 
 
 def _series_columns(seg: Dict) -> Dict[str, torch.Tensor]:
     cols = {"t": seg["times"]}
-    for k in SERIES_KEYS:
-        cols[f"{k}_mean"] = seg[k].mean(-1)
-        cols[f"{k}_std"] = seg[k].std(-1, unbiased=False)
-    for k in LEDGER_KEYS:
-        cols[f"ledger_{k}_mean"] = seg["ledger"][k].mean(-1)
-        cols[f"ledger_{k}_std"] = seg["ledger"][k].std(-1, unbiased=False)
+    for k, v in [(k, seg[k]) for k in SERIES_KEYS] + [(f"ledger_{k}", seg["ledger"][k]) for k in LEDGER_KEYS]:
+        cols[f"{k}_mean"] = v.mean(-1)
+        cols[f"{k}_std"] = v.std(-1, unbiased=False)
     return cols
-
-
-def _load_segment(run, tag: str, fingerprint: str) -> Optional[Dict]:
-    seg = run.load_tensors(tag)
-    if seg is None:
-        return None
-    if not isinstance(seg, dict) or seg.get("kind") != "transformer_pde.ou_vs_oscillating.segment":
-        raise ValueError(f"{run.data_path(tag)} is not a segment of an ou_vs_oscillating run; delete it to recompute")
-    if seg.get("fingerprint") != fingerprint:
-        raise ValueError(f"{run.data_path(tag)} belongs to a different configuration (fingerprint "
-                         f"{seg.get('fingerprint')} != {fingerprint}); delete it or start a new run with --name")
-    return seg
 
 
 # ---------------------------------------------------------------------------- the study
 @study("ou_vs_oscillating", OPTIONS,
-       "the paper's Section 6: time-averaged 𝒢² vs H for OU and oscillating heads, energy balance, snapshots")
+       "the paper's Section 6: time-averaged 𝒢² vs H for OU and oscillating heads, energy balance, snapshots",
+       validate=check_params)
 def run_ou_vs_oscillating(params: Dict, run) -> Dict:
     """Run every (regime, H) segment (skipping finished ones on resume), then fit, summarise, plot."""
-    from tqdm.auto import tqdm
-
     p = dict(params)
     check_params(p)
     dtype = getattr(torch, p["dtype"])
-    device = _device(p)
+    device = device_of(p)
     x0 = initial_tokens(p, dtype=dtype, device=device)
     segments = [(r, H) for r in p["regimes"] for H in p["heads"]]
     results: Dict = {}
-    # disable=None: a bar only on a terminal (never escape codes in a log file)
-    bar = tqdm(total=len(segments), desc="ou_vs_oscillating", unit="segment", disable=None if run.progress else True)
-    try:
+    with segment_bar(run, len(segments), "ou_vs_oscillating", "segment") as bar:
         for i, (regime, H) in enumerate(segments):
             tag = f"{regime}_H{H}"
-            fp = _fingerprint(p, regime, H)
-            seg = _load_segment(run, tag, fp)
+            seg = load_segment(run, tag, "ou_vs_oscillating", fingerprint(p, _NOT_IN_SEGMENT, regime=regime, H=H))
             if seg is None:
                 logger.info("[%s] segment %d/%d running: H = %d, paths = %d, %d steps", tag, i + 1, len(segments), H,
                             p["paths"] if regime == "ou" else 1, round(p["t1"] / p["dt"]))
@@ -398,8 +337,6 @@ def run_ou_vs_oscillating(params: Dict, run) -> Dict:
                 logger.info("[%s] segment %d/%d already complete, skipped", tag, i + 1, len(segments))
             results[(regime, H)] = seg
             bar.update(1)
-    finally:
-        bar.close()
     metrics = _analyse(p, results, device)
     if p["figures"]:
         t0 = time.perf_counter()
@@ -487,19 +424,13 @@ def _analyse(p: Dict, results: Dict, device) -> Dict:
     return metrics
 
 
-def _space(d: int) -> str:
-    return {2: "S¹", 3: "S²"}.get(d, f"S^{d - 1}")
-
-
 def _figures(p: Dict, results: Dict, metrics: Dict, run) -> Dict[str, str]:
     """Write the six figures; returns {figure name: caption} (also drawn under each figure)."""
-    from .. import plotting
-
     regimes, heads = p["regimes"], p["heads"]
     d = p["d"]
     dirn = p["direction"]
     sign = -1.0 if dirn == "descent" else 1.0
-    space = _space(d)
+    space = sphere_name(d)
     phase = f", {p['phase']} phase" if "oscillating" in regimes else ""
     times = results[(regimes[0], heads[0])]["times"].numpy()
     label = plotting.REGIME_LABELS
@@ -511,15 +442,13 @@ def _figures(p: Dict, results: Dict, metrics: Dict, run) -> Dict[str, str]:
 
     def which(regime):
         P = results[(regime, heads[0])]["paths"]
-        if regime == "ou":
-            return f"Monte-Carlo path 0 of {P}"
-        return "the deterministic run, one path"
+        return f"Monte-Carlo path 0 of {P}" if regime == "ou" else "the deterministic run, one path"
 
     columns = 5
+    shown = times[plotting.snapshot_indices(times, columns)]
     # snapshots: one figure per regime (rows H), and the comparison at the largest H
     for regime in regimes:
         rows = [(f"H = {H}", results[(regime, H)]["x"][:, 0]) for H in heads]
-        shown = times[plotting.snapshot_indices(times, columns)]
         cap = (f"{label[regime]} heads, rows: H = {', '.join(map(str, heads))}; tokens of {which(regime)}. "
                + plotting.snapshot_caption(d, shown) + " Same x(0) in every row.")
         fig = plotting.sphere_snapshots(rows, times, columns, colors=plotting.head_colors(len(heads)),
@@ -528,8 +457,7 @@ def _figures(p: Dict, results: Dict, metrics: Dict, run) -> Dict[str, str]:
     if len(regimes) > 1:
         Hm = max(heads)
         rows = [(f"{label[r]}, H = {Hm}", results[(r, Hm)]["x"][:, 0]) for r in regimes]
-        shown = times[plotting.snapshot_indices(times, columns)]
-        cap = (f"Rows: " + "; ".join(f"{label[r]} heads ({which(r)})" for r in regimes) + f", H = {Hm}. "
+        cap = ("Rows: " + "; ".join(f"{label[r]} heads ({which(r)})" for r in regimes) + f", H = {Hm}. "
                + plotting.snapshot_caption(d, shown))
         fig = plotting.sphere_snapshots(rows, times, columns, colors=[plotting.REGIME_COLORS[r] for r in regimes],
                                         title=f"{space}: OU vs oscillating heads{phase}, H = {Hm} ({dirn})",
@@ -563,7 +491,8 @@ def _animation(p: Dict, results: Dict, run) -> Dict:
     titles = [("OU heads, path 0" if r == "ou" else f"oscillating heads ({p['phase']} phase)") for r in p["regimes"]]
     path = run.path / "figures" / "tokens.gif"
     animate_tokens(trajs, titles, path, frames=p["animation_frames"], overwrite=True,
-                   suptitle=f"{_space(p['d'])}, H = {Hm}, n = {p['n']} ({p['direction']}): colours = initial group")
+                   suptitle=f"{sphere_name(p['d'])}, H = {Hm}, n = {p['n']} ({p['direction']}): "
+                            "colours = initial group")
     from PIL import Image
 
     with Image.open(path) as im:
@@ -571,6 +500,3 @@ def _animation(p: Dict, results: Dict, run) -> Dict:
     return {"file": "figures/tokens.gif", "frames": frames, "bytes": path.stat().st_size,
             "caption": f"Token flows at H = {Hm}, " + " vs ".join(titles) + ", at evenly spaced recorded times; "
                        "tokens coloured by their initial vertex ±e_k (at most 150 drawn)."}
-
-
-run_ou_vs_oscillating.validate = check_params

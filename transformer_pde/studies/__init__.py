@@ -2,9 +2,9 @@
 
 A study is a function ``fn(params: dict, run: RunDir) -> dict`` registered with
 :func:`study`, together with the schema of its parameters (every study takes the floating
-``dtype``, :data:`DTYPE`).  Config files (TOML) name the
-study in ``kind`` and give its parameters in ``[params]``; unknown keys or invalid values
-are refused with the key and the allowed values before anything runs.
+``dtype``, :data:`DTYPE`).  Config files (TOML) name the study in ``kind`` and give its
+parameters in ``[params]``; unknown keys or invalid values are refused with the key and the
+allowed values before anything runs.
 """
 
 from __future__ import annotations

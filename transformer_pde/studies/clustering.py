@@ -164,8 +164,8 @@ def _run_segment(kind: str, p: Dict, regime: str, betas, run, tag: str, *, dtype
     wall = time.perf_counter() - t0
     x = traj.x.detach()
     st = traj.observables["cluster_statistics"].detach().cpu()  # (T, nβ, B, k), the statistics STATS in order
-    seg = {"kind": f"transformer_pde.{kind}.segment", "fingerprint": fingerprint(p, _NOT_IN_SEGMENT, kind=kind,
-                                                                                  regime=regime),
+    seg = {"kind": f"transformer_pde.{kind}.segment",
+           "fingerprint": fingerprint(p, _NOT_IN_SEGMENT, kind=kind, regime=regime),
            "regime": regime, "times": traj.times.detach().cpu(),
            **{k: (st[..., i].round().long() if k == "clusters" else st[..., i].clone()) for i, k in enumerate(STATS)},
            "timing": {"wall_time_s": wall, "steps": int(traj.stats["steps"]),

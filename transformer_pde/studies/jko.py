@@ -56,12 +56,7 @@ def _positive_list(v):
 
 
 def _int_list(v):
-    msg = _positive_list(v)
-    if msg:
-        return msg
-    if not all(isinstance(x, int) for x in v):
-        return "must be a list of integers"
-    return None
+    return _positive_list(v) or (None if all(isinstance(x, int) for x in v) else "must be a list of integers")
 
 
 def _transports(v):

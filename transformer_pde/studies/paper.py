@@ -429,7 +429,6 @@ def _figures(p: Dict, results: Dict, metrics: Dict, run) -> Dict[str, str]:
     regimes, heads = p["regimes"], p["heads"]
     d = p["d"]
     dirn = p["direction"]
-    sign = -1.0 if dirn == "descent" else 1.0
     space = sphere_name(d)
     phase = f", {p['phase']} phase" if "oscillating" in regimes else ""
     times = results[(regimes[0], heads[0])]["times"].numpy()
@@ -465,7 +464,7 @@ def _figures(p: Dict, results: Dict, metrics: Dict, run) -> Dict[str, str]:
         save(fig, "snapshots_comparison")
     # energy balance: one panel per (regime, H); the panel titles say mean ± std of P paths / one path
     panels = [(f"{label[r]}, H = {H}", results[(r, H)]["ledger"]) for r in regimes for H in heads]
-    fig = plotting.energy_balance(panels, times, sign=sign, ncols=len(heads),
+    fig = plotting.energy_balance(panels, times, sign=metrics["sign"], ncols=len(heads),
                                   title=f"{space}: energy balance ({dirn}{phase})")
     save(fig, "energy_balance")
     # 𝒢²(t) for every H

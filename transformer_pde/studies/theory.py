@@ -18,6 +18,7 @@ scalar heads λ_h I for the quantitative ones.
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Dict
 
 import torch
@@ -217,9 +218,7 @@ def _loglog_slope(x, y):
     return _slope(xs[keep].log(), ys[keep].log())
 
 
-def _save(run, fig, name: str, caption: str, metrics: Dict) -> None:
-    """Legends under their axes, a caption line under the figure (and in metrics["figure_captions"]), save."""
-    save_captioned(run, fig, name, caption, metrics, tidy=True)
+_save = partial(save_captioned, tidy=True)  # legends under the axes, laid out, captioned and saved
 
 
 # ---------------------------------------------------------------------------- items 1–2
@@ -441,8 +440,7 @@ def _margin_panel(ax, params, ns, dtype) -> None:
     """Both radial-dominance margins of head 1 against β, H = the first H >= 2, n = the first n >= 5."""
     alpha = params["alpha"]
     n2 = next((n for n in ns if n >= 5), ns[-1])
-    Hs = [H for H in params["heads"] if H >= 2] or [2]
-    H2 = Hs[0]
+    H2 = next((H for H in params["heads"] if H >= 2), 2)
     x = tp.sphere.equiangular(n2, 0.0, n2, dtype=dtype)
     bstar = th.critical_beta(H2, n2, alpha)
     bmax = 3 * bstar if math.isfinite(bstar) and bstar > 0 else 3.0
@@ -472,8 +470,7 @@ def run_rates(params, run):
     metrics, curves = {}, {}
     for norm in th.REDUCED_NORMALIZATIONS:
         traj = _ascent(x0, heads, params["t1"], params["dt"], sparse=True, normalization=norm, progress=run.progress)
-        Gm = traj.x @ traj.x.transpose(-1, -2)
-        gp = Gm[:, off]
+        gp = (traj.x @ traj.x.transpose(-1, -2))[:, off]  # the overlaps ⟨x_i, x_j⟩, i ≠ j
         gode, gap_ode = th.gamma_ode(traj.times.to(dtype), lam, beta=beta, n=n, gamma0=g0, normalization=norm)
         metrics[f"{norm}_max_abs_error_particles_vs_ode"] = float((gp - gode[:, None]).abs().max())
         metrics[f"{norm}_max_equiangular_spread"] = float((gp.amax(-1) - gp.amin(-1)).max())
@@ -704,10 +701,8 @@ def run_entropy(params, run):
                "identity_values_checked": ident.numel()}
     # equiangular: monotone rise to ln n, closed form H(γ(t))
     m = params["equi_n"]
-    if params["gamma0"] > 0:
-        x0 = tp.sphere.equiangular(m, params["gamma0"], m, dtype=dtype)
-    else:
-        x0 = torch.eye(m, dtype=dtype)
+    g0 = params["gamma0"]
+    x0 = tp.sphere.equiangular(m, g0, m, dtype=dtype) if g0 > 0 else torch.eye(m, dtype=dtype)
     hs = _scalar_heads([params["lam"]], m, params["beta"], dtype)
     traj = _ascent(x0, hs, params["t1"], params["dt"], sparse=True, progress=run.progress)
     Ht = dg.attention_entropy(traj.x, hs)[:, 0]  # (T, m)

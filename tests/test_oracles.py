@@ -17,6 +17,7 @@ from torch.testing import assert_close
 
 import transformer_pde as tp
 from conftest import gen
+from transformer_pde.mobility import scaled_diagnostics
 from problems import (
     integrate,
     log_sinkhorn_ot,
@@ -98,6 +99,41 @@ def test_slope_and_dissipation_at_a_log_scale_against_dense_formulas(normalizati
         ref = naive(x, heads.score, om, BETA, w, normalization=normalization, sign=1.0)
         got = fn(x, heads, w, normalization=normalization, direction="ascent", log_scale=c)
         assert_close(got * math.exp(c), ref, rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("c", [None, 1.0])
+def test_scaled_diagnostics_against_dense_formulas(symmetric, c):
+    """mobility.scaled_diagnostics (what the solvers use at a common scale c and for causal runs):
+    E, 𝒢², 𝒟 and ∇_S δE/δμ times e^{−c} against the dense formulas and autograd of the naive
+    energy, for a batch of two head sets with different ω per member, β = 1.7, non-uniform token
+    weights (different per member) and an arbitrary tangent field V; symmetric and non-symmetric scores; c omitted
+    (the default 0) and c = 1."""
+    x = tp.sphere.sample_uniform(7, 3, generator=gen(20), dtype=torch.float64).expand(2, 7, 3).clone()
+    x[1] = x[1].flip(0)
+    A = 0.6 * torch.randn(2, 3, 3, 3, generator=gen(21), dtype=torch.float64)
+    if symmetric:
+        A = 0.5 * (A + A.transpose(-1, -2))
+    om = torch.tensor([[1.0, 1.0, 1.0], [0.3, 1.1, 1.9]], dtype=torch.float64)
+    heads = tp.Heads(A, weights=om, beta=BETA)
+    w = torch.rand(2, 7, generator=gen(22), dtype=torch.float64) + 0.1  # token weights per batch member
+    w = w / w.sum(-1, keepdim=True)
+    V = torch.randn(2, 7, 3, generator=gen(23), dtype=torch.float64)
+    V = V - (V * x).sum(-1, keepdim=True) * x
+    stats = tp.attention.softmax_statistics(x, heads, w)
+    kw = {} if c is None else {"log_scale": c}
+    E, G, D, g = scaled_diagnostics(x, heads, w, V, stats, **kw)
+    scale = math.exp(0.0 if c is None else c)
+    xr = x.clone().requires_grad_(True)
+    (dEdx,) = torch.autograd.grad(naive_energy(xr, A, om, BETA, w).sum(), xr)
+    grad = dEdx / w.unsqueeze(-1)  # ∂E/∂x_i = w_i ∇δE/δμ(x_i)
+    grad = grad - (grad * x).sum(-1, keepdim=True) * x
+    m = (torch.exp(BETA * torch.einsum("bid,bhde,bje->bhij", x, A, x)) * w[:, None, None, :]).sum(-1)  # m_h(x_i)
+    b = 1.0 / ((om / om.sum(-1, keepdim=True)).unsqueeze(-1) / m).sum(-2)
+    assert_close(E * scale, naive_energy(x, A, om, BETA, w), rtol=1e-12, atol=0)
+    assert_close(g * scale, grad, rtol=1e-10, atol=1e-13)
+    assert_close(G * scale, (w * b * V.square().sum(-1)).sum(-1), rtol=1e-12, atol=0)
+    assert_close(D * scale, (dEdx * V).sum((-1, -2)), rtol=1e-10, atol=1e-13)
 
 
 # ---------------------------------------------------------------------------- ∂_tE and the Itô term

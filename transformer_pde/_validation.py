@@ -112,7 +112,7 @@ def check_token_weights(w, x: torch.Tensor, name: str = "weights", x_name: str =
     if bool((w < 0).any()):
         raise ValueError(f"{name} has negative entries (min {w.min().item():.3g}); token weights must be >= 0")
     err = (w.sum(-1) - 1).abs().max().item()
-    tol = max(1e-6, 1e3 * torch.finfo(w.dtype).eps)
+    tol = sphere_tolerance(w.dtype)
     if err > tol:
         raise ValueError(
             f"{name} must sum to 1 over the tokens (max |sum - 1| = {err:.1e}); "

@@ -82,9 +82,7 @@ def _setup(args):
 
 
 def _resume_command(args, config: str, name: Optional[str]) -> str:
-    parts = ["transformer-pde", "run", config]
-    for o in args.override:
-        parts += ["-o", o]
+    parts = ["transformer-pde", "run", config] + [a for o in args.override for a in ("-o", o)]
     if args.out != "runs":
         parts += ["--out", args.out]
     if name is not None:
@@ -121,7 +119,7 @@ def _config_source(text: str, find_config) -> Path:
 
 def _cmd_run(args) -> int:
     from .resources import find_config
-    from .runs import execute, plan
+    from .runs import Terminated, execute, plan
 
     if args.name is not None and len(args.config) > 1:
         raise ValueError(f"--name names one run directory but {len(args.config)} configs were given; "
@@ -155,8 +153,6 @@ def _cmd_run(args) -> int:
             run_path = execute(path, overrides=args.override, out_dir=args.out, name=args.name, resume=args.resume,
                                progress=not args.no_progress, overwrite=args.overwrite)
         except KeyboardInterrupt as e:
-            from .runs import Terminated
-
             how = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
             msg = f"\ntransformer-pde: {how}; continue with:\n  {_resume_command(args, text, args.name)}"
             rest = [t for t, _ in jobs[i + 1:]]
@@ -209,20 +205,17 @@ def _cmd_list(args) -> int:
         for key, opt in st_one.options.items():
             ch = f" choices={list(opt.choices)}" if opt.choices else ""
             print(f"  {key:20s} default={opt.default!r}{ch}  {opt.help}")
-        mine = [(n, p) for n, p, k in configs if k == args.kind]
-        if mine:
-            print(f"shipped configs of kind {args.kind} (transformer-pde run NAME):")
-            for n, p in mine:
-                print(f"  {n:28s} {p}")
-        return 0
-    print("experiment kinds:")
-    for kind, st in available().items():
-        print(f"  {kind:28s} {st.description}")
+        configs = [c for c in configs if c[2] == args.kind]
+    else:
+        print("experiment kinds:")
+        for kind, st in available().items():
+            print(f"  {kind:28s} {st.description}")
     if configs:
-        print("shipped configs (transformer-pde run NAME):")
+        print(f"shipped configs{f' of kind {args.kind}' if st_one else ''} (transformer-pde run NAME):")
         for n, p, _ in configs:
             print(f"  {n:28s} {p}")
-    print("`transformer-pde list KIND` shows the parameters of a kind.")
+    if st_one is None:
+        print("`transformer-pde list KIND` shows the parameters of a kind.")
     return 0
 
 
@@ -313,15 +306,12 @@ def main(argv=None) -> int:
     undo = _setup(args)
     try:
         return args.fn(args)
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, OSError) as e:  # bad input: 2 (nothing written); I/O error during a run: 1
         print(f"transformer-pde: error: {e}", file=sys.stderr)
-        return 2
+        return 1 if isinstance(e, OSError) else 2
     except FloatingPointError as e:  # NonFiniteError: the run blew up (time, step and quantity in the message)
         print(f"transformer-pde: the run produced NaN/inf: {e}", file=sys.stderr)
         return 3
-    except OSError as e:
-        print(f"transformer-pde: error: {e}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:  # before any run started (a run's own interruption is handled by its command)
         print("\ntransformer-pde: interrupted before any run started; nothing to resume", file=sys.stderr)
         return 130

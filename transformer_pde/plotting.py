@@ -31,6 +31,8 @@ import numpy as np
 __all__ = ["sphere_snapshots", "energy_balance", "plot_ledger", "slope_series", "slope_scaling", "REGIME_COLORS",
            "REGIME_LABELS", "LEDGER_LABELS", "head_colors", "add_caption", "finish_figure", "figure_caption",
            "snapshot_indices", "snapshot_caption", "draw_sphere", "vertex_order"]
+# shared with the studies and the animation (named internal API)
+__internal__ = ["as_numpy", "figure", "subplots", "panel", "draw_circle", "draw_gram"]
 
 REGIME_COLORS = {"ou": "#27ae60", "oscillating": "#c0392b"}
 REGIME_LABELS = {"ou": "OU", "oscillating": "oscillating"}
@@ -55,19 +57,43 @@ _RESIDUAL_STYLE = {"residual": ("#e67e22", "-", 1.6), "residual_slope": ("#34495
 _CAPTION_GID = "transformer_pde.caption"
 
 
-def _np(a) -> np.ndarray:
+def as_numpy(a) -> np.ndarray:
+    """A float numpy array of an array-like or a tensor (detached, on the CPU)."""
     if hasattr(a, "detach"):
         a = a.detach().cpu().numpy()
     return np.asarray(a, dtype=float)
 
 
-def _figure(figsize):
+def figure(figsize, title: Optional[str] = None):
+    """A matplotlib Figure with an Agg canvas (a renderer for the caption placement; no pyplot state) and its
+    title when given."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=figsize)
-    FigureCanvasAgg(fig)  # a renderer for the caption placement; no pyplot state
+    FigureCanvasAgg(fig)
+    if title is not None:
+        fig.suptitle(title)
     return fig
+
+
+def subplots(rows: int, cols: int, figsize, title: Optional[str] = None, **kw):
+    """:func:`figure` and its grid of axes (``Figure.subplots(rows, cols, **kw)``); returns (figure, axes)."""
+    fig = figure(figsize, title)
+    return fig, fig.subplots(rows, cols, **kw)
+
+
+def panel(ax, xlabel=None, ylabel=None, title=None, *, legend=None, title_size=None) -> None:
+    """Label one panel: the axis labels and the title that are given, and a legend (``legend``: True or the
+    keyword arguments of ``ax.legend``)."""
+    if xlabel is not None:
+        ax.set_xlabel(xlabel)
+    if ylabel is not None:
+        ax.set_ylabel(ylabel)
+    if title is not None:
+        ax.set_title(title, **({} if title_size is None else {"fontsize": title_size}))
+    if legend:
+        ax.legend(**({} if legend is True else legend))
 
 
 def head_colors(k: int):
@@ -86,7 +112,7 @@ def _paths(v) -> int:
 
 def _mean_std(v: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
     """(T, P) -> mean and (population) std over the paths."""
-    v = _np(v)
+    v = as_numpy(v)
     if v.ndim == 1:
         return v, np.zeros_like(v)
     v = v.reshape(len(v), -1)
@@ -148,9 +174,8 @@ def finish_figure(fig, caption: str, *, suptitle_space: float = 0.94) -> None:
             continue
         handles, labels = ax.get_legend_handles_labels()
         leg.remove()
-        ncol = 2 if len(labels) > 3 else 1
         ax.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.2), fontsize=7.5, frameon=False,
-                  ncol=ncol)
+                  ncol=2 if len(labels) > 3 else 1)
     fig.tight_layout(rect=(0, 0, 1, suptitle_space))
     add_caption(fig, caption)
 
@@ -170,18 +195,13 @@ def snapshot_indices(times, count: int) -> List[int]:
     Raises:
         ValueError: when count < 1 or times is empty.
     """
-    t = _np(times).reshape(-1)
+    t = as_numpy(times).reshape(-1)
     if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 1:
         raise ValueError(f"count must be a positive integer (number of snapshot columns), got {count!r}")
     if t.size == 0:
         raise ValueError("times is empty: nothing was recorded")
     targets = np.linspace(t[0], t[-1], count) if count > 1 else np.array([t[0]])
-    out: List[int] = []
-    for ts in targets:
-        i = int(np.argmin(np.abs(t - ts)))
-        if i not in out:
-            out.append(i)
-    return out
+    return list(dict.fromkeys(int(np.argmin(np.abs(t - ts))) for ts in targets))  # nearest records, no repeats
 
 
 def draw_sphere(ax, elev: float = 18, azim: float = -55, zoom: float = 1.0) -> None:
@@ -197,18 +217,32 @@ def draw_sphere(ax, elev: float = 18, azim: float = -55, zoom: float = 1.0) -> N
     ax.view_init(elev=elev, azim=azim)
 
 
+def draw_circle(ax, lim: float) -> None:
+    """Prepare axes for tokens on S¹: the unit circle in light grey, equal aspect, limits ±lim, no axes box."""
+    th = np.linspace(0, 2 * np.pi, 200)
+    ax.plot(np.cos(th), np.sin(th), color="#cccccc", lw=0.8)
+    ax.set_xlim(-lim, lim)
+    ax.set_ylim(-lim, lim)
+    ax.set_aspect("equal")
+    ax.axis("off")
+
+
+def draw_gram(ax, pts):
+    """The Gram matrix ⟨x_i, x_j⟩ of the tokens pts (m, d) (red +1, blue −1), without ticks; returns the image."""
+    image = ax.imshow(pts @ pts.T, vmin=-1, vmax=1, cmap="RdBu_r", interpolation="nearest")
+    ax.set_xticks([])
+    ax.set_yticks([])
+    return image
+
+
 def vertex_order(x0) -> np.ndarray:
     """Token order for Gram-matrix plots: by the nearest cross-polytope vertex ±e_k at t = 0.
 
     x0: (n, d).  Returns a permutation (n,)."""
-    x0 = _np(x0)
+    x0 = as_numpy(x0)
     k = np.abs(x0).argmax(-1)
     s = np.sign(x0[np.arange(len(x0)), k])
     return np.lexsort((s, k))
-
-
-_sphere_axis = draw_sphere
-_order_by_vertex = vertex_order
 
 
 def sphere_snapshots(rows: Sequence[Tuple[str, object]], times, snapshot_times: Union[int, Sequence[float]] = 5, *,
@@ -235,8 +269,8 @@ def sphere_snapshots(rows: Sequence[Tuple[str, object]], times, snapshot_times: 
     Raises:
         ValueError: no rows, or tokens that are not (T, n, d) with T = len(times).
     """
-    t = _np(times).reshape(-1)
-    rows = [(lab, _np(x)) for lab, x in rows]
+    t = as_numpy(times).reshape(-1)
+    rows = [(lab, as_numpy(x)) for lab, x in rows]
     if not rows:
         raise ValueError("sphere_snapshots needs at least one row")
     for lab, x in rows:
@@ -250,8 +284,7 @@ def sphere_snapshots(rows: Sequence[Tuple[str, object]], times, snapshot_times: 
         cols = [int(np.argmin(np.abs(t - ts))) for ts in snapshot_times]
     nr, nc = len(rows), len(cols)
     colors = list(colors) if colors is not None else ["#2980b9"] * nr
-    size = (2.7 * nc, 2.6 * nr + 0.5)
-    fig = _figure(size)
+    fig = figure((2.7 * nc, 2.6 * nr + 0.5))
     for r, (label, x) in enumerate(rows):
         order = vertex_order(x[0]) if d >= 4 else None
         for c, idx in enumerate(cols):
@@ -265,8 +298,7 @@ def sphere_snapshots(rows: Sequence[Tuple[str, object]], times, snapshot_times: 
                            linewidths=0.2)
             elif d == 2:
                 ax = fig.add_subplot(nr, nc, pos)
-                th = np.linspace(0, 2 * np.pi, 200)
-                ax.plot(np.cos(th), np.sin(th), color="#cccccc", lw=0.8)
+                draw_circle(ax, 1.6)
                 ang = np.arctan2(pts[:, 1], pts[:, 0])
                 hist, edges = np.histogram(ang, bins=72, range=(-np.pi, np.pi))
                 mid = 0.5 * (edges[1:] + edges[:-1])
@@ -275,16 +307,9 @@ def sphere_snapshots(rows: Sequence[Tuple[str, object]], times, snapshot_times: 
                     if rr > 1.0:
                         ax.plot([np.cos(a), rr * np.cos(a)], [np.sin(a), rr * np.sin(a)], color=col, lw=1.2, alpha=0.6)
                 ax.scatter(pts[:, 0], pts[:, 1], color=col, s=10, zorder=5, edgecolors="white", linewidths=0.2)
-                ax.set_xlim(-1.6, 1.6)
-                ax.set_ylim(-1.6, 1.6)
-                ax.set_aspect("equal")
-                ax.axis("off")
             else:
                 ax = fig.add_subplot(nr, nc, pos)
-                p = pts[order]
-                ax.imshow(p @ p.T, vmin=-1, vmax=1, cmap="RdBu_r", interpolation="nearest")
-                ax.set_xticks([])
-                ax.set_yticks([])
+                draw_gram(ax, pts[order])
             if r == 0:
                 ax.set_title(f"t = {t[idx]:.3g}", fontsize=9)
             if c == 0:
@@ -329,35 +354,29 @@ def _ledger_axes(fig, spec, t, led, sign, *, title, handles):
     for key, (col, ls) in _LEDGER_STYLE.items():
         if key not in led:
             continue
-        v = _np(led[key])
+        v = as_numpy(led[key])
         if key == "slope":
             v = sign * v
         if key == "martingale" and not np.any(v != 0):
             continue
         handles.setdefault(key, _band(ax, t, v, col, ls, LEDGER_LABELS[key]))
-    ax.axhline(0, color="#2c3e50", lw=0.8, alpha=0.6)
-    ax.set_title(title, fontsize=9)
-    ax.grid(True, ls=":", alpha=0.3)
-    ax.set_ylabel("energy, ledger terms", fontsize=8)
-    ax.tick_params(labelsize=7)
-    if axr is None:
-        ax.set_xlabel("t", fontsize=8)
-        return ax, None
-    ax.tick_params(labelbottom=False)
     for key in has_res:
         col, ls, lw = _RESIDUAL_STYLE[key]
         handles.setdefault(key, _band(axr, t, led[key], col, ls, LEDGER_LABELS[key], lw=lw))
-    axr.axhline(0, color="#2c3e50", lw=0.8, alpha=0.6)
-    axr.grid(True, ls=":", alpha=0.3)
-    axr.set_xlabel("t", fontsize=8)
-    axr.set_ylabel("residual", fontsize=8)
-    axr.tick_params(labelsize=7)
-    axr.yaxis.get_offset_text().set_fontsize(7)
-    return ax, axr
+    ax.set_title(title, fontsize=9)
+    for a, ylabel in [(ax, "energy, ledger terms")] + ([(axr, "residual")] if axr is not None else []):
+        a.axhline(0, color="#2c3e50", lw=0.8, alpha=0.6)
+        a.grid(True, ls=":", alpha=0.3)
+        a.set_ylabel(ylabel, fontsize=8)
+        a.tick_params(labelsize=7)
+    (ax if axr is None else axr).set_xlabel("t", fontsize=8)
+    if axr is not None:
+        ax.tick_params(labelbottom=False)
+        axr.yaxis.get_offset_text().set_fontsize(7)
 
 
-def _paths_note(P: int, band: str = "± std") -> str:
-    return "one path" if P == 1 else f"mean {band} of {P} paths"
+def _paths_note(P: int) -> str:
+    return "one path" if P == 1 else f"mean ± std of {P} paths"
 
 
 def _ledger_caption(sign: float, Ps: Sequence[int], has_slope: bool) -> str:
@@ -401,29 +420,34 @@ def energy_balance(panels: Sequence[Tuple[str, Mapping[str, object]]], times, *,
     Returns:
         matplotlib Figure.
     """
-    t = _np(times)
     k = len(panels)
     if k == 0:
         raise ValueError("energy_balance needs at least one panel")
     ncols = ncols or k
     nrows = -(-k // ncols)
-    fig = _figure((4.2 * ncols, 5.2 * nrows))
-    outer = fig.add_gridspec(nrows, ncols, hspace=0.3, wspace=0.34)
+    fig = figure((4.2 * ncols, 5.2 * nrows))
+    default_caption = _ledger_panels(fig, fig.add_gridspec(nrows, ncols, hspace=0.3, wspace=0.34), ncols, panels,
+                                     as_numpy(times), sign)
+    if title:
+        fig.suptitle(title, fontsize=11, y=0.95 if nrows > 1 else 1.0)
+    add_caption(fig, caption if caption is not None else default_caption)
+    return fig
+
+
+def _ledger_panels(fig, grid, ncols: int, panels, t, sign: float) -> str:
+    """Draw the ledgers [(label, ledger)] into the cells of ``grid`` (label None: the title is only the paths
+    note) with one legend right of them; returns the default caption."""
     handles: Dict[str, object] = {}
     Ps = []
     for i, (label, led) in enumerate(panels):
-        r, c = divmod(i, ncols)
-        P = max(_paths(_np(v)) for v in led.values())
+        P = max(_paths(as_numpy(v)) for v in led.values())
         Ps.append(P)
-        _ledger_axes(fig, outer[r, c], t, led, sign, title=f"{label} ({_paths_note(P)})", handles=handles)
+        _ledger_axes(fig, grid[divmod(i, ncols)], t, led, sign, handles=handles,
+                     title=_paths_note(P) if label is None else f"{label} ({_paths_note(P)})")
     order = [key for key in LEDGER_LABELS if key in handles]
     fig.legend([handles[key] for key in order], [LEDGER_LABELS[key] for key in order], loc="center left",
                bbox_to_anchor=(0.91, 0.5), fontsize=8, frameon=False)
-    if title:
-        fig.suptitle(title, fontsize=11, y=0.95 if nrows > 1 else 1.0)
-    has_slope = any("slope" in led or "residual_slope" in led for _, led in panels)
-    add_caption(fig, caption if caption is not None else _ledger_caption(sign, Ps, has_slope))
-    return fig
+    return _ledger_caption(sign, Ps, any("slope" in led or "residual_slope" in led for _, led in panels))
 
 
 def plot_ledger(times, ledger: Mapping[str, object], *, keys: Optional[Sequence[str]] = None, sign: float = -1.0,
@@ -457,19 +481,10 @@ def plot_ledger(times, ledger: Mapping[str, object], *, keys: Optional[Sequence[
     use = [k for k in (keys if keys is not None else LEDGER_LABELS) if k in ledger and k in LEDGER_LABELS]
     if not use:
         raise ValueError(f"ledger has none of the keys {', '.join(LEDGER_LABELS)}")
-    led = {k: ledger[k] for k in use}
-    t = _np(times)
-    fig = _figure((6.4, 4.6 if any(k in _RESIDUAL_STYLE for k in use) else 3.4))
-    gs = fig.add_gridspec(1, 1)
-    handles: Dict[str, object] = {}
-    P = max(_paths(_np(v)) for v in led.values())
-    _ledger_axes(fig, gs[0], t, led, sign, title=f"{title} ({_paths_note(P)})" if title else _paths_note(P),
-                 handles=handles)
-    order = [key for key in LEDGER_LABELS if key in handles]
-    fig.legend([handles[key] for key in order], [LEDGER_LABELS[key] for key in order], loc="center left",
-               bbox_to_anchor=(0.91, 0.5), fontsize=8, frameon=False)
-    add_caption(fig, caption if caption is not None else
-                _ledger_caption(sign, [P], "slope" in led or "residual_slope" in led))
+    fig = figure((6.4, 4.6 if any(k in _RESIDUAL_STYLE for k in use) else 3.4))
+    default_caption = _ledger_panels(fig, fig.add_gridspec(1, 1), 1, [(title or None, {k: ledger[k] for k in use})],
+                                     as_numpy(times), sign)
+    add_caption(fig, caption if caption is not None else default_caption)
     return fig
 
 
@@ -492,8 +507,8 @@ def slope_series(panels: Sequence[Tuple[str, Mapping[int, object]]], times, *, t
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
-    t = _np(times)
-    fig = _figure((4.6 * len(panels) + 1.6, 3.6))
+    t = as_numpy(times)
+    fig = figure((4.6 * len(panels) + 1.6, 3.6))
     heads_all = sorted({H for _, c in panels for H in c})
     colors = dict(zip(heads_all, head_colors(len(heads_all))))
     any_band = False
@@ -502,7 +517,7 @@ def slope_series(panels: Sequence[Tuple[str, Mapping[int, object]]], times, *, t
         P = 1
         for H, v in sorted(curves.items()):
             col = colors[H]
-            v = _np(v).reshape(len(t), -1)
+            v = as_numpy(v).reshape(len(t), -1)
             P = max(P, v.shape[-1])
             floor = 1e-14
             ax.semilogy(t, np.maximum(v.mean(-1), floor), color=col, lw=1.6)
@@ -512,10 +527,8 @@ def slope_series(panels: Sequence[Tuple[str, Mapping[int, object]]], times, *, t
                 ax.fill_between(t, np.maximum(lo, floor), np.maximum(hi, floor), color=col, alpha=0.18, linewidth=0)
         if t_avg is not None:
             ax.axvline(t_avg, color="#7f8c8d", ls=":", lw=1.0)
-        ax.set_xlabel("t")
-        ax.set_ylabel(r"metric slope $\mathscr{G}^2_t$")
         note = "one path" if P == 1 else f"mean of {P} paths, 16–84 % band"
-        ax.set_title(f"{label} ({note})", fontsize=9)
+        panel(ax, "t", r"metric slope $\mathscr{G}^2_t$", f"{label} ({note})", title_size=9)
         ax.grid(True, which="both", ls=":", alpha=0.3)
     handles = [Line2D([], [], color=colors[H], lw=1.6, label=f"H = {H}") for H in heads_all]
     if any_band:
@@ -529,7 +542,8 @@ def slope_series(panels: Sequence[Tuple[str, Mapping[int, object]]], times, *, t
         fig.suptitle(title, fontsize=11)
     if caption is None:
         band = "; shaded: 16–84 % quantiles over the paths (± 1σ for a Gaussian; a ± std band would cross 0)"
-        dotted = f". Dotted: t = {t_avg:g}, where the time average of the scaling figure starts" if t_avg is not None else ""
+        dotted = (f". Dotted: t = {t_avg:g}, where the time average of the scaling figure starts" if t_avg is not None
+                  else "")
         caption = ("Metric slope 𝒢² = ∫ b|V|² dμ on a log axis, one colour per head count H. Lines: mean over the "
                    f"Monte-Carlo paths (or the single path of a deterministic run){band if any_band else ''}{dotted}.")
     add_caption(fig, caption)
@@ -556,7 +570,7 @@ def slope_scaling(entries: Sequence[Dict], *, title: str = "", t_avg: Optional[f
     """
     from matplotlib.ticker import FixedLocator, LogFormatterSciNotation, LogLocator, NullFormatter
 
-    fig = _figure((5.4, 4.0))
+    fig = figure((5.4, 4.0))
     ax = fig.add_subplot(1, 1, 1)
     all_H: List[float] = []
     any_multi = False
@@ -564,7 +578,7 @@ def slope_scaling(entries: Sequence[Dict], *, title: str = "", t_avg: Optional[f
     for e in entries:
         Hs = np.asarray(e["heads"], dtype=float)
         all_H += list(Hs)
-        per = [_np(p).reshape(-1) for p in e["per_path"]]
+        per = [as_numpy(p).reshape(-1) for p in e["per_path"]]
         means = np.array([p.mean() for p in per])
         stds = np.array([p.std() for p in per])
         P = max(len(p) for p in per)
@@ -599,13 +613,10 @@ def slope_scaling(entries: Sequence[Dict], *, title: str = "", t_avg: Optional[f
     # label every major tick (the formatter would otherwise hide some of 1, 2, 5 × 10^k on short ranges)
     ax.yaxis.set_major_formatter(LogFormatterSciNotation(labelOnlyBase=False, minor_thresholds=(np.inf, np.inf)))
     ax.yaxis.set_minor_formatter(NullFormatter())
-    ax.set_xlabel("number of heads H")
-    ylab = r"time-averaged $\overline{\mathscr{G}^2}$" + (f" over t ≥ {t_avg:g}" if t_avg is not None else "")
-    ax.set_ylabel(ylab)
     ax.grid(True, which="both", ls=":", alpha=0.3)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), frameon=False)
-    if title:
-        ax.set_title(title, fontsize=10)
+    ylab = r"time-averaged $\overline{\mathscr{G}^2}$" + (f" over t ≥ {t_avg:g}" if t_avg is not None else "")
+    panel(ax, "number of heads H", ylab, title or None, title_size=10,
+          legend={"fontsize": 7, "loc": "upper left", "bbox_to_anchor": (1.02, 1.0), "frameon": False})
     if caption is None:
         window = f"over t ≥ {t_avg:g}" if t_avg is not None else "over the run"
         caption = f"Time average of 𝒢² {window} against H (log–log). Markers: mean over the Monte-Carlo paths"

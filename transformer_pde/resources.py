@@ -18,6 +18,9 @@ then the source checkout's ``experiments/`` (editable installs and running from 
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+from importlib.resources import files
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
@@ -55,17 +58,13 @@ def load_toml(path: Union[str, Path]) -> Dict[str, Any]:
 def _package_configs() -> Optional[Path]:
     """``transformer_pde/configs`` of an installed wheel, if present on the file system."""
     try:
-        from importlib.resources import files
-
         d = files("transformer_pde").joinpath("configs")
-    except (ImportError, ModuleNotFoundError, TypeError):  # pragma: no cover
+    except (ImportError, TypeError):  # pragma: no cover
         return None
     if isinstance(d, Path) and d.is_dir() and any(d.glob("*" + _SUFFIX)):
         return d
     # an editable install maps transformer_pde.configs onto experiments/ through a finder
     try:
-        import importlib.util
-
         spec = importlib.util.find_spec("transformer_pde.configs")
     except (ImportError, ValueError):
         spec = None
@@ -144,12 +143,8 @@ def find_config(source: Union[str, Path]) -> Path:
         return path
     parts = path.parts
     if len(parts) == 1 or (len(parts) == 2 and parts[0] == "experiments"):
-        try:
+        with contextlib.suppress(ValueError, FileNotFoundError):
             return config_path(path.name)
-        except ValueError:
-            pass
-        except FileNotFoundError:
-            pass
     try:
         names = ", ".join(config_names())
     except FileNotFoundError:

@@ -33,6 +33,7 @@ directory and continue a partial piece from its checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -48,17 +49,16 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
-try:  # Python >= 3.11
-    import tomllib
-except ModuleNotFoundError:  # pragma: no cover - Python 3.10: the tomli backport (same API)
-    import tomli as tomllib
-
 import torch
 
+from .resources import tomllib
 from .studies import get_study, validate_params
 
 __all__ = ["RunDir", "load_config", "parse_override", "execute", "plan", "package_versions", "atomic_write_text",
            "flatten_metrics", "check_run_name", "is_run_dir", "RunLockedError", "Terminated", "MARKER", "LOCK_FILE"]
+
+# shared with sweep (named internal API)
+__internal__ = ["write_csv", "write_figure"]
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +76,28 @@ def atomic_write_text(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def write_csv(path: Path, rows: Iterable[Sequence]) -> None:
+    """Write the rows (the first is the header) as a CSV file, atomically; floats as repr, None as ""."""
+    buf = io.StringIO()
+    csv.writer(buf).writerows([repr(float(v)) if isinstance(v, float) else v for v in row] for row in rows)
+    atomic_write_text(path, buf.getvalue())
+
+
+def write_figure(fig, folder: Path, name: str, formats: Sequence[str] = ("png", "pdf"), dpi: int = 150) -> list:
+    """Save ``fig`` as folder/<name>.<ext> for each format (each atomically) and close it; returns the paths."""
+    import matplotlib.pyplot as plt
+
+    out = []
+    for ext in formats:
+        p = Path(folder) / f"{name}.{ext}"
+        tmp = p.with_name(p.stem + ".tmp." + ext)
+        fig.savefig(tmp, dpi=dpi, bbox_inches="tight")
+        os.replace(tmp, p)
+        out.append(p)
+    plt.close(fig)
+    return out
 
 
 def package_versions() -> Dict[str, Any]:
@@ -108,10 +130,8 @@ class RunDir:
         self.progress = progress
         self.resume = resume
         self.step_callback = step_callback
-        (self.path / "figures").mkdir(parents=True, exist_ok=True)
-        (self.path / "series").mkdir(exist_ok=True)
-        (self.path / "checkpoints").mkdir(exist_ok=True)
-        (self.path / "data").mkdir(exist_ok=True)
+        for sub in ("figures", "series", "checkpoints", "data"):
+            (self.path / sub).mkdir(parents=True, exist_ok=True)
 
     @classmethod
     def for_script(cls, path, kind: str, *, progress: bool = False) -> "RunDir":
@@ -122,9 +142,8 @@ class RunDir:
         other folder is refused with ValueError and left untouched.
         """
         path = Path(path)
-        if path.is_symlink() or (path.exists() and not path.is_dir()):
-            raise _not_ours(path)
-        if path.is_dir() and any(path.iterdir()) and not is_run_dir(path):
+        if path.is_symlink() or (path.exists() and not path.is_dir()) or (
+                path.is_dir() and any(path.iterdir()) and not is_run_dir(path)):
             raise _not_ours(path)
         if not is_run_dir(path):
             path.mkdir(parents=True, exist_ok=True)
@@ -171,27 +190,12 @@ class RunDir:
         lengths = {len(v) for v in cols.values()}
         if len(lengths) != 1:
             raise ValueError(f"series {name!r}: columns have different lengths {sorted(lengths)}")
-        buf = io.StringIO()
-        w = csv.writer(buf)
-        w.writerow(list(cols))
-        for row in zip(*cols.values()):
-            w.writerow([repr(float(v)) if isinstance(v, float) else v for v in row])
         p = self.path / "series" / f"{name}.csv"
-        atomic_write_text(p, buf.getvalue())
+        write_csv(p, [list(cols), *zip(*cols.values())])
         return p
 
     def save_figure(self, fig, name: str, formats: Sequence[str] = ("png", "pdf")) -> list:
-        import matplotlib.pyplot as plt
-
-        out = []
-        for ext in formats:
-            p = self.path / "figures" / f"{name}.{ext}"
-            tmp = p.with_name(p.stem + ".tmp." + ext)
-            fig.savefig(tmp, dpi=150, bbox_inches="tight")
-            os.replace(tmp, p)
-            out.append(p)
-        plt.close(fig)
-        return out
+        return write_figure(fig, self.path / "figures", name, formats)
 
 
 def _to_list(v):
@@ -203,11 +207,9 @@ def _to_list(v):
 
 
 def _json_default(o):
-    if isinstance(o, torch.Tensor):
-        return o.detach().cpu().tolist()
     if isinstance(o, Path):
         return str(o)
-    if hasattr(o, "tolist"):
+    if hasattr(o, "tolist"):  # tensors, numpy arrays and scalars
         return o.tolist()
     raise TypeError(f"not JSON serialisable: {type(o).__name__}")
 
@@ -256,9 +258,7 @@ def load_config(source, overrides: Iterable[str] = ()) -> Dict[str, Any]:
             of the wrong type, outside its choices or not finite (each names the key and the fix).
     """
     if isinstance(source, (str, Path)):
-        path = Path(source)
-        raw = _read_config_file(path)
-        default_name = path.stem
+        raw, default_name = _read_config_file(Path(source)), Path(source).stem
     elif isinstance(source, dict):
         raw = dict(source)
         default_name = raw.get("kind", "run")
@@ -273,10 +273,7 @@ def load_config(source, overrides: Iterable[str] = ()) -> Dict[str, Any]:
     kind = raw["kind"]
     if not isinstance(raw.get("params", {}), dict):
         raise ValueError("config key 'params' must be a table ([params] in TOML) of parameter = value lines")
-    params = dict(raw.get("params", {}))
-    for ov in overrides:
-        k, v = parse_override(ov)
-        params[k] = v
+    params = {**raw.get("params", {}), **dict(parse_override(ov) for ov in overrides)}
     resolved = validate_params(kind, params)
     # checks that involve several keys, declared by the study as fn.validate(params)
     check = getattr(get_study(kind).fn, "validate", None)
@@ -304,13 +301,6 @@ def flatten_metrics(obj, prefix: str = "") -> Dict[str, Any]:
     else:
         out[prefix[:-1]] = obj
     return out
-
-
-def _device_info() -> Dict[str, Any]:
-    info = {"cuda_available": torch.cuda.is_available(), "cpu_count": os.cpu_count()}
-    if torch.cuda.is_available():
-        info["cuda_device"] = torch.cuda.get_device_name(0)
-    return info
 
 
 # ---------------------------------------------------------------------------- run-directory safety
@@ -379,17 +369,11 @@ def _not_ours(path: Path) -> ValueError:
 
 def _config_diff(old: Dict[str, Any], new: Dict[str, Any]) -> List[str]:
     """'key: old -> new' for every top-level or params key whose value differs."""
-    out = []
-    for k in sorted(set(old) | set(new)):
-        if k == "params":
-            continue
-        if old.get(k) != new.get(k):
-            out.append(f"{k}: {old.get(k, '(absent)')!r} -> {new.get(k, '(absent)')!r}")
     po, pn = old.get("params", {}) or {}, new.get("params", {}) or {}
-    for k in sorted(set(po) | set(pn)):
-        if po.get(k, "(absent)") != pn.get(k, "(absent)"):
-            out.append(f"{k}: {po.get(k, '(absent)')!r} -> {pn.get(k, '(absent)')!r}")
-    return out
+    top = [k for k in sorted(set(old) | set(new)) if k != "params" and old.get(k) != new.get(k)]
+    params = [k for k in sorted(set(po) | set(pn)) if po.get(k, "(absent)") != pn.get(k, "(absent)")]
+    return [f"{k}: {a.get(k, '(absent)')!r} -> {b.get(k, '(absent)')!r}" for keys, a, b in
+            ((top, old, new), (params, po, pn)) for k in keys]
 
 
 def plan(source, *, overrides: Iterable[str] = (), out_dir="runs", name: Optional[str] = None,
@@ -429,9 +413,7 @@ def plan(source, *, overrides: Iterable[str] = (), out_dir="runs", name: Optiona
 def _check_existing(run_path: Path, cfg, *, resume: bool, overwrite: bool, replace_kind: Optional[str],
                     check_lock: bool = True) -> str:
     """For an existing ``run_path``: "resume", "overwrite" or "fresh" (marked, nothing to lose); else ValueError."""
-    if run_path.is_symlink() or not run_path.is_dir():
-        raise _not_ours(run_path)
-    marker = _read_marker(run_path)
+    marker = _read_marker(run_path) if run_path.is_dir() and not run_path.is_symlink() else None
     if marker is None:
         raise _not_ours(run_path)
     locked, pid = _lock_holder(run_path) if check_lock else (False, None)
@@ -440,11 +422,9 @@ def _check_existing(run_path: Path, cfg, *, resume: bool, overwrite: bool, repla
     if not os.access(run_path, os.W_OK | os.X_OK):
         raise ValueError(f"run directory {run_path} is not writable (permission denied); choose another --out")
     cfg_file = run_path / "config.json"
-    if overwrite:
+    if overwrite or (replace_kind is not None and marker.get("kind") == replace_kind):
         return "overwrite"
     if replace_kind is not None:
-        if marker.get("kind") == replace_kind:
-            return "overwrite"
         raise ValueError(f"{run_path} holds a run of kind {marker.get('kind')!r}, not a {replace_kind!r} run; "
                          f"it is kept: choose another --name or --out")
     if not cfg_file.exists():
@@ -495,16 +475,18 @@ class _RunLock:
 
     def release(self) -> None:
         if self.fd is not None:
-            try:
+            with contextlib.suppress(OSError):
                 os.ftruncate(self.fd, 0)
-            except OSError:  # pragma: no cover
-                pass
             os.close(self.fd)  # closing the descriptor releases the lock
             self.fd = None
 
 
 def _lock_holder(run_path: Path) -> Tuple[bool, Optional[int]]:
     """(locked?, holder PID or None) for ``run_path/.lock``, without creating or changing anything."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows: the claim in _open_run_dir decides
+        return False, None
     p = Path(run_path) / LOCK_FILE
     if p.is_symlink() or not p.is_file():
         return False, None
@@ -513,17 +495,12 @@ def _lock_holder(run_path: Path) -> Tuple[bool, Optional[int]]:
     except OSError:
         return False, None
     try:
-        try:
-            import fcntl
-        except ImportError:  # pragma: no cover - Windows: the claim in _open_run_dir decides
-            return False, None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            text = os.pread(fd, 64, 0).decode("ascii", "replace").strip()
-            return True, int(text) if text.isdigit() else None
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         fcntl.flock(fd, fcntl.LOCK_UN)
         return False, None
+    except BlockingIOError:
+        text = os.pread(fd, 64, 0).decode("ascii", "replace").strip()
+        return True, int(text) if text.isdigit() else None
     finally:
         os.close(fd)
 
@@ -579,9 +556,8 @@ def _open_run_dir(cfg, run_path: Path, *, resume: bool, overwrite: bool, replace
         pass
     except OSError as e:
         raise ValueError(f"cannot create run directory {run_path} ({e.strerror or e}); choose another --out") from None
-    if not created:  # existing: must be ours before we touch it (not even the lock file is created otherwise)
-        if run_path.is_symlink() or not run_path.is_dir() or _read_marker(run_path) is None:
-            raise _not_ours(run_path)
+    if not created and not is_run_dir(run_path):  # ours before we touch it (not even the lock file is created)
+        raise _not_ours(run_path)
     lock = _RunLock(run_path).acquire()
     try:
         if created:
@@ -599,27 +575,25 @@ def _open_run_dir(cfg, run_path: Path, *, resume: bool, overwrite: bool, replace
         raise
 
 
-class _SigtermAsInterrupt:
-    """While active (main thread only), the first SIGTERM raises :class:`Terminated` (a second one gets the
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    """Within the block (main thread only), the first SIGTERM raises :class:`Terminated` (a second one gets the
     previous handler, by default: terminate at once); the previous handler is restored on exit."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGTERM"):
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    old = signal.SIG_DFL if previous is None else previous
 
-    def __enter__(self):
-        self.active = threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGTERM")
-        if self.active:
-            previous = signal.getsignal(signal.SIGTERM)
-            self.old = signal.SIG_DFL if previous is None else previous
+    def handler(signum, _frame):
+        signal.signal(signal.SIGTERM, old)  # one-shot
+        raise Terminated(signum)
 
-            def handler(signum, frame):
-                signal.signal(signal.SIGTERM, self.old)  # one-shot
-                raise Terminated(signum)
-
-            signal.signal(signal.SIGTERM, handler)
-        return self
-
-    def __exit__(self, *exc):
-        if self.active:
-            signal.signal(signal.SIGTERM, self.old)
-        return False
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def execute(source, *, overrides: Iterable[str] = (), out_dir="runs", name: Optional[str] = None,
@@ -655,7 +629,7 @@ def execute(source, *, overrides: Iterable[str] = (), out_dir="runs", name: Opti
                          overwrite=overwrite, replace_kind=replace_kind)
     lock, resumed = _open_run_dir(cfg, run_path, resume=resume, overwrite=overwrite, replace_kind=replace_kind)
     try:
-        with _SigtermAsInterrupt():
+        with _sigterm_as_interrupt():
             return _run_study(cfg, run_path, resumed=resumed, resume=resume, progress=progress,
                               step_callback=step_callback)
     finally:
@@ -668,10 +642,9 @@ def _run_study(cfg, run_path: Path, *, resumed: bool, resume: bool, progress: bo
     now = time.strftime("%Y-%m-%dT%H:%M:%S")
     env = run.read_json("environment.json") if resumed else None
     if env is None:
-        env = package_versions()
-        env.update(_device_info())
-        env["started"] = now
-        env["resumed"] = []
+        env = {**package_versions(), "cpu_count": os.cpu_count(), "started": now, "resumed": []}
+        if env["cuda_available"]:
+            env["cuda_device"] = torch.cuda.get_device_name(0)
     else:
         env.setdefault("resumed", []).append(now)
     run.write_json("environment.json", env)
@@ -690,16 +663,10 @@ def _run_study(cfg, run_path: Path, *, resumed: bool, resume: bool, progress: bo
         run.write_json("status.json", status)
         raise
     wall = time.perf_counter() - t0
-    metrics = dict(metrics or {})
-    metrics["wall_time_s"] = wall
+    metrics = {**(metrics or {}), "wall_time_s": wall}
     run.write_json("metrics.json", metrics)
     flat = flatten_metrics(json.loads(json.dumps(metrics, default=_json_default)))
-    buf = io.StringIO()
-    w = csv.writer(buf)
-    w.writerow(["key", "value"])
-    for k, v in flat.items():
-        w.writerow([k, "" if v is None else (repr(v) if isinstance(v, float) else v)])
-    atomic_write_text(run.path / "metrics.csv", buf.getvalue())
+    write_csv(run.path / "metrics.csv", [["key", "value"], *flat.items()])
     run.write_json("status.json", {"state": "complete", "wall_time_s": wall})
     logger.info("%s complete in %.1f s", cfg["name"], wall)
     return run_path

@@ -21,10 +21,10 @@ after another in this process; ``workers=N > 1`` on a pool of N worker processes
 (``concurrent.futures.ProcessPoolExecutor``, spawn context, so no forked torch state; each
 worker gets ``threads`` torch threads, by default cpu_count // N; from a script, call
 :func:`run_sweep` under ``if __name__ == "__main__":``, since spawned workers import the main
-module); ``scheduler=ADDRESS`` on an
-existing Dask distributed cluster (``dask.distributed.Client(ADDRESS)``; the workers need this
-package installed and the output folder on a filesystem they share).  A point that raises is
-recorded as "failed" (with its error) and the others continue.
+module); ``scheduler=ADDRESS`` on an existing Dask distributed cluster
+(``dask.distributed.Client(ADDRESS)``; the workers need this package installed and the output
+folder on a filesystem they share).  A point that raises is recorded as "failed" (with its
+error) and the others continue.
 
 Resume.  ``resume=True`` continues a sweep directory with the same sweep.json: points whose run
 directory says ``status.json: complete`` are skipped, interrupted ones are resumed (their
@@ -35,14 +35,14 @@ sweep directory is refused.
 from __future__ import annotations
 
 import argparse
-import csv
-import io
+import contextlib
 import itertools
 import json
 import logging
 import math
 import os
 import re
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -169,7 +169,7 @@ def run_sweep(config, axes: Dict[str, list] | Sequence[str], *, overrides: Itera
         anything runs), an existing sweep directory without resume or one holding another
         sweep; ImportError (with the install command) for scheduler= without dask.distributed.
     """
-    from .runs import atomic_write_text, check_run_name, load_config
+    from .runs import atomic_write_text, check_run_name, load_config, parse_override
 
     workers = _check_int(workers, "workers")
     threads = _check_int(threads, "threads")
@@ -190,10 +190,7 @@ def run_sweep(config, axes: Dict[str, list] | Sequence[str], *, overrides: Itera
             if not v:
                 raise ValueError(f"sweep axis '{k}' has no values")
     overrides = list(overrides)
-    from .runs import parse_override
-
-    fixed = {parse_override(o)[0] for o in overrides}
-    both = sorted(fixed & set(axes))
+    both = sorted({parse_override(o)[0] for o in overrides} & set(axes))
     if both:
         raise ValueError(f"'{both[0]}' is both a sweep axis (-s) and a fixed override (-o); keep one")
     base = load_config(config, overrides)
@@ -204,10 +201,9 @@ def run_sweep(config, axes: Dict[str, list] | Sequence[str], *, overrides: Itera
         raw = {"kind": base["kind"], "name": nm, "description": base["description"],
                "params": {**base["params"], **p}}
         try:
-            resolved = load_config(raw)
+            cfgs.append(load_config(raw))
         except ValueError as e:
             raise ValueError(f"sweep point {nm}: {e}") from None
-        cfgs.append(resolved)
 
     sweep_dir = Path(out_dir) / check_run_name(name if name is not None else f"{base['name']}_sweep")
     spec = json.loads(json.dumps({"config": base, "axes": axes, "points": names}, default=str))
@@ -216,8 +212,7 @@ def run_sweep(config, axes: Dict[str, list] | Sequence[str], *, overrides: Itera
         if not resume:
             raise ValueError(f"sweep directory {sweep_dir} exists; pass --resume to continue it (finished points are "
                              f"skipped) or --name NEW for another sweep")
-        old = json.loads(spec_file.read_text())
-        if old != spec:
+        if json.loads(spec_file.read_text()) != spec:
             raise ValueError(f"cannot resume {sweep_dir}: it holds another sweep (config, axes or points differ); "
                              f"use --name NEW")
     elif sweep_dir.exists() and any(sweep_dir.iterdir()):
@@ -230,7 +225,7 @@ def run_sweep(config, axes: Dict[str, list] | Sequence[str], *, overrides: Itera
     skipped = [nm for nm in names if not any(nm == t[0] for t in todo)]
     if skipped:
         log.info("sweep %s: %d of %d points already complete, skipped", sweep_dir, len(skipped), len(names))
-    n_par = 1 if scheduler is None and workers == 1 else (workers if scheduler is None else None)
+    n_par = workers if scheduler is None else None
     if threads is None and scheduler is None:
         threads = max(1, (os.cpu_count() or 1) // max(1, workers))
     results = _dispatch(todo, str(points_dir), threads, n_par, scheduler, progress)
@@ -239,10 +234,8 @@ def run_sweep(config, axes: Dict[str, list] | Sequence[str], *, overrides: Itera
         if r["state"] != "complete":
             log.warning("sweep point %s failed: %s", r["point"], r["error"])
     table, rows, metric_keys = gather(sweep_dir, errors={r["point"]: r["error"] for r in results})
-    fig_path = None
-    if figure:
-        fig_path = plot_sweep(sweep_dir, rows, list(axes),
-                              metrics=metrics or [k for k in metric_keys if k != "wall_time_s"][:4])
+    metrics = metrics or [k for k in metric_keys if k != "wall_time_s"][:4]
+    fig_path = plot_sweep(sweep_dir, rows, list(axes), metrics=metrics) if figure else None
     return SweepResult(sweep_dir, table, fig_path, rows, [r["point"] for r in results], skipped, failed)
 
 
@@ -267,24 +260,18 @@ def _dispatch(todo, points_dir, threads, n_par, scheduler, progress) -> List[Dic
                     out.append(fut.result())
                     bar.update(1)
         elif n_par == 1:
-            saved = None
-            if threads is not None:
-                import torch
+            import torch
 
-                saved = torch.get_num_threads()
+            saved = torch.get_num_threads()
             try:
                 for nm, cfg in todo:
                     out.append(_run_point(cfg, points_dir, nm, threads))
                     bar.update(1)
             finally:
-                if saved is not None:
-                    import torch
-
-                    torch.set_num_threads(saved)
+                torch.set_num_threads(saved)
         else:
             import multiprocessing
             from concurrent.futures import ProcessPoolExecutor, as_completed as cf_completed
-
             from concurrent.futures.process import BrokenProcessPool
 
             ctx = multiprocessing.get_context("spawn")
@@ -306,7 +293,7 @@ def _dispatch(todo, points_dir, threads, n_par, scheduler, progress) -> List[Dic
 
 # ---------------------------------------------------------------------------- gathering
 def _scalar(v) -> bool:
-    return v is None or (isinstance(v, (int, float, str)) and not isinstance(v, bool)) or isinstance(v, bool)
+    return v is None or isinstance(v, (int, float, str))  # bool is an int
 
 
 def gather(sweep_dir, errors: Optional[Dict[str, str]] = None) -> Tuple[Path, List[Dict[str, Any]], List[str]]:
@@ -316,7 +303,7 @@ def gather(sweep_dir, errors: Optional[Dict[str, str]] = None) -> Tuple[Path, Li
     then every scalar metric (flattened nested metrics, "a.b"); a metric whose name is also a
     parameter is prefixed "metric.".  Points not (yet) complete have state "running",
     "interrupted", "failed" or "missing" and empty metrics."""
-    from .runs import atomic_write_text, flatten_metrics
+    from .runs import flatten_metrics, write_csv
 
     sweep_dir = Path(sweep_dir)
     spec = json.loads((sweep_dir / "sweep.json").read_text())
@@ -325,13 +312,12 @@ def gather(sweep_dir, errors: Optional[Dict[str, str]] = None) -> Tuple[Path, Li
     rows: List[Dict[str, Any]] = []
     param_keys: List[str] = list(axes)
     metric_keys: List[str] = []
-    for nm in spec["points"]:
+    for i, nm in enumerate(spec["points"]):
         rp = sweep_dir / "points" / nm
         row: Dict[str, Any] = {"point": nm}
         try:
             st = json.loads((rp / "status.json").read_text())
-            state = st.get("state", "unknown")
-            err = st.get("error", "")
+            state, err = st.get("state", "unknown"), st.get("error", "")
         except (OSError, ValueError):
             state, err = "missing", ""
         if nm in errors and errors[nm]:
@@ -340,12 +326,9 @@ def gather(sweep_dir, errors: Optional[Dict[str, str]] = None) -> Tuple[Path, Li
         try:
             params = json.loads((rp / "config.json").read_text())["params"]
         except (OSError, ValueError, KeyError):
-            i = spec["points"].index(nm)
             params = {**spec["config"]["params"], **expand_grid(spec["axes"])[i]}
-        for k, v in params.items():
-            if k not in param_keys:
-                param_keys.append(k)
-            row[k] = v
+        row.update(params)
+        param_keys += [k for k in params if k not in param_keys]
         if state == "complete":
             try:
                 met = flatten_metrics(json.loads((rp / "metrics.json").read_text()))
@@ -360,24 +343,9 @@ def gather(sweep_dir, errors: Optional[Dict[str, str]] = None) -> Tuple[Path, Li
                 row[col] = v
         rows.append(row)
     cols = ["point", "state", "error", *param_keys, *metric_keys]
-    buf = io.StringIO()
-    w = csv.writer(buf)
-    w.writerow(cols)
-    for row in rows:
-        w.writerow([_cell(row.get(c)) for c in cols])
     path = sweep_dir / "results.csv"
-    atomic_write_text(path, buf.getvalue())
+    write_csv(path, [cols, *([_fmt(v) if isinstance(v, list) else v for v in map(row.get, cols)] for row in rows)])
     return path, rows, metric_keys
-
-
-def _cell(v):
-    if v is None:
-        return ""
-    if isinstance(v, list):
-        return _fmt(v)
-    if isinstance(v, float):
-        return repr(v)
-    return v
 
 
 def _numeric(v) -> bool:
@@ -395,20 +363,15 @@ def plot_sweep(sweep_dir, rows: List[Dict[str, Any]], axes: List[str], metrics: 
         log.warning("sweep figure: no numeric metric named %s in the complete points", missing[0])
     if not keys:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
+    from .plotting import panel, subplots
+    from .runs import write_figure
 
     xkey = axes[0] if axes else None
     others = axes[1:]
     xs_all = [r.get(xkey) for r in done] if xkey else [0 for _ in done]
     numeric_x = all(_numeric(v) for v in xs_all)
-    cats = []
-    for v in xs_all:
-        if _fmt(v) not in cats:
-            cats.append(_fmt(v))
-    fig, axs = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.4), squeeze=False)
+    cats = list(dict.fromkeys(_fmt(v) for v in xs_all))  # distinct, in order
+    fig, axs = subplots(1, len(keys), (4.2 * len(keys), 3.4), squeeze=False)
     groups: Dict[str, List[Dict[str, Any]]] = {}
     for r in done:
         groups.setdefault(", ".join(f"{k}={_fmt(r.get(k))}" for k in others), []).append(r)
@@ -420,28 +383,15 @@ def plot_sweep(sweep_dir, rows: List[Dict[str, Any]], axes: List[str], metrics: 
                 continue
             pts.sort(key=lambda p: p[0])
             ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=label or None)
-        ax.set_xlabel(xkey or "point")
-        ax.set_ylabel(key)
         if not numeric_x and xkey:
             ax.set_xticks(range(len(cats)), cats, rotation=30)
-        ax.set_title(key, fontsize=9)
-        if others:
-            ax.legend(fontsize=7)
+        panel(ax, xkey or "point", key, key, title_size=9, legend={"fontsize": 7} if others else None)
     spec_name = Path(sweep_dir).name
     fig.suptitle(f"sweep {spec_name}: {len(done)} complete points; metrics against {xkey or 'point'}"
                  + (f", one line per {', '.join(others)}" if others else ""), fontsize=9)
     fig.tight_layout()
-    fig_dir = Path(sweep_dir) / "figures"
-    fig_dir.mkdir(exist_ok=True)
-    out = None
-    for ext in ("png", "pdf"):
-        p = fig_dir / f"sweep.{ext}"
-        tmp = p.with_name(p.stem + ".tmp." + ext)
-        fig.savefig(tmp, dpi=130, bbox_inches="tight")
-        os.replace(tmp, p)
-        out = out or p
-    plt.close(fig)
-    return out
+    (Path(sweep_dir) / "figures").mkdir(exist_ok=True)
+    return write_figure(fig, Path(sweep_dir) / "figures", "sweep", dpi=130)[0]
 
 
 # ---------------------------------------------------------------------------- CLI
@@ -463,11 +413,9 @@ def add_parser(subparsers, parents: Sequence[argparse.ArgumentParser] = ()):
     p.add_argument("--workers", type=int, default=1, metavar="N", help="worker processes on this machine (default 1)")
     p.add_argument("--scheduler", default=None, metavar="ADDRESS",
                    help="run on an existing Dask distributed cluster (e.g. tcp://host:8786) instead of local workers")
-    try:
+    with contextlib.suppress(argparse.ArgumentError):  # unless a parent parser has --threads
         p.add_argument("--threads", type=int, default=None, metavar="N",
                        help="torch threads per point (default: CPU cores // workers)")
-    except argparse.ArgumentError:  # a parent parser already has --threads
-        pass
     p.add_argument("--out", default="runs", help="parent folder of the sweep directory (default: runs)")
     p.add_argument("--name", default=None, help="sweep directory name (default: <config name>_sweep)")
     p.add_argument("--resume", action="store_true", help="continue a sweep: complete points are skipped")
@@ -479,8 +427,6 @@ def add_parser(subparsers, parents: Sequence[argparse.ArgumentParser] = ()):
 
 
 def _cmd_sweep(args) -> int:
-    import sys
-
     try:
         res = run_sweep(args.config, args.sweep, overrides=args.override, out_dir=args.out, name=args.name,
                         workers=args.workers, scheduler=args.scheduler,

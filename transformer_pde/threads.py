@@ -33,14 +33,7 @@ a positive int ``k``
     exactly ``k`` threads in every scope (an explicit choice; ``OMP_NUM_THREADS`` does not cap
     it).
 
-The load of other processes (:func:`other_load`) is the larger of two readings: the one-minute
-load average (``os.getloadavg``) minus this process's own share, estimated from its CPU time
-with the same one-minute averaging, so that a run does not throttle itself; and the tasks
-runnable right now (``/proc/loadavg``) minus this process's runnable threads, which sees a
-job that started seconds ago.  Where neither is available (Windows) the machine is taken to
-be idle.  Erring towards fewer threads is deliberate: on 2 shared cores a second thread
-made steps 5–15× slower (scripts/benchmark_threads.py), one thread too few costs at most the
-parallel speed-up.
+The load of other processes is :func:`other_load`, which errs towards fewer threads on purpose.
 """
 
 from __future__ import annotations
@@ -54,9 +47,10 @@ import time
 from pathlib import Path
 from typing import Iterator, Optional, Tuple, Union
 
+import torch
+
 __all__ = ["policy", "current", "choose", "scope", "Scope", "free_cores", "other_load", "cpu_budget", "omp_cap",
-           "runnable_now",
-           "WORK_THRESHOLD", "REFRESH_SECONDS"]
+           "runnable_now", "WORK_THRESHOLD", "REFRESH_SECONDS"]
 
 logger = logging.getLogger(__name__)
 
@@ -205,14 +199,9 @@ def cpu_budget() -> int:
             n = len(os.sched_getaffinity(0))
         except (AttributeError, OSError):
             n = os.cpu_count() or 1
-    for path, parse in (("/sys/fs/cgroup/cpu.max", lambda t: t.split()),
-                        ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", None)):
+    for files in (("cpu.max",), ("cpu/cpu.cfs_quota_us", "cpu/cpu.cfs_period_us")):  # cgroup v2, v1
         try:
-            if parse is not None:
-                quota, period = parse(Path(path).read_text())
-            else:
-                quota = Path(path).read_text().strip()
-                period = Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us").read_text().strip()
+            quota, period = " ".join(Path("/sys/fs/cgroup", f).read_text() for f in files).split()
             if quota not in ("max", "-1") and float(period) > 0:
                 n = min(n, max(1, math.ceil(float(quota) / float(period))))
             break
@@ -227,19 +216,19 @@ def omp_cap() -> Optional[int]:
     OpenMP allows a list ("4,2" for nested levels); its first entry is the outer level.
     """
     raw = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
-    if not raw.isdigit() or int(raw) < 1:
-        return None
-    return int(raw)
+    return int(raw) if raw.isdigit() and int(raw) >= 1 else None
 
 
 def other_load() -> float:
-    """Cores kept busy by other processes: the larger of the one-minute load average minus this
-    process's own share (:func:`_own_load`) and the tasks runnable right now minus this
-    process's runnable threads.  0 where neither is available (Windows).
+    """Cores kept busy by other processes: the larger of the one-minute load average (``os.getloadavg``)
+    minus this process's own share (:func:`_own_load`, from its CPU time with the same one-minute
+    averaging, so that a run does not throttle itself) and the tasks runnable right now
+    (``/proc/loadavg``, which sees a job that started seconds ago) minus this process's runnable
+    threads.  0 where neither is available (Windows).
 
     Taking the larger errs towards fewer threads: a thread too few costs at most the parallel
     speed-up, a thread too many on a busy core stalls every OpenMP barrier (measured: 5–15×
-    slower with 2 threads on 2 busy cores).
+    slower with 2 threads on 2 busy cores, scripts/benchmark_threads.py).
     """
     try:
         avg = max(0.0, os.getloadavg()[0] - _own_load())
@@ -286,8 +275,6 @@ def choose(work: float) -> int:
     w = _check_work(work)
     mode = _mode
     if mode is None:
-        import torch
-
         return torch.get_num_threads()
     if isinstance(mode, int):
         return mode
@@ -296,9 +283,7 @@ def choose(work: float) -> int:
     k = int(math.floor(free_cores() + _ROUND))
     k = min(max(k, 1), cpu_budget())
     cap = omp_cap()
-    if cap is not None:
-        k = min(k, cap)
-    return k
+    return k if cap is None else min(k, cap)
 
 
 class Scope:
@@ -311,8 +296,6 @@ class Scope:
         self._last = time.monotonic()
 
     def _apply(self) -> None:
-        import torch
-
         k = choose(self.work)
         if k != torch.get_num_threads():
             torch.set_num_threads(k)
@@ -332,8 +315,6 @@ class Scope:
                 self._last = now
                 self._apply()
             return self.threads  # type: ignore[return-value]
-        import torch
-
         return torch.get_num_threads()
 
 
@@ -358,8 +339,6 @@ def scope(work: float) -> Iterator[Scope]:
     if not active:
         yield handle
         return
-    import torch
-
     previous = torch.get_num_threads()
     try:
         handle._apply()

@@ -134,10 +134,7 @@ def validate_params(kind: str, params: Dict[str, Any]) -> Dict[str, Any]:
         raise ValueError(
             f"unknown config key '{unknown[0]}' for kind {kind!r}; allowed keys: {', '.join(sorted(st.options))}"
         )
-    out = {}
-    for key, opt in st.options.items():
-        out[key] = opt.validate(key, params[key]) if key in params else opt.default
-    return out
+    return {key: opt.validate(key, params[key]) if key in params else opt.default for key, opt in st.options.items()}
 
 
 # ---------------------------------------------------------------------------- option checks and options
@@ -260,17 +257,8 @@ def segment_bar(run, total: int, desc: str, unit: str):
 
 
 # ---------------------------------------------------------------------------- figures
-def subplots(rows: int, cols: int, figsize, title: Optional[str] = None, **kw):
-    """A matplotlib Figure with an Agg canvas (no pyplot state), its title when given, and its grid of axes
-    (``Figure.subplots(rows, cols, **kw)``); returns (figure, axes)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=figsize)
-    FigureCanvasAgg(fig)
-    if title is not None:
-        fig.suptitle(title)
-    return fig, fig.subplots(rows, cols, **kw)
+subplots = plotting.subplots  # an Agg figure and its axes, no pyplot state
+panel = plotting.panel  # axis labels, title and legend of one panel
 
 
 def save_captioned(run, fig, name: str, caption: str, metrics: Dict, *, tidy: bool = False) -> None:
@@ -280,19 +268,6 @@ def save_captioned(run, fig, name: str, caption: str, metrics: Dict, *, tidy: bo
     (plotting.finish_figure if tidy else plotting.add_caption)(fig, caption)
     metrics.setdefault("figure_captions", {})[name] = caption
     run.save_figure(fig, name)
-
-
-def panel(ax, xlabel=None, ylabel=None, title=None, *, legend=None, title_size=None) -> None:
-    """Label one panel: the axis labels and the title that are given, and a legend (``legend``: True or the
-    keyword arguments of ``ax.legend``)."""
-    if xlabel is not None:
-        ax.set_xlabel(xlabel)
-    if ylabel is not None:
-        ax.set_ylabel(ylabel)
-    if title is not None:
-        ax.set_title(title, **({} if title_size is None else {"fontsize": title_size}))
-    if legend:
-        ax.legend(**({} if legend is True else legend))
 
 
 def log_ticks(ax, values) -> None:

@@ -1,5 +1,5 @@
 """Summarise a mutation run of scripts/mutation_check.sh: per module the killed, timed-out and
-surviving mutants and the score, then every survivor (with --show, its diff from mutmut).
+surviving mutants and the score, then every survivor by class (with --show, its diff).
 
     python scripts/mutation_summary.py WORKDIR [--show]
 
@@ -11,12 +11,31 @@ With a sample, the 95 % interval of the module's score is the Wilson interval.
 
 from __future__ import annotations
 
+import ast
+import difflib
 import json
 import math
-import subprocess
+import os
+import re
 import sys
 from pathlib import Path
 
+# Survivors whose one-line change matches one of these are sorted into a class with its one-line
+# reason (`left`: the text of the line before the change; `old`: the changed text); the rest are
+# listed as "unclassified", for a reason written by hand in docs/MUTATION_REPORT.md.
+CLASSES = [
+    ("memory/device only",
+     lambda left, old, line: re.search(r"(chunk_elements|device)=\s*$", left)
+     or re.match(r"\s*,?\s*(chunk_elements|device)=", old),
+     "the argument only sets the memory cap (chunk size) or the device; the numbers are the same on CPU"),
+    ("overflow/error-path argument",
+     lambda left, old, line: re.search(r"(overflow_check|nonfinite_error|_ledger_nonfinite)\(.*,", left),
+     "an argument that only shapes the error raised when a value overflows or is not finite (name, "
+     "log-values, scale, hint); finite runs never read it"),
+    ("message text",
+     lambda left, old, line: re.match(r"\s*(name|what|desc|label|msg|hint) = ", line),
+     "a string that only appears in a message"),
+]
 STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no tests", 33: "no tests", 34: "skipped", 36: "timeout",
           -24: "timeout", 24: "timeout", 152: "timeout", 255: "timeout", None: "not checked"}
 
@@ -28,6 +47,37 @@ def wilson(k: int, n: int, z: float = 1.96):
     c = (p + z * z / (2 * n)) / (1 + z * z / n)
     h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
     return c - h, c + h
+
+
+def mutant_diff(workdir: Path, mod: str, name: str):
+    """(removed lines, added lines) of a mutant, read from mutmut's trampolined copy of the module."""
+    src = (workdir / "mutants" / "transformer_pde" / (mod.replace(".", "/") + ".py")).read_text()
+    fn = name.rsplit(".", 1)[-1]
+    orig = fn.rsplit("__mutmut_", 1)[0] + "__mutmut_orig"
+    bodies = {}
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in (fn, orig):
+            bodies[node.name] = [ln.strip() for ln in ast.get_source_segment(src, node).splitlines()[1:]]
+    if len(bodies) < 2:
+        return [], []
+    a, b = bodies[orig], bodies[fn]
+    sm = difflib.SequenceMatcher(a=a, b=b, autojunk=False)
+    removed = [ln for op, i1, i2, _, _ in sm.get_opcodes() if op != "equal" for ln in a[i1:i2]]
+    added = [ln for op, _, _, j1, j2 in sm.get_opcodes() if op != "equal" for ln in b[j1:j2]]
+    return removed, added
+
+
+def classify(removed, added):
+    if len(removed) != 1 or len(added) > 1:
+        return "unclassified"
+    a, b = removed[0], (added[0] if added else "")
+    p = len(os.path.commonprefix([a, b]))
+    q = len(os.path.commonprefix([a[p:][::-1], b[p:][::-1]]))
+    left, old = a[:p], a[p:len(a) - q]
+    for label, rule, _ in CLASSES:
+        if rule(left, old, a):
+            return label
+    return "unclassified"
 
 
 def main(workdir: Path, show: bool):
@@ -60,15 +110,22 @@ def main(workdir: Path, show: bool):
               f"{c.get('survived', 0) + c.get('suspicious', 0)} | {c.get('not checked', 0)} | {score} | {interval} |")
     if R:
         print(f"\nall modules: {K}/{R} = {100 * K / R:.1f} % killed (timeouts count as killed)")
-    print(f"\n{len(survivors)} survivors:")
+    by_class = {}
     for mod, n, st in survivors:
-        print(f"- {n} ({st})")
-        if show:
-            out = subprocess.run([sys.executable, "-m", "mutmut", "show", n], cwd=workdir, capture_output=True,
-                                 text=True).stdout
-            diff = [ln for ln in out.splitlines() if ln.startswith(("+", "-")) and not ln.startswith(("+++", "---"))]
-            for ln in diff:
-                print("      " + ln.strip())
+        removed, added = mutant_diff(workdir, mod, n)
+        by_class.setdefault(classify(removed, added), []).append((n, st, removed, added))
+    print(f"\n{len(survivors)} survivors:")
+    reasons = {label: reason for label, _, reason in CLASSES}
+    for label in [c[0] for c in CLASSES] + ["unclassified"]:
+        rows = by_class.get(label, [])
+        print(f"\n### {label} ({len(rows)})" + (f": {reasons[label]}" if label in reasons else ""))
+        for n, st, removed, added in rows:
+            print(f"- `{n.split('transformer_pde.', 1)[-1]}`" + (f" ({st})" if st != "survived" else ""))
+            if show:
+                for ln in removed:
+                    print(f"      - {ln}")
+                for ln in added:
+                    print(f"      + {ln}")
 
 
 if __name__ == "__main__":

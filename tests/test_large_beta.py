@@ -162,3 +162,50 @@ def test_exponent_outgrowing_the_scale_raises_with_a_fix_that_works(dtype, a0, g
     for v in (tr.energy, *tr.ledger.values()):
         assert torch.isfinite(v).all()
     assert abs(float(tr.ledger["residual"][-1])) < (g * dt) ** 2 / 4 * float(tr.ledger["dE"].abs().max())
+
+
+def _reported_log(err) -> float:
+    m = re.search(r"its logarithm is up to ([-+0-9.e]+), and minus log_scale = ([-+0-9.e]+)", str(err.value))
+    assert m is not None, str(err.value)
+    return float(m.group(1)), float(m.group(2))
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_overflow_errors_report_the_logarithm_to_rescale_by(batched):
+    """Float32 quantities that overflow raise OverflowError naming the quantity, the fix and the
+    logarithm reached — and that logarithm is the float64 dense value (the number a user picks
+    log_scale from): log E, max_h log E_h, max log m_h, with a batch of β and per-member token
+    weights when ``batched``.  (b ≤ max_h m_h, so m_h always overflows first: b's own overflow
+    message cannot be reached.)"""
+    x64 = tp.sphere.sample_uniform(6, 3, generator=gen(30), dtype=torch.float64)
+    A = tp.Heads.random(3, 3, generator=gen(31), dtype=torch.float64, scale=0.3).score + torch.eye(3, dtype=torch.float64)
+    om = torch.tensor([0.7, 1.6, 1.0], dtype=torch.float64)  # H = 3 heads, a batch of 2: axes cannot be confused
+    if batched:
+        x64 = torch.stack([x64, x64.flip(0)])
+        A = A.expand(2, 3, 3, 3).clone()
+        om = om.expand(2, 3).clone()
+        beta = torch.tensor([120.0, 150.0], dtype=torch.float64)
+        w = torch.rand(2, 6, generator=gen(32), dtype=torch.float64) + 0.2
+        w = w / w.sum(-1, keepdim=True)
+    else:
+        beta, w = 130.0, torch.full((6,), 1 / 6, dtype=torch.float64)
+    b = beta.unsqueeze(-1) if batched else torch.tensor(beta, dtype=torch.float64)
+    logK = (b.unsqueeze(-1).unsqueeze(-1) if batched else b) * torch.einsum("...id,...hde,...je->...hij", x64, A, x64)
+    log_m = torch.logsumexp(logK + torch.log(w).unsqueeze(-2).unsqueeze(-3), -1)  # (..., H, n)
+    log_Eh = torch.logsumexp(log_m + torch.log(w).unsqueeze(-2), -1) - torch.log(2 * b)  # (..., H)
+    log_E = torch.logsumexp(log_Eh + torch.log(om), -1)
+    heads = tp.Heads(A, weights=om, beta=beta).to(torch.float32)
+    x, w32 = x64.float(), (None if not batched else w.float())
+    cases = [
+        (lambda: tp.energy(x, heads, w32), "the energy E", "log_energy", log_E.max()),
+        (lambda: tp.head_energies(x, heads, w32), "the head energy E_h", "log_scale", log_Eh.max()),
+        (lambda: tp.mobility(x, heads, w32)[0], "the per-head mobility m_h", "log_mobility", log_m.max()),
+        (lambda: tp.first_variation(x, heads, w32), "the first variation", "log_scale", log_m.max()),
+    ]
+    for fn, what, fix, want in cases:
+        with pytest.raises(OverflowError, match=what) as err:
+            fn()
+        assert fix in str(err.value)
+        got, scale = _reported_log(err)
+        assert scale == 0.0
+        assert abs(got - float(want)) <= 1e-4 * abs(float(want)), (what, got, float(want))

@@ -137,6 +137,34 @@ def test_scaled_diagnostics_against_dense_formulas(symmetric, c):
     assert_close(D * scale, (dEdx * V).sum((-1, -2)), rtol=1e-10, atol=1e-13)
 
 
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_first_variation_and_log_energy_against_dense_formulas(symmetric):
+    """δE/δμ(z) = Σ_h ω_h/(2β) Σ_j w_j (e^{β⟨z, A_h x_j⟩} + e^{β⟨x_j, A_h z⟩}) at points z off the
+    tokens, and log E, for a batch of two members with their own β, ω and token weights (H = 3 ≠ 2,
+    so a β or ω broadcast on the wrong axis fails); symmetric and non-symmetric scores."""
+    x = tp.sphere.sample_uniform(7, 3, generator=gen(40), dtype=torch.float64)
+    x = torch.stack([x, x.flip(0)])
+    z = tp.sphere.sample_uniform(4, 3, generator=gen(41), dtype=torch.float64).expand(2, 4, 3)
+    A = 0.6 * torch.randn(2, 3, 3, 3, generator=gen(42), dtype=torch.float64)
+    if symmetric:
+        A = 0.5 * (A + A.transpose(-1, -2))
+    om = torch.tensor([[1.0, 1.0, 1.0], [0.3, 1.1, 1.9]], dtype=torch.float64)
+    beta = torch.tensor([0.7, 1.7], dtype=torch.float64)
+    w = torch.rand(2, 7, generator=gen(43), dtype=torch.float64) + 0.1
+    w = w / w.sum(-1, keepdim=True)
+    heads = tp.Heads(A, weights=om, beta=beta)
+    b4 = beta[:, None, None, None]
+    K = torch.exp(b4 * torch.einsum("bzd,bhde,bje->bhzj", z, A, x))   # e^{β⟨z, A x_j⟩}
+    Kt = torch.exp(b4 * torch.einsum("bjd,bhde,bze->bhzj", x, A, z))  # e^{β⟨x_j, A z⟩}
+    want = (om[:, :, None] / (2 * beta[:, None, None]) * ((K + Kt) * w[:, None, None, :]).sum(-1)).sum(-2)
+    assert_close(tp.first_variation(x, heads, w, at=z), want, rtol=1e-12, atol=0)
+    E = torch.stack([naive_energy(x[k], A[k], om[k], float(beta[k]), w[k]) for k in range(2)])
+    assert_close(tp.log_energy(x, heads, w), torch.log(E), rtol=1e-12, atol=1e-14)
+    Eu = torch.stack([naive_energy(x[k], A[k], om[k], float(beta[k]), torch.full((7,), 1 / 7, dtype=torch.float64))
+                      for k in range(2)])
+    assert_close(tp.log_energy(x, heads), torch.log(Eu), rtol=1e-12, atol=1e-14)
+
+
 # ---------------------------------------------------------------------------- ∂_tE and the Itô term
 def test_energy_time_derivative_at_beta_and_weights():
     """⟨∂_A E, Ȧ⟩ against autograd of the naive energy; the Itô term against the dense formula."""

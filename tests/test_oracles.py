@@ -165,6 +165,36 @@ def test_first_variation_and_log_energy_against_dense_formulas(symmetric):
     assert_close(tp.log_energy(x, heads), torch.log(Eu), rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.parametrize("batched", [False, True])
+def test_realised_quadratic_variation_is_half_the_second_derivative(batched):
+    """energy.quadratic_variation = ½ d²/dε² E(A + εΔN) at ε = 0, the second derivative taken by
+    autograd of the naive energy; non-uniform token weights, ω = 1 per head, unbatched tokens
+    (n ≠ d) or a batch of two members with their own β (H = 3 ≠ 2)."""
+    from transformer_pde.energy import quadratic_variation
+
+    x, heads, w, om = _case()
+    A = heads.score
+    dN = tp.processes.symmetric_noise(A.shape, generator=gen(50), dtype=torch.float64)
+    beta = BETA
+    if batched:
+        x, A, dN = torch.stack([x, x.flip(0)]), A.expand(2, *A.shape).clone(), torch.stack([dN, -0.5 * dN])
+        beta = torch.tensor([0.7, 1.7], dtype=torch.float64)
+        heads = tp.Heads(A, weights=om, beta=beta)
+    stats = tp.attention.softmax_statistics(x, heads, w)
+    got = quadratic_variation(x, heads, w, stats, dN)
+
+    def second(k):
+        xk, Ak, Nk = (x[k], A[k], dN[k]) if batched else (x, A, dN)
+        bk = float(beta[k]) if batched else beta
+        eps = torch.zeros((), dtype=torch.float64, requires_grad=True)
+        (g,) = torch.autograd.grad(naive_energy(xk, Ak + eps * Nk, om, bk, w), eps, create_graph=True)
+        (h,) = torch.autograd.grad(g, eps)
+        return 0.5 * h
+
+    want = torch.stack([second(k) for k in range(2)]) if batched else second(0)
+    assert_close(got, want, rtol=1e-11, atol=1e-14)
+
+
 # ---------------------------------------------------------------------------- ∂_tE and the Itô term
 def test_energy_time_derivative_at_beta_and_weights():
     """⟨∂_A E, Ȧ⟩ against autograd of the naive energy; the Itô term against the dense formula."""

@@ -244,3 +244,13 @@ def test_simulate_scalar_horizon_and_untied_checks(x, heads):
             call()
     # tied heads pass
     tp.simulate(x, heads, t1=0.2, dt=0.1, normalization="effective")
+
+
+def test_energy_time_derivative_refuses_a_rate_of_the_wrong_shape_or_type():
+    x = tp.sphere.sample_uniform(5, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    heads = tp.Heads.random(2, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    for bad in (torch.zeros(3, 3, 3, dtype=torch.float64), torch.zeros(2, 3, 4, dtype=torch.float64)):
+        with pytest.raises(ValueError, match=r"score_rate must be a tensor of shape \(\.\.\., H, d, d\)"):
+            tp.energy_time_derivative(x, heads, bad)
+    with pytest.raises(ValueError, match="score_rate must be a tensor"):
+        tp.energy_time_derivative(x, heads, [[0.0]])

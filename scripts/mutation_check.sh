@@ -13,15 +13,15 @@
 # Works on a scratch copy of the tree (WORKDIR, default a fresh mktemp dir) so the checkout is
 # never touched; mutmut's configuration is [tool.mutmut] in pyproject.toml.  mutmut first runs
 # the selected tests once and records which tests reach each function; every mutant then runs
-# only those tests (coverage-based selection), on MAX_CHILDREN processes (default 2).  Each
-# module is time-boxed by MODULE_TIMEOUT seconds (default 1200).  With SAMPLE=f only a seeded random
+# only those tests (coverage-based selection), on MAX_CHILDREN processes (default 2), in one run
+# time-boxed by TIMEOUT seconds (default 3600).  With SAMPLE=f only a seeded random
 # fraction f of each module's mutants runs (the list is kept in $WORKDIR/sample_<module>.txt; mutants
 # already checked are not rerun, so a stopped run continues).  Not part of the default CI run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
 MAX_CHILDREN=${MAX_CHILDREN:-2}
-MODULE_TIMEOUT=${MODULE_TIMEOUT:-1200}
+TIMEOUT=${TIMEOUT:-3600}
 WORKDIR=${WORKDIR:-$(mktemp -d -t transformer_pde_mutation.XXXXXX)}
 if [ "$#" -eq 0 ]; then
   set -- mobility energy field attention processes transport theory.__init__ theory.particles solvers.parts solvers.particle solvers.jko
@@ -54,16 +54,15 @@ open("pyproject.toml", "w").write(s)
 PY
 export OMP_NUM_THREADS=1 PYTHONPATH="$WORKDIR${PYTHONPATH:+:$PYTHONPATH}"
 
+# generate the mutants (and the test map) once; the no-match filter then stops mutmut
+python -m mutmut run --max-children 1 "transformer_pde.__generate_only__.*" > "mutmut_gen.log" 2>&1 || true
+todo=()
 for mod in "$@"; do
-  echo "=== transformer_pde.$mod (time box ${MODULE_TIMEOUT}s)"
-  start=$(date +%s)
-  # mutant names are <module path>.<function>__mutmut_<k>
   meta="mutants/transformer_pde/${mod//.//}.py.meta"
-  # generate the mutants (and the test map) first; the no-match filter then stops mutmut
-  [ -f "$meta" ] || python -m mutmut run --max-children 1 "transformer_pde.__generate_only__.*" > "mutmut_gen.log" 2>&1 || true
-  [ -f "$meta" ] || { echo "  mutant generation failed: see $WORKDIR/mutmut_gen.log" >&2; exit 1; }
+  [ -f "$meta" ] || { echo "mutant generation failed for $mod: see $WORKDIR/mutmut_gen.log" >&2; exit 1; }
   frac=${SAMPLE:-1}
   case " ${FULL:-} " in *" $mod "*) frac=1 ;; esac
+  # mutant names are <module path>.<function>__mutmut_<k>; the sample is seeded, so a rerun picks the same
   mapfile -t sel < <(python - "$meta" "$frac" "${SEED:-0}" "sample_$mod.txt" <<'PY'
 import json, random, sys
 meta, frac, seed, out = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
@@ -76,12 +75,17 @@ for n in pick:
         print(n)
 PY
 )
-  echo "  $(wc -l < "sample_$mod.txt") mutants (fraction $frac), ${#sel[@]} still to run"
-  [ "${#sel[@]}" -gt 0 ] || continue
-  timeout "$MODULE_TIMEOUT" python -m mutmut run --max-children "$MAX_CHILDREN" "${sel[@]}" \
-    > "mutmut_$mod.log" 2>&1 || echo "  (stopped: exit $? — see $WORKDIR/mutmut_$mod.log; rerun to continue, results are cached)"
-  echo "  $(( $(date +%s) - start )) s"
+  echo "transformer_pde.$mod: $(wc -l < "sample_$mod.txt") mutants (fraction $frac), ${#sel[@]} still to run"
+  todo+=("${sel[@]}")
 done
+if [ "${#todo[@]}" -gt 0 ]; then
+  # one mutmut run for all of them: every run re-collects coverage and re-checks the clean tests (~3 min)
+  echo "running ${#todo[@]} mutants on $MAX_CHILDREN workers (time box ${TIMEOUT}s)"
+  start=$(date +%s)
+  timeout "$TIMEOUT" python -m mutmut run --max-children "$MAX_CHILDREN" "${todo[@]}" > mutmut_run.log 2>&1 \
+    || echo "  (stopped: exit $? — see $WORKDIR/mutmut_run.log; rerun with the same WORKDIR to continue)"
+  echo "  $(( $(date +%s) - start )) s"
+fi
 echo "=== results"
 python "$REPO/scripts/mutation_summary.py" "$WORKDIR"
 echo "inspect a mutant: (cd $WORKDIR && python -m mutmut show <name>)"

@@ -1,0 +1,111 @@
+"""Oracle tests written for the gaps the mutation pass (docs/MUTATION_REPORT.md) found: each
+checks a formula against an independent dense computation, at parameters where a plausible
+slip (β or κ = 1, ω = 1, unit token weights, an unbatched input) would hide it."""
+
+import math
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import transformer_pde as tp
+from conftest import gen
+from problems import naive_energy, naive_kernel
+from transformer_pde import diagnostics as dg
+from transformer_pde.solvers.parts import process_signature
+
+F64 = torch.float64
+
+
+def test_ou_moments_at_a_rate_other_than_one():
+    """κ = 0.5 (at κ = 1, 2κ = 2/κ): variance σ²(1 − e^{−2κt})/(2κ) on the diagonal, half off it;
+    mean Ā + e^{−κt}(A0 − Ā)."""
+    h = tp.Heads.random(2, 3, generator=gen(1), dtype=F64)
+    kappa, sigma, t = 0.5, 0.7, 1.3
+    proc = tp.OrnsteinUhlenbeck(h, rate=kappa, sigma=sigma)
+    mean, var = proc.moments(t)
+    v = sigma ** 2 * (1 - math.exp(-2 * kappa * t)) / (2 * kappa)
+    assert_close(var.diagonal(), torch.full((3,), v, dtype=F64), rtol=1e-14, atol=0)
+    assert_close(var[0, 1], torch.tensor(v / 2, dtype=F64), rtol=1e-14, atol=0)
+    Abar = proc.mean
+    assert_close(mean, Abar + math.exp(-kappa * t) * (h.score - Abar), rtol=1e-14, atol=1e-15)
+
+
+def test_flat_energies_at_beta_and_token_weights():
+    """flat_head_energies and flat_flow's recorded energy at tokens off the sphere, β = 1.7,
+    ω ≠ 1, non-uniform weights: E_h = Σ_ij w_i w_j e^{β⟨x_i, A_h x_j⟩}/(2β), E = Σ_h ω_h E_h."""
+    x = 1.3 * torch.randn(6, 3, generator=gen(2), dtype=F64) / 3
+    om = torch.tensor([0.4, 1.5], dtype=F64)
+    heads = tp.Heads.random(2, 3, generator=gen(3), dtype=F64, scale=0.5, beta=1.7, weights=om)
+    w = torch.rand(6, generator=gen(4), dtype=F64) + 0.2
+    w = w / w.sum()
+    per = torch.stack([naive_energy(x, heads.score[h:h + 1], torch.ones(1, dtype=F64), 1.7, w) for h in range(2)])
+    assert_close(dg.flat_head_energies(x, heads, w), per, rtol=1e-12, atol=0)
+    tr = dg.flat_flow(x, heads, t1=0.02, dt=0.01, weights=w)
+    assert tr.x.shape == (3, 6, 3)
+    assert_close(tr.x[0], x)
+    assert_close(tr.head_energies[0], per, rtol=1e-12, atol=0)
+    assert_close(tr.energy[0], (om * per).sum(), rtol=1e-12, atol=0)
+
+
+def test_robust_margin_against_its_dense_formula():
+    """robust_margin = ω_h‖P f_h‖² − a^h Σ_{k≠h} ω_k a^k − m_h Σ_{k≠h} ω_k δ_hk m_k (sphere) and
+    ω_h‖f_h‖² − m_h Σ_{k≠h} ω_k δ_hk m_k (flat), f_h(x_i) = Σ_j w_j e^{β⟨x_i,A_h x_j⟩} A_h x_j,
+    m_h the mass, a^h = ⟨x, f_h⟩, δ_hk = ‖A_h A_k‖₂; three non-orthogonal heads, ω ≠ 1, weights."""
+    x = tp.sphere.sample_uniform(5, 3, generator=gen(5), dtype=F64)
+    om = torch.tensor([0.5, 1.2, 2.0], dtype=F64)
+    heads = tp.Heads.random(3, 3, generator=gen(6), dtype=F64, scale=0.6, beta=1.3, weights=om)
+    w = torch.rand(5, generator=gen(7), dtype=F64) + 0.2
+    w = w / w.sum()
+    A = heads.score
+    K = naive_kernel(x, A, 1.3) * w  # (H, n, n): w_j e^{β⟨x_i, A x_j⟩}
+    m = K.sum(-1)
+    f = torch.einsum("hij,hde,je->hid", K, A, x)
+    a = (f * x).sum(-1)
+    delta = torch.stack([torch.stack([torch.linalg.matrix_norm(A[h] @ A[k], ord=2) if h != k
+                                      else torch.zeros((), dtype=F64) for k in range(3)]) for h in range(3)])
+    cross = torch.stack([m[h] * sum(om[k] * delta[h, k] * m[k] for k in range(3) if k != h) for h in range(3)])
+    others = torch.stack([sum(om[k] * a[k] for k in range(3) if k != h) for h in range(3)])
+    Pf2 = f.square().sum(-1) - a.square()
+    assert_close(dg.robust_margin(x, heads, w), om[:, None] * Pf2 - a * others - cross, rtol=1e-10, atol=1e-12)
+    assert_close(dg.robust_margin(x, heads, w, flat=True), om[:, None] * f.square().sum(-1) - cross,
+                 rtol=1e-10, atol=1e-12)
+
+
+def test_velocity_passes_causal_through():
+    """tp.velocity(causal=True) is the prefix-measure field: token i sees tokens j ≤ i only."""
+    x = tp.sphere.sample_uniform(5, 3, generator=gen(8), dtype=F64)
+    heads = tp.Heads.random(1, 3, generator=gen(9), dtype=F64)
+    v = tp.velocity(x, heads, causal=True)
+    for i in range(5):  # the i-th token's field from the prefix x[:i+1] alone, without causal
+        vi = tp.velocity(x[: i + 1], heads)[i]
+        assert_close(v[i], vi, rtol=1e-12, atol=1e-14)
+    assert not torch.allclose(v, tp.velocity(x, heads))
+
+
+def test_butcher_tableau_refuses_inconsistent_coefficients():
+    """A tableau whose rows do not sum to c, or that claims order 2 without Σ b_i c_i = ½, is refused."""
+    T = tp.solvers.particle.ButcherTableau
+    with pytest.raises(ValueError, match="c\\[1\\] must equal the sum of row 1"):
+        T("bad", 2, (0.0, 0.5), ((), (0.7,)), (0.0, 1.0))  # row sum 0.7 ≠ c_2 = 0.5
+    with pytest.raises(ValueError, match="order >= 2 needs"):
+        T("bad", 2, (0.0, 1.0), ((), (1.0,)), (0.0, 1.0))  # Σ b c = 1 ≠ ½
+    with pytest.raises(ValueError, match="order >= 2 needs"):
+        T("bad", 2, (0.0, 0.25), ((), (0.25,)), (0.0, 1.0))  # Σ b c = ¼ (and −¼ − ½ ≠ 0 either)
+    T("midpoint", 2, (0.0, 0.5), ((), (0.5,)), (0.0, 1.0))  # the midpoint rule is accepted
+
+
+def test_process_signature_changes_with_every_head_tensor_and_beta():
+    """The checkpoint fingerprint sees the heads' scores, values, weights and β: changing any
+    one of them changes the signature (so a checkpoint of other weights is refused)."""
+    h = tp.Heads.random(2, 3, generator=gen(10), dtype=F64, beta=1.3, weights=torch.tensor([1.0, 2.0], dtype=F64))
+
+    def sig(heads):
+        return repr([t.tolist() if isinstance(t, torch.Tensor) else t for t in process_signature(
+            tp.OrnsteinUhlenbeck(heads, sigma=0.5))])
+
+    base = sig(h)
+    assert sig(tp.Heads(h.score + 1e-3, weights=h.weights, beta=1.3)) != base
+    assert sig(tp.Heads(h.score, weights=h.weights * 2, beta=1.3)) != base
+    assert sig(tp.Heads(h.score, weights=h.weights, beta=1.4)) != base
+    assert sig(tp.Heads(h.score, weights=h.weights, beta=1.3)) == base

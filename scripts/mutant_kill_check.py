@@ -1,0 +1,46 @@
+"""Check by hand that tests kill given mutations: apply ONE textual change at a time to a scratch copy
+of the package and run the named tests against it (the checkout is never touched).
+
+    python scripts/mutant_kill_check.py cases.json
+
+cases.json: a list of [file, old text, new text, "pytest arguments"], e.g.
+    [["transformer_pde/energy.py", "/ (2 * beta)", "/ (2 / beta)", "tests/test_oracles.py -k energy"]]
+``old`` must occur exactly once in the file.  Prints KILLED or SURVIVED per case.  Used for the
+survivors of the mutmut pass whose killing tests were written after it (docs/MUTATION_REPORT.md).
+"""
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def main(path):
+    for f, old, new, tests in json.load(open(path)):
+        with tempfile.TemporaryDirectory() as tmp:
+            d = pathlib.Path(tmp)
+            for name in ("transformer_pde", "tests", "experiments"):
+                shutil.copytree(REPO / name, d / name)
+            shutil.copy(REPO / "pyproject.toml", d)
+            p = d / f
+            s = p.read_text()
+            if s.count(old) != 1:
+                print(f"SKIPPED  {f}: the old text occurs {s.count(old)} times")
+                continue
+            p.write_text(s.replace(old, new))
+            r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:randomly", "-p", "no:cacheprovider",
+                                *tests.split()], cwd=d, capture_output=True, text=True,
+                               env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(d)})
+            tail = (r.stdout.strip().splitlines() or [""])[-1]
+            print(f"{'KILLED  ' if r.returncode else 'SURVIVED'} {f}: {new.strip()[:70]!r} ({tail})")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit(__doc__)
+    main(sys.argv[1])

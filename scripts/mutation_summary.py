@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import difflib
+import functools
 import json
 import math
 import os
@@ -49,16 +50,21 @@ def wilson(k: int, n: int, z: float = 1.96):
     return c - h, c + h
 
 
+@functools.lru_cache(maxsize=None)
+def _functions(path: Path):
+    """name -> body lines (stripped) of every function in mutmut's trampolined copy of a module."""
+    src = path.read_text()
+    lines = src.splitlines()
+    return {node.name: [ln.strip() for ln in lines[node.lineno:node.end_lineno]]
+            for node in ast.walk(ast.parse(src)) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+
 def mutant_diff(workdir: Path, mod: str, name: str):
     """(removed lines, added lines) of a mutant, read from mutmut's trampolined copy of the module."""
-    src = (workdir / "mutants" / "transformer_pde" / (mod.replace(".", "/") + ".py")).read_text()
+    bodies = _functions(workdir / "mutants" / "transformer_pde" / (mod.replace(".", "/") + ".py"))
     fn = name.rsplit(".", 1)[-1]
     orig = fn.rsplit("__mutmut_", 1)[0] + "__mutmut_orig"
-    bodies = {}
-    for node in ast.walk(ast.parse(src)):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in (fn, orig):
-            bodies[node.name] = [ln.strip() for ln in ast.get_source_segment(src, node).splitlines()[1:]]
-    if len(bodies) < 2:
+    if fn not in bodies or orig not in bodies:
         return [], []
     a, b = bodies[orig], bodies[fn]
     sm = difflib.SequenceMatcher(a=a, b=b, autojunk=False)

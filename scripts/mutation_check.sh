@@ -2,7 +2,8 @@
 # Mutation testing of the formula modules with mutmut 3 (docs/MUTATION_REPORT.md).
 #
 #   pip install -e ".[test,mutation]"
-#   scripts/mutation_check.sh                      # every formula module (~1 h on 2 cores)
+#   scripts/mutation_check.sh                      # every formula module: all of energy and mobility,
+#                                                  # a seeded 12 % of the others (~1.5 h on 2 cores)
 #   scripts/mutation_check.sh energy mobility      # some modules (names under transformer_pde/, or solvers.particle)
 #   TESTS="tests/test_oracles.py tests/test_field.py" scripts/mutation_check.sh mobility   # narrower tests
 #   SAMPLE=0.3 SEED=0 scripts/mutation_check.sh attention  # a seeded random 30 % of the module's mutants
@@ -60,8 +61,8 @@ todo=()
 for mod in "$@"; do
   meta="mutants/transformer_pde/${mod//.//}.py.meta"
   [ -f "$meta" ] || { echo "mutant generation failed for $mod: see $WORKDIR/mutmut_gen.log" >&2; exit 1; }
-  frac=${SAMPLE:-1}
-  case " ${FULL:-} " in *" $mod "*) frac=1 ;; esac
+  frac=${SAMPLE:-0.12}
+  case " ${FULL-mobility energy} " in *" $mod "*) frac=1 ;; esac
   # mutant names are <module path>.<function>__mutmut_<k>; the sample is seeded, so a rerun picks the same
   mapfile -t sel < <(python - "$meta" "$frac" "${SEED:-0}" "sample_$mod.txt" <<'PY'
 import json, random, sys

@@ -133,3 +133,31 @@ def test_adaptive_records_weighted_observables_and_adjoint_sees_token_weights():
     gb = torch.autograd.grad(tr.x[-1][:, 0].sum(), A)[0]
     assert float(gb.abs().max()) > 1e-3
     assert_close(ga, gb, rtol=1e-7, atol=1e-9)
+
+
+def test_to_grid_against_the_kernel_density_batched_and_default_bandwidth():
+    """to_grid: q_a ∝ Σ_i w_i exp((⟨z_a, x_i⟩ − 1)/h²), Σ_a q_a = 1, for a batch of two token sets
+    with their own weights (2 ≠ m), and the default h = 2 × the grid's mean nearest-neighbour
+    (chordal) distance computed here independently."""
+    grid = tp.sphere.fibonacci_sphere(30, dtype=F64)
+    x = torch.stack([tp.sphere.sample_uniform(7, 3, generator=gen(s), dtype=F64) for s in (14, 15)])
+    w = torch.rand(2, 7, generator=gen(16), dtype=F64) + 0.2
+    w = w / w.sum(-1, keepdim=True)
+    dist = torch.cdist(grid, grid) + torch.diag(torch.full((30,), float("inf"), dtype=F64))
+    h = 2 * float(dist.min(-1).values.mean())
+    dense = (w.unsqueeze(-1) * torch.exp((x @ grid.T - 1) / h ** 2)).sum(-2)
+    dense = dense / dense.sum(-1, keepdim=True)
+    assert_close(tp.to_grid(x, grid, weights=w, bandwidth=h), dense, rtol=1e-12, atol=1e-15)
+    assert_close(tp.to_grid(x, grid, weights=w), dense, rtol=1e-10, atol=1e-15)
+
+
+def test_energy_time_derivative_at_unit_sigma():
+    """σ = 1.0 exactly (a float): the Itô term σ²β/8 Σ ω Σ w w e^{β⟨x,Ax⟩}(1 + ⟨x_i, x_j⟩²) is added."""
+    from problems import naive_ito
+
+    x = tp.sphere.sample_uniform(6, 3, generator=gen(17), dtype=F64)
+    heads = tp.Heads.random(2, 3, generator=gen(18), dtype=F64, beta=1.3)
+    got = tp.energy_time_derivative(x, heads, torch.zeros(2, 3, 3, dtype=F64), sigma=1.0)
+    want = naive_ito(x, heads.score, heads.weights, 1.3, torch.full((6,), 1 / 6, dtype=F64), 1.0)
+    assert float(want) > 0
+    assert_close(got, want, rtol=1e-11, atol=0)

@@ -161,3 +161,24 @@ def test_energy_time_derivative_at_unit_sigma():
     want = naive_ito(x, heads.score, heads.weights, 1.3, torch.full((6,), 1 / 6, dtype=F64), 1.0)
     assert float(want) > 0
     assert_close(got, want, rtol=1e-11, atol=0)
+
+
+def test_adaptive_nonfinite_error_names_the_solver_step_not_the_grid_row(monkeypatch):
+    """With layer starts added to the adaptive grid and record_every > 1, a non-finite token is
+    reported at its time and solver step k = (t − t0)/dt (not its row in the internal grid)."""
+    from transformer_pde.solvers import particle
+
+    real = particle._dopri5
+
+    def nan_at_row_2(*args, **kwargs):
+        ys, nfe = real(*args, **kwargs)
+        ys = ys.clone()
+        ys[2] = float("nan")  # grid [0, 0.15, 0.2, 0.3, 0.4]: row 2 is t = 0.2, step 4 of dt = 0.05
+        return ys, nfe
+
+    monkeypatch.setattr(particle, "_dopri5", nan_at_row_2)
+    x0 = tp.sphere.sample_uniform(5, 3, generator=gen(19), dtype=F64)
+    layers = [tp.Heads.random(1, 3, generator=gen(s), dtype=F64) for s in (20, 21, 22)]
+    with pytest.raises(tp.NonFiniteError, match=r"t = 0\.2\b.*\(step 4\)"):
+        tp.simulate(x0, tp.Layerwise(layers, layer_time=0.15), t1=0.4, dt=0.05, method="adaptive",
+                    record_every=4)

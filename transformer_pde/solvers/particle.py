@@ -743,7 +743,8 @@ def _simulate_adaptive(x, process, drv, ev, *, K, t0, dt, record_every, sign, di
     xs = normalize(ys)
     if not _check_finite(xs):
         bad = int((~torch.isfinite(xs.flatten(1)).all(-1)).nonzero()[0])
-        raise nonfinite_error("the token positions", float(grid[bad]), bad, source.heads_at(float(grid[bad])),
+        tb = float(grid[bad])
+        raise nonfinite_error("the token positions", tb, round((tb - t0) / dt), source.heads_at(tb),
                               normalization)
     ledger, series = {}, {"energy": None, "slope": None, "dissipation": None}
     if diagnostics:

@@ -9,6 +9,8 @@
 #   SAMPLE=0.3 SEED=0 scripts/mutation_check.sh attention  # a seeded random 30 % of the module's mutants
 #   SAMPLE=0.25 FULL="energy mobility" scripts/mutation_check.sh energy mobility field  # all of energy, mobility
 #   REF=HEAD scripts/mutation_check.sh energy               # the committed tree, not the working copy
+#   REUSE=$HOME/old_workdir scripts/mutation_check.sh       # keep an earlier run's kills of unchanged functions
+#                                                  # (REUSE_SURVIVORS=1: and its survivors; run only the unchecked)
 #   python scripts/mutation_summary.py "$WORKDIR"            # the score table and every survivor
 #
 # Works on a scratch copy of the tree (WORKDIR, default a fresh mktemp dir) so the checkout is
@@ -64,13 +66,31 @@ for mod in "$@"; do
   frac=${SAMPLE:-0.12}
   case " ${FULL-mobility energy} " in *" $mod "*) frac=1 ;; esac
   # mutant names are <module path>.<function>__mutmut_<k>; the sample is seeded, so a rerun picks the same
-  mapfile -t sel < <(python - "$meta" "$frac" "${SEED:-0}" "sample_$mod.txt" <<'PY'
-import json, random, sys
-meta, frac, seed, out = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-codes = json.load(open(meta))["exit_code_by_key"]
+  mapfile -t sel < <(python - "$meta" "$frac" "${SEED:-0}" "sample_$mod.txt" "${REUSE:-}" "${REUSE_SURVIVORS:-0}" <<'PY'
+import json, os, random, sys
+meta, frac, seed, out, reuse, keep_survivors = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6] == "1"
+data = json.load(open(meta))
+codes = data["exit_code_by_key"]
 names = sorted(codes)
 pick = names if frac >= 1 else sorted(random.Random(seed).sample(names, round(frac * len(names))))
 open(out, "w").write("\n".join(pick) + "\n")
+old = os.path.join(reuse, meta) if reuse else ""
+if old and os.path.exists(old):
+    # REUSE=<earlier WORKDIR>: take over its results for mutants of functions whose code is unchanged
+    # (same mutmut function hash); the tests only grew since, so a kill stands.  Survivors and
+    # mutants of changed functions run again (REUSE_SURVIVORS=1: survivors are taken over too, so
+    # only the mutants the earlier run never checked run).
+    prev = json.load(open(old))
+    same = {f for f, h in data["hash_by_function_name"].items() if prev["hash_by_function_name"].get(f) == h}
+    taken = 0
+    for n in pick:
+        fn = n.rsplit(".", 1)[-1].rsplit("__mutmut_", 1)[0]
+        c = prev["exit_code_by_key"].get(n)
+        if codes[n] is None and fn in same and c is not None and (c != 0 or keep_survivors):
+            codes[n] = c
+            taken += 1
+    json.dump(data, open(meta, "w"))
+    print(f"reused {taken} earlier results from {old}", file=sys.stderr)
 for n in pick:
     if codes[n] is None:   # only those not yet checked
         print(n)

@@ -1,12 +1,23 @@
 """Summarise a mutation run of scripts/mutation_check.sh: per module the killed, timed-out and
-surviving mutants and the score, then every survivor by class (with --show, its diff).
+surviving mutants and the score, then every survivor with its verdict (with --show, its diff).
 
     python scripts/mutation_summary.py WORKDIR [--show]
 
-Score = (killed + timeout) / (killed + timeout + survived + suspicious), over the mutants that ran
+Raw score = (killed + timeout) / (killed + timeout + survived + suspicious), over the mutants that ran
 (the sampled ones where the module was sampled; `sample_<module>.txt` in WORKDIR lists them).  A
 timeout counts as killed: the mutant made the suite run 10× longer than the unmutated code.
 With a sample, the 95 % interval of the module's score is the Wilson interval.
+
+Every survivor then gets a verdict, from docs/mutation/verdicts/*.json (written by hand, one object
+per mutant: {"mutant", "verdict", "reason", "case"}) or else from the automatic CLASSES below:
+* killed      a test written after the run kills it; "case" is the textual mutation, checked with
+              `python scripts/mutant_kill_check.py docs/mutation/verdicts/<file>.json`;
+* equivalent  it cannot change any result for any valid input (the reason says why);
+* error-path  it changes only the wording or a reported value of an error raised for invalid or
+              non-finite input;
+* unexplained no verdict yet.
+Score = (killed in the run + killed later) / (mutants run − equivalent); error-path survivors count
+as not killed, and the score without them is printed too.
 """
 
 from __future__ import annotations
@@ -24,7 +35,7 @@ from pathlib import Path
 # Survivors whose one-line change matches one of these are sorted into a class with its one-line
 # reason (`left`: the text of the line before the change; `old`: the changed text); the rest are
 # listed as "unclassified", for a reason written by hand in docs/MUTATION_REPORT.md.
-CLASSES = [
+CLASSES = [  # (label, rule, reason); the verdict of each label is in CLASS_VERDICT
     ("memory/device only",
      lambda left, old, line: re.search(r"(chunk_elements|device)=\s*$", left)
      or re.match(r"\s*,?\s*(chunk_elements|device)=", old),
@@ -37,6 +48,9 @@ CLASSES = [
      lambda left, old, line: re.match(r"\s*(name|what|desc|label|msg|hint) = ", line),
      "a string that only appears in a message"),
 ]
+CLASS_VERDICT = {"memory/device only": "equivalent", "overflow/error-path argument": "error-path",
+                 "message text": "error-path", "unclassified": "unexplained"}
+VERDICTS = Path(__file__).resolve().parents[1] / "docs" / "mutation" / "verdicts"
 STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no tests", 33: "no tests", 34: "skipped", 36: "timeout",
           -24: "timeout", 24: "timeout", 152: "timeout", 255: "timeout", None: "not checked"}
 
@@ -116,23 +130,51 @@ def main(workdir: Path, show: bool):
               f"{c.get('survived', 0) + c.get('suspicious', 0)} | {c.get('not checked', 0)} | {score} | {interval} |")
     if R:
         print(f"\nall modules: {K}/{R} = {100 * K / R:.1f} % killed (timeouts count as killed)")
-    by_class = {}
+    hand = load_verdicts()
+    by_verdict = {}
     for mod, n, st in survivors:
         removed, added = mutant_diff(workdir, mod, n)
-        by_class.setdefault(classify(removed, added), []).append((n, st, removed, added))
+        short = n.split("transformer_pde.", 1)[-1]
+        if short in hand:
+            verdict, reason = hand[short]["verdict"], hand[short].get("reason", "")
+        else:
+            label = classify(removed, added)
+            verdict, reason = CLASS_VERDICT[label], {c[0]: f"{c[0]}: {c[2]}" for c in CLASSES}.get(label, "")
+        by_verdict.setdefault(verdict, []).append((short, st, reason, removed, added))
+    later = len(by_verdict.get("killed", []))
+    eq = len(by_verdict.get("equivalent", []))
+    err = len(by_verdict.get("error-path", []))
+    if R:
+        print(f"after the verdicts: {K} killed in the run + {later} killed by later tests, {eq} equivalent, "
+              f"{err} error-path, {len(by_verdict.get('unexplained', []))} unexplained")
+        if R - eq:
+            print(f"score over the non-equivalent mutants: {K + later}/{R - eq} = {100 * (K + later) / (R - eq):.1f} %"
+                  + (f"; without the error-path ones: {K + later}/{R - eq - err} = "
+                     f"{100 * (K + later) / (R - eq - err):.1f} %" if R - eq - err else ""))
     print(f"\n{len(survivors)} survivors:")
-    reasons = {label: reason for label, _, reason in CLASSES}
-    for label in [c[0] for c in CLASSES] + ["unclassified"]:
-        rows = by_class.get(label, [])
-        print(f"\n### {label} ({len(rows)})" + (f": {reasons[label]}" if label in reasons else ""))
-        for n, st, removed, added in rows:
-            print(f"- `{n.split('transformer_pde.', 1)[-1]}`" + (f" ({st})" if st != "survived" else ""))
+    for verdict in ("killed", "equivalent", "error-path", "unexplained"):
+        rows = by_verdict.get(verdict, [])
+        print(f"\n### {verdict} ({len(rows)})")
+        for short, st, reason, removed, added in rows:
+            print(f"- `{short}`" + (f" ({st})" if st != "survived" else "") + (f": {reason}" if reason else ""))
             if show:
                 for ln in removed:
                     print(f"      - {ln}")
                 for ln in added:
                     print(f"      + {ln}")
 
+
+def load_verdicts():
+    """mutant name (without `transformer_pde.`) -> verdict object, from docs/mutation/verdicts/*.json."""
+    out = {}
+    for f in sorted(VERDICTS.glob("*.json")):
+        for v in json.loads(f.read_text()):
+            if v.get("verdict") not in ("killed", "equivalent", "error-path"):
+                raise ValueError(f"{f.name}: {v.get('mutant')}: verdict must be killed, equivalent or error-path")
+            if v["verdict"] == "killed" and not v.get("case"):
+                raise ValueError(f"{f.name}: {v['mutant']}: a 'killed' verdict needs the checked 'case'")
+            out[v["mutant"].split("transformer_pde.", 1)[-1]] = v
+    return out
 
 if __name__ == "__main__":
     if len(sys.argv) < 2:

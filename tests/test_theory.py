@@ -686,3 +686,44 @@ def test_diagnostics_follow_the_device():
         out = fn(xc, hc)
         assert out.device.type == "cuda"
         torch.testing.assert_close(out.cpu(), fn(x, heads), rtol=1e-10, atol=1e-12)
+
+
+def test_per_head_diagnostics_take_a_batch_of_token_weights_on_the_batch_axis():
+    """Token weights of shape (B, n) belong to the batch axis, also when B equals H (a former bug
+    paired them with the head axis: silently wrong for B = H, a shape error otherwise).  Oracle: each
+    batch element computed on its own with its (n,) weights."""
+    g = torch.Generator().manual_seed(7)
+    for B, H in ((2, 2), (3, 2)):
+        x = tp.sphere.sample_uniform(5, 3, batch_shape=(B,), generator=g, dtype=torch.float64)
+        heads = tp.Heads.random(H, 3, generator=g, dtype=torch.float64, beta=1.3, scale=0.3,
+                                weights=torch.tensor([0.3, 1.1], dtype=torch.float64))
+        w = torch.rand(B, 5, generator=g, dtype=torch.float64) + 0.2
+        w = w / w.sum(-1, keepdim=True)
+        one = [(x[b], w[b]) for b in range(B)]
+        torch.testing.assert_close(dg.flat_head_energies(x, heads, w),
+                                   torch.stack([dg.flat_head_energies(xb, heads, wb) for xb, wb in one]))
+        torch.testing.assert_close(dg.head_energy_rates(x, heads, w),
+                                   torch.stack([dg.head_energy_rates(xb, heads, wb) for xb, wb in one]))
+        rd = dg.radial_decomposition(x, heads, w)
+        for name in ("coupling", "shadow", "flat_rates", "sphere_rates", "tangential"):
+            torch.testing.assert_close(getattr(rd, name), torch.stack(
+                [getattr(dg.radial_decomposition(xb, heads, wb), name) for xb, wb in one]), msg=name)
+        run = dg.flat_flow(x, heads, t1=0.02, dt=0.01, weights=w)
+        torch.testing.assert_close(run.head_energies[-1], torch.stack(
+            [dg.flat_flow(xb, heads, t1=0.02, dt=0.01, weights=wb).head_energies[-1] for xb, wb in one]))
+
+
+def test_radial_dominance_threshold_stops_at_overflow_and_respects_beta_max():
+    """Unnormalized outputs overflow float64 near β = 710/λ: the search used to read the NaN margin
+    as "not ≥ 0" and return the overflow point (512) for one head, whose margin is ≥ 0 at every β
+    (no other head casts a shadow), so the answer is inf."""
+    with pytest.raises(OverflowError, match=r"not finite at beta = 512.*beta_max < 512"):
+        dg.radial_dominance_threshold(2, [1.0], normalization="unnormalized")
+    assert dg.radial_dominance_threshold(2, [1.0], normalization="unnormalized", beta_max=300).item() == math.inf
+    # the bracket never reaches past beta_max: a threshold above it reads as inf, below it is found
+    # (three orthogonal tokens, two equal heads: both thresholds finite, about 0.106)
+    both = dg.radial_dominance_threshold(3, [1.0, 1.0])
+    assert bool(torch.isfinite(both).all())
+    capped = dg.radial_dominance_threshold(3, [1.0, 1.0], beta_max=0.5 * both.min().item())
+    assert bool((capped == math.inf).all())
+    torch.testing.assert_close(dg.radial_dominance_threshold(3, [1.0, 1.0], beta_max=2 * both.max().item()), both)

@@ -42,7 +42,7 @@ from .._validation import (
     direction_sign,
 )
 from ..attention import softmax_statistics
-from ..field import check_inputs, grad_first_variation_terms, token_mean, evaluate
+from ..field import check_inputs, grad_first_variation_terms, head_token_mean, token_mean, evaluate
 from ..heads import Heads
 from ..clustering import mean_overlap
 from ..sphere import equiangular, tangent_projection
@@ -147,7 +147,7 @@ def flat_head_energies(x, heads: Heads, weights=None):
     (``tp.head_energies`` requires unit tokens)."""
     _check_any(x, heads, weights, on_sphere=False)
     lse = softmax_statistics(x, heads, weights).log_partition
-    return token_mean(torch.exp(lse), weights) / (2 * _beta(heads, 1))
+    return head_token_mean(torch.exp(lse), weights) / (2 * _beta(heads, 1))
 
 
 def _token_velocity(x, heads, weights, normalization, direction, flat):
@@ -180,7 +180,7 @@ def head_energy_rates(x, heads: Heads, weights=None, *, normalization: str = "un
         check_same(x, velocity, "x", "velocity")
         if velocity.shape[-2:] != x.shape[-2:]:
             raise ValueError(f"velocity must have the shape (..., n, d) of x, got {tuple(velocity.shape)}")
-    return token_mean((G * velocity.unsqueeze(-3)).sum(-1), weights)
+    return head_token_mean((G * velocity.unsqueeze(-3)).sum(-1), weights)
 
 
 @dataclass
@@ -306,8 +306,9 @@ def radial_decomposition(x, heads: Heads, weights=None, *, normalization: str = 
     # per token, [h, k, i]: ⟨G_h(x_i), f_k(x_i)⟩ and ⟨x_i, G_h⟩ a_i^k, weighted by ω_k
     inner = om * (G.unsqueeze(-3) * f.unsqueeze(-4)).sum(-1)
     sh = om * (aG.unsqueeze(-2) * a.unsqueeze(-3))
-    C = token_mean(inner, weights)
-    S = token_mean(sh, weights)
+    wk = None if weights is None else weights.unsqueeze(-2)  # (..., 1, n): the [h, k, i] values' k axis
+    C = head_token_mean(inner, wk)
+    S = head_token_mean(sh, wk)
     diag = torch.diagonal(C - S, dim1=-2, dim2=-1)
     return RadialDecomposition(a, aG, C, S, C.sum(-1), (C - S).sum(-1), diag,
                                (inner - sh).sum(-2), inner.sum(-2))
@@ -395,6 +396,10 @@ def radial_dominance_threshold(n: int, lambdas, *, gamma: float = 0.0, form: str
         (H,) tensor of thresholds β_h: the margin is ≥ 0 below and < 0 above.  ``inf`` when the
         margin stays ≥ 0 up to ``beta_max`` (H = 1), ``-inf`` when it is already negative at
         β → 0⁺ (the closed form is ≤ 0 then).
+
+    Raises:
+        OverflowError when the margin is not finite before the bracket closes (unnormalized outputs
+        grow like e^{λβ}: in float64 from β ≈ 700/λ); the message names β and how to avoid it.
     """
     n = check_int(n, "n", minimum=2)
     check_positive(tol, "tol")
@@ -410,6 +415,11 @@ def radial_dominance_threshold(n: int, lambdas, *, gamma: float = 0.0, form: str
     def minmargin(betas):  # betas (B,) -> (B, H)
         heads = Heads.scalar(lam.expand(len(betas), H), d, beta=betas, weights=ones.expand(len(betas), H))
         m = radial_dominance_margin(x, heads, normalization=normalization, form=form)  # (B, H, n)
+        if not bool(torch.isfinite(m).all()):  # NaN is neither >= 0 nor < 0: it would end the search there
+            bad = betas[~torch.isfinite(m).flatten(1).all(-1)].min().item()
+            raise OverflowError(f"radial_dominance_threshold: the {normalization} margin is not finite at "
+                                f"beta = {bad:.6g} (the head outputs overflow {dtype}); pass beta_max < {bad:.6g}, "
+                                "or use normalization='softmax' or 'effective', whose outputs stay bounded")
         return m.amin(-1)
 
     tiny = torch.tensor([1e-9], dtype=dtype, device=device)
@@ -417,16 +427,16 @@ def radial_dominance_threshold(n: int, lambdas, *, gamma: float = 0.0, form: str
     m0 = minmargin(tiny)[0]
     out[m0 < 0] = -math.inf
     lo = torch.full((H,), 1e-9, dtype=dtype, device=device)
-    hi = torch.ones(H, dtype=dtype, device=device)
+    hi = torch.full((H,), min(1.0, beta_max), dtype=dtype, device=device)
     open_ = m0 >= 0
-    # expand the bracket until every open head has a negative margin at hi (or hi > beta_max)
+    # expand the bracket until every open head has a negative margin at hi (or hi = beta_max)
     while True:
         mh = minmargin(hi).diagonal()
-        grow = open_ & (mh >= 0) & (hi <= beta_max)
+        grow = open_ & (mh >= 0) & (hi < beta_max)
         if not bool(grow.any()):
             break
         lo = torch.where(grow, hi, lo)
-        hi = torch.where(grow, 2 * hi, hi)
+        hi = torch.where(grow, (2 * hi).clamp(max=beta_max), hi)
     mh = minmargin(hi).diagonal()
     never = open_ & (mh >= 0)
     out[never] = math.inf
@@ -675,7 +685,7 @@ def flat_flow(x0, heads: Heads, *, t1: float, dt: float, weights=None, normaliza
 
     def energies(x):
         lse = softmax_statistics(x, heads, weights).log_partition
-        return token_mean(torch.exp(lse), weights) / (2 * _beta(heads, 1))
+        return head_token_mean(torch.exp(lse), weights) / (2 * _beta(heads, 1))
 
     state = {}
     rec = Recorder(K, record_every, diagnostics=False, weights=weights, observables={

@@ -159,3 +159,20 @@ def test_adaptive_ledger_with_layer_boundaries_off_the_record_grid(interpolation
         assert tr.x.shape[0] == tr.energy.shape[0] == round(T1 / dt) // 2 + 1  # records only, no knot rows
         res.append(abs(tr.ledger["residual"][-1].item()))
     assert fit_slope(dts, res) >= 1.7, res
+
+
+@pytest.mark.parametrize("offset", [0.0, 3e-10, -3e-10, 3e-9])
+def test_adaptive_ledger_books_the_jump_of_a_layer_start_a_rounding_away_from_a_record_time(offset):
+    """A layer start within rounding of a record time (|offset| ≤ 1e-9 of the span, but more than
+    Layerwise's own 1e-12 snap) used to be merged into the record time and sampled there, where both
+    sides fall in the same layer: the jump was lost (partial 0, residual 0.15).  The booked ∂_tE and
+    the residual must not depend on such an offset: the jump ΔE is ~0.15 here, so 1e-7 is far below
+    it and far above the O(offset) change of the solution."""
+    x0 = tp.sphere.sample_uniform(6, 3, generator=gen(60), dtype=torch.float64)
+    a = tp.Heads.random(2, 3, generator=gen(62), dtype=torch.float64, scale=0.1, beta=1.3)
+    b = tp.Heads(a.score + 0.8 * torch.eye(3, dtype=torch.float64), beta=1.3)
+    runs = [tp.simulate(x0, tp.Layerwise([a, b], layer_time=0.5 + o), t1=1.0, dt=0.1, method="adaptive")
+            for o in (0.0, offset)]
+    assert runs[0].ledger["partial"][-1].item() > 0.1  # the jump is booked at all
+    for key in ("partial", "residual"):
+        torch.testing.assert_close(runs[1].ledger[key][-1], runs[0].ledger[key][-1], atol=1e-7, rtol=0)

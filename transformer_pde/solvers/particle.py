@@ -764,12 +764,22 @@ def _simulate_adaptive(x, process, drv, ev, *, K, t0, dt, record_every, sign, di
 
 
 def _knot_grid(times, knots):
-    """(the record times with the knots added, float64; the index of each record time in it)."""
+    """(the record times with the knots added, float64; the index of each record time in it).
+
+    A knot within 1e-9 of the span of a record time takes that record time's place, so that Θ is
+    sampled on both sides of the knot itself: sampled at the record time, both sides could fall in
+    the same layer and the jump would be lost."""
     if not knots:
         return times, list(range(len(times)))
     tol = 1e-9 * float(times[-1] - times[0])
-    extra = [tj for tj in knots if bool((times - tj).abs().min() > tol)]
-    grid = torch.sort(torch.cat([times, torch.tensor(extra, dtype=torch.float64)])).values
+    grid, extra = times.clone(), []
+    for tj in knots:
+        i = int((times - tj).abs().argmin())
+        if abs(float(times[i]) - tj) > tol:
+            extra.append(tj)
+        else:
+            grid[i] = tj
+    grid = torch.sort(torch.cat([grid, torch.tensor(extra, dtype=torch.float64)])).values
     return grid, [int((grid - t).abs().argmin()) for t in times]
 
 

@@ -483,3 +483,45 @@ def test_eulerian_step_with_a_tolerance_below_round_off_converges_at_the_round_o
     p = tr.weights[1]
     assert float(tr.stats["residual"][0]) <= 100 * torch.finfo(F64).eps * m
     assert float((p - q0).abs().sum()) > 1e-3 and float(p.min()) >= 0 and abs(float(p.sum()) - 1) < 1e-14
+
+
+# ---------------------------------------------------------------------------- second stage of the pass
+# (survivors among the slow mutants that the first stage had not reached)
+@pytest.mark.parametrize("name", ["record_every", "max_plan_updates"])
+def test_a_bad_count_option_is_named_in_the_error(name):
+    x, heads = tokens(5, 3, 11), rand_heads(2, 3, 12)
+    with pytest.raises(ValueError, match=rf"^{name} must"):
+        tp.jko(x, heads, tau=0.1, steps=1, transport="identity", **{name: 0})
+
+
+def test_lagrangian_sinkhorn_default_tolerance_is_the_documented_1e_6():
+    """Docstring: tol defaults to 1e-6 with transport="sinkhorn" in float64 (1e-9 otherwise).  The
+    default run equals the tol=1e-6 run bit for bit and differs from the tol=1e-9 one."""
+    x, heads = tokens(5, 3, 13), rand_heads(2, 3, 14)
+
+    def run(**kw):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return tp.jko(x, heads, tau=0.05, steps=2, transport="sinkhorn", **kw).x
+    default = run()
+    assert torch.equal(default, run(tol=1e-6))
+    assert not torch.equal(default, run(tol=1e-9))
+
+
+def test_the_generator_drives_the_weight_paths_of_a_noisy_process():
+    x, heads = tokens(5, 3, 15), rand_heads(2, 3, 16)
+    ou = tp.OrnsteinUhlenbeck(heads, sigma=0.5)
+
+    def run(s):
+        return tp.jko(x, ou, tau=0.05, steps=2, transport="identity", generator=torch.Generator().manual_seed(s)).x
+    assert torch.equal(run(1), run(1))
+    assert not torch.equal(run(1), run(2))
+
+
+def test_eulerian_deposit_uses_the_given_bandwidth():
+    """The initial grid weights are to_grid(x0, z, bandwidth=h) for the given h (not the default)."""
+    x, heads = tokens(5, 3, 17), rand_heads(2, 3, 18)
+    z = tp.sphere.fibonacci_sphere(30, dtype=F64)
+    tr = tp.jko(x, heads, tau=0.05, steps=1, scheme="eulerian", grid=z, eps=0.05, tol=1e-6, bandwidth=0.4)
+    assert_close(tr.weights[0], tp.to_grid(x, z, bandwidth=0.4), rtol=1e-12, atol=0)
+    assert not torch.allclose(tr.weights[0], tp.to_grid(x, z))

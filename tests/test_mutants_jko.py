@@ -525,3 +525,30 @@ def test_eulerian_deposit_uses_the_given_bandwidth():
     tr = tp.jko(x, heads, tau=0.05, steps=1, scheme="eulerian", grid=z, eps=0.05, tol=1e-6, bandwidth=0.4)
     assert_close(tr.weights[0], tp.to_grid(x, z, bandwidth=0.4), rtol=1e-12, atol=0)
     assert not torch.allclose(tr.weights[0], tp.to_grid(x, z))
+
+
+def test_progress_bar_counts_the_steps_and_names_the_scheme(monkeypatch):
+    """progress=True opens one tqdm bar with total = steps and a description naming scheme and
+    transport, and advances it once per step."""
+    import tqdm.auto
+    bars = []
+
+    class Bar:
+        def __init__(self, **kw):
+            self.kw, self.n = kw, 0
+            bars.append(self)
+
+        def update(self, k=1):
+            self.n += k
+
+        def close(self):
+            pass
+
+        def __getattr__(self, name):  # set_postfix and friends: accepted, ignored
+            return lambda *a, **k: None
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", Bar)
+    tp.jko(tokens(5, 3, 19), rand_heads(2, 3, 20), tau=0.05, steps=3, transport="identity", progress=True)
+    assert len(bars) == 1
+    assert bars[0].kw["total"] == 3 and bars[0].n == 3
+    assert bars[0].kw["desc"] == "jko (lagrangian, identity)"

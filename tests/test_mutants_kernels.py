@@ -234,3 +234,44 @@ def test_scaled_diagnostics_match_evaluate_bit_for_bit_for_nearly_symmetric_head
     assert_close(g, want, rtol=1e-13, atol=1e-14)
     ut = (om[:, None, None] * torch.einsum("hij,hed,je->hid", K, D, x)).sum(0)  # with A_hᵀ: must differ
     assert (ut - u).abs().max() > 100 * (1e-13 * u.abs().max() + 1e-14)
+
+
+def test_differentiable_second_moment_over_several_row_chunks_against_the_dense_formula():
+    """q_h(x_i) = Σ_j p_ij ⟨x_i, y_j⟩² from the differentiable path (x requires grad) with row chunks
+    of 2 queries (chunk_elements = 2·m per head and batch), batch of 2, token weights, β ≠ 1: the
+    chunks must be joined along the query axis.  Dense oracle: p_ij = w_j e^{s_ij} / Σ_l w_l e^{s_il}."""
+    g = gen(90)
+    x = tp.sphere.sample_uniform(7, 3, batch_shape=(2,), generator=g, dtype=torch.float64).requires_grad_(True)
+    heads = tp.Heads.random(2, 3, generator=g, dtype=torch.float64, beta=1.7)
+    w = torch.rand(2, 7, generator=g, dtype=torch.float64) + 0.2
+    w = w / w.sum(-1, keepdim=True)
+    st = tp.attention.softmax_statistics(x, heads, w, second_moment=True, chunk_elements=2 * 7)
+    xd = x.detach()
+    S = heads.beta * torch.einsum("bid,hde,bje->bhij", xd, heads.score_matrix, xd)
+    P = torch.softmax(S + torch.log(w)[:, None, None, :], -1)
+    q = (P * (xd @ xd.transpose(-1, -2)).square()[:, None]).sum(-1)
+    assert_close(st.second.detach(), q, rtol=1e-12, atol=1e-14)
+
+
+def test_a_user_cost_is_handed_to_geomloss_with_the_tensorized_backend(monkeypatch):
+    """A callable cost only works with geomloss' tensorized backend: its "auto" switches to the online
+    (KeOps formula) one above 5000² point pairs, where a Python callable fails.  So the request must name
+    "tensorized" explicitly; the value is unchanged (checked against the unpatched call)."""
+    import geomloss
+    from transformer_pde import transport
+    seen, real = [], geomloss.SamplesLoss
+
+    def spy(*args, **kw):
+        seen.append(kw.get("backend"))
+        return real(*args, **kw)
+
+    g = gen(91)
+    x = tp.sphere.sample_uniform(6, 3, batch_shape=(1,), generator=g, dtype=torch.float64)
+    y = tp.sphere.sample_uniform(5, 3, batch_shape=(1,), generator=g, dtype=torch.float64)
+    a, b = torch.full((1, 6), 1 / 6, dtype=torch.float64), torch.full((1, 5), 1 / 5, dtype=torch.float64)
+    cost = lambda X, Y: 0.5 * torch.cdist(X, Y).square()  # noqa: E731
+    ref = transport.sinkhorn_divergence(x, a, y, b, eps=0.1, cost=cost, diameter=2.0)
+    monkeypatch.setattr(geomloss, "SamplesLoss", spy)
+    val = transport.sinkhorn_divergence(x, a, y, b, eps=0.1, cost=cost, diameter=2.0)
+    assert seen == ["tensorized"]
+    assert_close(val, ref, rtol=0, atol=0)

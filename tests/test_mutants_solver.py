@@ -155,7 +155,8 @@ def test_process_signature_sees_every_layer_and_not_object_addresses():
 @pytest.mark.parametrize("t0,t1,dt,layer_start,layer_time,k", [
     (-0.3, 0.3, 0.1, -0.3, 0.3, 3),  # record time −0.3 + 3·0.1 = 5.6e-17, the knot 0.0 (a span symmetric about 0)
     (999999.98, 1000000.18, 0.01, 0.0, 1000000.06, 8),  # record time = the knot − 1.2e-10 (one ulp at 1e6)
-], ids=["symmetric-span", "large-t"])
+    (-0.9, 0.3, 0.1, -0.9, 0.6, 6),  # t0 + t1 < 0: record time −0.29999999999999993, the knot −0.30000000000000004
+], ids=["symmetric-span", "large-t", "negative-sum"])
 def test_adaptive_ledger_books_a_layer_jump_at_a_record_time_equal_to_the_knot_up_to_rounding(
         t0, t1, dt, layer_start, layer_time, k):
     """Piecewise-constant Layerwise heads whose layer start equals a record time only up to rounding:

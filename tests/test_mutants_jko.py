@@ -552,3 +552,13 @@ def test_progress_bar_counts_the_steps_and_names_the_scheme(monkeypatch):
     assert len(bars) == 1
     assert bars[0].kw["total"] == 3 and bars[0].n == 3
     assert bars[0].kw["desc"] == "jko (lagrangian, identity)"
+
+
+def test_strict_lagrangian_sinkhorn_error_adds_the_sinkhorn_hint():
+    """strict=True and a step that cannot converge (max_iter=1): the error names the step and, for the
+    Lagrangian sinkhorn transport only, how to tune it."""
+    x, heads = tokens(5, 3, 21), rand_heads(2, 3, 22)
+    with pytest.raises(tp.JKOConvergenceError, match=r"JKO step 1 .*raise sinkhorn_scaling towards 1 or lower eps"):
+        tp.jko(x, heads, tau=0.2, steps=1, transport="sinkhorn", max_iter=1, strict=True)
+    with pytest.raises(tp.JKOConvergenceError, match=r"reduce tau$"):
+        tp.jko(x, heads, tau=0.2, steps=1, transport="identity", max_iter=1, strict=True)

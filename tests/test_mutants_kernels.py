@@ -275,3 +275,57 @@ def test_a_user_cost_is_handed_to_geomloss_with_the_tensorized_backend(monkeypat
     val = transport.sinkhorn_divergence(x, a, y, b, eps=0.1, cost=cost, diameter=2.0)
     assert seen == ["tensorized"]
     assert_close(val, ref, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------- survivors of the 5 % run on the final tree
+def _dense_lse(x, heads, w=None):
+    """log Σ_j w_j e^{β⟨x_i, A_h x_j⟩}, (..., H, n), by torch.logsumexp over the dense scores."""
+    S = heads.beta * torch.einsum("...id,hde,...je->...hij", x, heads.score_matrix, x)
+    logw = -math.log(x.shape[-2]) if w is None else torch.log(w)[..., None, None, :]
+    return torch.logsumexp(S + logw, -1)
+
+
+def test_chunked_bound_uses_each_key_norm_so_large_scores_take_the_shifted_path():
+    """All tokens near one direction in d = 32 with A = a·I and β·a = 800: the scores (≈ 800) overflow
+    e^s in float64, so the chunked kernel must take its max-shifted branch.  It decides by the bound
+    ‖q_i‖·max_j ‖k_j‖; a bound from the column norms of the keys (√(2/32) of it here) would wrongly
+    allow the unshifted sum and return inf.  Dense oracle: logsumexp of the scores."""
+    d = 32
+    base = torch.ones(d, dtype=torch.float64) / math.sqrt(d)
+    x = tp.sphere.normalize(base + 1e-3 * torch.randn(2, d, generator=gen(92), dtype=torch.float64))
+    heads = tp.Heads(torch.eye(d, dtype=torch.float64)[None], beta=800.0)
+    st = tp.attention.softmax_statistics(x, heads, backend="chunked")
+    assert bool(torch.isfinite(st.log_partition).all())
+    assert_close(st.log_partition, _dense_lse(x, heads), rtol=1e-13, atol=0)
+
+
+def test_chunked_second_moment_keeps_float32():
+    """The (y ⊗ y) pair weights follow the input dtype: a float32 run stays float32."""
+    x = tp.sphere.sample_uniform(6, 3, generator=gen(93), dtype=torch.float32)
+    heads = tp.Heads.random(2, 3, generator=gen(94), dtype=torch.float32, beta=1.3)
+    st = tp.attention.softmax_statistics(x, heads, second_moment=True, backend="chunked")
+    assert st.second.dtype == torch.float32
+    xd = x.double()
+    S = 1.3 * torch.einsum("id,hde,je->hij", xd, heads.score_matrix.double(), xd)
+    q = (torch.softmax(S, -1) * (xd @ xd.T).square()).sum(-1)
+    assert_close(st.second.double(), q, rtol=1e-5, atol=1e-6)
+
+
+def test_relu_statistics_over_two_row_chunks_against_the_dense_formula():
+    """Two row chunks (chunk_elements = 3 rows × m keys × H heads): both must be joined.  Dense oracle:
+    Σ_j w_j relu(β⟨x_i, A_h x_j⟩) (1, x_j), the ReLU kernel's mass and first moment."""
+    x = tp.sphere.sample_uniform(6, 3, generator=gen(95), dtype=torch.float64)
+    heads = tp.Heads.random(2, 3, generator=gen(96), dtype=torch.float64, beta=1.3)
+    full = tp.attention.relu_statistics(x, heads, backend="dense")
+    two = tp.attention.relu_statistics(x, heads, chunk_elements=3 * 6 * 2, backend="chunked")
+    R = torch.relu(1.3 * torch.einsum("id,hde,je->hij", x, heads.score_matrix, x)) / 6
+    for mass, first in (full, two):
+        assert_close(mass, R.sum(-1), rtol=1e-13, atol=1e-15)
+        assert_close(first, R @ x, rtol=1e-13, atol=1e-15)
+
+
+def test_unnormalized_velocity_that_overflows_raises_with_the_fix():
+    x = tp.sphere.sample_uniform(5, 3, generator=gen(97), dtype=torch.float32)
+    heads = tp.Heads(torch.eye(3, dtype=torch.float32)[None], beta=200.0)
+    with pytest.raises(OverflowError, match="'unnormalized' field overflows torch.float32.*use normalization='softmax'"):
+        tp.velocity(x, heads, normalization="unnormalized")

@@ -313,3 +313,14 @@ def test_adaptive_solve_with_a_layer_start_just_before_t1_at_large_t():
     ref = tp.simulate(x0, lw, dt=1e-3, method="rk4", record_every=10, **kw)
     assert float((ref.x[-1] - x0).abs().max()) > 0.01
     assert float((tr.x - ref.x).abs().max()) < 1e-7
+
+
+# ---------------------------------------------------------------------------- survivors of the 5 % run on the final tree
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_oscillating_target_has_the_requested_dtype(dtype):
+    """F(t) is built in float64 and returned in the requested dtype: 2I + Σ_k cos(ω_k t + φ_k) M_k,
+    so at any t it stays within the float32 rounding of the float64 value."""
+    F = tp.processes.oscillating_target(0.7, 3, 2, dtype=dtype)
+    assert F.dtype == dtype and F.shape == (2, 3, 3)
+    ref = tp.processes.oscillating_target(0.7, 3, 2, dtype=torch.float64)
+    assert_close(F.double(), ref, rtol=1e-6, atol=1e-6)

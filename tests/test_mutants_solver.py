@@ -343,3 +343,16 @@ def test_adaptive_causal_run_matches_fine_rk4_and_has_no_residual():
     assert_close(adj.x.detach(), ad.x, rtol=0, atol=1e-12)
     for tr in (ad, rk):
         assert "residual" not in tr.ledger and "residual_slope" not in tr.ledger
+
+
+def test_euler_step_of_a_custom_process_uses_sigma_at_the_step_time():
+    """Euler–Maruyama: noise = σ(t)·√dt·Z with Z the symmetric Gaussian of the generator, σ evaluated at
+    the step's own time t (here σ(t) = 0.25 + t at t = 1.5, so 1.75), and A(t+dt) = A + dt·drift + noise."""
+    from transformer_pde.processes import symmetric_noise
+    h = tp.Heads.random(2, 3, generator=gen(82), dtype=F64)
+    proc = tp.Custom(h, lambda t, A: -A, diffusion=lambda t: 0.25 + t)
+    A = h.score_matrix
+    nxt, noise = proc.step(A, 1.5, 0.01, generator=gen(83))
+    Z = symmetric_noise(A.shape, generator=gen(83), dtype=F64)
+    assert_close(noise, 1.75 * 0.1 * Z, rtol=1e-15, atol=0)
+    assert_close(nxt, A - 0.01 * A + noise, rtol=1e-15, atol=1e-16)

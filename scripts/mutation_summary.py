@@ -9,7 +9,8 @@ timeout counts as killed: the mutant made the suite run 10× longer than the unm
 With a sample, the 95 % interval of the module's score is the Wilson interval.
 
 Every survivor then gets a verdict, from docs/mutation/verdicts/*.json (written by hand, one object
-per mutant: {"mutant", "verdict", "reason", "case"}) or else from the automatic CLASSES below:
+per mutant: {"mutant", "verdict", "reason", "case", "diff"}; a verdict whose recorded diff differs
+from the mutant's is not applied) or else from the automatic CLASSES below:
 * killed      a test written after the run kills it; "case" is the textual mutation, checked with
               `python scripts/mutant_kill_check.py docs/mutation/verdicts/<file>.json`;
 * equivalent  it cannot change any result for any valid input (the reason says why);
@@ -69,7 +70,8 @@ def _functions(path: Path):
     """name -> body lines (stripped) of every function in mutmut's trampolined copy of a module."""
     src = path.read_text()
     lines = src.splitlines()
-    return {node.name: [ln.strip() for ln in lines[node.lineno:node.end_lineno]]
+    # the def line too (a mutated default argument), with the function's own name taken out
+    return {node.name: [re.sub(r"^(async )?def \w+", "def _", ln.strip()) for ln in lines[node.lineno - 1:node.end_lineno]]
             for node in ast.walk(ast.parse(src)) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
 
 
@@ -135,8 +137,12 @@ def main(workdir: Path, show: bool):
     for mod, n, st in survivors:
         removed, added = mutant_diff(workdir, mod, n)
         short = n.split("transformer_pde.", 1)[-1]
-        if short in hand:
-            verdict, reason = hand[short]["verdict"], hand[short].get("reason", "")
+        v = hand.get(short)
+        if v is not None and "diff" in v and v["diff"] != [removed, added]:
+            # the verdict was written for another mutation that had this name (the function changed since)
+            verdict, reason = "unexplained", "its verdict in docs/mutation/verdicts is for another mutation of this name"
+        elif v is not None:
+            verdict, reason = v["verdict"], v.get("reason", "")
         else:
             label = classify(removed, added)
             verdict, reason = CLASS_VERDICT[label], {c[0]: f"{c[0]}: {c[2]}" for c in CLASSES}.get(label, "")

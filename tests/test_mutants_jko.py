@@ -562,3 +562,20 @@ def test_strict_lagrangian_sinkhorn_error_adds_the_sinkhorn_hint():
         tp.jko(x, heads, tau=0.2, steps=1, transport="sinkhorn", max_iter=1, strict=True)
     with pytest.raises(tp.JKOConvergenceError, match=r"reduce tau$"):
         tp.jko(x, heads, tau=0.2, steps=1, transport="identity", max_iter=1, strict=True)
+
+
+def test_a_batch_of_token_weights_on_shared_tokens_equals_separate_runs():
+    """Tokens (n, d) with token weights (2, n): the batch comes from the weights alone."""
+    x = tokens(6, 3, 23)
+    w = torch.stack([token_weights(6, 24), token_weights(6, 25)])
+    heads = rand_heads(2, 3, 26, weights=torch.tensor([0.3, 1.4], dtype=F64), beta=1.5)
+    both = tp.jko(x, heads, tau=0.1, steps=1, transport="identity", weights=w)
+    assert both.x.shape == (2, 2, 6, 3)
+    for i in range(2):
+        one = tp.jko(x, heads, tau=0.1, steps=1, transport="identity", weights=w[i])
+        assert_close(both.x[:, i], one.x, rtol=0, atol=1e-10)
+
+
+def test_stats_report_the_wall_time():
+    tr = tp.jko(tokens(5, 3, 27), rand_heads(2, 3, 28), tau=0.05, steps=1, transport="identity")
+    assert tr.stats["steps"] == 1 and tr.stats["wall_time"] > 0

@@ -329,3 +329,23 @@ def test_unnormalized_velocity_that_overflows_raises_with_the_fix():
     heads = tp.Heads(torch.eye(3, dtype=torch.float32)[None], beta=200.0)
     with pytest.raises(OverflowError, match="'unnormalized' field overflows torch.float32.*use normalization='softmax'"):
         tp.velocity(x, heads, normalization="unnormalized")
+
+
+@pytest.mark.parametrize("diameter", [None, 2.5])
+def test_geodesic_sinkhorn_hands_geomloss_the_diameter(monkeypatch, diameter):
+    """The geodesic cost's diameter for geomloss' ε-scaling: π (the sphere's) by default, the given one
+    otherwise."""
+    import geomloss
+    from transformer_pde import transport
+    seen, real = [], geomloss.SamplesLoss
+
+    def spy(*args, **kw):
+        seen.append(kw.get("diameter"))
+        return real(*args, **kw)
+
+    g = gen(98)
+    x = tp.sphere.sample_uniform(6, 3, batch_shape=(1,), generator=g, dtype=torch.float64)
+    a = torch.full((1, 6), 1 / 6, dtype=torch.float64)
+    monkeypatch.setattr(geomloss, "SamplesLoss", spy)
+    transport.sinkhorn_divergence(x, a, x.flip(-2), a, eps=0.1, metric="geodesic", diameter=diameter)
+    assert seen == [math.pi if diameter is None else diameter]

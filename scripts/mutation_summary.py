@@ -16,9 +16,11 @@ from the mutant's is not applied) or else from the automatic CLASSES below:
 * equivalent  it cannot change any result for any valid input (the reason says why);
 * error-path  it changes only the wording or a reported value of an error raised for invalid or
               non-finite input;
+* accepted    it can change a result, but only through a tuning constant that no specification fixes
+              (the reason says where it would matter); counted as not killed;
 * unexplained no verdict yet.
-Score = (killed in the run + killed later) / (mutants run − equivalent); error-path survivors count
-as not killed, and the score without them is printed too.
+Score = (killed in the run + killed later) / (mutants run − equivalent); error-path and accepted
+survivors count as not killed (the score without the error-path ones is printed too).
 """
 
 from __future__ import annotations
@@ -150,15 +152,16 @@ def main(workdir: Path, show: bool):
     later = len(by_verdict.get("killed", []))
     eq = len(by_verdict.get("equivalent", []))
     err = len(by_verdict.get("error-path", []))
+    acc = len(by_verdict.get("accepted", []))
     if R:
         print(f"after the verdicts: {K} killed in the run + {later} killed by later tests, {eq} equivalent, "
-              f"{err} error-path, {len(by_verdict.get('unexplained', []))} unexplained")
+              f"{err} error-path, {acc} accepted, {len(by_verdict.get('unexplained', []))} unexplained")
         if R - eq:
             print(f"score over the non-equivalent mutants: {K + later}/{R - eq} = {100 * (K + later) / (R - eq):.1f} %"
                   + (f"; without the error-path ones: {K + later}/{R - eq - err} = "
                      f"{100 * (K + later) / (R - eq - err):.1f} %" if R - eq - err else ""))
     print(f"\n{len(survivors)} survivors:")
-    for verdict in ("killed", "equivalent", "error-path", "unexplained"):
+    for verdict in ("killed", "equivalent", "error-path", "accepted", "unexplained"):
         rows = by_verdict.get(verdict, [])
         print(f"\n### {verdict} ({len(rows)})")
         for short, st, reason, removed, added in rows:
@@ -175,8 +178,8 @@ def load_verdicts():
     out = {}
     for f in sorted(VERDICTS.glob("*.json")):
         for v in json.loads(f.read_text()):
-            if v.get("verdict") not in ("killed", "equivalent", "error-path"):
-                raise ValueError(f"{f.name}: {v.get('mutant')}: verdict must be killed, equivalent or error-path")
+            if v.get("verdict") not in ("killed", "equivalent", "error-path", "accepted"):
+                raise ValueError(f"{f.name}: {v.get('mutant')}: verdict must be killed, equivalent, error-path or accepted")
             if v["verdict"] == "killed" and not v.get("case"):
                 raise ValueError(f"{f.name}: {v['mutant']}: a 'killed' verdict needs the checked 'case'")
             out[v["mutant"].split("transformer_pde.", 1)[-1]] = v

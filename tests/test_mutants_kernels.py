@@ -349,3 +349,18 @@ def test_geodesic_sinkhorn_hands_geomloss_the_diameter(monkeypatch, diameter):
     monkeypatch.setattr(geomloss, "SamplesLoss", spy)
     transport.sinkhorn_divergence(x, a, x.flip(-2), a, eps=0.1, metric="geodesic", diameter=diameter)
     assert seen == [math.pi if diameter is None else diameter]
+
+
+def test_one_row_per_chunk_at_the_smallest_memory_cap():
+    """chunk_elements=4 with a batch of 4 × 2 heads and m = 5 keys (far below one row of scores, 40
+    elements): one query row per block, the same sums as dense.  Covers the row sizing of the ReLU
+    kernel and of the differentiable softmax path."""
+    x = tp.sphere.sample_uniform(5, 3, batch_shape=(4,), generator=gen(99), dtype=torch.float64)
+    heads = tp.Heads.random(2, 3, generator=gen(100), dtype=torch.float64, beta=1.3)
+    R = torch.relu(1.3 * torch.einsum("bid,hde,bje->bhij", x, heads.score_matrix, x)) / 5
+    mass, first = tp.attention.relu_statistics(x, heads, chunk_elements=4, backend="chunked")
+    assert_close(mass, R.sum(-1), rtol=1e-13, atol=1e-15)
+    assert_close(first, R @ x.unsqueeze(-3), rtol=1e-13, atol=1e-15)
+    xg = x.clone().requires_grad_(True)
+    st = tp.attention.softmax_statistics(xg, heads, chunk_elements=4)
+    assert_close(st.log_partition.detach(), _dense_lse(x, heads), rtol=1e-13, atol=1e-15)

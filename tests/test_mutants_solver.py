@@ -356,3 +356,51 @@ def test_euler_step_of_a_custom_process_uses_sigma_at_the_step_time():
     Z = symmetric_noise(A.shape, generator=gen(83), dtype=F64)
     assert_close(noise, 1.75 * 0.1 * Z, rtol=1e-15, atol=0)
     assert_close(nxt, A - 0.01 * A + noise, rtol=1e-15, atol=1e-16)
+
+
+@pytest.mark.parametrize("method,stages", [("euler", 1), ("heun", 2), ("rk4", 4)])
+def test_fixed_step_stats_count_field_evaluations_and_the_sphere_error(method, stages):
+    """field_evaluations = 1 (at t0) + K·stages (the end point of a step is the next step's first stage),
+    with the energy scale chosen (c = 0 here) or given; max_sphere_error is the largest |‖y‖ − 1| of the
+    un-retracted steps: ≤ the O(dt²) drift of one step, and > 0."""
+    x0 = tp.sphere.sample_uniform(5, 3, generator=gen(84), dtype=F64)
+    heads = tp.Heads.random(2, 3, generator=gen(85), dtype=F64, beta=1.3)
+    for kw in ({}, {"energy_log_scale": 0.5}):
+        tr = tp.simulate(x0, heads, dt=0.05, t1=0.2, method=method, **kw)
+        assert tr.stats["field_evaluations"] == 1 + 4 * stages, kw
+        assert 0.0 < tr.stats["max_sphere_error"] < 0.05 ** 2 * 10
+
+
+def test_stepper_returns_the_pre_retraction_sphere_error_and_zero_for_flat_dynamics():
+    """Euler: y = x + dt·k1; on the sphere the step returns y/‖y‖ and max_i |‖y_i‖ − 1| (computed here),
+    without retraction y itself and 0.0."""
+    from transformer_pde.solvers.parts import Stepper
+    x = tp.sphere.sample_uniform(4, 3, generator=gen(86), dtype=F64)
+    k1 = torch.randn(4, 3, generator=gen(87), dtype=F64)
+    y = x + 0.1 * k1
+    out, err = Stepper(tp.TABLEAUX["euler"], retract=True).step(x, k1, 0.1, lambda xs, c: None)
+    assert_close(out, y / y.norm(dim=-1, keepdim=True), rtol=1e-15, atol=0)
+    assert err == pytest.approx(float((y.norm(dim=-1) - 1).abs().max()), rel=1e-14)
+    out, err = Stepper(tp.TABLEAUX["euler"], retract=False).step(x, k1, 0.1, lambda xs, c: None)
+    assert torch.equal(out, y) and err == 0.0
+
+
+def test_ledger_check_names_the_energy_when_it_is_not_finite():
+    from types import SimpleNamespace
+    from transformer_pde.solvers.particle import _check_ledger
+    one = torch.ones(2, dtype=F64)
+    e = SimpleNamespace(energy=torch.tensor([1.0, float("inf")], dtype=F64), dissipation=one, slope=one,
+                        stats=SimpleNamespace(log_partition=torch.zeros(2, 3, dtype=F64)))
+    with pytest.raises(tp.NonFiniteError, match=r"^the energy became NaN/inf at t = 0.25 \(step 5\)"):
+        _check_ledger(e, one, 0.25, 5, {"c": 0.0, "start_max": 0.0})
+
+
+def test_a_closed_form_process_returns_a_replayable_path():
+    """return_path=True with a closed-form process (σ = 0 OU, exact): the returned path has the grid's
+    times and no noise, and replaying it gives the same tokens."""
+    x0 = tp.sphere.sample_uniform(5, 3, generator=gen(88), dtype=F64)
+    heads = tp.Heads.random(2, 3, generator=gen(89), dtype=F64)
+    tr = tp.simulate(x0, tp.OrnsteinUhlenbeck(heads, sigma=0.0), dt=0.05, t1=0.2, return_path=True)
+    assert_close(tr.path.times, torch.linspace(0, 0.2, 5, dtype=F64), rtol=0, atol=1e-15)
+    assert tr.path.noise is None
+    assert torch.equal(tp.simulate(x0, tr.path, dt=0.05, t1=0.2).x, tr.x)

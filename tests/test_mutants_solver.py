@@ -404,3 +404,27 @@ def test_a_closed_form_process_returns_a_replayable_path():
     assert_close(tr.path.times, torch.linspace(0, 0.2, 5, dtype=F64), rtol=0, atol=1e-15)
     assert tr.path.noise is None
     assert torch.equal(tp.simulate(x0, tr.path, dt=0.05, t1=0.2).x, tr.x)
+
+
+def test_progress_bar_appears_by_itself_once_the_work_passes_the_threshold(monkeypatch):
+    """progress=None: a bar when steps · stages · paths · H · n² ≥ PROGRESS_MIN_WORK (documented), lowered
+    here to 100 so that a run of 4 euler steps, H = 2, n = 5 (work 200) shows one, and 40 does not."""
+    import tqdm.auto
+    from transformer_pde.solvers import particle
+    bars = []
+
+    class Bar:
+        def __init__(self, **kw):
+            bars.append(kw)
+
+        def __getattr__(self, name):
+            return lambda *a, **k: None
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", Bar)
+    x0 = tp.sphere.sample_uniform(5, 3, generator=gen(93), dtype=F64)
+    heads = tp.Heads.random(2, 3, generator=gen(94), dtype=F64)
+    for threshold, shown in ((100, 1), (201, 0)):
+        bars.clear()
+        monkeypatch.setattr(particle, "PROGRESS_MIN_WORK", threshold)
+        tp.simulate(x0, heads, dt=0.05, t1=0.2, method="euler")
+        assert len(bars) == shown, threshold

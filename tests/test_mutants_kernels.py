@@ -364,3 +364,21 @@ def test_one_row_per_chunk_at_the_smallest_memory_cap():
     xg = x.clone().requires_grad_(True)
     st = tp.attention.softmax_statistics(xg, heads, chunk_elements=4)
     assert_close(st.log_partition.detach(), _dense_lse(x, heads), rtol=1e-13, atol=1e-15)
+
+
+def test_causal_run_diagnostics_use_the_whole_measure():
+    """Causal attention moves the tokens with the prefix kernel, but the energy belongs to the whole
+    measure: 𝒟 = Σ_i ⟨∂E/∂x_i, v_i⟩ with ∂E/∂x_i by autograd of the dense energy (all pairs), for tied
+    symmetric heads (where the library reuses V ȳ between the field and the first variation — only
+    without causality) and token weights."""
+    from problems import naive_energy
+    x = tp.sphere.sample_uniform(6, 3, generator=gen(101), dtype=torch.float64)
+    heads = tp.Heads.random(2, 3, generator=gen(102), dtype=torch.float64, beta=1.3,
+                            weights=torch.tensor([0.4, 1.2], dtype=torch.float64))
+    assert heads.tied and heads.is_symmetric
+    w = torch.rand(6, generator=gen(103), dtype=torch.float64) + 0.2
+    w = w / w.sum()
+    ev = tp.evaluate(x, heads, w, normalization="softmax", causal=True)
+    xg = x.clone().requires_grad_(True)
+    naive_energy(xg, heads.score_matrix, heads.weights, 1.3, w).backward()
+    assert_close(ev.dissipation, (xg.grad * ev.velocity).sum(), rtol=1e-12, atol=1e-14)

@@ -428,3 +428,16 @@ def test_progress_bar_appears_by_itself_once_the_work_passes_the_threshold(monke
         monkeypatch.setattr(particle, "PROGRESS_MIN_WORK", threshold)
         tp.simulate(x0, heads, dt=0.05, t1=0.2, method="euler")
         assert len(bars) == shown, threshold
+
+
+def test_paths_with_a_heads_batch_equal_to_the_tokens_batch():
+    """paths= with heads batched like x0 (B = 2) runs, one OU path per member and Monte-Carlo path;
+    a heads batch that differs from x0's is refused before any work."""
+    x0 = tp.sphere.sample_uniform(5, 3, batch_shape=(2,), generator=gen(95), dtype=F64)
+    A = torch.stack([tp.Heads.random(2, 3, generator=gen(96 + b), dtype=F64).score for b in range(2)])
+    ou = tp.OrnsteinUhlenbeck(tp.Heads(A), sigma=0.3)
+    tr = tp.simulate(x0, ou, dt=0.05, t1=0.1, paths=3, seed=0)
+    assert tr.x.shape == (3, 3, 2, 5, 3)
+    A3 = torch.stack([tp.Heads.random(2, 3, generator=gen(98 + b), dtype=F64).score for b in range(3)])
+    with pytest.raises(ValueError, match=r"with paths=, the heads' batch shape \(3,\) must be empty or equal"):
+        tp.simulate(x0, tp.OrnsteinUhlenbeck(tp.Heads(A3), sigma=0.3), dt=0.05, t1=0.1, paths=3)

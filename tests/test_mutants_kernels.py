@@ -382,3 +382,17 @@ def test_causal_run_diagnostics_use_the_whole_measure():
     xg = x.clone().requires_grad_(True)
     naive_energy(xg, heads.score_matrix, heads.weights, 1.3, w).backward()
     assert_close(ev.dissipation, (xg.grad * ev.velocity).sum(), rtol=1e-12, atol=1e-14)
+
+
+def test_gradient_reaches_the_keys_when_only_the_keys_require_it():
+    """keys= requiring grad, queries not: the differentiable path must be taken (∂/∂y of Σ log m_h(x_i)
+    equals the dense log-sum-exp's autograd gradient)."""
+    x = tp.sphere.sample_uniform(4, 3, generator=gen(104), dtype=torch.float64)
+    y = tp.sphere.sample_uniform(6, 3, generator=gen(105), dtype=torch.float64)
+    heads = tp.Heads.random(2, 3, generator=gen(106), dtype=torch.float64, beta=1.3)
+    yg, yd = y.clone().requires_grad_(True), y.clone().requires_grad_(True)
+    tp.attention.softmax_statistics(x, heads, keys=yg).log_partition.sum().backward()
+    S = 1.3 * torch.einsum("id,hde,je->hij", x, heads.score_matrix, yd)
+    (torch.logsumexp(S, -1) - math.log(6)).sum().backward()
+    assert yg.grad is not None
+    assert_close(yg.grad, yd.grad, rtol=1e-12, atol=1e-14)

@@ -253,25 +253,31 @@ def test_differentiable_second_moment_over_several_row_chunks_against_the_dense_
     assert_close(st.second.detach(), q, rtol=1e-12, atol=1e-14)
 
 
+def _spy_samples_loss(monkeypatch, key):
+    """Record kw[key] of every geomloss.SamplesLoss built from now on (the real object is returned)."""
+    import geomloss
+    seen, real = [], geomloss.SamplesLoss
+
+    def spy(*args, **kw):
+        seen.append(kw.get(key))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(geomloss, "SamplesLoss", spy)
+    return seen
+
+
 def test_a_user_cost_is_handed_to_geomloss_with_the_tensorized_backend(monkeypatch):
     """A callable cost only works with geomloss' tensorized backend: its "auto" switches to the online
     (KeOps formula) one above 5000² point pairs, where a Python callable fails.  So the request must name
     "tensorized" explicitly; the value is unchanged (checked against the unpatched call)."""
-    import geomloss
     from transformer_pde import transport
-    seen, real = [], geomloss.SamplesLoss
-
-    def spy(*args, **kw):
-        seen.append(kw.get("backend"))
-        return real(*args, **kw)
-
     g = gen(91)
     x = tp.sphere.sample_uniform(6, 3, batch_shape=(1,), generator=g, dtype=torch.float64)
     y = tp.sphere.sample_uniform(5, 3, batch_shape=(1,), generator=g, dtype=torch.float64)
     a, b = torch.full((1, 6), 1 / 6, dtype=torch.float64), torch.full((1, 5), 1 / 5, dtype=torch.float64)
     cost = lambda X, Y: 0.5 * torch.cdist(X, Y).square()  # noqa: E731
     ref = transport.sinkhorn_divergence(x, a, y, b, eps=0.1, cost=cost, diameter=2.0)
-    monkeypatch.setattr(geomloss, "SamplesLoss", spy)
+    seen = _spy_samples_loss(monkeypatch, "backend")
     val = transport.sinkhorn_divergence(x, a, y, b, eps=0.1, cost=cost, diameter=2.0)
     assert seen == ["tensorized"]
     assert_close(val, ref, rtol=0, atol=0)
@@ -335,18 +341,11 @@ def test_unnormalized_velocity_that_overflows_raises_with_the_fix():
 def test_geodesic_sinkhorn_hands_geomloss_the_diameter(monkeypatch, diameter):
     """The geodesic cost's diameter for geomloss' ε-scaling: π (the sphere's) by default, the given one
     otherwise."""
-    import geomloss
     from transformer_pde import transport
-    seen, real = [], geomloss.SamplesLoss
-
-    def spy(*args, **kw):
-        seen.append(kw.get("diameter"))
-        return real(*args, **kw)
-
     g = gen(98)
     x = tp.sphere.sample_uniform(6, 3, batch_shape=(1,), generator=g, dtype=torch.float64)
     a = torch.full((1, 6), 1 / 6, dtype=torch.float64)
-    monkeypatch.setattr(geomloss, "SamplesLoss", spy)
+    seen = _spy_samples_loss(monkeypatch, "diameter")
     transport.sinkhorn_divergence(x, a, x.flip(-2), a, eps=0.1, metric="geodesic", diameter=diameter)
     assert seen == [math.pi if diameter is None else diameter]
 

@@ -2,6 +2,7 @@
 surviving mutants and the score, then every survivor with its verdict (with --show, its diff).
 
     python scripts/mutation_summary.py WORKDIR [--show]
+    python scripts/mutation_summary.py WORKDIR --skeleton   # JSON verdict stubs (mutant, diff) of the unexplained
 
 Raw score = (killed + timeout) / (killed + timeout + survived + suspicious), over the mutants that ran
 (the sampled ones where the module was sampled; `sample_<module>.txt` in WORKDIR lists them).  A
@@ -35,9 +36,9 @@ import re
 import sys
 from pathlib import Path
 
-# Survivors whose one-line change matches one of these are sorted into a class with its one-line
-# reason (`left`: the text of the line before the change; `old`: the changed text); the rest are
-# listed as "unclassified", for a reason written by hand in docs/MUTATION_REPORT.md.
+# Survivors without a hand-written verdict whose one-line change matches one of these are sorted into
+# a class with its one-line reason (`left`: the text of the line before the change; `old`: the changed
+# text); the rest are "unexplained" until a verdict is written (--skeleton prints the stubs).
 CLASSES = [  # (label, rule, reason); the verdict of each label is in CLASS_VERDICT
     ("memory/device only",
      lambda left, old, line: re.search(r"(chunk_elements|device)=\s*$", left)
@@ -104,7 +105,7 @@ def classify(removed, added):
     return "unclassified"
 
 
-def main(workdir: Path, show: bool):
+def main(workdir: Path, show: bool, skeleton: bool = False):
     rows, survivors = [], []
     for sample in sorted(workdir.glob("sample_*.txt")):
         mod = sample.stem[len("sample_"):]
@@ -123,17 +124,19 @@ def main(workdir: Path, show: bool):
         ran = k + count.get("survived", 0) + count.get("suspicious", 0)
         lo, hi = wilson(k, ran)
         rows.append((mod, len(codes), len(names), count, k, ran, lo, hi))
-    print("| module | mutants | run | killed | timeout | survived | not checked | score | 95 % interval |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    out = sys.stderr if skeleton else sys.stdout  # --skeleton: only the JSON on stdout
+    print("| module | mutants | run | killed | timeout | survived | not checked | score | 95 % interval |", file=out)
+    print("|---|---|---|---|---|---|---|---|---|", file=out)
     K = R = 0
     for mod, total, picked, c, k, ran, lo, hi in rows:
         K, R = K + k, R + ran
         score = f"{100 * k / ran:.1f} %" if ran else "–"
         interval = "all" if picked == total else f"{100 * lo:.1f}–{100 * hi:.1f} %"
         print(f"| {mod} | {total} | {picked} | {c.get('killed', 0)} | {c.get('timeout', 0)} | "
-              f"{c.get('survived', 0) + c.get('suspicious', 0)} | {c.get('not checked', 0)} | {score} | {interval} |")
+              f"{c.get('survived', 0) + c.get('suspicious', 0)} | {c.get('not checked', 0)} | {score} | {interval} |",
+              file=out)
     if R:
-        print(f"\nall modules: {K}/{R} = {100 * K / R:.1f} % killed (timeouts count as killed)")
+        print(f"\nall modules: {K}/{R} = {100 * K / R:.1f} % killed (timeouts count as killed)", file=out)
     hand = load_verdicts()
     by_verdict = {}
     for mod, n, st in survivors:
@@ -149,6 +152,11 @@ def main(workdir: Path, show: bool):
             label = classify(removed, added)
             verdict, reason = CLASS_VERDICT[label], {c[0]: f"{c[0]}: {c[2]}" for c in CLASSES}.get(label, "")
         by_verdict.setdefault(verdict, []).append((short, st, reason, removed, added))
+    if skeleton:  # stubs to fill in (verdict, reason, and for a kill the checked case) and add to a verdict file
+        print(json.dumps([{"mutant": short, "verdict": "", "reason": "", "diff": [removed, added]}
+                          for short, _, _, removed, added in by_verdict.get("unexplained", [])],
+                         indent=1, ensure_ascii=False))
+        return
     later = len(by_verdict.get("killed", []))
     eq = len(by_verdict.get("equivalent", []))
     err = len(by_verdict.get("error-path", []))
@@ -182,10 +190,14 @@ def load_verdicts():
                 raise ValueError(f"{f.name}: {v.get('mutant')}: verdict must be killed, equivalent, error-path or accepted")
             if v["verdict"] == "killed" and not v.get("case"):
                 raise ValueError(f"{f.name}: {v['mutant']}: a 'killed' verdict needs the checked 'case'")
-            out[v["mutant"].split("transformer_pde.", 1)[-1]] = v
+            name = v["mutant"].split("transformer_pde.", 1)[-1]
+            if name in out:
+                raise ValueError(f"{f.name}: {name} has a verdict in another file already; keep one")
+            out[name] = v
     return out
+
 
 if __name__ == "__main__":
     if len(sys.argv) < 2:
-        sys.exit("usage: python scripts/mutation_summary.py WORKDIR [--show]")
-    main(Path(sys.argv[1]), "--show" in sys.argv[2:])
+        sys.exit("usage: python scripts/mutation_summary.py WORKDIR [--show | --skeleton]")
+    main(Path(sys.argv[1]), "--show" in sys.argv[2:], "--skeleton" in sys.argv[2:])

@@ -30,6 +30,7 @@ LAYERS = [
     {"transformer_pde.solvers", "transformer_pde.solvers.parts"},
     {"transformer_pde.solvers.particle"},
     {"transformer_pde.solvers.jko", "transformer_pde.distributed"},
+    {"transformer_pde.theory.stability"},  # Lipschitz and Grönwall constants, fast-weights coefficients
     {"transformer_pde.clustering", "transformer_pde.ensembles", "transformer_pde.theory"},  # generic; closed forms
     {"transformer_pde.theory.particles"},  # the particle diagnostics of the theory
     {"transformer_pde.diagnostics"},  # tp.diagnostics = theory.particles
@@ -39,6 +40,7 @@ LAYERS = [
     {"transformer_pde.studies"},
     {"transformer_pde.studies.demo", "transformer_pde.studies.paper", "transformer_pde.studies.theory",
      "transformer_pde.studies.jko", "transformer_pde.studies.clustering", "transformer_pde.studies.causal"},
+    {"transformer_pde.studies.theorems"},  # composes studies.jko (the uniqueness panel)
     {"transformer_pde.runs"},
     {"transformer_pde.sweep"},
     {"transformer_pde.cli"},

@@ -503,3 +503,16 @@ def equiangular_entropy(gamma, lam, beta: float, n: int):
     logden = torch.logaddexp(logrho, torch.full_like(logrho, math.log(n - 1)))
     out = logden - logrho * torch.exp(logrho - logden)
     return out if as_t else float(out)
+
+
+# the stability theorems' constants (docs/theorems.md): Lipschitz bounds, Grönwall factor, fast-weights limit
+from .stability import (  # noqa: E402
+    LIPSCHITZ_NORMALIZATIONS,
+    fast_weights_coefficients,
+    gronwall_factor,
+    lipschitz_bound,
+    lipschitz_constants,
+)
+
+__all__ += ["LIPSCHITZ_NORMALIZATIONS", "lipschitz_constants", "lipschitz_bound", "gronwall_factor",
+            "fast_weights_coefficients"]

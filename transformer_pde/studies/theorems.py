@@ -452,3 +452,177 @@ def _weights_figure(run, p, eps, results, metrics):
            f"(slopes {metrics['slope_min']:.3f}–{metrics['slope_max']:.3f}); (c) the rescaled energy gap is "
            f"independent of ε.")
     save_captioned(run, fig, "stability_weights", cap, metrics, tidy=True)
+
+
+# ============================================================================ the ω-limit
+OMEGA_OPTIONS = {
+    "d": Option(3, (int,), "ambient dimension (S^{d-1})", check=at_least(2)),
+    "n": Option(16, (int,), "number of tokens", check=at_least(2)),
+    "heads": Option(4, (int,), "number of heads H of the layerwise, damped and oscillating cases", check=positive),
+    "ou_heads": Option([1, 10, 100], (list,), "H of the OU cases", check=_subset(tuple(range(1, 100001)))),
+    "cases": Option(["ou", "layerwise", "damped", "oscillating"], (list,), "weight families",
+                    check=_subset(("ou", "layerwise", "damped", "oscillating"))),
+    "head_scale": Option(0.5, (float,), "A_h(0) = scale·(Z + Zᵀ)", check=positive),
+    "beta": Option(1.0, (float,), "inverse temperature β", check=positive),
+    "sigma": Option(2 ** 0.5, (float,), "OU noise σ (stationary law: A = I + σ/√2 · W_sym)", check=nonnegative),
+    "stationary_samples": Option(1000, (int,), "heads drawn from the OU stationary law for Θ_∞", check=positive),
+    "layers": Option(4, (int,), "number of layers (the last holds for ever)", check=at_least(2)),
+    "layer_time": Option(1.0, (float,), "time each layer lasts", check=positive),
+    "damping": Option(0.3, (float,), "γ of the damped oscillation A∞ + e^{−γt} cos(ωt) M", check=positive),
+    "frequency": Option(2.0, (float,), "ω of the damped oscillation", check=positive),
+    "t1": Option(20.0, (float,), "final time", check=positive),
+    "dt": Option(0.05, (float,), "RK4 step (= weight grid)", check=positive),
+    "record_every": Option(10, (int,), "record every k-th step", check=positive),
+    "normalization": Option("effective", (str,), "field ('effective': the exact gradient flow of E for every H)",
+                            choices=("effective", "softmax")),
+    "direction": _DIRECTION,
+    "cluster_radius": Option(0.1, (float,), "chordal radius of tp.clustering.cluster_count", check=positive),
+    "hessian_max_dof": Option(400, (int,), "compute the Hessian when n(d − 1) is at most this", check=positive),
+    "seed": Option(0, (int,), "heads seed (tokens seed + 1, weight noise seed + 2)"),
+    "dtype": DTYPE,
+    "figures": Option(True, (bool,), "write the figure"),
+}
+
+
+def riemannian_hessian(x, heads, weights=None):
+    """The Hessian of E(·, Θ) on (S^{d-1})^n at the tokens x (n, d), in orthonormal tangent frames.
+
+    u ↦ E(x(u)) with x_i(u) = (x_i + B_i u_i)/|x_i + B_i u_i|, B_i (d, d−1) an orthonormal basis of
+    T_{x_i}S^{d-1}; the derivatives at u = 0 are taken by automatic differentiation of ``tp.energy``.
+    At a critical point (zero Riemannian gradient) this is the Riemannian Hessian.
+
+    Returns (gradient (n(d−1),), Hessian (n(d−1), n(d−1)))."""
+    n, d = x.shape
+    P = torch.eye(d, dtype=x.dtype, device=x.device) - x[:, :, None] * x[:, None, :]
+    _, vecs = torch.linalg.eigh(P)
+    B = vecs[..., 1:]  # eigenvalue 1 eigenvectors: the tangent space (the 0 one is x)
+
+    def E(u):
+        y = x + (B @ u.reshape(n, d - 1, 1)).squeeze(-1)
+        return tp.energy(y / y.norm(dim=-1, keepdim=True), heads, weights)
+
+    u0 = torch.zeros(n * (d - 1), dtype=x.dtype, device=x.device)
+    grad = torch.autograd.functional.jacobian(E, u0)
+    hess = torch.autograd.functional.hessian(E, u0)
+    return grad, hess
+
+
+def _stationary_ou(p, H_inf: int, dtype) -> tp.Heads:
+    """H_inf heads from the OU stationary law A = I + (σ/√(2κ)) W_sym, κ = 1 (the law the weights converge to)."""
+    g = torch.Generator().manual_seed(p["seed"] + 7)
+    d = p["d"]
+    Z = torch.randn(H_inf, d, d, generator=g, dtype=torch.float64)
+    A = torch.eye(d, dtype=torch.float64) + p["sigma"] / math.sqrt(2) * (Z + Z.transpose(-1, -2)) / 2
+    return tp.Heads.symmetric(A.to(dtype), beta=p["beta"])
+
+
+def _omega_cases(p, dtype):
+    """name -> (Θ_t, Θ_∞, what Θ_∞ is) of the ω-limit study."""
+    cases = {}
+    H, d = p["heads"], p["d"]
+    for c in p["cases"]:
+        if c == "ou":
+            for Hou in p["ou_heads"]:
+                h0 = _random_heads(p, p["seed"], dtype, num_heads=Hou)
+                cases[f"ou_H{Hou}"] = (tp.OrnsteinUhlenbeck(h0, sigma=p["sigma"]),
+                                       _stationary_ou(p, p["stationary_samples"], dtype),
+                                       "samples of the OU stationary law (the H → ∞ limit of the head measure)")
+        elif c == "layerwise":
+            layers = [_random_heads(p, p["seed"] + 10 + k, dtype) for k in range(p["layers"])]
+            cases["layerwise"] = (tp.Layerwise(layers, layer_time=p["layer_time"]), layers[-1], "the last layer")
+        elif c == "damped":
+            A_inf = _random_heads(p, p["seed"], dtype)
+            M = _random_heads(p, p["seed"] + 20, dtype).score_matrix
+            gam, om = p["damping"], p["frequency"]
+
+            def drift(t, A, A_inf=A_inf.score_matrix, M=M, gam=gam, om=om):
+                # A(t) = A∞ + e^{−γt} cos(ωt) M solves dA = [−γ(A − A∞) − ω e^{−γt} sin(ωt) M] dt
+                return -gam * (A - A_inf) - om * math.exp(-gam * t) * math.sin(om * t) * M
+
+            start = tp.Heads.symmetric(A_inf.score_matrix + M, beta=p["beta"])
+            cases["damped"] = (tp.Custom(start, drift), A_inf, "A∞ (the damped oscillation's centre)")
+        else:
+            h0 = _random_heads(p, p["seed"], dtype)
+            mean = tp.Heads.symmetric(2 * torch.eye(d, dtype=dtype).expand(H, d, d).clone(), beta=p["beta"])
+            cases["oscillating"] = (tp.Oscillating(h0), mean, "the period mean 2I of F(t) (no limit exists)")
+    return cases
+
+
+def _check_omega(p):
+    _whole_steps(p["t1"], p["dt"])
+
+
+@study("theorem_omega_limit", OMEGA_OPTIONS,
+       "The ω-limit: residual velocity against the limiting weights, limit states classified", validate=_check_omega)
+def run_omega_limit(params, run) -> Dict[str, object]:
+    p = dict(params)
+    _check_omega(p)
+    dtype = getattr(torch, p["dtype"])
+    x0 = _tokens(p, p["seed"] + 1, dtype)
+    metrics: Dict[str, object] = {"direction": p["direction"], "normalization": p["normalization"],
+                                  "limit_weights": {}}
+    results = {}
+    stable_sign = 1.0 if p["direction"] == "descent" else -1.0  # descent decreases E: stable limits are minima
+    for name, (theta, theta_inf, what) in _omega_cases(p, dtype).items():
+        metrics["limit_weights"][name] = what
+
+        def go(theta=theta, theta_inf=theta_inf):
+            tr = tp.simulate(x0, theta, t1=p["t1"], dt=p["dt"], method="rk4", normalization=p["normalization"],
+                             direction=p["direction"], record_every=p["record_every"], seed=p["seed"] + 2,
+                             progress=run.progress)
+            V = tp.velocity(tr.x, theta_inf, normalization=p["normalization"], direction=p["direction"])
+            resid = V.square().sum(-1).mean(-1).sqrt()  # ‖V[μ_t, Θ_∞]‖_{L²(μ_t)}
+            out = {"times": tr.times, "slope": tr.slope, "residual": resid, "x_T": tr.x[-1]}
+            if p["n"] * (p["d"] - 1) <= p["hessian_max_dof"]:
+                g, Hs = riemannian_hessian(tr.x[-1].double(), theta_inf.to(torch.float64))
+                out["grad_norm"] = g.norm()
+                out["hessian_eigs"] = torch.linalg.eigvalsh(0.5 * (Hs + Hs.T))
+            return out
+
+        out = cached(run, f"omega_{name}", go, logger)
+        results[name] = out
+        T = out["times"]
+        late = T >= 0.9 * T[-1]
+        early = (T > 0) & (T <= 0.1 * T[-1] + 1e-12)
+        m = {"slope_T": float(out["slope"][-1]), "residual_T": float(out["residual"][-1]),
+             "residual_late_mean": float(out["residual"][late].mean()),
+             "residual_early_mean": float(out["residual"][early].mean()) if bool(early.any()) else float("nan"),
+             "slope_late_mean": float(out["slope"][late].mean()),
+             "clusters_T": int(tp.clustering.cluster_count(out["x_T"], radius=p["cluster_radius"])),
+             "mean_overlap_T": float(tp.clustering.mean_overlap(out["x_T"])[0])}
+        m["residual_decay"] = m["residual_late_mean"] / m["residual_early_mean"]
+        if "hessian_eigs" in out:
+            ev = out["hessian_eigs"] * stable_sign
+            tol = 1e-6 * float(ev.abs().max())
+            m.update({"grad_norm_T": float(out["grad_norm"]), "hessian_min": float(out["hessian_eigs"].min()),
+                      "hessian_max": float(out["hessian_eigs"].max()), "unstable_directions": int((ev < -tol).sum()),
+                      "zero_directions": int((ev.abs() <= tol).sum())})
+        metrics[name] = m
+        run.save_series(f"omega_{name}", {"t": T, "slope": out["slope"], "residual": out["residual"]})
+    if p["figures"]:
+        _omega_figure(run, p, results, metrics)
+    return metrics
+
+
+def _omega_figure(run, p, results, metrics):
+    fig, axes = subplots(1, 3, figsize=(13.5, 3.8))
+    for j, (name, out) in enumerate(results.items()):
+        c = f"C{j}"
+        axes[0].semilogy(out["times"], out["slope"].clamp_min(1e-300), color=c, label=name)
+        axes[1].semilogy(out["times"], out["residual"].clamp_min(1e-300), color=c, label=name)
+        if "hessian_eigs" in out:
+            ev = out["hessian_eigs"]
+            axes[2].plot(np.arange(len(ev)), ev / ev.abs().max(), ".-", color=c, ms=3, lw=0.6,
+                         label=f"{name}: {metrics[name]['clusters_T']} cl., {metrics[name]['unstable_directions']} unst.")
+    panel(axes[0], "t", "𝒢²(t) (current weights Θ_t)", "(a) metric slope")
+    panel(axes[1], "t", "‖V[μ_t, Θ_∞]‖_{L²(μ_t)}", "(b) residual velocity against the limit weights")
+    panel(axes[2], "index", "eigenvalue / max |eigenvalue|", "(c) Hessian of E(·, Θ_∞) at μ_T")
+    dec = ", ".join(f"{k} {v['residual_decay']:.1e}" for k, v in metrics.items() if isinstance(v, dict) and
+                    "residual_decay" in v)
+    cap = (f"The ω-limit ({p['normalization']} field, direction {p['direction']}, n = {p['n']}, d = {p['d']}, "
+           f"T = {p['t1']:g}). (a) 𝒢² against the current weights; (b) the residual velocity of μ_t against the "
+           f"limiting weights Θ_∞ (OU: samples of the stationary law — the theorem speaks of laws, or H → ∞; "
+           f"a pathwise Θ_t never converges at finite H; oscillating: the period mean, no limit exists); late/early "
+           f"ratio: {dec}. (c) Hessian spectrum of E(·, Θ_∞) at the final state (legend: clusters, directions of "
+           f"the wrong sign for a stable critical point).")
+    save_captioned(run, fig, "omega_limit", cap, metrics, tidy=True)

@@ -113,11 +113,12 @@ def lipschitz_bound(heads: Heads, normalization: str = "softmax", *, part: str =
     return c[part]
 
 
-def gronwall_factor(times, rates) -> torch.Tensor:
+def gronwall_factor(times, rates, *, log: bool = False) -> torch.Tensor:
     """exp(∫_{t_0}^{t_k} L(s) ds) on a time grid (trapezoid rule), shape like ``rates``.
 
     Args:
         times: (T,) increasing times.  rates: (T, ...) non-negative L(t_k).
+        log: return the exponent ∫L instead (the factor overflows float64 beyond ∫L ≈ 709).
 
     Example:
         >>> import torch, transformer_pde as tp
@@ -136,7 +137,7 @@ def gronwall_factor(times, rates) -> torch.Tensor:
     t = times.to(rates.dtype).reshape(-1, *([1] * (rates.dim() - 1)))
     incr = 0.5 * (rates[1:] + rates[:-1]) * (t[1:] - t[:-1])
     integral = torch.cat([torch.zeros_like(rates[:1]), torch.cumsum(incr, 0)])
-    return torch.exp(integral)
+    return integral if log else torch.exp(integral)
 
 
 def fast_weights_coefficients(x, heads: Heads, value_std: float, *, direction: str = "descent",

@@ -189,12 +189,12 @@ def run_stability_data(params, run) -> Dict[str, object]:
     x0 = _tokens(p, p["seed"] + 1, dtype)
     n = p["n"]
     w0 = torch.full((n,), 1.0 / n, dtype=dtype)
-    gen = torch.Generator().manual_seed(p["seed"] + 3)
     eps = sorted(p["eps"], reverse=True)
     pairs = [(kind, e) for kind in p["perturbations"] for e in eps]
     ys, ws = [x0], [w0]
     for kind, e in pairs:
-        y, wv = perturbed_pair(x0, e, kind, generator=gen)
+        # the same direction of perturbation at every ε (one generator state per kind)
+        y, wv = perturbed_pair(x0, e, kind, generator=torch.Generator().manual_seed(p["seed"] + 3))
         ys.append(y)
         ws.append(wv)
     X0, W = torch.stack(ys), torch.stack(ws)
@@ -284,23 +284,25 @@ def _data_figure(run, p, eps, pairs, curves, finals, uniq, metrics):
     for proc, c in curves.items():
         ax.plot(c["times"], torch.log10(c["ratio"][:, i_mid]), color=colors[proc], label=proc)
         ax.plot(c["times"], c["log10_gronwall"], color=colors[proc], ls="--", lw=0.8)
-    panel(ax, "t", "log₁₀ W₂(μ_t, ν_t) / W₂(μ₀, ν₀)", f"(a) {kind0}, ε = {pairs[i_mid][1]:g}; dashed: Grönwall")
+    panel(ax, "t", "log₁₀ W₂(μ_t, ν_t) / W₂(μ₀, ν₀)", f"(a) {kind0}, ε = {pairs[i_mid][1]:g}; dashed: Grönwall",
+          legend=True)
     ax = axes[1]
     proc0 = "ou" if "ou" in curves else next(iter(curves))
     for j, (i, (k, e)) in enumerate([(i, pe) for i, pe in enumerate(pairs) if pe[0] == kind0]):
         ax.plot(curves[proc0]["times"], curves[proc0]["ratio"][:, i], color=f"C{j}", label=f"ε = {e:g}")
-    panel(ax, "t", "W₂(μ_t, ν_t) / W₂(μ₀, ν₀)", f"(b) {proc0}, {kind0}: one curve for all ε")
+    panel(ax, "t", "W₂(μ_t, ν_t) / W₂(μ₀, ν₀)", f"(b) {proc0}, {kind0}: one curve for all ε", legend=True)
     ax = axes[2]
     marks = {"rotated": "o", "jittered": "s", "reweighted": "^"}
     for (proc, kind), (w0, fin) in finals.items():
         ax.loglog(w0, fin, marker=marks[kind], color=colors[proc], ls="-", lw=0.7, ms=4,
                   label=f"{proc}/{kind}: {metrics[f'{proc}_{kind}_slope']:.3f}")
-    panel(ax, "W₂(μ₀, ν₀)", "W₂(μ_T, ν_T)", "(c) final distance; legend: fitted slope")
+    panel(ax, "W₂(μ₀, ν₀)", "W₂(μ_T, ν_T)", "(c) final distance; legend: fitted slope",
+          legend=True)
     if uniq is not None:
         ax = axes[3]
         ax.loglog(uniq["taus"], uniq["w2"], "o-", label=f"slope {metrics['uniqueness_slope']:.2f}")
         log_ticks(ax, uniq["taus"].tolist())
-        panel(ax, "τ", "W₂(JKO_τ(T), particles(T))", "(d) uniqueness: JKO → particles")
+        panel(ax, "τ", "W₂(JKO_τ(T), particles(T))", "(d) uniqueness: JKO → particles", legend=True)
     cap = (f"Stability in the initial data ({p['normalization']}, direction {p['direction']}, n = {p['n']}, "
            f"H = {p['heads']}, d = {p['d']}, T = {p['t1']:g}). (a) The distance ratio stays below the Grönwall "
            f"bound exp(∫L) (dashed), which is loose by "
@@ -442,13 +444,13 @@ def _weights_figure(run, p, eps, results, metrics):
         sup = out["energy_gap"].max(-1).values
         axes[0].loglog(eps, sup, "o-", color=f"C{j}", label=f"{kind}: {metrics[f'{kind}_energy_slope']:.3f}")
         axes[1].loglog(eps, out["w2_T"], "s-", color=f"C{j}", label=f"{kind}: {metrics[f'{kind}_w2_slope']:.3f}")
-    panel(axes[0], "ε", "sup_t |E^ε(t) − E(t)|", "(a) energies; legend: fitted slope")
-    panel(axes[1], "ε", "W₂(μ^ε_T, μ_T)", "(b) final tokens; legend: fitted slope")
+    panel(axes[0], "ε", "sup_t |E^ε(t) − E(t)|", "(a) energies; legend: fitted slope", legend=True)
+    panel(axes[1], "ε", "W₂(μ^ε_T, μ_T)", "(b) final tokens; legend: fitted slope", legend=True)
     kind0 = next(iter(results))
     out = results[kind0]
     for i, e in enumerate(eps):
         axes[2].plot(out["times"], out["energy_gap"][i] / e, color=f"C{i}", label=f"ε = {e:g}")
-    panel(axes[2], "t", "|E^ε(t) − E(t)| / ε", f"(c) {kind0}: one curve for all ε")
+    panel(axes[2], "t", "|E^ε(t) − E(t)| / ε", f"(c) {kind0}: one curve for all ε", legend=True)
     cap = (f"Stability in the weights ({p['normalization']}, direction {p['direction']}, n = {p['n']}, "
            f"H = {p['heads']}, d = {p['d']}, T = {p['t1']:g}): Θ^ε = OU path + ε·independent path, oscillating "
            f"target F(t + ε), layer scores + ε·noise. Energies and final tokens converge linearly in ε "
@@ -617,9 +619,10 @@ def _omega_figure(run, p, results, metrics):
             ev = out["hessian_eigs"]
             axes[2].plot(np.arange(len(ev)), ev / ev.abs().max(), ".-", color=c, ms=3, lw=0.6,
                          label=f"{name}: {metrics[name]['clusters_T']} cl., {metrics[name]['unstable_directions']} unst.")
-    panel(axes[0], "t", "G²(t) (metric slope, current Θ_t)", "(a) metric slope")
-    panel(axes[1], "t", "‖V[μ_t, Θ_∞]‖_{L²(μ_t)}", "(b) residual velocity against the limit weights")
-    panel(axes[2], "index", "eigenvalue / max |eigenvalue|", "(c) Hessian of E(·, Θ_∞) at μ_T")
+    panel(axes[0], "t", "G²(t) (metric slope, current Θ_t)", "(a) metric slope", legend=True)
+    panel(axes[1], "t", "‖V[μ_t, Θ_∞]‖_{L²(μ_t)}", "(b) residual velocity against the limit weights",
+          legend=True)
+    panel(axes[2], "index", "eigenvalue / max |eigenvalue|", "(c) Hessian of E(·, Θ_∞) at μ_T", legend=True)
     dec = ", ".join(f"{k} {v['residual_decay']:.1e}" for k, v in metrics.items() if isinstance(v, dict) and
                     "residual_decay" in v)
     cap = (f"The ω-limit ({p['normalization']} field, direction {p['direction']}, n = {p['n']}, d = {p['d']}, "
@@ -792,9 +795,10 @@ def _fast_figure(run, p, deltas, curves, metrics):
         ax.set_xscale("log")
         ax.set_yscale("log")
         log_ticks(ax, deltas)
-    panel(axes[0], "δ (layer length / correlation time)", "|E⟨x_i, x_j⟩_δ − E⟨x_i, x_j⟩_SDE|", "(a) weak error, overlap")
-    panel(axes[1], "δ", "|E E_δ − E E_SDE|", "(b) weak error, energy")
-    panel(axes[2], "δ", "E[|x_δ − x_SDE|²]^{1/2}", "(c) strong error (same Brownian)")
+    panel(axes[0], "δ (layer length / correlation time)", "|E⟨x_i, x_j⟩_δ − E⟨x_i, x_j⟩_SDE|",
+          "(a) weak error, overlap", legend=True)
+    panel(axes[1], "δ", "|E E_δ − E E_SDE|", "(b) weak error, energy", legend=True)
+    panel(axes[2], "δ", "E[|x_δ − x_SDE|²]^{1/2}", "(c) strong error (same Brownian)", legend=True)
     cap = (f"The fast-weights limit ({p['normalization']}, direction {p['direction']}, n = {p['n']}, H = {p['heads']}, "
            f"d = {p['d']}, T = {p['t1']:g}, {p['paths']} paths): values V = V̄ + ΔW/δ resampled per layer (iid) or "
            f"OU with correlation time δ, against the common-noise Stratonovich SDE (stochastic Heun, step "

@@ -281,3 +281,20 @@ def test_theorem_studies_run_through_the_cli(kind, tmp_path):
         assert all("hessian_min" in m[c] and m[c]["clusters_T"] >= 1 for c in m["limit_weights"])
     if kind == "theorem_fast_weights":
         assert m["iid_strong"][1] < m["iid_strong"][0] and m["ou_strong"][1] < m["ou_strong"][0]
+
+
+@pytest.mark.parametrize("kind", ["theorem_stability_data", "theorem_stability_weights"])
+def test_stability_studies_in_float32(kind, tmp_path):
+    """float32 resolves ε down to 1e-4 (slopes within 3 % of 1); smaller ε are refused before anything runs."""
+    from transformer_pde.runs import execute
+
+    base = ["n=6", "t1=0.4", "dt=0.02", "figures=false", "dtype=\"float32\""]
+    extra = ["processes=[\"constant\", \"ou\"]", "uniqueness=false"] if kind == "theorem_stability_data" else []
+    path = execute(ROOT / f"{kind}_quick.toml", overrides=base + extra + ["eps=[1e-1, 1e-2, 1e-3, 1e-4]"],
+                   out_dir=tmp_path, progress=False)
+    m = json.loads((path / "metrics.json").read_text())
+    assert 0.97 < m["slope_min"] <= m["slope_max"] < 1.03
+    with pytest.raises(ValueError, match="float32 cannot resolve"):
+        execute(ROOT / f"{kind}_quick.toml", overrides=base + ["eps=[1e-2, 1e-6]"], out_dir=tmp_path,
+                progress=False, name="bad")
+    assert not (tmp_path / "bad").exists()

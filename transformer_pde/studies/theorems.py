@@ -173,7 +173,15 @@ DATA_OPTIONS = {
 }
 
 
+def _check_resolution(p):
+    """ε below float32's resolution of W2 (≈ 1e-4 after a run) measures rounding, not the flow."""
+    if p["dtype"] == "float32" and min(p["eps"]) < 1e-4:
+        raise ValueError(f"config key 'eps' has {min(p['eps']):g} < 1e-4 with dtype = 'float32': float32 cannot "
+                         "resolve such distances; use dtype = \"float64\" or drop the ε below 1e-4")
+
+
 def _check_data(p):
+    _check_resolution(p)
     _whole_steps(p["t1"], p["dt"])
     for tau in p["jko_taus"]:
         _whole_steps(p["jko_t1"], tau, "jko_t1")
@@ -389,6 +397,7 @@ def _unperturbed(kind: str, theta):
 
 
 def _check_weights(p):
+    _check_resolution(p)
     _whole_steps(p["t1"], p["dt"])
 
 

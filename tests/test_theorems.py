@@ -1,7 +1,8 @@
 """The stability theorems' constants and studies (docs/theorems.md).
 
 * tp.theory.lipschitz_bound: never exceeded by the measured Lipschitz ratio of the field on random
-  configurations (large β included), and not vacuous (within 5 % of measured ratios at small β for softmax/unnormalized, a factor 5 for relu);
+  configurations (large β included), and not vacuous (within 5 % of measured ratios at small β for
+  softmax/unnormalized, a factor 5 for relu);
 * tp.theory.gronwall_factor against closed forms;
 * stability in the data: pairs at W2 distance ε (emd = identity coupling), the fitted slope of W2(μ_T, ν_T)
   against ε, Grönwall along the run;

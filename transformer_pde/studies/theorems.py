@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Dict, List
+from typing import Dict
 
 import numpy as np
 import torch
@@ -188,7 +188,8 @@ def _check_data(p):
 
 
 @study("theorem_stability_data", DATA_OPTIONS,
-       "Stability in the initial data: W2(μ_t, ν_t) linear in W2(μ_0, ν_0), under Grönwall's bound", validate=_check_data)
+       "Stability in the initial data: W2(μ_t, ν_t) linear in W2(μ_0, ν_0), under Grönwall's bound",
+       validate=_check_data)
 def run_stability_data(params, run) -> Dict[str, object]:
     p = dict(params)
     _check_data(p)
@@ -209,9 +210,9 @@ def run_stability_data(params, run) -> Dict[str, object]:
     W_init = tp.distance((X0[1:], W[1:]), (X0[:1], W[:1]))  # exact W2 (POT emd)
     ident = ((X0[1:] - X0[:1]).square().sum(-1) * W[:1]).sum(-1).sqrt()  # identity coupling (same weights)
     same = torch.tensor([k != "reweighted" for k, _ in pairs])
+    target = torch.tensor([e for _, e in pairs], dtype=dtype)
     metrics: Dict[str, object] = {"direction": p["direction"], "normalization": p["normalization"],
-                                  "initial_w2_rel_error_max": float((W_init / torch.tensor([e for _, e in pairs],
-                                                                                          dtype=dtype) - 1).abs().max())}
+                                  "initial_w2_rel_error_max": float((W_init / target - 1).abs().max())}
     if bool(same.any()):
         # emd ≤ identity cost always; equality = the identity coupling is optimal
         metrics["initial_emd_vs_identity_rel_gap_max"] = float(((ident - W_init) / ident)[same].abs().max())
@@ -292,8 +293,8 @@ def _data_figure(run, p, eps, pairs, curves, finals, uniq, metrics):
     for proc, c in curves.items():
         ax.plot(c["times"], torch.log10(c["ratio"][:, i_mid]), color=colors[proc], label=proc)
         ax.plot(c["times"], c["log10_gronwall"], color=colors[proc], ls="--", lw=0.8)
-    panel(ax, "t", "log₁₀ W₂(μ_t, ν_t) / W₂(μ₀, ν₀)", f"(a) {kind0}, ε = {pairs[i_mid][1]:g}; dashed: Grönwall",
-          legend=True)
+    panel(ax, "t", "log₁₀ W₂(μ_t, ν_t) / W₂(μ₀, ν₀)",
+          f"(a) {kind0}, ε = {pairs[i_mid][1]:g}; dashed: Grönwall", legend=True)
     ax = axes[1]
     proc0 = "ou" if "ou" in curves else next(iter(curves))
     for j, (i, (k, e)) in enumerate([(i, pe) for i, pe in enumerate(pairs) if pe[0] == kind0]):
@@ -315,7 +316,8 @@ def _data_figure(run, p, eps, pairs, curves, finals, uniq, metrics):
            f"H = {p['heads']}, d = {p['d']}, T = {p['t1']:g}). (a) The distance ratio stays below the Grönwall "
            f"bound exp(∫L) (dashed), which is loose by "
            f"{-max(metrics[f'{q}_max_log10_ratio_over_gronwall'] for q in curves):.0f} or more orders of magnitude: "
-           f"L is a worst case over all measures, e^(β‖A‖) included. (b) The ratio does not depend on ε: the flow map is "
+           f"L is a worst case over all measures, e^(β‖A‖) included. (b) The ratio does not depend on ε: "
+           f"the flow map is "
            f"differentiable in the data. (c) W₂(μ_T, ν_T) ∝ W₂(μ₀, ν₀), fitted slopes "
            f"{metrics['slope_min']:.3f}–{metrics['slope_max']:.3f}.")
     if uniq is not None:
@@ -402,7 +404,8 @@ def _check_weights(p):
 
 
 @study("theorem_stability_weights", WEIGHT_OPTIONS,
-       "Stability in the weights: Θ^ε → Θ gives E^ε → E and μ^ε → μ, linearly in ε", validate=_check_weights)
+       "Stability in the weights: Θ^ε → Θ gives E^ε → E and μ^ε → μ, linearly in ε",
+       validate=_check_weights)
 def run_stability_weights(params, run) -> Dict[str, object]:
     p = dict(params)
     _check_weights(p)
@@ -627,7 +630,8 @@ def _omega_figure(run, p, results, metrics):
         if "hessian_eigs" in out:
             ev = out["hessian_eigs"]
             axes[2].plot(np.arange(len(ev)), ev / ev.abs().max(), ".-", color=c, ms=3, lw=0.6,
-                         label=f"{name}: {metrics[name]['clusters_T']} cl., {metrics[name]['unstable_directions']} unst.")
+                         label=f"{name}: {metrics[name]['clusters_T']} cl., "
+                               f"{metrics[name]['unstable_directions']} unst.")
     panel(axes[0], "t", "G²(t) (metric slope, current Θ_t)", "(a) metric slope", legend=True)
     panel(axes[1], "t", "‖V[μ_t, Θ_∞]‖_{L²(μ_t)}", "(b) residual velocity against the limit weights",
           legend=True)
@@ -635,7 +639,8 @@ def _omega_figure(run, p, results, metrics):
     dec = ", ".join(f"{k} {v['residual_decay']:.1e}" for k, v in metrics.items() if isinstance(v, dict) and
                     "residual_decay" in v)
     cap = (f"The ω-limit ({p['normalization']} field, direction {p['direction']}, n = {p['n']}, d = {p['d']}, "
-           f"T = {p['t1']:g}). (a) the metric slope G² against the current weights; (b) the residual velocity of μ_t against the "
+           f"T = {p['t1']:g}). (a) the metric slope G² against the current weights; (b) the residual velocity "
+           f"of μ_t against the "
            f"limiting weights Θ_∞ (OU: samples of the stationary law — the theorem speaks of laws, or H → ∞; "
            f"a pathwise Θ_t never converges at finite H; oscillating: the period mean, no limit exists); late/early "
            f"ratio: {dec}. (c) Hessian spectrum of E(·, Θ_∞) at the final state (legend: clusters, directions of "
@@ -757,15 +762,15 @@ def run_fast_weights(params, run) -> Dict[str, object]:
                     tr = tp.simulate(x0, theta, t1=p["t1"], dt=dl / p["substeps"], method="rk4", diagnostics=False,
                                      record_every=10 ** 9, progress=False, **kw)
                 else:
-                    # OU values V = V̄ + U, dU = −U/τ dt + (s/τ) dW (stationary variance s²/(2τ), ∫U dt → s W),
+                    # OU values V = V̄ + U, dU = −U/τ dt + (s/τ) dW (stationary variance s²/(2τ),
+                    # ∫U dt → s W),
                     # stepped on the fine grid with the same increments: U ← e^{−h/τ} U + (1 − e^{−h/τ}) ΔW/h
-                    tau, a = dl, math.exp(-fine / dl)
+                    a = math.exp(-fine / dl)  # τ = δ
                     U = [torch.zeros_like(dW[0])]
                     for k in range(Kf):
                         U.append(a * U[-1] + (1 - a) * dW[k] / fine)
                     layers = [tp.Heads(A, mean.value_matrix + u, mean.weights, mean.beta) for u in U]
                     theta = tp.Layerwise(layers, layer_time=fine, interpolation="linear")
-                    del tau
                     tr = tp.simulate(x0, theta, t1=p["t1"], dt=fine, method="rk4", diagnostics=False,
                                      record_every=10 ** 9, progress=False, **kw)
                 xs.append(tr.x[-1])
@@ -799,7 +804,8 @@ def _fast_figure(run, p, deltas, curves, metrics):
         for ax, key, lab in ((axes[0], "overlap", "mean overlap"), (axes[1], "energy", "energy")):
             ax.errorbar(deltas, c[f"{key}_err"], yerr=c[f"{key}_se"], marker="o", color=f"C{j}", capsize=2,
                         label=f"{fam}: rate {metrics[f'{fam}_{key}_err_rate']:.2f}")
-        axes[2].loglog(deltas, c["strong"], "s-", color=f"C{j}", label=f"{fam}: rate {metrics[f'{fam}_strong_rate']:.2f}")
+        axes[2].loglog(deltas, c["strong"], "s-", color=f"C{j}",
+                       label=f"{fam}: rate {metrics[f'{fam}_strong_rate']:.2f}")
     for ax in axes:
         ax.set_xscale("log")
         ax.set_yscale("log")

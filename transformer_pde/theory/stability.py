@@ -19,7 +19,8 @@ Grönwall's estimate W_2(μ_t, ν_t) ≤ W_2(μ_0, ν_0) exp(∫_0^t L(s) ds) wi
 V_h = V̄_h + δ^{-1/2} G_h with G_h i.i.d. N(0, s²) entries and the scores A_h fixed, drive the tokens,
 as δ → 0, to the Stratonovich SDE with common noise
 
-    dx_i = V[μ, (A, V̄)](x_i) dt + Σ_h ω_h P_{x_i} (s ∘ dW_h) ȳ_h(x_i),      ȳ_h(x) = ∫ e^{β⟨x,A_h y⟩} y dμ / m_h(x)
+    dx_i = V[μ, (A, V̄)](x_i) dt + Σ_h ω_h P_{x_i} (s ∘ dW_h) ȳ_h(x_i),
+    ȳ_h(x) = ∫ e^{β⟨x,A_h y⟩} y dμ / m_h(x)
 
 (one d×d Brownian matrix W_h per head, shared by all tokens).  :func:`fast_weights_coefficients`
 gives its coefficients: the drift b, the Itô correction c = ½ Σ_k (Dg_k) g_k (exact, by automatic

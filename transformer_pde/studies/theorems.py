@@ -249,6 +249,8 @@ def run_stability_data(params, run) -> Dict[str, object]:
             slopes[(proc, kind)] = fit_slope(W_init[idx].tolist(), fin.tolist())
             finals[(proc, kind)] = (W_init[idx], fin)
             metrics[f"{proc}_{kind}_slope"] = slopes[(proc, kind)]
+            small = [i for i, j in enumerate(idx) if pairs[j][1] <= 1e-2]  # the linear regime
+            metrics[f"{proc}_{kind}_slope_eps_le_1e-2"] = fit_slope(W_init[idx][small].tolist(), fin[small].tolist())
             metrics[f"{proc}_{kind}_amplification_T"] = [float(v) for v in fin / W_init[idx]]
             run.save_series(f"data_{proc}_{kind}", {"t": out["times"], **{
                 f"ratio_eps{e:g}": ratio[:, i] for i, (k, e) in zip(idx, [pairs[i] for i in idx])},
@@ -791,7 +793,11 @@ def run_fast_weights(params, run) -> Dict[str, object]:
         metrics[f"{fam}_energy_se"] = c["energy_se"].tolist()
         # a weak error is resolved where it exceeds twice the Monte-Carlo standard error of the coupled difference
         for key in ("overlap", "energy"):
-            metrics[f"{fam}_{key}_resolved"] = [bool(e > 2 * se) for e, se in zip(c[f"{key}_err"], c[f"{key}_se"])]
+            ok = [bool(e > 2 * se) for e, se in zip(c[f"{key}_err"], c[f"{key}_se"])]
+            metrics[f"{fam}_{key}_resolved"] = ok
+            # the rate over the resolved points only (NaN when fewer than two)
+            metrics[f"{fam}_{key}_err_rate_resolved"] = fit_slope([dl for dl, k in zip(deltas, ok) if k],
+                                                                  [float(e) for e, k in zip(c[f"{key}_err"], ok) if k])
         run.save_series(f"fast_{fam}", {"delta": deltas, **{k: v for k, v in c.items()}})
     if p["figures"]:
         _fast_figure(run, p, deltas, curves, metrics)

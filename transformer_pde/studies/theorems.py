@@ -287,7 +287,7 @@ def _uniqueness(run, p, x0, heads0, metrics):
 
 def _data_figure(run, p, eps, pairs, curves, finals, uniq, metrics):
     ncol = 4 if uniq is not None else 3
-    fig, axes = subplots(1, ncol, figsize=(4.2 * ncol, 3.6))
+    fig, axes = subplots(1, ncol, figsize=(4.2 * ncol, 5.0))
     colors = {"constant": "C0", "ou": "C1", "oscillating": "C2", "layerwise": "C3"}
     kind0 = p["perturbations"][0]
     i_mid = [i for i, (k, e) in enumerate(pairs) if k == kind0][len(eps) // 2]
@@ -453,7 +453,7 @@ def run_stability_weights(params, run) -> Dict[str, object]:
 
 
 def _weights_figure(run, p, eps, results, metrics):
-    fig, axes = subplots(1, 3, figsize=(13, 3.8))
+    fig, axes = subplots(1, 3, figsize=(13, 4.8))
     for j, (kind, out) in enumerate(results.items()):
         sup = out["energy_gap"].max(-1).values
         axes[0].loglog(eps, sup, "o-", color=f"C{j}", label=f"{kind}: {metrics[f'{kind}_energy_slope']:.3f}")
@@ -624,7 +624,7 @@ def run_omega_limit(params, run) -> Dict[str, object]:
 
 
 def _omega_figure(run, p, results, metrics):
-    fig, axes = subplots(1, 3, figsize=(13.5, 3.8))
+    fig, axes = subplots(1, 3, figsize=(13.5, 4.8))
     for j, (name, out) in enumerate(results.items()):
         c = f"C{j}"
         axes[0].semilogy(out["times"], out["slope"].clamp_min(1e-300), color=c, label=name)
@@ -805,7 +805,7 @@ def run_fast_weights(params, run) -> Dict[str, object]:
 
 
 def _fast_figure(run, p, deltas, curves, metrics):
-    fig, axes = subplots(1, 3, figsize=(13, 3.8))
+    fig, axes = subplots(1, 3, figsize=(13, 4.8))
     for j, (fam, c) in enumerate(curves.items()):
         for ax, key, lab in ((axes[0], "overlap", "mean overlap"), (axes[1], "energy", "energy")):
             ax.errorbar(deltas, c[f"{key}_err"], yerr=c[f"{key}_se"], marker="o", color=f"C{j}", capsize=2,

@@ -299,3 +299,19 @@ def test_stability_studies_in_float32(kind, tmp_path):
         execute(ROOT / f"{kind}_quick.toml", overrides=base + ["eps=[1e-2, 1e-6]"], out_dir=tmp_path,
                 progress=False, name="bad")
     assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.parametrize("kind, override, match", [
+    ("theorem_omega_limit", "ou_heads=[0, 10]", "distinct integers >= 1"),
+    ("theorem_stability_data", "eps=[0.1]", "at least two numbers"),
+    ("theorem_stability_data", "dt=0.03", "whole number of steps"),
+    ("theorem_fast_weights", "deltas=[0.1, 0.03]", "'deltas' = 0.03"),
+    ("theorem_fast_weights", "deltas=[0.1, 0.0625]", "whole multiple"),
+    ("theorem_stability_weights", "perturbations=[\"ou\", \"bogus\"]", "distinct values"),
+])
+def test_bad_configs_are_refused_before_anything_runs(kind, override, match, tmp_path):
+    from transformer_pde.runs import execute
+
+    with pytest.raises(ValueError, match=match):
+        execute(ROOT / f"{kind}_quick.toml", overrides=[override], out_dir=tmp_path, progress=False)
+    assert not any(tmp_path.iterdir())

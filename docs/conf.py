@@ -39,7 +39,6 @@ extensions = [
     "sphinx.ext.autosummary",
     "sphinx.ext.napoleon",
     "sphinx.ext.mathjax",
-    "sphinx.ext.viewcode",
     "myst_parser",
     "sphinx_gallery.gen_gallery",
 ]

@@ -32,7 +32,7 @@ for name, marker in (("OU", "o"), ("oscillating", "s")):
     ax.loglog(H_values, averages[name], marker=marker, label=name)
 ax.loglog(H_values, [averages["OU"][0] / H for H in H_values], "k:", label="1/H")
 ax.set_xlabel("number of heads H")
-ax.set_ylabel("time average of 𝒢² (t ≥ 1)")
+ax.set_ylabel(r"time average of $\mathcal{G}^2$ ($t \geq 1$)")
 ax.legend()
 fig.tight_layout()
 print({k: [round(v, 4) for v in vals] for k, vals in averages.items()})

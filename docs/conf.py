@@ -12,6 +12,7 @@ the long-form pages stay Markdown; napoleon renders the numpydoc docstring secti
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from pathlib import Path
@@ -42,6 +43,14 @@ extensions = [
     "myst_parser",
     "sphinx_gallery.gen_gallery",
 ]
+
+# MathJax shipped with the site (sphinx-mathjax-offline, in the docs extra) so that formulas render
+# without a network, in the screenshots too; without the package the CDN copy is used.
+try:
+    importlib.import_module("sphinx-mathjax-offline")
+    extensions.append("sphinx-mathjax-offline")
+except ImportError:  # pragma: no cover
+    pass
 
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
 root_doc = "index"

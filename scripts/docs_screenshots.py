@@ -3,7 +3,7 @@
     python scripts/build_docs.py                 # build first
     python scripts/docs_screenshots.py           # -> docs/_build/screenshots/*.png
 
-Renders the index, the ``tp.simulate`` API page and two gallery pages with Debian's
+Renders the index, the model page, the ``tp.simulate`` API page and two gallery pages with Debian's
 ``chromium`` (``apt-get install chromium``) in headless mode and writes one PNG per page.  A
 missing page or a browser that fails is an error (exit 1); a missing browser says how to
 install it (exit 2).
@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 HTML = ROOT / "docs" / "_build" / "html"
 PAGES = {
     "index": "index.html",
+    "model": "model.html",
     "api_simulate": "api/generated/transformer_pde.simulate.html",
     "gallery_ou_vs_oscillating": "auto_examples/plot_ou_vs_oscillating.html",
     "gallery_jko_vs_particles": "auto_examples/plot_jko_vs_particles.html",
@@ -37,7 +38,7 @@ def screenshot(exe: str, page: Path, png: Path, *, width: int = 1280, height: in
     with tempfile.TemporaryDirectory() as profile:
         cmd = [exe, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--no-first-run",
                f"--user-data-dir={profile}", f"--window-size={width},{height}", "--virtual-time-budget=5000",
-               f"--screenshot={png}", page.as_uri()]
+               f"--screenshot={png.resolve()}", page.resolve().as_uri()]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if r.returncode != 0 or not png.exists() or png.stat().st_size == 0:
         raise RuntimeError(f"chromium failed on {page} (exit {r.returncode}): {r.stderr[-1500:]}")

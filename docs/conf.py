@@ -63,6 +63,7 @@ autosummary_imported_members = True
 autosummary_ignore_module_all = False
 autodoc_default_options = {"member-order": "bysource"}
 autodoc_typehints = "description"
+autodoc_typehints_description_target = "documented"  # types only for the parameters a docstring lists
 autodoc_typehints_format = "short"
 autodoc_class_signature = "mixed"
 autodoc_inherit_docstrings = False

@@ -142,29 +142,45 @@ def animate_tokens(trajectories: Sequence, titles: Optional[Sequence[str]], path
     t_k = t_0 + k (t_end − t_0)/(frames − 1), with t_end the last time all trajectories
     recorded; repeated times (fewer records than frames) are dropped.
 
-    Args:
-        trajectories: Trajectory objects (``.times (T,)``, ``.x (T, [batch...,] n, d)``) or pairs
-            (times, x); all with the same d.
-        titles: one title per panel (None: "1", "2", …).
-        path: output file, ``.gif`` (pillow) or ``.mp4`` (needs ffmpeg on the PATH).
-        frames: number of frames (≥ 2).  fps: frames per second.
-        max_tokens: draw at most this many tokens per panel (evenly spaced indices).
-        path_index: which path / batch entry of a batched trajectory to draw.
-        dpi, panel_size: resolution and panel width in inches (file size grows like their squares).
-        suptitle: a line above the panels (the current time is shown below them).
-        elev, azim: view of the 3-D panels.
-        overwrite: replace an existing file (otherwise refused).
+    Parameters
+    ----------
+    trajectories : Sequence
+        Trajectory objects (``.times (T,)``, ``.x (T, [batch...,] n, d)``) or pairs
+        (times, x); all with the same d.
+    titles : Optional[Sequence[str]]
+        one title per panel (None: "1", "2", …).
+    path : Union[str, os.PathLike]
+        output file, ``.gif`` (pillow) or ``.mp4`` (needs ffmpeg on the PATH).
+    frames : int
+        number of frames (≥ 2).  fps: frames per second.
+    max_tokens : int
+        draw at most this many tokens per panel (evenly spaced indices).
+    path_index : int
+        which path / batch entry of a batched trajectory to draw.
+    dpi, panel_size
+        resolution and panel width in inches (file size grows like their squares).
+    suptitle : str
+        a line above the panels (the current time is shown below them).
+    elev, azim
+        view of the 3-D panels.
+    overwrite : bool
+        replace an existing file (otherwise refused).
 
     The file is written to a temporary name and moved into place, so a failure never leaves
     a half-written animation.
 
-    Returns:
+    Returns
+    -------
+    Path
         the Path written.
 
-    Raises:
-        ValueError: bad arguments (named), tokens of different dimensions, an existing file
-            without ``overwrite=True``, or ``.mp4`` without ffmpeg.
-        TypeError: an entry of ``trajectories`` that is neither a Trajectory nor a pair.
+    Raises
+    ------
+    ValueError
+        bad arguments (named), tokens of different dimensions, an existing file
+        without ``overwrite=True``, or ``.mp4`` without ffmpeg.
+    TypeError
+        an entry of ``trajectories`` that is neither a Trajectory nor a pair.
     """
     from matplotlib import animation
 

@@ -162,20 +162,30 @@ def distributed_evaluate(
 ) -> FieldEval:
     """V[μ,Θ] at this rank's tokens and the global E, 𝒢², 𝒟 of μ = Σ_r Σ_i w_{r,i} δ_{x_{r,i}}.
 
-    Args:
-        x_local: this rank's tokens (..., n_r, d) on the sphere.  heads: :class:`Heads` (same on all ranks).
-        weights: this rank's share (..., n_r) of the global token weights, or None (uniform 1/N).
-        normalization, direction: as :func:`transformer_pde.velocity`.
-        diagnostics, second_moment, backend, chunk_elements: as :func:`transformer_pde.evaluate`.
-        group: the process group (default: the world).
+    Parameters
+    ----------
+    x_local : torch.Tensor
+        this rank's tokens (..., n_r, d) on the sphere.  heads: :class:`Heads` (same on all ranks).
+    weights : Optional[torch.Tensor]
+        this rank's share (..., n_r) of the global token weights, or None (uniform 1/N).
+    normalization, direction
+        as :func:`transformer_pde.velocity`.
+    diagnostics, second_moment, backend, chunk_elements
+        as :func:`transformer_pde.evaluate`.
+    group
+        the process group (default: the world).
 
-    Returns:
+    Returns
+    -------
+    FieldEval
         :class:`FieldEval` whose velocity, stats, outputs and grad_first_variation are local
         (n_r rows) and whose energy, slope and dissipation are global (all-reduced, identical
         on every rank).
 
-    Raises:
-        TypeError / ValueError for bad input, as the single-process entry points.
+    Raises
+    ------
+    TypeError, ValueError
+        for bad input, as the single-process entry points.
     """
     check_choice(normalization, NORMALIZATIONS, "normalization")
     sign = direction_sign(direction)
@@ -262,23 +272,35 @@ def simulate_sharded(
     agree with one process to rounding.  Per step: one all-gather of the tokens and one
     all-reduce of the stacked partial sums (E, 𝒢², 𝒟, ∂_tE + Itô, martingale, jump, NaN flag).
 
-    Args:
-        x0_local: this rank's initial tokens (..., n_r, d) (e.g. from :func:`shard_tokens`).
-        theta: :class:`Heads` or a process (identical on every rank; the weights are sampled
-            redundantly on every rank from ``seed``).
-        t1, dt, t0, paths, seed, normalization, direction, record_every, diagnostics: as
-            :func:`transformer_pde.simulate`.
-        weights: this rank's share of the global token weights, or None (uniform 1/N).
-        backend, chunk_elements: kernel choice (:mod:`transformer_pde.attention`).
-        gather_x: record all N tokens (the gathered keys) instead of the local shard.
-        progress: tqdm bar on rank 0.
+    Parameters
+    ----------
+    x0_local : torch.Tensor
+        this rank's initial tokens (..., n_r, d) (e.g. from :func:`shard_tokens`).
+    theta
+        :class:`Heads` or a process (identical on every rank; the weights are sampled
+        redundantly on every rank from ``seed``).
+    t1, dt, t0, paths, seed, normalization, direction, record_every, diagnostics
+        as
+        :func:`transformer_pde.simulate`.
+    weights : Optional[torch.Tensor]
+        this rank's share of the global token weights, or None (uniform 1/N).
+    backend, chunk_elements
+        kernel choice (:mod:`transformer_pde.attention`).
+    gather_x : bool
+        record all N tokens (the gathered keys) instead of the local shard.
+    progress : bool
+        tqdm bar on rank 0.
 
-    Returns:
+    Returns
+    -------
+    Trajectory
         :class:`Trajectory`: ``x`` (T, [paths,] ..., n_r or N, d); energy, slope, dissipation and
         the ledger are global and identical on every rank.
 
-    Raises:
-        TypeError / ValueError for bad input; NonFiniteError on every rank when any rank
+    Raises
+    ------
+    TypeError, ValueError
+        for bad input; NonFiniteError on every rank when any rank
         produces NaN/inf (the ranks agree through the all-reduced flag, so none hangs).
     """
     process, sign, dt, t0, t1, K, record_every, paths = _check_sharded_args(

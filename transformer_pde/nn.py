@@ -39,16 +39,17 @@ What it drops
 Everything here is differentiable: the Heads hold tensors computed from the module's
 parameters, so gradients of a simulation flow back into the network (``detach=True`` cuts them).
 
-Example:
-    >>> import torch, transformer_pde as tp
-    >>> mha = torch.nn.MultiheadAttention(8, num_heads=2, bias=False).double()
-    >>> heads = tp.Heads.from_multihead_attention(mha)
-    >>> heads.num_heads, heads.dim, tuple(heads.query.shape)      # factors kept: k = 4 < d = 8
-    (2, 8, (2, 4, 8))
-    >>> x = tp.sphere.sample_uniform(5, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    >>> out = mha(x, x, x, need_weights=False)[0]                    # (n, d), unbatched
-    >>> torch.allclose(out, tp.head_outputs(x, heads).sum(-3))
-    True
+Examples
+--------
+>>> import torch, transformer_pde as tp
+>>> mha = torch.nn.MultiheadAttention(8, num_heads=2, bias=False).double()
+>>> heads = tp.Heads.from_multihead_attention(mha)
+>>> heads.num_heads, heads.dim, tuple(heads.query.shape)      # factors kept: k = 4 < d = 8
+(2, 8, (2, 4, 8))
+>>> x = tp.sphere.sample_uniform(5, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+>>> out = mha(x, x, x, need_weights=False)[0]                    # (n, d), unbatched
+>>> torch.allclose(out, tp.head_outputs(x, heads).sum(-3))
+True
 """
 
 from __future__ import annotations
@@ -118,7 +119,9 @@ def layerwise_from_transformer(
     With Δ = α and ``simulate(x0, theta, t1=t0 + Lα, dt=α, method="euler", direction="ascent")``
     each step is one idealised residual block x ← normalise(x + α·MHA(x)) up to O(α²).
 
-    Returns:
+    Returns
+    -------
+    Layerwise
         :class:`~transformer_pde.Layerwise`.
     """
     layers = [heads_from_multihead_attention(m, **kwargs) for m in attention_modules(model)]
@@ -129,12 +132,18 @@ def attention_matrix(x: torch.Tensor, heads: Heads, weights: Optional[torch.Tens
                      keys: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Per-head attention weights p_ij^h = w_j e^{s_ij^h} / Σ_l w_l e^{s_il^h}, s_ij^h = β⟨x_i, A_h y_j⟩.
 
-    Args:
-        x: queries (..., n, d) on the sphere.  keys: (..., m, d), default x.
-        heads: :class:`~transformer_pde.Heads` (factors used when kept).
-        weights: key weights (..., m) or None (uniform: the plain softmax of a MultiheadAttention).
+    Parameters
+    ----------
+    x : torch.Tensor
+        queries (..., n, d) on the sphere.  keys: (..., m, d), default x.
+    heads : Heads
+        :class:`~transformer_pde.Heads` (factors used when kept).
+    weights : Optional[torch.Tensor]
+        key weights (..., m) or None (uniform: the plain softmax of a MultiheadAttention).
 
-    Returns:
+    Returns
+    -------
+    torch.Tensor
         (..., H, n, m), rows summing to 1 (log-sum-exp normalisation).  Compare with
         ``mha(..., need_weights=True, average_attn_weights=False)[1]``.
     """
@@ -164,11 +173,16 @@ def residual_attention_step(module, x: torch.Tensor, *, step: float = 1.0, token
     biases this is x ↦ normalise(x + α Σ_h f_h(x)), one projected-Euler step of the ascent flow
     up to O(α²).
 
-    Args:
-        module: a MultiheadAttention or a layer with ``self_attn`` (only its attention is used).
-        x: unit tokens (n, d) or (B, n, d) (the batch layout follows ``module.batch_first``).
+    Parameters
+    ----------
+    module
+        a MultiheadAttention or a layer with ``self_attn`` (only its attention is used).
+    x : torch.Tensor
+        unit tokens (n, d) or (B, n, d) (the batch layout follows ``module.batch_first``).
 
-    Returns:
+    Returns
+    -------
+    torch.Tensor
         Tokens of the same shape on the unit sphere.
     """
     mha = mha_module(module)

@@ -192,8 +192,10 @@ def snapshot_indices(times, count: int) -> List[int]:
     The targets t_0 + k (t_end − t_0)/(count − 1), k = 0..count−1, are matched to the nearest
     recorded time; repeats (fewer records than ``count``) are dropped.  times: (T,).
 
-    Raises:
-        ValueError: when count < 1 or times is empty.
+    Raises
+    ------
+    ValueError
+        when count < 1 or times is empty.
     """
     t = as_numpy(times).reshape(-1)
     if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 1:
@@ -249,25 +251,35 @@ def sphere_snapshots(rows: Sequence[Tuple[str, object]], times, snapshot_times: 
                      title: str = "", colors: Optional[Sequence[str]] = None, caption: Optional[str] = None):
     """Tokens at evenly spaced recorded times, one row per entry of ``rows``.
 
-    Args:
-        rows: sequence of (label, x) with x of shape (T, n, d), recorded at ``times (T,)``.
-        snapshot_times: the number of columns (evenly spaced recorded times from the first to
-            the last, :func:`snapshot_indices`), or explicit times (nearest recorded time each).
-        title: figure title (reproductions say "descent" here).
-        colors: one colour per row (the first column is drawn in grey when it is t = t_0).
-        caption: text of the caption line; None writes one that says what the columns,
-            colours and (d = 2) the histogram ticks or (d ≥ 4) the Gram matrices are.
-            Prepend what the rows are (which path) in the caller's text.
+    Parameters
+    ----------
+    rows : Sequence[Tuple[str, object]]
+        sequence of (label, x) with x of shape (T, n, d), recorded at ``times (T,)``.
+    snapshot_times : Union[int, Sequence[float]]
+        the number of columns (evenly spaced recorded times from the first to
+        the last, :func:`snapshot_indices`), or explicit times (nearest recorded time each).
+    title : str
+        figure title (reproductions say "descent" here).
+    colors : Optional[Sequence[str]]
+        one colour per row (the first column is drawn in grey when it is t = t_0).
+    caption : Optional[str]
+        text of the caption line; None writes one that says what the columns,
+        colours and (d = 2) the histogram ticks or (d ≥ 4) the Gram matrices are.
+        Prepend what the rows are (which path) in the caller's text.
 
     d = 3: 3-D scatter on the sphere; d = 2: the points on the unit circle and a histogram of
     their angles; d ≥ 4: the Gram matrix ⟨x_i, x_j⟩ with tokens ordered by their initial vertex.
     Column titles give the recorded time shown.
 
-    Returns:
+    Returns
+    -------
+    result
         matplotlib Figure.
 
-    Raises:
-        ValueError: no rows, or tokens that are not (T, n, d) with T = len(times).
+    Raises
+    ------
+    ValueError
+        no rows, or tokens that are not (T, n, d) with T = len(times).
     """
     t = as_numpy(times).reshape(-1)
     rows = [(lab, as_numpy(x)) for lab, x in rows]
@@ -402,22 +414,30 @@ def energy_balance(panels: Sequence[Tuple[str, Mapping[str, object]]], times, *,
                    title: str = "", ncols: Optional[int] = None, caption: Optional[str] = None):
     """The energy–dissipation ledger of each run, Monte-Carlo mean ± std (shaded).
 
-    Args:
-        panels: sequence of (label, ledger) with ledger a mapping of the trajectory's ledger
-            keys ("dE", "partial", "dissipation", "slope", "martingale", "residual",
-            "residual_slope"; any subset) to arrays (T, P) (P = 1 for a deterministic run).
-            Each panel title gets "(mean ± std of P paths)" or "(one path)" appended.
-        times: (T,) shared by all panels.
-        sign: s = −1 (descent) or +1 (ascent): the 𝒢² term is drawn as s·∫𝒢².
-        ncols: panels per row (default: all in one row).
-        caption: caption text; None writes one that says what the terms, residuals and bands are.
+    Parameters
+    ----------
+    panels : Sequence[Tuple[str, Mapping[str, object]]]
+        sequence of (label, ledger) with ledger a mapping of the trajectory's ledger
+        keys ("dE", "partial", "dissipation", "slope", "martingale", "residual",
+        "residual_slope"; any subset) to arrays (T, P) (P = 1 for a deterministic run).
+        Each panel title gets "(mean ± std of P paths)" or "(one path)" appended.
+    times
+        (T,) shared by all panels.
+    sign : float
+        s = −1 (descent) or +1 (ascent): the 𝒢² term is drawn as s·∫𝒢².
+    ncols : Optional[int]
+        panels per row (default: all in one row).
+    caption : Optional[str]
+        caption text; None writes one that says what the terms, residuals and bands are.
 
     Each panel has two axes: the terms (top) and the residuals (bottom),
     residual = ΔE − ∫∂E − ∫𝒟 − M and residual_slope = ΔE − ∫∂E − s∫𝒢² − M (the reference
     code's check, exact only for H = 1 or normalization="effective").  One legend for all
     panels sits to the right of the figure.
 
-    Returns:
+    Returns
+    -------
+    result
         matplotlib Figure.
     """
     k = len(panels)
@@ -454,22 +474,31 @@ def plot_ledger(times, ledger: Mapping[str, object], *, keys: Optional[Sequence[
                 title: str = "", caption: Optional[str] = None):
     """The energy ledger of one run (a Trajectory's ``ledger``), with readable labels.
 
-    Args:
-        times: (T,).  ledger: mapping key -> (T,) or (T, P) (e.g. ``traj.ledger``); keys
-            among "dE", "partial", "dissipation", "slope", "martingale", "residual",
-            "residual_slope".
-        keys: which entries to draw (default: all of the above that are present).
-        sign: s = −1 (descent) or +1 (ascent), the sign of the 𝒢² term.
-        title: axes title.  caption: caption text (None: what the terms and bands are).
+    Parameters
+    ----------
+    times
+        (T,).  ledger: mapping key -> (T,) or (T, P) (e.g. ``traj.ledger``); keys
+        among "dE", "partial", "dissipation", "slope", "martingale", "residual",
+        "residual_slope".
+    keys : Optional[Sequence[str]]
+        which entries to draw (default: all of the above that are present).
+    sign : float
+        s = −1 (descent) or +1 (ascent), the sign of the 𝒢² term.
+    title : str
+        axes title.  caption: caption text (None: what the terms and bands are).
 
     Draws the terms (E(t) − E(0), ∫∂ₛE ds, ∫𝒟 ds, s∫𝒢² ds, M_t) on top and the residuals
     below (mean over the paths, shaded ± 1 std); the legend sits right of the axes.
 
-    Returns:
+    Returns
+    -------
+    result
         matplotlib Figure.
 
-    Raises:
-        ValueError: an unknown key, or no known key in ``ledger``.
+    Raises
+    ------
+    ValueError
+        an unknown key, or no known key in ``ledger``.
     """
     if keys is not None:
         bad = [k for k in keys if k not in LEDGER_LABELS]
@@ -494,14 +523,21 @@ def slope_series(panels: Sequence[Tuple[str, Mapping[int, object]]], times, *, t
     """𝒢²(t) for every H, one panel per regime (log scale): the Monte-Carlo mean, and shaded the
     16–84 % quantiles over the paths (a ± std band would cross zero on the log axis).
 
-    Args:
-        panels: sequence of (label, {H: slope (T, P)}); the panel title says "mean of P
-            paths" or "one path" from the shape.
-        times: (T,).
-        t_avg: draw (and explain in the legend) the start of the time-average window.
-        caption: caption text (None: what lines, bands and the dotted line are).
+    Parameters
+    ----------
+    panels : Sequence[Tuple[str, Mapping[int, object]]]
+        sequence of (label, {H: slope (T, P)}); the panel title says "mean of P
+        paths" or "one path" from the shape.
+    times
+        (T,).
+    t_avg : Optional[float]
+        draw (and explain in the legend) the start of the time-average window.
+    caption : Optional[str]
+        caption text (None: what lines, bands and the dotted line are).
 
-    Returns:
+    Returns
+    -------
+    result
         matplotlib Figure.
     """
     from matplotlib.lines import Line2D
@@ -554,18 +590,24 @@ def slope_scaling(entries: Sequence[Dict], *, title: str = "", t_avg: Optional[f
                   caption: Optional[str] = None):
     """Time-averaged 𝒢² against H (log–log) with the fitted a·H^b, one series per regime.
 
-    Args:
-        entries: sequence of dicts with keys "label", "color", "heads" (K,), "per_path"
-            (list of K arrays of per-path time averages), and "fit" (dict with "a", "b",
-            optional "b_ci" (lo, hi) and "level") or None.
-        t_avg: start of the averaging window (axis label and caption).
-        caption: caption text (None: what markers, bars, dots and lines are).
+    Parameters
+    ----------
+    entries : Sequence[Dict]
+        sequence of dicts with keys "label", "color", "heads" (K,), "per_path"
+        (list of K arrays of per-path time averages), and "fit" (dict with "a", "b",
+        optional "b_ci" (lo, hi) and "level") or None.
+    t_avg : Optional[float]
+        start of the averaging window (axis label and caption).
+    caption : Optional[str]
+        caption text (None: what markers, bars, dots and lines are).
 
     Markers are the Monte-Carlo means with error bars ± std over the paths (single paths
     have none: the legend then says "one path"); the faint dots are the individual paths.
     The H axis is ticked at the head counts.
 
-    Returns:
+    Returns
+    -------
+    result
         matplotlib Figure.
     """
     from matplotlib.ticker import FixedLocator, LogFormatterSciNotation, LogLocator, NullFormatter

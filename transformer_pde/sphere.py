@@ -68,7 +68,25 @@ def log_map(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def geodesic_distance(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Great-circle distance d(x, y) = 2 asin(|x - y| / 2) (accurate near 0 and pi)."""
+    """Great-circle distance d(x, y) = 2 asin(|x - y| / 2) (accurate near 0 and pi).
+
+    Parameters
+    ----------
+    x, y : torch.Tensor
+        unit vectors (..., d), broadcast against each other.
+
+    Returns
+    -------
+    torch.Tensor
+        (...,) angles in [0, π].
+
+    Examples
+    --------
+    >>> import torch, transformer_pde as tp
+    >>> e = torch.eye(3, dtype=torch.float64)
+    >>> round(float(tp.sphere.geodesic_distance(e[0], e[1])), 12)   # π/2
+    1.570796326795
+    """
     return 2 * torch.asin((chordal_distance(x, y) / 2).clamp(max=1.0))
 
 
@@ -95,6 +113,32 @@ def equiangular(n: int, gamma: float, d: int | None = None, *, dtype=None, devic
     The Gram matrix (1-gamma) I + gamma 11^T is PSD iff -1/(n-1) <= gamma <= 1 and has
     rank n (rank n-1 for the regular simplex gamma = -1/(n-1), rank 1 at gamma = 1), so
     d must be at least that rank.  ``d`` defaults to the rank (at least 2).
+
+    Parameters
+    ----------
+    n : int
+        number of vectors (at least 2).
+    gamma : float
+        the common overlap, in [-1/(n-1), 1].
+    d : int or None
+        the dimension (at least the rank of the Gram matrix); None: the rank.
+
+    Returns
+    -------
+    torch.Tensor
+        (n, d) unit vectors.
+
+    Raises
+    ------
+    ValueError
+        gamma outside [-1/(n-1), 1], or d below the rank.
+
+    Examples
+    --------
+    >>> import torch, transformer_pde as tp
+    >>> x = tp.sphere.equiangular(4, 0.25, dtype=torch.float64)
+    >>> x.shape, round(float(x[0] @ x[1]), 12)
+    (torch.Size([4, 4]), 0.25)
     """
     check_int(n, "n", minimum=2)
     gamma = float(gamma)

@@ -124,8 +124,10 @@ def energy_gradients(x, heads: Heads, weights=None, *, flat: bool = False):
     Unprojected and without the head weight ω_h (any heads; for symmetric heads with V_h = A_h it is
     the unnormalized head output).  flat=True accepts tokens off the sphere.
 
-    Raises:
-        TypeError / ValueError for bad tokens, heads or weights.
+    Raises
+    ------
+    TypeError, ValueError
+        for bad tokens, heads or weights.
     """
     _check_any(x, heads, weights, on_sphere=not flat)
     return _gradients(x, heads, weights)[0]
@@ -166,7 +168,9 @@ def head_energy_rates(x, heads: Heads, weights=None, *, normalization: str = "un
     field s Σ_k ω_k f_k (flat=True) of the given normalisation.  Valid for any heads (symmetric
     or not, V_h = A_h or not); E_h carries no ω_h.
 
-    Returns:
+    Returns
+    -------
+    result
         (..., H); Σ_h ω_h dE_h/dt = dE/dt.
     """
     check_choice(normalization, _OUTPUT_NORMALIZATIONS, "normalization")
@@ -215,18 +219,24 @@ def energy_balance(x, heads: Heads, weights=None, *, flat: bool = False, directi
     (Per head, G_h − f_h = Σ_j w_j [e^{s_ij}(A − V)x_j + ½(e^{s_ji}Aᵀ − e^{s_ij}A)x_j]; use
     |s_ji − s_ij| ≤ βR²‖A − Aᵀ‖ and |e^a − e^b| ≤ e^{max(a,b)}|a − b|.)
 
-    Returns:
+    Returns
+    -------
+    EnergyBalance
         :class:`EnergyBalance` of (...,) tensors.
-    Raises:
-        TypeError / ValueError for bad tokens (off the sphere unless flat=True), heads or weights.
 
-    Example:
-        >>> import torch, transformer_pde as tp
-        >>> x = tp.sphere.sample_uniform(6, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-        >>> heads = tp.Heads.scalar(torch.tensor([1.0, 2.0], dtype=torch.float64), 3, weights=torch.ones(2, dtype=torch.float64))
-        >>> eb = tp.diagnostics.energy_balance(x, heads)
-        >>> bool(torch.isclose(eb.rate, eb.kinetic)), float(eb.defect) == 0.0 or abs(float(eb.defect)) < 1e-14
-        (True, True)
+    Raises
+    ------
+    TypeError, ValueError
+        for bad tokens (off the sphere unless flat=True), heads or weights.
+
+    Examples
+    --------
+    >>> import torch, transformer_pde as tp
+    >>> x = tp.sphere.sample_uniform(6, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    >>> heads = tp.Heads.scalar(torch.tensor([1.0, 2.0], dtype=torch.float64), 3, weights=torch.ones(2, dtype=torch.float64))
+    >>> eb = tp.diagnostics.energy_balance(x, heads)
+    >>> bool(torch.isclose(eb.rate, eb.kinetic)), float(eb.defect) == 0.0 or abs(float(eb.defect)) < 1e-14
+    (True, True)
     """
     s = direction_sign(direction)
     _check_any(x, heads, weights, on_sphere=not flat)
@@ -292,7 +302,9 @@ def radial_decomposition(x, heads: Heads, weights=None, *, normalization: str = 
     non-decreasing in flat space, while on the sphere the radial-shadow couplings −S_hk remain
     and can make dE_h/dt < 0.  (For descent all rates change sign.)
 
-    Returns:
+    Returns
+    -------
+    RadialDecomposition
         :class:`RadialDecomposition`.
     """
     check_choice(normalization, _OUTPUT_NORMALIZATIONS, "normalization")
@@ -352,19 +364,22 @@ def radial_dominance_margin(x, heads: Heads, weights=None, *, normalization: str
     token form changes sign exactly at ``tp.theory.critical_beta``, the pairwise form at
     cos² ∠(x, f) = 1/H.
 
-    Raises:
-        TypeError / ValueError for bad tokens, heads or weights, an unknown normalization or form.
+    Raises
+    ------
+    TypeError, ValueError
+        for bad tokens, heads or weights, an unknown normalization or form.
 
-    Example:
-        >>> import torch, transformer_pde as tp
-        >>> b = tp.theory.critical_beta(2, 10)          # orthogonal tokens, two heads I
-        >>> x = torch.eye(10, dtype=torch.float64)
-        >>> def heads(beta):
-        ...     return tp.Heads.scalar(torch.ones(2, dtype=torch.float64), 10, beta=beta, weights=torch.ones(2, dtype=torch.float64))
-        >>> bool((tp.diagnostics.radial_dominance_margin(x, heads(0.99 * b)) > 0).all())
-        True
-        >>> bool((tp.diagnostics.radial_dominance_margin(x, heads(1.01 * b)) < 0).all())
-        True
+    Examples
+    --------
+    >>> import torch, transformer_pde as tp
+    >>> b = tp.theory.critical_beta(2, 10)          # orthogonal tokens, two heads I
+    >>> x = torch.eye(10, dtype=torch.float64)
+    >>> def heads(beta):
+    ...     return tp.Heads.scalar(torch.ones(2, dtype=torch.float64), 10, beta=beta, weights=torch.ones(2, dtype=torch.float64))
+    >>> bool((tp.diagnostics.radial_dominance_margin(x, heads(0.99 * b)) > 0).all())
+    True
+    >>> bool((tp.diagnostics.radial_dominance_margin(x, heads(1.01 * b)) < 0).all())
+    True
     """
     check_choice(normalization, _OUTPUT_NORMALIZATIONS, "normalization")
     check_choice(form, ("token", "pairwise"), "form")
@@ -392,13 +407,17 @@ def radial_dominance_threshold(n: int, lambdas, *, gamma: float = 0.0, form: str
     to relative accuracy ``tol``.  All heads are bisected together (one batched field evaluation
     per step).
 
-    Returns:
+    Returns
+    -------
+    torch.Tensor
         (H,) tensor of thresholds β_h: the margin is ≥ 0 below and < 0 above.  ``inf`` when the
         margin stays ≥ 0 up to ``beta_max`` (H = 1), ``-inf`` when it is already negative at
         β → 0⁺ (the closed form is ≤ 0 then).
 
-    Raises:
-        OverflowError when the margin is not finite before the bracket closes (unnormalized outputs
+    Raises
+    ------
+    OverflowError
+        when the margin is not finite before the bracket closes (unnormalized outputs
         grow like e^{λβ}: in float64 from β ≈ 700/λ); the message names β and how to avoid it.
     """
     n = check_int(n, "n", minimum=2)
@@ -484,10 +503,15 @@ def entropy_rate(x, heads: Heads, weights=None, *, velocity: Optional[torch.Tens
     holds for any heads and any motion: ẋ is ``velocity`` when given, else the library's field
     of ``normalization``/``direction``; ``score_rate`` Ȧ_h (..., H, d, d) for moving heads.
 
-    Returns:
+    Returns
+    -------
+    result
         (..., H, n); dtype and device follow x.
-    Raises:
-        TypeError / ValueError for bad tokens, heads, weights, velocity or score_rate shapes.
+
+    Raises
+    ------
+    TypeError, ValueError
+        for bad tokens, heads, weights, velocity or score_rate shapes.
     """
     check_choice(normalization, ("softmax", "unnormalized", "relu", "effective"), "normalization")
     direction_sign(direction)
@@ -661,10 +685,15 @@ def flat_flow(x0, heads: Heads, *, t1: float, dt: float, weights=None, normaliza
     Explicit Runge–Kutta (``tp.TABLEAUX``: "euler", "heun", "rk4") without retraction; heads
     constant.  The scores grow like β‖A‖‖x‖², so flat runs blow up in finite time: keep t1 short.
 
-    Returns:
+    Returns
+    -------
+    FlatTrajectory
         :class:`FlatTrajectory`.
-    Raises:
-        TypeError / ValueError for bad input; ``tp.NonFiniteError`` with the time, step and quantity
+
+    Raises
+    ------
+    TypeError, ValueError
+        for bad input; ``tp.NonFiniteError`` with the time, step and quantity
         when the tokens or energies overflow.
     """
     from ..processes import grid_steps

@@ -214,6 +214,13 @@ def test_an_underflowing_energy_log_scale_is_refused_with_the_value_that_fits(dt
     assert_close(tr.log_energy(), ref.log_energy(), rtol=tol, atol=tol)
     with pytest.raises(ValueError, match="underflow"):
         tp.simulate(x0, h, t1=0.2, dt=0.1, energy_log_scale=fits + 2)
+    with pytest.raises(ValueError, match="underflow"):  # "adaptive": refused before the solve, too
+        tp.simulate(x0, h, t1=0.2, dt=0.1, method="adaptive", energy_log_scale=1e4,
+                    callback=None, observables={"boom": _must_not_run})
+
+
+def _must_not_run(x, w):
+    raise AssertionError("the adaptive solve ran before the scale was checked")
 
 
 # ---------------------------------------------------------------------------- horizon, empty, shapes
@@ -224,6 +231,8 @@ def test_record_every_beyond_the_horizon_is_refused():
         tp.simulate(x0, h, t1=5.0, dt=0.1, record_every=1000)
     with pytest.raises(ValueError, match=r"record_every = 4 .*\(3"):
         tp.jko(x0, h, tau=0.1, steps=3, record_every=4)
+    with pytest.raises(ValueError, match=r"record_every = 5 .*\(2"):
+        tp.simulate_sharded(x0, h, t1=0.2, dt=0.1, record_every=5)
     assert len(tp.simulate(x0, h, t1=0.5, dt=0.1, record_every=5).times) == 2  # = the number of steps: fine
 
 

@@ -408,6 +408,10 @@ def simulate(
     ev = _Evaluator(weights, normalization=normalization, sign=sign, noisy=process.noisy, causal=causal,
                     chunk_elements=chunk_elements, energy_log_scale=energy_log_scale)
     scale, fix_scale = ev.scale, ev.fix_scale
+    if energy_log_scale is not None and diagnostics:  # the values at t0 must not underflow at the given scale
+        with torch.no_grad():
+            lp0 = softmax_statistics(x, drv.current, weights, chunk_elements=chunk_elements).log_partition
+        check_scale_fits(lp0, energy_log_scale)
     work = float(math.prod(x.shape[:-2])) * process.heads0.num_heads * x.shape[-2] ** 2
     common = dict(K=K, dt=dt, record_every=record_every, diagnostics=diagnostics, sign=sign, causal=causal,
                   realised=realised, obs=obs, weights=weights, normalization=normalization)
@@ -613,7 +617,6 @@ class _Evaluator:
         lp = evk.stats.log_partition.detach()
         self.scale["start_max"] = float(lp.max()) if lp.numel() else 0.0
         if self.given is not None:
-            check_scale_fits(lp, self.given)  # the values at t0 must not underflow at the given scale
             return False  # the first evaluation already used the given scale
         self.scale["c"] = choose_log_scale(lp)
         if self.scale["c"] != 0.0:

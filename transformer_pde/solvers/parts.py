@@ -279,9 +279,10 @@ def callable_signature(fn, what: str, tag: Optional[str] = None, depth: int = 0)
         if tag is None:
             raise ValueError(
                 f"{what} ({out[1]}) has no readable source (defined in `python -c` or exec?), so a checkpoint "
-                f"cannot tell it from another function of the same name: give it a tag that changes with the "
-                f"function (e.g. Custom(..., tag='drift-v2')), define it in a file, or run without checkpoint=") \
-                from None
+                f"cannot tell it from another function of the same name: "
+                + ("give the process a tag that changes with the function (Custom(..., tag='drift-v2')), "
+                   if what.startswith("theta") else "")
+                + "define it in a file, or run without checkpoint=") from None
     _code_digest(target.__code__, h)
     out.append(h.hexdigest()[:16])
     for cell in target.__closure__ or ():
@@ -415,9 +416,15 @@ class Checkpointer:
         if ck.get("fingerprint") != self.fingerprint:
             raise ValueError(f"checkpoint {self.path} belongs to a different run ({self._what_differs(ck)}); "
                              f"delete it or use another path")
-        if not _all_finite({k: v for k, v in ck.items() if k not in ("kind", "fingerprint", "fingerprint_parts")}):
-            raise ValueError(f"checkpoint {self.path} holds NaN or inf (tokens, records or ledger): it cannot come from "
-                             f"a finished step of this run; delete it to start afresh")
+        # what the solver checks finite at every step: the tokens, Θ, the recorded series and the ledger sums
+        # (not the observables, which may be NaN by definition, nor the scale's bookkeeping)
+        records = ck.get("records") if isinstance(ck.get("records"), dict) else {}
+        checked = {"x": ck.get("x"), "driver": (ck.get("driver") or {}).get("A") if isinstance(ck.get("driver"), dict)
+                   else None, "acc": ck.get("acc"), "records": {k: v for k, v in records.items()
+                                                                if not k.startswith("obs.")}}
+        if not _all_finite(checked):
+            raise ValueError(f"checkpoint {self.path} holds NaN or inf (tokens, weights, records or ledger): it cannot "
+                             f"come from a finished step of this run; delete it to start afresh")
         return ck
 
     def after_step(self, k: int, state: Callable[[], dict]):

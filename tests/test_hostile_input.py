@@ -327,3 +327,45 @@ def test_memory_estimate_grows_with_what_is_stored():
     assert est(return_path=True) > est(return_path=False)
     assert est(record_every=1) > est(record_every=10)
     assert math.isfinite(est(K=10 ** 9))
+
+
+class _Decay:
+    def __init__(self, k):
+        self.k = k
+
+    def __call__(self, t, A):
+        return -self.k * A
+
+
+def _sig(fn):
+    return parts._fingerprint(*parts.callable_signature(fn, "f"))
+
+
+def test_callable_signature_sees_partials_objects_closures_and_globals():
+    import functools
+
+    assert _sig(functools.partial(_scaled_drift_at, k=1.0)) != _sig(functools.partial(_scaled_drift_at, k=2.0))
+    assert _sig(functools.partial(_scaled_drift_at, k=1.0)) == _sig(functools.partial(_scaled_drift_at, k=1.0))
+    assert _sig(_Decay(1.0)) != _sig(_Decay(2.0))
+    assert _sig(_Decay(1.0)) == _sig(_Decay(1.0))
+    assert _sig(_scaled_drift(1.0)) != _sig(_scaled_drift(3.0))
+    assert _sig(torch.neg) != _sig(torch.exp)  # built-ins by qualified name (no source needed)
+    assert _sig(_drift_minus) != _sig(_drift_plus)
+    global _RATE
+    before = _sig(_global_rate_drift)
+    _RATE = 2.0
+    try:
+        assert _sig(_global_rate_drift) != before  # a module-level number it reads
+    finally:
+        _RATE = 1.0
+
+
+_RATE = 1.0
+
+
+def _scaled_drift_at(t, A, k=1.0):
+    return -k * A
+
+
+def _global_rate_drift(t, A):
+    return -_RATE * A

@@ -308,6 +308,7 @@ def test_the_limits_can_be_raised_and_lowered():
         tp.simulate(x0, h, t1=2.0, dt=0.1, max_steps=10)
     tr = tp.simulate(x0, h, t1=2.0, dt=0.1, max_steps=20, max_memory=2 ** 30)
     assert tr.x.shape[0] == 21
+    assert tp.simulate(x0, h, t1=0.2, dt=0.1, max_memory=float("inf")).x.shape[0] == 3  # no limit
     with pytest.raises(ValueError, match="max_steps"):
         tp.jko(x0, h, tau=0.1, steps=3, max_steps=2)
     with pytest.raises(TypeError, match="max_steps"):

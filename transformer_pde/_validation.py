@@ -282,10 +282,12 @@ def check_limits(what: str, *, steps: int, memory: Mapping, max_steps, max_memor
 
     ``memory`` maps the names of the large arrays to their estimated bytes; ``max_steps`` (None:
     :data:`MAX_STEPS`) and ``max_memory`` (bytes; None: :data:`MEMORY_FRACTION` of
-    :func:`machine_memory`) are the user's limits.  ValueError with the estimate and the fix."""
+    :func:`machine_memory`; ``float("inf")``: no limit) are the user's limits.  ValueError with the estimate and the fix."""
     max_steps = MAX_STEPS if max_steps is None else check_int(max_steps, "max_steps")
     if max_memory is None:
         limit, given = MEMORY_FRACTION * machine_memory(device), False
+    elif isinstance(max_memory, float) and max_memory == math.inf:
+        limit, given = math.inf, True  # no limit, as asked
     else:
         limit, given = check_positive(max_memory, "max_memory"), True
     if steps > max_steps:

@@ -36,8 +36,7 @@ from .._validation import (
     check_tokens,
     direction_sign,
 )
-from ..attention import softmax_statistics
-from ..attention import DEFAULT_CHUNK_ELEMENTS
+from ..attention import DEFAULT_CHUNK_ELEMENTS, softmax_statistics
 from ..energy import check_scale_fits, choose_log_scale, pairing
 from ..energy import quadratic_variation as realised_qv_term
 from ..field import FieldEval, evaluate
@@ -363,7 +362,7 @@ def simulate(
             t0 (:func:`transformer_pde.energy.check_scale_fits`) is refused, with the value that fits.
         max_steps, max_memory: limits checked before any allocation: the number of steps (default
             10⁷) and the estimated memory of the trajectory, the kernel blocks and a stored weight
-            path in bytes (default 3/4 of the machine's memory, the GPU's for CUDA tensors); a run
+            path in bytes (default 3/4 of the machine's memory, the GPU's for CUDA tensors; inf: none); a run
             above either is refused with the estimate and the fix.
 
     Returns:

@@ -103,8 +103,8 @@ def differences(got, want, steps, *, bit_identical=False):
         scale = ledger_scale if k.startswith("ledger.") else _amax(v)
         tol = C * torch.finfo(v.dtype).eps * math.sqrt(steps + 1) * scale
         if dmax > tol:
-            out.append(f"{k}: max |Δ| = {dmax:.3g} > tolerance {tol:.3g} (= {C:g}·eps·sqrt({steps} + 1)·{scale:.3g}; "
-                       f"{dmax / tol:.3g}× over)")
+            out.append(f"{k}: max |Δ| = {dmax:.3g} > tolerance {tol:.3g} "
+                       f"(= {C:g}·eps·sqrt({steps} + 1)·{scale:.3g}; {dmax / tol:.3g}× over)")
     return out
 
 

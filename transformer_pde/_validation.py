@@ -282,7 +282,8 @@ def check_limits(what: str, *, steps: int, memory: Mapping, max_steps, max_memor
 
     ``memory`` maps the names of the large arrays to their estimated bytes; ``max_steps`` (None:
     :data:`MAX_STEPS`) and ``max_memory`` (bytes; None: :data:`MEMORY_FRACTION` of
-    :func:`machine_memory`; ``float("inf")``: no limit) are the user's limits.  ValueError with the estimate and the fix."""
+    :func:`machine_memory`; ``float("inf")``: no limit) are the user's limits.  ValueError with the
+    estimate and the fix."""
     max_steps = MAX_STEPS if max_steps is None else check_int(max_steps, "max_steps")
     if max_memory is None:
         limit, given = MEMORY_FRACTION * machine_memory(device), False
@@ -296,7 +297,8 @@ def check_limits(what: str, *, steps: int, memory: Mapping, max_steps, max_memor
     total = float(sum(memory.values()))
     if total > limit:
         parts = ", ".join(f"{k} {_format_bytes(v)}" for k, v in sorted(memory.items(), key=lambda kv: -kv[1]) if v)
-        where = "max_memory" if given else f"max_memory (default {MEMORY_FRACTION:g} of this machine's {_format_bytes(limit / MEMORY_FRACTION)})"
+        where = "max_memory" if given else (f"max_memory (default {MEMORY_FRACTION:g} of this machine's "
+                                            f"{_format_bytes(limit / MEMORY_FRACTION)})")
         raise ValueError(f"{what} would need about {_format_bytes(total)} ({parts}), more than {where} = "
                          f"{_format_bytes(limit)}; {fix + ', or ' if fix else ''}pass max_memory={int(total * 1.25)} "
                          f"(bytes) if the machine has it")

@@ -92,7 +92,8 @@ def check_scale_fits(log_partition: torch.Tensor, log_scale: float, name: str = 
         raise ValueError(
             f"{name} = {log_scale:.6g} is too large for these tokens and heads: the values are reported times "
             f"e^(−{log_scale:.6g}) and the largest log-partition at t0 is {L:.6g}, so every kernel value is below "
-            f"e^({L - log_scale:.4g}) < tiny/eps = e^({floor:.4g}) of {lp.dtype}: the energy, 𝒢², 𝒟 and the ledger "
+            f"e^({L - log_scale:.4g}) < tiny/eps = e^({floor:.4g}) of {lp.dtype}: the energy, 𝒢², 𝒟 and the "
+            f"ledger "
             f"would underflow to 0 (and the ledger residual with them).  Pass {name}=None (automatic: "
             f"c = {choose_log_scale(lp):.6g} here), or a value <= {math.floor(L - floor)}")
 

@@ -510,7 +510,8 @@ def _check_simulate_args(x0, theta, *, t1, dt, t0, method, normalization, direct
     t1 = check_real(t1, "t1")
     t0 = check_real(t0, "t0")
     K = grid_steps(t0, t1, dt)
-    record_every = check_every(record_every, "record_every", K, f"t0 = {t0:.6g} to t1 = {t1:.6g} in steps dt = {dt:.6g}")
+    record_every = check_every(record_every, "record_every", K,
+                               f"t0 = {t0:.6g} to t1 = {t1:.6g} in steps dt = {dt:.6g}")
     checkpoint_every = check_int(checkpoint_every, "checkpoint_every")
     if paths is not None:
         paths = check_int(paths, "paths")

@@ -58,7 +58,7 @@ class ClusteringFlow(torch.nn.Module):
                                rtol=1e-6, atol=1e-8, direction="ascent", diagnostics=False)
         else:
             traj = tp.simulate(x0, self.heads(), t1=self.t1, dt=self.dt, method="heun", direction="ascent",
-                               diagnostics=False, record_every=10 ** 6)
+                               diagnostics=False, record_every=round(self.t1 / self.dt))
         return traj.final
 
 

@@ -35,13 +35,15 @@ def test_oscillating_target_defaults_one_head_and_shared_phase():
 
 def test_sample_path_draws_from_the_given_generator():
     """sample_path(generator=g) draws the noise from g: equal seeds of g give equal paths, other
-    seeds other paths (whatever ``seed``), and g's state advances."""
+    seeds other paths, and g's state advances; a ``seed`` next to it is refused."""
     h = tp.Heads.random(2, 3, generator=gen(40), dtype=F64)
     proc = tp.OrnsteinUhlenbeck(h, rate=0.8, sigma=0.6)
     g1, g1b, g2 = gen(41), gen(41), gen(42)
     before = g1.get_state().clone()
     a = tp.sample_path(proc, t1=0.3, dt=0.1, generator=g1)
-    b = tp.sample_path(proc, t1=0.3, dt=0.1, generator=g1b, seed=5)
+    b = tp.sample_path(proc, t1=0.3, dt=0.1, generator=g1b)
+    with pytest.raises(ValueError, match="not both"):  # a seed next to the generator would be ignored: refused
+        tp.sample_path(proc, t1=0.3, dt=0.1, generator=gen(41), seed=5)
     c = tp.sample_path(proc, t1=0.3, dt=0.1, generator=g2)
     assert not torch.equal(g1.get_state(), before)
     assert torch.equal(a.scores, b.scores)

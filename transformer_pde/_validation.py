@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import torch
 
@@ -81,6 +81,9 @@ def check_tokens(x, name: str = "x") -> torch.Tensor:
         raise ValueError(f"{name} must have shape (..., n, d) with d >= 2, got shape {tuple(x.shape)}")
     if n < 1:
         raise ValueError(f"{name} holds no tokens (n = 0): shape {tuple(x.shape)}")
+    if x.numel() == 0:
+        raise ValueError(f"{name} holds no token sets: its batch shape {tuple(x.shape[:-2])} has an empty axis "
+                         f"(shape {tuple(x.shape)}); give at least one set of tokens, e.g. shape (1, {n}, {d})")
     err = (x.norm(dim=-1) - 1).abs().max().item()
     tol = sphere_tolerance(x.dtype)
     if err > tol:
@@ -109,6 +112,9 @@ def check_token_weights(w, x: torch.Tensor, name: str = "weights", x_name: str =
             f"the batch shape of {name} {tuple(w.shape[:-1])} does not broadcast against "
             f"the batch shape of {x_name} {tuple(x.shape[:-2])}"
         ) from None
+    if w.numel() == 0:
+        raise ValueError(f"{name} is empty (shape {tuple(w.shape)}): its batch shape has an empty axis; give at "
+                         f"least one set of weights")
     if bool((w < 0).any()):
         raise ValueError(f"{name} has negative entries (min {w.min().item():.3g}); token weights must be >= 0")
     err = (w.sum(-1) - 1).abs().max().item()
@@ -212,3 +218,87 @@ def check_tied_all(theta, purpose: str) -> None:
     for h in heads:
         if h is not None:
             check_tied(h, purpose)
+
+
+def check_seed_generator(seed, generator, name: str = "seed"):
+    """``seed=`` / ``generator=`` of a random entry point: the seed as an int (None means 0).
+
+    ValueError when both are given (the generator would silently win: its own state decides the draws);
+    TypeError for a generator that is not a torch.Generator."""
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    if seed is None:
+        return 0
+    if generator is not None:
+        raise ValueError(f"give either {name}= or generator=, not both: with a generator the draws come from its "
+                         f"state and {name}={seed!r} would be ignored; seed the generator instead "
+                         f"(torch.Generator().manual_seed({seed!r}))")
+    return check_seed(seed, name)
+
+
+def check_every(value, name: str, steps: int, horizon: str) -> int:
+    """An ``every k steps`` option (record_every, checkpoint_every) as an int in [1, steps].
+
+    A k above the number of steps would keep only the first and last step (one interval: time
+    averages and fits then come from one record) or never act; ValueError naming the horizon."""
+    k = check_int(value, name)
+    if k > steps:
+        raise ValueError(f"{name} = {k} is larger than the number of steps of the run ({steps}: {horizon}); "
+                         f"choose {name} <= {steps}, or lengthen the run")
+    return k
+
+
+#: the default of ``max_steps=`` (simulate, jko, sample_path): more steps are refused before any work
+MAX_STEPS = 10 ** 7
+
+#: the default of ``max_memory=`` as a fraction of the machine's memory (physical RAM, or the GPU's)
+MEMORY_FRACTION = 0.75
+
+
+def machine_memory(device=None) -> int:
+    """Bytes of memory of the device: the GPU's total memory for CUDA tensors, else the physical RAM
+    (os.sysconf; 16 GiB when the platform does not tell)."""
+    dev = torch.device("cpu") if device is None else torch.device(device)
+    if dev.type == "cuda" and torch.cuda.is_available():
+        return int(torch.cuda.get_device_properties(dev).total_memory)
+    try:
+        import os
+
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 16 * 2 ** 30
+
+
+def _format_bytes(b: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if b < 1024 or unit == "PiB":
+            return f"{b:.3g} {unit}"
+        b /= 1024
+    return f"{b:.3g} PiB"  # pragma: no cover
+
+
+def check_limits(what: str, *, steps: int, memory: Mapping, max_steps, max_memory, device=None, fix: str = "") -> None:
+    """Refuse a run before any allocation when its step count or its memory estimate exceeds the limits.
+
+    ``memory`` maps the names of the large arrays to their estimated bytes; ``max_steps`` (None:
+    :data:`MAX_STEPS`) and ``max_memory`` (bytes; None: :data:`MEMORY_FRACTION` of
+    :func:`machine_memory`; ``float("inf")``: no limit) are the user's limits.  ValueError with the
+    estimate and the fix."""
+    max_steps = MAX_STEPS if max_steps is None else check_int(max_steps, "max_steps")
+    if max_memory is None:
+        limit, given = MEMORY_FRACTION * machine_memory(device), False
+    elif isinstance(max_memory, float) and max_memory == math.inf:
+        limit, given = math.inf, True  # no limit, as asked
+    else:
+        limit, given = check_positive(max_memory, "max_memory"), True
+    if steps > max_steps:
+        raise ValueError(f"{what} would take {steps:.4g} steps, more than max_steps = {max_steps:.4g}; use a larger "
+                         f"step (dt / tau) or a shorter horizon, or pass max_steps={steps} if you mean it")
+    total = float(sum(memory.values()))
+    if total > limit:
+        parts = ", ".join(f"{k} {_format_bytes(v)}" for k, v in sorted(memory.items(), key=lambda kv: -kv[1]) if v)
+        where = "max_memory" if given else (f"max_memory (default {MEMORY_FRACTION:g} of this machine's "
+                                            f"{_format_bytes(limit / MEMORY_FRACTION)})")
+        raise ValueError(f"{what} would need about {_format_bytes(total)} ({parts}), more than {where} = "
+                         f"{_format_bytes(limit)}; {fix + ', or ' if fix else ''}pass max_memory={int(total * 1.25)} "
+                         f"(bytes) if the machine has it")

@@ -43,7 +43,8 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ._validation import NORMALIZATIONS, check_choice, check_int, check_positive, check_same, check_tokens, direction_sign
+from ._validation import (NORMALIZATIONS, check_choice, check_every, check_int, check_positive, check_same,
+                          check_tokens, direction_sign)
 from .energy import pairing
 from .field import FieldEval, evaluate
 from .heads import Heads
@@ -227,7 +228,8 @@ def _check_sharded_args(x0_local, theta, *, t1, dt, t0, paths, normalization, di
     dt = check_positive(dt, "dt")
     t0, t1 = float(t0), float(t1)
     K = grid_steps(t0, t1, dt)
-    record_every = check_int(record_every, "record_every")
+    record_every = check_every(record_every, "record_every", K,
+                               f"t0 = {t0:.6g} to t1 = {t1:.6g} in steps dt = {dt:.6g}")
     if paths is not None:
         paths = check_int(paths, "paths")
     if isinstance(theta, Heads):

@@ -74,6 +74,30 @@ def choose_log_scale(log_partition: torch.Tensor) -> float:
     return 0.0 if L <= R / 2 else float(math.ceil(L + R / 4))
 
 
+def check_scale_fits(log_partition: torch.Tensor, log_scale: float, name: str = "energy_log_scale") -> None:
+    """ValueError when a given common scale c makes the scaled values underflow at t0.
+
+    With L = max log m_h(x_i) the largest log-partition, the largest scaled kernel value is e^{L − c}.
+    When L − c < log(tiny/eps) (tiny the smallest normal number: −672 in float64, −71.4 in float32),
+    every value within a factor 1/eps of the largest is subnormal or 0: the energy, 𝒢², 𝒟 and the
+    ledger lose their digits (at c = 1e4 they are all exactly 0, and so is the residual).  The
+    message gives the automatic scale (:func:`choose_log_scale`) and the largest c that fits."""
+    lp = log_partition.detach()
+    if lp.numel() == 0 or not bool(torch.isfinite(lp).all()):
+        return  # the caller reports the non-finite field
+    L = float(lp.max())
+    fi = torch.finfo(lp.dtype)
+    floor = math.log(fi.tiny / fi.eps)
+    if L - log_scale < floor:
+        raise ValueError(
+            f"{name} = {log_scale:.6g} is too large for these tokens and heads: the values are reported times "
+            f"e^(−{log_scale:.6g}) and the largest log-partition at t0 is {L:.6g}, so every kernel value is below "
+            f"e^({L - log_scale:.4g}) < tiny/eps = e^({floor:.4g}) of {lp.dtype}: the energy, 𝒢², 𝒟 and the "
+            f"ledger "
+            f"would underflow to 0 (and the ledger residual with them).  Pass {name}=None (automatic: "
+            f"c = {choose_log_scale(lp):.6g} here), or a value <= {math.floor(L - floor)}")
+
+
 def overflow_check(value: torch.Tensor, what: str, log_value, log_scale: float, fix: str) -> torch.Tensor:
     """``value``, or OverflowError when it is not finite although its logarithm ``log_value`` (a tensor or a
     callable returning one) is: an overflow of the kernel, not bad input.  Internal, shared with mobility."""

@@ -36,10 +36,14 @@ from ._validation import (
     check_positive,
     check_real,
     check_same,
-    check_seed,
+    check_limits,
+    check_seed_generator,
     check_tensor,
 )
 from .heads import Heads
+
+#: named internal API (not public), used by the solvers' resource guards
+__internal__ = ["path_bytes", "grid_steps", "WeightDriver", "lift_paths"]
 
 __all__ = ["Process", "Constant", "OrnsteinUhlenbeck", "Oscillating", "Layerwise", "Custom", "WeightPath", "sample_path",
            "symmetric_noise", "oscillating_target"]
@@ -463,21 +467,32 @@ class Layerwise(Process):
 class Custom(Process):
     """dA_h = drift(t, A) dt + diffusion(t) dW_sym, stepped by Euler(–Maruyama) on the solver grid.
 
-    drift: callable (t: float, A: Tensor (..., H, d, d)) -> Tensor like A.
+    drift: callable (t: float, A: Tensor (..., H, d, d)) -> Tensor like A (its shape, dtype and device;
+        a shape that broadcasts to A's is accepted).
     diffusion: None (deterministic), a float σ, or a callable t -> σ (float or tensor (..., H)).
+    tag: an optional string naming this version of the callables.  A checkpoint
+        (``simulate(checkpoint=...)``) fingerprints the drift and diffusion by qualified name and a hash
+        of their source; a callable without readable source (defined in ``python -c`` or ``exec``)
+        needs a tag, and a tag that changes with anything else they read (objects in module globals).
+
+    Wrong output (not a tensor, a shape that does not broadcast to A's, another dtype or device)
+    raises at the first call, naming the expected shape.
     """
 
-    def __init__(self, heads0, drift: Callable, diffusion=None, scheme: str = "euler"):
+    def __init__(self, heads0, drift: Callable, diffusion=None, scheme: str = "euler", tag: Optional[str] = None):
         self.heads0 = _as_heads(heads0)
         if not callable(drift):
             raise TypeError("drift must be a callable (t, A) -> dA/dt")
         if scheme != "euler":
             raise ValueError("Custom processes are stepped by Euler(–Maruyama) only: use scheme='euler'")
+        if tag is not None and (not isinstance(tag, str) or not tag):
+            raise TypeError(f"tag must be None or a non-empty string naming the drift/diffusion, got {tag!r}")
         self.scheme = "euler"
         self._drift = drift
         if diffusion is not None and not callable(diffusion):
             check_positive(diffusion, "diffusion", allow_zero=True)
         self._diffusion = diffusion
+        self.tag = tag
 
     @property
     def noisy(self):
@@ -488,12 +503,44 @@ class Custom(Process):
         return float(self._diffusion) > 0
 
     def drift(self, score, t):
-        return self._drift(t, score)
+        f = self._drift(t, score)
+        if not isinstance(f, torch.Tensor):
+            raise TypeError(f"the Custom drift returned {type(f).__name__}; it must return a tensor dA/dt of the "
+                            f"shape of A, {tuple(score.shape)} (..., H, d, d)")
+        ok = True
+        try:
+            ok = tuple(torch.broadcast_shapes(f.shape, score.shape)) == tuple(score.shape)
+        except RuntimeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"the Custom drift returned shape {tuple(f.shape)}; it must return dA/dt of the shape "
+                             f"of A, {tuple(score.shape)} (..., H, d, d) (or a shape that broadcasts to it)")
+        if f.dtype != score.dtype or f.device != score.device:
+            raise TypeError(f"the Custom drift returned {f.dtype} on {f.device}; it must follow A ({score.dtype} on "
+                            f"{score.device}): build it from A, e.g. torch.zeros_like(A)")
+        return f
 
     def sigma(self, t):
         if self._diffusion is None:
             return 0.0
-        return self._diffusion(t) if callable(self._diffusion) else float(self._diffusion)
+        if not callable(self._diffusion):
+            return float(self._diffusion)
+        s = self._diffusion(t)
+        batch = tuple(self.heads0.score_matrix.shape[:-2])
+        if isinstance(s, torch.Tensor):
+            try:
+                torch.broadcast_shapes(s.shape, batch)
+            except RuntimeError:
+                raise ValueError(f"the Custom diffusion returned shape {tuple(s.shape)}; it must return σ as a float "
+                                 f"or a tensor that broadcasts against the heads' shape {batch} (..., H)") from None
+            if s.dim() > len(batch):
+                raise ValueError(f"the Custom diffusion returned shape {tuple(s.shape)}; it must return σ as a float "
+                                 f"or a tensor of at most the heads' shape {batch} (..., H)")
+            return s
+        if isinstance(s, bool) or not isinstance(s, (int, float)):
+            raise TypeError(f"the Custom diffusion returned {type(s).__name__}; it must return σ as a float or a "
+                            f"tensor broadcasting against (..., H) = {batch}")
+        return float(s)
 
 
 @dataclass
@@ -561,11 +608,16 @@ class WeightPath(Process):
 
 
 def sample_path(process: Process, *, t1: float, dt: float, t0: float = 0.0, paths: Optional[int] = None,
-                seed: int = 0, generator=None) -> WeightPath:
+                seed: Optional[int] = None, generator=None, max_steps: Optional[int] = None,
+                max_memory: Optional[float] = None) -> WeightPath:
     """Sample a process on the grid t0, t0 + dt, ..., t1 and store it for replay.
 
     The same path can then be given to :func:`simulate` (same dt) and to :func:`jko`
     (any τ that is a multiple of dt, or linear interpolation in between).
+
+    seed / generator: the random stream (seed None means 0; giving both is refused).
+    max_steps / max_memory: limits checked before anything is sampled (defaults: 10⁷ steps, 3/4
+    of the machine's memory): the path holds (K+1) × paths × H × d² scores, rates and noise.
     """
 
     if not isinstance(process, Process):
@@ -578,11 +630,21 @@ def sample_path(process: Process, *, t1: float, dt: float, t0: float = 0.0, path
     dt = check_positive(dt, "dt")
     if paths is not None:
         paths = check_int(paths, "paths")
-    seed = check_seed(seed)
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    seed = check_seed_generator(seed, generator)
     K = grid_steps(t0, t1, dt)
+    check_limits(f"sample_path on [{t0:.6g}, {t1:.6g}] with dt = {dt:.6g}", steps=K,
+                 memory={"the stored path": path_bytes(process.heads0, K, paths, process.noisy)},
+                 max_steps=max_steps, max_memory=max_memory, device=process.heads0.device,
+                 fix="use fewer paths or a larger dt")
     return WeightDriver(process, paths=paths, generator=generator, seed=seed, t0=t0, dt=dt).sample_path(K)
+
+
+def path_bytes(heads0: Heads, K: int, paths: Optional[int], noisy: bool, batch: int = 1) -> float:
+    """Estimated bytes of a stored weight path of K steps: the scores and rates at K + 1 grid points and
+    the K noise increments, (paths ×) batch × H × d × d each."""
+    A = heads0.score_matrix
+    per = float(A.numel()) * A.element_size() * (paths or 1) * batch
+    return per * ((K + 1) * 2 + (K if noisy else 0))
 
 
 # ---------------------------------------------------------------------------- weights driver

@@ -112,14 +112,14 @@ from typing import Callable, Optional, Union
 import torch
 
 from .. import threads
-from .._validation import (check_choice, check_int, check_positive, check_real, check_same, check_seed,
-                           check_tied_all, check_token_weights, check_tokens, direction_sign)
+from .._validation import (check_choice, check_every, check_int, check_limits, check_positive, check_real, check_same,
+                           check_seed_generator, check_tied_all, check_token_weights, check_tokens, direction_sign)
 from ..attention import softmax_statistics
 from ..energy import choose_log_scale
 from ..field import FieldEval, evaluate, head_token_mean, log_inverse_mobility, token_mean
 from ..mobility import scaled_diagnostics
 from ..heads import Heads
-from ..processes import Process, WeightPath, sample_path
+from ..processes import Process, WeightPath, path_bytes, sample_path
 from ..sphere import circle_grid, fibonacci_sphere, normalize, tangent_projection
 from ..transport import emd_plans, sq_chordal, sinkhorn_divergence
 from .particle import NonFiniteError, Trajectory, nonfinite_error
@@ -158,7 +158,7 @@ def _flatten_heads(h: Heads, batch: tuple, B: int) -> Heads:
     return new
 
 
-def _theta_source(theta, *, t0, t_end, tau, paths, seed, generator, path_dt):
+def _theta_source(theta, *, t0, t_end, tau, paths, seed, generator, path_dt, max_steps=None, max_memory=None):
     """(heads_at(t) callable, WeightPath or None) for Heads / closed-form process / noisy process / stored path
     (theta and path_dt already checked)."""
     if isinstance(theta, Heads):
@@ -181,7 +181,8 @@ def _theta_source(theta, *, t0, t_end, tau, paths, seed, generator, path_dt):
     if abs(ratio - round(ratio)) > 1e-9 * max(1.0, ratio) or round(ratio) < 1:
         raise ValueError(f"path_dt = {dt:.6g} must divide tau = {tau:.6g} (tau / path_dt = {ratio:.6g} is not a whole "
                          f"number); choose path_dt = tau / k")
-    path = sample_path(theta, t1=t_end, dt=dt, t0=t0, paths=paths, seed=seed, generator=generator)
+    path = sample_path(theta, t1=t_end, dt=dt, t0=t0, paths=paths, seed=seed, generator=generator,
+                       max_steps=max_steps, max_memory=max_memory)
     return path.heads_at, path
 
 
@@ -660,6 +661,24 @@ def _check_measure(x0, theta, lagrangian: bool, *, weights, grid, grid_weights, 
     return z, grid_weights
 
 
+def _estimate_memory(state, theta, o, lagrangian: bool) -> dict:
+    """Estimated bytes of the large arrays of a JKO solve (name -> bytes), before any of them exists."""
+    item = state.element_size()
+    h0 = theta if isinstance(theta, Heads) else theta.heads0
+    H, d = h0.num_heads, h0.dim
+    n = state.shape[-2] if lagrangian else o.z.shape[-2]
+    xb = tuple(state.shape[:-2] if lagrangian else state.shape[:-1])
+    B = float(math.prod(xb)) * float(math.prod(tuple(h0.batch_shape)) or 1) * (o.paths or 1)
+    T = o.steps // o.record_every + 2
+    out = {"the recorded measures": T * B * n * (d + 1) * item, "the kernel blocks": B * H * n * n * item * 4,
+           "the transport plans and costs": B * n * n * item * 4}
+    if isinstance(theta, Process) and not isinstance(theta, WeightPath) and not theta.closed_form:
+        dt = o.tau if o.path_dt is None else o.path_dt
+        K = max(1, round(o.steps * o.tau / dt))
+        out["the sampled weight path"] = path_bytes(h0, K, o.paths, theta.noisy)
+    return out
+
+
 def _check_jko_args(x0, theta, **settings) -> SimpleNamespace:
     """Every check of :func:`jko`, before any work: its keyword arguments ``settings``, normalised, with the sign
     of the direction, the grid z and weights q0 (Eulerian; None otherwise), the tolerance and the source of Θ_t
@@ -690,19 +709,19 @@ def _check_jko_args(x0, theta, **settings) -> SimpleNamespace:
                          "use cost='symmetric' (the default)")
     o.eps = check_positive(o.eps, "eps")
     o.t0 = check_real(o.t0, "t0")
-    o.seed = check_seed(o.seed)
+    o.seed = check_seed_generator(o.seed, o.generator)
+    if o.generator is not None:
+        o.seed = None  # the draws come from the generator (sample_path refuses a seed next to it)
     if not isinstance(o.strict, bool):
         raise TypeError(f"strict must be True or False, got {type(o.strict).__name__}")
     o.max_iter = check_int(o.max_iter, "max_iter")
     o.max_plan_updates = check_int(o.max_plan_updates, "max_plan_updates")
-    o.record_every = check_int(o.record_every, "record_every")
+    o.record_every = check_every(o.record_every, "record_every", o.steps, f"steps = {o.steps} of tau = {o.tau:.6g}")
     o.sinkhorn_scaling = check_positive(o.sinkhorn_scaling, "sinkhorn_scaling")
     if not o.sinkhorn_scaling < 1:
         raise ValueError(f"sinkhorn_scaling must lie in (0, 1), got {o.sinkhorn_scaling}")
     if o.paths is not None:
         o.paths = check_int(o.paths, "paths")
-    if o.generator is not None and not isinstance(o.generator, torch.Generator):
-        raise TypeError("generator must be a torch.Generator")
     if not isinstance(theta, (Heads, Process)):
         raise TypeError(f"theta must be a Heads, a Process (OrnsteinUhlenbeck, Oscillating, Layerwise, Custom) or a "
                         f"WeightPath, got {type(theta).__name__}")
@@ -715,8 +734,13 @@ def _check_jko_args(x0, theta, **settings) -> SimpleNamespace:
         o.tol = check_positive(o.tol, "tol")
     if o.path_dt is not None:
         o.path_dt = check_positive(o.path_dt, "path_dt")
+    check_limits(f"jko with {o.steps} steps of tau = {o.tau:.6g}", steps=o.steps,
+                 memory=_estimate_memory(x0 if lagrangian else o.q0, theta, o, lagrangian),
+                 max_steps=o.max_steps, max_memory=o.max_memory, device=(x0 if lagrangian else o.q0).device,
+                 fix="record fewer steps (record_every=), use fewer paths or a coarser path_dt")
     o.heads_at, o.path = _theta_source(theta, t0=o.t0, t_end=o.t0 + o.steps * o.tau, tau=o.tau, paths=o.paths,
-                                       seed=o.seed, generator=o.generator, path_dt=o.path_dt)
+                                       seed=o.seed, generator=o.generator, path_dt=o.path_dt,
+                                       max_steps=o.max_steps, max_memory=o.max_memory)
     return o
 
 
@@ -738,7 +762,7 @@ def jko(
     grid_weights: Optional[torch.Tensor] = None,
     bandwidth: Optional[float] = None,
     paths: Optional[int] = None,
-    seed: int = 0,
+    seed: Optional[int] = None,
     generator: Optional[torch.Generator] = None,
     path_dt: Optional[float] = None,
     tol: Optional[float] = None,
@@ -750,6 +774,8 @@ def jko(
     diagnostics: bool = True,
     progress: bool = False,
     callback: Optional[Callable] = None,
+    max_steps: Optional[int] = None,
+    max_memory: Optional[float] = None,
 ) -> Trajectory:
     """Minimizing-movement (JKO) solution of the transformer PDE (module docstring for the scheme).
 
@@ -777,16 +803,20 @@ def jko(
         weights: token weights (..., n) or None (uniform) (Lagrangian).
         grid: Eulerian grid, tensor (m, d) on the sphere or int m (circle_grid / fibonacci_sphere).
         grid_weights: initial Eulerian weights (..., m) (non-negative, sum 1).  bandwidth: of to_grid.
-        paths, seed, generator, path_dt: Monte-Carlo paths and sampling of noisy processes.
+        paths, seed, generator, path_dt: Monte-Carlo paths and sampling of noisy processes (seed None
+            means 0; giving seed and generator together is refused).
         tol: relative tolerance of the inner solves (default 1e-9 in float64, 1e-4 in float32; with
             transport="sinkhorn" 1e-6 / 1e-4: geomloss' ε-scaling returns potentials, hence
             gradients, that are consistent with its values only to about 1 − sinkhorn_scaling).
         max_iter: inner iterations per solve.  max_plan_updates: emd plan recomputations per step.
         sinkhorn_scaling: geomloss ε-scaling ratio of the Lagrangian sinkhorn transport.
         strict: raise :class:`JKOConvergenceError` instead of warning when a step does not converge.
-        record_every: keep every k-th step (first and last always kept).
+        record_every: keep every k-th step (first and last always kept); at most ``steps``.
         diagnostics: energy, 𝒢², 𝒟 series (the ledger is always kept).
         progress: tqdm progress bar.  callback: called as callback(k, t, state) after every step.
+        max_steps, max_memory: limits checked before any work: the number of steps (default 10⁷)
+            and the estimated bytes of the records, the kernel and transport blocks and a sampled
+            weight path (default 3/4 of the machine's memory); refused above either.
 
     Returns:
         :class:`Trajectory` (the type :func:`simulate` returns), dtype and device of the input:
@@ -817,7 +847,7 @@ def jko(
         mobility=mobility, cost=cost, eps=eps, weights=weights, grid=grid, grid_weights=grid_weights,
         bandwidth=bandwidth, paths=paths, seed=seed, generator=generator, path_dt=path_dt, tol=tol, max_iter=max_iter,
         max_plan_updates=max_plan_updates, sinkhorn_scaling=sinkhorn_scaling, strict=strict,
-        record_every=record_every, diagnostics=diagnostics)
+        record_every=record_every, diagnostics=diagnostics, max_steps=max_steps, max_memory=max_memory)
     start = time.perf_counter()
     run = _JKORun(x0, o)
     with progress_bar(progress, o.steps, f"jko ({scheme}, {o.transport})") as bar, threads.scope(run.work) as pool:

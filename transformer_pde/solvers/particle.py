@@ -24,26 +24,28 @@ from .. import threads
 from .._validation import (
     NORMALIZATIONS,
     check_choice,
+    check_every,
     check_int,
+    check_limits,
     check_positive,
     check_real,
     check_same,
-    check_seed,
+    check_seed_generator,
     check_tied_all,
     check_token_weights,
     check_tokens,
     direction_sign,
 )
-from ..attention import softmax_statistics
-from ..energy import choose_log_scale, pairing
+from ..attention import DEFAULT_CHUNK_ELEMENTS, softmax_statistics
+from ..energy import check_scale_fits, choose_log_scale, pairing
 from ..energy import quadratic_variation as realised_qv_term
 from ..field import FieldEval, evaluate
 from ..mobility import scaled_diagnostics
 from ..heads import Heads
-from ..processes import Constant, Process, WeightDriver, WeightPath, grid_steps
+from ..processes import Constant, Process, WeightDriver, WeightPath, grid_steps, path_bytes
 from ..sphere import normalize
-from .parts import (LEDGER_KEYS, Checkpointer, Ledger, Recorder, Stepper, check_observables, ledger_from_series,
-                    partial_density, process_signature, progress_bar)
+from .parts import (LEDGER_KEYS, Checkpointer, Ledger, Recorder, Stepper, callable_signature, check_observables,
+                    ledger_from_series, partial_density, process_parts, progress_bar)
 
 __all__ = ["simulate", "Trajectory", "ButcherTableau", "TABLEAUX", "METHODS", "NonFiniteError", "LEDGER_KEYS",
            "QUADRATIC_VARIATIONS", "PROGRESS_MIN_WORK"]
@@ -275,13 +277,13 @@ def simulate(
     direction: str = "descent",
     weights: Optional[torch.Tensor] = None,
     paths: Optional[int] = None,
-    seed: int = 0,
+    seed: Optional[int] = None,
     generator: Optional[torch.Generator] = None,
     record_every: int = 1,
     diagnostics: bool = True,
     quadrature: Optional[str] = None,
-    rtol: float = 1e-7,
-    atol: float = 1e-9,
+    rtol: Optional[float] = None,
+    atol: Optional[float] = None,
     adjoint: bool = False,
     return_path: bool = False,
     progress: Optional[bool] = None,
@@ -293,6 +295,8 @@ def simulate(
     observables: Optional[Mapping[str, Callable]] = None,
     quadratic_variation: str = "expected",
     energy_log_scale: Optional[float] = None,
+    max_steps: Optional[int] = None,
+    max_memory: Optional[float] = None,
 ) -> Trajectory:
     """Integrate the token ODE ẋ_i = V[μ_t, Θ_t](x_i) on S^{d-1} from t0 to t1.
 
@@ -308,11 +312,15 @@ def simulate(
         weights: token weights (..., n) or None (uniform).
         paths: number of Monte-Carlo paths of the weights (adds a leading axis to the results).
         seed / generator: the weights' random stream (tokens are not random here; sample x0
-            with your own generator so the two streams stay separate).
-        record_every: keep every k-th step (the first and last times are always kept).
+            with your own generator so the two streams stay separate).  seed=None means 0;
+            giving both is refused (the generator's state would silently decide the draws).
+        record_every: keep every k-th step (the first and last times are always kept); at most
+            the number of steps.
         diagnostics: compute energy, 𝒢², 𝒟 and the ledger (False: tokens only, faster).
         quadrature: "left" (default for euler, the reference code) or "trapezoid" (default
             for the others) for the ledger's time integrals; the martingale is an Itô sum.
+        rtol, atol: the relative and absolute tolerances of method="adaptive" (positive finite
+            floats; default 1e-7 and 1e-9); refused with a fixed-step method, which has none.
         adjoint: with method="adaptive", backpropagate by torchdiffeq's adjoint ODE
             (``odeint_adjoint``: memory independent of the number of steps, for long horizons)
             instead of through the solver's operations; gradients reach x0, the head tensors, β,
@@ -324,7 +332,12 @@ def simulate(
             steps · stages · paths · H · n² ≥ :data:`PROGRESS_MIN_WORK`.
         chunk_elements: memory cap of one score block (see :mod:`transformer_pde.attention`).
         checkpoint: file to checkpoint to (atomically, every ``checkpoint_every`` steps) and to
-            resume from if it exists and matches this run; a foreign or corrupt file is refused.
+            resume from if it exists and matches this run; a foreign, corrupt or non-finite file
+            is refused.  The match covers every input that changes the numbers: x0 (values, dtype),
+            the device, the weight process (heads, parameters, and callables such as a Custom
+            drift by qualified name and source hash, or its ``tag``), the generator's state at the
+            start, the grid, the options and the observables (by name and source); a mismatch
+            names what differs.  The callback is not covered: it must not change x in place.
         callback: called as callback(k, t, x) after every step (e.g. for early stopping hooks).
         causal: token i attends only to tokens j ≤ i (:func:`transformer_pde.evaluate`); not with
             "effective".  The energy, 𝒢², 𝒟 stay those of the whole measure, but the flow is no
@@ -345,7 +358,12 @@ def simulate(
             :func:`transformer_pde.energy.choose_log_scale` (0 unless the largest log-partition
             exceeds half the dtype's exponent range, i.e. β‖A‖ ≳ 44 in float32, ≳ 354 in float64),
             so ordinary runs record the values themselves.  Stored in
-            ``traj.stats["energy_log_scale"]``.
+            ``traj.stats["energy_log_scale"]``.  A given c so large that the values underflow at
+            t0 (:func:`transformer_pde.energy.check_scale_fits`) is refused, with the value that fits.
+        max_steps, max_memory: limits checked before any allocation: the number of steps (default
+            10⁷) and the estimated memory of the trajectory, the kernel blocks and a stored weight
+            path in bytes (default 3/4 of the machine's memory, the GPU's for CUDA tensors; inf: none); a run
+            above either is refused with the estimate and the fix.
 
     Returns:
         :class:`Trajectory`.  dtype and device follow x0; the solve is differentiable with
@@ -375,7 +393,10 @@ def simulate(
         weights=weights, paths=paths, seed=seed, generator=generator, record_every=record_every,
         quadrature=quadrature, adjoint=adjoint, progress=progress, checkpoint=checkpoint,
         checkpoint_every=checkpoint_every, causal=causal, observables=observables,
-        quadratic_variation=quadratic_variation, energy_log_scale=energy_log_scale)
+        quadratic_variation=quadratic_variation, energy_log_scale=energy_log_scale, rtol=rtol, atol=atol,
+        diagnostics=diagnostics, return_path=return_path, chunk_elements=chunk_elements, max_steps=max_steps,
+        max_memory=max_memory)
+    rtol, atol = (1e-7 if rtol is None else rtol), (1e-9 if atol is None else atol)
     realised = quadratic_variation == "realised"
     start = time.perf_counter()
     x = x0 if paths is None else x0.unsqueeze(0).expand(paths, *x0.shape)
@@ -386,6 +407,10 @@ def simulate(
     ev = _Evaluator(weights, normalization=normalization, sign=sign, noisy=process.noisy, causal=causal,
                     chunk_elements=chunk_elements, energy_log_scale=energy_log_scale)
     scale, fix_scale = ev.scale, ev.fix_scale
+    if energy_log_scale is not None and diagnostics:  # the values at t0 must not underflow at the given scale
+        with torch.no_grad():
+            lp0 = softmax_statistics(x, drv.current, weights, chunk_elements=chunk_elements).log_partition
+        check_scale_fits(lp0, energy_log_scale)
     work = float(math.prod(x.shape[:-2])) * process.heads0.num_heads * x.shape[-2] ** 2
     common = dict(K=K, dt=dt, record_every=record_every, diagnostics=diagnostics, sign=sign, causal=causal,
                   realised=realised, obs=obs, weights=weights, normalization=normalization)
@@ -401,9 +426,9 @@ def simulate(
     extra = ([("causal", True)] if causal else []) + ([("quadratic_variation", "realised")] if realised else []) \
         + ([("energy_log_scale", energy_log_scale)] if energy_log_scale is not None else []) \
         + ([("observables", tuple(sorted(obs)))] if obs else [])
-    ckpt = Checkpointer(checkpoint, checkpoint_every, K, lambda: (
-        x0, *process_signature(process), t0, t1, dt, method, normalization, direction, paths, seed, record_every,
-        quadrature, diagnostics, weights, *extra))
+    ckpt = Checkpointer(checkpoint, checkpoint_every, K, lambda: _fingerprint_parts(
+        x0, process, generator, obs, t0, t1, dt, method, normalization, direction, paths, seed, record_every,
+        quadrature, diagnostics, weights, extra))
     run = _FixedStepRun(x, drv, ev, fix_scale, scale, method=method, quadrature=quadrature, ckpt=ckpt, **common)
     run.start()
     with threads.scope(work) as pool:
@@ -417,9 +442,65 @@ def simulate(
                       observables=observed)
 
 
+def _fingerprint_parts(x0, process, generator, obs, t0, t1, dt, method, normalization, direction, paths, seed,
+                       record_every, quadrature, diagnostics, weights, extra):
+    """The checkpoint fingerprint's (label, values) pairs: the values in the order of the fingerprints of
+    earlier versions (so ordinary checkpoints written before the labels still resume), then the inputs
+    covered since: the device (when not the CPU), the generator's state, the observables' callables."""
+    parts = [("x0 (values, shape, dtype)", [x0]), *process_parts(process)]
+    for label, v in (("t0", t0), ("t1", t1), ("dt", dt), ("method", method), ("normalization", normalization),
+                     ("direction", direction), ("paths", paths), ("seed", seed), ("record_every", record_every),
+                     ("quadrature", quadrature), ("diagnostics", diagnostics)):
+        parts.append((label, [v]))
+    parts.append(("weights", [weights]))
+    for key, v in extra:
+        parts.append((key, [(key, v)]))
+    if x0.device.type != "cpu":
+        parts.append(("device", [str(x0.device)]))
+    if generator is not None:
+        parts.append(("generator (its state at the start)", [generator.get_state()]))
+    for name, fn in obs.items():
+        parts.append((f"observables[{name!r}]", callable_signature(fn, f"observables[{name!r}]")))
+    return parts
+
+
+def _estimate_memory(x0, process, *, K, record_every, paths, method, diagnostics, return_path, chunk_elements, noisy,
+                     obs):
+    """Estimated bytes of the large arrays of a solve (name -> bytes), before any of them exists."""
+    item = x0.element_size()
+    n, d = x0.shape[-2], x0.shape[-1]
+    h0 = process.heads0
+    H = h0.num_heads
+    hb = tuple(process.scores.shape[1:-3]) if isinstance(process, WeightPath) else tuple(h0.batch_shape)
+    try:
+        batch = tuple(torch.broadcast_shapes(tuple(x0.shape[:-2]), hb))
+    except RuntimeError:
+        batch = tuple(x0.shape[:-2])
+    B = float(math.prod(batch)) * (paths or 1)
+    T = K // record_every + 2
+    out = {"the recorded tokens": T * B * n * d * item}
+    if diagnostics:
+        out["the recorded energy, 𝒢², 𝒟 and ledger"] = T * B * 10 * item
+    if obs:
+        out["the observables"] = T * B * d * len(obs) * item
+    block = B * H * n * n
+    cap = chunk_elements if chunk_elements is not None else DEFAULT_CHUNK_ELEMENTS
+    out["the kernel blocks"] = min(block, max(cap, B * H * n)) * item * 4
+    stages = 7 if method == "adaptive" else TABLEAUX[method].stages
+    out["the field and its stages"] = B * H * n * (d * d if noisy else d) * item * 2 + (stages + 2) * B * n * d * item
+    stored = return_path or (method == "adaptive" and not process.closed_form and not isinstance(process, WeightPath))
+    if stored or not process.closed_form and not isinstance(process, WeightPath):
+        b_heads = float(math.prod(batch)) if hb else 1.0
+        out["the weight path"] = path_bytes(h0, K if stored else 1, paths, noisy, batch=b_heads)
+    if method == "adaptive":
+        out["the adaptive solution on the record grid"] = T * B * n * d * item * 2
+    return out
+
+
 def _check_simulate_args(x0, theta, *, t1, dt, t0, method, normalization, direction, weights, paths, seed, generator,
                          record_every, quadrature, adjoint, progress, checkpoint, checkpoint_every, causal,
-                         observables, quadratic_variation, energy_log_scale):
+                         observables, quadratic_variation, energy_log_scale, rtol=None, atol=None, diagnostics=True,
+                         return_path=False, chunk_elements=None, max_steps=None, max_memory=None):
     """Every check of :func:`simulate`, before any work; returns the arguments it normalises."""
     check_tokens(x0, "x0")
     check_choice(method, METHODS, "method")
@@ -429,11 +510,19 @@ def _check_simulate_args(x0, theta, *, t1, dt, t0, method, normalization, direct
     t1 = check_real(t1, "t1")
     t0 = check_real(t0, "t0")
     K = grid_steps(t0, t1, dt)
-    record_every = check_int(record_every, "record_every")
+    record_every = check_every(record_every, "record_every", K,
+                               f"t0 = {t0:.6g} to t1 = {t1:.6g} in steps dt = {dt:.6g}")
     checkpoint_every = check_int(checkpoint_every, "checkpoint_every")
     if paths is not None:
         paths = check_int(paths, "paths")
-    seed = check_seed(seed)
+    seed = check_seed_generator(seed, generator)
+    if method == "adaptive":
+        rtol = 1e-7 if rtol is None else check_positive(rtol, "rtol")
+        atol = 1e-9 if atol is None else check_positive(atol, "atol")
+    elif rtol is not None or atol is not None:
+        given = ", ".join(f"{k}={v!r}" for k, v in (("rtol", rtol), ("atol", atol)) if v is not None)
+        raise ValueError(f"{given}: rtol and atol are the tolerances of method='adaptive'; the fixed-step method "
+                         f"{method!r} has none (its error is set by dt): drop them, or use method='adaptive'")
     if quadrature is None:
         quadrature = "left" if method == "euler" else "trapezoid"
     check_choice(quadrature, ("left", "trapezoid"), "quadrature")
@@ -480,8 +569,6 @@ def _check_simulate_args(x0, theta, *, t1, dt, t0, method, normalization, direct
     if paths is not None and bh and bh != bx:
         raise ValueError(f"with paths=, the heads' batch shape {bh} must be empty or equal to x0's batch shape {bx}")
     check_token_weights(weights, x0, "weights", "x0")
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError("generator must be a torch.Generator")
     if not isinstance(adjoint, bool):
         raise TypeError(f"adjoint must be True or False, got {type(adjoint).__name__}")
     if adjoint and method != "adaptive":
@@ -489,6 +576,12 @@ def _check_simulate_args(x0, theta, *, t1, dt, t0, method, normalization, direct
                          f"The fixed-step methods backpropagate through their steps: use adjoint=False")
     if method == "adaptive" and checkpoint is not None:
         raise ValueError("checkpointing is supported for the fixed-step methods; use euler, heun or rk4")
+    check_limits(f"simulate from t0 = {t0:.6g} to t1 = {t1:.6g} with dt = {dt:.6g}", steps=K,
+                 memory=_estimate_memory(x0, process, K=K, record_every=record_every, paths=paths, method=method,
+                                         diagnostics=diagnostics, return_path=return_path,
+                                         chunk_elements=chunk_elements, noisy=process.noisy, obs=obs),
+                 max_steps=max_steps, max_memory=max_memory, device=x0.device,
+                 fix="record fewer steps (record_every=), use fewer paths, a larger dt or chunk_elements=")
 
     return (process, sign, t0, t1, dt, K, record_every, checkpoint_every, paths, seed, quadrature, obs,
             energy_log_scale)

@@ -29,7 +29,8 @@ from ..sphere import normalize
 
 __all__: List[str] = []
 __internal__ = ["Stepper", "Ledger", "ledger_terms", "ledger_from_series", "partial_density", "Recorder",
-                "check_observables", "observe", "Checkpointer", "process_signature", "progress_bar", "LEDGER_KEYS"]
+                "check_observables", "observe", "Checkpointer", "process_signature", "process_parts",
+                "callable_signature", "progress_bar", "LEDGER_KEYS"]
 
 LEDGER_KEYS = ("dE", "partial", "dissipation", "slope", "martingale", "residual", "residual_slope")
 
@@ -228,12 +229,105 @@ def _fingerprint(*parts) -> str:
     return h.hexdigest()[:16]
 
 
-def process_signature(process) -> list:
-    """Everything that defines a process (type, scheme, rates, σ, means, phases, heads and β), flattened
-    for the checkpoint fingerprint, so a checkpoint of a run with other weights is refused."""
-    out = [type(process).__name__]
+def _code_digest(code, h) -> None:
+    """Feed a code object into the hash: its bytecode, names and constants (nested code objects
+    recursively; their repr would carry an address)."""
+    h.update(code.co_code)
+    h.update(repr((code.co_names, code.co_varnames, code.co_freevars)).encode())
+    for c in code.co_consts:
+        if hasattr(c, "co_code"):
+            _code_digest(c, h)
+        else:
+            h.update(repr(c).encode())
 
-    def add(v, depth=0):
+
+def callable_signature(fn, what: str, tag: Optional[str] = None, depth: int = 0) -> list:
+    """What defines a callable that changes the numbers of a run (a Custom drift or diffusion, an
+    observable), for the checkpoint fingerprint: its qualified name, a hash of its source
+    (``inspect.getsource``) and bytecode, the values its closure cells, defaults and the module
+    globals it reads hold (numbers, strings, tensors; other objects by type), and ``tag`` if given.
+
+    A callable whose source cannot be read (defined in ``python -c`` or an ``exec`` string) needs an
+    explicit ``tag``: ValueError otherwise.  Built-in functions count by their qualified name.
+    Globals that are objects (not numbers, strings or tensors) are seen by their type only: give a
+    ``tag`` that changes with them."""
+    import functools
+    import inspect
+
+    out = [f"{what}:", f"{getattr(fn, '__module__', None)}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"]
+    if tag is not None:
+        out.append(f"tag={tag!r}")
+    if depth > 3:
+        return out
+    if isinstance(fn, functools.partial):
+        out += callable_signature(fn.func, what, None, depth + 1)
+        out += [_value_signature(a, depth + 1) for a in fn.args]
+        out += [(k, _value_signature(v, depth + 1)) for k, v in sorted(fn.keywords.items())]
+        return out
+    if inspect.isbuiltin(fn) or inspect.isroutine(fn) and not hasattr(fn, "__code__") and not inspect.ismethod(fn):
+        return out  # a C function: its qualified name is its identity
+    target = fn.__func__ if inspect.ismethod(fn) else fn
+    if not inspect.isfunction(target):  # a callable object: its class's source and its attributes
+        out += callable_signature(type(fn).__call__, what, None, depth + 1)
+        out += [(k, _value_signature(v, depth + 1)) for k, v in sorted(vars(fn).items())] if hasattr(fn, "__dict__") \
+            else []
+        return out
+    h = hashlib.sha256()
+    try:
+        h.update(inspect.getsource(target).encode())
+    except (OSError, TypeError):
+        if tag is None:
+            raise ValueError(
+                f"{what} ({out[1]}) has no readable source (defined in `python -c` or exec?), so a checkpoint "
+                f"cannot tell it from another function of the same name: "
+                + ("give the process a tag that changes with the function (Custom(..., tag='drift-v2')), "
+                   if what.startswith("theta") else "")
+                + "define it in a file, or run without checkpoint=") from None
+    _code_digest(target.__code__, h)
+    out.append(h.hexdigest()[:16])
+    for cell in target.__closure__ or ():
+        try:
+            out.append(_value_signature(cell.cell_contents, depth + 1))
+        except ValueError:  # an empty cell
+            out.append("<empty cell>")
+    out += [_value_signature(v, depth + 1) for v in (target.__defaults__ or ())]
+    out += [(k, _value_signature(v, depth + 1)) for k, v in sorted((target.__kwdefaults__ or {}).items())]
+    g = getattr(target, "__globals__", {})
+    for name in target.__code__.co_names:
+        if name in g and isinstance(g[name], (int, float, complex, str, bool, torch.Tensor)):
+            out.append((name, _value_signature(g[name], depth + 1)))
+    return out
+
+
+def _value_signature(v, depth: int = 0):
+    """A value in a fingerprint: tensors as they are (hashed by bytes), numbers and strings by repr, Heads by
+    their tensors, containers by their items, callables by :func:`callable_signature`, other objects by type."""
+    if isinstance(v, torch.Tensor):
+        return v
+    if isinstance(v, (int, float, complex, str, bool)) or v is None:
+        return repr(v)
+    if isinstance(v, Heads):
+        return [t for t in (v.score, v.value, v.weights, v.query, v.key) if t is not None] + [
+            v.beta if isinstance(v.beta, torch.Tensor) else repr(v.beta)]
+    if depth > 4:
+        return type(v).__qualname__
+    if isinstance(v, (list, tuple)):
+        return [_value_signature(u, depth + 1) for u in v]
+    if isinstance(v, dict):
+        return [(repr(k), _value_signature(u, depth + 1)) for k, u in v.items()]
+    if callable(v):
+        return callable_signature(v, "a callable", None, depth + 1)
+    return type(v).__qualname__
+
+
+def process_parts(process) -> List[tuple]:
+    """(label, values) for each attribute of a process (type, scheme, rates, σ, means, phases, heads and β,
+    and its callables by :func:`callable_signature`), for the checkpoint fingerprint: a checkpoint of a
+    run with other weights is refused, naming the attribute that differs."""
+    parts = [("theta (the type of the weight process)", [type(process).__name__])]
+    tag = getattr(process, "tag", None)
+
+    def add(v, out, key, depth=0):
         if isinstance(v, torch.Tensor):
             out.append(v)
         elif isinstance(v, Heads):
@@ -245,26 +339,68 @@ def process_signature(process) -> list:
             out.append(repr(v))
         elif isinstance(v, (list, tuple)) and depth < 2:
             for u in v:
-                add(u, depth + 1)
+                add(u, out, key, depth + 1)
+        elif callable(v):
+            out.extend(callable_signature(v, f"theta's {key.lstrip('_')}", tag))
         else:
             out.append(type(v).__name__)
 
     for key in sorted(vars(process)):
-        out.append(key)
-        add(vars(process)[key])
-    return out
+        vals = [key]
+        add(vars(process)[key], vals, key)
+        parts.append((f"theta.{key.lstrip('_')}", vals))
+    return parts
+
+
+def process_signature(process) -> list:
+    """Everything that defines a process, flattened (:func:`process_parts` without the labels)."""
+    return [v for _, vals in process_parts(process) for v in vals]
+
+
+def _all_finite(o, depth=0) -> bool:
+    if isinstance(o, torch.Tensor):
+        return not o.is_floating_point() or bool(torch.isfinite(o).all())
+    if depth > 4:
+        return True
+    if isinstance(o, dict):
+        return all(_all_finite(v, depth + 1) for v in o.values())
+    if isinstance(o, (list, tuple)):
+        return all(_all_finite(v, depth + 1) for v in o)
+    if isinstance(o, float):
+        return o == o and abs(o) != float("inf")
+    return True
 
 
 class Checkpointer:
     """Atomic checkpoints of a fixed-step solve every ``every`` steps; resumes a matching file and
-    refuses a foreign, corrupt or other-run one (ValueError).  path=None: does nothing."""
+    refuses a foreign, corrupt, non-finite or other-run one (ValueError).  path=None: does nothing.
+
+    ``fingerprint_parts()`` gives the run's inputs, either as a flat sequence of values or as
+    (label, values) pairs; the fingerprint hashes the values in order (so the fingerprints of
+    checkpoints written before the labels existed are unchanged), and each label's own digest is
+    saved too, so that a mismatch names what differs."""
 
     KIND = "transformer_pde.simulate"
 
     def __init__(self, path, every: int, K: int, fingerprint_parts: Callable[[], Sequence]):
         self.path = None if path is None else Path(path)
         self.every, self.K = every, K
-        self.fingerprint = None if self.path is None else _fingerprint(*fingerprint_parts())
+        self.fingerprint, self.labelled = None, {}
+        if self.path is not None:
+            parts = list(fingerprint_parts())
+            if parts and all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in parts):
+                self.fingerprint = _fingerprint(*[v for _, vals in parts for v in vals])
+                self.labelled = {label: _fingerprint(*vals) for label, vals in parts}
+            else:
+                self.fingerprint = _fingerprint(*parts)
+
+    def _what_differs(self, ck) -> str:
+        theirs = ck.get("fingerprint_parts")
+        if not isinstance(theirs, dict) or not self.labelled:
+            return "config fingerprint {} != {}".format(ck.get("fingerprint"), self.fingerprint)
+        diff = [label for label in self.labelled if theirs.get(label) != self.labelled[label]]
+        diff += [label for label in theirs if label not in self.labelled]
+        return "these inputs differ: " + ", ".join(diff) if diff else "config fingerprint differs"
 
     def load(self, device) -> Optional[dict]:
         """The saved state of this run, or None when there is none."""
@@ -278,17 +414,38 @@ class Checkpointer:
         if not isinstance(ck, dict) or ck.get("kind") != self.KIND:
             raise ValueError(f"{self.path} is not a transformer_pde simulate checkpoint; delete it or choose another path")
         if ck.get("fingerprint") != self.fingerprint:
-            raise ValueError(f"checkpoint {self.path} belongs to a different run (config fingerprint "
-                             f"{ck.get('fingerprint')} != {self.fingerprint}); delete it or use another path")
+            raise ValueError(f"checkpoint {self.path} belongs to a different run ({self._what_differs(ck)}); "
+                             f"delete it or use another path")
+        # what the solver checks finite at every step: the tokens, Θ, the recorded series and the ledger sums
+        # (not the observables, which may be NaN by definition, nor the scale's bookkeeping)
+        records = ck.get("records") if isinstance(ck.get("records"), dict) else {}
+        checked = {"x": ck.get("x"), "driver": (ck.get("driver") or {}).get("A") if isinstance(ck.get("driver"), dict)
+                   else None, "acc": ck.get("acc"), "records": {k: v for k, v in records.items()
+                                                                if not k.startswith("obs.")}}
+        if not _all_finite(checked):
+            raise ValueError(f"checkpoint {self.path} holds NaN or inf (tokens, weights, records or ledger): it cannot "
+                             f"come from a finished step of this run; delete it to start afresh")
         return ck
 
     def after_step(self, k: int, state: Callable[[], dict]):
-        """Save state() after step k when k is a multiple of ``every`` (and not the last step)."""
+        """Save state() after step k when k is a multiple of ``every`` (and not the last step).
+
+        The file is written to a fresh temporary file next to it (created exclusively: never through
+        a link or into a file that is there already) and moved into place with os.replace."""
         if self.path is None or k % self.every != 0 or k >= self.K:
             return
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        torch.save({"kind": self.KIND, "fingerprint": self.fingerprint, "k": k, **state()}, tmp)
-        os.replace(tmp, self.path)
+        import tempfile
+
+        fd, tmp = tempfile.mkstemp(prefix=self.path.name + ".", suffix=".tmp", dir=self.path.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                torch.save({"kind": self.KIND, "fingerprint": self.fingerprint, "fingerprint_parts": self.labelled,
+                            "k": k, **state()}, f)
+            os.replace(tmp, self.path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)  # the temporary file this call created
+            raise
 
 
 # ---------------------------------------------------------------------------- progress

@@ -8,9 +8,10 @@ import pytest
 
 from transformer_pde import sweep
 
-# a run of a few milliseconds and no figures: 6 tokens, one head, OU only, four Euler steps, one path
+# a run of a few milliseconds and no figures: 6 tokens, one head, OU only, four Euler steps (each recorded), one path
 TINY = {"kind": "causal_clustering", "name": "tiny",
-        "params": {"n": 6, "heads": 1, "t1": 0.4, "dt": 0.1, "paths": 1, "regimes": ["ou"], "figures": False}}
+        "params": {"n": 6, "heads": 1, "t1": 0.4, "dt": 0.1, "paths": 1, "regimes": ["ou"], "figures": False,
+                   "record_every": 1}}
 M = "ou_causal.mean_overlap_final"  # a continuous metric of every point
 
 
@@ -111,7 +112,7 @@ def test_cli_subcommand(tmp_path, capsys):
     sweep.add_parser(sub)
     cfg = tmp_path / "tiny.toml"
     cfg.write_text('kind = "causal_clustering"\n[params]\nn = 6\nheads = 1\nt1 = 0.4\ndt = 0.1\npaths = 1\n'
-                   'regimes = ["ou"]\nfigures = false\n')
+                   'regimes = ["ou"]\nfigures = false\nrecord_every = 1\n')
     args = parser.parse_args(["sweep", str(cfg), "-s", "seed=[0,1]", "-o", "n=5", "--out", str(tmp_path),
                               "--no-progress", "--metric", M, "--no-figure"])
     assert args.fn(args) == 0

@@ -353,7 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(fn=_cmd_demo, name="demo")
     from .sweep import add_parser as _add_sweep
 
-    _add_sweep(sub, parents=[common])
+    limits = argparse.ArgumentParser(add_help=False)
+    limit_options(limits)
+    _add_sweep(sub, parents=[common, limits])
     return p
 
 

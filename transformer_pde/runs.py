@@ -62,7 +62,7 @@ __all__ = ["RunDir", "load_config", "parse_override", "execute", "plan", "packag
            "check_resources", "parse_size", "memory_limit", "DEFAULT_MAX_STEPS", "failed_run_dir"]
 
 # shared with sweep (named internal API)
-__internal__ = ["write_csv", "write_figure", "check_out_dir", "check_no_links"]
+__internal__ = ["write_csv", "write_figure", "check_out_dir", "check_no_links", "DirLock", "sigterm_as_interrupt"]
 
 logger = logging.getLogger(__name__)
 
@@ -835,6 +835,10 @@ def _sigterm_as_interrupt():
         yield
     finally:
         signal.signal(signal.SIGTERM, old)
+
+
+DirLock = _RunLock  # the sweep directory's lock (sweep.py)
+sigterm_as_interrupt = _sigterm_as_interrupt
 
 
 def execute(source, *, overrides: Iterable[str] = (), out_dir="runs", name: Optional[str] = None,

@@ -602,12 +602,16 @@ def _check_existing(run_path: Path, cfg, *, resume: bool, overwrite: bool, repla
 
     A resume (and a "fresh" reuse) is refused when the directory holds a link (:func:`check_no_links`); under the
     lock (``check_lock=False``) the stored pieces are also checked (:func:`_check_stored`)."""
-    marker = _read_marker(run_path) if run_path.is_dir() and not run_path.is_symlink() else None
-    if marker is None:
-        raise _not_ours(run_path)
-    locked, pid = _lock_holder(run_path) if check_lock else (False, None)
+    real_dir = run_path.is_dir() and not run_path.is_symlink()
+    marker = _read_marker(run_path) if real_dir else None
+    if marker is None and real_dir and check_lock:  # perhaps a run creating it right now
+        _wait_for_creator(run_path)
+        marker = _read_marker(run_path)
+    locked, pid = _lock_holder(run_path) if check_lock and real_dir else (False, None)
     if locked:
         raise RunLockedError(run_path, pid)
+    if marker is None:
+        raise _not_ours(run_path)
     if not os.access(run_path, os.W_OK | os.X_OK):
         raise ValueError(f"run directory {run_path} is not writable (permission denied); choose another --out")
     cfg_file = run_path / "config.json"
@@ -808,11 +812,14 @@ def _remove_empty(folders) -> None:
 
 
 def _wait_for_creator(run_path: Path, timeout: float = 2.0) -> None:
-    """A directory that appeared after :func:`plan` and is still empty is being created by a concurrent run
-    (it makes the folder, then takes its lock): wait briefly for that lock so the refusal names the live run."""
+    """A folder holding nothing (or only an unlocked lock file) may be being created by a concurrent run (it
+    makes the folder, then takes its lock, then writes its marker): wait up to ``timeout`` seconds for that lock
+    or marker, so that the refusal names the live run instead of calling the folder foreign."""
     deadline = time.monotonic() + timeout
     with contextlib.suppress(OSError):
-        while not any(os.scandir(run_path)) and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            if {e.name for e in os.scandir(run_path)} - {LOCK_FILE} or _lock_holder(run_path)[0]:
+                return
             time.sleep(0.01)
 
 

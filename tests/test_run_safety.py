@@ -775,7 +775,7 @@ def test_resource_limits_are_raised_and_lowered_by_flags(tmp_path, capsys, monke
         with pytest.raises(ValueError, match="not a size"):
             parse_size(bad)
     cfg = load_config("experiments/ou_vs_oscillating_quick.toml", ["dt=1e-10"])
-    est = check_resources(cfg, max_steps=10**12)  # raised: accepted
+    est = check_resources(cfg, max_steps=10**12, max_memory="100T")  # raised: accepted
     assert est["steps"] == pytest.approx(6 * 6.0 / 1e-10, rel=1e-6)  # 2 regimes x 3 head counts x t1/dt
     out = tmp_path / "out"
     for extra, needle in ((["--max-memory", "1K"], "--max-memory"), (["--max-steps", "10"], "--max-steps")):

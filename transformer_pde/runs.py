@@ -474,16 +474,16 @@ def check_resources(cfg: Dict[str, Any], *, max_memory=None, max_steps=None) -> 
         raise ValueError(f"max_steps must be an integer >= 1, got {step_lim!r}")
     name = cfg.get("name", cfg["kind"])
     mem, steps = float(est["memory"]), float(est["steps"])
+    if not math.isfinite(steps) or steps > step_lim:
+        raise ValueError(f"run {name!r} would take about {steps:.3g} solver steps ({est['detail']}), above the limit "
+                         f"{step_lim:.3g} (--max-steps); raise dt or lower t1, or pass --max-steps "
+                         f"{int(steps) + 1 if math.isfinite(steps) else 'N'} to run it anyway")
     if not math.isfinite(mem) or mem > mem_lim:
         what = "the physical memory of this machine" if max_memory is None else "--max-memory"
         raise ValueError(f"run {name!r} would need about {_fmt_bytes(mem) if math.isfinite(mem) else 'unbounded'} of "
                          f"memory ({est['detail']}), above the limit {_fmt_bytes(mem_lim)} ({what}); lower n, paths, "
                          f"heads or the number of records (raise record_every), or pass --max-memory "
                          f"{_fmt_bytes(mem * 1.25) if math.isfinite(mem) else 'SIZE'} to run it anyway")
-    if not math.isfinite(steps) or steps > step_lim:
-        raise ValueError(f"run {name!r} would take about {steps:.3g} solver steps ({est['detail']}), above the limit "
-                         f"{step_lim:.3g} (--max-steps); raise dt or lower t1, or pass --max-steps "
-                         f"{int(steps) + 1 if math.isfinite(steps) else 'N'} to run it anyway")
     return est
 
 

@@ -372,6 +372,9 @@ def main(argv=None) -> int:
     except FloatingPointError as e:  # NonFiniteError: the run blew up (time, step and quantity in the message)
         print(f"transformer-pde: the run produced NaN/inf: {e}", file=sys.stderr)
         return 3
+    except ImportError as e:  # an optional dependency a command needs (e.g. dask for sweep --scheduler)
+        print(f"transformer-pde: error: {e}", file=sys.stderr)
+        return 2
     except (ValueError, TypeError, OSError) as e:  # refused before anything ran: 2; failed during a run: 1
         run_dir = failed_run_dir(e)
         if run_dir is not None or isinstance(e, OSError):

@@ -120,6 +120,10 @@ def _run_point(cfg: dict, out_dir: str, name: str, threads: Optional[int]) -> Di
     try:
         # resume=True: continues an interrupted point, starts a missing one (runs.execute)
         execute(cfg, out_dir=out_dir, name=name, resume=True, progress=False)
+    except KeyboardInterrupt as e:
+        if _IN_WORKER:  # a pool worker stopped by the sweep (or by its parent's death): the point is checkpointed
+            os._exit(128 + getattr(e, "signum", 2))
+        raise
     except Exception as e:  # recorded; the other points go on
         return {"point": name, "state": "failed", "error": f"{type(e).__name__}: {e}",
                 "wall_time_s": time.perf_counter() - t0}
@@ -146,12 +150,18 @@ def _check_int(v, name, minimum=1):
 DEFAULT_MAX_POINTS = 10_000  # grid points of one sweep without max_points= / --max-points
 
 
+_IN_WORKER = False  # True in a sweep's pool worker (set by _parent_watch)
+
+
 def _parent_watch(parent_pid: int, interval: float = 0.5, grace: float = 20.0) -> None:
     """Worker initializer: a daemon thread that ends this worker when the sweep process that started it is gone
     (killed with SIGKILL: no chance to stop its workers).  The worker first gets SIGTERM (its point checkpoints
     and says "interrupted", its lock is released), and is ended outright ``grace`` seconds later."""
     import signal
     import threading
+
+    global _IN_WORKER
+    _IN_WORKER = True
 
     def watch():
         while os.getppid() == parent_pid:

@@ -590,7 +590,7 @@ def _check_stored(run_path: Path) -> None:
                 raise ValueError(f"cannot resume {run_path}: the {what} {f} is corrupted or unreadable "
                                  f"({type(e).__name__}); delete it to recompute that part of the run") from None
             segment = isinstance(obj, dict) and str(obj.get("kind", "")).endswith((".segment", ".simulate"))
-            bad = nonfinite_keys(obj) if segment else []
+            bad = nonfinite_keys(obj, skip=("timing", "scale")) if segment else []  # scale: ±inf/NaN sentinels
             if bad:
                 raise ValueError(f"cannot resume {run_path}: the {what} {f} holds NaN/inf in '{bad[0]}' (a damaged "
                                  f"file: stored pieces are always finite); delete it to recompute that part of the run")

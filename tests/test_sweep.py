@@ -214,7 +214,8 @@ class _Sweep:
     def __init__(self, tmp: Path, *extra):
         (tmp / "long.toml").write_text(LONG_TOML)
         self.dir = tmp / "out" / "long_sweep"
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        env = dict(os.environ, OMP_NUM_THREADS="1",
+                   PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "transformer_pde.cli", "sweep", str(tmp / "long.toml"), "-s", "seed=[0, 1]",
              "--workers", "2", "--threads", "1", "--out", str(tmp / "out"), "--no-progress", "--no-figure", *extra],

@@ -589,6 +589,9 @@ def _check_stored(run_path: Path) -> None:
             except Exception as e:
                 raise ValueError(f"cannot resume {run_path}: the {what} {f} is corrupted or unreadable "
                                  f"({type(e).__name__}); delete it to recompute that part of the run") from None
+            if sub == "checkpoints" and not (isinstance(obj, dict) and obj.get("kind") == "transformer_pde.simulate"):
+                raise ValueError(f"cannot resume {run_path}: {f} is not a transformer_pde simulate checkpoint; delete "
+                                 f"it to recompute that part of the run")
             segment = isinstance(obj, dict) and str(obj.get("kind", "")).endswith((".segment", ".simulate"))
             bad = nonfinite_keys(obj, skip=("timing", "scale")) if segment else []  # scale: ±inf/NaN sentinels
             if bad:
@@ -656,7 +659,8 @@ class _RunLock:
         try:
             fd = os.open(self.path, flags, 0o644)
         except OSError as e:  # a symlink (ELOOP) or another non-file in place of the lock
-            raise ValueError(f"{self.path} is not a plain lock file ({e.strerror or e}); remove it and run again") from None
+            raise ValueError(f"{self.path} is not a plain lock file ({e.strerror or e}); remove it and run "
+                             f"again") from None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:

@@ -28,7 +28,8 @@ __all__ = ["Option", "Study", "study", "get_study", "available", "validate_param
 # what the study modules share (named internal API): option checks and options, run set-up, stored pieces, figures
 __internal__ = ["positive", "nonnegative", "at_least", "open_unit", "unique_nonempty", "DTYPE", "DEVICE",
                 "check_whole_steps", "check_device", "device_of", "weight_process", "step_callback", "cached",
-                "fingerprint", "load_segment", "segment_bar", "check_record_every", "nonfinite_keys", "subplots", "save_captioned", "panel", "log_ticks",
+                "fingerprint", "load_segment", "segment_bar", "check_record_every", "nonfinite_keys", "subplots",
+                "save_captioned", "panel", "log_ticks",
                 "sphere_name"]
 
 SEED_MAX = 2**32 - 1

@@ -27,7 +27,8 @@ import torch
 
 import transformer_pde as tp
 
-from . import Option, at_least, cached, check_record_every, nonnegative, panel, positive, step_callback, study, subplots, weight_process
+from . import (Option, at_least, cached, check_record_every, nonnegative, panel, positive, step_callback, study,
+               subplots, weight_process)
 
 log = logging.getLogger(__name__)
 

@@ -752,17 +752,18 @@ def test_a_failed_run_directory_creation_leaves_no_new_out_folder(site, monkeypa
 
 
 # ---------------------------------------------------------------------------- resource guards
-@pytest.mark.parametrize("override, flag", [
-    ("n=10000000000", "--max-memory"), ("paths=10000000", "--max-memory"), ("bootstrap=1000000000", "--max-memory"),
-    ("dt=1e-10", "--max-steps"),
+@pytest.mark.parametrize("override, flag, term", [
+    ("n=10000000000", "--max-memory", "kernel blocks"), ("paths=10000000", "--max-memory", "kernel blocks"),
+    ("bootstrap=1000000000", "--max-memory", "lower bootstrap"), ("dt=1e-10", "--max-steps", "raise dt"),
 ])
-def test_resource_guards_refuse_before_anything_is_written(tmp_path, capsys, override, flag):
+def test_resource_guards_refuse_before_anything_is_written(tmp_path, capsys, override, flag, term):
     """Issue 21: these died with MemoryError/RuntimeError tracebacks after seconds, or hung, having written a run
     directory.  Now: one line with the estimate and the flag to pass, exit 2, nothing created."""
     out = tmp_path / "out"
     assert cli_main(["run", "ou_vs_oscillating_quick", "--out", str(out), "-o", override, "--no-progress"]) == 2
     err = capsys.readouterr().err
-    assert flag in err and "about" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert flag in err and term in err and "about" in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1, err
     assert not out.exists()
 
 

@@ -481,8 +481,8 @@ def check_resources(cfg: Dict[str, Any], *, max_memory=None, max_steps=None) -> 
     if not math.isfinite(mem) or mem > mem_lim:
         what = "the physical memory of this machine" if max_memory is None else "--max-memory"
         raise ValueError(f"run {name!r} would need about {_fmt_bytes(mem) if math.isfinite(mem) else 'unbounded'} of "
-                         f"memory ({est['detail']}), above the limit {_fmt_bytes(mem_lim)} ({what}); lower n, paths, "
-                         f"heads or the number of records (raise record_every), or pass --max-memory "
+                         f"memory ({est['detail']}), above the limit {_fmt_bytes(mem_lim)} ({what}); make the largest term "
+                         f"smaller, or pass --max-memory "
                          f"{_fmt_bytes(mem * 1.25) if math.isfinite(mem) else 'SIZE'} to run it anyway")
     return est
 

@@ -408,11 +408,15 @@ def estimate_resources(kind: str, params: Dict[str, Any]) -> Dict[str, Any]:
     steps = per_piece * pieces
     every = p.get("record_every")
     records = per_piece / every + 2 if isinstance(every, int) and every > 0 else min(per_piece, 1e4) + 1
-    memory = item * (records * batch * n * d + 4.0 * batch * H * n * n + 2.0 * batch * H * d * d
-                     + 16.0 * records * batch)
     boot = p.get("bootstrap")
-    if isinstance(boot, int) and boot > 0:
-        memory += 16.0 * boot * batch * _count(p.get("heads"))
+    terms = {"recorded tokens (raise record_every, lower n or paths)": item * records * batch * n * d,
+             "kernel blocks (lower n, heads or paths)": item * 4.0 * batch * H * n * n,
+             "heads and noise (lower heads, d or paths)": item * 2.0 * batch * H * d * d,
+             "scalar series (raise record_every)": item * 16.0 * records * batch,
+             "bootstrap arrays (lower bootstrap)": 16.0 * boot * batch * _count(p.get("heads"))
+             if isinstance(boot, int) and not isinstance(boot, bool) and boot > 0 else 0.0}
+    memory = sum(terms.values())
+    largest = max(terms, key=terms.get)
     detail = (f"n = {n:g} tokens, d = {d:g}, H = {H:g} heads, batch {batch:g} (paths × systems), "
-              f"{records:.3g} records, {per_piece:.3g} steps per piece × {pieces} pieces")
-    return {"memory": memory, "steps": steps, "detail": detail}
+              f"{records:.3g} records, {per_piece:.3g} steps per piece × {pieces} pieces; largest term: {largest}")
+    return {"memory": memory, "steps": steps, "detail": detail, "terms": terms}

@@ -23,10 +23,19 @@ Safety rules (:func:`execute`):
 * the live run holds an exclusive lock on ``.lock``; a second run, resume or overwrite of the
   same directory is refused with the holder's PID.  The lock is taken before anything is deleted;
 * SIGTERM is turned into :class:`Terminated` (a ``KeyboardInterrupt``) while the study runs, so a
-  terminated run checkpoints and says "interrupted" in ``status.json`` like Ctrl-C.
+  terminated run checkpoints and says "interrupted" in ``status.json`` like Ctrl-C;
+* the lock is taken before anything is written, and the PID is written into it only once every check
+  has passed: a refused second run leaves every file as it was;
+* a resume is refused when the directory holds a symlink, a hard-linked file or a special file
+  (:func:`check_no_links`), a damaged ``environment.json``, or a stored segment or checkpoint that
+  is unreadable or not finite;
+* the run's memory and solver steps are estimated before the directory is created and refused
+  above ``max_memory`` / ``max_steps`` (:func:`check_resources`);
+* ``metrics.json`` is strict JSON: NaN/inf metrics are written as null and listed.
 
-Every file is written to a temporary name first and moved into place with ``os.replace``,
-so a killed run never leaves a half-written file behind.  ``--resume`` re-enters the study
+Every file is written to a new temporary file, created exclusively (``O_CREAT | O_EXCL |
+O_NOFOLLOW``, never through an existing link), and moved into place with ``os.replace``, so a
+killed run never leaves a half-written file behind.  docs/reliability.md is the user's account.  ``--resume`` re-enters the study
 with the same resolved config; studies skip the pieces whose results are already in the run
 directory and continue a partial piece from its checkpoint.
 """

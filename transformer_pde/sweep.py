@@ -24,7 +24,15 @@ worker gets ``threads`` torch threads, by default cpu_count // N; from a script,
 module); ``scheduler=ADDRESS`` on an existing Dask distributed cluster
 (``dask.distributed.Client(ADDRESS)``; the workers need this package installed and the output
 folder on a filesystem they share).  A point that raises is recorded as "failed" (with its
-error) and the others continue.
+error) and the others continue; so is a point whose worker process dies (``kill -9``, out of
+memory), and results.csv is still written.
+
+Safety (docs/reliability.md).  Everything — axes, every point's config and resource estimate
+(``max_memory``, ``max_steps``), the grid size (``max_points``, default 10⁴), ``out_dir``, the
+scheduler connection — is checked before anything is written.  The sweep directory is locked
+like a run directory (a second sweep of it is refused while one runs).  Workers end with the
+sweep: SIGTERM (or Ctrl-C) stops them first, each point checkpointing; a worker whose sweep
+process was killed notices (it polls its parent PID) and stops its point the same way.
 
 Resume.  ``resume=True`` continues a sweep directory with the same sweep.json: points whose run
 directory says ``status.json: complete`` are skipped, interrupted ones are resumed (their

@@ -35,9 +35,9 @@ Safety rules (:func:`execute`):
 
 Every file is written to a new temporary file, created exclusively (``O_CREAT | O_EXCL |
 O_NOFOLLOW``, never through an existing link), and moved into place with ``os.replace``, so a
-killed run never leaves a half-written file behind.  docs/reliability.md is the user's account.  ``--resume`` re-enters the study
-with the same resolved config; studies skip the pieces whose results are already in the run
-directory and continue a partial piece from its checkpoint.
+killed run never leaves a half-written file behind.  docs/reliability.md is the user's account.
+``--resume`` re-enters the study with the same resolved config; studies skip the pieces whose
+results are already in the run directory and continue a partial piece from its checkpoint.
 """
 
 from __future__ import annotations
@@ -490,8 +490,8 @@ def check_resources(cfg: Dict[str, Any], *, max_memory=None, max_steps=None) -> 
     if not math.isfinite(mem) or mem > mem_lim:
         what = "the physical memory of this machine" if max_memory is None else "--max-memory"
         raise ValueError(f"run {name!r} would need about {_fmt_bytes(mem) if math.isfinite(mem) else 'unbounded'} of "
-                         f"memory ({est['detail']}), above the limit {_fmt_bytes(mem_lim)} ({what}); make the largest term "
-                         f"smaller, or pass --max-memory "
+                         f"memory ({est['detail']}), above the limit {_fmt_bytes(mem_lim)} ({what}); make the largest "
+                         f"term smaller, or pass --max-memory "
                          f"{_fmt_bytes(mem * 1.25) if math.isfinite(mem) else 'SIZE'} to run it anyway")
     return est
 

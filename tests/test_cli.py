@@ -162,3 +162,30 @@ def test_interrupt_in_a_series_names_the_resume_command_and_what_did_not_start(m
     err = capsys.readouterr().err
     assert f"transformer-pde run {files[1]} --out {tmp_path / 'o'} --resume" in err
     assert f"not started: {files[2]}" in err
+
+
+def test_exit_codes_are_in_the_help_epilog(capsys):
+    from transformer_pde.cli import EXIT_CODES
+
+    assert cli_main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "exit codes:" in out and "docs/reliability.md" in out
+    for code in (0, 1, 2, 130):
+        assert f"  {code} " in out, code
+    assert {0, 1, 2, 130} <= set(EXIT_CODES)
+
+
+def test_an_error_during_a_run_is_exit_1_and_a_refusal_before_it_is_exit_2(monkeypatch, tmp_path, capsys):
+    """Exit 2 promises that nothing ran; a ValueError raised by the study once its run directory is written is a
+    failure during the run (1), and the message names the run directory."""
+    def study(params, run):
+        raise ValueError("config key 'n' broke the study midway")
+
+    _register(monkeypatch, "_t_mid", study)
+    (tmp_path / "c.toml").write_text('kind = "_t_mid"\n')
+    assert cli_main(["run", str(tmp_path / "c.toml"), "--out", str(tmp_path), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "midway" in err and str(tmp_path / "c") in err and "--resume" in err
+    assert json.loads((tmp_path / "c" / "status.json").read_text())["state"] == "interrupted"
+    assert cli_main(["run", str(tmp_path / "c.toml"), "--out", str(tmp_path / "o"), "-o", "n=0"]) == 2
+    assert not (tmp_path / "o").exists()

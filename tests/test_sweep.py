@@ -8,10 +8,10 @@ import pytest
 
 from transformer_pde import sweep
 
-# a run of a few milliseconds and no figures: 6 tokens, one head, OU only, four Euler steps, one path
+# a run of a few milliseconds and no figures: 6 tokens, one head, OU only, four Euler steps (each recorded), one path
 TINY = {"kind": "causal_clustering", "name": "tiny",
-        "params": {"n": 6, "heads": 1, "t1": 0.4, "dt": 0.1, "record_every": 2, "paths": 1, "regimes": ["ou"],
-                   "figures": False}}
+        "params": {"n": 6, "heads": 1, "t1": 0.4, "dt": 0.1, "paths": 1, "regimes": ["ou"], "figures": False,
+                   "record_every": 1}}
 M = "ou_causal.mean_overlap_final"  # a continuous metric of every point
 
 
@@ -111,8 +111,8 @@ def test_cli_subcommand(tmp_path, capsys):
     sub = parser.add_subparsers(dest="command", required=True)
     sweep.add_parser(sub)
     cfg = tmp_path / "tiny.toml"
-    cfg.write_text('kind = "causal_clustering"\n[params]\nn = 6\nheads = 1\nt1 = 0.4\ndt = 0.1\nrecord_every = 2\n'
-                   'paths = 1\nregimes = ["ou"]\nfigures = false\n')
+    cfg.write_text('kind = "causal_clustering"\n[params]\nn = 6\nheads = 1\nt1 = 0.4\ndt = 0.1\npaths = 1\n'
+                   'regimes = ["ou"]\nfigures = false\nrecord_every = 1\n')
     args = parser.parse_args(["sweep", str(cfg), "-s", "seed=[0,1]", "-o", "n=5", "--out", str(tmp_path),
                               "--no-progress", "--metric", M, "--no-figure"])
     assert args.fn(args) == 0
@@ -158,3 +158,193 @@ def test_dask_missing_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setattr(builtins, "__import__", fake)
     with pytest.raises(ImportError, match="dask\\[distributed\\]"):
         sweep.run_sweep(TINY, ["seed=[0]"], out_dir=tmp_path, scheduler="tcp://127.0.0.1:1")
+
+
+# ============================================================================ issue 21: hostile sweeps
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# points that run for minutes (so that they are live when the test strikes); the tests never wait for them
+LONG_TOML = ('kind = "causal_clustering"\nname = "long"\n[params]\nn = 16\nheads = 1\nt1 = 20000.0\ndt = 0.1\n'
+             'paths = 1\nregimes = ["ou"]\nfigures = false\nrecord_every = 100\n')
+
+
+def _tree(root: Path) -> dict:
+    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() and not p.is_symlink() else "dir")
+            for p in sorted(root.rglob("*"))}
+
+
+def _lock_free(path: Path) -> bool:
+    import fcntl
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait(cond, timeout, what):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+class _Sweep:
+    """`transformer-pde sweep` of two long points on 2 workers in its own session (so that the test can always kill
+    the whole process group); used as a context manager that kills whatever is left."""
+
+    def __init__(self, tmp: Path, *extra):
+        (tmp / "long.toml").write_text(LONG_TOML)
+        self.dir = tmp / "out" / "long_sweep"
+        env = dict(os.environ, OMP_NUM_THREADS="1",
+                   PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "transformer_pde.cli", "sweep", str(tmp / "long.toml"), "-s", "seed=[0, 1]",
+             "--workers", "2", "--threads", "1", "--out", str(tmp / "out"), "--no-progress", "--no-figure", *extra],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+    def workers(self, timeout=180):
+        """The PIDs of the two live points (read from their lock files once both say "running")."""
+        def running():
+            assert self.proc.poll() is None, self.proc.communicate()
+            pids = []
+            for d in sorted((self.dir / "points").glob("p*")):
+                try:
+                    state = json.loads((d / "status.json").read_text())["state"]
+                    pid = (d / ".lock").read_text().strip()
+                except (OSError, ValueError, KeyError):
+                    return False
+                if state == "running" and pid.isdigit():
+                    pids.append(int(pid))
+            self.pids = pids
+            return len(pids) == 2
+
+        _wait(running, timeout, "two running points")
+        return self.pids
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.communicate(timeout=30)
+
+
+import contextlib  # noqa: E402
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_workers_prints_the_resume_hint_and_frees_the_locks(tmp_path):
+    """Issue 21: SIGTERM of a `sweep --workers 2` parent left the workers alive holding the point locks (an
+    immediate --resume then failed), and printed no resume hint."""
+    with _Sweep(tmp_path) as sw:
+        pids = sw.workers()
+        sw.proc.send_signal(signal.SIGTERM)
+        _, err = sw.proc.communicate(timeout=120)
+        assert sw.proc.returncode == 128 + signal.SIGTERM, err
+        assert "--resume" in err and "Traceback" not in err, err
+        _wait(lambda: not any(_alive(p) for p in pids), 30, "the workers to end")
+        for d in sorted((sw.dir / "points").glob("p*")):
+            assert json.loads((d / "status.json").read_text())["state"] == "interrupted"
+            assert _lock_free(d / ".lock")
+        assert _lock_free(sw.dir / ".lock")
+
+
+@pytest.mark.slow
+def test_sigkill_of_the_sweep_ends_its_workers(tmp_path):
+    with _Sweep(tmp_path) as sw:
+        pids = sw.workers()
+        sw.proc.send_signal(signal.SIGKILL)
+        sw.proc.communicate(timeout=30)
+        _wait(lambda: not any(_alive(p) for p in pids), 60, "the orphaned workers to end")
+        for d in sorted((sw.dir / "points").glob("p*")):
+            assert _lock_free(d / ".lock")
+            assert json.loads((d / "status.json").read_text())["state"] == "interrupted"
+
+
+@pytest.mark.slow
+def test_a_killed_worker_is_a_failed_point_and_results_csv_is_written(tmp_path):
+    """Issue 21: kill -9 of one worker ended the sweep with a traceback and no results.csv."""
+    with _Sweep(tmp_path) as sw:
+        pids = sw.workers()
+        os.kill(pids[0], signal.SIGKILL)
+        out, err = sw.proc.communicate(timeout=120)
+        assert sw.proc.returncode == 1, err
+        assert "Traceback" not in err and "--resume" in out + err, err
+        rows = {r["point"]: r for r in _read_csv(sw.dir / "results.csv")}
+        assert len(rows) == 2 and all(r["state"] == "failed" for r in rows.values())
+        assert any("worker process died" in r["error"] for r in rows.values())
+        _wait(lambda: not any(_alive(p) for p in pids), 30, "the other worker to end")
+
+
+def test_a_sweep_directory_is_locked_like_a_run_directory(tmp_path):
+    """Issue 21: two sweeps of one folder ran at once and marked a completed point failed."""
+    from transformer_pde.runs import DirLock, RunLockedError
+
+    res = sweep.run_sweep(TINY, ["seed=[0]"], out_dir=tmp_path, name="sw", figure=False)
+    lock = DirLock(res.path).acquire()  # another live sweep of this folder
+    lock.claim()
+    try:
+        before = _tree(tmp_path)
+        with pytest.raises(RunLockedError, match=f"in use by a live run, process {os.getpid()}"):
+            sweep.run_sweep(TINY, ["seed=[0]"], out_dir=tmp_path, name="sw", resume=True, figure=False)
+        assert _tree(tmp_path) == before
+    finally:
+        lock.release()
+    res2 = sweep.run_sweep(TINY, ["seed=[0]"], out_dir=tmp_path, name="sw", resume=True, figure=False)
+    assert res2.skipped == res.ran and not res2.failed
+
+
+def test_cli_sweep_accepts_shipped_names_and_refuses_cleanly(tmp_path, capsys):
+    from transformer_pde.cli import main as cli_main
+
+    out = tmp_path / "out"
+    args = ["-s", "seed=[0]", "-o", "n=4", "-o", "regimes=['ou']", "-o", "figures=false", "--no-progress",
+            "--no-figure"]
+    assert cli_main(["sweep", "causal_quick", *args, "--out", str(out)]) == 0
+    assert (out / "causal_quick_sweep" / "results.csv").is_file()
+    capsys.readouterr()
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    before = _tree(tmp_path)
+    for extra, needle in ((["--out", str(afile)], "is a file"), (["--out", str(afile / "sub")], "not a folder"),
+                          (["--out", str(out), "--name", "other", "--scheduler", "tcp://127.0.0.1:9"], "scheduler"),
+                          (["--out", str(out), "--name", "big", "-s", "n=[4,5,6]", "--max-points", "2"],
+                           "--max-points 3"),
+                          (["--out", str(out), "--name", "mem", "--max-memory", "1K"], "--max-memory")):
+        assert cli_main(["sweep", "causal_quick", *args, *extra]) == 2, extra
+        err = capsys.readouterr().err
+        assert needle.lower() in err.lower() and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert _tree(tmp_path) == before, "a refused sweep wrote something (e.g. sweep.json)"
+
+
+def test_grid_and_worker_limits(tmp_path):
+    huge = {"seed": list(range(1000)), "n": list(range(2, 1002))}
+    with pytest.raises(ValueError, match="10⁶|1000000 points"):
+        sweep.run_sweep(TINY, huge, out_dir=tmp_path)
+    with pytest.raises(ValueError, match="max_points=4"):
+        sweep.run_sweep(TINY, ["seed=[0,1]", "n=[4,5]"], out_dir=tmp_path, max_points=3)
+    with pytest.raises(ValueError, match="more than this machine"):
+        sweep.run_sweep(TINY, ["seed=[0]"], out_dir=tmp_path, workers=10**6)
+    with pytest.raises(ValueError, match="more than this machine"):
+        sweep.run_sweep(TINY, ["seed=[0]"], out_dir=tmp_path, threads=10**6)
+    assert list(tmp_path.iterdir()) == []

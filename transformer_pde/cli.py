@@ -1,9 +1,10 @@
 """The ``transformer-pde`` command: run experiment configs, list them, run a demo.
 
 Results (run directories, metrics, listings) go to stdout; progress bars, per-segment lines,
-warnings and errors go to stderr.  Exit codes: 0 done, 1 an I/O error during a run, 2 bad
-input (nothing written), 3 a run that produced NaN/inf, 130 Ctrl-C, 143 SIGTERM (both leave
-the run resumable with ``--resume``).
+warnings and errors go to stderr.  Exit codes (:data:`EXIT_CODES`, docs/reliability.md): 0 done,
+2 refused before anything ran (bad input, nothing written), 1 failed during a run (3 when it
+failed by producing NaN/inf), 130 interrupted by Ctrl-C, 143 by SIGTERM (both leave the run
+resumable with ``--resume``).
 """
 
 from __future__ import annotations
@@ -11,12 +12,23 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shlex
 import sys
 from pathlib import Path
 from typing import List, Optional
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "EXIT_CODES", "max_threads"]
+
+EXIT_CODES = {0: "done", 1: "failed during a run (the run directory says why; --resume continues it)",
+              2: "refused before anything ran (bad config, option, name, folder or resource estimate; nothing "
+                 "was written)",
+              3: "failed during a run because it produced NaN/inf (time, step and quantity in the message)",
+              130: "interrupted (Ctrl-C); --resume continues it",
+              143: "terminated by SIGTERM (128 + 15); --resume continues it"}
+
+_EPILOG = "exit codes:\n" + "\n".join(f"  {k:<4} {v}" for k, v in EXIT_CODES.items()) + (
+    "\n\nrun directories, locks, resume, atomic writes and resource limits: docs/reliability.md")
 
 _DESCRIPTION = """\
 Run the experiments of transformer_pde: token flows on the sphere driven by random attention weights.
@@ -41,13 +53,42 @@ class _StderrHandler(logging.StreamHandler):
         super().emit(record)
 
 
+def max_threads() -> int:
+    """The largest --threads accepted: 4 × the CPU cores of this machine (more only oversubscribes; a huge count
+    crashes the OpenMP runtime)."""
+    return 4 * (os.cpu_count() or 1)
+
+
 def _threads_arg(text: str):
     t = text.strip().lower()
     if t == "auto":
         return "auto"
     if t.isdigit() and int(t) >= 1:
+        if int(t) > max_threads():
+            raise argparse.ArgumentTypeError(f"{t} threads is more than this machine can use: give at most "
+                                             f"{max_threads()} (4 × its {os.cpu_count()} CPU cores) or 'auto'")
         return int(t)
     raise argparse.ArgumentTypeError(f"must be 'auto' or an integer >= 1, got {text!r}")
+
+
+def _size_arg(text: str) -> int:
+    from .runs import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _count_arg(text: str) -> int:
+    t = text.strip().replace("_", "")
+    try:
+        v = int(float(t)) if "e" in t.lower() else int(t)
+    except (ValueError, OverflowError):
+        v = 0
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1 (e.g. 1e9), got {text!r}")
+    return v
 
 
 def _setup(args):
@@ -107,6 +148,12 @@ def _config_source(text: str, find_config) -> Path:
     """A CONFIG argument: an existing file, else a shipped config name (also when a folder of that name
     exists, e.g. a run directory made with --out .); other existing paths go to load_config for its error."""
     p = Path(text)
+    try:
+        p.is_file()
+        p.exists()
+    except OSError as e:  # e.g. ENAMETOOLONG
+        raise ValueError(f"config {text[:60]!r}... cannot be looked up ({e.strerror or e}); give a shorter path or a "
+                         f"shipped config name (`transformer-pde list`)") from None
     if p.is_file():
         return p
     try:
@@ -128,11 +175,12 @@ def _cmd_run(args) -> int:
     errors: List[str] = []
     jobs = []
     seen = {}
+    limits = {"max_memory": args.max_memory, "max_steps": args.max_steps}
     for text in args.config:
         try:
             path = _config_source(text, find_config)
             cfg, run_path = plan(path, overrides=args.override, out_dir=args.out, name=args.name,
-                                 resume=args.resume, overwrite=args.overwrite)
+                                 resume=args.resume, overwrite=args.overwrite, **limits)
         except (ValueError, TypeError) as e:
             errors.append(f"{text}: {e}" if len(args.config) > 1 else str(e))
             continue
@@ -151,7 +199,7 @@ def _cmd_run(args) -> int:
     for i, (text, path) in enumerate(jobs):
         try:
             run_path = execute(path, overrides=args.override, out_dir=args.out, name=args.name, resume=args.resume,
-                               progress=not args.no_progress, overwrite=args.overwrite)
+                               progress=not args.no_progress, overwrite=args.overwrite, **limits)
         except KeyboardInterrupt as e:
             how = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
             msg = f"\ntransformer-pde: {how}; continue with:\n  {_resume_command(args, text, args.name)}"
@@ -224,7 +272,8 @@ def _cmd_demo(args) -> int:
 
     try:
         path = execute({"kind": "demo", "name": args.name, "params": {}}, overrides=args.override, out_dir=args.out,
-                       name=args.name, progress=not args.no_progress, replace_kind="demo")
+                       name=args.name, progress=not args.no_progress, replace_kind="demo",
+                       max_memory=args.max_memory, max_steps=args.max_steps)
     except KeyboardInterrupt as e:
         print("\ntransformer-pde: demo interrupted; run `transformer-pde demo` again", file=sys.stderr)
         return 128 + e.signum if isinstance(e, Terminated) else 130
@@ -252,12 +301,22 @@ def _run_options(p: argparse.ArgumentParser, *, default_name: str) -> None:
                    help=f"run directory name, one plain folder name under --out (default: {default_name})")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bars (they are shown only on a terminal anyway); messages still go to stderr")
+    limit_options(p)
+
+
+def limit_options(p: argparse.ArgumentParser) -> None:
+    """--max-memory and --max-steps (the resource estimate's limits; `run`, `demo` and `sweep`)."""
+    p.add_argument("--max-memory", type=_size_arg, default=None, metavar="SIZE",
+                   help="refuse a run whose estimated memory is above SIZE (bytes, or with K/M/G/T: 16G); default: "
+                        "the physical memory of this machine")
+    p.add_argument("--max-steps", type=_count_arg, default=None, metavar="N",
+                   help="refuse a run of more than N solver steps (all its pieces; e.g. 1e9); default 1e8")
 
 
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
-    p = argparse.ArgumentParser(prog="transformer-pde", description=_DESCRIPTION,
+    p = argparse.ArgumentParser(prog="transformer-pde", description=_DESCRIPTION, epilog=_EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
                    help="print the version and exit")
@@ -294,7 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(fn=_cmd_demo, name="demo")
     from .sweep import add_parser as _add_sweep
 
-    _add_sweep(sub, parents=[common])
+    limits = argparse.ArgumentParser(add_help=False)
+    limit_options(limits)
+    _add_sweep(sub, parents=[common, limits])
     return p
 
 
@@ -304,14 +365,24 @@ def main(argv=None) -> int:
     except SystemExit as e:  # --help, --version, usage errors (exit code 2)
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     undo = _setup(args)
+    from .runs import failed_run_dir
+
     try:
         return args.fn(args)
-    except (ValueError, TypeError, OSError) as e:  # bad input: 2 (nothing written); I/O error during a run: 1
-        print(f"transformer-pde: error: {e}", file=sys.stderr)
-        return 1 if isinstance(e, OSError) else 2
     except FloatingPointError as e:  # NonFiniteError: the run blew up (time, step and quantity in the message)
         print(f"transformer-pde: the run produced NaN/inf: {e}", file=sys.stderr)
         return 3
+    except ImportError as e:  # an optional dependency a command needs (e.g. dask for sweep --scheduler)
+        print(f"transformer-pde: error: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, TypeError, OSError) as e:  # refused before anything ran: 2; failed during a run: 1
+        run_dir = failed_run_dir(e)
+        if run_dir is not None or isinstance(e, OSError):
+            where = f" (run directory {run_dir}; --resume continues it)" if run_dir is not None else ""
+            print(f"transformer-pde: error during the run{where}: {e}", file=sys.stderr)
+            return 1
+        print(f"transformer-pde: error: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:  # before any run started (a run's own interruption is handled by its command)
         print("\ntransformer-pde: interrupted before any run started; nothing to resume", file=sys.stderr)
         return 130

@@ -23,12 +23,21 @@ Safety rules (:func:`execute`):
 * the live run holds an exclusive lock on ``.lock``; a second run, resume or overwrite of the
   same directory is refused with the holder's PID.  The lock is taken before anything is deleted;
 * SIGTERM is turned into :class:`Terminated` (a ``KeyboardInterrupt``) while the study runs, so a
-  terminated run checkpoints and says "interrupted" in ``status.json`` like Ctrl-C.
+  terminated run checkpoints and says "interrupted" in ``status.json`` like Ctrl-C;
+* the lock is taken before anything is written, and the PID is written into it only once every check
+  has passed: a refused second run leaves every file as it was;
+* a resume is refused when the directory holds a symlink, a hard-linked file or a special file
+  (:func:`check_no_links`), a damaged ``environment.json``, or a stored segment or checkpoint that
+  is unreadable or not finite;
+* the run's memory and solver steps are estimated before the directory is created and refused
+  above ``max_memory`` / ``max_steps`` (:func:`check_resources`);
+* ``metrics.json`` is strict JSON: NaN/inf metrics are written as null and listed.
 
-Every file is written to a temporary name first and moved into place with ``os.replace``,
-so a killed run never leaves a half-written file behind.  ``--resume`` re-enters the study
-with the same resolved config; studies skip the pieces whose results are already in the run
-directory and continue a partial piece from its checkpoint.
+Every file is written to a new temporary file, created exclusively (``O_CREAT | O_EXCL |
+O_NOFOLLOW``, never through an existing link), and moved into place with ``os.replace``, so a
+killed run never leaves a half-written file behind.  docs/reliability.md is the user's account.
+``--resume`` re-enters the study with the same resolved config; studies skip the pieces whose
+results are already in the run directory and continue a partial piece from its checkpoint.
 """
 
 from __future__ import annotations
@@ -39,10 +48,13 @@ import io
 import json
 import os
 import logging
+import math
 import platform
+import secrets
 import shlex
 import shutil
 import signal
+import stat
 import sys
 import threading
 import time
@@ -52,13 +64,14 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 
 from .resources import tomllib
-from .studies import get_study, validate_params
+from .studies import estimate_resources, get_study, nonfinite_keys, validate_params
 
 __all__ = ["RunDir", "load_config", "parse_override", "execute", "plan", "package_versions", "atomic_write_text",
-           "flatten_metrics", "check_run_name", "is_run_dir", "RunLockedError", "Terminated", "MARKER", "LOCK_FILE"]
+           "flatten_metrics", "check_run_name", "is_run_dir", "RunLockedError", "Terminated", "MARKER", "LOCK_FILE",
+           "check_resources", "parse_size", "memory_limit", "DEFAULT_MAX_STEPS", "failed_run_dir"]
 
 # shared with sweep (named internal API)
-__internal__ = ["write_csv", "write_figure"]
+__internal__ = ["write_csv", "write_figure", "check_out_dir", "check_no_links", "DirLock", "sigterm_as_interrupt"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,15 +80,53 @@ LOCK_FILE = ".lock"
 _MARKER_FORMAT = 1
 
 
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+def _new_temp(path: Path) -> Tuple[int, Path]:
+    """A new, empty temporary file next to ``path``: (descriptor, its path).
+
+    The name is fresh (``.<name>.<pid>.<random>.tmp``) and the file is created with
+    ``O_CREAT | O_EXCL | O_NOFOLLOW``, so an existing file, symlink or hard link of that name is never
+    opened: the program only ever writes into a file it has just created itself.
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC | getattr(os, "O_BINARY", 0)
+    for _ in range(64):
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        try:
+            return os.open(tmp, flags, 0o644), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"cannot create a temporary file next to {path}")  # pragma: no cover
+
+
+@contextlib.contextmanager
+def _atomic_file(path, mode: str = "wb"):
+    """Open a new temporary file (see :func:`_new_temp`) as a file object; on success it is flushed, synced and
+    moved onto ``path`` with ``os.replace`` (which replaces a link at ``path`` itself, never its target); on an
+    error it is removed."""
+    path = Path(path)
+    fd, tmp = _new_temp(path)
+    try:
+        with os.fdopen(fd, mode) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
 def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically: a new temporary file (created exclusively, never through a link),
+    then ``os.replace``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
+    with _atomic_file(path, "w") as f:
         f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def write_csv(path: Path, rows: Iterable[Sequence]) -> None:
@@ -92,9 +143,8 @@ def write_figure(fig, folder: Path, name: str, formats: Sequence[str] = ("png", 
     out = []
     for ext in formats:
         p = Path(folder) / f"{name}.{ext}"
-        tmp = p.with_name(p.stem + ".tmp." + ext)
-        fig.savefig(tmp, dpi=dpi, bbox_inches="tight")
-        os.replace(tmp, p)
+        with _atomic_file(p) as f:
+            fig.savefig(f, format=ext, dpi=dpi, bbox_inches="tight")
         out.append(p)
     plt.close(fig)
     return out
@@ -159,9 +209,8 @@ class RunDir:
     def save_tensors(self, tag: str, obj) -> Path:
         """torch.save(obj) to data/<tag>.pt atomically (tmp + os.replace)."""
         p = self.data_path(tag)
-        tmp = p.with_name(p.name + ".tmp")
-        torch.save(obj, tmp)
-        os.replace(tmp, p)
+        with _atomic_file(p) as f:
+            torch.save(obj, f)
         return p
 
     def load_tensors(self, tag: str):
@@ -176,8 +225,10 @@ class RunDir:
                              f"that part of the run") from None
 
     def write_json(self, name: str, obj) -> Path:
+        """Write ``obj`` as JSON atomically; ValueError if it holds NaN/inf (``allow_nan=False``: a JSON file
+        never carries the non-standard NaN/Infinity tokens)."""
         p = self.path / name
-        atomic_write_text(p, json.dumps(obj, indent=2, sort_keys=True, default=_json_default) + "\n")
+        atomic_write_text(p, json.dumps(obj, indent=2, sort_keys=True, default=_json_default, allow_nan=False) + "\n")
         return p
 
     def read_json(self, name: str):
@@ -231,9 +282,14 @@ def parse_override(text: str):
 
 def _read_config_file(path: Path) -> Dict[str, Any]:
     """The TOML table in ``path``; ValueError (one line, with the fix) for anything that is not one."""
-    if not path.exists():
+    try:
+        exists, is_dir = path.exists(), path.is_dir()
+    except OSError as e:  # e.g. a file name too long for the file system
+        raise ValueError(f"config file {str(path)[:80]}... cannot be looked up ({e.strerror or e}); give a shorter "
+                         f"path or a shipped config name") from None
+    if not exists:
         raise ValueError(f"config file {path} does not exist; `transformer-pde list` shows the shipped configs")
-    if path.is_dir():
+    if is_dir:
         raise ValueError(f"config {path} is a directory, not a TOML file; give a file such as "
                          f"experiments/ou_vs_oscillating_quick.toml or a shipped config name")
     try:
@@ -242,6 +298,8 @@ def _read_config_file(path: Path) -> Dict[str, Any]:
         raise ValueError(f"config file {path} is not a text (UTF-8) TOML file; give a .toml config") from None
     except OSError as e:
         raise ValueError(f"config file {path} cannot be read ({e.strerror or e}); check its permissions") from None
+    if text.startswith("\ufeff"):  # a UTF-8 byte-order mark (some Windows editors write one): not part of the TOML
+        text = text[1:]
     if "\x00" in text:
         raise ValueError(f"config file {path} is a binary file, not a TOML config; give a .toml config")
     try:
@@ -271,6 +329,11 @@ def load_config(source, overrides: Iterable[str] = ()) -> Dict[str, Any]:
     if "kind" not in raw:
         raise ValueError("the config needs a top-level 'kind' naming the experiment (see `transformer-pde list`)")
     kind = raw["kind"]
+    if not isinstance(kind, str):
+        raise ValueError(f"config key 'kind' must be a string naming one experiment kind (see `transformer-pde list`), "
+                         f"got {kind!r} ({type(kind).__name__})")
+    if not isinstance(raw.get("description", ""), str):
+        raise ValueError(f"config key 'description' must be a string, got {type(raw['description']).__name__}")
     if not isinstance(raw.get("params", {}), dict):
         raise ValueError("config key 'params' must be a table ([params] in TOML) of parameter = value lines")
     params = {**raw.get("params", {}), **dict(parse_override(ov) for ov in overrides)}
@@ -340,7 +403,97 @@ def check_run_name(name) -> str:
                          f"or control characters; {fix}")
     if name.startswith("-") or name != name.strip():
         raise ValueError(f"run name {name!r} must not start with '-' or start/end with spaces; {fix}")
+    if len(name.encode("utf-8", "surrogateescape")) > _NAME_MAX:
+        raise ValueError(f"run name {name[:40]!r}... is {len(name.encode('utf-8', 'surrogateescape'))} bytes long; "
+                         f"file systems allow at most {_NAME_MAX}: give a shorter --name")
     return name
+
+
+_NAME_MAX = 255  # bytes of one file name on the usual file systems (ext4, xfs, btrfs, APFS, NTFS)
+DEFAULT_MAX_STEPS = 10**8  # solver steps of one run (all its pieces) without --max-steps
+
+
+def check_out_dir(out, flag: str = "--out") -> Path:
+    """``out`` as a Path when it is (or can be created as) a writable folder; ValueError (one sentence, with the fix)
+    otherwise.  Nothing is created."""
+    out = Path(out)
+    for part in out.parts:
+        if len(part.encode("utf-8", "surrogateescape")) > _NAME_MAX:
+            raise ValueError(f"{flag} {str(out)[:60]}...: the folder name {part[:30]!r}... is longer than "
+                             f"{_NAME_MAX} bytes; choose a shorter {flag}")
+    try:
+        if out.exists() and not out.is_dir():
+            raise ValueError(f"{flag} {out} is a file, not a folder; give a folder for the run directories")
+        existing = out
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        if existing.is_dir() and not os.access(existing, os.W_OK | os.X_OK):
+            raise ValueError(f"{flag} {out}: cannot write in {existing} (permission denied); choose a writable {flag}")
+        if not existing.is_dir():
+            raise ValueError(f"{flag} {out}: {existing} is not a folder; choose another {flag}")
+    except OSError as e:
+        raise ValueError(f"{flag} {out}: cannot be looked up ({e.strerror or e}); choose another {flag}") from None
+    return out
+
+
+_UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40, "P": 2**50}
+
+
+def parse_size(text) -> int:
+    """Bytes of a size such as ``"512M"``, ``"8G"``, ``"1.5T"``, ``"4096"`` (K/M/G/T/P are powers of 1024; an
+    optional trailing "B"/"iB").  ValueError for anything else."""
+    if isinstance(text, int) and not isinstance(text, bool) and text > 0:
+        return text
+    t = str(text).strip().upper().replace("IB", "").rstrip("B") if isinstance(text, str) else ""
+    unit = t[-1] if t and t[-1] in _UNITS else ""
+    num = t[:-1] if unit else t
+    try:
+        v = float(num) * _UNITS[unit]
+    except ValueError:
+        v = float("nan")
+    if not (math.isfinite(v) and v >= 1):
+        raise ValueError(f"size {text!r} is not a size; give bytes with an optional K/M/G/T suffix, e.g. 16G")
+    return int(v)
+
+
+def _fmt_bytes(v: float) -> str:
+    for unit in ("P", "T", "G", "M", "K"):
+        if v >= _UNITS[unit]:
+            return f"{v / _UNITS[unit]:.3g}{unit}"
+    return f"{v:.0f}B"
+
+
+def memory_limit() -> int:
+    """The default memory limit of a run: the physical memory of this machine (2⁶² when it cannot be read)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):  # pragma: no cover - not POSIX
+        return 2**62
+
+
+def check_resources(cfg: Dict[str, Any], *, max_memory=None, max_steps=None) -> Dict[str, Any]:
+    """Refuse (ValueError, with the estimate and the flag that raises the limit) a run whose estimated memory
+    (:func:`transformer_pde.studies.estimate_resources`) is above ``max_memory`` bytes (default: the physical
+    memory, :func:`memory_limit`) or whose step count is above ``max_steps`` (default :data:`DEFAULT_MAX_STEPS`);
+    returns the estimate.  Runs before anything is allocated or written."""
+    est = estimate_resources(cfg["kind"], cfg["params"])
+    mem_lim = memory_limit() if max_memory is None else parse_size(max_memory)
+    step_lim = DEFAULT_MAX_STEPS if max_steps is None else max_steps
+    if isinstance(step_lim, bool) or not isinstance(step_lim, int) or step_lim < 1:
+        raise ValueError(f"max_steps must be an integer >= 1, got {step_lim!r}")
+    name = cfg.get("name", cfg["kind"])
+    mem, steps = float(est["memory"]), float(est["steps"])
+    if not math.isfinite(steps) or steps > step_lim:
+        raise ValueError(f"run {name!r} would take about {steps:.3g} solver steps ({est['detail']}), above the limit "
+                         f"{step_lim:.3g} (--max-steps); raise dt or lower t1, or pass --max-steps "
+                         f"{int(steps) + 1 if math.isfinite(steps) else 'N'} to run it anyway")
+    if not math.isfinite(mem) or mem > mem_lim:
+        what = "the physical memory of this machine" if max_memory is None else "--max-memory"
+        raise ValueError(f"run {name!r} would need about {_fmt_bytes(mem) if math.isfinite(mem) else 'unbounded'} of "
+                         f"memory ({est['detail']}), above the limit {_fmt_bytes(mem_lim)} ({what}); make the largest "
+                         f"term smaller, or pass --max-memory "
+                         f"{_fmt_bytes(mem * 1.25) if math.isfinite(mem) else 'SIZE'} to run it anyway")
+    return est
 
 
 def _read_marker(path: Path) -> Optional[Dict[str, Any]]:
@@ -377,8 +530,8 @@ def _config_diff(old: Dict[str, Any], new: Dict[str, Any]) -> List[str]:
 
 
 def plan(source, *, overrides: Iterable[str] = (), out_dir="runs", name: Optional[str] = None,
-         resume: bool = False, overwrite: bool = False, replace_kind: Optional[str] = None
-         ) -> Tuple[Dict[str, Any], Path]:
+         resume: bool = False, overwrite: bool = False, replace_kind: Optional[str] = None,
+         max_memory=None, max_steps: Optional[int] = None) -> Tuple[Dict[str, Any], Path]:
     """Every check :func:`execute` makes before it writes anything; returns (resolved config, run path).
 
     Nothing is created or changed.  :func:`execute` repeats the directory checks under the lock.
@@ -386,7 +539,9 @@ def plan(source, *, overrides: Iterable[str] = (), out_dir="runs", name: Optiona
     Raises:
         ValueError: invalid config or override, unsafe run name, ``out_dir`` that is a file or not
             writable, an existing folder that is not a run directory, an existing run without
-            ``resume``/``overwrite``, a resume whose config differs (the differing keys listed).
+            ``resume``/``overwrite``, a resume whose config differs (the differing keys listed), a run
+            whose estimated memory or step count is above ``max_memory`` / ``max_steps``
+            (:func:`check_resources`), a resume of a directory holding links or damaged files.
     """
     if resume and overwrite:
         raise ValueError("choose either --resume (continue the run) or --overwrite (start it afresh), not both")
@@ -394,31 +549,81 @@ def plan(source, *, overrides: Iterable[str] = (), out_dir="runs", name: Optiona
     if name is not None:
         cfg["name"] = name
     check_run_name(cfg["name"])
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} is a file, not a folder; give a folder for the run directories")
-    existing = out
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if existing.is_dir() and not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"--out {out}: cannot write in {existing} (permission denied); choose a writable --out")
-    if not existing.is_dir():
-        raise ValueError(f"--out {out}: {existing} is not a folder; choose another --out")
+    check_resources(cfg, max_memory=max_memory, max_steps=max_steps)
+    out = check_out_dir(out_dir)
     run_path = out / cfg["name"]
     if run_path.is_symlink() or run_path.exists():
         _check_existing(run_path, cfg, resume=resume, overwrite=overwrite, replace_kind=replace_kind)
     return cfg, run_path
 
 
+def check_no_links(run_path: Path) -> None:
+    """ValueError naming the first symbolic link, hard-linked file (more than one name) or special file inside
+    ``run_path``: a run directory holds only what the program wrote there, and a resume never writes through a
+    link it did not create (a link could point anywhere outside the run)."""
+    fix = ("remove it (the run directory may only hold files the run wrote) and resume again, or start afresh with "
+           "--overwrite or --name NEW")
+    for root, dirs, files in os.walk(run_path, followlinks=False):
+        for entry in sorted(dirs + files):
+            p = Path(root) / entry
+            try:
+                st = os.lstat(p)
+            except OSError:
+                continue
+            if stat.S_ISLNK(st.st_mode):
+                raise ValueError(f"cannot resume {run_path}: {p} is a symbolic link (to {os.readlink(p)}); {fix}")
+            if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+                raise ValueError(f"cannot resume {run_path}: {p} is a hard link ({st.st_nlink} names for one file, "
+                                 f"possibly outside the run); {fix}")
+            if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+                raise ValueError(f"cannot resume {run_path}: {p} is not a regular file or folder; {fix}")
+
+
+def _check_stored(run_path: Path) -> None:
+    """ValueError naming the file when environment.json is unreadable, or a finished segment (data/*.pt) or a
+    checkpoint (checkpoints/*.ckpt) is unreadable or holds NaN/inf: a resume never builds on a damaged piece."""
+    env = run_path / "environment.json"
+    if env.exists():
+        try:
+            ok = isinstance(json.loads(env.read_text(encoding="utf-8")), dict)
+        except (OSError, ValueError):
+            ok = False
+        if not ok:
+            raise ValueError(f"cannot resume {run_path}: {env} is damaged (not a JSON object); delete it (it is "
+                             f"written again) and resume, or start afresh with --overwrite")
+    for sub, pattern, what in (("data", "*.pt", "finished piece"), ("checkpoints", "*.ckpt", "checkpoint")):
+        for f in sorted((run_path / sub).glob(pattern)) if (run_path / sub).is_dir() else []:
+            try:
+                obj = torch.load(f, map_location="cpu", weights_only=False)
+            except Exception as e:
+                raise ValueError(f"cannot resume {run_path}: the {what} {f} is corrupted or unreadable "
+                                 f"({type(e).__name__}); delete it to recompute that part of the run") from None
+            if sub == "checkpoints" and not (isinstance(obj, dict) and obj.get("kind") == "transformer_pde.simulate"):
+                raise ValueError(f"cannot resume {run_path}: {f} is not a transformer_pde simulate checkpoint; delete "
+                                 f"it to recompute that part of the run")
+            segment = isinstance(obj, dict) and str(obj.get("kind", "")).endswith((".segment", ".simulate"))
+            bad = nonfinite_keys(obj, skip=("timing", "scale")) if segment else []  # scale: ±inf/NaN sentinels
+            if bad:
+                raise ValueError(f"cannot resume {run_path}: the {what} {f} holds NaN/inf in '{bad[0]}' (a damaged "
+                                 f"file: stored pieces are always finite); delete it to recompute that part of the run")
+
+
 def _check_existing(run_path: Path, cfg, *, resume: bool, overwrite: bool, replace_kind: Optional[str],
                     check_lock: bool = True) -> str:
-    """For an existing ``run_path``: "resume", "overwrite" or "fresh" (marked, nothing to lose); else ValueError."""
-    marker = _read_marker(run_path) if run_path.is_dir() and not run_path.is_symlink() else None
-    if marker is None:
-        raise _not_ours(run_path)
-    locked, pid = _lock_holder(run_path) if check_lock else (False, None)
+    """For an existing ``run_path``: "resume", "overwrite" or "fresh" (marked, nothing to lose); else ValueError.
+
+    A resume (and a "fresh" reuse) is refused when the directory holds a link (:func:`check_no_links`); under the
+    lock (``check_lock=False``) the stored pieces are also checked (:func:`_check_stored`)."""
+    real_dir = run_path.is_dir() and not run_path.is_symlink()
+    marker = _read_marker(run_path) if real_dir else None
+    if marker is None and real_dir and check_lock:  # perhaps a run creating it right now
+        _wait_for_creator(run_path)
+        marker = _read_marker(run_path)
+    locked, pid = _lock_holder(run_path) if check_lock and real_dir else (False, None)
     if locked:
         raise RunLockedError(run_path, pid)
+    if marker is None:
+        raise _not_ours(run_path)
     if not os.access(run_path, os.W_OK | os.X_OK):
         raise ValueError(f"run directory {run_path} is not writable (permission denied); choose another --out")
     cfg_file = run_path / "config.json"
@@ -427,6 +632,7 @@ def _check_existing(run_path: Path, cfg, *, resume: bool, overwrite: bool, repla
     if replace_kind is not None:
         raise ValueError(f"{run_path} holds a run of kind {marker.get('kind')!r}, not a {replace_kind!r} run; "
                          f"it is kept: choose another --name or --out")
+    check_no_links(run_path)
     if not cfg_file.exists():
         return "fresh"  # created, then stopped before its config was written: nothing to lose
     if not resume:
@@ -443,6 +649,8 @@ def _check_existing(run_path: Path, cfg, *, resume: bool, overwrite: bool, repla
         raise ValueError(f"cannot resume {run_path}: its config differs from this one ({'; '.join(diff)} "
                          f"[old -> new]); resume with the same config and overrides, or use --name NEW for a "
                          f"new run or --overwrite to start afresh")
+    if not check_lock:
+        _check_stored(run_path)
     return "resume"
 
 
@@ -454,9 +662,19 @@ class _RunLock:
         self.fd: Optional[int] = None
 
     def acquire(self) -> "_RunLock":
-        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-        fd = os.open(self.path, flags, 0o644)
+        """Take the lock (RunLockedError when a live run holds it); the file is not changed: :meth:`claim` writes
+        this process's PID once every check has passed, so a refused run leaves the directory as it found it."""
+        flags = os.O_RDWR | os.O_CREAT | _NOFOLLOW | _CLOEXEC
         try:
+            fd = os.open(self.path, flags, 0o644)
+        except OSError as e:  # a symlink (ELOOP) or another non-file in place of the lock
+            raise ValueError(f"{self.path} is not a plain lock file ({e.strerror or e}); remove it and run "
+                             f"again") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
+                raise ValueError(f"{self.path} is a hard link or not a regular file; a lock file is never shared: "
+                                 f"remove it and run again")
             _lock_fd(fd)
         except BlockingIOError:
             try:
@@ -468,15 +686,21 @@ class _RunLock:
         except BaseException:
             os.close(fd)
             raise
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
         self.fd = fd
         return self
 
+    def claim(self) -> None:
+        """Write this process's PID into the held lock file (what a refused second run reports)."""
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0) if hasattr(os, "pwrite") else os.write(
+            self.fd, f"{os.getpid()}\n".encode())
+        self.claimed = True
+
     def release(self) -> None:
         if self.fd is not None:
-            with contextlib.suppress(OSError):
-                os.ftruncate(self.fd, 0)
+            if getattr(self, "claimed", False):
+                with contextlib.suppress(OSError):
+                    os.ftruncate(self.fd, 0)
             os.close(self.fd)  # closing the descriptor releases the lock
             self.fd = None
 
@@ -542,11 +766,22 @@ def _empty_run_dir(run_path: Path) -> None:
 
 def _open_run_dir(cfg, run_path: Path, *, resume: bool, overwrite: bool, replace_kind: Optional[str]
                   ) -> Tuple[_RunLock, bool]:
-    """Create or claim ``run_path`` under its lock; returns (the held lock, resumed?)."""
+    """Create or claim ``run_path`` under its lock; returns (the held lock, resumed?).
+
+    The lock is taken before anything is written into the directory, and the lock file is only written (the PID)
+    once every check has passed: a run refused here (another live run, a run that finished in the meantime, a
+    folder that is not ours) leaves every file as it was.  Folders this call created are removed again when it
+    fails before the run directory exists."""
     out = run_path.parent
+    made = []  # the --out folders created here (removed again if the run directory cannot be made)
+    p = out
+    while not p.exists() and p != p.parent:
+        made.append(p)
+        p = p.parent
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
+        _remove_empty(made)
         raise ValueError(f"--out {out}: cannot create it ({e.strerror or e}); choose a writable --out") from None
     created = False
     try:
@@ -555,16 +790,24 @@ def _open_run_dir(cfg, run_path: Path, *, resume: bool, overwrite: bool, replace
     except FileExistsError:
         pass
     except OSError as e:
+        _remove_empty(made)
         raise ValueError(f"cannot create run directory {run_path} ({e.strerror or e}); choose another --out") from None
-    if not created and not is_run_dir(run_path):  # ours before we touch it (not even the lock file is created)
-        raise _not_ours(run_path)
+    if not created:
+        _wait_for_creator(run_path)
+        locked, pid = _lock_holder(run_path)
+        if locked:  # a run that is being created or running right now
+            raise RunLockedError(run_path, pid)
+        if not is_run_dir(run_path):  # ours before we touch it (not even the lock file is created)
+            raise _not_ours(run_path)
     lock = _RunLock(run_path).acquire()
     try:
         if created:
+            lock.claim()
             _write_marker(run_path, cfg)
             return lock, False
         action = _check_existing(run_path, cfg, resume=resume, overwrite=overwrite, replace_kind=replace_kind,
                                  check_lock=False)  # we hold it
+        lock.claim()
         if action == "overwrite":
             logger.info("overwriting run directory %s", run_path)
             _empty_run_dir(run_path)
@@ -573,6 +816,24 @@ def _open_run_dir(cfg, run_path: Path, *, resume: bool, overwrite: bool, replace
     except BaseException:
         lock.release()
         raise
+
+
+def _remove_empty(folders) -> None:
+    for f in folders:  # innermost first; only empty folders this process created
+        with contextlib.suppress(OSError):
+            os.rmdir(f)
+
+
+def _wait_for_creator(run_path: Path, timeout: float = 2.0) -> None:
+    """A folder holding nothing (or only an unlocked lock file) may be being created by a concurrent run (it
+    makes the folder, then takes its lock, then writes its marker): wait up to ``timeout`` seconds for that lock
+    or marker, so that the refusal names the live run instead of calling the folder foreign."""
+    deadline = time.monotonic() + timeout
+    with contextlib.suppress(OSError):
+        while time.monotonic() < deadline:
+            if {e.name for e in os.scandir(run_path)} - {LOCK_FILE} or _lock_holder(run_path)[0]:
+                return
+            time.sleep(0.01)
 
 
 @contextlib.contextmanager
@@ -596,10 +857,14 @@ def _sigterm_as_interrupt():
         signal.signal(signal.SIGTERM, old)
 
 
+DirLock = _RunLock  # the sweep directory's lock (sweep.py)
+sigterm_as_interrupt = _sigterm_as_interrupt
+
+
 def execute(source, *, overrides: Iterable[str] = (), out_dir="runs", name: Optional[str] = None,
             resume: bool = False, progress: bool = True, overwrite: bool = False,
             step_callback: Optional[Callable[[str, int, float], None]] = None,
-            replace_kind: Optional[str] = None) -> Path:
+            replace_kind: Optional[str] = None, max_memory=None, max_steps: Optional[int] = None) -> Path:
     """Validate the config, prepare the run directory, run the study, write its metrics.
 
     Args:
@@ -614,6 +879,8 @@ def execute(source, *, overrides: Iterable[str] = (), out_dir="runs", name: Opti
             (``transformer-pde demo`` uses "demo"); runs of other kinds are refused.
         progress: progress bars allowed (tqdm ``disable=None``: shown only on a terminal).
         step_callback: see :class:`RunDir`.
+        max_memory, max_steps: limits of the resource estimate (:func:`check_resources`; bytes or "16G", and
+            solver steps), checked before anything is written.
 
     Returns:
         the run directory.
@@ -626,7 +893,7 @@ def execute(source, *, overrides: Iterable[str] = (), out_dir="runs", name: Opti
         "interrupted" and how to resume).  SIGTERM during the study raises :class:`Terminated`.
     """
     cfg, run_path = plan(source, overrides=overrides, out_dir=out_dir, name=name, resume=resume,
-                         overwrite=overwrite, replace_kind=replace_kind)
+                         overwrite=overwrite, replace_kind=replace_kind, max_memory=max_memory, max_steps=max_steps)
     lock, resumed = _open_run_dir(cfg, run_path, resume=resume, overwrite=overwrite, replace_kind=replace_kind)
     try:
         with _sigterm_as_interrupt():
@@ -634,6 +901,30 @@ def execute(source, *, overrides: Iterable[str] = (), out_dir="runs", name: Opti
                               step_callback=step_callback)
     finally:
         lock.release()
+
+
+def _nonfinite_to_null(metrics) -> Tuple[Any, List[str]]:
+    """(metrics with every NaN/±inf float replaced by None, the dotted keys replaced); tensors become lists."""
+    plain = json.loads(json.dumps(metrics, default=_json_default))  # json reads back NaN/Infinity as floats
+    bad: List[str] = []
+
+    def clean(v, key):
+        if isinstance(v, dict):
+            return {k: clean(u, f"{key}{k}.") for k, u in v.items()}
+        if isinstance(v, list):
+            return [clean(u, f"{key}{i}.") for i, u in enumerate(v)]
+        if isinstance(v, float) and not math.isfinite(v):
+            bad.append(key[:-1])
+            return None
+        return v
+
+    return clean(plain, ""), bad
+
+
+def failed_run_dir(exc: BaseException) -> Optional[Path]:
+    """The run directory when ``exc`` was raised while a study ran (after its directory was written), None when it
+    was raised before anything was written (a refused config, name, folder or resource estimate)."""
+    return getattr(exc, "transformer_pde_run_dir", None)
 
 
 def _run_study(cfg, run_path: Path, *, resumed: bool, resume: bool, progress: bool, step_callback) -> Path:
@@ -661,9 +952,17 @@ def _run_study(cfg, run_path: Path, *, resumed: bool, resume: bool, progress: bo
         if isinstance(e, Terminated):
             status["signal"] = "SIGTERM"
         run.write_json("status.json", status)
+        with contextlib.suppress(AttributeError, TypeError):
+            e.transformer_pde_run_dir = run_path  # see failed_run_dir: the run had started
         raise
     wall = time.perf_counter() - t0
-    metrics = {**(metrics or {}), "wall_time_s": wall}
+    metrics, undefined = _nonfinite_to_null({**(metrics or {}), "wall_time_s": wall})
+    if undefined:
+        metrics["undefined_metrics"] = {
+            "keys": undefined, "reason": "NaN or infinite for this run (a statistic undefined for these parameters, "
+                                         "e.g. a correlation of constant values); written as null"}
+        logger.warning("%s: %d metric(s) undefined for this run, written as null: %s", cfg["name"], len(undefined),
+                       ", ".join(undefined[:5]))
     run.write_json("metrics.json", metrics)
     flat = flatten_metrics(json.loads(json.dumps(metrics, default=_json_default)))
     write_csv(run.path / "metrics.csv", [["key", "value"], *flat.items()])

@@ -23,14 +23,17 @@ import transformer_pde as tp
 
 from .. import plotting
 
-__all__ = ["Option", "Study", "study", "get_study", "available", "validate_params", "SEED_MAX"]
+__all__ = ["Option", "Study", "study", "get_study", "available", "validate_params", "SEED_MAX", "INT_MAX",
+           "estimate_resources"]
 # what the study modules share (named internal API): option checks and options, run set-up, stored pieces, figures
 __internal__ = ["positive", "nonnegative", "at_least", "open_unit", "unique_nonempty", "DTYPE", "DEVICE",
                 "check_whole_steps", "check_device", "device_of", "weight_process", "step_callback", "cached",
-                "fingerprint", "load_segment", "segment_bar", "subplots", "save_captioned", "panel", "log_ticks",
+                "fingerprint", "load_segment", "segment_bar", "check_record_every", "nonfinite_keys", "subplots",
+                "save_captioned", "panel", "log_ticks",
                 "sphere_name"]
 
 SEED_MAX = 2**32 - 1
+INT_MAX = 2**63 - 1  # integers beyond int64 cannot reach torch or numpy
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,10 @@ class Option:
             names = " or ".join(t.__name__ for t in self.types)
             raise ValueError(f"config key '{key}' must be {names}, got {value!r} ({type(value).__name__})")
         items = value if isinstance(value, list) else [value]
+        big = [v for v in _leaves(items) if isinstance(v, int) and not isinstance(v, bool) and abs(v) > INT_MAX]
+        if big:
+            raise ValueError(f"config key '{key}' = {big[0]} is beyond the 64-bit integer range (|v| <= {INT_MAX}); "
+                             f"give a smaller integer")
         if any(isinstance(v, float) and not math.isfinite(v) for v in items):
             raise ValueError(f"config key '{key}' = {value!r} is not a finite number; give a finite value "
                              f"(e.g. -o {key}=1.0)")
@@ -77,6 +84,14 @@ class Option:
         return value
 
 
+def _leaves(items):
+    for v in items:
+        if isinstance(v, list):
+            yield from _leaves(v)
+        else:
+            yield v
+
+
 @dataclass(frozen=True)
 class Study:
     kind: str
@@ -92,17 +107,22 @@ _MODULES = ["transformer_pde.studies.demo", "transformer_pde.studies.paper", "tr
             "transformer_pde.studies.theorems"]
 
 
-def study(kind: str, options: Dict[str, Option], description: str = "", *, validate: Optional[Callable] = None):
+def study(kind: str, options: Dict[str, Option], description: str = "", *, validate: Optional[Callable] = None,
+          resources: Optional[Callable] = None):
     """Decorator registering ``fn(params, run) -> metrics`` as the study ``kind``.
 
     ``options`` gets the option ``dtype`` (:data:`DTYPE`) at its end unless it places it itself.
     ``validate(params)``, when given, checks across keys (raises ValueError); it becomes ``fn.validate``, which
-    ``runs.load_config`` runs before anything is written.
+    ``runs.load_config`` runs before anything is written.  ``resources(params)``, when given, returns the
+    study's own estimate ``{"memory": bytes, "steps": solver steps, "detail": str}`` (``fn.resources``);
+    otherwise :func:`estimate_resources` estimates from the usual keys.
     """
 
     def deco(fn):
         if validate is not None:
             fn.validate = validate
+        if resources is not None:
+            fn.resources = resources
         _REGISTRY[kind] = Study(kind, fn, {**options, "dtype": options.get("dtype", DTYPE)},
                                 description or (fn.__doc__ or "").strip().split("\n")[0])
         return fn
@@ -234,19 +254,65 @@ def fingerprint(p: Dict, ignore, **ident) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def load_segment(run, tag: str, kind: str, fp: str) -> Optional[Dict]:
+def nonfinite_keys(obj, skip=("timing",), prefix: str = "") -> list:
+    """Dotted keys of every floating tensor (or float) in a nested dict/list holding NaN or ±inf; the subtrees
+    named in ``skip`` (wall times and the like) are not looked at."""
+    out = []
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if k not in skip:
+                out += nonfinite_keys(v, skip, f"{prefix}{k}.")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            out += nonfinite_keys(v, skip, f"{prefix}{i}.")
+    elif isinstance(obj, torch.Tensor):
+        if (obj.is_floating_point() or obj.is_complex()) and obj.numel() and not bool(torch.isfinite(obj).all()):
+            out.append(prefix[:-1])
+    elif isinstance(obj, float) and not math.isfinite(obj):
+        out.append(prefix[:-1])
+    return out
+
+
+def load_segment(run, tag: str, kind: str, fp: str, required=()) -> Optional[Dict]:
     """The finished segment ``data/<tag>.pt`` of a ``kind`` run, None when there is none; ValueError when the file
-    is not such a segment or was made with another configuration (fingerprint ``fp``)."""
+    is not such a segment, was made with another configuration (fingerprint ``fp``), lacks one of the
+    ``required`` keys (dotted for nested ones: "ledger.dE") or holds NaN/inf (the file is named, with the fix)."""
     seg = run.load_tensors(tag)
     if seg is None:
         return None
+    path = run.data_path(tag)
     if not isinstance(seg, dict) or seg.get("kind") != f"transformer_pde.{kind}.segment":
-        raise ValueError(f"{run.data_path(tag)} is not a segment of {'an' if kind[0] in 'aeiou' else 'a'} {kind} "
+        raise ValueError(f"{path} is not a segment of {'an' if kind[0] in 'aeiou' else 'a'} {kind} "
                          "run; delete it to recompute")
     if seg.get("fingerprint") != fp:
-        raise ValueError(f"{run.data_path(tag)} belongs to a different configuration (fingerprint "
+        raise ValueError(f"{path} belongs to a different configuration (fingerprint "
                          f"{seg.get('fingerprint')} != {fp}); delete it or start a new run with --name")
+    for key in required:
+        node = seg
+        for part in key.split("."):
+            if not isinstance(node, dict) or part not in node:
+                raise ValueError(f"{path} is incomplete: it has no '{key}' (a damaged or foreign file); delete it to "
+                                 f"recompute that segment")
+            node = node[part]
+    bad = nonfinite_keys(seg)
+    if bad:
+        raise ValueError(f"{path} holds NaN/inf in '{bad[0]}' (a damaged file: a finished segment is always finite); "
+                         f"delete it to recompute that segment")
     return seg
+
+
+def check_record_every(p: Dict, *, t_from: float = 0.0, what: str = "") -> None:
+    """Refuse a ``record_every`` that leaves fewer than two recorded times in [t_from, t1] (ValueError): a time
+    average or a fit over one record is meaningless.  The recorded times are the multiples of record_every·dt."""
+    K = round(p["t1"] / p["dt"])
+    first = math.ceil(t_from / p["dt"] - 1e-9)
+    r = p["record_every"]
+    count = K // r - (-(-first // r)) + 1 if K >= first else 0
+    if count < 2:
+        best = K if first <= 0 else max(1, (K - first) // 2)
+        window = f"[{t_from:g}, {p['t1']:g}]" + (f" ({what})" if what else "")
+        raise ValueError(f"config key 'record_every' = {r} leaves {max(count, 0)} recorded time(s) in {window}: the "
+                         f"horizon t1/dt is {K} steps; choose record_every <= {best}")
 
 
 def segment_bar(run, total: int, desc: str, unit: str):
@@ -286,3 +352,72 @@ def log_ticks(ax, values) -> None:
 def sphere_name(d: int) -> str:
     """S¹, S² or S^{d-1}."""
     return {2: "S¹", 3: "S²"}.get(d, f"S^{d - 1}")
+
+
+# ---------------------------------------------------------------------------- resource estimates
+_STEP_PAIRS = (("t1", "dt"), ("flat_t1", "flat_dt"), ("t1", "ref_dt"), ("n_t1", "n_tau"), ("t1", "eps_tau"))
+_TOKEN_KEYS = ("n", "n_sweep", "hetero_n", "equi_n", "phi_n", "random_n", "grid")
+_PIECE_KEYS = ("regimes", "heads", "n", "d", "n_sweep", "taus", "eps_sweep", "epsilons", "random_n", "random_d")
+
+
+def _biggest(p: Dict, keys, default=1):
+    vals = []
+    for k in keys:
+        v = p.get(k)
+        vals += [x for x in _leaves(v if isinstance(v, list) else [v])
+                 if isinstance(x, (int, float)) and not isinstance(x, bool)]
+    return max(vals) if vals else default
+
+
+def _count(v) -> int:
+    return len(v) if isinstance(v, list) and v else 1
+
+
+def estimate_resources(kind: str, params: Dict[str, Any]) -> Dict[str, Any]:
+    """Rough upper estimate of what a run of ``kind`` with the resolved ``params`` needs, before anything is
+    allocated: ``{"memory": bytes, "steps": solver steps over all its pieces, "detail": str}``.
+
+    The study's own ``resources`` hook (:func:`study`) is used when it has one; otherwise the estimate reads the
+    usual keys: tokens n, dimension d, heads H, paths × systems × len(betas) as the batch B, the horizon t1/dt
+    (and flat_t1/flat_dt, t1/ref_dt, ...), record_every and bootstrap::
+
+        memory ≈ itemsize · (records·B·n·d  [recorded tokens] + 4·B·H·n²  [kernel blocks]
+                             + 2·B·H·d²  [heads, noise] + 16·records·B  [scalar series])
+                 + 16 · bootstrap · B · len(heads)  [bootstrap arrays]
+        steps  ≈ max(t1/dt, ...) · (number of pieces: regimes × heads × ... lists)
+
+    It is an order of magnitude (what the CLI's --max-memory / --max-steps compare against), not a measurement.
+    """
+    st = get_study(kind)
+    own = getattr(st.fn, "resources", None)
+    if own is not None:
+        return own(params)
+    p = params
+    item = 4 if p.get("dtype") == "float32" else 8
+    n = _biggest(p, _TOKEN_KEYS)
+    d = _biggest(p, ("d", "random_d"), 3)
+    H = _biggest(p, ("heads",))
+    batch = _biggest(p, ("paths",)) * _biggest(p, ("systems", "ensemble", "configs")) * _count(p.get("betas"))
+    per_piece = 1.0
+    for t_key, dt_key in _STEP_PAIRS:
+        t, dt = p.get(t_key), p.get(dt_key)
+        if isinstance(t, (int, float)) and isinstance(dt, (int, float)) and dt > 0:
+            per_piece = max(per_piece, float(t) / float(dt))
+    pieces = 1
+    for k in _PIECE_KEYS:
+        pieces *= _count(p.get(k))
+    steps = per_piece * pieces
+    every = p.get("record_every")
+    records = per_piece / every + 2 if isinstance(every, int) and every > 0 else min(per_piece, 1e4) + 1
+    boot = p.get("bootstrap")
+    terms = {"recorded tokens (raise record_every, lower n or paths)": item * records * batch * n * d,
+             "kernel blocks (lower n, heads or paths)": item * 4.0 * batch * H * n * n,
+             "heads and noise (lower heads, d or paths)": item * 2.0 * batch * H * d * d,
+             "scalar series (raise record_every)": item * 16.0 * records * batch,
+             "bootstrap arrays (lower bootstrap)": 16.0 * boot * batch * _count(p.get("heads"))
+             if isinstance(boot, int) and not isinstance(boot, bool) and boot > 0 else 0.0}
+    memory = sum(terms.values())
+    largest = max(terms, key=terms.get)
+    detail = (f"n = {n:g} tokens, d = {d:g}, H = {H:g} heads, batch {batch:g} (paths × systems), "
+              f"{records:.3g} records, {per_piece:.3g} steps per piece × {pieces} pieces; largest term: {largest}")
+    return {"memory": memory, "steps": steps, "detail": detail, "terms": terms}

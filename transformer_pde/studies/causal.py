@@ -27,7 +27,8 @@ import torch
 
 import transformer_pde as tp
 
-from . import Option, at_least, cached, nonnegative, panel, positive, step_callback, study, subplots, weight_process
+from . import (Option, at_least, cached, check_record_every, nonnegative, panel, positive, step_callback, study,
+               subplots, weight_process)
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,8 @@ REGIMES = ("ou", "oscillating")
 _STATS = ("pair_fraction", "clusters", "largest_mass", "mean_overlap")  # recorded per (time, path)
 
 OPTIONS = {
-    "n": Option(32, (int,), "number of tokens", check=positive),
+    "n": Option(32, (int,), "number of tokens (>= 2: one token has no pairs, clusters or merge times)",
+                check=at_least(2)),
     "d": Option(3, (int,), "dimension (tokens on S^{d-1})", check=at_least(2)),
     "heads": Option(4, (int,), "number of heads H (symmetric D_h(0) = Z + Zᵀ, ω = 1/H, as the paper)",
                     check=positive),
@@ -63,6 +65,7 @@ def _validate(p):
         raise ValueError(f"config key 't1' = {p['t1']} must be a whole number of steps dt = {p['dt']}")
     if not p["regimes"]:
         raise ValueError("config key 'regimes' must list at least one of 'ou', 'oscillating'")
+    check_record_every(p, what="the time average of the pair fraction")
 
 
 def _tag(regime: str, causal: bool) -> str:

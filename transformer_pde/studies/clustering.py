@@ -47,9 +47,9 @@ import torch
 import transformer_pde as tp
 import transformer_pde.theory as th
 
-from . import (DEVICE, DTYPE, Option, at_least, check_device, check_whole_steps, device_of, fingerprint, load_segment,
-               nonnegative, open_unit, panel, positive, save_captioned, segment_bar, step_callback, study, subplots,
-               unique_nonempty, weight_process)
+from . import (DEVICE, DTYPE, Option, at_least, check_device, check_record_every, check_whole_steps, device_of,
+               fingerprint, load_segment, nonnegative, open_unit, panel, positive, save_captioned, segment_bar,
+               step_callback, study, subplots, unique_nonempty, weight_process)
 
 __all__ = ["PHASE_OPTIONS", "META_OPTIONS", "run_phase_diagram", "run_metastability"]
 
@@ -125,6 +125,7 @@ META_OPTIONS = {
 
 def _check(p: Dict) -> None:
     check_whole_steps(p)
+    check_record_every(p, what="the clustering statistics over time")
     check_device(p)
 
 

@@ -43,9 +43,9 @@ import transformer_pde as tp
 
 from .. import plotting
 from .._validation import NORMALIZATIONS
-from . import (DEVICE, DTYPE, Option, at_least, check_device, check_whole_steps, device_of, fingerprint, load_segment,
-               nonnegative, open_unit, positive, segment_bar, sphere_name, step_callback, study, unique_nonempty,
-               weight_process)
+from . import (DEVICE, DTYPE, Option, at_least, check_device, check_record_every, check_whole_steps, device_of,
+               fingerprint, load_segment, nonnegative, open_unit, positive, segment_bar, sphere_name, step_callback,
+               study, unique_nonempty, weight_process)
 
 __all__ = ["OPTIONS", "run_ou_vs_oscillating", "fit_power_law", "power_law_intervals", "time_average",
            "initial_tokens", "initial_heads", "check_params"]
@@ -126,6 +126,7 @@ def check_params(p: Dict) -> None:
     if p["t_avg"] >= p["t1"]:
         raise ValueError(f"config key 't_avg' = {p['t_avg']} must be smaller than 't1' = {p['t1']} "
                          f"(the time average runs over t_avg <= t <= t1)")
+    check_record_every(p, t_from=p["t_avg"], what="the time average of 𝒢² over t >= t_avg")
     if p["init"] == "clustered_circle" and p["d"] != 2:
         raise ValueError(f"config key 'init' = 'clustered_circle' needs d = 2 (got 'd' = {p['d']}); "
                          f"allowed values for d = {p['d']}: 'octahedral', 'uniform'")
@@ -322,7 +323,8 @@ def run_ou_vs_oscillating(params: Dict, run) -> Dict:
     with segment_bar(run, len(segments), "ou_vs_oscillating", "segment") as bar:
         for i, (regime, H) in enumerate(segments):
             tag = f"{regime}_H{H}"
-            seg = load_segment(run, tag, "ou_vs_oscillating", fingerprint(p, _NOT_IN_SEGMENT, regime=regime, H=H))
+            seg = load_segment(run, tag, "ou_vs_oscillating", fingerprint(p, _NOT_IN_SEGMENT, regime=regime, H=H),
+                               required=("times", "x", "timing", *SERIES_KEYS, *(f"ledger.{k}" for k in LEDGER_KEYS)))
             if seg is None:
                 logger.info("[%s] segment %d/%d running: H = %d, paths = %d, %d steps", tag, i + 1, len(segments), H,
                             p["paths"] if regime == "ou" else 1, round(p["t1"] / p["dt"]))

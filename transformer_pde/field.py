@@ -64,6 +64,8 @@ class FieldEval:
     outputs:  (..., H, n, d) per-head outputs f_h of the chosen normalisation.
     grad_first_variation: (..., n, d) ∇_S δE/δμ at the tokens, or None.
     energy, slope, dissipation: (...,) or None (when diagnostics=False).
+    ambient:  (..., n, d) the signed field before the tangent projection, s · Σ_h ω_h f_h (what a
+        layer-normalisation scheme adds to the residual stream, :mod:`transformer_pde.solvers.layernorm`).
     """
 
     velocity: torch.Tensor
@@ -73,6 +75,7 @@ class FieldEval:
     energy: Optional[torch.Tensor] = None
     slope: Optional[torch.Tensor] = None
     dissipation: Optional[torch.Tensor] = None
+    ambient: Optional[torch.Tensor] = None
 
 
 def token_mean(values: torch.Tensor, weights: Optional[torch.Tensor]) -> torch.Tensor:
@@ -188,8 +191,9 @@ def evaluate(
         field = sum((omega * torch.exp(l + log_binv).unsqueeze(-1) * u).sum(-3) for l, u in terms)
     else:  # pragma: no cover - validated by callers
         raise ValueError(f"unknown normalization {normalization!r}")
-    V = sign * tangent_projection(x, field)
-    out = FieldEval(V, stats, outputs)
+    ambient = field if sign == 1.0 else sign * field
+    V = tangent_projection(x, ambient)
+    out = FieldEval(V, stats, outputs, ambient=ambient)
     if diagnostics:
         g = tangent_projection(x, sum((omega * torch.exp(l).unsqueeze(-1) * u).sum(-3) for l, u in terms))
         out.grad_first_variation = g

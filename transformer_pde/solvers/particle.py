@@ -42,6 +42,7 @@ from ..mobility import scaled_diagnostics
 from ..heads import Heads
 from ..processes import Constant, Process, WeightDriver, WeightPath, grid_steps
 from ..sphere import normalize
+from .layernorm import LayerNorm, check_layer_norm_method, layer_norm_scheme, scheme_densities
 from .parts import (LEDGER_KEYS, Checkpointer, Ledger, Recorder, Stepper, check_observables, ledger_from_series,
                     partial_density, process_signature, progress_bar)
 
@@ -293,6 +294,7 @@ def simulate(
     observables: Optional[Mapping[str, Callable]] = None,
     quadratic_variation: str = "expected",
     energy_log_scale: Optional[float] = None,
+    layer_norm: Union[str, LayerNorm] = "none",
 ) -> Trajectory:
     """Integrate the token ODE ẋ_i = V[μ_t, Θ_t](x_i) on S^{d-1} from t0 to t1.
 
@@ -346,6 +348,13 @@ def simulate(
             exceeds half the dtype's exponent range, i.e. β‖A‖ ≳ 44 in float32, ≳ 354 in float64),
             so ordinary runs record the values themselves.  Stored in
             ``traj.stats["energy_log_scale"]``.
+        layer_norm: how a layer maps the tokens (:mod:`transformer_pde.solvers.layernorm`,
+            ``docs/layer_norms.md``): "none" (default, the projected flow with retraction),
+            "post" (x ← normalize(x + dt·A), the reference simulators' map), "pre" (radius r_i
+            evolves, ẋ = P_x A/r), "peri", "ngpt", or a scheme object (e.g.
+            ``PreLN(rule="simuformer")``).  The layer maps need method="euler"; the ledger then
+            books 𝒟 and 𝒢² along the scheme's velocity λ_i P_x A_i, the radii are in
+            ``traj.extras["radius"]`` (T, ..., n) and ``traj.stats["layer_norm"]`` names the scheme.
 
     Returns:
         :class:`Trajectory`.  dtype and device follow x0; the solve is differentiable with
@@ -376,6 +385,8 @@ def simulate(
         quadrature=quadrature, adjoint=adjoint, progress=progress, checkpoint=checkpoint,
         checkpoint_every=checkpoint_every, causal=causal, observables=observables,
         quadratic_variation=quadratic_variation, energy_log_scale=energy_log_scale)
+    scheme = layer_norm_scheme(layer_norm)
+    check_layer_norm_method(scheme, method)
     realised = quadratic_variation == "realised"
     start = time.perf_counter()
     x = x0 if paths is None else x0.unsqueeze(0).expand(paths, *x0.shape)
@@ -400,11 +411,13 @@ def simulate(
     # checkpoints of ordinary runs written before them still resume
     extra = ([("causal", True)] if causal else []) + ([("quadratic_variation", "realised")] if realised else []) \
         + ([("energy_log_scale", energy_log_scale)] if energy_log_scale is not None else []) \
-        + ([("observables", tuple(sorted(obs)))] if obs else [])
+        + ([("observables", tuple(sorted(obs)))] if obs else []) \
+        + ([("layer_norm", repr(scheme))] if not scheme.projected else [])
     ckpt = Checkpointer(checkpoint, checkpoint_every, K, lambda: (
         x0, *process_signature(process), t0, t1, dt, method, normalization, direction, paths, seed, record_every,
         quadrature, diagnostics, weights, *extra))
-    run = _FixedStepRun(x, drv, ev, fix_scale, scale, method=method, quadrature=quadrature, ckpt=ckpt, **common)
+    run = _FixedStepRun(x, drv, ev, fix_scale, scale, method=method, quadrature=quadrature, ckpt=ckpt,
+                        layer_norm=scheme, **common)
     run.start()
     with threads.scope(work) as pool:
         run.solve(show, callback, pool)
@@ -412,9 +425,14 @@ def simulate(
     stats = {"steps": K, "field_evaluations": run.nfe, "max_sphere_error": run.max_sphere,
              "wall_time": time.perf_counter() - start, "order": TABLEAUX[method].order,
              "energy_log_scale": scale["c"], "gradient_flow": not causal}
+    extras = {}
+    if not scheme.projected:
+        stats["layer_norm"] = scheme.name
+        if scheme.radius:
+            extras["radius"] = torch.stack(run.radii)
     return Trajectory(times, out_x, series["energy"], series["slope"], series["dissipation"], ledger, stats,
                       method, normalization, direction, weights, drv.path() if return_path else None,
-                      observables=observed)
+                      observables=observed, extras=extras)
 
 
 def _check_simulate_args(x0, theta, *, t1, dt, t0, method, normalization, direction, weights, paths, seed, generator,
@@ -516,7 +534,7 @@ class _Evaluator:
         full = (softmax_statistics(xk, heads, w, second_moment=noisy, chunk_elements=chunk) if self.causal
                 else fe.stats)
         E, G, D, g = scaled_diagnostics(xk, heads, w, fe.velocity, full, log_scale=c, chunk_elements=chunk)
-        return FieldEval(fe.velocity, full, fe.outputs, g, E, G, D)
+        return FieldEval(fe.velocity, full, fe.outputs, g, E, G, D, ambient=fe.ambient)
 
     def fix_scale(self, evk) -> bool:
         """Fix c from the log-partitions of the first evaluation (unless given); True when c ≠ 0
@@ -537,11 +555,13 @@ class _FixedStepRun:
     sphere retraction), the ledger, the recorder and the checkpointer; one :meth:`step` at a time."""
 
     def __init__(self, x, drv, ev, fix_scale, scale, *, K, dt, method, quadrature, record_every, diagnostics, sign,
-                 causal, realised, obs, weights, normalization, ckpt):
+                 causal, realised, obs, weights, normalization, ckpt, layer_norm="none"):
         self.x, self.drv, self.ev, self.fix_scale, self.scale = x, drv, ev, fix_scale, scale
         self.K, self.dt, self.diagnostics, self.realised, self.w = K, dt, diagnostics, realised, weights
         self.normalization, self.ckpt, self.noisy, self.method = normalization, ckpt, drv.noisy, method
-        self.stepper = Stepper(TABLEAUX[method], retract=True)
+        self.stepper = Stepper(TABLEAUX[method], retract=True, layer_norm=layer_norm)
+        self.scheme = self.stepper.layer_norm
+        self.r, self.radii = self.scheme.initial_radius(x), []  # token radii (pre-/peri-LN), their records
         keys = LEDGER_KEYS if not causal else tuple(k for k in LEDGER_KEYS if not k.startswith("residual"))
         self.rec = Recorder(K, record_every, diagnostics=diagnostics, observables=obs, weights=weights,
                             ledger_keys=keys)
@@ -550,7 +570,8 @@ class _FixedStepRun:
 
     def state(self) -> dict:
         return {"x": self.x.detach(), "driver": self.drv.state(), "records": self.rec.records, "acc": self.ledger.acc,
-                "nfe": self.nfe, "max_sphere": self.max_sphere, "scale": dict(self.scale)}
+                "nfe": self.nfe, "max_sphere": self.max_sphere, "scale": dict(self.scale),
+                **({"r": self.r, "radii": self.radii} if self.r is not None else {})}
 
     def _evaluate(self, x, heads):
         e = self.ev(x, heads, self.diagnostics)
@@ -568,12 +589,18 @@ class _FixedStepRun:
         pt = partial_density(x, heads, self.w, e.stats, self.drv.rate if rate is None else rate, self.drv.sigma,
                              ito=self.noisy and not self.realised, log_scale=c)
         _check_ledger(e, pt, self.drv.t, self.drv.k, self.scale)
+        if not self.scheme.projected:  # 𝒟 and 𝒢² along the scheme's velocity λ_i P_x A_i
+            D, G = scheme_densities(self.scheme, e, heads, self.w, self.r, c)
+            return {"partial": pt, "dissipation": D, "slope": G}
         return {"partial": pt, "dissipation": e.dissipation, "slope": e.slope}
 
     def _record(self):
         e = self.cur
+        if self.r is not None:
+            self.radii.append(self.r.detach())
         if self.diagnostics:
-            self.rec.record(self.x, e.energy, e.slope, e.dissipation, self.ledger.terms(e.energy))
+            G, D = (e.slope, e.dissipation) if self.scheme.projected else (self.dens["slope"], self.dens["dissipation"])
+            self.rec.record(self.x, e.energy, G, D, self.ledger.terms(e.energy))
         else:
             self.rec.record(self.x)
 
@@ -585,6 +612,8 @@ class _FixedStepRun:
             self.drv.load_state(ck["driver"])
             self.rec.records, self.ledger.acc = ck["records"], ck["acc"]
             self.scale.update(ck.get("scale", {"c": 0.0, "start_max": float("nan")}))
+            if self.r is not None:
+                self.r, self.radii = ck["r"], ck["radii"]
         self.cur = self._evaluate(self.x, self.drv.current)
         if self.diagnostics and ck is None and self.fix_scale(self.cur):
             self.cur = self.ev(self.x, self.drv.current, True)
@@ -620,7 +649,10 @@ class _FixedStepRun:
             self.nfe += 1
             return self.ev(xs, drv.stage(ci), False).velocity
 
-        x_new, err = self.stepper.step(x, cur.velocity, self.dt, stage)
+        if self.stepper.projected:
+            x_new, err = self.stepper.step(x, cur.velocity, self.dt, stage)
+        else:  # a layer map (post-, pre-, peri-LN, nGPT) of the signed, un-projected attention update
+            x_new, self.r, err = self.stepper.layer_step(x, self.r, cur.ambient, self.dt)
         self.max_sphere = max(self.max_sphere, err)
         if not _check_finite(x_new):
             raise nonfinite_error("the token positions", drv.t + self.dt, self.k + 1, heads, self.normalization)

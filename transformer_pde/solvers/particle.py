@@ -37,7 +37,7 @@ from .._validation import (
 from ..attention import softmax_statistics
 from ..energy import choose_log_scale, pairing
 from ..energy import quadratic_variation as realised_qv_term
-from ..field import FieldEval, evaluate
+from ..field import FieldEval, check_causal_mode, evaluate
 from ..mobility import scaled_diagnostics
 from ..heads import Heads
 from ..processes import Constant, Process, WeightDriver, WeightPath, grid_steps
@@ -329,7 +329,8 @@ def simulate(
             resume from if it exists and matches this run; a foreign or corrupt file is refused.
         callback: called as callback(k, t, x) after every step (e.g. for early stopping hooks).
         causal: token i attends only to tokens j ≤ i (:func:`transformer_pde.evaluate`); not with
-            "effective".  The energy, 𝒢², 𝒟 stay those of the whole measure, but the flow is no
+            "effective".  True / "mean": the prefix mean, "sum": the un-normalised kernels sum over
+            the prefix (simuformer's convention; :mod:`transformer_pde.field`).  The energy, 𝒢², 𝒟 stay those of the whole measure, but the flow is no
             gradient flow: the ledger has no "residual"/"residual_slope" and
             ``traj.stats["gradient_flow"]`` is False.
         observables: mapping name -> callable(x, weights) returning a tensor of shape
@@ -409,7 +410,7 @@ def simulate(
     show = progress if progress is not None else K * TABLEAUX[method].stages * work >= PROGRESS_MIN_WORK
     # options added later enter the checkpoint's fingerprint only when not at their default, so that
     # checkpoints of ordinary runs written before them still resume
-    extra = ([("causal", True)] if causal else []) + ([("quadratic_variation", "realised")] if realised else []) \
+    extra = ([("causal", causal)] if causal else []) + ([("quadratic_variation", "realised")] if realised else []) \
         + ([("energy_log_scale", energy_log_scale)] if energy_log_scale is not None else []) \
         + ([("observables", tuple(sorted(obs)))] if obs else []) \
         + ([("layer_norm", repr(scheme))] if not scheme.projected else [])
@@ -455,8 +456,7 @@ def _check_simulate_args(x0, theta, *, t1, dt, t0, method, normalization, direct
     if quadrature is None:
         quadrature = "left" if method == "euler" else "trapezoid"
     check_choice(quadrature, ("left", "trapezoid"), "quadrature")
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be True or False, got {type(causal).__name__}")
+    check_causal_mode(causal)
     if causal and normalization == "effective":
         raise ValueError("normalization='effective' is the gradient field b^{-1} ∇ δE/δμ and has no causal version; "
                          "use 'softmax', 'unnormalized' or 'relu' with causal=True")
@@ -520,7 +520,7 @@ class _Evaluator:
     def __init__(self, weights, *, normalization, sign, noisy, causal, chunk_elements, energy_log_scale):
         self.w, self.normalization, self.sign, self.noisy = weights, normalization, sign, noisy
         self.causal, self.chunk, self.given = causal, chunk_elements, energy_log_scale
-        self.causal_kw = {"causal": True} if causal else {}
+        self.causal_kw = {"causal": causal} if causal else {}
         self.scale = {"c": 0.0 if energy_log_scale is None else energy_log_scale, "start_max": float("nan"),
                       "given": energy_log_scale is not None}
 
@@ -844,7 +844,7 @@ def _dopri5(x, ev, source, grid, knots, *, weights, rtol, atol, adjoint, normali
     pieces = _pieces(grid, knots) if knots else [(0, len(grid) - 1)]
     if adjoint:
         (source, w_c), params = _rebind_for_adjoint(source, weights)
-        causal_kw = {"causal": True} if causal else {}
+        causal_kw = {"causal": causal} if causal else {}
     out, y = [x[None]], x
     for i, j in pieces:
         heads_at = _piece_heads(source, float(grid[i]), float(grid[j]), bool(knots))

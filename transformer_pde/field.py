@@ -213,9 +213,8 @@ def evaluate(
         field = sum((omega * torch.exp(l + log_binv).unsqueeze(-1) * u).sum(-3) for l, u in terms)
     else:  # pragma: no cover - validated by callers
         raise ValueError(f"unknown normalization {normalization!r}")
-    ambient = field if sign == 1.0 else sign * field
-    V = tangent_projection(x, ambient)
-    out = FieldEval(V, stats, outputs, ambient=ambient)
+    V = sign * tangent_projection(x, field)
+    out = FieldEval(V, stats, outputs, ambient=field if sign == 1.0 else sign * field)
     if diagnostics:
         g = tangent_projection(x, sum((omega * torch.exp(l).unsqueeze(-1) * u).sum(-3) for l, u in terms))
         out.grad_first_variation = g

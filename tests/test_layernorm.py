@@ -325,3 +325,46 @@ def test_checkpoint_resume_keeps_the_radius(tmp_path):
     torch.testing.assert_close(resumed.x, full.x)
     torch.testing.assert_close(resumed.extras["radius"], full.extras["radius"])
     torch.testing.assert_close(resumed.ledger["residual"], full.ledger["residual"])
+
+
+# ---------------------------------------------------------------- clustering statistics of the peers
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_gram_rank_counts_a_single_token_among_ten_thousand(dtype):
+    """999 at e₁ + 1 at e₂ gave 1 with the old 10⁻³·n threshold; clusters of one token among 10⁴ count."""
+    e = torch.eye(3, dtype=dtype)
+    x = torch.cat([e[0].expand(999, 3), e[1][None]])
+    assert int(tp.clustering.gram_rank_count(x, eps=1e-4)) == 2
+    small = x[-101:]  # 100 at e₁ + 1 at e₂: rotf's matrix_rank(IP > 0.9999)
+    assert int(torch.linalg.matrix_rank((small @ small.T > 1 - 1e-4).double())) == 2
+    assert int(tp.clustering.gram_rank_count(small, eps=1e-4)) == 2
+    big = torch.cat([e[0].expand(9998, 3), e[1][None], e[2][None]])
+    assert int(tp.clustering.gram_rank_count(big, eps=1e-4)) == 3
+    batch = torch.stack([big, torch.cat([e[0].expand(9999, 3), e[2][None]])])
+    assert tp.clustering.gram_rank_count(batch, eps=1e-4).tolist() == [3, 2]
+    w = torch.full((10000,), 1e-4, dtype=dtype)
+    w[-1], w[0] = 0.0, 2e-4
+    assert int(tp.clustering.gram_rank_count(big, eps=1e-4, weights=w)) == 2  # a zero-weight token is no cluster
+
+
+def test_gram_rank_agrees_with_matrix_rank_on_random_configurations():
+    g = _gen(7)
+    for n in (5, 40, 600):
+        x = tp.sphere.sample_uniform(n, 2, generator=g, dtype=F64)
+        x = torch.cat([x, x[: n // 3]])  # duplicates, so that the rank is not n
+        T = (x @ x.T > 1 - 1e-2).double()
+        assert int(tp.clustering.gram_rank_count(x, eps=1e-2)) == int(torch.linalg.matrix_rank(T))
+
+
+def test_cluster_statistics_separate_thresholds():
+    """rotf: pair fraction at overlap 0.999, cluster count at 0.9999: two tokens at overlap 0.9995 are one pair
+    but two clusters."""
+    a = 0.9995
+    x = torch.tensor([[1.0, 0.0], [a, math.sqrt(1 - a * a)], [-1.0, 0.0]], dtype=F64)
+    st = tp.clustering.cluster_statistics(x, eps=1e-3, count_eps=1e-4)
+    torch.testing.assert_close(st["pair_fraction"], torch.tensor(2 / 6, dtype=F64))
+    assert int(st["gram_rank"]) == 3 and int(st["clusters"]) == 3
+    one = tp.clustering.cluster_statistics(x, eps=1e-3)
+    assert int(one["gram_rank"]) == 2 and int(one["clusters"]) == 2
+    obs = tp.clustering.statistics_observables(eps=1e-3, count_eps=1e-4, keys=("pair_fraction", "gram_rank"),
+                                               stacked=True)["cluster_statistics"](x, None)
+    torch.testing.assert_close(obs, torch.tensor([2 / 6, 3.0], dtype=F64))

@@ -368,3 +368,25 @@ def test_cluster_statistics_separate_thresholds():
     obs = tp.clustering.statistics_observables(eps=1e-3, count_eps=1e-4, keys=("pair_fraction", "gram_rank"),
                                                stacked=True)["cluster_statistics"](x, None)
     torch.testing.assert_close(obs, torch.tensor([2 / 6, 3.0], dtype=F64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_fused_update_equals_evaluate(dtype):
+    """The tokens-only fast path of the layer maps (one fused pass) against field.evaluate: token weights,
+    head batch shapes, β tensors, both directions; large β‖A‖ falls back (None)."""
+    from transformer_pde.field import evaluate
+    from transformer_pde.solvers.layernorm import FusedUpdate
+
+    X, BF, V = _peer_problem(dtype, batch=3, n=7, d=4, H=3, seed=11)
+    w = torch.rand(3, 7, generator=_gen(2), dtype=F64).to(dtype)
+    w = w / w.sum(-1, keepdim=True)
+    tol = dict(rtol=50 * torch.finfo(dtype).eps, atol=50 * torch.finfo(dtype).eps)
+    for heads, weights in ((tp.Heads(BF, V, beta=1.3), None), (tp.Heads(BF[0], V[0]), w),
+                           (tp.Heads(BF, V, weights=torch.rand(3, 3, dtype=dtype), beta=torch.tensor([0.5, 1.0, 2.0],
+                                                                                                      dtype=dtype)), w)):
+        for sign in (1.0, -1.0):
+            got = FusedUpdate(weights, sign)(X, heads)
+            want = evaluate(X, heads, weights, sign=sign, diagnostics=False)
+            torch.testing.assert_close(got.ambient, want.ambient, **tol)
+            torch.testing.assert_close(got.velocity, want.velocity, **tol)
+    assert FusedUpdate(None, 1.0)(X, tp.Heads(200 * BF, V)) is None

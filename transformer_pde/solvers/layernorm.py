@@ -47,15 +47,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Optional, Tuple, Union
 
+import math
+
 import torch
 
-from ..field import log_inverse_mobility
+from ..field import FieldEval, log_inverse_mobility
 from ..sphere import tangent_projection
 
 __all__ = ["LayerNorm", "Projected", "PostLN", "PreLN", "PeriLN", "NGPT", "LAYER_NORMS", "layer_norm_scheme",
            "simuformer_scheme"]
 #: named internal API (the solvers' use of the seam)
-__internal__ = ["scheme_densities", "check_layer_norm_method"]
+__internal__ = ["scheme_densities", "check_layer_norm_method", "FusedUpdate"]
 
 #: the names accepted by ``simulate(..., layer_norm=...)``
 LAYER_NORMS = ("none", "post", "pre", "peri", "ngpt")
@@ -307,3 +309,65 @@ def check_layer_norm_method(scheme: LayerNorm, method: str) -> None:
                          f"of depth dt); use method='euler' (got method={method!r}), or layer_norm='none' for the "
                          f"projected flow with Runge–Kutta and adaptive methods")
 
+
+
+class FusedUpdate:
+    """The layer maps' attention update without diagnostics, in one fused pass (softmax, not causal):
+
+        K_hj = β A_h x_j,   W_hj = ω_h s V_h x_j,   E_ijh = w_j e^{⟨x_i, K_hj⟩},
+        A_i = Σ_{j,h} (E_ijh / Σ_k E_ikh) W_hj
+
+    All heads share each product: K and W for every head come from one product of the tokens with
+    [β A_1ᵀ … β A_Hᵀ], the scores of every head from one product x Kᵀ (layout (i, j, h)), and the
+    head-summed update from one product of the normalised weights (n × nH) with W (nH × d).  The
+    exponential runs on the scores directly (no max shift): |⟨x_i, β A_h x_j⟩| ≤ β‖A_h‖_F for unit
+    vectors, and the pass is used only when that bound is below ½ log(finfo.max) − log n (else
+    ``None``: the caller falls back to :func:`transformer_pde.field.evaluate`), nor with autograd.
+    The same numbers as ``evaluate`` to rounding (tests/test_layernorm.py).  The stacked matrices
+    are prepared once per head tensors (constant weights reuse them every step).  Returns a
+    :class:`FieldEval` with ``velocity`` = P_x A, ``ambient`` = A and no statistics."""
+
+    def __init__(self, weights, sign: float):
+        self.w, self.sign = weights, float(sign)
+        self._key = None
+        self._prep = None
+
+    @staticmethod
+    def _signature(heads):
+        ts = [heads.score_matrix, heads.value_matrix, heads.weights]
+        b = heads.beta
+        return tuple((t.data_ptr(), t._version, tuple(t.shape)) for t in ts) + (
+            (b.data_ptr(), b._version) if isinstance(b, torch.Tensor) else (float(b),),)
+
+    def _prepare(self, heads, x):
+        key = self._signature(heads) if heads.score is not None else None
+        if key is not None and key == self._key:
+            return self._prep
+        A, V = heads.score_matrix, heads.value_matrix
+        H, d = A.shape[-3], A.shape[-1]
+        beta = heads.beta_tensor().to(A.dtype)
+        beta = beta.reshape(*beta.shape, 1, 1, 1) if beta.dim() else beta
+        bound = float((beta * A).flatten(-2).norm(dim=-1).detach().max())
+        limit = 0.5 * math.log(torch.finfo(x.dtype).max) - math.log(max(x.shape[-2], 1))
+        kt = (beta * A).transpose(-1, -2)                                   # (..., H, d, d)
+        vt = (heads.weights[..., None, None] * (self.sign * V)).transpose(-1, -2)
+        stack = torch.cat([kt, vt], -3)                                     # (..., 2H, d, d)
+        stack = stack.movedim(-3, -2).reshape(*stack.shape[:-3], d, 2 * H * d)
+        self._prep, self._key = (stack, H, bound <= limit), key
+        return self._prep
+
+    def __call__(self, x: torch.Tensor, heads) -> "FieldEval | None":
+        stack, H, safe = self._prepare(heads, x)
+        if not safe or (torch.is_grad_enabled() and (x.requires_grad or stack.requires_grad)):
+            return None
+        n, d = x.shape[-2:]
+        batch = x.shape[:-2]
+        KW = (x @ stack).view(*batch, n, 2, H, d)            # rows j: [β A_h x_j | ω_h s V_h x_j]
+        K = KW[..., 0, :, :].reshape(*batch, n * H, d)       # row j·H + h
+        W = KW[..., 1, :, :].reshape(*batch, n * H, d)
+        E = torch.exp(x @ K.transpose(-1, -2)).view(*batch, n, n, H)   # E[i, j, h]
+        if self.w is not None:
+            E = E * self.w.unsqueeze(-2).unsqueeze(-1)
+        E = E / E.sum(-2, keepdim=True)
+        ambient = E.view(*batch, n, n * H) @ W
+        return FieldEval(tangent_projection(x, ambient), None, None, ambient=ambient)

@@ -42,7 +42,7 @@ from ..mobility import scaled_diagnostics
 from ..heads import Heads
 from ..processes import Constant, Process, WeightDriver, WeightPath, grid_steps
 from ..sphere import normalize
-from .layernorm import LayerNorm, check_layer_norm_method, layer_norm_scheme, scheme_densities
+from .layernorm import FusedUpdate, LayerNorm, check_layer_norm_method, layer_norm_scheme, scheme_densities
 from .parts import (LEDGER_KEYS, Checkpointer, Ledger, Recorder, Stepper, check_observables, ledger_from_series,
                     partial_density, process_signature, progress_bar)
 
@@ -398,6 +398,8 @@ def simulate(
     ev = _Evaluator(weights, normalization=normalization, sign=sign, noisy=process.noisy, causal=causal,
                     chunk_elements=chunk_elements, energy_log_scale=energy_log_scale)
     scale, fix_scale = ev.scale, ev.fix_scale
+    if not scheme.projected and normalization == "softmax" and not causal and chunk_elements is None:
+        ev.fused = FusedUpdate(weights, sign)  # the layer maps without diagnostics: one fused pass per step
     work = float(math.prod(x.shape[:-2])) * process.heads0.num_heads * x.shape[-2] ** 2
     common = dict(K=K, dt=dt, record_every=record_every, diagnostics=diagnostics, sign=sign, causal=causal,
                   realised=realised, obs=obs, weights=weights, normalization=normalization)
@@ -523,9 +525,14 @@ class _Evaluator:
         self.causal_kw = {"causal": causal} if causal else {}
         self.scale = {"c": 0.0 if energy_log_scale is None else energy_log_scale, "start_max": float("nan"),
                       "given": energy_log_scale is not None}
+        self.fused = None  # a layernorm.FusedUpdate for the tokens-only evaluations of a layer map
 
     def __call__(self, xk, heads, diag):
         c, w, noisy, chunk = self.scale["c"], self.w, self.noisy, self.chunk
+        if not diag and self.fused is not None:
+            fe = self.fused(xk, heads)
+            if fe is not None:
+                return fe
         if not diag or (c == 0.0 and not self.causal):  # ordinary runs: evaluate's own diagnostics, bit for bit
             return evaluate(xk, heads, w, normalization=self.normalization, sign=self.sign, diagnostics=diag,
                             second_moment=diag and noisy, chunk_elements=chunk, **self.causal_kw)

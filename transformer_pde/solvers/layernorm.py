@@ -317,8 +317,8 @@ class FusedUpdate:
         K_hj = β A_h x_j,   W_hj = ω_h s V_h x_j,   E_ijh = w_j e^{⟨x_i, K_hj⟩},
         A_i = Σ_{j,h} (E_ijh / Σ_k E_ikh) W_hj
 
-    All heads share each product: K and W for every head come from one product of the tokens with
-    [β A_1ᵀ … β A_Hᵀ], the scores of every head from one product x Kᵀ (layout (i, j, h)), and the
+    All heads share each product: K (and W) for every head come from one product of the tokens with
+    [β A_1ᵀ … β A_Hᵀ] (and [ω_1 s V_1ᵀ …]), the scores of every head from one product x Kᵀ (layout (i, j, h)), and the
     head-summed update from one product of the normalised weights (n × nH) with W (nH × d).  The
     exponential runs on the scores directly (no max shift): |⟨x_i, β A_h x_j⟩| ≤ β‖A_h‖_F for unit
     vectors, and the pass is used only when that bound is below ½ log(finfo.max) − log n (else
@@ -351,20 +351,19 @@ class FusedUpdate:
         limit = 0.5 * math.log(torch.finfo(x.dtype).max) - math.log(max(x.shape[-2], 1))
         kt = (beta * A).transpose(-1, -2)                                   # (..., H, d, d)
         vt = (heads.weights[..., None, None] * (self.sign * V)).transpose(-1, -2)
-        stack = torch.cat([kt, vt], -3)                                     # (..., 2H, d, d)
-        stack = stack.movedim(-3, -2).reshape(*stack.shape[:-3], d, 2 * H * d)
-        self._prep, self._key = (stack, H, bound <= limit), key
+        kt = kt.movedim(-3, -2).reshape(*kt.shape[:-3], d, H * d)         # (..., d, H·d)
+        vt = vt.movedim(-3, -2).reshape(*vt.shape[:-3], d, H * d)
+        self._prep, self._key = (kt, vt, H, bound <= limit), key
         return self._prep
 
     def __call__(self, x: torch.Tensor, heads) -> "FieldEval | None":
-        stack, H, safe = self._prepare(heads, x)
-        if not safe or (torch.is_grad_enabled() and (x.requires_grad or stack.requires_grad)):
+        kt, vt, H, safe = self._prepare(heads, x)
+        if not safe or (torch.is_grad_enabled() and (x.requires_grad or kt.requires_grad or vt.requires_grad)):
             return None
         n, d = x.shape[-2:]
         batch = x.shape[:-2]
-        KW = (x @ stack).view(*batch, n, 2, H, d)            # rows j: [β A_h x_j | ω_h s V_h x_j]
-        K = KW[..., 0, :, :].reshape(*batch, n * H, d)       # row j·H + h
-        W = KW[..., 1, :, :].reshape(*batch, n * H, d)
+        K = (x @ kt).reshape(*batch, n * H, d)               # row j·H + h: β A_h x_j
+        W = (x @ vt).reshape(*batch, n * H, d)               # ω_h s V_h x_j
         E = torch.exp(x @ K.transpose(-1, -2)).view(*batch, n, n, H)   # E[i, j, h]
         if self.w is not None:
             E = E * self.w.unsqueeze(-2).unsqueeze(-1)

@@ -390,3 +390,52 @@ def test_fused_update_equals_evaluate(dtype):
             torch.testing.assert_close(got.ambient, want.ambient, **tol)
             torch.testing.assert_close(got.velocity, want.velocity, **tol)
     assert FusedUpdate(None, 1.0)(X, tp.Heads(200 * BF, V)) is None
+
+
+# ---------------------------------------------------------------- studies
+def test_rotf_phase_diagram_study_records_the_peers_statistics(tmp_path):
+    """phase_diagram with rotf's settings: post-LN, pair fraction at 0.999 and Gram rank at 0.9999; the
+    recorded series equal the statistics recomputed from a direct simulate of the same ensemble."""
+    import json
+
+    from transformer_pde.runs import execute
+
+    p = {"regimes": ["constant"], "betas": [1.0, 6.0], "n": 8, "d": 2, "systems": 3, "t1": 3.0, "dt": 0.1,
+         "record_every": 10, "layer_norm": "post", "pair_eps": 1e-3, "count_eps": 1e-4, "count": "gram_rank",
+         "figures": False}
+    path = execute({"kind": "phase_diagram", "name": "rotf", "params": p}, out_dir=tmp_path, progress=False)
+    m = json.loads((path / "metrics.json").read_text())
+    assert m["layer_norm"] == "post" and m["eps"] == 1e-3 and m["count_eps"] == 1e-4
+    seg = torch.load(path / "data" / "constant.pt", weights_only=False)
+    x0 = tp.ensembles.random_tokens(3, 8, 2, generator=torch.Generator().manual_seed(0), dtype=F64)
+    heads = tp.Heads(torch.eye(2, dtype=F64).expand(3, 1, 2, 2).clone(), None, None,
+                     torch.tensor([1.0, 6.0], dtype=F64)[:, None].expand(2, 3).contiguous())
+    traj = tp.simulate(x0.expand(2, 3, 8, 2), heads, t1=3.0, dt=0.1, direction="ascent", layer_norm="post",
+                       diagnostics=False, record_every=10)
+    G = traj.x @ traj.x.transpose(-1, -2)
+    off = ~torch.eye(8, dtype=torch.bool)
+    pair = ((G > 1 - 1e-3) & off).sum((-1, -2)).double() / 56
+    torch.testing.assert_close(seg["pair_fraction"], pair)
+    rank = torch.linalg.matrix_rank((G > 1 - 1e-4).double())
+    assert torch.equal(seg["gram_rank"], rank)
+    assert "final_gram_rank_median" in m["regimes"]["constant"]["per_beta"][0]
+
+
+def test_layer_norm_rates_study_fits_the_post_ln_rate(tmp_path):
+    """The post-LN map contracts the deviations from consensus by 1/(1 + Δt) per step (V = I):
+    fitted rate 2·log(1/(1 + Δt))/Δt, → −2 as Δt → 0; pre-LN decays more slowly (a power)."""
+    import json
+
+    from transformer_pde.runs import execute
+
+    p = {"schemes": ["post", "pre"], "n": 6, "d": 3, "draws": 4, "t1": 12.0, "dt": 0.1, "record_every": 2,
+         "figures": False}
+    path = execute({"kind": "layer_norm_rates", "name": "r", "params": p}, out_dir=tmp_path, progress=False)
+    m = json.loads((path / "metrics.json").read_text())
+    post = m["schemes"]["post"]
+    assert post["fitted_draws"] == 4
+    assert abs(post["rate_median"] - 2 * math.log(1 / 1.1) / 0.1) < 0.03
+    assert m["schemes"]["pre"]["final_gap_median"] > 1e3 * m["schemes"]["post"]["final_gap_median"]
+    with pytest.raises(ValueError, match="fit_low"):
+        execute({"kind": "layer_norm_rates", "name": "r2", "params": {**p, "fit_low": 0.5, "fit_high": 0.1}},
+                out_dir=tmp_path, progress=False)

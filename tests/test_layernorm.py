@@ -439,3 +439,19 @@ def test_layer_norm_rates_study_fits_the_post_ln_rate(tmp_path):
     with pytest.raises(ValueError, match="fit_low"):
         execute({"kind": "layer_norm_rates", "name": "r2", "params": {**p, "fit_low": 0.5, "fit_high": 0.1}},
                 out_dir=tmp_path, progress=False)
+
+
+def test_s1_mode_rates_against_quadrature_and_the_literature_counts():
+    """r_ℓ = ℓ² I_ℓ(β)/(β I_0(β)) with I_ℓ(β) = (1/π)∫_0^π e^{β cos θ} cos ℓθ dθ (trapezoid here); the fastest
+    mode is 3 at β = 5 and 4 at β = 7 (Bruno–Pasqualotto–Agazzi)."""
+    import numpy as np
+
+    from transformer_pde.studies.clustering import s1_mode_rates
+
+    th = np.linspace(0.0, math.pi, 20001)
+    for beta in (2.0, 5.0, 7.0):
+        bess = [np.trapezoid(np.exp(beta * np.cos(th)) * np.cos(l * th), th) / math.pi for l in range(9)]
+        want = np.array([l * l * bess[l] / (beta * bess[0]) for l in range(9)])
+        np.testing.assert_allclose(s1_mode_rates(beta, 8), want, rtol=1e-7, atol=1e-12)
+    assert int(np.argmax(s1_mode_rates(5.0, 20)[1:])) + 1 == 3
+    assert int(np.argmax(s1_mode_rates(7.0, 20)[1:])) + 1 == 4

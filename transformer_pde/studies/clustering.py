@@ -23,6 +23,11 @@ ODE of Pendharkar (2026) for one scalar head A = I (``th.hitting_time``, γ0 = t
 equiangular tokens and constant identity heads (H equal heads with ω = 1/H act as one head);
 Pendharkar's critical β*(H) of radial dominance (``th.critical_beta``, H ≥ 2, equal heads αI, α = 1).
 
+On S¹ with identity heads the metastability study also checks Bruno–Pasqualotto–Agazzi's
+metastable clusters: the count is the fastest Fourier mode ℓ* = argmax_ℓ ℓ² I_ℓ(β)/I_0(β) of the
+T = 0 linearisation (3 at β = 5, 4 at β = 7) and the clusters sit at (φ + 2πk)/ℓ*, φ the phase of
+the initial empirical ℓ*-th Fourier coefficient (``metrics["mode_theory"]``).
+
 Kind ``metastability``.  Long horizon, low dimension, large β (Geshkovski et al.'s metastable
 multi-cluster states): constant, OU and oscillating heads; the energy at the reference heads
 E_ref(t) = (1/2β) ∫∫ e^{β⟨x, y⟩} dμ_t dμ_t (heads A = I: a function of the tokens alone, so that
@@ -417,12 +422,69 @@ def run_metastability(params: Dict, run) -> Dict:
                        f"(median); plateaus per member (median): energy {m['energy_plateaus_median']:g}, "
                        f"cluster count {m['cluster_plateaus_median']:g}; longest cluster plateau "
                        f"{m['cluster_plateau_duration_max']}")
+    if p["d"] == 2 and p["init_heads"] == "identity" and "constant" in segs:
+        metrics["mode_theory"] = _s1_mode_check(p, segs["constant"])
+        mt = metrics["mode_theory"]
+        summary.append(f"S¹ mode theory (T = 0, Funk–Hecke): fastest mode ℓ* = {mt['predicted_clusters']} at "
+                       f"β = {p['beta']:g}; clusters formed (stored members) {mt['formed_clusters']}, at t1 (median "
+                       f"over members) {mt['final_clusters_median']:g}; distance of a formed cluster from the predicted "
+                       f"positions (Fourier phase at t0): median {mt['position_error_median']:.3g}, max "
+                       f"{mt['position_error_max']:.3g} rad")
     metrics["summary"] = summary
     if p["figures"]:
         _meta_figures(p, segs, metrics, run)
     for seg in segs.values():
         seg.pop("_stairs", None)
     return metrics
+
+
+def s1_mode_rates(beta: float, ell_max: int) -> np.ndarray:
+    """Growth rates r_ℓ = ℓ² I_ℓ(β)/(β I_0(β)), ℓ = 0 … ell_max, of the Fourier modes of a perturbation of
+    the uniform measure on S¹ under one softmax head A = V = I, ascent, no noise (the Funk–Hecke
+    coefficient of e^{β cos} on the circle is I_ℓ(β)); computed here for S¹ only (the general
+    spherical-harmonic version belongs to the noisy-tokens theory)."""
+    from scipy.special import ive
+
+    ell = np.arange(ell_max + 1)
+    return ell ** 2 * ive(ell, beta) / (beta * ive(0, beta))
+
+
+def _s1_mode_check(p, seg) -> Dict:
+    """Bruno–Pasqualotto–Agazzi's metastable clusters on S¹: the number ℓ* = argmax_ℓ r_ℓ of clusters a
+    near-uniform start forms, and their positions θ_k = (φ + 2πk)/ℓ* from the phase φ of the ℓ*-th
+    empirical Fourier coefficient Σ_j e^{iℓ*θ_j(0)}, against the stored members at their formation time:
+    the first record at which every single-linkage cluster is tight (geodesic spread below the linkage
+    radius) and those holding ≥ 5 % of the tokens hold ≥ 95 % of them together (the clusters then drift
+    and merge on the slow metastable time scale)."""
+    rates = s1_mode_rates(p["beta"], max(16, int(4 * math.sqrt(p["beta"] + 1)) + 8))
+    ell = int(np.argmax(rates[1:])) + 1
+    x = seg["x"].double()  # (T, members, n, 2)
+    times = seg["times"].double()
+    n = x.shape[-2]
+    formed, errs, t_form = [], [], []
+    for b in range(x.shape[1]):
+        th0 = torch.atan2(x[0, b, :, 1], x[0, b, :, 0])
+        phi = float(torch.angle(torch.exp(1j * ell * th0.to(torch.complex128)).sum()))
+        pred = (phi + 2 * math.pi * np.arange(ell)) / ell
+        for k in range(1, x.shape[0]):
+            labels = tp.clustering.cluster_labels(x[k, b], radius=p["radius"])
+            sizes = torch.bincount(labels, minlength=n)
+            big = (sizes >= 0.05 * n).nonzero().flatten()
+            tight = float(tp.clustering.cluster_radius(x[k, b], radius=p["radius"])) < p["radius"]
+            if (tight and sizes[big].sum() >= 0.95 * n) or k == x.shape[0] - 1:
+                break
+        formed.append(int(big.numel()))
+        t_form.append(float(times[k]))
+        for lab in big.tolist():
+            c = x[k, b][labels == lab].mean(0)
+            ang = math.atan2(float(c[1]), float(c[0]))
+            errs.append(float(np.min(np.abs(np.angle(np.exp(1j * (ang - pred)))))))
+    return {"predicted_clusters": ell, "rates": [float(r) for r in rates[:ell + 3]],
+            "formed_clusters": formed, "formation_time": t_form,
+            "final_clusters_median": float(seg["clusters"][-1, 0].double().median()),
+            "final_clusters": [int(c) for c in seg["clusters"][-1, 0].tolist()],
+            "position_error_median": float(np.median(errs)) if errs else math.nan,
+            "position_error_max": float(max(errs)) if errs else math.nan, "members_checked": int(x.shape[1])}
 
 
 def _meta_figures(p, segs, metrics, run) -> None:

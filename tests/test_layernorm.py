@@ -455,3 +455,16 @@ def test_s1_mode_rates_against_quadrature_and_the_literature_counts():
         np.testing.assert_allclose(s1_mode_rates(beta, 8), want, rtol=1e-7, atol=1e-12)
     assert int(np.argmax(s1_mode_rates(5.0, 20)[1:])) + 1 == 3
     assert int(np.argmax(s1_mode_rates(7.0, 20)[1:])) + 1 == 4
+
+
+@pytest.mark.parametrize("kind", ["post", "pre", "ngpt"])
+def test_layer_maps_with_noisy_weights_replay_their_path(kind):
+    """OU heads (grid-sampled, Monte-Carlo paths): a run and the replay of its stored weight path agree."""
+    X, BF, V = _peer_problem(F64, batch=1, n=5, H=2, seed=4)
+    heads = tp.Heads.symmetric(0.5 * (BF[0] + BF[0].transpose(-1, -2)))
+    theta = tp.OrnsteinUhlenbeck(heads, mean=torch.eye(3, dtype=F64), rate=1.0, sigma=0.5)
+    kw = dict(t1=0.6, dt=0.05, direction="ascent", layer_norm=kind, record_every=3)
+    first = tp.simulate(X[0], theta, paths=2, seed=3, return_path=True, **kw)
+    again = tp.simulate(X[0].expand(2, 5, 3), first.path, **kw)
+    torch.testing.assert_close(again.x, first.x)
+    assert torch.isfinite(first.ledger["residual"]).all()

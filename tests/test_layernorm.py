@@ -334,6 +334,11 @@ def test_gram_rank_counts_a_single_token_among_ten_thousand(dtype):
     e = torch.eye(3, dtype=dtype)
     x = torch.cat([e[0].expand(999, 3), e[1][None]])
     assert int(tp.clustering.gram_rank_count(x, eps=1e-4)) == 2
+    # the same without exact duplicates (no reduction to distinct tokens: the eigenvalues of the 1000 × 1000 T)
+    jitter = 1e-4 * torch.randn(999, 3, generator=_gen(3), dtype=F64).to(dtype)
+    near = torch.cat([tp.sphere.normalize(e[0] + jitter), e[1][None]])
+    assert torch.unique(near, dim=0).shape[0] == 1000
+    assert int(tp.clustering.gram_rank_count(near, eps=1e-4)) == 2
     small = x[-101:]  # 100 at e₁ + 1 at e₂: rotf's matrix_rank(IP > 0.9999)
     assert int(torch.linalg.matrix_rank((small @ small.T > 1 - 1e-4).double())) == 2
     assert int(tp.clustering.gram_rank_count(small, eps=1e-4)) == 2

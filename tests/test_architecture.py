@@ -27,6 +27,7 @@ LAYERS = [
     {"transformer_pde.mobility"},
     {"transformer_pde.processes"},  # weight processes and the Θ_t grid driver
     {"transformer_pde.nn"},
+    {"transformer_pde.solvers.layernorm"},  # the layer-normalisation schemes (the step's geometry)
     {"transformer_pde.solvers", "transformer_pde.solvers.parts"},
     {"transformer_pde.solvers.particle"},
     {"transformer_pde.solvers.jko", "transformer_pde.distributed"},
@@ -39,7 +40,8 @@ LAYERS = [
     {"transformer_pde.animation"},
     {"transformer_pde.studies"},
     {"transformer_pde.studies.demo", "transformer_pde.studies.paper", "transformer_pde.studies.theory",
-     "transformer_pde.studies.jko", "transformer_pde.studies.clustering", "transformer_pde.studies.causal"},
+     "transformer_pde.studies.jko", "transformer_pde.studies.clustering", "transformer_pde.studies.causal",
+     "transformer_pde.studies.layernorm"},
     {"transformer_pde.studies.theorems"},  # composes studies.jko (the uniqueness panel)
     {"transformer_pde.runs"},
     {"transformer_pde.sweep"},
@@ -103,7 +105,8 @@ def test_no_private_name_crosses_modules():
     assert not bad, "\n".join(bad)
 
 
-@pytest.mark.parametrize("module", ["field", "transport", "heads", "solvers.particle", "solvers.parts"])
+@pytest.mark.parametrize("module", ["field", "transport", "heads", "solvers.particle", "solvers.parts",
+                                    "solvers.layernorm"])
 def test_internal_api_is_named_and_exists(module):
     import importlib
 

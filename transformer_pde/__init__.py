@@ -29,6 +29,7 @@ from .processes import (
     sample_path,
 )
 from .solvers.particle import METHODS, TABLEAUX, ButcherTableau, NonFiniteError, Trajectory, simulate
+from .solvers.layernorm import LAYER_NORMS, NGPT, LayerNorm, PeriLN, PostLN, PreLN, Projected, simuformer_scheme
 from . import attention, diagnostics, distributed, nn, theory, transport
 from .attention import kernel_backend
 from .distributed import distributed_evaluate, simulate_sharded
@@ -51,6 +52,7 @@ def __getattr__(name):
 __version__ = "0.1.0"
 
 __all__ = [
+    "LAYER_NORMS", "LayerNorm", "Projected", "PostLN", "PreLN", "PeriLN", "NGPT", "simuformer_scheme",
     "sphere",
     "plotting",
     "Heads",

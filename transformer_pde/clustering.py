@@ -238,35 +238,73 @@ def pair_fraction(x, *, radius: Optional[float] = None, eps: Optional[float] = N
 
 
 def gram_rank_count(x, *, radius: Optional[float] = None, eps: Optional[float] = None, weights=None,
-                    rtol: float = 1e-3) -> torch.Tensor:
+                    rtol: Optional[float] = None) -> torch.Tensor:
     """Number of clusters as the numerical rank of the thresholded Gram matrix, (...,) int64:
 
-        T_ij = 1[⟨x_i, x_j⟩ > 1 − ε] 1[w_i > 0] 1[w_j > 0],    count = #{eigenvalues λ of T : |λ| > rtol·n}
+        T_ij = 1[⟨x_i, x_j⟩ > 1 − ε] 1[w_i > 0] 1[w_j > 0],
+        count = #{eigenvalues λ of T : |λ| > rtol · max|λ|},   rtol = n · 2⁻⁵² by default
 
-    (ε given or ε = r²/2, default r = 0.1).  Exactly separated clusters (overlap > 1 − ε within,
-    < 1 − ε across) make T block diagonal with all-ones blocks of sizes m_1 … m_k, eigenvalues
-    m_1 … m_k and 0: the rank is k, as the single-linkage count.  When linking is not transitive the
-    two counts differ (a chain of three tokens: single linkage 1, rank 2 or 3), which flags
-    clusters that are not well separated.  Computed with ``torch.linalg.eigvalsh`` (batched)."""
+    (ε given or ε = r²/2, default r = 0.1).  The default tolerance is ``torch.linalg.matrix_rank``'s
+    (the reference simulator rotf counts clusters as ``matrix_rank(IP > 0.9999)``, i.e. ε = 1e-4),
+    applied in float64 whatever the dtype of x: T has integer entries, so the count is exact.
+    Exactly separated clusters (overlap > 1 − ε within, < 1 − ε across) make T block diagonal with
+    all-ones blocks of sizes m_1 … m_k, eigenvalues m_1 … m_k ≥ 1 and 0: the rank is k, as the
+    single-linkage count, for clusters of any size — one token among 10⁴ counts.  (Before, the
+    threshold was 10⁻³·n, which dropped every cluster of at most n/1000 tokens.)  When linking is
+    not transitive the two counts differ (a chain of three tokens: single linkage 1, rank 2 or
+    3), which flags clusters that are not well separated.
+
+    Exact duplicates give equal rows of T and leave its rank unchanged, so for n > 512 each system
+    is first reduced to its distinct tokens (``torch.unique``): a clustered configuration of 10⁴
+    tokens costs the eigenvalues of a k×k matrix.  Otherwise ``torch.linalg.eigvalsh`` (batched)."""
     if radius is not None and eps is not None:
         raise ValueError("give either radius (chordal) or eps (overlap > 1 - eps), not both; eps = radius**2 / 2")
     if eps is None:
         eps = eps_from_radius(0.1 if radius is None else radius)
     eps = check_positive(eps, "eps")
     _check(x, weights, 1.0)
-    rtol = check_positive(rtol, "rtol")
+    if rtol is not None:
+        rtol = check_positive(rtol, "rtol")
+    n = x.shape[-2]
+    if n > _DEDUPE_MIN:
+        return _rank_deduplicated(x.detach(), None if weights is None else weights.detach(), eps, rtol)
     T = (_half_sq_dist(x.detach()) < eps)
     if weights is not None:
         pos = weights.detach() > 0
         T = T & pos.unsqueeze(-1) & pos.unsqueeze(-2)
-    n = x.shape[-2]
-    ev = torch.linalg.eigvalsh(T.to(x.dtype))
-    return (ev.abs() > rtol * n).sum(-1)
+    return _rank_of_linked(T, rtol)
+
+
+#: gram_rank_count reduces each system to its distinct tokens above this many tokens
+_DEDUPE_MIN = 512
+
+
+def _rank_of_linked(T: torch.Tensor, rtol: Optional[float]) -> torch.Tensor:
+    """Numerical rank of 0/1 matrices T (..., n, n), in float64: |λ| > rtol · max|λ| (default n·2⁻⁵²)."""
+    n = T.shape[-1]
+    ev = torch.linalg.eigvalsh(T.to(torch.float64)).abs()
+    tol = (n * torch.finfo(torch.float64).eps if rtol is None else rtol) * ev.amax(-1, keepdim=True)
+    return ((ev > tol) & (ev > 0)).sum(-1)
+
+
+def _rank_deduplicated(x, weights, eps, rtol):
+    """gram_rank_count system by system on the distinct tokens of positive weight."""
+    batch = x.shape[:-2]
+    xs = x.reshape(-1, *x.shape[-2:])
+    ws = None if weights is None else weights.expand(*batch, x.shape[-2]).reshape(-1, x.shape[-2])
+    out = torch.zeros(xs.shape[0], dtype=torch.int64, device=x.device)
+    for b in range(xs.shape[0]):
+        pts = xs[b] if ws is None else xs[b][ws[b] > 0]
+        if pts.shape[0] == 0:
+            continue
+        u = torch.unique(pts, dim=0)
+        out[b] = _rank_of_linked(_half_sq_dist(u) < eps, rtol)
+    return out.reshape(batch)
 
 
 # ---------------------------------------------------------------------------- all at once
 def cluster_statistics(x, weights=None, *, radius: float = 0.1, eps: Optional[float] = None,
-                       gram_rank: bool = True) -> Dict[str, torch.Tensor]:
+                       gram_rank: bool = True, count_eps: Optional[float] = None) -> Dict[str, torch.Tensor]:
     """Every cluster statistic of this module at one scale, as a dict of (...,) tensors:
 
         "clusters"        single-linkage count at radius r (int64)            :func:`cluster_count`
@@ -277,7 +315,10 @@ def cluster_statistics(x, weights=None, *, radius: float = 0.1, eps: Optional[fl
         "mean_overlap"    Σ_{i≠j} w_i w_j ⟨x_i, x_j⟩ / Σ_{i≠j} w_i w_j
 
     with ε = r²/2 unless ``eps`` is given (then r = √(2ε)).  ``gram_rank=False`` skips the
-    eigenvalues (the costliest part, O(n³)).  The signature ``(x, weights)`` is the observable
+    eigenvalues (the costliest part, O(n³)).  ``count_eps``: a separate threshold for the cluster
+    counts ("clusters", "gram_rank", "largest_mass", "radius": overlap > 1 − count_eps), the pair
+    fraction and mean overlap keeping ε (rotf: ε = 1e-3 for the pairs, count_eps = 1e-4 for the
+    rank).  The signature ``(x, weights)`` is the observable
     form of ``tp.simulate(..., observables={"clusters": tp.clustering.cluster_statistics})``;
     :func:`statistics_observables` makes one entry per statistic with other settings.
     """
@@ -287,7 +328,12 @@ def cluster_statistics(x, weights=None, *, radius: float = 0.1, eps: Optional[fl
     eps = eps_from_radius(radius)
     w = _weights(x, weights)
     n = x.shape[-2]
-    adj = linked(x, radius=radius, weights=weights)
+    pairs = linked(x, radius=radius, weights=weights)
+    if count_eps is None:
+        count_eps, adj = eps, pairs
+    else:
+        count_eps = check_positive(count_eps, "count_eps")
+        adj = linked(x, radius=_check(x, None, radius_from_eps(count_eps)), weights=weights)
     labels = _components(adj)
     ar = torch.arange(n, device=x.device)
     roots = labels == ar
@@ -295,12 +341,12 @@ def cluster_statistics(x, weights=None, *, radius: float = 0.1, eps: Optional[fl
     masses = (w.unsqueeze(-1) * onehot).sum(-2)
     out = {"clusters": (roots & (w > 0)).sum(-1), "largest_mass": masses.amax(-1)}
     if gram_rank:
-        ev = torch.linalg.eigvalsh(adj.to(x.dtype))
-        out["gram_rank"] = (ev.abs() > 1e-3 * n).sum(-1)
+        out["gram_rank"] = (_rank_of_linked(adj, None) if n <= _DEDUPE_MIN
+                            else _rank_deduplicated(x.detach(), weights, count_eps, None))
     ww = w.unsqueeze(-1) * w.unsqueeze(-2)
     offdiag = 1.0 - torch.eye(n, dtype=x.dtype, device=x.device)
     den = (ww * offdiag).sum((-1, -2)).clamp_min(torch.finfo(x.dtype).tiny)
-    out["pair_fraction"] = (ww * offdiag * adj.to(x.dtype)).sum((-1, -2)) / den
+    out["pair_fraction"] = (ww * offdiag * pairs.to(x.dtype)).sum((-1, -2)) / den
     G = x @ x.transpose(-1, -2)
     out["mean_overlap"] = (ww * offdiag * G).sum((-1, -2)) / den
     out["radius"] = _spread(x, w, labels)
@@ -308,7 +354,7 @@ def cluster_statistics(x, weights=None, *, radius: float = 0.1, eps: Optional[fl
 
 
 def statistics_observables(*, radius: float = 0.1, eps: Optional[float] = None, keys=None,
-                           stacked: bool = False) -> Dict[str, object]:
+                           stacked: bool = False, count_eps: Optional[float] = None) -> Dict[str, object]:
     """Observables for ``tp.simulate(..., observables=...)`` from :func:`cluster_statistics`.
 
     stacked=False: one entry per statistic in ``keys`` (default: all), each a callable(x, weights)
@@ -316,12 +362,15 @@ def statistics_observables(*, radius: float = 0.1, eps: Optional[float] = None, 
     ``"cluster_statistics"`` whose callable returns (..., k), the k statistics of ``keys`` in that order
     (cast to x's dtype), computed once per recorded time; ``traj.observables["cluster_statistics"][..., i]``
     is ``keys[i]``.  The Gram rank (eigenvalues, O(n³)) is computed only when "gram_rank" is in keys.
+    ``count_eps``: the separate threshold of the cluster counts (:func:`cluster_statistics`).
 
     Raises:
         ValueError: unknown key, bad radius/eps."""
     if eps is not None:
         radius = radius_from_eps(eps)
     check_positive(radius, "radius")
+    if count_eps is not None:
+        count_eps = check_positive(count_eps, "count_eps")
     allowed = ("clusters", "gram_rank", "pair_fraction", "largest_mass", "radius", "mean_overlap")
     keys = allowed if keys is None else tuple(keys)
     bad = [k for k in keys if k not in allowed]
@@ -330,13 +379,14 @@ def statistics_observables(*, radius: float = 0.1, eps: Optional[float] = None, 
     rank = "gram_rank" in keys
     if stacked:
         def fn(x, w):
-            st = cluster_statistics(x, w, radius=radius, gram_rank=rank)
+            st = cluster_statistics(x, w, radius=radius, gram_rank=rank, count_eps=count_eps)
             return torch.stack([st[k].to(x.dtype) for k in keys], -1)
 
         return {"cluster_statistics": fn}
 
     def make(key):
-        return lambda x, w: cluster_statistics(x, w, radius=radius, gram_rank=(key == "gram_rank"))[key]
+        return lambda x, w: cluster_statistics(x, w, radius=radius, gram_rank=(key == "gram_rank"),
+                                               count_eps=count_eps)[key]
 
     return {k: make(k) for k in keys}
 

@@ -26,6 +26,18 @@ from a second, non-causal kernel pass: E(μ), ∇_S δE/δμ, b, the dissipation
 𝒟 = ∫ ⟨∇_S δE/δμ, V_causal⟩ dμ (still the chain-rule rate dE/dt − ∂_tE along the causal flow)
 and 𝒢² = ∫ b |V_causal|² dμ, which no longer equals ±𝒟 — there is no gradient-flow identity
 to check (the solvers' ledger reports "not a gradient flow").
+
+Two conventions for the un-normalised causal kernels (``causal="mean" | "sum"``; ``True`` is "mean"):
+
+    "mean" (default):  f_h(x_i) = Σ_{j≤i} w_j e^{β⟨x_i,A_h x_j⟩} V_h x_j / W_i,   W_i = Σ_{j≤i} w_j
+    "sum":             f_h(x_i) = Σ_{j≤i} w_j e^{β⟨x_i,A_h x_j⟩} V_h x_j
+
+("relu" likewise, with ReLU(β⟨x_i, A_h x_j⟩) for the exponential).  The prefix mean is the
+field of the normalised prefix measure μ_i (uniform weights: a factor 1/(i+1) for 1/n); the
+prefix sum is the restriction of the full measure's sum to j ≤ i, so the last token sees the
+non-causal field.  Softmax does not depend on the choice.  simuformer's causal un-normalised
+attention Σ_{j≤i} e^{s_ij} V x_j (unit weights) is "sum" with uniform weights w_j = 1/n and
+V_h scaled by n.
 """
 
 from __future__ import annotations
@@ -45,14 +57,14 @@ from ._validation import (
     check_tokens,
     direction_sign,
 )
-from .attention import HeadStats, relu_statistics, softmax_statistics
+from .attention import HeadStats, causal_log_prefix_mass, relu_statistics, softmax_statistics
 from .heads import Heads
 from .sphere import tangent_projection
 
 __all__ = ["FieldEval", "evaluate", "velocity", "head_outputs", "radial_shadows"]
 #: named internal API (not public): the shared input checks and token/head means of the energy,
 #: mobility, diagnostics and nn modules
-__internal__ = ["check_inputs", "token_mean", "head_token_mean", "log_inverse_mobility", "grad_first_variation_terms"]
+__internal__ = ["check_causal_mode", "check_inputs", "token_mean", "head_token_mean", "log_inverse_mobility", "grad_first_variation_terms"]
 
 
 @dataclass
@@ -64,6 +76,8 @@ class FieldEval:
     outputs:  (..., H, n, d) per-head outputs f_h of the chosen normalisation.
     grad_first_variation: (..., n, d) ∇_S δE/δμ at the tokens, or None.
     energy, slope, dissipation: (...,) or None (when diagnostics=False).
+    ambient:  (..., n, d) the signed field before the tangent projection, s · Σ_h ω_h f_h (what a
+        layer-normalisation scheme adds to the residual stream, :mod:`transformer_pde.solvers.layernorm`).
     """
 
     velocity: torch.Tensor
@@ -73,6 +87,7 @@ class FieldEval:
     energy: Optional[torch.Tensor] = None
     slope: Optional[torch.Tensor] = None
     dissipation: Optional[torch.Tensor] = None
+    ambient: Optional[torch.Tensor] = None
 
 
 def token_mean(values: torch.Tensor, weights: Optional[torch.Tensor]) -> torch.Tensor:
@@ -128,7 +143,7 @@ def evaluate(
     backend: str = "auto",
     keys: Optional[torch.Tensor] = None,
     key_weights: Optional[torch.Tensor] = None,
-    causal: bool = False,
+    causal=False,
 ) -> FieldEval:
     """Field and diagnostics from one kernel pass.  No input validation (hot path):
     call :func:`velocity` / :func:`transformer_pde.energy` for checked entry points.
@@ -147,7 +162,11 @@ def evaluate(
     docstring).  Needs ``keys=None`` and a normalization other than "effective" (ValueError).
     With diagnostics, a second non-causal pass gives E, ∇_S δE/δμ, b of the whole μ: the
     dissipation is then the rate of E along the causal field and the slope ∫ b|V|² dμ is
-    reported but is no gradient-flow quantity (causal dynamics is not a gradient flow)."""
+    reported but is no gradient-flow quantity (causal dynamics is not a gradient flow).
+    ``causal="sum"``: the un-normalised kernels sum over the prefix instead of averaging (module
+    docstring); ``True`` and ``"mean"`` are the prefix mean."""
+    prefix_sum = isinstance(causal, str) and causal == "sum"
+    causal = bool(causal)
     if causal:
         if keys is not None:
             raise ValueError("causal=True needs queries = keys (token i attends to tokens j <= i of the same "
@@ -176,11 +195,17 @@ def evaluate(
         outputs = value_mean
         field = (omega * outputs).sum(-3)
     elif normalization == "unnormalized":
-        outputs = torch.exp(stats.log_partition).unsqueeze(-1) * value_mean
+        lp = stats.log_partition
+        if prefix_sum:  # Σ_{j≤i} w_j e^{s_ij} = W_i × the prefix mean
+            lp = lp + causal_log_prefix_mass(key_weights, x.shape[-2], dtype=x.dtype, device=x.device).unsqueeze(-2)
+        outputs = torch.exp(lp).unsqueeze(-1) * value_mean
         field = (omega * outputs).sum(-3)
     elif normalization == "relu":
         _, first = relu_statistics(x, heads, key_weights, keys=keys, chunk_elements=chunk_elements, backend=backend,
                                    causal=causal)
+        if prefix_sum:
+            first = first * torch.exp(causal_log_prefix_mass(key_weights, x.shape[-2], dtype=x.dtype,
+                                                             device=x.device)).unsqueeze(-1).unsqueeze(-3)
         outputs = _apply(heads.value_matrix, first)
         field = (omega * outputs).sum(-3)
     elif normalization == "effective":
@@ -189,7 +214,7 @@ def evaluate(
     else:  # pragma: no cover - validated by callers
         raise ValueError(f"unknown normalization {normalization!r}")
     V = sign * tangent_projection(x, field)
-    out = FieldEval(V, stats, outputs)
+    out = FieldEval(V, stats, outputs, ambient=field if sign == 1.0 else sign * field)
     if diagnostics:
         g = tangent_projection(x, sum((omega * torch.exp(l).unsqueeze(-1) * u).sum(-3) for l, u in terms))
         out.grad_first_variation = g
@@ -225,9 +250,22 @@ def check_inputs(x, heads, weights, *, on_sphere: bool = True):
     check_token_weights(weights, x)
 
 
+#: the values of ``causal=``: False, True (= "mean"), "mean" (prefix mean), "sum" (prefix sum)
+CAUSAL_MODES = (False, True, "mean", "sum")
+
+
+def check_causal_mode(causal):
+    """TypeError unless ``causal`` is one of :data:`CAUSAL_MODES` (an unknown option is a TypeError)."""
+    if isinstance(causal, str):
+        if causal not in ("mean", "sum"):
+            raise TypeError(f"causal must be False, True, 'mean' (prefix mean, = True) or 'sum' (prefix sum), "
+                             f"got {causal!r}")
+    elif not isinstance(causal, bool):
+        raise TypeError(f"causal must be True or False (or 'mean' / 'sum'), got {type(causal).__name__}")
+
+
 def _check_causal_flag(causal, normalization):
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be True or False, got {type(causal).__name__}")
+    check_causal_mode(causal)
     if causal and normalization == "effective":
         raise ValueError("normalization='effective' is the gradient field b^{-1} ∇ δE/δμ and has no causal "
                          "version; use 'softmax', 'unnormalized' or 'relu' with causal=True")
@@ -242,7 +280,8 @@ def velocity(x, heads, weights=None, normalization="softmax", direction="ascent"
         normalization: "softmax" | "unnormalized" | "relu" | "effective" (module docstring).
         direction: "ascent" (s = +1, x + attention(x)) or "descent" (s = −1, reference code).
         causal: token i attends only to tokens j ≤ i in the stored order (decoder-only masking);
-            the field of the prefix measure Σ_{j≤i} w_j δ_{x_j} / Σ_{j≤i} w_j.  Not "effective".
+            True / "mean": the field of the prefix measure Σ_{j≤i} w_j δ_{x_j} / Σ_{j≤i} w_j;
+            "sum": the un-normalised kernels sum over the prefix (module docstring).  Not "effective".
 
     Returns:
         (..., n, d) tangent vectors; dtype and device follow x.

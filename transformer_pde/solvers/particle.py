@@ -39,11 +39,12 @@ from .._validation import (
 from ..attention import DEFAULT_CHUNK_ELEMENTS, softmax_statistics
 from ..energy import check_scale_fits, choose_log_scale, pairing
 from ..energy import quadratic_variation as realised_qv_term
-from ..field import FieldEval, evaluate
+from ..field import FieldEval, check_causal_mode, evaluate
 from ..mobility import scaled_diagnostics
 from ..heads import Heads
 from ..processes import Constant, Process, WeightDriver, WeightPath, grid_steps, path_bytes
 from ..sphere import normalize
+from .layernorm import FusedUpdate, LayerNorm, check_layer_norm_method, layer_norm_scheme, scheme_densities
 from .parts import (LEDGER_KEYS, Checkpointer, Ledger, Recorder, Stepper, callable_signature, check_observables,
                     ledger_from_series, partial_density, process_parts, progress_bar)
 
@@ -297,6 +298,7 @@ def simulate(
     energy_log_scale: Optional[float] = None,
     max_steps: Optional[int] = None,
     max_memory: Optional[float] = None,
+    layer_norm: Union[str, LayerNorm] = "none",
 ) -> Trajectory:
     """Integrate the token ODE ẋ_i = V[μ_t, Θ_t](x_i) on S^{d-1} from t0 to t1.
 
@@ -340,7 +342,8 @@ def simulate(
             names what differs.  The callback is not covered: it must not change x in place.
         callback: called as callback(k, t, x) after every step (e.g. for early stopping hooks).
         causal: token i attends only to tokens j ≤ i (:func:`transformer_pde.evaluate`); not with
-            "effective".  The energy, 𝒢², 𝒟 stay those of the whole measure, but the flow is no
+            "effective".  True / "mean": the prefix mean, "sum": the un-normalised kernels sum over
+            the prefix (simuformer's convention; :mod:`transformer_pde.field`).  The energy, 𝒢², 𝒟 stay those of the whole measure, but the flow is no
             gradient flow: the ledger has no "residual"/"residual_slope" and
             ``traj.stats["gradient_flow"]`` is False.
         observables: mapping name -> callable(x, weights) returning a tensor of shape
@@ -364,6 +367,13 @@ def simulate(
             10⁷) and the estimated memory of the trajectory, the kernel blocks and a stored weight
             path in bytes (default 3/4 of the machine's memory, the GPU's for CUDA tensors; inf: none); a run
             above either is refused with the estimate and the fix.
+        layer_norm: how a layer maps the tokens (:mod:`transformer_pde.solvers.layernorm`,
+            ``docs/layer_norms.md``): "none" (default, the projected flow with retraction),
+            "post" (x ← normalize(x + dt·A), the reference simulators' map), "pre" (radius r_i
+            evolves, ẋ = P_x A/r), "peri", "ngpt", or a scheme object (e.g.
+            ``PreLN(rule="simuformer")``).  The layer maps need method="euler"; the ledger then
+            books 𝒟 and 𝒢² along the scheme's velocity λ_i P_x A_i, the radii are in
+            ``traj.extras["radius"]`` (T, ..., n) and ``traj.stats["layer_norm"]`` names the scheme.
 
     Returns:
         :class:`Trajectory`.  dtype and device follow x0; the solve is differentiable with
@@ -397,6 +407,8 @@ def simulate(
         diagnostics=diagnostics, return_path=return_path, chunk_elements=chunk_elements, max_steps=max_steps,
         max_memory=max_memory)
     rtol, atol = (1e-7 if rtol is None else rtol), (1e-9 if atol is None else atol)
+    scheme = layer_norm_scheme(layer_norm)
+    check_layer_norm_method(scheme, method)
     realised = quadratic_variation == "realised"
     start = time.perf_counter()
     x = x0 if paths is None else x0.unsqueeze(0).expand(paths, *x0.shape)
@@ -411,6 +423,8 @@ def simulate(
         with torch.no_grad():
             lp0 = softmax_statistics(x, drv.current, weights, chunk_elements=chunk_elements).log_partition
         check_scale_fits(lp0, energy_log_scale)
+    if not scheme.projected and normalization == "softmax" and not causal and chunk_elements is None:
+        ev.fused = FusedUpdate(weights, sign)  # the layer maps without diagnostics: one fused pass per step
     work = float(math.prod(x.shape[:-2])) * process.heads0.num_heads * x.shape[-2] ** 2
     common = dict(K=K, dt=dt, record_every=record_every, diagnostics=diagnostics, sign=sign, causal=causal,
                   realised=realised, obs=obs, weights=weights, normalization=normalization)
@@ -423,13 +437,15 @@ def simulate(
     show = progress if progress is not None else K * TABLEAUX[method].stages * work >= PROGRESS_MIN_WORK
     # options added later enter the checkpoint's fingerprint only when not at their default, so that
     # checkpoints of ordinary runs written before them still resume
-    extra = ([("causal", True)] if causal else []) + ([("quadratic_variation", "realised")] if realised else []) \
+    extra = ([("causal", causal)] if causal else []) + ([("quadratic_variation", "realised")] if realised else []) \
         + ([("energy_log_scale", energy_log_scale)] if energy_log_scale is not None else []) \
-        + ([("observables", tuple(sorted(obs)))] if obs else [])
+        + ([("observables", tuple(sorted(obs)))] if obs else []) \
+        + ([("layer_norm", repr(scheme))] if not scheme.projected else [])
     ckpt = Checkpointer(checkpoint, checkpoint_every, K, lambda: _fingerprint_parts(
         x0, process, generator, obs, t0, t1, dt, method, normalization, direction, paths, seed, record_every,
         quadrature, diagnostics, weights, extra))
-    run = _FixedStepRun(x, drv, ev, fix_scale, scale, method=method, quadrature=quadrature, ckpt=ckpt, **common)
+    run = _FixedStepRun(x, drv, ev, fix_scale, scale, method=method, quadrature=quadrature, ckpt=ckpt,
+                        layer_norm=scheme, **common)
     run.start()
     with threads.scope(work) as pool:
         run.solve(show, callback, pool)
@@ -437,9 +453,14 @@ def simulate(
     stats = {"steps": K, "field_evaluations": run.nfe, "max_sphere_error": run.max_sphere,
              "wall_time": time.perf_counter() - start, "order": TABLEAUX[method].order,
              "energy_log_scale": scale["c"], "gradient_flow": not causal}
+    extras = {}
+    if not scheme.projected:
+        stats["layer_norm"] = scheme.name
+        if scheme.radius:
+            extras["radius"] = torch.stack(run.radii)
     return Trajectory(times, out_x, series["energy"], series["slope"], series["dissipation"], ledger, stats,
                       method, normalization, direction, weights, drv.path() if return_path else None,
-                      observables=observed)
+                      observables=observed, extras=extras)
 
 
 def _fingerprint_parts(x0, process, generator, obs, t0, t1, dt, method, normalization, direction, paths, seed,
@@ -526,8 +547,7 @@ def _check_simulate_args(x0, theta, *, t1, dt, t0, method, normalization, direct
     if quadrature is None:
         quadrature = "left" if method == "euler" else "trapezoid"
     check_choice(quadrature, ("left", "trapezoid"), "quadrature")
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be True or False, got {type(causal).__name__}")
+    check_causal_mode(causal)
     if causal and normalization == "effective":
         raise ValueError("normalization='effective' is the gradient field b^{-1} ∇ δE/δμ and has no causal version; "
                          "use 'softmax', 'unnormalized' or 'relu' with causal=True")
@@ -595,12 +615,17 @@ class _Evaluator:
     def __init__(self, weights, *, normalization, sign, noisy, causal, chunk_elements, energy_log_scale):
         self.w, self.normalization, self.sign, self.noisy = weights, normalization, sign, noisy
         self.causal, self.chunk, self.given = causal, chunk_elements, energy_log_scale
-        self.causal_kw = {"causal": True} if causal else {}
+        self.causal_kw = {"causal": causal} if causal else {}
         self.scale = {"c": 0.0 if energy_log_scale is None else energy_log_scale, "start_max": float("nan"),
                       "given": energy_log_scale is not None}
+        self.fused = None  # a layernorm.FusedUpdate for the tokens-only evaluations of a layer map
 
     def __call__(self, xk, heads, diag):
         c, w, noisy, chunk = self.scale["c"], self.w, self.noisy, self.chunk
+        if not diag and self.fused is not None:
+            fe = self.fused(xk, heads)
+            if fe is not None:
+                return fe
         if not diag or (c == 0.0 and not self.causal):  # ordinary runs: evaluate's own diagnostics, bit for bit
             return evaluate(xk, heads, w, normalization=self.normalization, sign=self.sign, diagnostics=diag,
                             second_moment=diag and noisy, chunk_elements=chunk, **self.causal_kw)
@@ -609,7 +634,7 @@ class _Evaluator:
         full = (softmax_statistics(xk, heads, w, second_moment=noisy, chunk_elements=chunk) if self.causal
                 else fe.stats)
         E, G, D, g = scaled_diagnostics(xk, heads, w, fe.velocity, full, log_scale=c, chunk_elements=chunk)
-        return FieldEval(fe.velocity, full, fe.outputs, g, E, G, D)
+        return FieldEval(fe.velocity, full, fe.outputs, g, E, G, D, ambient=fe.ambient)
 
     def fix_scale(self, evk) -> bool:
         """Fix c from the log-partitions of the first evaluation (unless given); True when c ≠ 0
@@ -630,11 +655,13 @@ class _FixedStepRun:
     sphere retraction), the ledger, the recorder and the checkpointer; one :meth:`step` at a time."""
 
     def __init__(self, x, drv, ev, fix_scale, scale, *, K, dt, method, quadrature, record_every, diagnostics, sign,
-                 causal, realised, obs, weights, normalization, ckpt):
+                 causal, realised, obs, weights, normalization, ckpt, layer_norm="none"):
         self.x, self.drv, self.ev, self.fix_scale, self.scale = x, drv, ev, fix_scale, scale
         self.K, self.dt, self.diagnostics, self.realised, self.w = K, dt, diagnostics, realised, weights
         self.normalization, self.ckpt, self.noisy, self.method = normalization, ckpt, drv.noisy, method
-        self.stepper = Stepper(TABLEAUX[method], retract=True)
+        self.stepper = Stepper(TABLEAUX[method], retract=True, layer_norm=layer_norm)
+        self.scheme = self.stepper.layer_norm
+        self.r, self.radii = self.scheme.initial_radius(x), []  # token radii (pre-/peri-LN), their records
         keys = LEDGER_KEYS if not causal else tuple(k for k in LEDGER_KEYS if not k.startswith("residual"))
         self.rec = Recorder(K, record_every, diagnostics=diagnostics, observables=obs, weights=weights,
                             ledger_keys=keys)
@@ -643,7 +670,8 @@ class _FixedStepRun:
 
     def state(self) -> dict:
         return {"x": self.x.detach(), "driver": self.drv.state(), "records": self.rec.records, "acc": self.ledger.acc,
-                "nfe": self.nfe, "max_sphere": self.max_sphere, "scale": dict(self.scale)}
+                "nfe": self.nfe, "max_sphere": self.max_sphere, "scale": dict(self.scale),
+                **({"r": self.r, "radii": self.radii} if self.r is not None else {})}
 
     def _evaluate(self, x, heads):
         e = self.ev(x, heads, self.diagnostics)
@@ -661,12 +689,18 @@ class _FixedStepRun:
         pt = partial_density(x, heads, self.w, e.stats, self.drv.rate if rate is None else rate, self.drv.sigma,
                              ito=self.noisy and not self.realised, log_scale=c)
         _check_ledger(e, pt, self.drv.t, self.drv.k, self.scale)
+        if not self.scheme.projected:  # 𝒟 and 𝒢² along the scheme's velocity λ_i P_x A_i
+            D, G = scheme_densities(self.scheme, e, heads, self.w, self.r, c)
+            return {"partial": pt, "dissipation": D, "slope": G}
         return {"partial": pt, "dissipation": e.dissipation, "slope": e.slope}
 
     def _record(self):
         e = self.cur
+        if self.r is not None:
+            self.radii.append(self.r.detach())
         if self.diagnostics:
-            self.rec.record(self.x, e.energy, e.slope, e.dissipation, self.ledger.terms(e.energy))
+            G, D = (e.slope, e.dissipation) if self.scheme.projected else (self.dens["slope"], self.dens["dissipation"])
+            self.rec.record(self.x, e.energy, G, D, self.ledger.terms(e.energy))
         else:
             self.rec.record(self.x)
 
@@ -678,6 +712,8 @@ class _FixedStepRun:
             self.drv.load_state(ck["driver"])
             self.rec.records, self.ledger.acc = ck["records"], ck["acc"]
             self.scale.update(ck.get("scale", {"c": 0.0, "start_max": float("nan")}))
+            if self.r is not None:
+                self.r, self.radii = ck["r"], ck["radii"]
         self.cur = self._evaluate(self.x, self.drv.current)
         if self.diagnostics and ck is None and self.fix_scale(self.cur):
             self.cur = self.ev(self.x, self.drv.current, True)
@@ -713,7 +749,10 @@ class _FixedStepRun:
             self.nfe += 1
             return self.ev(xs, drv.stage(ci), False).velocity
 
-        x_new, err = self.stepper.step(x, cur.velocity, self.dt, stage)
+        if self.stepper.projected:
+            x_new, err = self.stepper.step(x, cur.velocity, self.dt, stage)
+        else:  # a layer map (post-, pre-, peri-LN, nGPT) of the signed, un-projected attention update
+            x_new, self.r, err = self.stepper.layer_step(x, self.r, cur.ambient, self.dt)
         self.max_sphere = max(self.max_sphere, err)
         if not _check_finite(x_new):
             raise nonfinite_error("the token positions", drv.t + self.dt, self.k + 1, heads, self.normalization)
@@ -905,7 +944,7 @@ def _dopri5(x, ev, source, grid, knots, *, weights, rtol, atol, adjoint, normali
     pieces = _pieces(grid, knots) if knots else [(0, len(grid) - 1)]
     if adjoint:
         (source, w_c), params = _rebind_for_adjoint(source, weights)
-        causal_kw = {"causal": True} if causal else {}
+        causal_kw = {"causal": causal} if causal else {}
     out, y = [x[None]], x
     for i, j in pieces:
         heads_at = _piece_heads(source, float(grid[i]), float(grid[j]), bool(knots))

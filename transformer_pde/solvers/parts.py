@@ -26,6 +26,7 @@ import torch
 from ..energy import ito_correction, pairing
 from ..heads import Heads
 from ..sphere import normalize
+from .layernorm import check_layer_norm_method, layer_norm_scheme
 
 __all__: List[str] = []
 __internal__ = ["Stepper", "Ledger", "ledger_terms", "ledger_from_series", "partial_density", "Recorder",
@@ -40,11 +41,29 @@ class Stepper:
     """One explicit Runge–Kutta step x ↦ x_new of ẋ = F(x, t) for a tableau (c, a, b).
 
     retract=True: the stages and the result are pulled back to the unit sphere (x ↦ x/|x|, the
-    projective retraction); False: flat dynamics in R^d."""
+    projective retraction); False: flat dynamics in R^d.
 
-    def __init__(self, tableau, retract: bool = True):
+    ``layer_norm``: the geometry of the step, a :class:`~transformer_pde.solvers.layernorm.LayerNorm`
+    (or its name).  "none" (default, :class:`~.layernorm.Projected`) is the Runge–Kutta step with
+    the retraction above; the other schemes are discrete layer maps (one attention evaluation per
+    layer, Euler tableau only), taken by :meth:`layer_step`."""
+
+    def __init__(self, tableau, retract: bool = True, layer_norm="none"):
         self.tableau = tableau
         self.retract = retract
+        self.layer_norm = layer_norm_scheme(layer_norm)
+        check_layer_norm_method(self.layer_norm, getattr(tableau, "name", "?"))
+
+    @property
+    def projected(self) -> bool:
+        """True when :meth:`step` (Runge–Kutta + retraction) makes the step, False for a layer map."""
+        return self.layer_norm.projected
+
+    def layer_step(self, x: torch.Tensor, radius, update: torch.Tensor, dt: float):
+        """The scheme's layer map at (x, r) with the signed un-projected attention update A (..., n, d).
+
+        Returns (x_new, r_new or None, the largest |‖y‖ − 1| before normalising)."""
+        return self.layer_norm.step(x, radius, update, dt)
 
     def step(self, x: torch.Tensor, k1: torch.Tensor, dt: float, stage_field: Callable):
         """x (..., n, d), k1 = F(x) at the left end, stage_field(x_stage, c_i) the field at stage i.

@@ -23,6 +23,11 @@ ODE of Pendharkar (2026) for one scalar head A = I (``th.hitting_time``, γ0 = t
 equiangular tokens and constant identity heads (H equal heads with ω = 1/H act as one head);
 Pendharkar's critical β*(H) of radial dominance (``th.critical_beta``, H ≥ 2, equal heads αI, α = 1).
 
+On S¹ with identity heads the metastability study also checks Bruno–Pasqualotto–Agazzi's
+metastable clusters: the count is the fastest Fourier mode ℓ* = argmax_ℓ ℓ² I_ℓ(β)/I_0(β) of the
+T = 0 linearisation (3 at β = 5, 4 at β = 7) and the clusters sit at (φ + 2πk)/ℓ*, φ the phase of
+the initial empirical ℓ*-th Fourier coefficient (``metrics["mode_theory"]``).
+
 Kind ``metastability``.  Long horizon, low dimension, large β (Geshkovski et al.'s metastable
 multi-cluster states): constant, OU and oscillating heads; the energy at the reference heads
 E_ref(t) = (1/2β) ∫∫ e^{β⟨x, y⟩} dμ_t dμ_t (heads A = I: a function of the tokens alone, so that
@@ -92,6 +97,15 @@ _COMMON = {
     "direction": Option("ascent", (str,), "token flow direction (ascent: clustering for A ≻ 0)",
                         choices=("ascent", "descent")),
     "radius": Option(0.1, (float,), "chordal linkage radius r (pair threshold ε = r²/2)", check=_radius),
+    "pair_eps": Option(0.0, (float,), "pair threshold ε of the pair fraction (overlap > 1 − ε); 0: ε = r²/2 "
+                       "(rotf: 1e-3)", check=lambda v: None if 0 <= v <= 2 else "must be in [0, 2]"),
+    "count_eps": Option(0.0, (float,), "threshold of the cluster counts (overlap > 1 − ε); 0: ε = r²/2 "
+                        "(rotf: 1e-4)", check=lambda v: None if 0 <= v <= 2 else "must be in [0, 2]"),
+    "count": Option("single_linkage", (str,), "cluster count shown in the maps: single linkage, or the rank of the "
+                    "thresholded Gram matrix (rotf's matrix_rank; both are recorded when 'gram_rank')",
+                    choices=("single_linkage", "gram_rank")),
+    "layer_norm": Option("none", (str,), "layer map: none (projected flow) | post (rotf/simuformer) | pre | peri | "
+                         "ngpt (docs/layer_norms.md)", choices=("none", "post", "pre", "peri", "ngpt")),
     "seed": Option(0, (int,), "tokens from seed, random heads from seed + 1, OU noise from seed + 2"),
     "dt": Option(0.05, (float,), "time step (t1/dt must be a whole number)", check=positive),
     "record_every": Option(4, (int,), "record every k-th step", check=positive),
@@ -129,6 +143,27 @@ def _check(p: Dict) -> None:
     check_device(p)
 
 
+#: options added with the layer norms: they enter a segment's fingerprint only away from their default,
+#: so that segments of earlier runs still resume
+_LATER_DEFAULTS = {"pair_eps": 0.0, "count_eps": 0.0, "count": "single_linkage", "layer_norm": "none"}
+
+
+def _seg_fingerprint(p: Dict, kind: str, regime: str) -> str:
+    q = {k: v for k, v in p.items() if k not in _LATER_DEFAULTS or v != _LATER_DEFAULTS[k]}
+    return fingerprint(q, _NOT_IN_SEGMENT, kind=kind, regime=regime)
+
+
+def _stat_keys(p: Dict):
+    return STATS + (("gram_rank",) if p.get("count") == "gram_rank" else ())
+
+
+def _observables(p: Dict):
+    """The recorded statistics: pair fraction at pair_eps (or r²/2), the counts at count_eps (or r²/2)."""
+    pair = {"eps": p["pair_eps"]} if p.get("pair_eps", 0.0) > 0 else {"radius": p["radius"]}
+    count = p.get("count_eps", 0.0) or None
+    return tp.clustering.statistics_observables(**pair, keys=_stat_keys(p), stacked=True, count_eps=count)
+
+
 # parameters that do not change a segment (analysis and output only)
 _NOT_IN_SEGMENT = ("figures", "checkpoint_every", "slope_tol", "min_duration", "target")
 
@@ -161,14 +196,15 @@ def _run_segment(kind: str, p: Dict, regime: str, betas, run, tag: str, *, dtype
                        direction=p["direction"], seed=p["seed"] + 2, record_every=p["record_every"],
                        diagnostics=False, progress=run.progress, checkpoint=run.checkpoint_path(tag),
                        checkpoint_every=p["checkpoint_every"], callback=step_callback(run, tag),
-                       observables=tp.clustering.statistics_observables(radius=p["radius"], keys=STATS, stacked=True))
+                       observables=_observables(p), layer_norm=p.get("layer_norm", "none"))
     wall = time.perf_counter() - t0
     x = traj.x.detach()
-    st = traj.observables["cluster_statistics"].detach().cpu()  # (T, nβ, B, k), the statistics STATS in order
+    st = traj.observables["cluster_statistics"].detach().cpu()  # (T, nβ, B, k), the statistics in order
     seg = {"kind": f"transformer_pde.{kind}.segment",
-           "fingerprint": fingerprint(p, _NOT_IN_SEGMENT, kind=kind, regime=regime),
+           "fingerprint": _seg_fingerprint(p, kind, regime),
            "regime": regime, "times": traj.times.detach().cpu(),
-           **{k: (st[..., i].round().long() if k == "clusters" else st[..., i].clone()) for i, k in enumerate(STATS)},
+           **{k: (st[..., i].round().long() if k in ("clusters", "gram_rank") else st[..., i].clone())
+              for i, k in enumerate(_stat_keys(p))},
            "timing": {"wall_time_s": wall, "steps": int(traj.stats["steps"]),
                       "systems_per_call": int(np.prod(x0.shape[:-2]))}}
     if kind == "metastability":
@@ -187,7 +223,7 @@ def _segments(kind: str, params: Dict, betas, run):
     out = {}
     with segment_bar(run, len(p["regimes"]), kind, "regime") as bar:
         for regime in p["regimes"]:
-            seg = load_segment(run, regime, kind, fingerprint(p, _NOT_IN_SEGMENT, kind=kind, regime=regime))
+            seg = load_segment(run, regime, kind, _seg_fingerprint(p, kind, regime))
             if seg is None:
                 log.info("[%s] %s: %d systems x %d steps", kind, regime, len(betas) * p["systems"],
                          round(p["t1"] / p["dt"]))
@@ -219,7 +255,9 @@ def run_phase_diagram(params: Dict, run) -> Dict:
     p, segs = _segments("phase_diagram", params, betas, run)
     n, H = p["n"], p["heads"]
     metrics: Dict = {"regimes": {}, "betas": betas, "target": p["target"], "radius": p["radius"],
-                     "eps": 0.5 * p["radius"] ** 2, "direction": p["direction"], "systems": p["systems"]}
+                     "eps": p["pair_eps"] or 0.5 * p["radius"] ** 2,
+                     "count_eps": p["count_eps"] or 0.5 * p["radius"] ** 2, "count": p["count"],
+                     "layer_norm": p["layer_norm"], "direction": p["direction"], "systems": p["systems"]}
     times = segs[p["regimes"][0]]["times"]
     gamma0 = float(segs[p["regimes"][0]]["mean_overlap"][0].double().median())
     g0 = max(gamma0, 0.0)
@@ -244,6 +282,8 @@ def run_phase_diagram(params: Dict, run) -> Dict:
                  "pair_half_time_median": _q(T_pair[i], 0.5), "one_cluster_time_median": _q(T_one[i], 0.5),
                  "final_pair_fraction_mean": float(seg["pair_fraction"][-1, i].double().mean()),
                  "final_clusters_median": float(seg["clusters"][-1, i].double().median())}
+            if "gram_rank" in seg:
+                r["final_gram_rank_median"] = float(seg["gram_rank"][-1, i].double().median())
             if regime == "constant" and p["init_heads"] == "identity":
                 tt = theory["hitting_time"][i]
                 r["theory_hitting_time"] = tt
@@ -268,6 +308,8 @@ def _phase_columns(times, seg, betas):
         cols[f"clusters_median_beta{b:g}"] = seg["clusters"][:, i].double().median(-1).values
         cols[f"mean_overlap_mean_beta{b:g}"] = seg["mean_overlap"][:, i].double().mean(-1)
         cols[f"largest_mass_mean_beta{b:g}"] = seg["largest_mass"][:, i].double().mean(-1)
+        if "gram_rank" in seg:
+            cols[f"gram_rank_median_beta{b:g}"] = seg["gram_rank"][:, i].double().median(-1).values
     return cols
 
 
@@ -286,10 +328,11 @@ def _phase_figures(p, segs, metrics, run) -> None:
     for j, regime in enumerate(regimes):
         seg = segs[regime]
         pf = seg["pair_fraction"].double().mean(-1).numpy().T  # (nβ, T)
-        cl = seg["clusters"].double().median(-1).values.numpy().T
+        rank = p.get("count") == "gram_rank"
+        cl = seg["gram_rank" if rank else "clusters"].double().median(-1).values.numpy().T
         for row, (img, cmap, vmin, vmax, name) in enumerate(
                 [(pf, "viridis", 0, 1, r"mean pair fraction $P_\varepsilon$"),
-                 (cl, "magma_r", 1, p["n"], "median cluster count")]):
+                 (cl, "magma_r", 1, p["n"], "median Gram-rank count" if rank else "median cluster count")]):
             ax = axes[row, j]
             im = ax.imshow(img, origin="lower", aspect="auto", extent=extent, cmap=cmap, vmin=vmin, vmax=vmax,
                            interpolation="nearest")
@@ -380,12 +423,69 @@ def run_metastability(params: Dict, run) -> Dict:
                        f"(median); plateaus per member (median): energy {m['energy_plateaus_median']:g}, "
                        f"cluster count {m['cluster_plateaus_median']:g}; longest cluster plateau "
                        f"{m['cluster_plateau_duration_max']}")
+    if p["d"] == 2 and p["init_heads"] == "identity" and "constant" in segs:
+        metrics["mode_theory"] = _s1_mode_check(p, segs["constant"])
+        mt = metrics["mode_theory"]
+        summary.append(f"S¹ mode theory (T = 0, Funk–Hecke): fastest mode ℓ* = {mt['predicted_clusters']} at "
+                       f"β = {p['beta']:g}; clusters formed (stored members) {mt['formed_clusters']}, at t1 (median "
+                       f"over members) {mt['final_clusters_median']:g}; distance of a formed cluster from the predicted "
+                       f"positions (Fourier phase at t0): median {mt['position_error_median']:.3g}, max "
+                       f"{mt['position_error_max']:.3g} rad")
     metrics["summary"] = summary
     if p["figures"]:
         _meta_figures(p, segs, metrics, run)
     for seg in segs.values():
         seg.pop("_stairs", None)
     return metrics
+
+
+def s1_mode_rates(beta: float, ell_max: int) -> np.ndarray:
+    """Growth rates r_ℓ = ℓ² I_ℓ(β)/(β I_0(β)), ℓ = 0 … ell_max, of the Fourier modes of a perturbation of
+    the uniform measure on S¹ under one softmax head A = V = I, ascent, no noise (the Funk–Hecke
+    coefficient of e^{β cos} on the circle is I_ℓ(β)); computed here for S¹ only (the general
+    spherical-harmonic version belongs to the noisy-tokens theory)."""
+    from scipy.special import ive
+
+    ell = np.arange(ell_max + 1)
+    return ell ** 2 * ive(ell, beta) / (beta * ive(0, beta))
+
+
+def _s1_mode_check(p, seg) -> Dict:
+    """Bruno–Pasqualotto–Agazzi's metastable clusters on S¹: the number ℓ* = argmax_ℓ r_ℓ of clusters a
+    near-uniform start forms, and their positions θ_k = (φ + 2πk)/ℓ* from the phase φ of the ℓ*-th
+    empirical Fourier coefficient Σ_j e^{iℓ*θ_j(0)}, against the stored members at their formation time:
+    the first record at which every single-linkage cluster is tight (geodesic spread below the linkage
+    radius) and those holding ≥ 5 % of the tokens hold ≥ 95 % of them together (the clusters then drift
+    and merge on the slow metastable time scale)."""
+    rates = s1_mode_rates(p["beta"], max(16, int(4 * math.sqrt(p["beta"] + 1)) + 8))
+    ell = int(np.argmax(rates[1:])) + 1
+    x = seg["x"].double()  # (T, members, n, 2)
+    times = seg["times"].double()
+    n = x.shape[-2]
+    formed, errs, t_form = [], [], []
+    for b in range(x.shape[1]):
+        th0 = torch.atan2(x[0, b, :, 1], x[0, b, :, 0])
+        phi = float(torch.angle(torch.exp(1j * ell * th0.to(torch.complex128)).sum()))
+        pred = (phi + 2 * math.pi * np.arange(ell)) / ell
+        for k in range(1, x.shape[0]):
+            labels = tp.clustering.cluster_labels(x[k, b], radius=p["radius"])
+            sizes = torch.bincount(labels, minlength=n)
+            big = (sizes >= 0.05 * n).nonzero().flatten()
+            tight = float(tp.clustering.cluster_radius(x[k, b], radius=p["radius"])) < p["radius"]
+            if (tight and sizes[big].sum() >= 0.95 * n) or k == x.shape[0] - 1:
+                break
+        formed.append(int(big.numel()))
+        t_form.append(float(times[k]))
+        for lab in big.tolist():
+            c = x[k, b][labels == lab].mean(0)
+            ang = math.atan2(float(c[1]), float(c[0]))
+            errs.append(float(np.min(np.abs(np.angle(np.exp(1j * (ang - pred)))))))
+    return {"predicted_clusters": ell, "rates": [float(r) for r in rates[:ell + 3]],
+            "formed_clusters": formed, "formation_time": t_form,
+            "final_clusters_median": float(seg["clusters"][-1, 0].double().median()),
+            "final_clusters": [int(c) for c in seg["clusters"][-1, 0].tolist()],
+            "position_error_median": float(np.median(errs)) if errs else math.nan,
+            "position_error_max": float(max(errs)) if errs else math.nan, "members_checked": int(x.shape[1])}
 
 
 def _meta_figures(p, segs, metrics, run) -> None:

@@ -1,0 +1,372 @@
+"""Layer normalisation: how one layer maps the tokens (the geometry / step seam of the solvers).
+
+Every scheme reads the attention update at the tokens,
+
+    A_i = s · Σ_h ω_h f_h(x_i)          (un-projected, signed; ``FieldEval.ambient``)
+
+computed from tokens on the sphere (every scheme's attention sees the normalised tokens x_i),
+and maps one layer of depth Δt.  In continuous time (Karagodin, Ge, Polyanskiy, Rigollet 2025,
+"Normalization in attention dynamics") every scheme is the attention direction times a
+per-token speed factor λ_i > 0,
+
+    ẋ_i = λ_i · P_{x_i} A_i
+
+(see ``docs/layer_norms.md``):
+
+==========  ==========================================================  =====================
+ name        discrete layer map (one step Δt)                            speed factor λ_i
+==========  ==========================================================  =====================
+ "none"      x ← normalize(x + Δt·P_x A) (Runge–Kutta + retraction)      1
+ "post"      x ← normalize(x + Δt·A)                                     1
+ "pre"       z = r x + Δt·A,  r ← |z|,  x ← z/|z|                        1/r_i,  ṙ_i = ⟨x_i, A_i⟩
+ "peri"      z = r x + Δt·Â,  Â = A/|A|,  r ← |z|,  x ← z/|z|            1/(r_i|A_i|),  ṙ_i = ⟨x_i, Â_i⟩
+ "ngpt"      x ← normalize(x + Δt·α·Â)                                   α/|A_i|
+==========  ==========================================================  =====================
+
+"none" is today's projected flow (bit for bit); "post" is the map that both reference
+simulators iterate (borjanG/2023-transformers-rotf ``simu_xform.step_1``,
+nikitus20/simuformer ``SimuXForm.step`` with ``norm='postln'``): it has the same ODE limit as
+"none" but differs from the projected Euler step at O(Δt²) per step, O(Δt) over a run.
+"pre" and "peri" carry the token radius r_i (the norm of the residual stream; r_i = 1 at t0).
+``rule="simuformer"`` reproduces simuformer's own arithmetic for pre-/peri-LN (the radius
+update r ← r + Δt·r·Σ_k A_k, a sum of coordinates, then x ← normalize(x + Δt·u/(r + ε)) with
+u = P_x A for pre-LN, u = Â for peri-LN); :func:`simuformer_scheme` gives the objects that
+match that code to rounding.
+
+Gradient flow and ledger.  Since λ_i > 0 is a per-token time change, each scheme is a gradient
+flow of E exactly when the projected flow is (symmetric heads, and H = 1 or
+normalization="effective"), in the metric Σ_i w_i (b_i/λ_i)|v_i|².  The ledger books the
+chain-rule rate 𝒟_λ = Σ_i w_i λ_i ⟨∇_S δE/δμ(x_i), V_i⟩ and the slope of that metric
+𝒢²_λ = Σ_i w_i λ_i b_i |V_i|² (V = s P_x Σ_h ω_h f_h, the projected field); with λ = 1 they are
+today's 𝒟 and 𝒢².  The residuals close at the order of the step (O(Δt) for these Euler-type
+maps).  For "pre" and "peri" the metric depends on the radii, which evolve with the flow.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Optional, Tuple, Union
+
+import math
+
+import torch
+
+from ..field import FieldEval, log_inverse_mobility
+from ..sphere import tangent_projection
+
+__all__ = ["LayerNorm", "Projected", "PostLN", "PreLN", "PeriLN", "NGPT", "LAYER_NORMS", "layer_norm_scheme",
+           "simuformer_scheme"]
+#: named internal API (the solvers' use of the seam)
+__internal__ = ["scheme_densities", "check_layer_norm_method", "FusedUpdate"]
+
+#: the names accepted by ``simulate(..., layer_norm=...)``
+LAYER_NORMS = ("none", "post", "pre", "peri", "ngpt")
+RULES = ("residual", "simuformer")
+
+
+def _unit(a: torch.Tensor, eps: float) -> torch.Tensor:
+    """a/(|a| + eps) over the last axis."""
+    return a / (a.norm(dim=-1, keepdim=True) + eps)
+
+
+def _check_eps(eps, name):
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0 or eps != eps:
+        raise ValueError(f"{name}: eps must be a float >= 0 (the guard added to a norm in a denominator), got {eps!r}")
+
+
+def _check_rule(rule, name):
+    if rule not in RULES:
+        raise ValueError(f"{name}: rule must be one of {RULES} ('residual': the residual stream z ← z + Δt·u; "
+                         f"'simuformer': that code's radius update), got {rule!r}")
+
+
+@dataclass(frozen=True)
+class LayerNorm:
+    """A layer-normalisation scheme (base class; module docstring).
+
+    Class attributes: ``name`` (the string of ``simulate(layer_norm=...)``), ``radius`` (the state
+    carries the token radii r (..., n)), ``projected`` (today's projected Runge–Kutta flow:
+    the solver's own tableau and retraction do the step), ``sees`` (the tokens the attention
+    reads: always the normalised tokens x on the sphere)."""
+
+    name: ClassVar[str] = ""
+    radius: ClassVar[bool] = False
+    projected: ClassVar[bool] = False
+    sees: ClassVar[str] = "the normalised tokens x_i = z_i/|z_i| on the sphere"
+
+    @property
+    def gradient_flow(self) -> str:
+        """When the scheme is a gradient flow of E (module docstring)."""
+        return ("when the projected flow is (symmetric heads; H = 1 or normalization='effective'), in the metric "
+                "Σ_i w_i (b_i/λ_i)|v_i|² with the speed factor λ_i of this scheme")
+
+    def initial_radius(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """r at t0: ones (..., n) for the schemes with a radius, else None."""
+        return torch.ones(x.shape[:-1], dtype=x.dtype, device=x.device) if self.radius else None
+
+    def speed(self, x: torch.Tensor, r: Optional[torch.Tensor], update: torch.Tensor) -> Optional[torch.Tensor]:
+        """λ_i (..., n) of the continuous-time limit ẋ_i = λ_i P_x A_i; None when λ = 1."""
+        return None
+
+    def radius_rate(self, x, r, update) -> Optional[torch.Tensor]:
+        """ṙ_i (..., n) of the continuous-time limit, or None (no radius)."""
+        return None
+
+    def limit(self, x: torch.Tensor, r: Optional[torch.Tensor], update: torch.Tensor):
+        """The continuous-time limit (ẋ (..., n, d), ṙ (..., n) or None) at (x, r) with A = ``update``."""
+        lam = self.speed(x, r, update)
+        v = tangent_projection(x, update)
+        return (v if lam is None else lam.unsqueeze(-1) * v), self.radius_rate(x, r, update)
+
+    def step(self, x: torch.Tensor, r: Optional[torch.Tensor], update: torch.Tensor, dt: float):
+        """One layer: (x_new, r_new or None, the largest |‖y‖ − 1| before normalising)."""
+        raise NotImplementedError  # pragma: no cover - every concrete scheme defines it
+
+    def describe(self) -> str:
+        return self.name
+
+
+def _normalized(y: torch.Tensor):
+    ny = y.norm(dim=-1, keepdim=True)
+    return y / ny, ny.squeeze(-1)
+
+
+def _err(ny: torch.Tensor) -> float:
+    return float((ny.detach() - 1).abs().max()) if ny.numel() else 0.0
+
+
+@dataclass(frozen=True)
+class Projected(LayerNorm):
+    """"none": today's projected flow ẋ = P_x A, integrated by the solver's Runge–Kutta tableau
+    with the retraction x ↦ x/|x| after every stage.  The default."""
+
+    name: ClassVar[str] = "none"
+    projected: ClassVar[bool] = True
+
+    def step(self, x, r, update, dt):
+        y = x + dt * tangent_projection(x, update)
+        out, ny = _normalized(y)
+        return out, None, _err(ny)
+
+
+@dataclass(frozen=True)
+class PostLN(LayerNorm):
+    """"post": x ← normalize(x + Δt·A), the residual layer followed by the normalisation, without
+    the tangent projection (the reference simulators' map).  Limit: the projected flow (λ = 1)."""
+
+    name: ClassVar[str] = "post"
+
+    def step(self, x, r, update, dt):
+        out, ny = _normalized(x + dt * update)
+        return out, None, _err(ny)
+
+
+@dataclass(frozen=True)
+class PreLN(LayerNorm):
+    """"pre": the residual stream z = r x is not normalised, the attention reads x = z/|z|:
+    z ← z + Δt·A(x).  Limit ẋ = P_x A / r, ṙ = ⟨x, A⟩ (λ = 1/r).
+
+    rule="simuformer": that code's arithmetic, r ← r + Δt·r·Σ_k A_k (the coordinate sum of A),
+    then x ← normalize(x + Δt·P_x A/(r + eps)) with the new r; its radius limit is ṙ = r Σ_k A_k."""
+
+    rule: str = "residual"
+    eps: float = 0.0
+    name: ClassVar[str] = "pre"
+    radius: ClassVar[bool] = True
+
+    def __post_init__(self):
+        _check_rule(self.rule, "PreLN")
+        _check_eps(self.eps, "PreLN")
+
+    def speed(self, x, r, update):
+        return 1.0 / (r + self.eps)
+
+    def radius_rate(self, x, r, update):
+        if self.rule == "simuformer":
+            return r * update.sum(-1)
+        return (x * update).sum(-1)
+
+    def step(self, x, r, update, dt):
+        if self.rule == "simuformer":
+            r_new = r + dt * (r * update.sum(-1))
+            out, ny = _normalized(x + (dt * tangent_projection(x, update)) / (r_new.unsqueeze(-1) + self.eps))
+            return out, r_new, _err(ny)
+        z = r.unsqueeze(-1) * x + dt * update
+        out, nz = _normalized(z)
+        return out, nz, 0.0
+
+
+@dataclass(frozen=True)
+class PeriLN(LayerNorm):
+    """"peri": the attention output is normalised too, z ← z + Δt·Â, Â = A/(|A| + eps), and the
+    attention reads x = z/|z|.  Limit ẋ = P_x Â / r, ṙ = ⟨x, Â⟩ (λ = 1/(r|A|)).
+
+    rule="simuformer": r ← r + Δt·r·Σ_k Â_k, then x ← normalize(x + Δt·Â/(r + eps)) (no projection)."""
+
+    rule: str = "residual"
+    eps: float = 0.0
+    name: ClassVar[str] = "peri"
+    radius: ClassVar[bool] = True
+
+    def __post_init__(self):
+        _check_rule(self.rule, "PeriLN")
+        _check_eps(self.eps, "PeriLN")
+
+    def speed(self, x, r, update):
+        return 1.0 / ((r + self.eps) * (update.norm(dim=-1) + self.eps))
+
+    def radius_rate(self, x, r, update):
+        u = _unit(update, self.eps)
+        return r * u.sum(-1) if self.rule == "simuformer" else (x * u).sum(-1)
+
+    def step(self, x, r, update, dt):
+        u = _unit(update, self.eps)
+        if self.rule == "simuformer":
+            r_new = r + dt * (r * u.sum(-1))
+            out, ny = _normalized(x + (dt * u) / (r_new.unsqueeze(-1) + self.eps))
+            return out, r_new, _err(ny)
+        out, nz = _normalized(r.unsqueeze(-1) * x + dt * u)
+        return out, nz, 0.0
+
+
+@dataclass(frozen=True)
+class NGPT(LayerNorm):
+    """"ngpt" (normalised transformer): x ← normalize(x + Δt·α·Â), Â = A/(|A| + eps), α = 0.2 as in
+    simuformer.  Limit ẋ = α P_x A/|A| (λ = α/|A|).  (nGPT's own update normalize(x + α(Â − x))
+    has the same limit with α/(1 − Δtα) in place of α per step.)"""
+
+    alpha: float = 0.2
+    eps: float = 0.0
+    name: ClassVar[str] = "ngpt"
+
+    def __post_init__(self):
+        _check_eps(self.eps, "NGPT")
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not self.alpha > 0:
+            raise ValueError(f"NGPT: alpha must be a float > 0 (the step of the normalised update), got {self.alpha!r}")
+
+    def speed(self, x, r, update):
+        return self.alpha / (update.norm(dim=-1) + self.eps)
+
+    def step(self, x, r, update, dt):
+        out, ny = _normalized(x + (dt * self.alpha) * _unit(update, self.eps))
+        return out, None, _err(ny)
+
+
+_BY_NAME = {"none": Projected, "post": PostLN, "pre": PreLN, "peri": PeriLN, "ngpt": NGPT}
+
+
+def layer_norm_scheme(layer_norm: Union[str, LayerNorm]) -> LayerNorm:
+    """The scheme object for a name of :data:`LAYER_NORMS` (or the object itself); TypeError / ValueError
+    otherwise."""
+    if isinstance(layer_norm, LayerNorm):
+        if type(layer_norm) is LayerNorm:
+            raise TypeError("layer_norm=LayerNorm() is the abstract base; use Projected(), PostLN(), PreLN(), "
+                            "PeriLN() or NGPT()")
+        return layer_norm
+    if not isinstance(layer_norm, str):
+        raise TypeError(f"layer_norm must be one of {LAYER_NORMS} or a transformer_pde LayerNorm object, got "
+                        f"{type(layer_norm).__name__}")
+    if layer_norm not in _BY_NAME:
+        raise ValueError(f"unknown layer_norm {layer_norm!r}; choose one of {LAYER_NORMS}")
+    return _BY_NAME[layer_norm]()
+
+
+def simuformer_scheme(norm: str) -> LayerNorm:
+    """The scheme that repeats nikitus20/simuformer's ``--norm`` mode to rounding:
+    "postln" → PostLN(), "preln" → PreLN("simuformer", 1e-9), "periln" → PeriLN("simuformer", 1e-9),
+    "ngpt" → NGPT(0.2, 1e-9).  (Run with direction="ascent", ω_h = 1/H, and A_h, V_h the
+    transposes of that code's BF[h], V[h]: its scores are x_iᵀ BF x_j and its values V[h]ᵀ x_j.)"""
+    table = {"postln": PostLN(), "preln": PreLN("simuformer", 1e-9), "periln": PeriLN("simuformer", 1e-9),
+             "ngpt": NGPT(0.2, 1e-9)}
+    if norm not in table:
+        raise ValueError(f"unknown simuformer norm {norm!r}; choose one of {tuple(table)}")
+    return table[norm]
+
+
+def scheme_densities(scheme: LayerNorm, e, heads, weights, r, log_scale: float = 0.0
+                     ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(𝒟_λ, 𝒢²_λ) (...,) of a field evaluation ``e`` (with diagnostics) under the scheme's speed λ:
+
+        𝒟_λ = Σ_i w_i λ_i ⟨∇_S δE/δμ(x_i), V_i⟩,    𝒢²_λ = Σ_i w_i λ_i b_i |V_i|²
+
+    times e^{−c}; (e.dissipation, e.slope) themselves when λ = 1."""
+    lam = scheme.speed(None, r, e.ambient)
+    if lam is None:
+        return e.dissipation, e.slope
+    V = e.velocity
+    b = torch.exp(-log_inverse_mobility(heads, e.stats.log_partition) - log_scale)
+
+    def mean(v):
+        return v.mean(-1) if weights is None else (v * weights).sum(-1)
+
+    return mean(lam * (e.grad_first_variation * V).sum(-1)), mean(lam * b * V.square().sum(-1))
+
+
+def check_layer_norm_method(scheme: LayerNorm, method: str) -> None:
+    """The layer maps are one attention evaluation per layer: they need method='euler'."""
+    if not scheme.projected and method != "euler":
+        raise ValueError(f"layer_norm={scheme.name!r} is a discrete layer map (one attention evaluation per layer "
+                         f"of depth dt); use method='euler' (got method={method!r}), or layer_norm='none' for the "
+                         f"projected flow with Runge–Kutta and adaptive methods")
+
+
+
+class FusedUpdate:
+    """The layer maps' attention update without diagnostics, in one fused pass (softmax, not causal):
+
+        K_hj = β A_h x_j,   W_hj = ω_h s V_h x_j,   E_ijh = w_j e^{⟨x_i, K_hj⟩},
+        A_i = Σ_{j,h} (E_ijh / Σ_k E_ikh) W_hj
+
+    All heads share each product: K (and W) for every head come from one product of the tokens with
+    [β A_1ᵀ … β A_Hᵀ] (and [ω_1 s V_1ᵀ …]), the scores of every head from one product x Kᵀ (layout (i, j, h)), and the
+    head-summed update from one product of the normalised weights (n × nH) with W (nH × d).  The
+    exponential runs on the scores directly (no max shift): |⟨x_i, β A_h x_j⟩| ≤ β‖A_h‖_F for unit
+    vectors, and the pass is used only when that bound is below ½ log(finfo.max) − log n (else
+    ``None``: the caller falls back to :func:`transformer_pde.field.evaluate`), nor with autograd.
+    The same numbers as ``evaluate`` to rounding (tests/test_layernorm.py).  The stacked matrices
+    are prepared once per head tensors (constant weights reuse them every step).  Returns a
+    :class:`FieldEval` with ``velocity`` = P_x A, ``ambient`` = A and no statistics."""
+
+    def __init__(self, weights, sign: float):
+        self.w, self.sign = weights, float(sign)
+        self._key = None
+        self._prep = None
+
+    @staticmethod
+    def _signature(heads):
+        ts = [heads.score_matrix, heads.value_matrix, heads.weights]
+        b = heads.beta
+        return tuple((t.data_ptr(), t._version, tuple(t.shape)) for t in ts) + (
+            (b.data_ptr(), b._version) if isinstance(b, torch.Tensor) else (float(b),),)
+
+    def _prepare(self, heads, x):
+        key = self._signature(heads) if heads.score is not None else None
+        if key is not None and key == self._key:
+            return self._prep
+        A, V = heads.score_matrix, heads.value_matrix
+        H, d = A.shape[-3], A.shape[-1]
+        beta = heads.beta_tensor().to(A.dtype)
+        beta = beta.reshape(*beta.shape, 1, 1, 1) if beta.dim() else beta
+        bound = float((beta * A).flatten(-2).norm(dim=-1).detach().max())
+        limit = 0.5 * math.log(torch.finfo(x.dtype).max) - math.log(max(x.shape[-2], 1))
+        kt = (beta * A).transpose(-1, -2)                                   # (..., H, d, d)
+        vt = (heads.weights[..., None, None] * (self.sign * V)).transpose(-1, -2)
+        kt = kt.movedim(-3, -2).reshape(*kt.shape[:-3], d, H * d)         # (..., d, H·d)
+        vt = vt.movedim(-3, -2).reshape(*vt.shape[:-3], d, H * d)
+        self._prep, self._key = (kt, vt, H, bound <= limit), key
+        return self._prep
+
+    def __call__(self, x: torch.Tensor, heads) -> "FieldEval | None":
+        kt, vt, H, safe = self._prepare(heads, x)
+        if not safe or (torch.is_grad_enabled() and (x.requires_grad or kt.requires_grad or vt.requires_grad)):
+            return None
+        n, d = x.shape[-2:]
+        batch = x.shape[:-2]
+        K = (x @ kt).reshape(*batch, n * H, d)               # row j·H + h: β A_h x_j
+        W = (x @ vt).reshape(*batch, n * H, d)               # ω_h s V_h x_j
+        E = torch.exp(x @ K.transpose(-1, -2)).view(*batch, n, n, H)   # E[i, j, h]
+        if self.w is not None:
+            E = E * self.w.unsqueeze(-2).unsqueeze(-1)
+        E = E / E.sum(-2, keepdim=True)
+        ambient = E.view(*batch, n, n * H) @ W
+        return FieldEval(tangent_projection(x, ambient), None, None, ambient=ambient)

@@ -768,7 +768,7 @@ def run_fast_weights(params, run) -> Dict[str, object]:
                     layers = [tp.Heads(A, mean.value_matrix + inc[l] / dl, mean.weights, mean.beta) for l in range(L)]
                     theta = tp.Layerwise(layers, layer_time=dl)
                     tr = tp.simulate(x0, theta, t1=p["t1"], dt=dl / p["substeps"], method="rk4", diagnostics=False,
-                                     record_every=10 ** 9, progress=False, **kw)
+                                     record_every=L * p["substeps"], progress=False, **kw)
                 else:
                     # OU values V = V̄ + U, dU = −U/τ dt + (s/τ) dW (stationary variance s²/(2τ),
                     # ∫U dt → s W),
@@ -780,7 +780,7 @@ def run_fast_weights(params, run) -> Dict[str, object]:
                     layers = [tp.Heads(A, mean.value_matrix + u, mean.weights, mean.beta) for u in U]
                     theta = tp.Layerwise(layers, layer_time=fine, interpolation="linear")
                     tr = tp.simulate(x0, theta, t1=p["t1"], dt=fine, method="rk4", diagnostics=False,
-                                     record_every=10 ** 9, progress=False, **kw)
+                                     record_every=Kf, progress=False, **kw)
                 xs.append(tr.x[-1])
             return {"x_T": torch.stack(xs)}
 

@@ -81,6 +81,9 @@ def check_tokens(x, name: str = "x") -> torch.Tensor:
         raise ValueError(f"{name} must have shape (..., n, d) with d >= 2, got shape {tuple(x.shape)}")
     if n < 1:
         raise ValueError(f"{name} holds no tokens (n = 0): shape {tuple(x.shape)}")
+    if x.numel() == 0:
+        raise ValueError(f"{name} has an empty batch: shape {tuple(x.shape)} holds no configuration; "
+                         f"give at least one, e.g. shape (1, {n}, {d})")
     err = (x.norm(dim=-1) - 1).abs().max().item()
     tol = sphere_tolerance(x.dtype)
     if err > tol:
@@ -109,6 +112,9 @@ def check_token_weights(w, x: torch.Tensor, name: str = "weights", x_name: str =
             f"the batch shape of {name} {tuple(w.shape[:-1])} does not broadcast against "
             f"the batch shape of {x_name} {tuple(x.shape[:-2])}"
         ) from None
+    if w.numel() == 0:
+        raise ValueError(f"{name} has an empty batch: shape {tuple(w.shape)} holds no weights; "
+                         f"give at least one row of {n} weights")
     if bool((w < 0).any()):
         raise ValueError(f"{name} has negative entries (min {w.min().item():.3g}); token weights must be >= 0")
     err = (w.sum(-1) - 1).abs().max().item()

@@ -324,7 +324,7 @@ def heads_for(draw, x, spoil_heads=False, spoil_theta=False, noisy=True):
     A = draw(st.sampled_from([0.0, 0.5, 1.0, 3.0])) * torch.randn(H, d, d, generator=g, dtype=torch.float64)
     A = A + A.transpose(-1, -2)
     dtype = draw(st.sampled_from([t for t in GOOD + BAD_DTYPES[:2] if t != _dtype(x)])) if bad == "dtype" else _dtype(x)
-    beta = draw(st.one_of(st.sampled_from([1e-3, 0.5, 1.0, 2.0]), st.floats(1e-3, 1e4)))
+    beta = draw(st.one_of(st.sampled_from([1e-3, 0.5, 1.0, 2.0]), st.floats(1e-3, 10.0), st.floats(10.0, 1e4)))
     if bad == "beta":
         beta = draw(st.sampled_from([0.0, -1.0, float("nan"), float("inf"), 1e300, "1", None, True]))
     norm_A = float(torch.linalg.matrix_norm(A, ord=2).max()) if A.numel() else 0.0
@@ -340,7 +340,7 @@ def heads_for(draw, x, spoil_heads=False, spoil_theta=False, noisy=True):
             kind, lambda: h)()
 
     theta = contract("Heads", make)
-    return (tp.Heads(A) if theta is None else theta), overflow_ok
+    return theta, overflow_ok  # None when the heads themselves were refused: then the solver must refuse None
 
 
 def token_weights(draw, x, spoiled):
@@ -361,7 +361,7 @@ def token_weights(draw, x, spoiled):
                                  "uniform"]))
 
 
-COUNT_BAD = [0, -1, 1.5, True, "2", None, float("nan"), 2 ** 70]
+COUNT_BAD = [0, -1, 1.5, True, "2", None, float("nan")]  # (2**70 steps or paths: a resource guard's job)
 SEED_BAD = [-1, 1.5, "1", 2 ** 70, None, float("nan")]
 STEP_BAD = [0.0, -0.1, float("nan"), float("inf"), "0.1", None, True, 1e300]
 
@@ -371,7 +371,7 @@ def pick(draw, spoil, name, good, bad):
 
 
 SIM_ASPECTS = ["x", "theta", "heads", "t1", "dt", "method", "normalization", "direction", "weights", "paths", "seed",
-               "record_every", "diagnostics"]
+               "record_every", "diagnostics", "adjoint", "return_path", "progress"]
 
 
 @st.composite
@@ -389,11 +389,13 @@ def simulate_calls(draw):
                                  st.sampled_from(["softmax", "unnormalized", "relu", "effective"]), ["bogus", None]),
               direction=pick(draw, spoil, "direction", st.sampled_from(["descent", "ascent"]), ["up", None, 1]),
               weights=token_weights(draw, x, spoil == "weights"),
-              paths=pick(draw, spoil, "paths", st.sampled_from([None, 1, 2]), COUNT_BAD[:-1]),
+              paths=pick(draw, spoil, "paths", st.sampled_from([None, 1, 2]), [c for c in COUNT_BAD if c is not None]),
               seed=pick(draw, spoil, "seed", st.integers(0, 2 ** 32), SEED_BAD),
               record_every=pick(draw, spoil, "record_every", st.integers(1, 5), COUNT_BAD),
               diagnostics=pick(draw, spoil, "diagnostics", st.booleans(), ["yes", None, 1]),
-              progress=False)
+              adjoint=pick(draw, spoil, "adjoint", st.just(False), ["yes", None, 1]),
+              return_path=pick(draw, spoil, "return_path", st.booleans(), ["yes", None, 1]),
+              progress=pick(draw, spoil, "progress", st.just(False), ["yes", 1]))
     return spoil, x, theta, kw, overflow_ok
 
 
@@ -423,7 +425,7 @@ def test_simulate_argument_contract_slow(call):
 
 
 JKO_ASPECTS = ["x", "theta", "heads", "tau", "steps", "transport", "direction", "mobility", "eps", "weights",
-               "max_iter", "record_every", "strict"]
+               "max_iter", "record_every", "strict", "diagnostics", "progress"]
 
 
 @st.composite
@@ -442,7 +444,8 @@ def jko_calls(draw):
               weights=token_weights(draw, x, spoil == "weights"),
               max_iter=pick(draw, spoil, "max_iter", st.integers(1, 20), [0, -1, 1.5, None, "3"]),
               record_every=pick(draw, spoil, "record_every", st.integers(1, 3), COUNT_BAD),
-              strict=strict, progress=False)
+              strict=strict, diagnostics=pick(draw, spoil, "diagnostics", st.booleans(), ["yes", None, 1]),
+              progress=pick(draw, spoil, "progress", st.just(False), ["yes", 1]))
     extra = (tp.JKOConvergenceError,) if strict is True else ()
     return spoil, x, theta, kw, overflow_ok, extra
 

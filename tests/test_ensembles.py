@@ -263,3 +263,21 @@ def test_random_tokens_members_are_independent_uniform_draws(monkeypatch):
     X = ens.random_tokens(B, n, d, generator=torch.Generator().manual_seed(12), dtype=torch.float64)
     with pytest.raises(AssertionError, match="identical tokens"):
         _assert_tokens_uniform_across_members(X)
+
+
+def test_sampler_arguments_refused_before_drawing():
+    """Issue 21: these reached torch and came back as raw RuntimeError / NotImplementedError / TypeError."""
+    with pytest.raises(ValueError, match="shape"):
+        ens.random_matrices((-1,), 3)
+    with pytest.raises(ValueError, match="shape"):
+        ens.random_matrices((2.5,), 3)
+    with pytest.raises(ValueError, match="shape"):
+        ens.random_matrices("ab", 3)
+    assert ens.random_matrices(2, 3, dtype=torch.float64).shape == (2, 3, 3)  # an int is a 1-D shape
+    assert ens.random_matrices((0,), 3, dtype=torch.float64).shape == (0, 3, 3)  # an empty sample is a sample
+    for fn in (lambda **kw: ens.random_matrices((2,), 3, **kw), lambda **kw: ens.random_heads(2, 1, 3, **kw),
+               lambda **kw: ens.random_tokens(2, 3, 3, **kw)):
+        with pytest.raises(TypeError, match="dtype"):
+            fn(dtype=torch.int64)
+        with pytest.raises(TypeError, match="generator"):
+            fn(generator=5)

@@ -713,6 +713,40 @@ def test_cli_writes_only_its_run_directory_slow(pairs):
         _cli_props(pairs, Path(tmp))
 
 
+# ---------------------------------------------------------------------------- what the fuzz found, pinned
+@pytest.mark.parametrize("kind", [["demo"], {"a": 1}, 3, None])
+def test_a_kind_that_is_not_a_string_is_refused(kind, tmp_path):
+    """Found by test_config_dict_contract (and issue 21): a TOML kind that is a list gave TypeError
+    "unhashable type: 'list'" from the registry lookup."""
+    from transformer_pde.runs import load_config
+
+    with pytest.raises(ValueError, match="kind must be a string"):
+        load_config({"kind": kind})
+    if kind is not None:
+        path = tmp_path / "c.toml"
+        path.write_text(f"kind = {toml_value(kind)}\n")
+        with pytest.raises(ValueError, match="kind must be a string"):
+            load_config(path)
+
+
+@pytest.mark.parametrize("flag", ["diagnostics", "adjoint", "return_path"])
+def test_simulate_flags_must_be_bools(flag):
+    """Found by test_simulate_argument_contract: diagnostics="yes" ran (a truthy string taken for True)."""
+    x = tp.sphere.octahedral(4, dtype=torch.float64)
+    h = tp.Heads.scalar([1.0], 3).to(torch.float64)
+    for bad in ("yes", 1, None):
+        with pytest.raises(TypeError, match=flag):
+            tp.simulate(x, h, t1=0.1, dt=0.1, **{flag: bad})
+
+
+def test_jko_flags_must_be_bools():
+    x = tp.sphere.octahedral(4, dtype=torch.float64)
+    h = tp.Heads.scalar([1.0], 3).to(torch.float64)
+    for flag, bad in (("diagnostics", "yes"), ("diagnostics", None), ("progress", "yes"), ("progress", 1)):
+        with pytest.raises(TypeError, match=flag):
+            tp.jko(x, h, tau=0.1, steps=1, **{flag: bad})
+
+
 def test_zz_report_counts(capsys):
     """Prints how many inputs each entry point was given in this session and how they ended."""
     with capsys.disabled():

@@ -350,3 +350,116 @@ def test_metastability_study_with_figures(tmp_path):
     m = json.loads((path / "metrics.json").read_text())
     assert m["theory"]["beta_star"] == pytest.approx(tp.theory.critical_beta(2, 6, 1.0))
     assert "β*" in m["figure_captions"]["phase_diagram"]
+
+
+# ---------------------------------------------------------------------------- edge cases (issue 21)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_one_point_measure_statistics_equal_their_docstrings(dtype):
+    """A one-point measure — one token, or weights putting all the mass on one token — is one
+    cluster of mass 1 and radius 0 with pair fraction 1 and mean overlap 1 (the docstrings), the
+    values of any number of coincident tokens.  The old code gave pair fraction 0 (0/tiny)."""
+    e = torch.eye(3, dtype=dtype)
+    x = torch.stack([e[0], e[1], e[2]])
+    coincident = e[0].expand(4, 3)
+    for w in (torch.tensor([1.0, 0.0, 0.0], dtype=dtype), torch.tensor([0.0, 0.0, 1.0], dtype=dtype)):
+        torch.testing.assert_close(cl.pair_fraction(x, weights=w), torch.tensor(1.0, dtype=dtype))
+        torch.testing.assert_close(cl.pair_fraction(x, weights=w, temperature=0.1), torch.tensor(1.0, dtype=dtype))
+        st = cl.cluster_statistics(x, w, radius=0.5)
+        ref = cl.cluster_statistics(coincident, radius=0.5)  # four coincident tokens: the same measure
+        for key in ("clusters", "largest_mass", "pair_fraction", "mean_overlap", "radius", "gram_rank"):
+            torch.testing.assert_close(st[key], ref[key], msg=key)
+        assert int(st["clusters"]) == 1 and float(st["pair_fraction"]) == 1.0 and float(st["mean_overlap"]) == 1.0
+    one = x[:1]
+    torch.testing.assert_close(cl.pair_fraction(one), torch.tensor(1.0, dtype=dtype))
+    st = cl.cluster_statistics(one)
+    torch.testing.assert_close(st["pair_fraction"], torch.tensor(1.0, dtype=dtype))
+    torch.testing.assert_close(st["mean_overlap"], torch.tensor(1.0, dtype=dtype))
+    # batched: the one-point member does not disturb the others (two separated tokens: 0 close pairs)
+    W = torch.tensor([[1.0, 0.0, 0.0], [0.5, 0.5, 0.0]], dtype=dtype)
+    torch.testing.assert_close(cl.pair_fraction(x, weights=W), torch.tensor([1.0, 0.0], dtype=dtype))
+    torch.testing.assert_close(cl.cluster_statistics(x, W)["mean_overlap"], torch.tensor([1.0, 0.0], dtype=dtype))
+
+
+def test_statistics_with_zero_weight_tokens_have_finite_gradients():
+    """A token of zero weight is its own cluster with weighted mean 0; the old radius divided 0/0
+    there and, although that branch was masked, its gradient was NaN for every token."""
+    g = torch.Generator().manual_seed(4)
+    x = tp.sphere.normalize(torch.randn(4, 3, generator=g, dtype=torch.float64)).requires_grad_()
+    w = torch.tensor([0.5, 0.5, 0.0, 0.0], dtype=torch.float64, requires_grad=True)
+    st = cl.cluster_statistics(x, w, radius=1.999)
+    (st["radius"] + st["mean_overlap"] + st["largest_mass"]).backward()
+    assert bool(torch.isfinite(x.grad).all()) and bool(torch.isfinite(w.grad).all())
+    assert float(x.grad[2:].abs().max()) == 0.0  # zero-weight tokens do not move the statistics
+    # the radius of the two-token cluster is half their geodesic distance, with the gradient of that
+    x.grad = None
+    r = cl.cluster_radius(x, radius=1.999, weights=w)
+    r.backward()
+    xd = x.detach()[:2].clone().requires_grad_()
+    half = torch.acos((xd[0] * xd[1]).sum().clamp(-1, 1)) / 2
+    half.backward()
+    torch.testing.assert_close(r.detach(), half.detach())
+    torch.testing.assert_close(st["radius"].detach(), half.detach())
+    tangent = lambda g: g - (g * xd.detach()).sum(-1, keepdim=True) * xd.detach()  # noqa: E731  (on-sphere part)
+    torch.testing.assert_close(tangent(x.grad[:2]), tangent(xd.grad))
+
+
+@pytest.mark.parametrize("fn", [cl.cluster_statistics, cl.cluster_count, cl.cluster_labels, cl.cluster_masses,
+                                cl.largest_cluster_mass, cl.cluster_radius, cl.pair_fraction, cl.linked,
+                                cl.gram_rank_count])
+def test_empty_batches_are_refused_with_a_clear_error(fn):
+    """x of shape (0, n, d) gave torch's "max(): Expected reduction dim" from the sphere check."""
+    with pytest.raises(ValueError, match="empty batch"):
+        fn(torch.zeros(0, 3, 2, dtype=torch.float64))
+    with pytest.raises(ValueError, match="no tokens"):
+        fn(torch.zeros(2, 0, 2, dtype=torch.float64))
+    x = tp.sphere.normalize(torch.ones(3, 2, dtype=torch.float64))
+    with pytest.raises(ValueError, match="empty batch"):
+        fn(x, weights=torch.zeros(0, 3, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan"), -float("inf")])
+def test_plateaus_and_crossings_refuse_non_finite_times(bad):
+    y = torch.tensor([0.0, 1.0, 1.0, 2.0], dtype=torch.float64)
+    t = [0.0, 1.0, 2.0, bad] if bad != -float("inf") else [bad, 1.0, 2.0, 3.0]
+    with pytest.raises(ValueError, match="finite"):
+        cl.detect_plateaus(t, y)
+    with pytest.raises(ValueError, match="finite"):
+        cl.crossing_time(t, y, 0.5)
+    # times finite in float64 but not in float32 (the values' dtype): refused too
+    with pytest.raises(ValueError, match="finite"):
+        cl.detect_plateaus([0.0, 1.0, 2.0, 1e39], y.float())
+
+
+def test_crossing_time_refuses_decreasing_times_and_allows_repeated_ones():
+    y = torch.tensor([0.0, 1.0, 2.0], dtype=torch.float64)
+    with pytest.raises(ValueError, match="increasing"):
+        cl.crossing_time([2.0, 1.0, 0.0], y, 0.5)  # the old code answered 1.5
+    with pytest.raises(ValueError, match="increasing"):
+        cl.crossing_time([0.0, 2.0, 1.0], y, 1.5)
+    # a repeated time (a left-limit record at a knot) is a jump of the series at that time
+    torch.testing.assert_close(cl.crossing_time([0.0, 1.0, 1.0], y, 1.5), torch.tensor(1.0, dtype=torch.float64))
+    with pytest.raises(ValueError, match="strictly increasing"):
+        cl.detect_plateaus([0.0, 1.0, 1.0], y)
+    # T = 0 records: a clear error, not argmax's IndexError
+    with pytest.raises(ValueError, match="T = 0"):
+        cl.crossing_time([], torch.zeros(0, dtype=torch.float64), 0.5)
+    with pytest.raises(TypeError, match="real"):
+        cl.crossing_time(torch.tensor([0.0, 1j, 2.0]), y, 0.5)
+    with pytest.raises(TypeError, match="times"):
+        cl.crossing_time(["a", "b", "c"], y, 0.5)
+    with pytest.raises(ValueError, match="overflows"):
+        cl.detect_plateaus(torch.tensor([-3e38, 0.0, 3e38]), torch.zeros(3))
+    # an empty batch of series is a batch of no answers, in the batch shape
+    assert cl.crossing_time([0.0, 1.0], torch.zeros(0, 2, dtype=torch.float64), 0.5).shape == (0,)
+    assert cl.detect_plateaus([0.0, 1.0], torch.zeros(0, 2, dtype=torch.float64)).count.shape == (0,)
+
+
+def test_statistics_observables_refuse_bad_keys_and_radius_up_front():
+    with pytest.raises(ValueError, match="keys is empty"):
+        cl.statistics_observables(keys=[])
+    with pytest.raises(TypeError, match="string"):
+        cl.statistics_observables(keys="clusters")
+    with pytest.raises(ValueError, match="unknown statistic"):
+        cl.statistics_observables(keys=[["clusters"]])
+    with pytest.raises(ValueError, match="radius"):
+        cl.statistics_observables(radius=3.0)

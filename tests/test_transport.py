@@ -259,6 +259,33 @@ def test_bad_input_raises_clear_errors():
         tp.distance(x, y, "sinkhorn", metric="geodesic", backend="online")
 
 
+
+@pytest.mark.parametrize("kind", transport.KINDS)
+def test_empty_batches_and_empty_measures_are_refused(kind):
+    """Issue 21: an empty batch gave torch's "max(): Expected reduction dim" from the sphere check."""
+    x, y = rand_sphere(4, 3, 35), rand_sphere(5, 3, 36)
+    empty_batch = torch.zeros(0, 4, 3, dtype=torch.float64)
+    with pytest.raises(ValueError, match="mu tokens has an empty batch"):
+        tp.distance(empty_batch, y, kind)
+    with pytest.raises(ValueError, match="nu tokens has an empty batch"):
+        tp.distance(x, torch.zeros(2, 0, 5, 3, dtype=torch.float64), kind)
+    with pytest.raises(ValueError, match="no tokens"):
+        tp.distance(torch.zeros(2, 0, 3, dtype=torch.float64), y, kind)
+    with pytest.raises(ValueError, match="no tokens"):
+        tp.distance(x, torch.zeros(0, 3, dtype=torch.float64), kind)
+    with pytest.raises(ValueError, match="mu weights has an empty batch"):  # weights that broadcast to no batch
+        tp.distance((x, torch.zeros(0, 4, dtype=torch.float64)), y, kind)
+    with pytest.raises(ValueError, match="empty batch"):
+        tp.transport_plan(empty_batch, y)
+
+
+def test_sliced_seed_is_checked():
+    x, y = rand_sphere(4, 3, 37), rand_sphere(5, 3, 38)
+    for bad, exc in ((1.5, TypeError), ("1", TypeError), (-1, ValueError), (2 ** 70, ValueError), (True, TypeError)):
+        with pytest.raises(exc, match="seed"):
+            tp.distance(x, y, "sliced", seed=bad)
+    tp.distance(x, y, "w2", seed=1.5)  # the seed is that of the projections only: ignored by w2
+
 @pytest.mark.skipif(transport.keops_available(), reason="pykeops is installed")
 def test_keops_backend_without_pykeops_says_how_to_fix():
     x, y = rand_sphere(4, 3, 33), rand_sphere(5, 3, 34)

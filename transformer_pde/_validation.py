@@ -140,6 +140,15 @@ def check_positive(value, name: str, *, allow_zero: bool = False) -> float:
     return value
 
 
+def check_bool(value, name: str, *, allow_none: bool = False):
+    """A flag: True or False (or None where ``allow_none``); TypeError for anything else, e.g. the
+    string "yes" that a plain ``if value:`` would silently take for True."""
+    if isinstance(value, bool) or (allow_none and value is None):
+        return value
+    extra = ", False or None" if allow_none else " or False"
+    raise TypeError(f"{name} must be True{extra}, got {type(value).__name__} {value!r}")
+
+
 def check_int(value, name: str, *, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")

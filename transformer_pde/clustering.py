@@ -163,8 +163,8 @@ def cluster_count(x, *, radius: float = 0.1, weights=None) -> torch.Tensor:
 
     k groups of tokens whose within-group links chain together at radius r and whose groups are
     more than r apart give exactly k.  See :func:`cluster_labels`."""
+    labels = cluster_labels(x, radius=radius, weights=weights)  # validates x and weights first
     w = _weights(x, weights)
-    labels = cluster_labels(x, radius=radius, weights=weights)
     roots = labels == torch.arange(x.shape[-2], device=x.device)
     return (roots & (w > 0)).sum(-1)
 
@@ -191,9 +191,13 @@ def _spread(x, w, labels):
     """max_i d_geo(x_i, m_{C(i)}) over tokens of positive weight, (...,)."""
     same = (labels.unsqueeze(-1) == labels.unsqueeze(-2)).to(x.dtype)  # (..., i, j): j in i's cluster
     m = (same * w.unsqueeze(-2)) @ x  # (..., n, d): weighted sum of i's cluster
-    m = m / m.norm(dim=-1, keepdim=True)
+    pos = w > 0
+    # a token of zero weight is its own cluster with m = 0: divide by 1 there (it is masked out below),
+    # so that neither the value nor the gradient meets 0/0
+    norm = m.norm(dim=-1, keepdim=True)
+    m = m / torch.where(pos.unsqueeze(-1), norm, torch.ones_like(norm))
     dist = 2 * torch.asin(((x - m).norm(dim=-1) / 2).clamp(max=1.0))
-    return torch.where(w > 0, dist, torch.zeros_like(dist)).amax(-1)
+    return torch.where(pos, dist, torch.zeros_like(dist)).amax(-1)
 
 
 # ---------------------------------------------------------------------------- Gram statistics
@@ -209,10 +213,13 @@ def pair_fraction(x, *, radius: Optional[float] = None, eps: Optional[float] = N
     differentiable in x (and tends to the hard one as τ → 0).
 
     Equiangular tokens (⟨x_i, x_j⟩ = γ for all i ≠ j) give 1 when γ > 1 − ε and 0 otherwise; one
-    point gives 1; k equal clusters of m tokens give (m − 1)/(km − 1).
+    point gives 1 — one token (n = 1), or weights that put all the mass on one token (then
+    Σ_{i≠j} w_i w_j = 0 and the measure is a Dirac mass, a single cluster); k equal clusters of m
+    tokens give (m − 1)/(km − 1).
 
     Raises:
-        TypeError / ValueError: bad x or weights, both or invalid radius/eps, τ <= 0, n < 2."""
+        TypeError / ValueError: bad x or weights (an empty batch among them), both or invalid
+        radius/eps, τ <= 0."""
     if radius is not None and eps is not None:
         raise ValueError("give either radius (chordal) or eps (overlap > 1 - eps), not both; eps = radius**2 / 2")
     if eps is None:
@@ -221,20 +228,32 @@ def pair_fraction(x, *, radius: Optional[float] = None, eps: Optional[float] = N
     if eps > 2.0:
         raise ValueError(f"eps must be <= 2 (overlaps are >= -1), got {eps}")
     _check(x, weights, 1.0)
-    if x.shape[-2] < 2:
-        raise ValueError(f"pair_fraction needs n >= 2 tokens, got x of shape {tuple(x.shape)}")
+    if temperature is not None:
+        temperature = check_positive(temperature, "temperature")
     w = _weights(x, weights)
     gap = _half_sq_dist(x)
     if temperature is None:
         close = (gap < eps).to(x.dtype)
     else:
-        temperature = check_positive(temperature, "temperature")
         close = torch.sigmoid((eps - gap) / temperature)
+    return _pair_mean(w, close, one_point=1.0)
+
+
+def _pair_mean(w, f, *, one_point: float):
+    """Σ_{i≠j} w_i w_j f_ij / Σ_{i≠j} w_i w_j, (...,); ``one_point`` where the denominator is 0.
+
+    The denominator vanishes exactly when at most one token carries mass (n = 1, or all the weight
+    on one token): the measure is one point, and the statistic takes its value there (pairs of
+    draws from a Dirac mass coincide: pair fraction 1, overlap 1).  The masked division keeps the
+    gradient finite (no 0/0 in the unselected branch)."""
+    n = w.shape[-1]
     ww = w.unsqueeze(-1) * w.unsqueeze(-2)
-    offdiag = 1.0 - torch.eye(x.shape[-2], dtype=x.dtype, device=x.device)
-    num = (ww * offdiag * close).sum((-1, -2))
+    offdiag = 1.0 - torch.eye(n, dtype=w.dtype, device=w.device)
+    num = (ww * offdiag * f).sum((-1, -2))
     den = (ww * offdiag).sum((-1, -2))
-    return num / den.clamp_min(torch.finfo(x.dtype).tiny)
+    single = den <= 0
+    value = num / torch.where(single, torch.ones_like(den), den)
+    return torch.where(single, torch.full_like(value, one_point), value)
 
 
 def gram_rank_count(x, *, radius: Optional[float] = None, eps: Optional[float] = None, weights=None,
@@ -314,7 +333,9 @@ def cluster_statistics(x, weights=None, *, radius: float = 0.1, eps: Optional[fl
         "radius"          largest geodesic spread of a cluster                 :func:`cluster_radius`
         "mean_overlap"    Σ_{i≠j} w_i w_j ⟨x_i, x_j⟩ / Σ_{i≠j} w_i w_j
 
-    with ε = r²/2 unless ``eps`` is given (then r = √(2ε)).  ``gram_rank=False`` skips the
+    with ε = r²/2 unless ``eps`` is given (then r = √(2ε)).  A one-point measure (n = 1, or all the
+    weight on one token) has one cluster of mass 1 and radius 0, pair fraction 1 and mean overlap 1
+    (the values of any number of coincident tokens).  ``gram_rank=False`` skips the
     eigenvalues (the costliest part, O(n³)).  ``count_eps``: a separate threshold for the cluster
     counts ("clusters", "gram_rank", "largest_mass", "radius": overlap > 1 − count_eps), the pair
     fraction and mean overlap keeping ε (rotf: ε = 1e-3 for the pairs, count_eps = 1e-4 for the
@@ -343,12 +364,8 @@ def cluster_statistics(x, weights=None, *, radius: float = 0.1, eps: Optional[fl
     if gram_rank:
         out["gram_rank"] = (_rank_of_linked(adj, None) if n <= _DEDUPE_MIN
                             else _rank_deduplicated(x.detach(), weights, count_eps, None))
-    ww = w.unsqueeze(-1) * w.unsqueeze(-2)
-    offdiag = 1.0 - torch.eye(n, dtype=x.dtype, device=x.device)
-    den = (ww * offdiag).sum((-1, -2)).clamp_min(torch.finfo(x.dtype).tiny)
-    out["pair_fraction"] = (ww * offdiag * pairs.to(x.dtype)).sum((-1, -2)) / den
-    G = x @ x.transpose(-1, -2)
-    out["mean_overlap"] = (ww * offdiag * G).sum((-1, -2)) / den
+    out["pair_fraction"] = _pair_mean(w, pairs.to(x.dtype), one_point=1.0)
+    out["mean_overlap"] = _pair_mean(w, x @ x.transpose(-1, -2), one_point=1.0)
     out["radius"] = _spread(x, w, labels)
     return out
 
@@ -368,14 +385,20 @@ def statistics_observables(*, radius: float = 0.1, eps: Optional[float] = None, 
         ValueError: unknown key, bad radius/eps."""
     if eps is not None:
         radius = radius_from_eps(eps)
-    check_positive(radius, "radius")
+    radius = check_positive(radius, "radius")
+    if radius > 2.0:
+        raise ValueError(f"radius is a chordal distance and must be <= 2 (the diameter of the sphere), got {radius}")
     if count_eps is not None:
         count_eps = check_positive(count_eps, "count_eps")
     allowed = ("clusters", "gram_rank", "pair_fraction", "largest_mass", "radius", "mean_overlap")
+    if isinstance(keys, str):
+        raise TypeError(f"keys must be a sequence of statistic names, got the string {keys!r}; write keys=[{keys!r}]")
     keys = allowed if keys is None else tuple(keys)
-    bad = [k for k in keys if k not in allowed]
-    if bad or not keys:
-        raise ValueError(f"unknown statistic {bad[0] if bad else None!r}; allowed values: {', '.join(map(repr, allowed))}")
+    if not keys:
+        raise ValueError(f"keys is empty; give at least one of {', '.join(map(repr, allowed))} (or None for all)")
+    bad = [k for k in keys if not isinstance(k, str) or k not in allowed]
+    if bad:
+        raise ValueError(f"unknown statistic {bad[0]!r}; allowed values: {', '.join(map(repr, allowed))}")
     rank = "gram_rank" in keys
     if stacked:
         def fn(x, w):
@@ -416,14 +439,38 @@ class Staircase:
                 for s, e, lv in zip(self.start[index][v], self.end[index][v], self.level[index][v])]
 
 
-def _time_axis(times, values) -> torch.Tensor:
-    """The times (T,) in the dtype and device of ``values`` (..., T), checked against its last axis."""
+def _time_axis(times, values, *, strict: bool) -> torch.Tensor:
+    """The times (T,) in the dtype and device of ``values`` (..., T), checked against its last axis:
+    real, finite (also after the conversion to ``values``' dtype), T >= 1, and increasing —
+    strictly when ``strict`` (t_{k+1} > t_k), else non-decreasing (a repeated time is allowed)."""
     check_tensor(values, "values", min_dim=1)
-    t = times if isinstance(times, torch.Tensor) else torch.as_tensor(times, dtype=torch.float64)
+    if isinstance(times, torch.Tensor):
+        t = times
+    else:
+        try:
+            t = torch.as_tensor(times, dtype=torch.float64)
+        except (TypeError, ValueError, RuntimeError):
+            raise TypeError(f"times must be a 1-D tensor or sequence of real numbers, got {type(times).__name__} "
+                            f"{str(times)[:40]}") from None
+    if t.is_complex() or t.dtype == torch.bool:
+        raise TypeError(f"times must be real numbers, got dtype {t.dtype}")
     t = t.to(dtype=values.dtype, device=values.device)
     if t.dim() != 1 or t.shape[0] != values.shape[-1]:
         raise ValueError(f"times must be 1-D with one entry per value: times {tuple(t.shape)}, "
                          f"values {tuple(values.shape)} (time is the last axis of values)")
+    if t.shape[0] == 0:
+        raise ValueError(f"times and values hold no recorded time (T = 0): values {tuple(values.shape)}; "
+                         f"give at least one record")
+    if not bool(torch.isfinite(t).all()):
+        raise ValueError(f"times must be finite (in {values.dtype}, the dtype of values), got {t.tolist()[:8]}"
+                         f"{' ...' if t.shape[0] > 8 else ''}")
+    dt = t[1:] - t[:-1]
+    if not bool((dt > 0).all() if strict else (dt >= 0).all()):
+        k = int(torch.nonzero(~(dt > 0) if strict else ~(dt >= 0))[0])
+        what = "strictly increasing" if strict else "increasing (non-decreasing)"
+        raise ValueError(f"times must be {what}, but t[{k + 1}] = {float(t[k + 1])!r} follows t[{k}] = "
+                         f"{float(t[k])!r}" + (f" (in {values.dtype})" if strict else "")
+                         + "; sort the records by time")
     return t
 
 
@@ -451,24 +498,28 @@ def detect_plateaus(times, values, *, slope_tol: float = 0.05, min_duration: Opt
     Returns:
         :class:`Staircase` (dtype of ``values``; the times are converted to it).
     Raises:
-        TypeError / ValueError: non-tensor values, T < 2, times not increasing or of the wrong
-        length, negative thresholds, non-finite values.
+        TypeError / ValueError: non-tensor values, T < 2, times not finite, not strictly increasing
+        (in the dtype of ``values``) or of the wrong length, negative thresholds, non-finite values.
     """
-    t = _time_axis(times, values)
+    t = _time_axis(times, values, strict=True)
     T = t.shape[0]
     if T < 2:
         raise ValueError("detect_plateaus needs at least two recorded times")
     dtv = t[1:] - t[:-1]
-    if not bool((dtv > 0).all()):
-        raise ValueError("times must be strictly increasing")
     slope_tol = check_positive(slope_tol, "slope_tol", allow_zero=True)
     abs_slope = check_positive(abs_slope, "abs_slope", allow_zero=True)
     span = float(t[-1] - t[0])
+    if not math.isfinite(span):
+        raise ValueError(f"the horizon t_end - t_0 = {t[-1].item()!r} - {t[0].item()!r} overflows {values.dtype}; "
+                         f"shift or rescale the times (or pass float64 values)")
     min_duration = 0.02 * span if min_duration is None else check_positive(min_duration, "min_duration")
 
     y = values.detach()
     batch = y.shape[:-1]
     rng = y.amax(-1) - y.amin(-1)  # (...,)
+    if not bool(torch.isfinite(rng).all()):
+        raise ValueError(f"the range max y - min y of values overflows {values.dtype}; rescale the series "
+                         f"(or pass float64 values)")
     thr = slope_tol * rng / span + abs_slope
     s = (y[..., 1:] - y[..., :-1]).abs() / dtv
     flat = (s <= thr.unsqueeze(-1)) | (rng == 0).unsqueeze(-1)  # (..., T-1)
@@ -506,8 +557,13 @@ def crossing_time(times, values, level: float) -> torch.Tensor:
     the two recorded times that bracket the crossing (``inf`` when it is never reached, t_0 when
     it starts at or above the level).
 
-    times: (T,) increasing; values: (..., T) (time last).  dtype follows ``values``."""
-    t = _time_axis(times, values)
+    times: (T,) finite and non-decreasing (a repeated time, e.g. a left-limit record at a knot, is
+    allowed), T >= 1; values: (..., T) (time last), finite.  dtype follows ``values``.
+
+    Raises:
+        TypeError / ValueError: non-tensor or non-finite values, times empty, not finite, decreasing
+        or of the wrong length, a level that is not a finite real number."""
+    t = _time_axis(times, values, strict=False)
     if isinstance(level, bool) or not isinstance(level, (int, float)) or not math.isfinite(level):
         raise TypeError(f"level must be a finite real number, got {level!r}")
     y = values.detach()

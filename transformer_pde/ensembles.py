@@ -57,16 +57,37 @@ def _batch(batch) -> tuple:
     return tuple(batch)
 
 
+def _shape(shape) -> tuple:
+    """A sample shape: an int >= 0 or a sequence of them."""
+    if isinstance(shape, int) and not isinstance(shape, bool):
+        shape = (shape,)
+    if not isinstance(shape, (tuple, list, torch.Size)) or not all(
+            isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in shape):
+        raise ValueError(f"shape must be an int >= 0 or a tuple of them, got {shape!r}")
+    return tuple(shape)
+
+
+def _draw_options(generator, dtype):
+    """Refuse a generator that is not a torch.Generator and a dtype that is not floating, before drawing."""
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}; "
+                        f"make one with torch.Generator().manual_seed(seed)")
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise TypeError(f"dtype must be a floating torch dtype (torch.float32 or torch.float64), got {dtype!r}")
+
+
 def random_matrices(shape, d: int, *, law: str = "goe", scale: float = 1.0, generator=None, dtype=None,
                     device=None) -> torch.Tensor:
     """Random d × d matrices of the given law (module docstring), shape (*shape, d, d).
 
     Raises:
-        ValueError / TypeError: unknown law, d < 2, scale < 0, bad shape."""
+        ValueError / TypeError: unknown law, d < 2, scale < 0, bad shape, a generator that is not a
+        torch.Generator, a dtype that is not floating."""
     check_choice(law, LAWS, "law")
     d = check_int(d, "d", minimum=2)
     scale = check_positive(scale, "scale", allow_zero=True)
-    shape = tuple(shape)
+    shape = _shape(shape)
+    _draw_options(generator, dtype)
     f = dict(dtype=dtype or torch.get_default_dtype(), device=device)
     if law == "gaussian":
         return (scale / math.sqrt(d)) * torch.randn(*shape, d, d, generator=generator, **f)
@@ -97,6 +118,7 @@ def random_heads(batch, num_heads: int, dim: int, *, law: str = "goe", values: s
     batch = _batch(batch)
     check_choice(values, VALUES, "values")
     H = check_int(num_heads, "num_heads")
+    _draw_options(generator, dtype)
     A = random_matrices(batch + (H,), dim, law=law, scale=scale, generator=generator, dtype=dtype, device=device)
     if values == "+A":
         h = Heads(A, None, weights, beta)
@@ -117,6 +139,7 @@ def random_tokens(batch, n: int, d: int, *, generator=None, dtype=None, device=N
     """x0 (*batch, n, d): i.i.d. uniform tokens on S^{d-1} for every member."""
     from .sphere import sample_uniform
 
+    _draw_options(generator, dtype)
     return sample_uniform(n, d, batch_shape=_batch(batch), generator=generator, dtype=dtype, device=device)
 
 

@@ -42,7 +42,8 @@ from typing import Callable, Optional, Tuple, Union
 import numpy as np
 import torch
 
-from ._validation import check_choice, check_int, check_positive, check_same, check_token_weights, check_tokens
+from ._validation import (check_choice, check_int, check_positive, check_same, check_seed, check_token_weights,
+                          check_tokens)
 
 __all__ = ["distance", "transport_plan", "cost_matrix", "sinkhorn_divergence", "KINDS", "METRICS", "BACKENDS",
            "keops_available"]
@@ -273,7 +274,8 @@ def distance(mu: Measure, nu: Measure, kind: str = "w2", *, squared: bool = Fals
 
     Raises:
         TypeError / ValueError: tokens off the sphere, bad weights, mismatched d or batch shapes,
-        unknown kind / metric / backend, eps <= 0, or a KeOps backend without pykeops.
+        an empty measure (n = 0) or an empty batch (a batch dim of size 0), unknown kind / metric /
+        backend, eps <= 0, a seed that is not an int in [0, 2^64), or a KeOps backend without pykeops.
 
     Example:
         >>> import torch, transformer_pde as tp
@@ -294,6 +296,7 @@ def distance(mu: Measure, nu: Measure, kind: str = "w2", *, squared: bool = Fals
             raise ValueError(f"scaling must lie in (0, 1), got {scaling}")
     if kind == "sliced":
         check_int(n_projections, "n_projections")
+        seed = check_seed(seed)
     x, a, y, b, batch = _prepare(mu, nu)
     if kind == "sinkhorn":
         _resolve_backend(backend, metric == "geodesic", x.shape[-2], y.shape[-2])  # errors before any work

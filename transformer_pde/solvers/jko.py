@@ -112,8 +112,8 @@ from typing import Callable, Optional, Union
 import torch
 
 from .. import threads
-from .._validation import (check_choice, check_every, check_int, check_limits, check_positive, check_real, check_same,
-                           check_seed_generator, check_tied_all, check_token_weights, check_tokens, direction_sign)
+from .._validation import (check_bool, check_choice, check_every, check_int, check_limits, check_positive, check_real,
+                           check_same, check_seed_generator, check_tied_all, check_token_weights, check_tokens, direction_sign)
 from ..attention import softmax_statistics
 from ..energy import choose_log_scale
 from ..field import FieldEval, evaluate, head_token_mean, log_inverse_mobility, token_mean
@@ -714,6 +714,7 @@ def _check_jko_args(x0, theta, **settings) -> SimpleNamespace:
         o.seed = None  # the draws come from the generator (sample_path refuses a seed next to it)
     if not isinstance(o.strict, bool):
         raise TypeError(f"strict must be True or False, got {type(o.strict).__name__}")
+    check_bool(o.diagnostics, "diagnostics")
     o.max_iter = check_int(o.max_iter, "max_iter")
     o.max_plan_updates = check_int(o.max_plan_updates, "max_plan_updates")
     o.record_every = check_every(o.record_every, "record_every", o.steps, f"steps = {o.steps} of tau = {o.tau:.6g}")
@@ -842,6 +843,7 @@ def jko(
         >>> traj.x.shape, bool((traj.stats["defect"] <= 1e-12).all())
         (torch.Size([4, 12, 3]), True)
     """
+    check_bool(progress, "progress", allow_none=True)
     o = _check_jko_args(
         x0, theta, tau=tau, steps=steps, t0=t0, transport=transport, scheme=scheme, direction=direction,
         mobility=mobility, cost=cost, eps=eps, weights=weights, grid=grid, grid_weights=grid_weights,

@@ -23,6 +23,7 @@ import torch
 from .. import threads
 from .._validation import (
     NORMALIZATIONS,
+    check_bool,
     check_choice,
     check_every,
     check_int,
@@ -397,6 +398,8 @@ def simulate(
         >>> traj.x.shape
         torch.Size([11, 20, 3])
     """
+    for flag, flag_name in ((diagnostics, "diagnostics"), (adjoint, "adjoint"), (return_path, "return_path")):
+        check_bool(flag, flag_name)
     (process, sign, t0, t1, dt, K, record_every, checkpoint_every, paths, seed, quadrature, obs,
      energy_log_scale) = _check_simulate_args(
         x0, theta, t1=t1, dt=dt, t0=t0, method=method, normalization=normalization, direction=direction,

@@ -142,6 +142,9 @@ def available() -> Dict[str, Study]:
 
 def get_study(kind) -> Study:
     _load_all()
+    if not isinstance(kind, str):
+        raise ValueError(f"the experiment kind must be a string naming one of {', '.join(map(repr, sorted(_REGISTRY)))}, "
+                         f"got {kind!r} ({type(kind).__name__}); write e.g. kind = \"demo\"")
     if kind not in _REGISTRY:
         raise ValueError(f"unknown experiment kind {kind!r}; allowed values: {', '.join(map(repr, sorted(_REGISTRY)))}")
     return _REGISTRY[kind]

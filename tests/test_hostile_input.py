@@ -244,7 +244,7 @@ def test_empty_batches_are_refused_naming_the_shape():
         tp.simulate(empty, h, t1=0.2, dt=0.1)
     with pytest.raises(ValueError, match=r"x0 holds no token sets.*\(0, 4, 3\)"):
         tp.jko(empty, h, tau=0.1, steps=2)
-    with pytest.raises(ValueError, match=r"grid_weights is empty"):
+    with pytest.raises(ValueError, match=r"grid_weights has an empty batch"):
         tp.jko(None, h, tau=0.1, steps=2, scheme="eulerian", grid=tp.sphere.fibonacci_sphere(10, dtype=F64),
                grid_weights=torch.zeros(0, 10, dtype=F64))
 

@@ -82,7 +82,7 @@ def check_tokens(x, name: str = "x") -> torch.Tensor:
     if n < 1:
         raise ValueError(f"{name} holds no tokens (n = 0): shape {tuple(x.shape)}")
     if x.numel() == 0:
-        raise ValueError(f"{name} holds no token sets: its batch shape {tuple(x.shape[:-2])} has an empty axis "
+        raise ValueError(f"{name} holds no token sets (an empty batch): its batch shape {tuple(x.shape[:-2])} has an empty axis "
                          f"(shape {tuple(x.shape)}); give at least one set of tokens, e.g. shape (1, {n}, {d})")
     err = (x.norm(dim=-1) - 1).abs().max().item()
     tol = sphere_tolerance(x.dtype)
@@ -113,7 +113,7 @@ def check_token_weights(w, x: torch.Tensor, name: str = "weights", x_name: str =
             f"the batch shape of {x_name} {tuple(x.shape[:-2])}"
         ) from None
     if w.numel() == 0:
-        raise ValueError(f"{name} is empty (shape {tuple(w.shape)}): its batch shape has an empty axis; give at "
+        raise ValueError(f"{name} has an empty batch (shape {tuple(w.shape)}): its batch shape has an empty axis; give at "
                          f"least one set of weights")
     if bool((w < 0).any()):
         raise ValueError(f"{name} has negative entries (min {w.min().item():.3g}); token weights must be >= 0")

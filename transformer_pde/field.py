@@ -191,9 +191,12 @@ def evaluate(
     V = sign * tangent_projection(x, field)
     out = FieldEval(V, stats, outputs)
     if diagnostics:
-        g = tangent_projection(x, sum((omega * torch.exp(l).unsqueeze(-1) * u).sum(-3) for l, u in terms))
+        m = torch.exp(lse)  # m_h(x_i), shared by ∇_S δE/δμ and E
+        wts = heads.weights.unsqueeze(-1)  # (..., H, 1)
+        g = tangent_projection(x, sum(((wts * (m if l is lse else torch.exp(l))).unsqueeze(-1) * u).sum(-3)
+                                      for l, u in terms))
         out.grad_first_variation = g
-        out.energy = (heads.weights * head_token_mean(torch.exp(lse), weights)).sum(-1) / (2 * heads.beta)
+        out.energy = (heads.weights * head_token_mean(m, weights)).sum(-1) / (2 * heads.beta)
         b = torch.exp(-log_inverse_mobility(heads, lse))
         out.slope = token_mean(b * V.square().sum(-1), weights)
         out.dissipation = token_mean((g * V).sum(-1), weights)

@@ -237,3 +237,37 @@ def test_radial_shadows_definition():
     assert_close(a, (f * x).sum(-1))
     # the projected head output is the output minus its radial shadow
     assert_close(sphere.tangent_projection(x, f), f - a[..., None] * x)
+
+
+def test_pairing_reuses_its_moment_only_for_the_same_tokens_and_statistics():
+    """⟨∂_A E, M⟩ is linear in M through T_h = Σ_i w_i m_h(x_i) x_i ȳ_hiᵀ, which pairing keeps on the
+    statistics for the solver's second call (Ȧ and the noise of one step).  Checked against the
+    dense double sum ½ Σ_h ω_h Σ_ij w_i w_j e^{s_ij} ⟨x_i, M_h x_j⟩, for two M on the same statistics,
+    after the tokens change in place (the kept moment must not be used) and on other weights."""
+    import importlib
+
+    energy_mod = importlib.import_module("transformer_pde.energy")
+    x = sphere.sample_uniform(9, 3, generator=gen(11), dtype=torch.float64)
+    A = torch.randn(4, 3, 3, generator=gen(12), dtype=torch.float64)
+    A = A + A.transpose(-1, -2)
+    heads = tp.Heads(A, weights=torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64))
+    w = torch.rand(9, generator=gen(13), dtype=torch.float64)
+    w = w / w.sum()
+
+    def dense(x, w, M):
+        S = torch.einsum("ia,hab,jb->hij", x, A, x)
+        Mx = torch.einsum("ia,hab,jb->hij", x, M, x)
+        return 0.5 * (heads.weights * (torch.exp(S) * Mx * w[:, None] * w[None, :]).sum((-1, -2))).sum()
+
+    M1, M2 = (torch.randn(4, 3, 3, generator=gen(s), dtype=torch.float64) for s in (14, 15))
+    stats = tp.softmax_statistics(x, heads, w)
+    for M in (M1, M2, M1):
+        assert_close(energy_mod.pairing(x, heads, w, stats, M), dense(x, w, M), rtol=1e-13, atol=1e-14)
+    assert getattr(stats, "_pairing_moment", None) is not None  # the moment was kept
+    u = torch.full_like(w, 1.0 / 9)
+    assert_close(energy_mod.pairing(x, heads, None, tp.softmax_statistics(x, heads), M2), dense(x, u, M2),
+                 rtol=1e-13, atol=1e-14)
+    # tokens moved in place: the kept T belongs to the old tokens and must be recomputed
+    old = energy_mod.pairing(x, heads, w, stats, M2)
+    x.mul_(-1.0)  # statistics unchanged (stale on purpose), so only the x factor of T flips sign
+    assert_close(energy_mod.pairing(x, heads, w, stats, M2), -old, rtol=1e-13, atol=1e-14)

@@ -271,3 +271,42 @@ def test_pairing_reuses_its_moment_only_for_the_same_tokens_and_statistics():
     old = energy_mod.pairing(x, heads, w, stats, M2)
     x.mul_(-1.0)  # statistics unchanged (stale on purpose), so only the x factor of T flips sign
     assert_close(energy_mod.pairing(x, heads, w, stats, M2), -old, rtol=1e-13, atol=1e-14)
+
+
+_FIRST_STEP = (
+    "import sys, torch, transformer_pde as tp\n"
+    "x0 = tp.sphere.octahedral(12, 3, dtype=torch.float64)\n"
+    "h = tp.Heads.random(3, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)\n"
+    "tp.simulate(x0, tp.OrnsteinUhlenbeck(h, rate=1.0, sigma=1.0), t1=0.02, dt=0.01, paths=2, seed=0, progress=False)\n"
+    "tp.simulate(x0, h, t1=0.02, dt=0.01, method='heun', progress=False)\n"
+    "tp.energy(x0, h); tp.velocity(x0, h)\n"
+    "print(sorted(m for m in ('sympy', 'scipy', 'matplotlib') if m in sys.modules))\n"
+)
+
+
+def test_first_heads_and_step_import_no_sympy():
+    """The way to the first step imports nothing heavy: torch.broadcast_shapes imports sympy on its
+    first call (through torch._refs' symbolic-shape guards, 0.4–2.5 s), so Heads and the solver setup use
+    heads.broadcast_shapes; scipy and matplotlib are imported only by the functions that need them."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(__import__("os").environ, PYTHONPATH=str(root))
+    out = subprocess.run([sys.executable, "-c", _FIRST_STEP], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+
+
+def test_broadcast_shapes_matches_torch():
+    from transformer_pde.heads import broadcast_shapes
+
+    for shapes in [((2, 1), (1, 3)), ((), (4,)), ((5, 1, 3), (2, 1)), ((0,), (1,)), (torch.Size([3, 1]), (3, 4)), ()]:
+        assert broadcast_shapes(*shapes) == torch.broadcast_shapes(*shapes)
+    for shapes in [((2,), (3,)), ((0,), (2,)), ((4, 2), (3, 1))]:
+        with pytest.raises(RuntimeError):
+            torch.broadcast_shapes(*shapes)
+        with pytest.raises(RuntimeError):
+            broadcast_shapes(*shapes)

@@ -46,7 +46,7 @@ from ._validation import (
     direction_sign,
 )
 from .attention import HeadStats, relu_statistics, softmax_statistics
-from .heads import Heads
+from .heads import Heads, broadcast_shapes
 from .sphere import tangent_projection
 
 __all__ = ["FieldEval", "evaluate", "velocity", "head_outputs", "radial_shadows"]
@@ -219,7 +219,7 @@ def check_inputs(x, heads, weights, *, on_sphere: bool = True):
     if heads.dim != x.shape[-1]:
         raise ValueError(f"heads act on dimension d = {heads.dim} but x has d = {x.shape[-1]}")
     try:
-        torch.broadcast_shapes(x.shape[:-2], heads.batch_shape)
+        broadcast_shapes(x.shape[:-2], heads.batch_shape)
     except RuntimeError:
         raise ValueError(
             f"the batch shape of x {tuple(x.shape[:-2])} does not broadcast against the heads' batch shape "

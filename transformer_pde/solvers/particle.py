@@ -39,7 +39,7 @@ from ..energy import choose_log_scale, pairing
 from ..energy import quadratic_variation as realised_qv_term
 from ..field import FieldEval, evaluate
 from ..mobility import scaled_diagnostics
-from ..heads import Heads
+from ..heads import Heads, broadcast_shapes
 from ..processes import Constant, Process, WeightDriver, WeightPath, grid_steps
 from ..sphere import normalize
 from .parts import (LEDGER_KEYS, Checkpointer, Ledger, Recorder, Stepper, check_observables, ledger_from_series,
@@ -382,7 +382,7 @@ def simulate(
     drv = WeightDriver(process, paths=paths, generator=generator, seed=seed, t0=t0, dt=dt,
                        store=return_path, batch_rank=x0.dim() - 2)
     # tokens carry every batch axis of the heads (paths, replayed paths) from the start
-    x = x.expand(*torch.broadcast_shapes(x.shape[:-2], drv.current.batch_shape), *x.shape[-2:])
+    x = x.expand(*broadcast_shapes(x.shape[:-2], drv.current.batch_shape), *x.shape[-2:])
     ev = _Evaluator(weights, normalization=normalization, sign=sign, noisy=process.noisy, causal=causal,
                     chunk_elements=chunk_elements, energy_log_scale=energy_log_scale)
     scale, fix_scale = ev.scale, ev.fix_scale

@@ -31,6 +31,7 @@ from .processes import (
 from .solvers.particle import METHODS, TABLEAUX, ButcherTableau, NonFiniteError, Trajectory, simulate
 from . import attention, diagnostics, distributed, nn, theory, transport
 from .attention import kernel_backend
+from .threads import thread_policy
 from .distributed import distributed_evaluate, simulate_sharded
 from .nn import attention_matrix, heads_from_multihead_attention, layerwise_from_transformer, residual_attention_step
 from .solvers.jko import JKOConvergenceError, jko, to_grid
@@ -88,6 +89,7 @@ __all__ = [
     "NonFiniteError",
     "attention",
     "kernel_backend",
+    "thread_policy",
     "distributed",
     "distributed_evaluate",
     "simulate_sharded",

@@ -51,6 +51,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 import torch
 
+from . import threads
 from .resources import tomllib
 from .studies import get_study, validate_params
 
@@ -652,6 +653,7 @@ def _run_study(cfg, run_path: Path, *, resumed: bool, resume: bool, progress: bo
     st = get_study(cfg["kind"])
     logger.info("%s %s (kind %s) in %s", "resuming" if resumed else "running", cfg["name"], cfg["kind"], run_path)
     t0 = time.perf_counter()
+    mark = len(threads.usage())
     try:
         metrics = st.fn(cfg["params"], run)
     except BaseException as e:
@@ -662,6 +664,9 @@ def _run_study(cfg, run_path: Path, *, resumed: bool, resume: bool, progress: bo
             status["signal"] = "SIGTERM"
         run.write_json("status.json", status)
         raise
+    finally:  # the thread counts the solver loops (and any worker processes) really used
+        env["thread_policy"], env["threads_used"] = threads.current(), env.get("threads_used", []) + threads.usage(mark)
+        run.write_json("environment.json", env)
     wall = time.perf_counter() - t0
     metrics = {**(metrics or {}), "wall_time_s": wall}
     run.write_json("metrics.json", metrics)

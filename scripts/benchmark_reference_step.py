@@ -21,6 +21,20 @@ oscillating weights with H = 1, 10, 100 and one path) from per-step times measur
     python scripts/benchmark_reference_step.py                 # H = 100, 10 steps
     python scripts/benchmark_reference_step.py --heads 1 10 100 --steps 20 --backend chunked
 
+Then, for the first ``--heads`` value, the hot step itself (issue 27):
+
+* ours with every diagnostic and with ``diagnostics=False`` (the bare field), interleaved
+  repeats, and their ratio (goal ≤ 1.15); the fused kernel's width with and without the second
+  moment (q, k, v columns of ``aten._scaled_dot_product_flash_attention_for_cpu``);
+* the import time: ``import torch`` alone and ``import transformer_pde`` plus the first
+  ``Heads`` (best of ``--import-repeat`` fresh interpreters; whether sympy got imported);
+* with ``--official PATH`` (a checkout of github.com/alexmassucco/Transformers_as_time_dependent_gradient_flows,
+  not part of this project): the official engine's ``attn_sphere.engine.simulate_batch`` on the
+  same configuration (its own octahedral tokens and seeds, OU drift, σ² = 2), timed in a child
+  process with the same thread count, interleaved with ours, and the ratios ours / official.
+
+    python scripts/benchmark_reference_step.py --official ~/src/Transformers_as_time_dependent_gradient_flows
+
 Timings on a shared machine are noisy: the script prints the load average and the CPU time
 next to the wall time; compare ratios from one run, not absolute times across runs.
 """
@@ -28,9 +42,13 @@ next to the wall time; compare ratios from one run, not absolute times across ru
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -130,6 +148,123 @@ def ours(x0, theta, steps, dt, paths, backend):
                            seed=0, record_every=steps, return_path=True)
 
 
+# ---------------------------------------------------------------------------- the hot step (issue 27)
+def ours_step(x0, theta, steps, dt, paths, diagnostics):
+    return tp.simulate(x0, theta, t1=steps * dt, dt=dt, method="euler", direction="descent", paths=paths, seed=0,
+                       record_every=steps, diagnostics=diagnostics, progress=False)
+
+
+def kernel_widths(x0, theta, dt, paths):
+    """The (q, k, v) widths the fused CPU kernel receives in one step, with and without diagnostics."""
+    from transformer_pde import attention
+
+    real = attention._flash_cpu_op()
+    if real is None:
+        return {"diagnostics": None, "bare": None}
+    out = {}
+    for diag in (True, False):
+        seen = []
+
+        def spy(q, k, v, **kw):
+            seen.append((q.shape[-1], k.shape[-1], v.shape[-1]))
+            return real(q, k, v, **kw)
+
+        attention._FLASH_CPU = spy
+        try:
+            ours_step(x0, theta, 1, dt, paths, diag)
+        finally:
+            attention._FLASH_CPU = real
+        out["diagnostics" if diag else "bare"] = sorted(set(seen))
+    return out
+
+
+_IMPORT_TP = ("import time, sys; t = time.perf_counter(); import torch; t1 = time.perf_counter(); "
+              "import transformer_pde as tp; t2 = time.perf_counter(); h = tp.Heads.random(3, 3); h.batch_shape; "
+              "t3 = time.perf_counter(); print(t1 - t, t2 - t1, t3 - t2, 'sympy' in sys.modules)")
+_IMPORT_TORCH = "import time; t = time.perf_counter(); import torch; print(time.perf_counter() - t)"
+
+
+def import_times(repeat):
+    """Best of ``repeat`` fresh interpreters: import torch alone; torch, transformer_pde, the first Heads."""
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    torch_alone, parts, sympy = [], [], False
+    for _ in range(repeat):
+        r = subprocess.run([sys.executable, "-c", _IMPORT_TORCH], capture_output=True, text=True, env=env)
+        torch_alone.append(float(r.stdout.split()[0]))
+        r = subprocess.run([sys.executable, "-c", _IMPORT_TP], capture_output=True, text=True, env=env)
+        a, b, c, sp = r.stdout.split()
+        parts.append((float(a), float(b), float(c)))
+        sympy = sympy or sp == "True"
+    best = min(parts, key=sum)
+    return {"torch": min(torch_alone), "torch_in_tp_run": best[0], "transformer_pde": best[1],
+            "first_heads": best[2], "sympy_imported": sympy}
+
+
+_OFFICIAL = """
+import json, math, sys, time
+import torch
+sys.path.insert(0, {path!r})
+torch.set_num_threads({threads})
+from attn_sphere.engine import simulate_batch
+from attn_sphere.drift import ou_drift
+from attn_sphere.init_tokens import symmetric_random_weights, tokens_s2_octahedral
+x0 = tokens_s2_octahedral(200, seed=42)
+Ds = symmetric_random_weights({H}, 3, seed=42 + {H})
+simulate_batch(x0, Ds, ou_drift, 2.0, "cpu", T={dt} * 2, dt={dt}, rec=1, n_paths={paths}, seed=0)  # warm-up
+w, c = time.perf_counter(), time.process_time()
+simulate_batch(x0, Ds, ou_drift, 2.0, "cpu", T={dt} * {steps}, dt={dt}, rec={steps}, n_paths={paths}, seed=0)
+print(json.dumps({{"wall": (time.perf_counter() - w) / {steps}, "cpu": (time.process_time() - c) / {steps}}}))
+"""
+
+
+def official_step(path, H, steps, dt, paths):
+    """Seconds per step of the official engine (child process, this process's thread count); its loop
+    does one forward pass per step plus a final one."""
+    code = _OFFICIAL.format(path=str(path), threads=torch.get_num_threads(), H=H, dt=dt, steps=steps, paths=paths)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"the official engine at {path} failed:\n{r.stderr[-2000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def hot_step(args, dtype):
+    H = args.heads[0]
+    x0, heads = reference_setup(H, dtype=dtype, device=args.device)
+    theta = tp.OrnsteinUhlenbeck(heads, rate=1.0, sigma=2 ** 0.5)
+    widths = kernel_widths(x0, theta, args.dt, args.paths)
+    print(f"kernel widths (q, k, v) of the fused CPU kernel: with diagnostics {widths['diagnostics']}, "
+          f"bare {widths['bare']}")
+    ours_step(x0, theta, 1, args.dt, args.paths, True)
+    ours_step(x0, theta, 1, args.dt, args.paths, False)
+    rows = {"diagnostics": [], "bare": [], "official": []}
+    for _ in range(args.repeat):  # interleaved: every variant sees the same drift of the load
+        for name, diag in (("diagnostics", True), ("bare", False)):
+            w, c, _ = _time(lambda: ours_step(x0, theta, args.steps, args.dt, args.paths, diag), 1)
+            rows[name].append((w / args.steps, c / args.steps))
+        if args.official:
+            o = official_step(args.official, H, args.steps, args.dt, args.paths)
+            rows["official"].append((o["wall"], o["cpu"]))
+    best = {k: (min(w for w, _ in v), min(c for _, c in v)) for k, v in rows.items() if v}
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"hot step, H = {H}, {args.paths} paths, n = 200, {torch.get_num_threads()} threads, load average "
+          f"{load:.2f} (best of {args.repeat} interleaved repeats of {args.steps} steps)")
+    print(f"{'variant':>12} {'s/step':>8} {'cpu s/step':>10} {'/ bare':>7} {'/ official':>10}")
+    for k, (w, c) in best.items():
+        off = f"{w / best['official'][0]:.3f}" if "official" in best else "-"
+        print(f"{k:>12} {w:8.4f} {c:10.4f} {w / best['bare'][0]:7.3f} {off:>10}")
+    print(f"diagnostics / bare = {best['diagnostics'][0] / best['bare'][0]:.3f} wall, "
+          f"{best['diagnostics'][1] / best['bare'][1]:.3f} cpu (goal <= 1.15)")
+    if args.import_repeat > 0:
+        t = import_times(args.import_repeat)
+        print(f"import (best of {args.import_repeat}): torch alone {t['torch']:.2f} s; in a transformer_pde process: "
+              f"torch {t['torch_in_tp_run']:.2f} s + transformer_pde {t['transformer_pde']:.3f} s + first Heads "
+              f"{t['first_heads']:.4f} s (sympy imported: {t['sympy_imported']}); "
+              f"transformer_pde + first Heads / torch alone = "
+              f"{(t['transformer_pde'] + t['first_heads']) / t['torch']:.3f}")
+    return best
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--heads", type=int, nargs="+", default=[100])
@@ -141,12 +276,22 @@ def main(argv=None):
     ap.add_argument("--float32", action="store_true", help="time float32 instead of float64")
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     ap.add_argument("--no-projection", action="store_true", help="skip the projected full-experiment time")
+    ap.add_argument("--official", type=Path, default=None,
+                    help="a checkout of the official engine (attn_sphere/): time it side by side")
+    ap.add_argument("--import-repeat", type=int, default=2, help="fresh interpreters for the import time (0: skip)")
+    ap.add_argument("--no-dense", action="store_true", help="skip the dense comparison table")
     args = ap.parse_args(argv)
+    if args.official is not None and not (args.official / "attn_sphere" / "engine.py").is_file():
+        ap.error(f"--official {args.official}: no attn_sphere/engine.py there (a checkout of the official engine)")
     dtype = torch.float32 if args.float32 else torch.float64
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average {load:.2f}, {dtype}, "
           f"backend {args.backend} -> "
           f"{tp.attention.select_backend(args.backend, args.device, dtype, 10**6)} on {args.device}")
+    if args.device == "cpu":
+        hot_step(args, dtype)
+    if args.no_dense:
+        return {}
     print(f"{'H':>4} {'paths':>5} {'ours s/step':>12} {'(cpu)':>7} {'dense s/step':>13} {'(cpu)':>7} "
           f"{'dense/ours':>10} {'max|Δx|':>9} {'max|Δledger|':>12}")
     per_step = {}

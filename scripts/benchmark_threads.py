@@ -16,6 +16,14 @@ Workloads:
     the whole command, `transformer-pde run experiments/ou_vs_oscillating_quick.toml
     --threads MODE` in a subprocess (figures included), into a temporary directory.
 
+``paper``
+    the full paper configuration (`experiments/ou_vs_oscillating.toml`: n = 200, H = 1, 10, 100,
+    10 OU paths, 4000 steps) shortened to ``--steps`` and 2·``--steps`` steps (``-o t1=...``, no
+    figures, no bootstrap), in a subprocess, for each ``--variants`` entry: ``auto``, ``1``, ``2``
+    (``--threads`` of one process, ``workers=1``) or ``wN`` (``workers=N`` one-thread worker
+    processes, the paths of the largest segments split between them).  The difference of the two
+    lengths gives the seconds per step, projected to the full 4000 steps plus the fixed cost.
+
 Load: ``--load busy`` starts one pure-Python busy loop per core (``os.cpu_count()``, or
 ``--load-procs``) before the measurements of that condition and kills them after; each loop
 also ends by itself after ``--load-seconds``.  ``--load both`` (default) measures idle first,
@@ -27,6 +35,7 @@ measurement, and the thread count "auto" chose.
     python scripts/benchmark_threads.py --workload quick --load idle
     python scripts/benchmark_threads.py --steps 50 --repeat 3 --modes 1 2 auto
     python scripts/benchmark_threads.py --sweep                # where 2 threads start to pay off
+    python scripts/benchmark_threads.py --workload paper --steps 40 --variants auto 1 w2
 
 Read the ratios (time / time with 1 thread, same condition), not the absolute seconds, on a
 shared machine.
@@ -143,10 +152,65 @@ def run_quick(mode, out: Path) -> float:
     return dt
 
 
+PAPER = Path(__file__).resolve().parents[1] / "experiments" / "ou_vs_oscillating.toml"
+
+
+def run_paper(variant: str, steps: int, out: Path) -> float:
+    """The paper configuration cut to ``steps`` steps, one variant ("auto", "1", "2": --threads of one
+    process; "wN": N one-thread workers); seconds of the whole subprocess."""
+    shutil.rmtree(out, ignore_errors=True)  # our own temporary directory
+    dt = 0.005
+    t1 = round(steps * dt, 10)
+    over = ["-o", f"t1={t1!r}", "-o", f"t_avg={t1 / 2!r}", "-o", "figures=false", "-o", "bootstrap=0",
+            "-o", "checkpoint_every=100000"]
+    if variant.startswith("w"):
+        over += ["-o", f"workers={int(variant[1:])}", "--threads", "auto"]
+    else:
+        over += ["-o", "workers=1", "--threads", variant]
+    cmd = [sys.executable, "-c", "import sys; from transformer_pde.cli import main; sys.exit(main())", "run",
+           str(PAPER), *over, "--out", str(out), "--no-progress", "-q"]
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    took = time.perf_counter() - t0
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
+    return took
+
+
+def paper_table(variants, steps: int, repeat: int) -> None:
+    full = round(20.0 / 0.005)
+    print(f"# paper configuration, {steps} and {2 * steps} steps per segment (the full run has {full}); "
+          f"torch {torch.__version__}, {os.cpu_count()} cores (budget {threads.cpu_budget()})")
+    print(f"{'variant':8s} {'s (short)':>10s} {'s (2x)':>8s} {'s/step':>8s} {'projected min':>14s} "
+          f"{'vs auto':>8s} {'load at start':>14s} {'load at end':>12s}")
+    tmp = Path(tempfile.mkdtemp(prefix="bench_paper_"))
+    proj = {}
+    try:
+        for _ in range(repeat):  # interleaved repeats: every variant sees the same drift of the load
+            for v in variants:
+                start = machine_state()
+                a = run_paper(v, steps, tmp / "runs")
+                b = run_paper(v, 2 * steps, tmp / "runs")
+                per = max(0.0, (b - a) / steps)
+                fixed = max(0.0, a - per * steps)
+                proj.setdefault(v, []).append((a, b, per, (fixed + per * full) / 60))
+                base = statistics.median(x[3] for x in proj["auto"]) if "auto" in proj else None
+                r = f"{proj[v][-1][3] / base:.2f}" if base else "-"
+                print(f"{v:8s} {a:10.1f} {b:8.1f} {per:8.3f} {proj[v][-1][3]:14.1f} {r:>8s} {start:>14s} "
+                      f"{machine_state():>12s}", flush=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print("# median projected minutes: " + ", ".join(f"{v}: {statistics.median(x[3] for x in proj[v]):.1f}"
+                                                   for v in variants))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workload", choices=["segments", "quick"], default="segments",
+    ap.add_argument("--variants", nargs="+", default=["auto", "1", "w2"],
+                    help="--workload paper: 'auto', 'N' (threads of one process) or 'wN' (N one-thread workers)")
+    ap.add_argument("--workload", choices=["segments", "quick", "paper"], default="segments",
                     help="segments: the quick config's per-step kernels for --steps steps (default); "
                          "quick: the README's whole first command in a subprocess")
     ap.add_argument("--steps", type=int, default=100, help="steps per segment (the quick config has 600)")
@@ -164,6 +228,9 @@ def main(argv=None) -> int:
         ap.error("--steps and --repeat must be >= 1")
     if args.sweep:
         sweep(args.steps, args.repeat)
+        return 0
+    if args.workload == "paper":
+        paper_table(args.variants, args.steps, args.repeat)
         return 0
     modes = []
     for m in args.modes:

@@ -237,3 +237,76 @@ def test_radial_shadows_definition():
     assert_close(a, (f * x).sum(-1))
     # the projected head output is the output minus its radial shadow
     assert_close(sphere.tangent_projection(x, f), f - a[..., None] * x)
+
+
+def test_pairing_reuses_its_moment_only_for_the_same_tokens_and_statistics():
+    """⟨∂_A E, M⟩ is linear in M through T_h = Σ_i w_i m_h(x_i) x_i ȳ_hiᵀ, which pairing keeps on the
+    statistics for the solver's second call (Ȧ and the noise of one step).  Checked against the
+    dense double sum ½ Σ_h ω_h Σ_ij w_i w_j e^{s_ij} ⟨x_i, M_h x_j⟩, for two M on the same statistics,
+    after the tokens change in place (the kept moment must not be used) and on other weights."""
+    import importlib
+
+    energy_mod = importlib.import_module("transformer_pde.energy")
+    x = sphere.sample_uniform(9, 3, generator=gen(11), dtype=torch.float64)
+    A = torch.randn(4, 3, 3, generator=gen(12), dtype=torch.float64)
+    A = A + A.transpose(-1, -2)
+    heads = tp.Heads(A, weights=torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64))
+    w = torch.rand(9, generator=gen(13), dtype=torch.float64)
+    w = w / w.sum()
+
+    def dense(x, w, M):
+        S = torch.einsum("ia,hab,jb->hij", x, A, x)
+        Mx = torch.einsum("ia,hab,jb->hij", x, M, x)
+        return 0.5 * (heads.weights * (torch.exp(S) * Mx * w[:, None] * w[None, :]).sum((-1, -2))).sum()
+
+    M1, M2 = (torch.randn(4, 3, 3, generator=gen(s), dtype=torch.float64) for s in (14, 15))
+    stats = tp.softmax_statistics(x, heads, w)
+    for M in (M1, M2, M1):
+        assert_close(energy_mod.pairing(x, heads, w, stats, M), dense(x, w, M), rtol=1e-13, atol=1e-14)
+    assert getattr(stats, "_pairing_moment", None) is not None  # the moment was kept
+    u = torch.full_like(w, 1.0 / 9)
+    assert_close(energy_mod.pairing(x, heads, None, tp.softmax_statistics(x, heads), M2), dense(x, u, M2),
+                 rtol=1e-13, atol=1e-14)
+    # tokens moved in place: the kept T belongs to the old tokens and must be recomputed
+    old = energy_mod.pairing(x, heads, w, stats, M2)
+    x.mul_(-1.0)  # statistics unchanged (stale on purpose), so only the x factor of T flips sign
+    assert_close(energy_mod.pairing(x, heads, w, stats, M2), -old, rtol=1e-13, atol=1e-14)
+
+
+_FIRST_STEP = (
+    "import sys, torch, transformer_pde as tp\n"
+    "x0 = tp.sphere.octahedral(12, 3, dtype=torch.float64)\n"
+    "h = tp.Heads.random(3, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)\n"
+    "tp.simulate(x0, tp.OrnsteinUhlenbeck(h, rate=1.0, sigma=1.0), t1=0.02, dt=0.01, paths=2, seed=0, progress=False)\n"
+    "tp.simulate(x0, h, t1=0.02, dt=0.01, method='heun', progress=False)\n"
+    "tp.energy(x0, h); tp.velocity(x0, h)\n"
+    "print(sorted(m for m in ('sympy', 'scipy', 'matplotlib') if m in sys.modules))\n"
+)
+
+
+def test_first_heads_and_step_import_no_sympy():
+    """The way to the first step imports nothing heavy: torch.broadcast_shapes imports sympy on its
+    first call (through torch._refs' symbolic-shape guards, 0.4–2.5 s), so Heads and the solver setup use
+    heads.broadcast_shapes; scipy and matplotlib are imported only by the functions that need them."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(__import__("os").environ, PYTHONPATH=str(root))
+    out = subprocess.run([sys.executable, "-c", _FIRST_STEP], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+
+
+def test_broadcast_shapes_matches_torch():
+    from transformer_pde.heads import broadcast_shapes
+
+    for shapes in [((2, 1), (1, 3)), ((), (4,)), ((5, 1, 3), (2, 1)), ((0,), (1,)), (torch.Size([3, 1]), (3, 4)), ()]:
+        assert broadcast_shapes(*shapes) == torch.broadcast_shapes(*shapes)
+    for shapes in [((2,), (3,)), ((0,), (2,)), ((4, 2), (3, 1))]:
+        with pytest.raises(RuntimeError):
+            torch.broadcast_shapes(*shapes)
+        with pytest.raises(RuntimeError):
+            broadcast_shapes(*shapes)

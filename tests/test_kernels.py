@@ -274,6 +274,58 @@ def test_sdpa_runtime_refusal_falls_back_to_chunked(monkeypatch):
     _assert_stats(tp.softmax_statistics(x, heads, second_moment=True, backend="sdpa"), oracle(x, A), torch.float64)
 
 
+def _spy_flash_widths(monkeypatch):
+    """Record the (q, k, v) widths every call of the fused CPU kernel receives."""
+    widths = []
+    real = attention._flash_cpu_op()
+
+    def spy(q, k, v, **kw):
+        widths.append((q.shape[-1], k.shape[-1], v.shape[-1]))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(attention, "_FLASH_CPU", spy)
+    return widths
+
+
+@pytest.mark.skipif(not attention.sdpa_available("cpu", torch.float64), reason="no fused CPU kernel in this torch")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("d", [2, 3, 4])
+def test_sdpa_second_moment_on_the_sphere_drops_the_last_diagonal_column(monkeypatch, dtype, d):
+    """Keys on S^{d-1}: y_d² = 1 − Σ_{a<d} y_a² is implied, so the kernel width is d + d(d+1)/2 − 1
+    (8 for d = 3), and the second moment still equals the oracle's Σ_j p_ij ⟨x_i, y_j⟩²."""
+    widths = _spy_flash_widths(monkeypatch)
+    x = _sphere(2, 17, d, dtype=dtype, seed=3)
+    keys = _sphere(2, 23, d, dtype=dtype, seed=4)
+    A = torch.randn(2, 5, d, d, generator=_gen(5), dtype=torch.float64).to(dtype)
+    w = torch.rand(2, 23, generator=_gen(6), dtype=torch.float64)
+    w = (w / w.sum(-1, keepdim=True)).to(dtype)
+    st = tp.softmax_statistics(x, tp.Heads(A), w, keys=keys, second_moment=True, backend="sdpa")
+    assert widths == [(d + d * (d + 1) // 2 - 1,) * 3]
+    _assert_stats(st, oracle(x, A, w, keys), dtype)
+    # and the causal kernel (prefix measures) of the same tokens
+    widths.clear()
+    st = tp.softmax_statistics(x, tp.Heads(A), second_moment=True, backend="sdpa", causal=True)
+    assert widths == [(d + d * (d + 1) // 2 - 1,) * 3]
+    ref = tp.softmax_statistics(x, tp.Heads(A), second_moment=True, backend="chunked", causal=True)
+    _assert_stats(st, (ref.log_partition.double(), ref.mean.double(), ref.second.double()), dtype)
+
+
+@pytest.mark.skipif(not attention.sdpa_available("cpu", torch.float64), reason="no fused CPU kernel in this torch")
+@pytest.mark.parametrize("radius", [1.0 + 1e-9, 0.5, 3.0])
+def test_sdpa_second_moment_off_the_sphere_keeps_every_column(monkeypatch, radius):
+    """Keys off the sphere (flat dynamics, |y| ≠ 1 beyond rounding): Σ_j p_ij |y_j|² ≠ 1, so the
+    trace-free shortcut would be wrong; the kernel gets all d(d+1)/2 columns and matches the oracle."""
+    widths = _spy_flash_widths(monkeypatch)
+    d = 3
+    x = _sphere(2, 13, d, seed=7)
+    keys = radius * _sphere(2, 11, d, seed=8)
+    keys[..., 0, :] /= radius  # one key on the sphere, the others off it
+    A = torch.randn(2, 4, d, d, generator=_gen(9), dtype=torch.float64)
+    st = tp.softmax_statistics(x, tp.Heads(A), keys=keys, second_moment=True, backend="sdpa")
+    assert widths == [(d + d * (d + 1) // 2,) * 3]
+    _assert_stats(st, oracle(x, A, keys=keys), torch.float64)
+
+
 def test_kernel_backend_context_sets_and_restores(monkeypatch):
     calls = []
     real = attention._softmax_chunked

@@ -166,3 +166,129 @@ def test_machine_readings_are_sane():
     assert 0.0 <= threads.free_cores() <= n
     assert threads._own_load() >= 0.0
     assert threads._own_running() >= 1  # this thread is running while it reads /proc
+
+
+# ---------------------------------------------------------------------------- the library API
+def test_thread_policy_call_sets_and_context_restores():
+    import transformer_pde as tp
+
+    assert tp.threads is threads  # the module stays importable under its name
+    torch.set_num_threads(1)
+    threads.policy(None)
+    tp.thread_policy(2)  # a call sets it for the process
+    assert threads.current() == 2
+    with tp.thread_policy("auto") as tpol:
+        assert threads.current() == "auto" and tpol.previous == 2
+        with threads.scope(BIG):
+            torch.set_num_threads(2)  # whatever happens inside
+    assert threads.current() == 2 and torch.get_num_threads() == 1
+    with pytest.raises(ValueError):
+        tp.thread_policy(0)
+    assert threads.current() == 2  # a refused mode changes nothing
+    with pytest.raises(RuntimeError):
+        with tp.thread_policy(None):
+            raise RuntimeError("boom")
+    assert threads.current() == 2
+
+
+def test_usage_books_the_counts_the_loops_ran_with(monkeypatch):
+    fake_machine(monkeypatch, 4, 1.0)
+    mark = len(threads.usage())
+    threads.policy("auto")
+    for _ in range(3):
+        with threads.scope(BIG):
+            pass
+    with threads.scope(1.0):
+        pass
+    threads.policy(None)
+    torch.set_num_threads(1)
+    with threads.scope(BIG):
+        pass
+    got = threads.usage(mark)
+    assert [(e["work"], e["threads"], e["policy"], e["count"]) for e in got] == [
+        (BIG, 3, "auto", 3), (1.0, 1, "auto", 1), (BIG, 1, None, 1)]
+    threads.note([0, 5], 1, label="ou_H100", policy="worker")
+    assert threads.usage(mark)[-1] == {"work": [0, 5], "threads": 1, "policy": "worker", "label": "ou_H100", "count": 1}
+
+
+# ---------------------------------------------------------------------------- the paper study's workers
+def _tiny_params(**kw):
+    from transformer_pde.studies import validate_params
+
+    return validate_params("ou_vs_oscillating", {"n": 24, "t1": 0.05, "t_avg": 0.02, "heads": [1, 3], "paths": 5,
+                                                 "figures": False, "bootstrap": 0, **kw})
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_paper_chunks_of_paths_reproduce_the_whole_segment(tmp_path, dtype):
+    """A segment split into path chunks (any split, any order) gives the records of the whole run:
+    every chunk draws the noise of all paths and keeps its rows."""
+    from transformer_pde.studies import paper
+
+    p = _tiny_params(dtype=dtype)
+    dt = getattr(torch, dtype)
+    x0 = paper.initial_tokens(p, dtype=dt)
+    run = lambda lo, hi: paper._simulate_chunk(p, "ou", 3, x0, lo, hi, tmp_path / f"c{lo}-{hi}.ckpt", dtype=dt,  # noqa
+                                               device="cpu")
+    whole = paper._merge_chunks(p, "ou", 3, [run(0, 5)])
+    split = paper._merge_chunks(p, "ou", 3, [run(3, 5), run(0, 1), run(1, 3)])
+    eps = torch.finfo(dt).eps
+    for key in ("times", "energy", "slope", "dissipation", "x"):
+        torch.testing.assert_close(split[key], whole[key], rtol=4 * eps, atol=4 * eps)
+    for key in whole["ledger"]:
+        torch.testing.assert_close(split["ledger"][key], whole["ledger"][key], rtol=4 * eps, atol=4 * eps)
+    assert split["x"].shape == whole["x"].shape and split["paths"] == 5
+    # a chunk is not the first paths of a run with fewer paths: it sees the noise rows of its own paths
+    alone = paper._merge_chunks(_tiny_params(dtype=dtype, paths=2), "ou", 3, [
+        paper._simulate_chunk(_tiny_params(dtype=dtype, paths=2), "ou", 3, x0, 0, 2, tmp_path / "p2.ckpt", dtype=dt,
+                              device="cpu")])
+    assert not torch.allclose(alone["energy"], split["energy"][:, 3:5])
+
+
+def test_paper_plan_splits_the_largest_segments_only():
+    from transformer_pde.studies import paper, validate_params
+
+    p = validate_params("ou_vs_oscillating", {})
+    segments = [(r, H) for r in ("ou", "oscillating") for H in (1, 10, 100)]
+    jobs = paper.plan_chunks(p, segments, 2)
+    assert jobs[:2] == [("ou", 100, 0, 5), ("ou", 100, 5, 10)]  # the 85 % segment, halved, first
+    assert sorted(jobs[2:]) == sorted([("ou", 10, 0, 10), ("ou", 1, 0, 10), ("oscillating", 100, 0, 1),
+                                       ("oscillating", 10, 0, 1), ("oscillating", 1, 0, 1)])
+    assert paper.plan_chunks(p, segments, 1) == sorted(
+        [(r, H, 0, 10 if r == "ou" else 1) for r, H in segments], key=lambda j: -(j[3] - j[2]) * j[1])
+    # every path of every segment is in exactly one job
+    for r, H in segments:
+        cover = sorted((lo, hi) for rr, HH, lo, hi in jobs if (rr, HH) == (r, H))
+        P = 10 if r == "ou" else 1
+        assert cover[0][0] == 0 and cover[-1][1] == P and all(a[1] == b[0] for a, b in zip(cover, cover[1:]))
+    # "auto": workers only for long runs (the full configuration), never for the quick one
+    assert paper.segment_work(p, segments) >= paper.WORKERS_MIN_WORK
+    quick = validate_params("ou_vs_oscillating", {"n": 64, "t1": 6.0, "dt": 0.01, "paths": 4, "heads": [1, 4, 16]})
+    assert paper.resolve_workers(quick, "cpu", [(r, H) for r in ("ou", "oscillating") for H in (1, 4, 16)]) == 1
+    assert paper.resolve_workers({**p, "workers": 3}, "cpu", segments) == 3
+
+
+@pytest.mark.slow
+def test_paper_run_in_two_workers_equals_one_process_and_records_threads(tmp_path):
+    """The study end to end: workers = 2 (spawned, one thread each) and workers = 1 write the same
+    segments and metrics; environment.json lists the thread counts each piece ran with."""
+    import json
+
+    from transformer_pde.cli import main as cli_main
+
+    over = ["-o", "n=24", "-o", "t1=0.05", "-o", "t_avg=0.02", "-o", "heads=[1,3]", "-o", "paths=4",
+            "-o", "figures=false", "-o", "bootstrap=0"]
+    for w in (1, 2):
+        assert cli_main(["run", "ou_vs_oscillating", *over, "-o", f"workers={w}", "--out", str(tmp_path),
+                         "--name", f"w{w}", "--no-progress", "-qq"]) == 0
+    for tag in ("ou_H1", "ou_H3", "oscillating_H1", "oscillating_H3"):
+        a = torch.load(tmp_path / "w1" / "data" / f"{tag}.pt", weights_only=False)
+        b = torch.load(tmp_path / "w2" / "data" / f"{tag}.pt", weights_only=False)
+        for key in ("energy", "slope", "dissipation", "x"):
+            torch.testing.assert_close(b[key], a[key], rtol=1e-15, atol=1e-15)
+    m1, m2 = (json.loads((tmp_path / f"w{w}" / "metrics.json").read_text()) for w in (1, 2))
+    assert m1["b_ou"] == pytest.approx(m2["b_ou"], rel=1e-12)
+    env = json.loads((tmp_path / "w2" / "environment.json").read_text())
+    assert env["threads_used"] and all(e["threads"] == 1 and e["policy"] == "worker" for e in env["threads_used"])
+    env1 = json.loads((tmp_path / "w1" / "environment.json").read_text())
+    assert env1["thread_policy"] == "auto" and all(e["threads"] == 1 for e in env1["threads_used"])  # small: 1 thread

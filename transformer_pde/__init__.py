@@ -32,6 +32,7 @@ from .solvers.particle import METHODS, TABLEAUX, ButcherTableau, NonFiniteError,
 from .solvers.layernorm import LAYER_NORMS, NGPT, LayerNorm, PeriLN, PostLN, PreLN, Projected, simuformer_scheme
 from . import attention, diagnostics, distributed, nn, theory, transport
 from .attention import kernel_backend
+from .threads import thread_policy
 from .distributed import distributed_evaluate, simulate_sharded
 from .nn import attention_matrix, heads_from_multihead_attention, layerwise_from_transformer, residual_attention_step
 from .solvers.jko import JKOConvergenceError, jko, to_grid
@@ -90,6 +91,7 @@ __all__ = [
     "NonFiniteError",
     "attention",
     "kernel_backend",
+    "thread_policy",
     "distributed",
     "distributed_evaluate",
     "simulate_sharded",

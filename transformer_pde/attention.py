@@ -30,9 +30,13 @@ Backends (``backend=``; all return the same numbers to rounding, see tests/test_
   kernel (``aten._scaled_dot_product_flash_attention_for_cpu``), which also returns the
   log-sum-exp, so it gives the full statistics (partition, mean, second moment as extra value
   columns, token weights as an additive log-mask) in one fused, O(N)-memory, parallel pass; it
-  is numerically safe for any β‖A‖ (online max).  Where that kernel does not apply (CUDA and
-  other devices, dtypes other than float32/float64, a torch without it) it falls back to
-  ``"chunked"``.
+  is numerically safe for any β‖A‖ (online max).  The kernel needs q, k and v of one width, so
+  q and k are zero-padded to the value width: with the second moment that is d + d(d+1)/2 − 1
+  (keys on the sphere, where the last diagonal column y_d² = 1 − Σ_{a<d} y_a² is implied; one
+  more column otherwise), i.e. 8 for d = 3 — the width of one AVX-512 float64 vector, at which
+  the kernel costs what it costs at width 3 (9 columns cost 1.2–1.5× more; docs/performance.md).
+  Where that kernel does not apply (CUDA and other devices, dtypes other than float32/float64,
+  a torch without it) it falls back to ``"chunked"``.
 * ``"keops"`` — symbolic KeOps reductions (``pykeops``, optional dependency, CUDA only in
   practice); raises ``ImportError`` with an install hint when pykeops is missing.
 * ``"auto"`` (default) — autograd path when an input requires grad; otherwise ``"sdpa"`` on
@@ -281,6 +285,23 @@ def _quadratic_form(x: torch.Tensor, cols: torch.Tensor, iu, coef) -> torch.Tens
     return (cols * xx).sum(-1)
 
 
+def _on_sphere(y: torch.Tensor) -> bool:
+    """True when every key has |y_j|² = 1 to within 16 ulp (then Σ_j p_ij |y_j|² = 1 to rounding)."""
+    dev = (y.square().sum(-1) - 1.0).abs()
+    return dev.numel() == 0 or float(dev.max()) <= 16 * torch.finfo(y.dtype).eps
+
+
+def _quadratic_form_trace_free(x: torch.Tensor, cols: torch.Tensor, iu, coef) -> torch.Tensor:
+    """:func:`_quadratic_form` from the columns without the last one, C_dd = Σ_j p_ij y_jd², for keys on
+    the sphere: C_dd = 1 − Σ_{a<d} C_aa, so q = x_d² + Σ_{(a,b)≠(d,d)} (coef_ab x_a x_b − [a=b] x_d²) C_ab.
+    x (..., n, d), cols (..., H, n, d(d+1)/2 − 1) -> (..., H, n)."""
+    xx = _second_columns(x, iu) * coef  # (..., n, P)
+    xd2 = xx[..., -1:]
+    diag = (iu[0] == iu[1])[:-1].to(x.dtype)
+    xx = xx[..., :-1] - diag * xd2
+    return (cols * xx.unsqueeze(-3)).sum(-1) + xd2.squeeze(-1).unsqueeze(-2)
+
+
 def _check_causal(causal, keys):
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be True or False, got {type(causal).__name__}")
@@ -352,10 +373,11 @@ def softmax_statistics(
     if _needs_grad(x, y, left, right, weights):
         return _softmax_autograd(x, y, left, right, weights, second_moment, chunk_elements, causal)
     with torch.no_grad():
-        qf = x.unsqueeze(-3) @ left  # (..., H, n, k)
-        kf = y.unsqueeze(-3) if right is None else y.unsqueeze(-3) @ right  # (..., 1|H, m, k)
-        batch = _bshape(qf.shape[:-3], kf.shape[:-3], () if weights is None else weights.shape[:-1])
-        H, n, m, d = qf.shape[-3], x.shape[-2], y.shape[-2], y.shape[-1]
+        # batch shapes of the query features x @ left and the key features y (@ right), before forming them
+        qbatch = _bshape(x.shape[:-2], left.shape[:-3])
+        kbatch = y.shape[:-2] if right is None else _bshape(y.shape[:-2], right.shape[:-3])
+        batch = _bshape(qbatch, kbatch, () if weights is None else weights.shape[:-1])
+        H, n, m, d = left.shape[-3], x.shape[-2], y.shape[-2], y.shape[-1]
         elements = math.prod(batch) * H * n * m
         chosen = select_backend(backend, x.device, x.dtype, elements)
         if second_moment and d > _AUG_MAX_DIM and chosen != "keops":
@@ -363,9 +385,11 @@ def softmax_statistics(
             return _softmax_autograd(x, y, left, right, weights, second_moment, chunk_elements, causal)
         if chosen == "sdpa":
             try:
-                return _softmax_sdpa(x, y, qf, kf, weights, second_moment, batch, causal)
+                return _softmax_sdpa(x, y, left, right, weights, second_moment, batch, causal)
             except RuntimeError:  # a layout or build the fused kernel refuses: same numbers, plain torch
                 chosen = "chunked"
+        qf = x.unsqueeze(-3) @ left  # (..., H, n, k)
+        kf = y.unsqueeze(-3) if right is None else y.unsqueeze(-3) @ right  # (..., 1|H, m, k)
         if chosen == "keops":
             return _softmax_keops(x, y, qf, kf, weights, second_moment, batch, causal)
         budget = None if chosen == "dense" else chunk_elements
@@ -486,27 +510,38 @@ def _finish(x, M, shift, uniform, m, d, second_moment, iu, coef, lognorm=None):
     return HeadStats(lse, mean, second)
 
 
-def _softmax_sdpa(x, y, qf, kf, weights, second_moment, batch, causal=False):
+def _softmax_sdpa(x, y, left, right, weights, second_moment, batch, causal=False):
     """Fused CPU flash-attention kernel: output = softmax(Q Kᵀ + log w) [y, y⊗y], plus its logsumexp.
+    The kernel needs q, k, v of one width E: the query and key feature maps (left, right) are
+    zero-padded to E before they are applied, so Q and K are formed at width E in one product.
     causal: the kernel's own ``is_causal`` flag (top-left aligned, n = m), combined with the log-weight mask."""
     op = _flash_cpu_op()
-    H, n, k = qf.shape[-3], qf.shape[-2], qf.shape[-1]
+    H, n, k = left.shape[-3], x.shape[-2], left.shape[-1]
     m, d = y.shape[-2], y.shape[-1]
     iu, coef = _sym_pairs(d, x.device, x.dtype) if second_moment else (None, None)
-    vcols = [y] if not second_moment else [y, _second_columns(y, iu)]
-    v = torch.cat(vcols, -1) if len(vcols) > 1 else y  # (..., m, c)
+    # keys on the sphere: the last diagonal column y_d² = 1 − Σ_{a<d} y_a² is implied (one column
+    # fewer: d = 3 gives the kernel width 8 instead of 9, one AVX-512 vector of float64)
+    trace_free = second_moment and _on_sphere(y)
+    if second_moment:
+        sec = _second_columns(y, iu)
+        v = torch.cat([y, sec[..., :-1] if trace_free else sec], -1)  # (..., m, c)
+    else:
+        v = y
     c = v.shape[-1]
     E = max(k, c)
     G = math.prod(batch)
+    pad = torch.nn.functional.pad
+    if k < E:  # pad the (small) feature maps, not the (batch, H, n, k) features
+        left = pad(left, (0, E - k))
+        right = pad(torch.eye(d, dtype=y.dtype, device=y.device), (0, E - d)) if right is None else pad(right, (0, E - k))
+    qf = x.unsqueeze(-3) @ left  # (..., H, n, E)
+    kf = y.unsqueeze(-3) if right is None else y.unsqueeze(-3) @ right  # (..., 1|H, m, E)
     Hk = kf.shape[-3]
-    q4 = qf.expand(*batch, H, n, k).reshape(G, H, n, k)
-    k4 = kf.expand(*batch, Hk, m, k).reshape(G, Hk, m, k)
+    q4 = qf.expand(*batch, H, n, E).reshape(G, H, n, E)
+    k4 = kf.expand(*batch, Hk, m, E).reshape(G, Hk, m, E)
     v4 = v.unsqueeze(-3).expand(*batch, 1, m, c).reshape(G, 1, m, c)
-    if k < E:
-        q4 = torch.nn.functional.pad(q4, (0, E - k))
-        k4 = torch.nn.functional.pad(k4, (0, E - k))
     if c < E:
-        v4 = torch.nn.functional.pad(v4, (0, E - c))
+        v4 = pad(v4, (0, E - c))
     k4 = k4.expand(G, H, m, E)
     v4 = v4.expand(G, H, m, E)
     mask = None
@@ -521,7 +556,10 @@ def _softmax_sdpa(x, y, qf, kf, weights, second_moment, batch, causal=False):
     elif weights is None:
         lse = lse - math.log(m)
     mean = out[..., :d].contiguous()  # downstream products on a strided view are several times slower
-    second = _quadratic_form(x, out[..., d:c], iu, coef) if second_moment else None
+    second = None
+    if second_moment:
+        cols = out[..., d:c]
+        second = _quadratic_form_trace_free(x, cols, iu, coef) if trace_free else _quadratic_form(x, cols, iu, coef)
     return HeadStats(lse, mean, second)
 
 

@@ -58,7 +58,7 @@ from ._validation import (
     direction_sign,
 )
 from .attention import HeadStats, causal_log_prefix_mass, relu_statistics, softmax_statistics
-from .heads import Heads
+from .heads import Heads, broadcast_shapes
 from .sphere import tangent_projection
 
 __all__ = ["FieldEval", "evaluate", "velocity", "head_outputs", "radial_shadows"]
@@ -216,9 +216,12 @@ def evaluate(
     V = sign * tangent_projection(x, field)
     out = FieldEval(V, stats, outputs, ambient=field if sign == 1.0 else sign * field)
     if diagnostics:
-        g = tangent_projection(x, sum((omega * torch.exp(l).unsqueeze(-1) * u).sum(-3) for l, u in terms))
+        m = torch.exp(lse)  # m_h(x_i), shared by ∇_S δE/δμ and E
+        wts = heads.weights.unsqueeze(-1)  # (..., H, 1)
+        g = tangent_projection(x, sum(((wts * (m if l is lse else torch.exp(l))).unsqueeze(-1) * u).sum(-3)
+                                      for l, u in terms))
         out.grad_first_variation = g
-        out.energy = (heads.weights * head_token_mean(torch.exp(lse), weights)).sum(-1) / (2 * heads.beta)
+        out.energy = (heads.weights * head_token_mean(m, weights)).sum(-1) / (2 * heads.beta)
         b = torch.exp(-log_inverse_mobility(heads, lse))
         out.slope = token_mean(b * V.square().sum(-1), weights)
         out.dissipation = token_mean((g * V).sum(-1), weights)
@@ -241,7 +244,7 @@ def check_inputs(x, heads, weights, *, on_sphere: bool = True):
     if heads.dim != x.shape[-1]:
         raise ValueError(f"heads act on dimension d = {heads.dim} but x has d = {x.shape[-1]}")
     try:
-        torch.broadcast_shapes(x.shape[:-2], heads.batch_shape)
+        broadcast_shapes(x.shape[:-2], heads.batch_shape)
     except RuntimeError:
         raise ValueError(
             f"the batch shape of x {tuple(x.shape[:-2])} does not broadcast against the heads' batch shape "

@@ -63,6 +63,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 import torch
 
+from . import threads
 from .resources import tomllib
 from .studies import estimate_resources, get_study, nonfinite_keys, validate_params
 
@@ -943,6 +944,7 @@ def _run_study(cfg, run_path: Path, *, resumed: bool, resume: bool, progress: bo
     st = get_study(cfg["kind"])
     logger.info("%s %s (kind %s) in %s", "resuming" if resumed else "running", cfg["name"], cfg["kind"], run_path)
     t0 = time.perf_counter()
+    mark = len(threads.usage())
     try:
         metrics = st.fn(cfg["params"], run)
     except BaseException as e:
@@ -955,6 +957,9 @@ def _run_study(cfg, run_path: Path, *, resumed: bool, resume: bool, progress: bo
         with contextlib.suppress(AttributeError, TypeError):
             e.transformer_pde_run_dir = run_path  # see failed_run_dir: the run had started
         raise
+    finally:  # the thread counts the solver loops (and any worker processes) really used
+        env["thread_policy"], env["threads_used"] = threads.current(), env.get("threads_used", []) + threads.usage(mark)
+        run.write_json("environment.json", env)
     wall = time.perf_counter() - t0
     metrics, undefined = _nonfinite_to_null({**(metrics or {}), "wall_time_s": wall})
     if undefined:

@@ -18,6 +18,10 @@ Usage::
             ...
             pool.refresh()               # optional: re-read the load every few seconds
 
+Library users get the same policy with ``tp.thread_policy("auto")`` (:class:`thread_policy`: a
+call sets it, a ``with`` block restores the previous one).  :func:`usage` lists the thread counts
+the solver loops really ran with; run directories record them in ``environment.json``.
+
 Policies (process-wide, set with :func:`policy`):
 
 ``None`` (the library default)
@@ -50,7 +54,7 @@ from typing import Iterator, Optional, Tuple, Union
 import torch
 
 __all__ = ["policy", "current", "choose", "scope", "Scope", "free_cores", "other_load", "cpu_budget", "omp_cap",
-           "runnable_now", "WORK_THRESHOLD", "REFRESH_SECONDS"]
+           "runnable_now", "thread_policy", "usage", "note", "WORK_THRESHOLD", "REFRESH_SECONDS"]
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +130,72 @@ def policy(mode: Union[None, str, int]) -> Union[None, str, int]:
 def current() -> Union[None, str, int]:
     """The process-wide policy: ``None``, ``"auto"`` or a positive int."""
     return _mode
+
+
+class thread_policy:
+    """Set the thread policy for library code: as a call it sets it for the process (like
+    :func:`policy`), as a context manager it restores the previous policy (and torch's thread count)
+    on exit — the pattern of ``torch.set_grad_enabled``.  Exposed as ``tp.thread_policy``.
+
+        >>> import transformer_pde as tp
+        >>> with tp.thread_policy("auto"):   # simulate / jko choose their thread count, as the CLI does
+        ...     pass
+        >>> _ = tp.thread_policy(1)          # every solver loop from now on with exactly one thread
+        >>> _ = tp.thread_policy(None)       # back to the library default: torch left alone
+
+    Args:
+        mode: ``"auto"``, a positive int or ``None`` (see :func:`policy`).
+
+    Raises:
+        TypeError / ValueError: as :func:`policy`, before anything changes.
+    """
+
+    def __init__(self, mode: Union[None, str, int]):
+        self._threads = torch.get_num_threads()
+        self.previous = policy(mode)
+        self.mode = _mode
+
+    def __enter__(self) -> "thread_policy":
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        policy(self.previous)
+        if torch.get_num_threads() != self._threads:
+            torch.set_num_threads(self._threads)
+        return False
+
+    def __repr__(self) -> str:
+        return f"thread_policy({self.mode!r})"
+
+
+# the thread counts the solver loops of this process ran with (and those workers reported): see usage()
+_usage: list = []
+_USAGE_MAX = 10000
+
+
+def note(work, threads_used: int, *, label: Optional[str] = None, policy: Union[None, str, int] = "current") -> None:
+    """Book that a block of ``work`` ran with ``threads_used`` intra-op threads (what :func:`scope`
+    does on entry and whenever :meth:`Scope.refresh` changes the count; a study that runs pieces in
+    worker processes books theirs here).  ``work`` is any JSON-able description (a number of terms,
+    a path range); ``policy`` the policy it ran under (default: this process's)."""
+    entry = {"work": work, "threads": int(threads_used), "policy": _mode if policy == "current" else policy}
+    if label is not None:
+        entry["label"] = label
+    with _lock:
+        last = _usage[-1] if _usage else None
+        if last is not None and {k: v for k, v in last.items() if k != "count"} == entry:
+            last["count"] += 1  # the same block again (a study's repeated solves): one line with a count
+        elif len(_usage) < _USAGE_MAX:
+            _usage.append({**entry, "count": 1})
+
+
+def usage(since: int = 0) -> list:
+    """The bookings of :func:`note` from index ``since`` on (``len(usage())`` marks a point): a list
+    of ``{"work", "threads", "policy"[, "label"], "count"}`` (``count``: consecutive identical
+    bookings).  Run directories record them in
+    ``environment.json`` (``threads_used``)."""
+    with _lock:
+        return [dict(e) for e in _usage[since:]]
 
 
 def _process_age() -> Optional[float]:
@@ -300,6 +370,8 @@ class Scope:
         if k != torch.get_num_threads():
             torch.set_num_threads(k)
             logger.debug("intra-op threads set to %d (work %.3g, policy %r)", k, self.work, _mode)
+        if k != self.threads:
+            note(self.work, k)
         self.threads = k
 
     def refresh(self, force: bool = False) -> int:
@@ -337,6 +409,7 @@ def scope(work: float) -> Iterator[Scope]:
     active = _mode is not None
     handle = Scope(w, active)
     if not active:
+        note(w, torch.get_num_threads())
         yield handle
         return
     previous = torch.get_num_threads()

@@ -42,7 +42,7 @@ from ..energy import check_scale_fits, choose_log_scale, pairing
 from ..energy import quadratic_variation as realised_qv_term
 from ..field import FieldEval, check_causal_mode, evaluate
 from ..mobility import scaled_diagnostics
-from ..heads import Heads
+from ..heads import Heads, broadcast_shapes
 from ..processes import Constant, Process, WeightDriver, WeightPath, grid_steps, path_bytes
 from ..sphere import normalize
 from .layernorm import FusedUpdate, LayerNorm, check_layer_norm_method, layer_norm_scheme, scheme_densities
@@ -418,7 +418,7 @@ def simulate(
     drv = WeightDriver(process, paths=paths, generator=generator, seed=seed, t0=t0, dt=dt,
                        store=return_path, batch_rank=x0.dim() - 2)
     # tokens carry every batch axis of the heads (paths, replayed paths) from the start
-    x = x.expand(*torch.broadcast_shapes(x.shape[:-2], drv.current.batch_shape), *x.shape[-2:])
+    x = x.expand(*broadcast_shapes(x.shape[:-2], drv.current.batch_shape), *x.shape[-2:])
     ev = _Evaluator(weights, normalization=normalization, sign=sign, noisy=process.noisy, causal=causal,
                     chunk_elements=chunk_elements, energy_log_scale=energy_log_scale)
     scale, fix_scale = ev.scale, ev.fix_scale
@@ -497,7 +497,7 @@ def _estimate_memory(x0, process, *, K, record_every, paths, method, diagnostics
     H = h0.num_heads
     hb = tuple(process.scores.shape[1:-3]) if isinstance(process, WeightPath) else tuple(h0.batch_shape)
     try:
-        batch = tuple(torch.broadcast_shapes(tuple(x0.shape[:-2]), hb))
+        batch = tuple(broadcast_shapes(tuple(x0.shape[:-2]), hb))
     except RuntimeError:
         batch = tuple(x0.shape[:-2])
     B = float(math.prod(batch)) * (paths or 1)

@@ -31,17 +31,18 @@ through ``logging.getLogger(__name__)``; the tqdm bar shows only on a terminal.
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 import transformer_pde as tp
 
-from .. import plotting
+from .. import plotting, threads
 from .._validation import NORMALIZATIONS
 from . import (DEVICE, DTYPE, Option, at_least, check_device, check_record_every, check_whole_steps, device_of,
                fingerprint, load_segment, nonnegative, open_unit, positive, segment_bar, sphere_name, step_callback,
@@ -68,6 +69,11 @@ def _head_list(v):
     if len(set(v)) != len(v):
         return "must not repeat a head count"
     return None
+
+
+def _workers_value(v):
+    if isinstance(v, bool) or (isinstance(v, str) and v != "auto") or (isinstance(v, int) and v < 1):
+        raise ValueError(f"workers must be 'auto' or an integer >= 1, got {v!r}")
 
 
 def _figures_value(v):
@@ -108,6 +114,10 @@ OPTIONS = {
     "dtype": DTYPE,
     "device": DEVICE,
     "store_paths": Option(1, (int,), "OU paths whose token trajectories are kept (snapshots)", check=positive),
+    "workers": Option("auto", (str, int), "worker processes of one thread each for the segments; the OU paths of the "
+                                          "largest segments are split between them (same numbers whatever the split). "
+                                          "'auto': the cores this process may use; 1: every segment in this process "
+                                          "under the thread policy (docs/performance.md)", check=_workers_value),
     "checkpoint_every": Option(500, (int,), "steps between atomic checkpoints of a segment", check=positive),
     "bootstrap": Option(2000, (int,), "bootstrap resamples for the interval of b (0: none)", check=nonnegative),
     "ci_level": Option(0.95, (float,), "confidence level of the intervals", check=open_unit),
@@ -155,7 +165,8 @@ def initial_heads(p: Dict, H: int, *, dtype=torch.float64, device=None):
 
 
 # parameters that do not change a segment (analysis and output only)
-_NOT_IN_SEGMENT = ("figures", "animate", "animation_frames", "bootstrap", "ci_level", "t_avg", "checkpoint_every")
+_NOT_IN_SEGMENT = ("figures", "animate", "animation_frames", "bootstrap", "ci_level", "t_avg", "checkpoint_every",
+                   "workers")
 
 
 # ---------------------------------------------------------------------------- statistics
@@ -261,13 +272,43 @@ def _as_paths(v: torch.Tensor, paths: Optional[int]) -> torch.Tensor:
     return (v.unsqueeze(1) if paths is None else v).clone()
 
 
-def _run_segment(p: Dict, regime: str, H: int, x0: torch.Tensor, run, tag: str, *, dtype, device) -> Dict:
+class _PathSlice:
+    """Paths lo:hi of a grid-sampled process with ``total`` paths: every grid step draws the noise of all
+    ``total`` paths from the generator (the other paths' states are zeros) and keeps rows lo:hi, so a
+    chunk of paths sees exactly the draws and the arithmetic it has in the full run (elementwise
+    transition), whatever the split."""
+
+    @staticmethod
+    def wrap(theta, lo: int, hi: int, total: int):
+        if (lo, hi) == (0, total):
+            return theta
+        base = type(theta)
+
+        def step(self, score, t, dt, generator=None):
+            full = score.new_zeros((total,) + tuple(score.shape[1:]))
+            full[lo:hi] = score
+            nxt, noise = base.step(self, full, t, dt, generator)
+            return nxt[lo:hi], None if noise is None else noise[lo:hi]
+
+        sliced = copy.copy(theta)
+        sliced.__class__ = type(base.__name__, (base,), {"step": step, "__module__": base.__module__})
+        return sliced
+
+
+def _chunk_tag(tag: str, lo: int, hi: int, total: int) -> str:
+    return tag if (lo, hi) == (0, total) else f"{tag}_paths{lo}-{hi}"
+
+
+def _simulate_chunk(p: Dict, regime: str, H: int, x0: torch.Tensor, lo: int, hi: int, ckpt, *, dtype, device,
+                    progress: bool = False, callback=None) -> Dict:
+    """Paths lo:hi of the segment (regime, H) (the whole segment: lo = 0, hi = paths), as plain tensors."""
     heads0 = initial_heads(p, H, dtype=dtype, device=device)
     theta = weight_process(regime, heads0, rate=p["ou_rate"], sigma=math.sqrt(p["ou_sigma2"]), phase=p["phase"],
                            scheme=p["scheme"])
-    paths = p["paths"] if regime == "ou" else None
+    total = p["paths"] if regime == "ou" else None
+    if total is not None:
+        theta = _PathSlice.wrap(theta, lo, hi, total)
     seed = p["noise_seed"] + H if regime == "ou" else 0
-    ckpt = run.checkpoint_path(tag)
     start_step = 0
     if ckpt.exists():
         try:
@@ -276,27 +317,149 @@ def _run_segment(p: Dict, regime: str, H: int, x0: torch.Tensor, run, tag: str, 
             start_step = 0
     t0 = time.perf_counter()
     traj = tp.simulate(x0, theta, t1=p["t1"], dt=p["dt"], method=p["method"], normalization=p["normalization"],
-                       direction=p["direction"], paths=paths, seed=seed, record_every=p["record_every"],
-                       progress=run.progress, checkpoint=ckpt, checkpoint_every=p["checkpoint_every"],
-                       callback=step_callback(run, tag))
+                       direction=p["direction"], paths=None if total is None else hi - lo, seed=seed,
+                       record_every=p["record_every"], progress=progress, checkpoint=ckpt,
+                       checkpoint_every=p["checkpoint_every"], callback=callback)
     wall = time.perf_counter() - t0
-    k_keep = 1 if paths is None else min(p["store_paths"], paths)
+    paths = None if total is None else hi - lo
+    k_keep = 1 if paths is None else max(0, min(p["store_paths"], hi) - lo)
     x = traj.x.detach().cpu()
     # clone: a slice saved by torch.save would carry the storage of every path
     x = x.unsqueeze(1).clone() if paths is None else x[:, :k_keep].clone()
-    steps = int(traj.stats["steps"])
+    return {"lo": lo, "hi": hi, "times": traj.times.detach().cpu(),
+            **{k: _as_paths(getattr(traj, k), paths) for k in SERIES_KEYS},
+            "ledger": {k: _as_paths(v, paths) for k, v in traj.ledger.items()}, "x": x,
+            "wall": wall, "steps": int(traj.stats["steps"]), "start_step": start_step,
+            "max_sphere_error": float(traj.stats["max_sphere_error"]), "threads": torch.get_num_threads()}
+
+
+def _merge_chunks(p: Dict, regime: str, H: int, chunks: Sequence[Dict]) -> Dict:
+    """The segment record from its path chunks (in path order): series and ledger concatenated over paths."""
+    chunks = sorted(chunks, key=lambda c: c["lo"])
+    cat = lambda key: torch.cat([c[key] for c in chunks], 1)  # noqa: E731
+    steps = chunks[0]["steps"]
+    wall = sum(c["wall"] for c in chunks)  # core-seconds: what one thread would have spent
+    start = min(c["start_step"] for c in chunks)
+    timing = {"wall_time_s": wall, "steps": steps, "resumed_from_step": start,
+              "per_step_s": wall / max(1, steps - start),
+              "max_sphere_error": max(c["max_sphere_error"] for c in chunks)}
+    if len(chunks) > 1:
+        timing["chunks"] = [{"paths": [c["lo"], c["hi"]], "wall_time_s": c["wall"], "threads": c["threads"]}
+                            for c in chunks]
     return {
         "kind": "transformer_pde.ou_vs_oscillating.segment",
         "fingerprint": fingerprint(p, _NOT_IN_SEGMENT, regime=regime, H=H),
-        "regime": regime, "H": H, "paths": 1 if paths is None else paths,
-        "times": traj.times.detach().cpu(),
-        **{k: _as_paths(getattr(traj, k), paths) for k in SERIES_KEYS},
-        "ledger": {k: _as_paths(v, paths) for k, v in traj.ledger.items()},
-        "x": x,
-        "timing": {"wall_time_s": wall, "steps": steps, "resumed_from_step": start_step,
-                   "per_step_s": wall / max(1, steps - start_step),
-                   "max_sphere_error": float(traj.stats["max_sphere_error"])},
+        "regime": regime, "H": H, "paths": p["paths"] if regime == "ou" else 1,
+        "times": chunks[0]["times"],
+        **{k: cat(k) for k in SERIES_KEYS},
+        "ledger": {k: torch.cat([c["ledger"][k] for c in chunks], 1) for k in chunks[0]["ledger"]},
+        "x": torch.cat([c["x"] for c in chunks], 1),
+        "timing": timing,
     }
+
+
+def _run_segment(p: Dict, regime: str, H: int, x0: torch.Tensor, run, tag: str, *, dtype, device) -> Dict:
+    """The whole segment in this process (thread policy as set: the CLI's ``--threads auto``)."""
+    total = p["paths"] if regime == "ou" else 1
+    chunk = _simulate_chunk(p, regime, H, x0, 0, total, run.checkpoint_path(tag), dtype=dtype, device=device,
+                            progress=run.progress, callback=step_callback(run, tag))
+    return _merge_chunks(p, regime, H, [chunk])
+
+
+def plan_chunks(p: Dict, segments: Sequence[Tuple[str, int]], workers: int) -> List[Tuple[str, int, int, int]]:
+    """The jobs (regime, H, lo, hi) for ``workers`` single-thread processes, largest first.
+
+    A segment costs about paths·H·n² per step; one whose cost is above the total over ``workers`` is
+    split into that many chunks of paths (OU only: the paths are independent), so that greedy
+    largest-first scheduling keeps every worker busy until the end.  The split never changes the
+    numbers (:class:`_PathSlice`)."""
+    cost = {s: (p["paths"] if s[0] == "ou" else 1) * s[1] for s in segments}
+    total = sum(cost.values())
+    jobs = []
+    for (regime, H) in segments:
+        P = p["paths"] if regime == "ou" else 1
+        k = 1 if workers < 2 or regime != "ou" else min(P, max(1, math.ceil(cost[(regime, H)] * workers / total)))
+        bounds = [round(i * P / k) for i in range(k + 1)]
+        jobs += [(regime, H, bounds[i], bounds[i + 1]) for i in range(k) if bounds[i + 1] > bounds[i]]
+    return sorted(jobs, key=lambda j: -(j[3] - j[2]) * j[1])
+
+
+def _worker_init():
+    torch.set_num_threads(1)
+    threads.policy(1)
+
+
+def _worker_job(args):
+    """One chunk in a worker process (spawned: its own torch, one thread)."""
+    i, p, regime, H, x0, lo, hi, ckpt = args
+    dtype = getattr(torch, p["dtype"])
+    return i, _simulate_chunk(p, regime, H, x0, lo, hi, ckpt, dtype=dtype, device="cpu")
+
+
+#: "auto" starts worker processes only for runs of at least this many kernel terms (Σ steps·paths·H·n²;
+#: the full paper configuration has 2·10¹¹, its quick variant 3·10⁸): a spawned worker imports torch
+#: again (seconds), which a short run does not win back
+WORKERS_MIN_WORK = 1e10
+
+
+def segment_work(p: Dict, segments: Sequence[Tuple[str, int]]) -> float:
+    """Σ over the segments of steps · paths · H · n² (the kernel terms of the run)."""
+    steps = round((p["t1"]) / p["dt"])
+    return float(sum(steps * (p["paths"] if r == "ou" else 1) * H * p["n"] ** 2 for r, H in segments))
+
+
+def resolve_workers(p: Dict, device, segments: Sequence[Tuple[str, int]] = ()) -> int:
+    """Worker processes for the segments: ``p["workers"]``; 'auto': the cores this process may use
+    (:func:`threads.cpu_budget`, capped by OMP_NUM_THREADS), or N under an explicit ``--threads N``;
+    1 on a GPU (one device) and, under 'auto', for runs below :data:`WORKERS_MIN_WORK` kernel terms."""
+    if torch.device(device).type != "cpu":
+        return 1
+    w = p.get("workers", "auto")
+    if w != "auto":
+        return int(w)
+    if segment_work(p, segments) < WORKERS_MIN_WORK:
+        return 1
+    mode, cap = threads.current(), threads.omp_cap()
+    n = mode if isinstance(mode, int) else threads.cpu_budget()  # an explicit --threads N means N cores
+    return max(1, n if cap is None else min(n, cap))
+
+
+def _run_in_workers(p: Dict, todo: Sequence[Tuple[str, int]], x0, run, workers: int, bar) -> Dict:
+    """Every segment of ``todo`` on a pool of ``workers`` spawned one-thread processes; finished segments
+    are saved as they complete (resume skips them; a chunk resumes from its own checkpoint)."""
+    import multiprocessing as mp
+
+    jobs = plan_chunks(p, todo, workers)
+    need = {s: sum(1 for j in jobs if j[:2] == s) for s in todo}
+    parts: Dict = {s: [] for s in todo}
+    done: Dict = {}
+    logger.info("%d segments as %d jobs on %d worker processes of one thread", len(todo), len(jobs), workers)
+    ctx = mp.get_context("spawn")
+    args = []
+    for regime, H, lo, hi in jobs:
+        tag = f"{regime}_H{H}"
+        total = p["paths"] if regime == "ou" else 1
+        args.append((len(args), p, regime, H, x0.cpu(), lo, hi, run.checkpoint_path(_chunk_tag(tag, lo, hi, total))))
+    with ctx.Pool(min(workers, len(jobs)), initializer=_worker_init) as pool:
+        # largest jobs first, one at a time to whichever worker is free; a segment is saved once all its chunks are back
+        for i, chunk in pool.imap_unordered(_worker_job, args):
+            job = jobs[i]
+            regime, H = job[:2]
+            parts[(regime, H)].append(chunk)
+            threads.note(list(job[2:]), chunk["threads"], label=f"{regime}_H{H}", policy="worker")
+            if len(parts[(regime, H)]) == need[(regime, H)]:
+                tag = f"{regime}_H{H}"
+                seg = _merge_chunks(p, regime, H, parts[(regime, H)])
+                run.save_series(tag, _series_columns(seg))
+                run.save_tensors(tag, seg)
+                for c in parts[(regime, H)]:
+                    run.checkpoint_path(_chunk_tag(tag, c["lo"], c["hi"], seg["paths"])).unlink(missing_ok=True)
+                tm = seg["timing"]
+                logger.info("[%s] done: %.1f core-s in %d chunk(s) (%.1f ms/step on one core)", tag,
+                            tm["wall_time_s"], need[(regime, H)], tm["per_step_s"] * 1e3)
+                done[(regime, H)] = seg
+                bar.update(1)
+    return done
 
 
 def _series_columns(seg: Dict) -> Dict[str, torch.Tensor]:
@@ -320,8 +483,16 @@ def run_ou_vs_oscillating(params: Dict, run) -> Dict:
     x0 = initial_tokens(p, dtype=dtype, device=device)
     segments = [(r, H) for r in p["regimes"] for H in p["heads"]]
     results: Dict = {}
+    todo = [(r, H) for r, H in segments if load_segment(
+        run, f"{r}_H{H}", "ou_vs_oscillating", fingerprint(p, _NOT_IN_SEGMENT, regime=r, H=H)) is None]
+    workers = resolve_workers(p, device, todo)
     with segment_bar(run, len(segments), "ou_vs_oscillating", "segment") as bar:
+        if workers > 1:
+            if len(plan_chunks(p, todo, workers)) > 1:  # one job: run it here, with its progress bar
+                results.update(_run_in_workers(p, todo, x0, run, workers, bar))
         for i, (regime, H) in enumerate(segments):
+            if (regime, H) in results:
+                continue
             tag = f"{regime}_H{H}"
             seg = load_segment(run, tag, "ou_vs_oscillating", fingerprint(p, _NOT_IN_SEGMENT, regime=regime, H=H),
                                required=("times", "x", "timing", *SERIES_KEYS, *(f"ledger.{k}" for k in LEDGER_KEYS)))

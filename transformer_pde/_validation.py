@@ -106,7 +106,7 @@ def check_token_weights(w, x: torch.Tensor, name: str = "weights", x_name: str =
             f"{name} must have shape (..., n) with n = {n} tokens, got shape {tuple(w.shape)}"
         )
     try:
-        torch.broadcast_shapes(w.shape[:-1], x.shape[:-2])
+        broadcast_shapes(w.shape[:-1], x.shape[:-2])
     except RuntimeError:
         raise ValueError(
             f"the batch shape of {name} {tuple(w.shape[:-1])} does not broadcast against "
@@ -311,3 +311,25 @@ def check_limits(what: str, *, steps: int, memory: Mapping, max_steps, max_memor
         raise ValueError(f"{what} would need about {_format_bytes(total)} ({parts}), more than {where} = "
                          f"{_format_bytes(limit)}; {fix + ', or ' if fix else ''}pass max_memory={int(total * 1.25)} "
                          f"(bytes) if the machine has it")
+
+def broadcast_shapes(*shapes) -> torch.Size:
+    """``torch.broadcast_shapes`` for plain shapes, without its first-call cost.
+
+    torch's version goes through ``torch._refs``, whose first call imports sympy (0.4–2.5 s of a
+    run's setup, docs/performance.md); this is the same rule in plain Python.
+
+    Raises:
+        RuntimeError: the shapes do not broadcast (as torch's, so callers catch the same error).
+    """
+    r = max((len(s) for s in shapes), default=0)
+    out = [1] * r
+    for s in shapes:
+        for i, v in enumerate(s, r - len(s)):
+            v = int(v)
+            if v < 0:
+                raise RuntimeError(f"broadcast_shapes: negative dimension in {tuple(s)}")
+            if v != 1:
+                if out[i] != 1 and out[i] != v:
+                    raise RuntimeError(f"shapes {[tuple(t) for t in shapes]} do not broadcast")
+                out[i] = v
+    return torch.Size(out)

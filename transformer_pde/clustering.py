@@ -45,7 +45,7 @@ from typing import Dict, Optional
 
 import torch
 
-from ._validation import check_positive, check_tensor, check_token_weights, check_tokens
+from ._validation import broadcast_shapes, check_positive, check_tensor, check_token_weights, check_tokens
 
 __all__ = [
     "linked",
@@ -92,7 +92,7 @@ def _weights(x, weights):
     n = x.shape[-2]
     if weights is None:
         return torch.full(x.shape[:-2] + (n,), 1.0 / n, dtype=x.dtype, device=x.device)
-    return weights.expand(*torch.broadcast_shapes(weights.shape[:-1], x.shape[:-2]), n)
+    return weights.expand(*broadcast_shapes(weights.shape[:-1], x.shape[:-2]), n)
 
 
 def _half_sq_dist(x):

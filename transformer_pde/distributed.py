@@ -43,8 +43,8 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ._validation import (NORMALIZATIONS, check_choice, check_every, check_int, check_positive, check_same,
-                          check_tokens, direction_sign)
+from ._validation import (NORMALIZATIONS, broadcast_shapes, check_choice, check_every, check_int, check_positive,
+                          check_same, check_tokens, direction_sign)
 from .energy import pairing
 from .field import FieldEval, evaluate
 from .heads import Heads
@@ -313,7 +313,7 @@ def simulate_sharded(
     drv = WeightDriver(process, paths=paths, generator=None, seed=seed, t0=t0, dt=dt,
                        batch_rank=x0_local.dim() - 2)
     x = x0_local if paths is None else x0_local.unsqueeze(0).expand(paths, *x0_local.shape)
-    x = x.expand(*torch.broadcast_shapes(x.shape[:-2], drv.current.batch_shape), *x.shape[-2:])
+    x = x.expand(*broadcast_shapes(x.shape[:-2], drv.current.batch_shape), *x.shape[-2:])
     run = _ShardedRun(x, drv, shard, K=K, dt=dt, sign=sign, record_every=record_every, diagnostics=diagnostics,
                       gather_x=gather_x, kw=dict(normalization=normalization, backend=backend,
                                                  chunk_elements=chunk_elements))

@@ -19,7 +19,7 @@ from typing import Mapping, Optional, Union
 
 import torch
 
-from ._validation import check_choice, check_positive, check_same, check_tensor
+from ._validation import broadcast_shapes, check_choice, check_positive, check_same, check_tensor
 
 __all__ = ["Heads"]
 #: named internal API (not public): the MultiheadAttention inside a module, for :mod:`transformer_pde.nn`
@@ -29,27 +29,6 @@ __internal__ = ["heads_from_multihead_attention", "mha_module", "broadcast_shape
 Beta = Union[float, torch.Tensor]
 
 
-def broadcast_shapes(*shapes) -> torch.Size:
-    """``torch.broadcast_shapes`` for plain shapes, without its first-call cost.
-
-    torch's version goes through ``torch._refs``, whose first call imports sympy (0.4–2.5 s of a
-    run's setup, docs/performance.md); this is the same rule in plain Python.
-
-    Raises:
-        RuntimeError: the shapes do not broadcast (as torch's, so callers catch the same error).
-    """
-    r = max((len(s) for s in shapes), default=0)
-    out = [1] * r
-    for s in shapes:
-        for i, v in enumerate(s, r - len(s)):
-            v = int(v)
-            if v < 0:
-                raise RuntimeError(f"broadcast_shapes: negative dimension in {tuple(s)}")
-            if v != 1:
-                if out[i] != 1 and out[i] != v:
-                    raise RuntimeError(f"shapes {[tuple(t) for t in shapes]} do not broadcast")
-                out[i] = v
-    return torch.Size(out)
 
 
 class Heads:

@@ -29,17 +29,8 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from ._validation import (
-    check_choice,
-    check_horizon,
-    check_int,
-    check_positive,
-    check_real,
-    check_same,
-    check_limits,
-    check_seed_generator,
-    check_tensor,
-)
+from ._validation import (broadcast_shapes, check_choice, check_horizon, check_int, check_limits, check_positive,
+                          check_real, check_same, check_seed_generator, check_tensor)
 from .heads import Heads
 
 #: named internal API (not public), used by the solvers' resource guards
@@ -237,7 +228,7 @@ class OrnsteinUhlenbeck(_Diffusive):
             if mean.shape[-2:] != (d, d):
                 raise ValueError(f"mean must have shape (d, d) or (..., H, d, d) with d = {d}, got {tuple(mean.shape)}")
             try:
-                torch.broadcast_shapes(mean.shape, A0.shape)
+                broadcast_shapes(mean.shape, A0.shape)
             except RuntimeError:
                 raise ValueError(f"mean of shape {tuple(mean.shape)} does not broadcast against the scores {tuple(A0.shape)}") from None
         self.mean = mean
@@ -509,7 +500,7 @@ class Custom(Process):
                             f"shape of A, {tuple(score.shape)} (..., H, d, d)")
         ok = True
         try:
-            ok = tuple(torch.broadcast_shapes(f.shape, score.shape)) == tuple(score.shape)
+            ok = tuple(broadcast_shapes(f.shape, score.shape)) == tuple(score.shape)
         except RuntimeError:
             ok = False
         if not ok:
@@ -529,7 +520,7 @@ class Custom(Process):
         batch = tuple(self.heads0.score_matrix.shape[:-2])
         if isinstance(s, torch.Tensor):
             try:
-                torch.broadcast_shapes(s.shape, batch)
+                broadcast_shapes(s.shape, batch)
             except RuntimeError:
                 raise ValueError(f"the Custom diffusion returned shape {tuple(s.shape)}; it must return σ as a float "
                                  f"or a tensor that broadcasts against the heads' shape {batch} (..., H)") from None

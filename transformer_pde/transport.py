@@ -42,8 +42,8 @@ from typing import Callable, Optional, Tuple, Union
 import numpy as np
 import torch
 
-from ._validation import (check_choice, check_int, check_positive, check_same, check_seed, check_token_weights,
-                          check_tokens)
+from ._validation import (broadcast_shapes, check_choice, check_int, check_positive, check_same, check_seed,
+                          check_token_weights, check_tokens)
 
 __all__ = ["distance", "transport_plan", "cost_matrix", "sinkhorn_divergence", "KINDS", "METRICS", "BACKENDS",
            "keops_available"]
@@ -73,7 +73,7 @@ def keops_available() -> bool:
 def sq_chordal(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """|x_i − y_j|², (..., n, m); exact differences when small (no cancellation, safe gradient at 0)."""
     n, m, d = x.shape[-2], y.shape[-2], x.shape[-1]
-    batch = torch.broadcast_shapes(x.shape[:-2], y.shape[:-2])
+    batch = broadcast_shapes(x.shape[:-2], y.shape[:-2])
     if math.prod(batch) * n * m * d <= _DIFF_ELEMENTS:
         return (x.unsqueeze(-2) - y.unsqueeze(-3)).square().sum(-1)
     return (2 - 2 * x @ y.transpose(-1, -2)).clamp_min(0)
@@ -123,7 +123,7 @@ def _prepare(mu, nu):
         raise ValueError(f"mu lives on S^{x.shape[-1] - 1} (d = {x.shape[-1]}) but nu on S^{y.shape[-1] - 1} "
                          f"(d = {y.shape[-1]}); both need the same d")
     try:
-        batch = torch.broadcast_shapes(x.shape[:-2], y.shape[:-2],
+        batch = broadcast_shapes(x.shape[:-2], y.shape[:-2],
                                        *(() if a is None else (a.shape[:-1],)), *(() if b is None else (b.shape[:-1],)))
     except RuntimeError:
         raise ValueError(f"the batch shapes of mu {tuple(x.shape[:-2])} and nu {tuple(y.shape[:-2])} do not broadcast") from None

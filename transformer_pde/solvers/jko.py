@@ -112,8 +112,9 @@ from typing import Callable, Optional, Union
 import torch
 
 from .. import threads
-from .._validation import (check_bool, check_choice, check_every, check_int, check_limits, check_positive, check_real,
-                           check_same, check_seed_generator, check_tied_all, check_token_weights, check_tokens, direction_sign)
+from .._validation import (broadcast_shapes, check_bool, check_choice, check_every, check_int, check_limits,
+                           check_positive, check_real, check_same, check_seed_generator, check_tied_all,
+                           check_token_weights, check_tokens, direction_sign)
 from ..attention import softmax_statistics
 from ..energy import choose_log_scale
 from ..field import FieldEval, evaluate, head_token_mean, log_inverse_mobility, token_mean
@@ -893,11 +894,11 @@ class _JKORun:
         event = tuple(state.shape[-2:] if self.lagrangian else state.shape[-1:])  # (n, d) or (m,)
         xb = tuple(state.shape[:state.dim() - len(event)])
         if self.lagrangian and weights is not None:
-            xb = tuple(torch.broadcast_shapes(xb, weights.shape[:-1]))
+            xb = tuple(broadcast_shapes(xb, weights.shape[:-1]))
         if o.paths is not None and o.path is None:
             xb, state = (o.paths, *xb), state.unsqueeze(0).expand(o.paths, *state.shape)
         try:
-            batch = tuple(torch.broadcast_shapes(xb, hb))
+            batch = tuple(broadcast_shapes(xb, hb))
         except RuntimeError:
             raise ValueError(f"the batch shape of the initial measure {xb} does not broadcast against the heads' "
                              f"batch shape {hb}") from None

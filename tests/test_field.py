@@ -280,6 +280,10 @@ _FIRST_STEP = (
     "tp.simulate(x0, tp.OrnsteinUhlenbeck(h, rate=1.0, sigma=1.0), t1=0.02, dt=0.01, paths=2, seed=0, progress=False)\n"
     "tp.simulate(x0, h, t1=0.02, dt=0.01, method='heun', progress=False)\n"
     "tp.energy(x0, h); tp.velocity(x0, h)\n"
+    "w = torch.full((12,), 1 / 12, dtype=torch.float64)\n"
+    "tp.simulate(x0, tp.OrnsteinUhlenbeck(h, mean=torch.eye(3, dtype=torch.float64)), t1=0.02, dt=0.01, weights=w,\n"
+    "            progress=False)\n"
+    "tp.clustering.cluster_statistics(x0, w, gram_rank=False)\n"
     "print(sorted(m for m in ('sympy', 'scipy', 'matplotlib') if m in sys.modules))\n"
 )
 
@@ -287,7 +291,7 @@ _FIRST_STEP = (
 def test_first_heads_and_step_import_no_sympy():
     """The way to the first step imports nothing heavy: torch.broadcast_shapes imports sympy on its
     first call (through torch._refs' symbolic-shape guards, 0.4–2.5 s), so Heads and the solver setup use
-    heads.broadcast_shapes; scipy and matplotlib are imported only by the functions that need them."""
+    _validation.broadcast_shapes (token weights, OU means and the cluster statistics too); scipy and matplotlib are imported only by the functions that need them."""
     import subprocess
     import sys
     from pathlib import Path

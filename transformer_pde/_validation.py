@@ -318,8 +318,10 @@ def broadcast_shapes(*shapes) -> torch.Size:
     torch's version goes through ``torch._refs``, whose first call imports sympy (0.4–2.5 s of a
     run's setup, docs/performance.md); this is the same rule in plain Python.
 
-    Raises:
-        RuntimeError: the shapes do not broadcast (as torch's, so callers catch the same error).
+    Raises
+    ------
+    RuntimeError
+        the shapes do not broadcast (as torch's, so callers catch the same error).
     """
     r = max((len(s) for s in shapes), default=0)
     out = [1] * r

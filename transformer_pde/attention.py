@@ -345,23 +345,37 @@ def softmax_statistics(
 
         log m_h(x_i) = log Σ_j w_j e^{s_ij},  ȳ_h(x_i) = Σ_j p_ij y_j,  q_h(x_i) = Σ_j p_ij ⟨x_i, y_j⟩²
 
-    Args:
-        x: queries (..., n, d).  keys: (..., m, d), default x (self-attention).
-        heads: the heads (batch dims broadcast against x's).
-        weights: key weights (..., m) summing to 1, or None (uniform 1/m).
-        second_moment: also return q_h(x_i) (Itô correction).
-        transpose: use A_hᵀ instead of A_h (the other half of δE/δμ for non-symmetric A).
-        chunk_elements: cap on the elements of one score block ("chunked"; memory ~ this, not n·m).
-        backend: "auto" | "dense" | "chunked" | "sdpa" | "keops" (module docstring).
-        causal: query i sees only keys j ≤ i, statistics of the prefix measure
-            Σ_{j≤i} w_j δ_{x_j} / Σ_{j≤i} w_j (module docstring); needs keys=None.
+    Parameters
+    ----------
+    x : torch.Tensor
+        queries (..., n, d).  keys: (..., m, d), default x (self-attention).
+    heads : Heads
+        the heads (batch dims broadcast against x's).
+    weights : Optional[torch.Tensor]
+        key weights (..., m) summing to 1, or None (uniform 1/m).
+    second_moment : bool
+        also return q_h(x_i) (Itô correction).
+    transpose : bool
+        use A_hᵀ instead of A_h (the other half of δE/δμ for non-symmetric A).
+    chunk_elements : Optional[int]
+        cap on the elements of one score block ("chunked"; memory ~ this, not n·m).
+    backend : str
+        "auto" | "dense" | "chunked" | "sdpa" | "keops" (module docstring).
+    causal : bool
+        query i sees only keys j ≤ i, statistics of the prefix measure
+        Σ_{j≤i} w_j δ_{x_j} / Σ_{j≤i} w_j (module docstring); needs keys=None.
 
-    Returns:
+    Returns
+    -------
+    HeadStats
         :class:`HeadStats` with log_partition (..., H, n), mean (..., H, n, d), second (..., H, n) or None.
 
-    Raises:
-        ValueError for an unknown backend, a bad chunk_elements or causal=True with keys=;
-        TypeError for a non-bool causal; ImportError for
+    Raises
+    ------
+    ValueError
+        for an unknown backend, a bad chunk_elements or causal=True with keys=;
+    TypeError
+        for a non-bool causal; ImportError for
         backend="keops" without pykeops.  Tensors are not validated here (hot path); the
         public functions do it.
     """

@@ -142,10 +142,15 @@ def cluster_labels(x, *, radius: float = 0.1, weights=None) -> torch.Tensor:
     token is the smallest token index of its cluster.  Tokens of zero weight form no links (each
     is its own singleton) and are not counted by :func:`cluster_count`.
 
-    Args:
-        x: (..., n, d) unit vectors.  radius: r in (0, 2].  weights: (..., n) or None.
-    Raises:
-        TypeError / ValueError: bad x, weights or radius (before any work)."""
+    Parameters
+    ----------
+    x
+        (..., n, d) unit vectors.  radius: r in (0, 2].  weights: (..., n) or None.
+
+    Raises
+    ------
+    TypeError, ValueError
+        bad x, weights or radius (before any work)."""
     return _components(linked(x, radius=radius, weights=weights))
 
 
@@ -217,8 +222,10 @@ def pair_fraction(x, *, radius: Optional[float] = None, eps: Optional[float] = N
     Σ_{i≠j} w_i w_j = 0 and the measure is a Dirac mass, a single cluster); k equal clusters of m
     tokens give (m − 1)/(km − 1).
 
-    Raises:
-        TypeError / ValueError: bad x or weights (an empty batch among them), both or invalid
+    Raises
+    ------
+    TypeError, ValueError
+        bad x or weights (an empty batch among them), both or invalid
         radius/eps, τ <= 0."""
     if radius is not None and eps is not None:
         raise ValueError("give either radius (chordal) or eps (overlap > 1 - eps), not both; eps = radius**2 / 2")
@@ -381,8 +388,10 @@ def statistics_observables(*, radius: float = 0.1, eps: Optional[float] = None, 
     is ``keys[i]``.  The Gram rank (eigenvalues, O(n³)) is computed only when "gram_rank" is in keys.
     ``count_eps``: the separate threshold of the cluster counts (:func:`cluster_statistics`).
 
-    Raises:
-        ValueError: unknown key, bad radius/eps."""
+    Raises
+    ------
+    ValueError
+        unknown key, bad radius/eps."""
     if eps is not None:
         radius = radius_from_eps(eps)
     radius = check_positive(radius, "radius")
@@ -491,14 +500,24 @@ def detect_plateaus(times, values, *, slope_tol: float = 0.05, min_duration: Opt
     fewer than 1/slope_tol intervals per unit of range; pass abs_slope = 0).  For noisy series
     smooth first or raise slope_tol / abs_slope.
 
-    Args:
-        times: (T,) strictly increasing (tensor or sequence).  values: (..., T) real.
-        slope_tol: relative slope threshold (>= 0).  min_duration: minimum plateau length (> 0).
-        abs_slope: absolute slope added to the threshold (>= 0).
-    Returns:
+    Parameters
+    ----------
+    times
+        (T,) strictly increasing (tensor or sequence).  values: (..., T) real.
+    slope_tol : float
+        relative slope threshold (>= 0).  min_duration: minimum plateau length (> 0).
+    abs_slope : float
+        absolute slope added to the threshold (>= 0).
+
+    Returns
+    -------
+    Staircase
         :class:`Staircase` (dtype of ``values``; the times are converted to it).
-    Raises:
-        TypeError / ValueError: non-tensor values, T < 2, times not finite, not strictly increasing
+
+    Raises
+    ------
+    TypeError, ValueError
+        non-tensor values, T < 2, times not finite, not strictly increasing
         (in the dtype of ``values``) or of the wrong length, negative thresholds, non-finite values.
     """
     t = _time_axis(times, values, strict=True)
@@ -560,8 +579,10 @@ def crossing_time(times, values, level: float) -> torch.Tensor:
     times: (T,) finite and non-decreasing (a repeated time, e.g. a left-limit record at a knot, is
     allowed), T >= 1; values: (..., T) (time last), finite.  dtype follows ``values``.
 
-    Raises:
-        TypeError / ValueError: non-tensor or non-finite values, times empty, not finite, decreasing
+    Raises
+    ------
+    TypeError, ValueError
+        non-tensor or non-finite values, times empty, not finite, decreasing
         or of the wrong length, a level that is not a finite real number."""
     t = _time_axis(times, values, strict=False)
     if isinstance(level, bool) or not isinstance(level, (int, float)) or not math.isfinite(level):

@@ -138,8 +138,10 @@ _ENERGY_FIX = ("Use tp.log_energy(x, heads) (log E, finite for any β‖A‖) or
 def head_energies(x, heads: Heads, weights=None, *, log_scale: float = 0.0):
     """E_h · e^{−log_scale} with E_h = (1/(2β)) Σ_ij w_i w_j e^{β⟨x_i, A_h x_j⟩}, (..., H) (no head weight ω_h).
 
-    Raises:
-        OverflowError: E_h e^{−log_scale} does not fit the dtype (the message gives log E_h and the fix)."""
+    Raises
+    ------
+    OverflowError
+        E_h e^{−log_scale} does not fit the dtype (the message gives log E_h and the fix)."""
     check_inputs(x, heads, weights)
     c = check_log_scale(log_scale)
     out, stats = _head_energies(x, heads, weights, c)
@@ -150,23 +152,29 @@ def head_energies(x, heads: Heads, weights=None, *, log_scale: float = 0.0):
 def energy(x, heads: Heads, weights=None, *, log_scale: float = 0.0):
     """E(μ, Θ) · e^{−log_scale} with E = Σ_h ω_h E_h, shape (...,).
 
-    Args:
-        x: tokens (..., n, d).  heads: :class:`Heads`.  weights: token weights (..., n) or None.
-        log_scale: c; the result is E·e^{−c}, computed without forming E (finite whenever
-            log E − c fits the dtype).  Default 0: E itself.
+    Parameters
+    ----------
+    x
+        tokens (..., n, d).  heads: :class:`Heads`.  weights: token weights (..., n) or None.
+    log_scale : float
+        c; the result is E·e^{−c}, computed without forming E (finite whenever
+        log E − c fits the dtype).  Default 0: E itself.
 
-    Raises:
-        OverflowError: E·e^{−c} overflows the dtype (β‖A‖ above ≈ 88 in float32, ≈ 709 in float64
-            with c = 0); the message gives log E and suggests :func:`log_energy` or ``log_scale=``.
+    Raises
+    ------
+    OverflowError
+        E·e^{−c} overflows the dtype (β‖A‖ above ≈ 88 in float32, ≈ 709 in float64
+        with c = 0); the message gives log E and suggests :func:`log_energy` or ``log_scale=``.
 
-    Example:
-        >>> import torch, transformer_pde as tp
-        >>> x = torch.tensor([[1.0, 0.0], [0.0, 1.0]], dtype=torch.float64)
-        >>> float(tp.energy(x, tp.Heads.scalar([1.0], 2).to(torch.float64)))  # (e + 1) / 2 / 2
-        0.9295704571147613
-        >>> E = tp.energy(x, tp.Heads.scalar([1000.0], 2).to(torch.float64), log_scale=1000.0)
-        >>> round(float(E), 9)  # ((e^1000 + 1)/2)/2 · e^-1000
-        0.25
+    Examples
+    --------
+    >>> import torch, transformer_pde as tp
+    >>> x = torch.tensor([[1.0, 0.0], [0.0, 1.0]], dtype=torch.float64)
+    >>> float(tp.energy(x, tp.Heads.scalar([1.0], 2).to(torch.float64)))  # (e + 1) / 2 / 2
+    0.9295704571147613
+    >>> E = tp.energy(x, tp.Heads.scalar([1000.0], 2).to(torch.float64), log_scale=1000.0)
+    >>> round(float(E), 9)  # ((e^1000 + 1)/2)/2 · e^-1000
+    0.25
     """
     check_inputs(x, heads, weights)
     c = check_log_scale(log_scale)
@@ -197,8 +205,10 @@ def first_variation(x, heads: Heads, weights=None, *, at=None, log_scale: float 
     Symmetric heads: Σ_h ω_h m_h(z)/β.  General A_h: Σ_h ω_h (m_h(z) + m̃_h(z))/(2β), with m̃
     the partition function of A_hᵀ.
 
-    Raises:
-        OverflowError: the result overflows the dtype; pass ``log_scale=`` (it is e^{−c} times δE/δμ).
+    Raises
+    ------
+    OverflowError
+        the result overflows the dtype; pass ``log_scale=`` (it is e^{−c} times δE/δμ).
     """
     check_inputs(x, heads, weights)
     c = check_log_scale(log_scale)
@@ -267,11 +277,16 @@ def quadratic_variation(x, heads: Heads, weights, stats: HeadStats, increment: t
     given the state, so one path's residual only falls like dt^{1/2}).  For E of the whole measure
     ``causal`` is False; with True the inner sum runs over j ≤ i (the prefix measures).
 
-    Args:
-        x: tokens (..., n, d).  heads: the heads at the left end of the step.
-        weights: token weights (..., n) or None.  stats: their kernel statistics (log-partitions used).
-        increment: ΔN (..., H, d, d), the martingale part of the weights' increment.
-        log_scale: c; the result is multiplied by e^{−c} (see the module docstring).
+    Parameters
+    ----------
+    x
+        tokens (..., n, d).  heads: the heads at the left end of the step.
+    weights
+        token weights (..., n) or None.  stats: their kernel statistics (log-partitions used).
+    increment : torch.Tensor
+        ΔN (..., H, d, d), the martingale part of the weights' increment.
+    log_scale : float
+        c; the result is multiplied by e^{−c} (see the module docstring).
 
     Memory: one (..., H, n, n) block (forms the pairwise kernel; used by the ledger only)."""
     A = heads.score_matrix
@@ -299,8 +314,10 @@ def energy_time_derivative(x, heads: Heads, score_rate: torch.Tensor, weights=No
     """∂_tE · e^{−log_scale} along deterministic weights with Ȧ_h = score_rate (..., H, d, d), plus the
     Itô correction when sigma > 0 (noise σ dW_sym on every A_h).  Shape (...,).
 
-    Raises:
-        OverflowError: the result overflows the dtype; pass ``log_scale=``."""
+    Raises
+    ------
+    OverflowError
+        the result overflows the dtype; pass ``log_scale=``."""
     check_inputs(x, heads, weights)
     c = check_log_scale(log_scale)
     if not isinstance(score_rate, torch.Tensor) or score_rate.shape[-3:] != heads.score_matrix.shape[-3:]:

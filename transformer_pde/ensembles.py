@@ -80,8 +80,10 @@ def random_matrices(shape, d: int, *, law: str = "goe", scale: float = 1.0, gene
                     device=None) -> torch.Tensor:
     """Random d × d matrices of the given law (module docstring), shape (*shape, d, d).
 
-    Raises:
-        ValueError / TypeError: unknown law, d < 2, scale < 0, bad shape, a generator that is not a
+    Raises
+    ------
+    ValueError, TypeError
+        unknown law, d < 2, scale < 0, bad shape, a generator that is not a
         torch.Generator, a dtype that is not floating."""
     check_choice(law, LAWS, "law")
     d = check_int(d, "d", minimum=2)
@@ -104,16 +106,27 @@ def random_heads(batch, num_heads: int, dim: int, *, law: str = "goe", values: s
                  device=None) -> Heads:
     """Heads of an ensemble: score (*batch, H, d, d) drawn from ``law``, values by ``values``.
 
-    Args:
-        batch: B (int) or a batch shape.  num_heads: H.  dim: d.
-        law: "gaussian" | "goe" | "wigner" (module docstring).  values: "identity" | "random" | "+A" | "-A".
-        scale: σ >= 0.  beta: float or tensor broadcasting against the batch shape.
-        weights: ω (..., H) or None (1/H).  generator, dtype, device: of the draws.
-    Returns:
+    Parameters
+    ----------
+    batch
+        B (int) or a batch shape.  num_heads: H.  dim: d.
+    law : str
+        "gaussian" | "goe" | "wigner" (module docstring).  values: "identity" | "random" | "+A" | "-A".
+    scale : float
+        σ >= 0.  beta: float or tensor broadcasting against the batch shape.
+    weights
+        ω (..., H) or None (1/H).  generator, dtype, device: of the draws.
+
+    Returns
+    -------
+    Heads
         :class:`~transformer_pde.Heads` with batch shape ``batch``; symmetric (gradient-flow) heads
         when law is "goe"/"wigner" and values "+A".
-    Raises:
-        ValueError / TypeError for bad arguments (before drawing).
+
+    Raises
+    ------
+    ValueError, TypeError
+        for bad arguments (before drawing).
     """
     batch = _batch(batch)
     check_choice(values, VALUES, "values")
@@ -155,10 +168,15 @@ def simulate(x0: torch.Tensor, theta: Union[Heads, Process], **kwargs):
     under OU noise give every member the *same* weight path; draw heads with batch shape (B,) (e.g.
     :func:`random_heads` or ``A.expand(B, H, d, d).clone()``) for independent paths.
 
-    Returns:
+    Returns
+    -------
+    Trajectory
         :class:`~transformer_pde.Trajectory` with x (T, [paths,] B, n, d).
-    Raises:
-        ValueError: x0 is not (..., n, d) with a batch axis, or the heads' batch shape is neither
+
+    Raises
+    ------
+    ValueError
+        x0 is not (..., n, d) with a batch axis, or the heads' batch shape is neither
         empty nor x0's batch shape; whatever ``tp.simulate`` raises.
     """
     from .solvers.particle import simulate as _simulate_one

@@ -277,28 +277,39 @@ def _check_causal_flag(causal, normalization):
 def velocity(x, heads, weights=None, normalization="softmax", direction="ascent", *, causal=False):
     """V[μ, Θ](x_i) = s · P_{x_i} Σ_h ω_h f_h(x_i) at the tokens of μ = Σ_i w_i δ_{x_i}.
 
-    Args:
-        x: tokens (..., n, d) on the sphere.  heads: :class:`Heads`.
-        weights: token weights (..., n) or None (uniform).
-        normalization: "softmax" | "unnormalized" | "relu" | "effective" (module docstring).
-        direction: "ascent" (s = +1, x + attention(x)) or "descent" (s = −1, reference code).
-        causal: token i attends only to tokens j ≤ i in the stored order (decoder-only masking);
-            True / "mean": the field of the prefix measure Σ_{j≤i} w_j δ_{x_j} / Σ_{j≤i} w_j;
-            "sum": the un-normalised kernels sum over the prefix (module docstring).  Not "effective".
+    Parameters
+    ----------
+    x
+        tokens (..., n, d) on the sphere.  heads: :class:`Heads`.
+    weights
+        token weights (..., n) or None (uniform).
+    normalization
+        "softmax" | "unnormalized" | "relu" | "effective" (module docstring).
+    direction
+        "ascent" (s = +1, x + attention(x)) or "descent" (s = −1, reference code).
+    causal
+        token i attends only to tokens j ≤ i in the stored order (decoder-only masking);
+        True / "mean": the field of the prefix measure Σ_{j≤i} w_j δ_{x_j} / Σ_{j≤i} w_j;
+        "sum": the un-normalised kernels sum over the prefix (module docstring).  Not "effective".
 
-    Returns:
+    Returns
+    -------
+    result
         (..., n, d) tangent vectors; dtype and device follow x.
 
-    Raises:
-        TypeError / ValueError for tokens off the sphere, bad shapes, mixed devices, unknown names,
+    Raises
+    ------
+    TypeError, ValueError
+        for tokens off the sphere, bad shapes, mixed devices, unknown names,
         causal=True with normalization="effective"; OverflowError when an "unnormalized" or "effective"
         field overflows the dtype (the softmax field never does).
 
-    Example:
-        >>> import torch, transformer_pde as tp
-        >>> x = tp.sphere.sample_uniform(5, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-        >>> tp.velocity(x, tp.Heads.scalar([1.0], 3).to(torch.float64)).shape
-        torch.Size([5, 3])
+    Examples
+    --------
+    >>> import torch, transformer_pde as tp
+    >>> x = tp.sphere.sample_uniform(5, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    >>> tp.velocity(x, tp.Heads.scalar([1.0], 3).to(torch.float64)).shape
+    torch.Size([5, 3])
     """
     check_choice(normalization, NORMALIZATIONS, "normalization")
     sign = direction_sign(direction)

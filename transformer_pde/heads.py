@@ -34,22 +34,32 @@ Beta = Union[float, torch.Tensor]
 class Heads:
     """A batch of H attention heads (A_h, V_h) with weights ω_h and inverse temperature β.
 
-    Args:
-        score: A, ``(..., H, d, d)``; or None when ``query`` and ``key`` are given.
-        value: V, ``(..., H, d, d)``; None means V = A ("symmetric heads" when A = Aᵀ).
-        weights: ω, ``(..., H)``, non-negative; None means 1/H.
-        beta: β > 0, float or tensor broadcasting against the batch shape.
-        query, key: optional factors Q, K of shape ``(..., H, k, d)`` with A = QᵀK.
+    Parameters
+    ----------
+    score
+        A, ``(..., H, d, d)``; or None when ``query`` and ``key`` are given.
+    value
+        V, ``(..., H, d, d)``; None means V = A ("symmetric heads" when A = Aᵀ).
+    weights
+        ω, ``(..., H)``, non-negative; None means 1/H.
+    beta
+        β > 0, float or tensor broadcasting against the batch shape.
+    query, key
+        optional factors Q, K of shape ``(..., H, k, d)`` with A = QᵀK.
 
-    Raises:
-        TypeError: non-tensor or integer inputs, mixed dtypes.
-        ValueError: wrong shapes, non-finite entries, negative weights, β <= 0, mixed devices.
+    Raises
+    ------
+    TypeError
+        non-tensor or integer inputs, mixed dtypes.
+    ValueError
+        wrong shapes, non-finite entries, negative weights, β <= 0, mixed devices.
 
-    Example:
-        >>> import torch, transformer_pde as tp
-        >>> heads = tp.Heads(torch.eye(3).expand(2, 3, 3))
-        >>> heads.num_heads, heads.dim
-        (2, 3)
+    Examples
+    --------
+    >>> import torch, transformer_pde as tp
+    >>> heads = tp.Heads(torch.eye(3).expand(2, 3, 3))
+    >>> heads.num_heads, heads.dim
+    (2, 3)
     """
 
     __slots__ = ("score", "value", "weights", "beta", "query", "key", "_symmetric")
@@ -418,29 +428,43 @@ def heads_from_multihead_attention(
 ) -> Heads:
     """Heads (A_h = Q_hᵀK_h, V_h = O_h W_{V,h}, β = r²/√k) of a real attention layer (module docstring).
 
-    Args:
-        module: a ``torch.nn.MultiheadAttention`` (packed ``in_proj_weight`` or separate
-            ``q/k/v_proj_weight``), a layer holding one as ``self_attn``
-            (``TransformerEncoderLayer``, ``TransformerDecoderLayer``: its self-attention), or a
-            dict of per-head tensors ``query``, ``key`` (..., H, k, d), ``value`` (..., H, k_v, d) and
-            optionally ``output`` (..., H, d, k_v) (keys q, k, v, o accepted; V_h = O_h W_{V,h},
-            or V_h = value when output is absent and k_v = d).
-        head_weights: "sum" (ω_h = 1: MHA(x) = Σ_h f_h exactly), "mean" (ω_h = 1/H) or a tensor (..., H).
-        beta: inverse temperature; None means r²/√k with r = ``token_norm`` (the module's 1/√k scaling).
-        token_norm: r, the norm of the tokens the module sees (1 on the unit sphere, √d after a
-            LayerNorm without affine parameters).
-        keep_factors: keep Q_h, K_h (k×d) instead of forming A_h; None means "when k < d".
-        bias: "drop" (default) or "error" (refuse non-zero query/value/output biases, bias_k/v, zero attention).
-        detach: cut the autograd link to the module's parameters.
-        dtype, device: convert the tensors (e.g. ``dtype=torch.float64``).
+    Parameters
+    ----------
+    module
+        a ``torch.nn.MultiheadAttention`` (packed ``in_proj_weight`` or separate
+        ``q/k/v_proj_weight``), a layer holding one as ``self_attn``
+        (``TransformerEncoderLayer``, ``TransformerDecoderLayer``: its self-attention), or a
+        dict of per-head tensors ``query``, ``key`` (..., H, k, d), ``value`` (..., H, k_v, d) and
+        optionally ``output`` (..., H, d, k_v) (keys q, k, v, o accepted; V_h = O_h W_{V,h},
+        or V_h = value when output is absent and k_v = d).
+    head_weights : Union[str, torch.Tensor]
+        "sum" (ω_h = 1: MHA(x) = Σ_h f_h exactly), "mean" (ω_h = 1/H) or a tensor (..., H).
+    beta : Optional[Union[float, torch.Tensor]]
+        inverse temperature; None means r²/√k with r = ``token_norm`` (the module's 1/√k scaling).
+    token_norm : float
+        r, the norm of the tokens the module sees (1 on the unit sphere, √d after a
+        LayerNorm without affine parameters).
+    keep_factors : Optional[bool]
+        keep Q_h, K_h (k×d) instead of forming A_h; None means "when k < d".
+    bias : str
+        "drop" (default) or "error" (refuse non-zero query/value/output biases, bias_k/v, zero attention).
+    detach : bool
+        cut the autograd link to the module's parameters.
+    dtype, device
+        convert the tensors (e.g. ``dtype=torch.float64``).
 
-    Returns:
+    Returns
+    -------
+    Heads
         :class:`~transformer_pde.Heads` with batch shape () for a module, (...) for a batched dict.
 
-    Raises:
-        TypeError: an unsupported module type or head_weights.
-        ValueError: cross-attention (kdim/vdim != embed_dim), unknown/missing dict keys, bad shapes,
-            non-zero biases with ``bias="error"``, unknown options.
+    Raises
+    ------
+    TypeError
+        an unsupported module type or head_weights.
+    ValueError
+        cross-attention (kdim/vdim != embed_dim), unknown/missing dict keys, bad shapes,
+        non-zero biases with ``bias="error"``, unknown options.
     """
     check_choice(bias, ("drop", "error"), "bias")
     if isinstance(module, Mapping):

@@ -43,13 +43,20 @@ def scaled_diagnostics(x: torch.Tensor, heads: Heads, weights: Optional[torch.Te
     symmetric heads), finite whenever log m_h − c fits the dtype — with c from
     :func:`transformer_pde.energy.choose_log_scale`, for any β‖A‖ at which the field is finite.
 
-    Args:
-        x: tokens (..., n, d).  heads: :class:`Heads`.  weights: token weights (..., n) or None.
-        velocity: the signed field V at the tokens (..., n, d) (any normalisation, causal or not).
-        stats: the non-causal softmax statistics of x under the heads (log_partition, mean).
-        log_scale: c.  chunk_elements: memory cap of the transposed kernel pass (non-symmetric heads).
+    Parameters
+    ----------
+    x : torch.Tensor
+        tokens (..., n, d).  heads: :class:`Heads`.  weights: token weights (..., n) or None.
+    velocity : torch.Tensor
+        the signed field V at the tokens (..., n, d) (any normalisation, causal or not).
+    stats : HeadStats
+        the non-causal softmax statistics of x under the heads (log_partition, mean).
+    log_scale : float
+        c.  chunk_elements: memory cap of the transposed kernel pass (non-symmetric heads).
 
-    Returns:
+    Returns
+    -------
+    Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
         (energy (...,), slope (...,), dissipation (...,), grad_first_variation (..., n, d)), all times e^{−c}.
     """
     def token_mean(v, per_head=False):  # Σ_i w_i v_i over the last axis, v (..., n) or (..., H, n)
@@ -123,8 +130,10 @@ def _scaled(x, heads, weights, normalization, direction, log_scale, which):
 def slope(x, heads: Heads, weights=None, normalization="softmax", direction="ascent", *, log_scale: float = 0.0):
     """Metric slope 𝒢² · e^{−log_scale}, 𝒢² = Σ_i w_i b(x_i) |V(x_i)|², (...,).
 
-    Raises:
-        OverflowError: the result overflows the dtype (large β‖A‖); pass ``log_scale=``."""
+    Raises
+    ------
+    OverflowError
+        the result overflows the dtype (large β‖A‖); pass ``log_scale=``."""
     return _scaled(x, heads, weights, normalization, direction, log_scale, "slope")
 
 
@@ -132,6 +141,8 @@ def dissipation(x, heads: Heads, weights=None, normalization="softmax", directio
                 log_scale: float = 0.0):
     """Dissipation 𝒟 · e^{−log_scale}, 𝒟 = Σ_i w_i ⟨∇_S δE/δμ(x_i), V(x_i)⟩, (...,) (sign follows direction).
 
-    Raises:
-        OverflowError: the result overflows the dtype (large β‖A‖); pass ``log_scale=``."""
+    Raises
+    ------
+    OverflowError
+        the result overflows the dtype (large β‖A‖); pass ``log_scale=``."""
     return _scaled(x, heads, weights, normalization, direction, log_scale, "dissipation")

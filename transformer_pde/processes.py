@@ -205,12 +205,16 @@ class OrnsteinUhlenbeck(_Diffusive):
     (i ≠ j), a GOE-type ensemble.  scheme="euler" is Euler–Maruyama (the reference code).
     Paper: Ā = I, κ = 1, σ² = 2.
 
-    Args:
-        heads0: Heads (or score tensor) at t = 0.
-        mean: Ā, (d, d) or (..., H, d, d); default I.
-        rate: κ > 0.   sigma: σ >= 0.   scheme: "exact" | "euler".
-            A one-element tensor that requires grad is kept as a tensor (differentiable
-            simulations); other values are stored as floats.
+    Parameters
+    ----------
+    heads0
+        Heads (or score tensor) at t = 0.
+    mean
+        Ā, (d, d) or (..., H, d, d); default I.
+    rate
+        κ > 0.   sigma: σ >= 0.   scheme: "exact" | "euler".
+        A one-element tensor that requires grad is kept as a tensor (differentiable
+        simulations); other values are stored as floats.
     """
 
     def __init__(self, heads0, mean=None, rate: float = 1.0, sigma: float = 2 ** 0.5, scheme: str = "exact"):
@@ -367,12 +371,16 @@ class Oscillating(_Diffusive):
 class Layerwise(Process):
     """Heads read from a network, one set per layer: layer l holds on [t0 + l·Δ, t0 + (l+1)·Δ).
 
-    Args:
-        layers: sequence of Heads (same H, d, dtype, device) — or a tensor (L, ..., H, d, d) of scores.
-        layer_time: Δ > 0, the time one layer lasts (default 1: time = depth).
-        interpolation: "constant" (piecewise constant; Θ jumps at the layer boundaries and the
-            energy ledger books each jump) or "linear" (scores, values, head weights and β
-            interpolated linearly between the layer starts t0 + l·Δ, constant after the last).
+    Parameters
+    ----------
+    layers
+        sequence of Heads (same H, d, dtype, device) — or a tensor (L, ..., H, d, d) of scores.
+    layer_time
+        Δ > 0, the time one layer lasts (default 1: time = depth).
+    interpolation
+        "constant" (piecewise constant; Θ jumps at the layer boundaries and the
+        energy ledger books each jump) or "linear" (scores, values, head weights and β
+        interpolated linearly between the layer starts t0 + l·Δ, constant after the last).
     """
 
     def __init__(self, layers, interpolation: str = "constant", layer_time: float = 1.0, t0: float = 0.0):

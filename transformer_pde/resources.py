@@ -37,9 +37,11 @@ _SUFFIX = ".toml"
 def loads_toml(text: str) -> Dict[str, Any]:
     """Parse TOML text (``tomllib.loads``; ``tomli`` on Python 3.10).
 
-    Raises:
-        tomllib.TOMLDecodeError: the text is not valid TOML (``resources.tomllib`` is the
-            module in use, so ``except resources.tomllib.TOMLDecodeError`` works everywhere).
+    Raises
+    ------
+    tomllib.TOMLDecodeError
+        the text is not valid TOML (``resources.tomllib`` is the
+        module in use, so ``except resources.tomllib.TOMLDecodeError`` works everywhere).
     """
     return tomllib.loads(text)
 
@@ -47,9 +49,12 @@ def loads_toml(text: str) -> Dict[str, Any]:
 def load_toml(path: Union[str, Path]) -> Dict[str, Any]:
     """Read a TOML file into a dict (``tomllib.load``; ``tomli`` on Python 3.10).
 
-    Raises:
-        FileNotFoundError: no such file.
-        tomllib.TOMLDecodeError: the file is not valid TOML.
+    Raises
+    ------
+    FileNotFoundError
+        no such file.
+    tomllib.TOMLDecodeError
+        the file is not valid TOML.
     """
     with open(path, "rb") as f:
         return tomllib.load(f)
@@ -87,9 +92,11 @@ def _checkout_configs() -> Optional[Path]:
 def config_dir() -> Path:
     """The directory holding the shipped configs.
 
-    Raises:
-        FileNotFoundError: neither the package data nor a source checkout has them (a broken
-            install: reinstall with ``pip install transformer_pde`` or from the repository).
+    Raises
+    ------
+    FileNotFoundError
+        neither the package data nor a source checkout has them (a broken
+        install: reinstall with ``pip install transformer_pde`` or from the repository).
     """
     d = _package_configs() or _checkout_configs()
     if d is None:
@@ -107,9 +114,12 @@ def config_names() -> List[str]:
 def config_path(name: str) -> Path:
     """The file of the shipped config ``name`` (with or without ``.toml``).
 
-    Raises:
-        TypeError: ``name`` is not a string.
-        ValueError: no shipped config has that name (the message lists the names).
+    Raises
+    ------
+    TypeError
+        ``name`` is not a string.
+    ValueError
+        no shipped config has that name (the message lists the names).
     """
     if not isinstance(name, str):
         raise TypeError(f"config name must be a string such as 'ou_vs_oscillating_quick', got {type(name).__name__}")
@@ -132,9 +142,12 @@ def find_config(source: Union[str, Path]) -> Path:
     outside the checkout after a plain install) all give the shipped file; an existing path is
     returned unchanged.
 
-    Raises:
-        TypeError: ``source`` is not a string or a path.
-        ValueError: neither a file nor a shipped name (the message lists the names).
+    Raises
+    ------
+    TypeError
+        ``source`` is not a string or a path.
+    ValueError
+        neither a file nor a shipped name (the message lists the names).
     """
     if not isinstance(source, (str, Path)):
         raise TypeError(f"config must be a path or a name, got {type(source).__name__}")

@@ -168,8 +168,10 @@ def package_versions() -> Dict[str, Any]:
 class RunDir:
     """A run directory and the helpers studies use to write into it.
 
-    Attributes:
-        path: the directory.  progress: show progress bars.  resume: the run continues an
+    Attributes
+    ----------
+    path
+        the directory.  progress: show progress bars.  resume: the run continues an
         interrupted one.  step_callback: None or a callable ``(tag, step, time)`` that studies
         call after every solver step of the piece of work ``tag`` (monitoring; tests use it
         to interrupt a run at a chosen step).
@@ -312,9 +314,11 @@ def _read_config_file(path: Path) -> Dict[str, Any]:
 def load_config(source, overrides: Iterable[str] = ()) -> Dict[str, Any]:
     """Read a TOML config (path or dict) and resolve it: {'kind', 'name', 'params'}.
 
-    Raises:
-        ValueError: a missing, unreadable, binary or non-TOML file; an unknown kind or key; a value
-            of the wrong type, outside its choices or not finite (each names the key and the fix).
+    Raises
+    ------
+    ValueError
+        a missing, unreadable, binary or non-TOML file; an unknown kind or key; a value
+        of the wrong type, outside its choices or not finite (each names the key and the fix).
     """
     if isinstance(source, (str, Path)):
         raw, default_name = _read_config_file(Path(source)), Path(source).stem
@@ -537,12 +541,14 @@ def plan(source, *, overrides: Iterable[str] = (), out_dir="runs", name: Optiona
 
     Nothing is created or changed.  :func:`execute` repeats the directory checks under the lock.
 
-    Raises:
-        ValueError: invalid config or override, unsafe run name, ``out_dir`` that is a file or not
-            writable, an existing folder that is not a run directory, an existing run without
-            ``resume``/``overwrite``, a resume whose config differs (the differing keys listed), a run
-            whose estimated memory or step count is above ``max_memory`` / ``max_steps``
-            (:func:`check_resources`), a resume of a directory holding links or damaged files.
+    Raises
+    ------
+    ValueError
+        invalid config or override, unsafe run name, ``out_dir`` that is a file or not
+        writable, an existing folder that is not a run directory, an existing run without
+        ``resume``/``overwrite``, a resume whose config differs (the differing keys listed), a run
+        whose estimated memory or step count is above ``max_memory`` / ``max_steps``
+        (:func:`check_resources`), a resume of a directory holding links or damaged files.
     """
     if resume and overwrite:
         raise ValueError("choose either --resume (continue the run) or --overwrite (start it afresh), not both")
@@ -868,26 +874,40 @@ def execute(source, *, overrides: Iterable[str] = (), out_dir="runs", name: Opti
             replace_kind: Optional[str] = None, max_memory=None, max_steps: Optional[int] = None) -> Path:
     """Validate the config, prepare the run directory, run the study, write its metrics.
 
-    Args:
-        source: TOML path or config dict {"kind", "name", "params"}.
-        overrides: "key=value" strings (TOML values) applied to ``params``.
-        out_dir, name: the run directory is out_dir/name (name defaults to the config's; it must be
-            one plain folder name, see :func:`check_run_name`).
-        resume: continue an existing run directory (same resolved config); otherwise an
-            existing run is refused.  A resume of a directory that does not exist starts the run.
-        overwrite: empty an existing *run directory* (one carrying the marker) and start afresh.
-        replace_kind: overwrite an existing run directory only when it holds a run of this kind
-            (``transformer-pde demo`` uses "demo"); runs of other kinds are refused.
-        progress: progress bars allowed (tqdm ``disable=None``: shown only on a terminal).
-        step_callback: see :class:`RunDir`.
-        max_memory, max_steps: limits of the resource estimate (:func:`check_resources`; bytes or "16G", and
-            solver steps), checked before anything is written.
+    Parameters
+    ----------
+    source
+        TOML path or config dict {"kind", "name", "params"}.
+    overrides : Iterable[str]
+        "key=value" strings (TOML values) applied to ``params``.
+    out_dir, name
+        the run directory is out_dir/name (name defaults to the config's; it must be
+        one plain folder name, see :func:`check_run_name`).
+    resume : bool
+        continue an existing run directory (same resolved config); otherwise an
+        existing run is refused.  A resume of a directory that does not exist starts the run.
+    overwrite : bool
+        empty an existing *run directory* (one carrying the marker) and start afresh.
+    replace_kind : Optional[str]
+        overwrite an existing run directory only when it holds a run of this kind
+        (``transformer-pde demo`` uses "demo"); runs of other kinds are refused.
+    progress : bool
+        progress bars allowed (tqdm ``disable=None``: shown only on a terminal).
+    step_callback : Optional[Callable[[str, int, float], None]]
+        see :class:`RunDir`.
+    max_memory, max_steps
+        limits of the resource estimate (:func:`check_resources`; bytes or "16G", and
+        solver steps), checked before anything is written.
 
-    Returns:
+    Returns
+    -------
+    Path
         the run directory.
 
-    Raises:
-        ValueError for an invalid config, name or ``out_dir`` (before anything is written), a folder
+    Raises
+    ------
+    ValueError
+        for an invalid config, name or ``out_dir`` (before anything is written), a folder
         that is not a run directory (never touched), a run directory that exists (without resume) or
         holds another config (the differing keys listed); :class:`RunLockedError` (a ValueError) when a
         live run holds the directory; whatever the study raises (the status file then says

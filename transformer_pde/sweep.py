@@ -204,25 +204,41 @@ def run_sweep(config, axes: Dict[str, list] | Sequence[str], *, overrides: Itera
               max_memory=None, max_steps: Optional[int] = None) -> SweepResult:
     """Run the cartesian grid of ``axes`` over ``config`` as independent runs (module docstring).
 
-    Args:
-        config: TOML path, shipped config name or config dict {"kind", "name", "params"} (as for ``runs.execute``).
-        axes: {key: [values]} or a sequence of "key=[v1,v2]" strings (the CLI's -s).
-        overrides: "key=value" strings fixed for every point (the CLI's -o).
-        out_dir, name: the sweep directory is out_dir/name (default name: <config name>_sweep).
-        workers: worker processes (1: in this process; at most 4 × the CPU cores).  scheduler: a Dask scheduler
-            address ("tcp://host:8786"); when given, ``workers`` is ignored.
-        threads: torch threads per point (default: cpu_count // workers, at least 1).
-        resume: continue an existing sweep directory (finished points are skipped).
-        progress: a bar over the points.  metrics: metric keys for the figure (default: up to 4).
-        figure: write figures/sweep.png|pdf (False: the table only).
-        max_points: refuse a grid of more points (default :data:`DEFAULT_MAX_POINTS`).
-        max_memory, max_steps: the resource limits of every point (``runs.check_resources``).
+    Parameters
+    ----------
+    config
+        TOML path, shipped config name or config dict {"kind", "name", "params"} (as for ``runs.execute``).
+    axes : Dict[str, list] | Sequence[str]
+        {key: [values]} or a sequence of "key=[v1,v2]" strings (the CLI's -s).
+    overrides : Iterable[str]
+        "key=value" strings fixed for every point (the CLI's -o).
+    out_dir, name
+        the sweep directory is out_dir/name (default name: <config name>_sweep).
+    workers : int
+        worker processes (1: in this process; at most 4 × the CPU cores).  scheduler: a Dask scheduler
+        address ("tcp://host:8786"); when given, ``workers`` is ignored.
+    threads : Optional[int]
+        torch threads per point (default: cpu_count // workers, at least 1).
+    resume : bool
+        continue an existing sweep directory (finished points are skipped).
+    progress : bool
+        a bar over the points.  metrics: metric keys for the figure (default: up to 4).
+    figure : bool
+        write figures/sweep.png|pdf (False: the table only).
+    max_points : int
+        refuse a grid of more points (default :data:`DEFAULT_MAX_POINTS`).
+    max_memory, max_steps
+        the resource limits of every point (``runs.check_resources``).
 
-    Returns:
+    Returns
+    -------
+    SweepResult
         :class:`SweepResult`.
 
-    Raises:
-        ValueError for a bad axis, a key both swept and overridden, an invalid point, a grid above
+    Raises
+    ------
+    ValueError
+        for a bad axis, a key both swept and overridden, an invalid point, a grid above
         ``max_points``, a point above the resource limits, an ``out_dir`` that is a file or not writable, an
         existing sweep directory without resume or one holding another sweep, a sweep directory in use by
         another live sweep (:class:`~transformer_pde.runs.RunLockedError`), an unreachable scheduler — all

@@ -108,17 +108,24 @@ def _validate(mode) -> Union[None, str, int]:
 def policy(mode: Union[None, str, int]) -> Union[None, str, int]:
     """Set the process-wide thread policy and return the previous one.
 
-    Args:
-        mode: ``"auto"`` (choose from the work and the machine's load), a positive int
-            (exactly that many intra-op threads; a string of digits is accepted too, as the
-            CLI passes it) or ``None`` (leave torch alone: the library default).
+    Parameters
+    ----------
+    mode : Union[None, str, int]
+        ``"auto"`` (choose from the work and the machine's load), a positive int
+        (exactly that many intra-op threads; a string of digits is accepted too, as the
+        CLI passes it) or ``None`` (leave torch alone: the library default).
 
-    Returns:
+    Returns
+    -------
+    Union[None, str, int]
         The previous policy, so that ``threads.policy(old)`` restores it.
 
-    Raises:
-        TypeError: ``mode`` is not a string, an int or None (a bool or a float is refused).
-        ValueError: a string other than ``"auto"`` or digits, or a count below 1.
+    Raises
+    ------
+    TypeError
+        ``mode`` is not a string, an int or None (a bool or a float is refused).
+    ValueError
+        a string other than ``"auto"`` or digits, or a count below 1.
     """
     global _mode
     new = _validate(mode)
@@ -143,11 +150,15 @@ class thread_policy:
         >>> _ = tp.thread_policy(1)          # every solver loop from now on with exactly one thread
         >>> _ = tp.thread_policy(None)       # back to the library default: torch left alone
 
-    Args:
-        mode: ``"auto"``, a positive int or ``None`` (see :func:`policy`).
+    Parameters
+    ----------
+    mode
+        ``"auto"``, a positive int or ``None`` (see :func:`policy`).
 
-    Raises:
-        TypeError / ValueError: as :func:`policy`, before anything changes.
+    Raises
+    ------
+    TypeError, ValueError
+        as :func:`policy`, before anything changes.
     """
 
     def __init__(self, mode: Union[None, str, int]):
@@ -332,15 +343,22 @@ def choose(work: float) -> int:
     ``OMP_NUM_THREADS`` when that is set.  With an int policy: that int.  With policy ``None``:
     ``torch.get_num_threads()`` (what torch will use anyway).
 
-    Args:
-        work: elementary kernel terms per step, e.g. ``paths * H * n**2`` (a float >= 0).
+    Parameters
+    ----------
+    work : float
+        elementary kernel terms per step, e.g. ``paths * H * n**2`` (a float >= 0).
 
-    Returns:
+    Returns
+    -------
+    int
         A thread count >= 1.
 
-    Raises:
-        TypeError: ``work`` is not a number.
-        ValueError: ``work`` is negative, NaN or infinite.
+    Raises
+    ------
+    TypeError
+        ``work`` is not a number.
+    ValueError
+        ``work`` is negative, NaN or infinite.
     """
     w = _check_work(work)
     mode = _mode
@@ -378,7 +396,9 @@ class Scope:
         """Re-choose the thread count from the current load (at most every
         :data:`REFRESH_SECONDS`, unless ``force``); cheap enough to call every step.
 
-        Returns:
+        Returns
+        -------
+        int
             The thread count in force (``torch.get_num_threads()`` when the policy is None).
         """
         if self.active:
@@ -396,14 +416,20 @@ def scope(work: float) -> Iterator[Scope]:
     the previous count restored on exit (also on an exception).  A no-op when the policy is
     ``None``.
 
-    Args:
-        work: elementary kernel terms per step of the block, e.g. ``paths * H * n**2``.
+    Parameters
+    ----------
+    work : float
+        elementary kernel terms per step of the block, e.g. ``paths * H * n**2``.
 
-    Yields:
+    Yields
+    ------
+    Iterator[Scope]
         A :class:`Scope`; call ``.refresh()`` inside long loops to follow load changes.
 
-    Raises:
-        TypeError, ValueError: as :func:`choose`, before anything is changed.
+    Raises
+    ------
+    TypeError, ValueError
+        as :func:`choose`, before anything is changed.
     """
     w = _check_work(work)
     active = _mode is not None

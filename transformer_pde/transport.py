@@ -90,10 +90,14 @@ def _sq_geodesic(c2: torch.Tensor) -> torch.Tensor:
 def cost_matrix(x: torch.Tensor, y: torch.Tensor, *, metric: str = "chordal") -> torch.Tensor:
     """c(x_i, y_j) of the module convention: |x_i − y_j|² (chordal) or d_S(x_i, y_j)² (geodesic).
 
-    Args:
-        x: (..., n, d), y: (..., m, d) unit vectors (not validated: a helper for the solvers).
+    Parameters
+    ----------
+    x : torch.Tensor
+        (..., n, d), y: (..., m, d) unit vectors (not validated: a helper for the solvers).
 
-    Returns:
+    Returns
+    -------
+    torch.Tensor
         (..., n, m) costs, dtype and device of x; differentiable (also at x_i = y_j).
     """
     check_choice(metric, METRICS, "metric")
@@ -164,11 +168,16 @@ def emd_plans(a: torch.Tensor, b: torch.Tensor, M: torch.Tensor) -> torch.Tensor
 def transport_plan(mu: Measure, nu: Measure, *, metric: str = "chordal") -> torch.Tensor:
     """Exact optimal plan π ∈ argmin_{π ∈ Π(a, b)} Σ_ij π_ij c(x_i, y_j) (POT ``emd``).
 
-    Args:
-        mu, nu: tokens (..., n, d) / (..., m, d), or pairs (tokens, weights (..., n)).
-        metric: "chordal" (c = |x − y|²) or "geodesic" (c = d_S²).
+    Parameters
+    ----------
+    mu, nu
+        tokens (..., n, d) / (..., m, d), or pairs (tokens, weights (..., n)).
+    metric : str
+        "chordal" (c = |x − y|²) or "geodesic" (c = d_S²).
 
-    Returns:
+    Returns
+    -------
+    torch.Tensor
         (..., n, m) plan with row sums a and column sums b; no gradient.
     """
     check_choice(metric, METRICS, "metric")
@@ -202,16 +211,24 @@ def sinkhorn_divergence(x: torch.Tensor, a: torch.Tensor, y: torch.Tensor, b: to
 
         S_ε = OT_ε(μ, ν) − ½ OT_ε(μ, μ) − ½ OT_ε(ν, ν),  OT_ε = min ⟨π, c⟩ + ε KL(π | a⊗b)
 
-    Args:
-        x: (B, n, d), a: (B, n), y: (B, m, d), b: (B, m) (not validated: solver helper;
-            :func:`distance` is the checked entry point).
-        eps: ε > 0 of the cost c.
-        cost: optional symmetric cost callable (X (B, N, d), Y (B, M, d)) -> (B, N, M) that
-            replaces c (tensorized backend only); ``diameter`` must then bound sqrt(max c).
-        metric: "chordal" | "geodesic" when ``cost`` is None.
-        scaling: geomloss ε-scaling ratio (0.9: accurate, 0.5: fast).
+    Parameters
+    ----------
+    x : torch.Tensor
+        (B, n, d), a: (B, n), y: (B, m, d), b: (B, m) (not validated: solver helper;
+        :func:`distance` is the checked entry point).
+    eps : float
+        ε > 0 of the cost c.
+    cost : Optional[Callable]
+        optional symmetric cost callable (X (B, N, d), Y (B, M, d)) -> (B, N, M) that
+        replaces c (tensorized backend only); ``diameter`` must then bound sqrt(max c).
+    metric : str
+        "chordal" | "geodesic" when ``cost`` is None.
+    scaling : float
+        geomloss ε-scaling ratio (0.9: accurate, 0.5: fast).
 
-    Returns:
+    Returns
+    -------
+    torch.Tensor
         (B,) values, differentiable with respect to x, y, a and b.
     """
     from geomloss import SamplesLoss
@@ -255,34 +272,48 @@ def distance(mu: Measure, nu: Measure, kind: str = "w2", *, squared: bool = Fals
 
     with c(x, y) = |x − y|² (metric="chordal") or d_S(x, y)² (metric="geodesic").
 
-    Args:
-        mu, nu: tokens (..., n, d) and (..., m, d) on the unit sphere, or pairs
-            (tokens, weights (..., n)) with non-negative weights summing to 1 (uniform when omitted).
-            Batch dims broadcast against each other.
-        kind: "w2" | "sinkhorn" | "sliced".
-        squared: return W2², S_ε or SSW² instead of their square roots.
-        metric: "chordal" | "geodesic" (w2 and sinkhorn; sliced is geodesic by construction).
-        eps: ε > 0 of the Sinkhorn divergence, in units of the cost c (|x − y|² ≤ 4 on the sphere).
-        backend: geomloss backend "auto" | "tensorized" | "online"/"keops" (the latter need pykeops).
-        scaling: geomloss ε-scaling ratio in (0, 1): closer to 1 is more accurate.
-        n_projections, seed: Monte-Carlo projections of the sliced distance (a local generator;
-            the global RNG is not touched).
+    Parameters
+    ----------
+    mu, nu
+        tokens (..., n, d) and (..., m, d) on the unit sphere, or pairs
+        (tokens, weights (..., n)) with non-negative weights summing to 1 (uniform when omitted).
+        Batch dims broadcast against each other.
+    kind : str
+        "w2" | "sinkhorn" | "sliced".
+    squared : bool
+        return W2², S_ε or SSW² instead of their square roots.
+    metric : str
+        "chordal" | "geodesic" (w2 and sinkhorn; sliced is geodesic by construction).
+    eps : float
+        ε > 0 of the Sinkhorn divergence, in units of the cost c (|x − y|² ≤ 4 on the sphere).
+    backend : str
+        geomloss backend "auto" | "tensorized" | "online"/"keops" (the latter need pykeops).
+    scaling : float
+        geomloss ε-scaling ratio in (0, 1): closer to 1 is more accurate.
+    n_projections, seed
+        Monte-Carlo projections of the sliced distance (a local generator;
+        the global RNG is not touched).
 
-    Returns:
+    Returns
+    -------
+    torch.Tensor
         (...,) tensor, dtype and device of mu's tokens.  "w2" is differentiable through the costs
         at the optimal plan (envelope theorem), "sinkhorn" through geomloss, "sliced" through POT.
 
-    Raises:
-        TypeError / ValueError: tokens off the sphere, bad weights, mismatched d or batch shapes,
+    Raises
+    ------
+    TypeError, ValueError
+        tokens off the sphere, bad weights, mismatched d or batch shapes,
         an empty measure (n = 0) or an empty batch (a batch dim of size 0), unknown kind / metric /
         backend, eps <= 0, a seed that is not an int in [0, 2^64), or a KeOps backend without pykeops.
 
-    Example:
-        >>> import torch, transformer_pde as tp
-        >>> x = torch.tensor([[1.0, 0.0]], dtype=torch.float64)
-        >>> y = torch.tensor([[0.0, 1.0]], dtype=torch.float64)
-        >>> float(tp.distance(x, y, squared=True))  # |x − y|² = 2
-        2.0
+    Examples
+    --------
+    >>> import torch, transformer_pde as tp
+    >>> x = torch.tensor([[1.0, 0.0]], dtype=torch.float64)
+    >>> y = torch.tensor([[0.0, 1.0]], dtype=torch.float64)
+    >>> float(tp.distance(x, y, squared=True))  # |x − y|² = 2
+    2.0
     """
     check_choice(kind, KINDS, "kind")
     check_choice(metric, METRICS, "metric")

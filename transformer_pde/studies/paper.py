@@ -220,9 +220,12 @@ def power_law_intervals(heads, per_path: Sequence, *, level: float = 0.95, resam
                         seed: int = 0) -> Dict:
     """Fit a·H^b to the path means and give two intervals for b over the Monte-Carlo paths.
 
-    Args:
-        heads: (K,) head counts.  per_path: K arrays, the per-path time averages at each H.
-        level: confidence level.  resamples: bootstrap resamples (0: skip).  seed: bootstrap RNG.
+    Parameters
+    ----------
+    heads
+        (K,) head counts.  per_path: K arrays, the per-path time averages at each H.
+    level : float
+        confidence level.  resamples: bootstrap resamples (0: skip).  seed: bootstrap RNG.
 
     Returns a dict with the fit of the means ("a", "b", "b_se") and
         "b_ci": percentile bootstrap interval — at each H the paths are resampled with

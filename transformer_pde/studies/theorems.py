@@ -690,11 +690,18 @@ def common_noise_sde(x0, heads: tp.Heads, increments, dt: float, *, normalizatio
     the velocity of the heads (A_h, V̄_h dt + ΔW_h): k1 = tp.velocity(x, ·), x̃ = (x + k1)/|·|,
     k2 = tp.velocity(x̃, ·), x ← (x + (k1 + k2)/2)/|·|.
 
-    Args:
-        x0: tokens (P, n, d) (P paths).  heads: mean heads (A_h, V̄_h, ω_h, β), unbatched.
-        increments: (K, P, H, d, d) Brownian increments of the value noise (variance s² dt per entry).
-        dt: the step of the increments.
-    Returns:
+    Parameters
+    ----------
+    x0
+        tokens (P, n, d) (P paths).  heads: mean heads (A_h, V̄_h, ω_h, β), unbatched.
+    increments
+        (K, P, H, d, d) Brownian increments of the value noise (variance s² dt per entry).
+    dt : float
+        the step of the increments.
+
+    Returns
+    -------
+    result
         tokens (K + 1, P, n, d) at the grid times.
     """
     A, Vbar = heads.score_matrix, heads.value_matrix

@@ -53,23 +53,31 @@ def _check_heads(heads) -> Heads:
 def lipschitz_constants(heads: Heads, normalization: str = "softmax") -> Dict[str, torch.Tensor]:
     """The two constants (L_x, L_μ) of the module docstring, each of shape ``heads.batch_shape``.
 
-    Args:
-        heads: :class:`Heads` with any batch shape (a batch of times along a weight path, say).
-        normalization: "softmax" | "unnormalized" | "relu" ("effective" is not covered: its field
-            divides by the harmonic-mean mobility, whose Lipschitz constant is not derived here).
+    Parameters
+    ----------
+    heads : Heads
+        :class:`Heads` with any batch shape (a batch of times along a weight path, say).
+    normalization : str
+        "softmax" | "unnormalized" | "relu" ("effective" is not covered: its field
+        divides by the harmonic-mean mobility, whose Lipschitz constant is not derived here).
 
-    Returns:
+    Returns
+    -------
+    Dict[str, torch.Tensor]
         {"space": L_x, "measure": L_μ} in the dtype and on the device of the heads.
 
-    Raises:
-        TypeError: heads is not a Heads.  ValueError: unknown or unsupported normalisation.
+    Raises
+    ------
+    TypeError
+        heads is not a Heads.  ValueError: unknown or unsupported normalisation.
 
-    Example:
-        >>> import torch, transformer_pde as tp
-        >>> h = tp.Heads.scalar([1.0], 3, beta=0.5).to(torch.float64)
-        >>> c = tp.theory.lipschitz_constants(h)
-        >>> round(float(c["space"]), 6)  # v (1 + β‖A‖) = 1.5
-        1.5
+    Examples
+    --------
+    >>> import torch, transformer_pde as tp
+    >>> h = tp.Heads.scalar([1.0], 3, beta=0.5).to(torch.float64)
+    >>> c = tp.theory.lipschitz_constants(h)
+    >>> round(float(c["space"]), 6)  # v (1 + β‖A‖) = 1.5
+    1.5
     """
     heads = _check_heads(heads)
     check_choice(normalization, LIPSCHITZ_NORMALIZATIONS, "normalization")
@@ -99,11 +107,12 @@ def lipschitz_bound(heads: Heads, normalization: str = "softmax", *, part: str =
     part="max": max(L_x, L_μ), so that |V[μ](x) − V[ν](y)| ≤ L (|x − y| + W_2(μ, ν));
     part="space" / "measure": L_x or L_μ alone (see :func:`lipschitz_constants`).
 
-    Example:
-        >>> import torch, transformer_pde as tp
-        >>> h = tp.Heads.random(2, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-        >>> bool(tp.theory.lipschitz_bound(h) > 0)
-        True
+    Examples
+    --------
+    >>> import torch, transformer_pde as tp
+    >>> h = tp.Heads.random(2, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    >>> bool(tp.theory.lipschitz_bound(h) > 0)
+    True
     """
     check_choice(part, ("gronwall", "max", "space", "measure"), "part")
     c = lipschitz_constants(heads, normalization)
@@ -117,15 +126,19 @@ def lipschitz_bound(heads: Heads, normalization: str = "softmax", *, part: str =
 def gronwall_factor(times, rates, *, log: bool = False) -> torch.Tensor:
     """exp(∫_{t_0}^{t_k} L(s) ds) on a time grid (trapezoid rule), shape like ``rates``.
 
-    Args:
-        times: (T,) increasing times.  rates: (T, ...) non-negative L(t_k).
-        log: return the exponent ∫L instead (the factor overflows float64 beyond ∫L ≈ 709).
+    Parameters
+    ----------
+    times
+        (T,) increasing times.  rates: (T, ...) non-negative L(t_k).
+    log : bool
+        return the exponent ∫L instead (the factor overflows float64 beyond ∫L ≈ 709).
 
-    Example:
-        >>> import torch, transformer_pde as tp
-        >>> t = torch.linspace(0, 1, 11, dtype=torch.float64)
-        >>> float(tp.theory.gronwall_factor(t, 2 * torch.ones(11, dtype=torch.float64))[-1])  # e²
-        7.38905609893065
+    Examples
+    --------
+    >>> import torch, transformer_pde as tp
+    >>> t = torch.linspace(0, 1, 11, dtype=torch.float64)
+    >>> float(tp.theory.gronwall_factor(t, 2 * torch.ones(11, dtype=torch.float64))[-1])  # e²
+    7.38905609893065
     """
     check_tensor(times, "times", min_dim=1)
     check_tensor(rates, "rates", min_dim=1)
@@ -158,13 +171,18 @@ def fast_weights_coefficients(x, heads: Heads, value_std: float, *, direction: s
     against Monte Carlo of one fast layer).  The correction has no closed form here: it is computed exactly
     by forward-mode differentiation (one Jacobian–vector product per noise direction).
 
-    Args:
-        x: tokens (n, d) on the sphere (no batch dims).  heads: the mean heads (A_h, V̄_h, ω_h, β),
-            without batch dims.  value_std: s_v > 0, the entrywise standard deviation of the
-            diffusive value noise (V_h = V̄_h + s_v ξ/√δ per layer of length δ).
-        direction: "ascent" | "descent".  normalization: "softmax" | "unnormalized" | "relu".
+    Parameters
+    ----------
+    x
+        tokens (n, d) on the sphere (no batch dims).  heads: the mean heads (A_h, V̄_h, ω_h, β),
+        without batch dims.  value_std: s_v > 0, the entrywise standard deviation of the
+        diffusive value noise (V_h = V̄_h + s_v ξ/√δ per layer of length δ).
+    direction : str
+        "ascent" | "descent".  normalization: "softmax" | "unnormalized" | "relu".
 
-    Returns:
+    Returns
+    -------
+    Dict[str, torch.Tensor]
         {"drift", "correction", "covariance", "basis_covariance"} (the last = Σ_k g_k g_kᵀ, (n, n, d, d)).
     """
     heads = _check_heads(heads)

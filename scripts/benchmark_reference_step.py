@@ -1,6 +1,6 @@
 """Time one solver step of the paper's reference configuration against a straightforward dense code.
 
-Reference configuration (issue #4, DESIGN §1): n = 200 tokens on S² started near the octahedral
+Reference configuration (issue #4, docs/reproducing.md): n = 200 tokens on S² started near the octahedral
 vertices, H = 100 symmetric heads D_h(0) = Z + Zᵀ, β = 1, ω = 1/H, direction "descent",
 Ornstein–Uhlenbeck weights (mean I, rate 1, σ² = 2) with 10 Monte-Carlo paths, float64,
 dt = 5·10⁻³, Euler, every diagnostic on (energy, 𝒢², 𝒟, ∂_tE with the Itô correction, the

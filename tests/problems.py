@@ -72,7 +72,7 @@ def equiangular_gamma_rate(gamma, lambdas, omegas, n, beta, normalization):
 
 
 def oscillating_target_reference(t, d, h=0, H=1, per_head=False):
-    """F(t) written out entry by entry from DESIGN §2 (independent of the library's term tables)."""
+    """F(t) written out entry by entry from docs/model.md (independent of the library's term tables)."""
     tt = t + (2 * math.pi * h / H if per_head else 0.0)
     if d == 2:
         return np.array([[2 + 1.5 * math.cos(tt), math.sin(2 * tt)], [math.sin(2 * tt), 2 - 1.5 * math.cos(tt)]])
@@ -101,7 +101,7 @@ def fit_slope(xs, ys):
 
 
 # ---------------------------------------------------------------------------- dense naive formulas
-# Written from DESIGN §2 with explicit einsums over all pairs (i, j) and heads h: no log-sum-exp,
+# Written from docs/model.md with explicit einsums over all pairs (i, j) and heads h: no log-sum-exp,
 # no shared kernel pass, no library helper.  Shapes: x (..., n, d), A and V (..., H, d, d),
 # omega (H,), w (..., n) token weights (sum 1), beta a float.  Symmetric tied heads unless V is given.
 

@@ -13,7 +13,7 @@ NORMS = ["softmax", "unnormalized", "relu", "effective"]
 
 
 def dense_field(x, A, V, omega, beta, normalization, w=None):
-    """Straightforward dense implementation of DESIGN §2 (ascent), an independent oracle."""
+    """Straightforward dense implementation of docs/model.md (ascent), an independent oracle."""
     n = x.shape[-2]
     w = torch.full((n,), 1.0 / n, dtype=x.dtype) if w is None else w
     S = beta * torch.einsum("id,hde,je->hij", x, A, x)  # (H, n, n)

@@ -1,7 +1,7 @@
 """Oracle tests for the survivors of the mutation pass in transformer_pde/energy.py
 (docs/mutation/survivors.md, verdicts in docs/mutation/verdicts/energy.json).
 
-Every expected value is recomputed here from the formulas of DESIGN §2 with dense sums over all
+Every expected value is recomputed here from the formulas of docs/model.md with dense sums over all
 pairs of tokens (or by autograd of the dense energy), never from the code under test:
 
     E_h = 1/(2β) Σ_ij w_i w_j e^{β⟨x_i, A_h x_j⟩},      E = Σ_h ω_h E_h,

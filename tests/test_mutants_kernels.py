@@ -1,6 +1,6 @@
 """Oracle tests for the survivors of the mutation pass in attention, field and mobility
 (docs/MUTATION_REPORT.md, verdicts in docs/mutation/verdicts/kernels.json).  Each test checks the
-library against a dense formula written here from DESIGN §2, or checks the exact wording and the
+library against a dense formula written here from docs/model.md, or checks the exact wording and the
 reported logarithm of an overflow error, at parameters where a slip cannot hide: β ≠ 1, head
 weights ω not summing to 1, non-uniform token weights, batch axes of their own length."""
 

@@ -1,6 +1,6 @@
 """Oracle tests for the survivors of the mutation pass (docs/MUTATION_REPORT.md) in the particle
 solver (solvers/particle.py), its parts (solvers/parts.py) and the weight processes (processes.py):
-closed forms written from DESIGN §2, dense recomputations, autograd against formulas, and the
+closed forms written from docs/model.md, dense recomputations, autograd against formulas, and the
 fixed-step solver as an independent implementation of the adaptive one."""
 
 import math
@@ -19,7 +19,7 @@ F64 = torch.float64
 
 # ---------------------------------------------------------------------------- processes
 def test_oscillating_target_defaults_one_head_and_shared_phase():
-    """oscillating_target(t, d) is F(t) of DESIGN §2 for one head, (1, d, d); with num_heads = 3 and
+    """oscillating_target(t, d) is F(t) of docs/model.md for one head, (1, d, d); with num_heads = 3 and
     the default phase every head sees the same F(t) (the paper's shared phase), unlike "per_head"."""
     t = 0.7
     F = tp.oscillating_target(t, 3)

@@ -1,7 +1,7 @@
 """Oracle tests for the survivors of the mutation pass in ``transformer_pde.theory`` (closed forms)
 and ``transformer_pde.theory.particles`` (particle diagnostics), docs/MUTATION_REPORT.md.
 
-Every expected value is computed here from the mathematics (DESIGN §2, the functions' docstrings):
+Every expected value is computed here from the mathematics (docs/model.md, the functions' docstrings):
 closed forms, high-precision quadrature (mpmath), scipy's Lambert W, dense per-batch-element
 recomputations, autograd of the naive energy, or an independent Runge–Kutta loop.  Parameters
 avoid the values at which a slip hides (β ≠ 1, ω not summing to 1, non-uniform token weights,

@@ -179,7 +179,7 @@ def test_segment_lines_go_through_logging(tmp_path, caplog):
 
 # ---------------------------------------------------------------------------- reference oracle
 def _reference_run(x0, D0, *, steps, dt, rec, paths, seed, sigma2, target=None):
-    """Dense re-implementation of the reference code's loop (README of DESIGN §1): energy, 𝒢²,
+    """Dense re-implementation of the reference code's loop (docs/reproducing.md): energy, 𝒢²,
     ∫∂E (with Itô term), ∫𝒢², M_t per path at the recorded steps.  Euler for the tokens
     (descent), Euler–Maruyama for D with the same torch generator draws.  target(t) -> F (d, d)
     for oscillating weights, None for OU (mean I, rate 1)."""

@@ -48,7 +48,7 @@ def test_qv_term_is_half_the_second_derivative_of_E(dtype):
     w = w / w.sum()
     beta = 1.7
 
-    def E(eps):  # the energy written out from DESIGN §2, no library code
+    def E(eps):  # the energy written out from docs/model.md, no library code
         S = torch.einsum("id,hde,je->hij", x, A + eps * M, x)
         return (om * (torch.exp(beta * S) * w[:, None] * w[None, :]).sum((-1, -2))).sum() / (2 * beta)
 

@@ -1,7 +1,7 @@
 """transformer_pde: multi-head transformers as time-dependent Wasserstein gradient flows on the sphere.
 
 Tokens are a measure μ on S^{d-1} moved by multi-head attention; the heads Θ_t evolve in
-time (depth).  See README.md and DESIGN §2 for the conventions.
+time (depth).  See docs/model.md for the conventions.
 
     >>> import torch, transformer_pde as tp
     >>> x0 = tp.sphere.octahedral(50, dtype=torch.float64)

@@ -1,4 +1,4 @@
-"""Interaction energy of symmetric heads and its derivatives (DESIGN §2).
+"""Interaction energy of symmetric heads and its derivatives (docs/model.md#energy).
 
     E(μ, Θ) = Σ_h ω_h (1/(2β)) ∫∫ e^{β⟨x, A_h y⟩} dμ(x) dμ(y) = Σ_h ω_h/(2β) ∫ m_h dμ
     E_h     = (1/(2β)) ∫∫ e^{β⟨x, A_h y⟩} dμ dμ                 (per head, without ω_h)

@@ -1,6 +1,6 @@
 """The multi-head attention velocity field V[μ, Θ] and the diagnostics that share its kernel.
 
-Per-head outputs at a query x (DESIGN §2), with s = +1 ("ascent") or −1 ("descent"):
+Per-head outputs at a query x (docs/model.md#fields), with s = +1 ("ascent") or −1 ("descent"):
 
     softmax:       f_h(x) = V_h ȳ_h(x),           ȳ_h = ∫ e^{β⟨x,A_h y⟩} y dμ / m_h(x)
     unnormalized:  f_h(x) = m_h(x) V_h ȳ_h(x)   = ∫ e^{β⟨x,A_h y⟩} V_h y dμ

@@ -5,7 +5,7 @@ Shapes: score ``A`` and value ``V`` are ``(..., H, d, d)``; head weights ``ω`` 
 broadcasts against the batch shape ``(...)`` (β sweeps).  Leading dims are batches
 (Monte-Carlo paths, ensembles) and broadcast against the tokens' batch dims.
 
-Conventions (DESIGN §2): ``value=None`` ties V_h to A_h (the gradient-flow case, the
+Conventions (docs/model.md#heads): ``value=None`` ties V_h to A_h (the gradient-flow case, the
 reference code's single matrix D_h); ``weights=None`` is the mean ω_h = 1/H; Pendharkar's
 sum convention is ``weights=torch.ones(H)``.  When heads come as low-rank factors
 (Q_h, K_h of shape (k, d), A_h = Q_hᵀ K_h) the factors are kept so that the kernels can

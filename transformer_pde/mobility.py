@@ -1,4 +1,4 @@
-"""Mobilities, metric slope 𝒢² and dissipation 𝒟 (DESIGN §2).
+"""Mobilities, metric slope 𝒢² and dissipation 𝒟 (docs/model.md#mobility).
 
     m_h(x) = ∫ e^{β⟨x, A_h y⟩} dμ(y)                 per-head mobility (partition function)
     b(x)   = ( Σ_h ω̄_h / m_h(x) )^{-1}               effective (harmonic-mean) mobility, ω̄ = ω/Σω

@@ -7,7 +7,7 @@ columns hk … (h+1)k − 1) computes, for a query x and keys/values y_j (biases
     MHA(x) = Σ_h W_{O,h} Σ_j softmax_j(⟨W_{Q,h} x, W_{K,h} y_j⟩ / √k) W_{V,h} y_j .
 
 With tokens of norm r (r = 1 on the unit sphere; r = √d after a LayerNorm without affine
-parameters) this is exactly the per-head softmax field of DESIGN §2 for
+parameters) this is exactly the per-head softmax field of docs/model.md#fields for
 
     A_h = W_{Q,h}ᵀ W_{K,h},   V_h = W_{O,h} W_{V,h},   β = r²/√k,   ω_h = 1 ("sum"),
 

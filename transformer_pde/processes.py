@@ -1,4 +1,4 @@
-"""Time-dependent heads Θ_t: processes for the per-head score matrices (DESIGN §2).
+"""Time-dependent heads Θ_t: processes for the per-head score matrices (docs/model.md#processes).
 
 Every process starts from given heads ``heads0`` and moves their score matrices A_h(t)
 (values stay tied to the scores when they were, head weights and β stay fixed; use
@@ -292,7 +292,7 @@ def _oscillating_terms(d: int):
 
 
 def oscillating_target(t: float, d: int, num_heads: int = 1, phase: str = "shared", *, dtype=torch.float64, device=None):
-    """The reference target F(t), (H, d, d) (DESIGN §2); per_head shifts head h to t + 2πh/H."""
+    """The reference target F(t), (H, d, d) (docs/model.md#processes); per_head shifts head h to t + 2πh/H."""
     om, ph, mats = _oscillating_terms(d)
     shift = _phase_shift(num_heads, phase)
     ang = om * (t + shift[:, None]) + ph  # (H, K)
@@ -307,7 +307,7 @@ def _phase_shift(H, phase):
 
 
 class Oscillating(_Diffusive):
-    """dA_h = (F_h(t) − A_h) dt + σ dW_sym with the reference target F(t) (DESIGN §2).
+    """dA_h = (F_h(t) − A_h) dt + σ dW_sym with the reference target F(t) (docs/model.md#processes).
 
     ``phase="shared"`` (default): one F(t) for all heads — what produced the paper's
     figures (a bug in the original script).  ``phase="per_head"``: head h sees F(t + 2πh/H),

@@ -8,7 +8,7 @@ One step of size τ from μ_k at t_k (descent; ascent minimises −E):
 with the weighted cost frozen at the effective mobility of the previous step,
 b_k = b[μ_k, Θ_{t_k}], b^{-1} = Σ_h ω̄_h / m_h (:func:`transformer_pde.mobility`).
 
-**Which power of b, and why.**  The metric of DESIGN §2 is g_μ(v, v) = ∫ b |v|² dμ.  The
+**Which power of b, and why.**  The metric of docs/model.md#jko is g_μ(v, v) = ∫ b |v|² dμ.  The
 gradient flow in this metric solves g_μ(V, u) = −dE[u] for all u, i.e. ∫ b⟨V, u⟩ dμ =
 −∫⟨∇_S δE/δμ, u⟩ dμ, so V = −b^{-1} ∇_S δE/δμ — the "effective" field of
 :func:`transformer_pde.velocity` (descent).  The JKO step must reproduce it: for

@@ -5,7 +5,7 @@
 Fixed-step methods are explicit Runge–Kutta schemes in the ambient space with the projective
 retraction x ↦ x/|x| after every stage ("euler" is the reference code's projected Euler);
 "adaptive" is torchdiffeq's dopri5 on the projected field.  Along the way the solver keeps
-the energy–dissipation ledger of DESIGN §2 (see :class:`Trajectory`).
+the energy–dissipation ledger of docs/model.md#ledger (see :class:`Trajectory`).
 """
 
 from __future__ import annotations

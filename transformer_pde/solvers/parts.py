@@ -108,7 +108,7 @@ def ledger_terms(dE, partial, dissipation, slope, martingale, *, sign: float, ca
 
 
 class Ledger:
-    """The running energy ledger of a fixed-step solve (DESIGN §2).
+    """The running energy ledger of a fixed-step solve (docs/model.md#ledger).
 
     ``quadrature`` "left" or "trapezoid" for the time integrals of the densities ∂_sE, 𝒟, 𝒢²; the
     martingale and the realised quadratic variation are Itô sums (left end), added by the solver

@@ -9,7 +9,7 @@ one batched tensor (tokens (nβ, B, n, d)):
     regimes "constant"     A_h(t) = A_h(0)
             "ou"           dA = κ(I − A)dt + σ dW_sym (σ² = ``ou_sigma2``), noise per member (the same
                            noise for every β: common random numbers across the β rows)
-            "oscillating"  dA = (F(t) − A)dt, the reference target F (DESIGN §2), ``phase`` shared | per_head
+            "oscillating"  dA = (F(t) − A)dt, the reference target F (docs/model.md#processes), ``phase`` shared | per_head
     flow    ẋ_i = s V[μ, Θ_t](x_i), softmax, direction "ascent" by default (tokens cluster for A ≻ 0;
             the paper's reproductions use "descent")
 

@@ -1,4 +1,4 @@
-"""Closed forms of Pendharkar's multi-head theory (2026, arXiv 2605.04279), DESIGN §2.
+"""Closed forms of Pendharkar's multi-head theory (2026, arXiv 2605.04279), docs/model.md#theory.
 
 Everything here is a formula or the solution of a scalar ODE; :mod:`transformer_pde.diagnostics`
 measures the same quantities on the full particle system, and the tests compare the two.

@@ -1,4 +1,4 @@
-"""Pendharkar's quantities measured on the full particle system (DESIGN §2, issue #6).
+"""Pendharkar's quantities measured on the full particle system (docs/model.md#theory, issue #6).
 
 The particle side of :mod:`transformer_pde.theory` (whose closed forms they are checked against);
 re-exported as :mod:`transformer_pde.diagnostics`.  Generic cluster statistics used by every study

@@ -27,9 +27,10 @@ LAYERS = [
     {"transformer_pde.mobility"},
     {"transformer_pde.processes"},  # weight processes and the Θ_t grid driver
     {"transformer_pde.nn"},
-    {"transformer_pde.solvers", "transformer_pde.solvers.parts"},
+    {"transformer_pde.solvers", "transformer_pde.solvers.parts", "transformer_pde.solvers.noise"},
     {"transformer_pde.solvers.particle"},
     {"transformer_pde.solvers.jko", "transformer_pde.distributed"},
+    {"transformer_pde.theory.noise"},  # linear stability of the uniform measure for noisy tokens
     {"transformer_pde.clustering", "transformer_pde.ensembles", "transformer_pde.theory"},  # generic; closed forms
     {"transformer_pde.theory.particles"},  # the particle diagnostics of the theory
     {"transformer_pde.diagnostics"},  # tp.diagnostics = theory.particles

@@ -503,3 +503,16 @@ def equiangular_entropy(gamma, lam, beta: float, n: int):
     logden = torch.logaddexp(logrho, torch.full_like(logrho, math.log(n - 1)))
     out = logden - logrho * torch.exp(logrho - logden)
     return out if as_t else float(out)
+
+
+from . import noise  # noqa: E402  (the noisy-token stability theory: docs/noisy_tokens.md)
+from .noise import (  # noqa: E402
+    critical_temperature,
+    first_order_beta,
+    mode_growth_rates,
+    most_unstable_mode,
+    susceptibility,
+)
+
+__all__ += ["noise", "critical_temperature", "mode_growth_rates", "most_unstable_mode", "susceptibility",
+            "first_order_beta"]

@@ -42,6 +42,7 @@ from ..mobility import scaled_diagnostics
 from ..heads import Heads
 from ..processes import Constant, Process, WeightDriver, WeightPath, grid_steps
 from ..sphere import normalize
+from .noise import TokenNoise, noise_martingale, token_noise
 from .parts import (LEDGER_KEYS, Checkpointer, Ledger, Recorder, Stepper, check_observables, ledger_from_series,
                     partial_density, process_signature, progress_bar)
 
@@ -293,6 +294,7 @@ def simulate(
     observables: Optional[Mapping[str, Callable]] = None,
     quadratic_variation: str = "expected",
     energy_log_scale: Optional[float] = None,
+    temperature: Union[float, TokenNoise] = 0.0,
 ) -> Trajectory:
     """Integrate the token ODE ẋ_i = V[μ_t, Θ_t](x_i) on S^{d-1} from t0 to t1.
 
@@ -346,6 +348,12 @@ def simulate(
             exceeds half the dtype's exponent range, i.e. β‖A‖ ≳ 44 in float32, ≳ 354 in float64),
             so ordinary runs record the values themselves.  Stored in
             ``traj.stats["energy_log_scale"]``.
+        temperature: T ≥ 0 (or a :class:`~transformer_pde.solvers.noise.TokenNoise`): noisy tokens,
+            dX = V dt + √(2T) ∘ dB on the sphere (generator T·Δ_S), by the deterministic step followed by
+            a projected Euler–Maruyama increment with retraction (weak order 1; the token stream is a
+            generator of its own derived from ``seed``, independent of the weights' noise).  The
+            ledger's "partial" gains T Σ_i Δ_{S,i}E and its "martingale" Σ_i w_i⟨∇_S δE/δμ(x_i), ξ_i⟩
+            (docs/noisy_tokens.md).  Fixed-step methods only.
 
     Returns:
         :class:`Trajectory`.  dtype and device follow x0; the solve is differentiable with
@@ -376,6 +384,7 @@ def simulate(
         quadrature=quadrature, adjoint=adjoint, progress=progress, checkpoint=checkpoint,
         checkpoint_every=checkpoint_every, causal=causal, observables=observables,
         quadratic_variation=quadratic_variation, energy_log_scale=energy_log_scale)
+    noise = _check_temperature(temperature, method, adjoint)
     realised = quadratic_variation == "realised"
     start = time.perf_counter()
     x = x0 if paths is None else x0.unsqueeze(0).expand(paths, *x0.shape)
@@ -400,18 +409,21 @@ def simulate(
     # checkpoints of ordinary runs written before them still resume
     extra = ([("causal", True)] if causal else []) + ([("quadratic_variation", "realised")] if realised else []) \
         + ([("energy_log_scale", energy_log_scale)] if energy_log_scale is not None else []) \
-        + ([("observables", tuple(sorted(obs)))] if obs else [])
+        + ([("observables", tuple(sorted(obs)))] if obs else []) \
+        + ([("temperature", noise.temperature, noise.seed)] if noise is not None else [])
     ckpt = Checkpointer(checkpoint, checkpoint_every, K, lambda: (
         x0, *process_signature(process), t0, t1, dt, method, normalization, direction, paths, seed, record_every,
         quadrature, diagnostics, weights, *extra))
-    run = _FixedStepRun(x, drv, ev, fix_scale, scale, method=method, quadrature=quadrature, ckpt=ckpt, **common)
+    run = _FixedStepRun(x, drv, ev, fix_scale, scale, method=method, quadrature=quadrature, ckpt=ckpt,
+                        noise=noise, seed=seed, **common)
     run.start()
     with threads.scope(work) as pool:
         run.solve(show, callback, pool)
     times, out_x, series, ledger, observed = run.rec.stacked(t0, dt)
     stats = {"steps": K, "field_evaluations": run.nfe, "max_sphere_error": run.max_sphere,
              "wall_time": time.perf_counter() - start, "order": TABLEAUX[method].order,
-             "energy_log_scale": scale["c"], "gradient_flow": not causal}
+             "energy_log_scale": scale["c"], "gradient_flow": not causal,
+             "temperature": 0.0 if noise is None else noise.temperature}
     return Trajectory(times, out_x, series["energy"], series["slope"], series["dissipation"], ledger, stats,
                       method, normalization, direction, weights, drv.path() if return_path else None,
                       observables=observed)
@@ -494,6 +506,15 @@ def _check_simulate_args(x0, theta, *, t1, dt, t0, method, normalization, direct
             energy_log_scale)
 
 
+def _check_temperature(temperature, method: str, adjoint: bool) -> Optional[TokenNoise]:
+    """``temperature=`` as a TokenNoise (None for T = 0); the solvers that cannot take noise refuse it."""
+    noise = token_noise(temperature)
+    if noise is not None and (method == "adaptive" or adjoint):
+        raise ValueError(f"temperature={noise.temperature} > 0 needs a fixed-step method (euler, heun or rk4): "
+                         f"method='adaptive' (dopri5) and the adjoint integrate an ODE and cannot take token noise")
+    return noise
+
+
 class _Evaluator:
     """The field evaluation of a solve: ``ev(x, heads, diag)`` (a FieldEval; with diag the non-causal
     statistics and energy, 𝒢², 𝒟 times e^{−c}) and the common scale c (``scale``, fixed at t0 by
@@ -537,7 +558,7 @@ class _FixedStepRun:
     sphere retraction), the ledger, the recorder and the checkpointer; one :meth:`step` at a time."""
 
     def __init__(self, x, drv, ev, fix_scale, scale, *, K, dt, method, quadrature, record_every, diagnostics, sign,
-                 causal, realised, obs, weights, normalization, ckpt):
+                 causal, realised, obs, weights, normalization, ckpt, noise=None, seed=0):
         self.x, self.drv, self.ev, self.fix_scale, self.scale = x, drv, ev, fix_scale, scale
         self.K, self.dt, self.diagnostics, self.realised, self.w = K, dt, diagnostics, realised, weights
         self.normalization, self.ckpt, self.noisy, self.method = normalization, ckpt, drv.noisy, method
@@ -547,10 +568,15 @@ class _FixedStepRun:
                             ledger_keys=keys)
         self.ledger = Ledger(torch.zeros(()), sign=sign, quadrature=quadrature, causal=causal)
         self.k, self.nfe, self.max_sphere = 0, 0, 0.0
+        self.noise = noise  # token noise (TokenNoise or None) and its own random stream
+        self.token_gen = noise.generator(seed, x.device) if noise is not None else None
 
     def state(self) -> dict:
-        return {"x": self.x.detach(), "driver": self.drv.state(), "records": self.rec.records, "acc": self.ledger.acc,
-                "nfe": self.nfe, "max_sphere": self.max_sphere, "scale": dict(self.scale)}
+        st = {"x": self.x.detach(), "driver": self.drv.state(), "records": self.rec.records, "acc": self.ledger.acc,
+              "nfe": self.nfe, "max_sphere": self.max_sphere, "scale": dict(self.scale)}
+        if self.token_gen is not None:
+            st["token_noise"] = self.token_gen.get_state()
+        return st
 
     def _evaluate(self, x, heads):
         e = self.ev(x, heads, self.diagnostics)
@@ -585,6 +611,8 @@ class _FixedStepRun:
             self.drv.load_state(ck["driver"])
             self.rec.records, self.ledger.acc = ck["records"], ck["acc"]
             self.scale.update(ck.get("scale", {"c": 0.0, "start_max": float("nan")}))
+            if self.token_gen is not None:
+                self.token_gen.set_state(ck["token_noise"])
         self.cur = self._evaluate(self.x, self.drv.current)
         if self.diagnostics and ck is None and self.fix_scale(self.cur):
             self.cur = self.ev(self.x, self.drv.current, True)
@@ -624,6 +652,12 @@ class _FixedStepRun:
         self.max_sphere = max(self.max_sphere, err)
         if not _check_finite(x_new):
             raise nonfinite_error("the token positions", drv.t + self.dt, self.k + 1, heads, self.normalization)
+        if self.noise is not None:  # token noise after the deterministic step; Itô terms at the left end
+            xi = self.noise.increment(x_new, self.dt, self.token_gen)
+            if self.diagnostics:
+                self.ledger.add("martingale", noise_martingale(cur.grad_first_variation, self.w, xi))
+                self.ledger.add("partial", self.dt * self.noise.ito_correction(x, heads, self.w, log_scale=c))
+            x_new = self.noise.apply(x_new, xi)
         jumps = drv.jumps()
         drv.advance()
         nxt = self._evaluate(x_new, drv.current)

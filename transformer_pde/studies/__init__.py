@@ -88,7 +88,8 @@ class Study:
 _REGISTRY: Dict[str, Study] = {}
 # modules that register studies; imported lazily so `import transformer_pde` stays light
 _MODULES = ["transformer_pde.studies.demo", "transformer_pde.studies.paper", "transformer_pde.studies.theory",
-            "transformer_pde.studies.jko", "transformer_pde.studies.clustering", "transformer_pde.studies.causal"]
+            "transformer_pde.studies.jko", "transformer_pde.studies.clustering", "transformer_pde.studies.causal",
+            "transformer_pde.studies.noisy"]
 
 
 def study(kind: str, options: Dict[str, Option], description: str = "", *, validate: Optional[Callable] = None):

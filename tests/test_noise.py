@@ -268,3 +268,27 @@ def test_jko_temperature_validation():
     with pytest.raises(ValueError, match="temperature"):
         tp.jko(None, h, tau=0.1, steps=1, scheme="eulerian", grid=20, temperature=-1.0,
                grid_weights=torch.full((20,), 0.05, dtype=F64))
+
+
+@pytest.mark.slow
+def test_noisy_transition_study_runs(tmp_path):
+    """The study end to end on a tiny configuration: metrics with the closed forms, figures with captions."""
+    import json
+
+    from transformer_pde.cli import main as cli_main
+
+    small = ["ns=[60]", "ns_high_d=[40]", "dims=[2, 3]", "ratios=[0.5, 2.0]", "t1=2.0", "sus_n=60",
+             "sus_ratios=[2.0]", "sus_t1=2.0", "sus_paths=2", "rate_n=200", "rate_t1=0.5", "rate_paths=2",
+             "hyst_ratios=[0.8, 1.3]", "hyst_n=50", "hyst_stage=0.5", "hyst_dt=0.05", "weights_n=50",
+             "weights_t1=2.0", "eulerian=true", "grid=24", "jko_steps=2", "jko_eps=0.08"]
+    args = ["run", "experiments/noisy_transition_quick.toml", "--out", str(tmp_path), "--name", "n", "--no-progress"]
+    for o in small:
+        args += ["--override", o]
+    assert cli_main(args) == 0
+    m = json.loads((tmp_path / "n" / "metrics.json").read_text())
+    assert m["closed_forms"]["Tc_d2"] == pytest.approx(tp.theory.critical_temperature(1.0, 2), rel=1e-12)
+    assert set(m["weights"]) == {"constant", "ou", "oscillating"} and len(m["summary"]) >= 6
+    assert m["susceptibility_d2"][0]["closed_form"] == pytest.approx(2.0, rel=1e-12)
+    assert set(m["abs_m_eulerian_d2"]) == {"0.5", "2"}
+    for name in ("abs_m", "susceptibility_rates", "hysteresis", "weights"):
+        assert (tmp_path / "n" / "figures" / f"{name}.png").exists() and name in m["figure_captions"]

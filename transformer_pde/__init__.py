@@ -29,6 +29,7 @@ from .processes import (
     sample_path,
 )
 from .solvers.particle import METHODS, TABLEAUX, ButcherTableau, NonFiniteError, Trajectory, simulate
+from .solvers.noise import TokenNoise
 from . import attention, diagnostics, distributed, nn, theory, transport
 from .attention import kernel_backend
 from .distributed import distributed_evaluate, simulate_sharded
@@ -81,6 +82,7 @@ __all__ = [
     "sample_path",
     "oscillating_target",
     "simulate",
+    "TokenNoise",
     "Trajectory",
     "ButcherTableau",
     "TABLEAUX",

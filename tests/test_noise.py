@@ -254,6 +254,7 @@ def test_fokker_planck_jko_mode_rate_ledger_and_mass(taus):
         assert abs(rate - implicit) < 0.01 * abs(r1), (rate, implicit)
         gap.append(abs(rate - r1))
         res.append(float(tr.ledger["residual"][-1]))
+        assert abs(res[-1]) < 0.1 * abs(float(tr.ledger["dE"][-1])), (res, float(tr.ledger["dE"][-1]))
         torch.testing.assert_close(tr.ledger["residual"], tr.ledger["residual_slope"], rtol=1e-12, atol=1e-15)
     if len(taus) == 2:
         assert 1.6 < gap[0] / gap[1] < 2.6 and 1.6 < res[0] / res[1] < 2.6, (gap, res)

@@ -28,10 +28,11 @@ LAYERS = [
     {"transformer_pde.processes"},  # weight processes and the Θ_t grid driver
     {"transformer_pde.nn"},
     {"transformer_pde.solvers.layernorm"},  # the layer-normalisation schemes (the step's geometry)
-    {"transformer_pde.solvers", "transformer_pde.solvers.parts"},
+    {"transformer_pde.solvers", "transformer_pde.solvers.parts", "transformer_pde.solvers.noise"},
     {"transformer_pde.solvers.particle"},
     {"transformer_pde.solvers.jko", "transformer_pde.distributed"},
-    {"transformer_pde.theory.stability"},  # Lipschitz and Grönwall constants, fast-weights coefficients
+    # Lipschitz and Grönwall constants, fast-weights coefficients; linear stability of the uniform measure
+    {"transformer_pde.theory.stability", "transformer_pde.theory.noise"},
     {"transformer_pde.clustering", "transformer_pde.ensembles", "transformer_pde.theory"},  # generic; closed forms
     {"transformer_pde.theory.particles"},  # the particle diagnostics of the theory
     {"transformer_pde.diagnostics"},  # tp.diagnostics = theory.particles
@@ -41,7 +42,7 @@ LAYERS = [
     {"transformer_pde.studies"},
     {"transformer_pde.studies.demo", "transformer_pde.studies.paper", "transformer_pde.studies.theory",
      "transformer_pde.studies.jko", "transformer_pde.studies.clustering", "transformer_pde.studies.causal",
-     "transformer_pde.studies.layernorm"},
+     "transformer_pde.studies.layernorm", "transformer_pde.studies.noisy"},
     {"transformer_pde.studies.theorems"},  # composes studies.jko (the uniqueness panel)
     {"transformer_pde.runs"},
     {"transformer_pde.sweep"},

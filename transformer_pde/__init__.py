@@ -30,6 +30,7 @@ from .processes import (
 )
 from .solvers.particle import METHODS, TABLEAUX, ButcherTableau, NonFiniteError, Trajectory, simulate
 from .solvers.layernorm import LAYER_NORMS, NGPT, LayerNorm, PeriLN, PostLN, PreLN, Projected, simuformer_scheme
+from .solvers.noise import TokenNoise
 from . import attention, diagnostics, distributed, nn, theory, transport
 from .attention import kernel_backend
 from .threads import thread_policy
@@ -84,6 +85,7 @@ __all__ = [
     "sample_path",
     "oscillating_target",
     "simulate",
+    "TokenNoise",
     "Trajectory",
     "ButcherTableau",
     "TABLEAUX",

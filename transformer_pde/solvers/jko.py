@@ -123,6 +123,7 @@ from ..heads import Heads
 from ..processes import Process, WeightPath, path_bytes, sample_path
 from ..sphere import circle_grid, fibonacci_sphere, normalize, tangent_projection
 from ..transport import emd_plans, sq_chordal, sinkhorn_divergence
+from .noise import TokenNoise
 from .particle import NonFiniteError, Trajectory, nonfinite_error
 from .parts import LEDGER_KEYS as STEP_LEDGER_KEYS, Ledger, Recorder, progress_bar
 
@@ -578,8 +579,12 @@ def self_potential(q: torch.Tensor, C: torch.Tensor, eps: float, *, init: Option
     return f, it, err
 
 
-def _eulerian_step(z, q, h_old, h_new, lb_old, *, tau, sgn, eps, tol, max_iter, warm):
-    """One entropic JKO step of the grid weights q (B, m). Returns p, info, warm-start state."""
+def _eulerian_step(z, q, h_old, h_new, lb_old, *, tau, sgn, eps, tol, max_iter, warm, temperature=0.0):
+    """One entropic JKO step of the grid weights q (B, m). Returns p, info, warm-start state.
+
+    ``temperature`` T > 0 adds the entropy T Σ_b p_b log(m p_b) (the Fokker–Planck JKO): the first-order
+    condition gains T log(m p_b) next to s'δE/δμ, and the iteration mixes geometrically,
+    log p ← (log T(p) + κ log p)/(1 + κ) with κ = 2τT/ε, the exact solve of its log p dependence."""
     B, m = q.shape
     c2 = sq_chordal(z, z)  # (m, m)
     bz = torch.exp(lb_old)  # (B, m)
@@ -589,9 +594,16 @@ def _eulerian_step(z, q, h_old, h_new, lb_old, *, tau, sgn, eps, tol, max_iter, 
     base = log_v.unsqueeze(-2) - C / eps  # (B, m, m)
     zb = z.expand(B, m, z.shape[-1])
 
+    kappa = 2 * tau * temperature / eps
+    log_m = math.log(m)
+
     def T(p):
         g = _first_variation(zb, h_new, p)
-        L = base - (2 * tau * sgn / eps) * g.unsqueeze(-2)
+        if kappa > 0:
+            g = sgn * g + temperature * (torch.log(p) + log_m)
+            L = base - (2 * tau / eps) * g.unsqueeze(-2)
+        else:
+            L = base - (2 * tau * sgn / eps) * g.unsqueeze(-2)
         ls = torch.log_softmax(L, -1)
         return torch.einsum("ba,bac->bc", q, torch.exp(ls)), ls
 
@@ -609,7 +621,12 @@ def _eulerian_step(z, q, h_old, h_new, lb_old, *, tau, sgn, eps, tol, max_iter, 
         theta = torch.where(r > r_prev, (theta / 2).clamp_min(1 / 64), theta)
         r_prev = r
         act = ~conv
-        p = torch.where(act.unsqueeze(-1), (1 - theta.unsqueeze(-1)) * p + theta.unsqueeze(-1) * Tp, p)
+        if kappa > 0:  # geometric mixing: stays > 0; the final image T(p) has mass 1 exactly
+            th = (theta / (1 + kappa)).unsqueeze(-1)
+            mixed = torch.exp((1 - th) * torch.log(p) + th * torch.log(Tp))
+        else:
+            mixed = (1 - theta.unsqueeze(-1)) * p + theta.unsqueeze(-1) * Tp
+        p = torch.where(act.unsqueeze(-1), mixed, p)
         iters = iters + act.long()
     p = Tp  # the image of the last iterate: exactly a coupling marginal (≥ 0, mass 1)
     # proximal value D_ε(p | q) = ε KL(π* | π⁰) = J(π*) − J(π⁰), J(π) = Σ π (C + ε(log softmax − log v))
@@ -746,6 +763,15 @@ def _check_jko_args(x0, theta, **settings) -> SimpleNamespace:
     return o
 
 
+def _check_jko_temperature(temperature, scheme: str) -> float:
+    """temperature= of :func:`jko`: a finite T ≥ 0; T > 0 only with the Eulerian scheme."""
+    T = TokenNoise(temperature).temperature  # the same check as simulate(temperature=...)
+    if T > 0 and scheme != "eulerian":
+        raise ValueError(f"temperature={T} > 0 needs scheme='eulerian' (the entropy T∫ρ log ρ of a density on a grid); "
+                         "for noisy particles use tp.simulate(..., temperature=T)")
+    return T
+
+
 def jko(
     x0: Optional[torch.Tensor],
     theta: Union[Heads, Process],
@@ -778,6 +804,7 @@ def jko(
     callback: Optional[Callable] = None,
     max_steps: Optional[int] = None,
     max_memory: Optional[float] = None,
+    temperature: float = 0.0,
 ) -> Trajectory:
     """Minimizing-movement (JKO) solution of the transformer PDE (module docstring for the scheme).
 
@@ -819,6 +846,11 @@ def jko(
         max_steps, max_memory: limits checked before any work: the number of steps (default 10⁷)
             and the estimated bytes of the records, the kernel and transport blocks and a sampled
             weight path (default 3/4 of the machine's memory); refused above either.
+        temperature: T ≥ 0, Eulerian only: the Fokker–Planck JKO, μ_{k+1} ∈ argmin s'E + T∫ρ log ρ +
+            W²/(2τ) (ρ the density against the grid's uniform measure: circle and Fibonacci grids are
+            equal-area).  The energies and the ledger are then those of Ẽ = E + s'T∫ρ log ρ (the free
+            energy F = s'Ẽ is what decreases), and the ledger's "dissipation" uses the discrete slope
+            W²/τ² in place of |∂F|² (so "residual" = "residual_slope", → 0 like τ); docs/noisy_tokens.md.
 
     Returns:
         :class:`Trajectory` (the type :func:`simulate` returns), dtype and device of the input:
@@ -851,6 +883,7 @@ def jko(
         bandwidth=bandwidth, paths=paths, seed=seed, generator=generator, path_dt=path_dt, tol=tol, max_iter=max_iter,
         max_plan_updates=max_plan_updates, sinkhorn_scaling=sinkhorn_scaling, strict=strict,
         record_every=record_every, diagnostics=diagnostics, max_steps=max_steps, max_memory=max_memory)
+    o.temperature = _check_jko_temperature(temperature, scheme)
     start = time.perf_counter()
     run = _JKORun(x0, o)
     with progress_bar(progress, o.steps, f"jko ({scheme}, {o.transport})") as bar, threads.scope(run.work) as pool:
@@ -920,8 +953,23 @@ class _JKORun:
         return _flatten_heads(self.o.heads_at(t), self.batch, self.B)
 
     # ------------------------------------------------------------------ diagnostics in the scheme's metric
+    def entropy_term(self, p) -> torch.Tensor:
+        """s'·T Σ_b p_b log(m p_b) · e^{−c} (B,): the entropy part of Ẽ = E + s'T∫ρ log ρ (0 at T = 0)."""
+        T = getattr(self.o, "temperature", 0.0)
+        if self.lagrangian or T == 0:
+            return torch.zeros(p.shape[:-1], dtype=p.dtype, device=p.device)
+        plogp = torch.where(p > 0, p * torch.log(p * p.shape[-1]), torch.zeros_like(p))
+        return self.o.sgn * T * plogp.sum(-1) * math.exp(-self.c)
+
     def evaluate(self, points, wts, heads) -> FieldEval:
-        """The field, energy, 𝒢² and 𝒟 of the measure (points, wts), times e^{−c}."""
+        """The field, energy, 𝒢² and 𝒟 of the measure (points, wts), times e^{−c} (with temperature: Ẽ)."""
+        ev = self._evaluate(points, wts, heads)
+        if getattr(self.o, "temperature", 0.0) > 0 and not self.lagrangian:
+            ev = FieldEval(ev.velocity, ev.stats, ev.outputs, ev.grad_first_variation,
+                           ev.energy + self.entropy_term(wts), ev.slope, ev.dissipation)
+        return ev
+
+    def _evaluate(self, points, wts, heads) -> FieldEval:
         c, norm, sign = self.c, self.norm, self.o.sign
         if c == 0.0:  # ordinary runs: evaluate's own diagnostics, bit for bit
             return evaluate(points, heads, wts, normalization=norm, sign=sign, diagnostics=True)
@@ -984,7 +1032,8 @@ class _JKORun:
         else:
             with torch.no_grad():
                 new, info, self.warm = _eulerian_step(self.o.z, self.state, self.heads_cur, heads_new, self.lb,
-                                                      **self.prox_kw, warm=self.warm)
+                                                      **self.prox_kw, warm=self.warm,
+                                                      temperature=self.o.temperature)
                 if self.c != 0.0:
                     info["prox"] = info["prox"] * math.exp(-self.c)
         if not bool(torch.isfinite(info["residual"]).all()):  # the velocity error itself overflows the dtype
@@ -1002,7 +1051,7 @@ class _JKORun:
         heads_new = self.flat(t_new)
         pts, w = self.measure(self.state)
         with torch.no_grad():
-            E_cross = _energy(pts, heads_new, w, self.log_c)
+            E_cross = _energy(pts, heads_new, w, self.log_c) + (0.0 if self.lagrangian else self.entropy_term(w))
         if not bool(torch.isfinite(E_cross).all()):
             raise nonfinite_error("the energy", t_new, k + 1, heads_new)
         new_state, info = self._proximal(heads_new, t_new, k)
@@ -1016,8 +1065,11 @@ class _JKORun:
         led = self.ledger
         led.add("partial", E_cross - self.E_prev)
         led.add("slope", prox / tau)
-        led.add("dissipation", o.sign * (prox / (2 * tau) + 0.5 * tau * self.metric_slope(
-            ev.grad_first_variation, ev.stats.log_partition, self.heads_cur, new_w)))
+        if getattr(o, "temperature", 0.0) > 0:  # the discrete slope W²/τ² in place of |∂F|² (docstring of jko)
+            led.add("dissipation", o.sign * prox / tau)
+        else:
+            led.add("dissipation", o.sign * (prox / (2 * tau) + 0.5 * tau * self.metric_slope(
+                ev.grad_first_variation, ev.stats.log_partition, self.heads_cur, new_w)))
         led.add("jko_defect", defect)
         for key in ("partial", "slope", "dissipation", "jko_defect"):
             if not bool(torch.isfinite(led.acc[key]).all()):

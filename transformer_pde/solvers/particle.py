@@ -46,6 +46,7 @@ from ..heads import Heads, broadcast_shapes
 from ..processes import Constant, Process, WeightDriver, WeightPath, grid_steps, path_bytes
 from ..sphere import normalize
 from .layernorm import FusedUpdate, LayerNorm, check_layer_norm_method, layer_norm_scheme, scheme_densities
+from .noise import TokenNoise, noise_martingale, token_noise
 from .parts import (LEDGER_KEYS, Checkpointer, Ledger, Recorder, Stepper, callable_signature, check_observables,
                     ledger_from_series, partial_density, process_parts, progress_bar)
 
@@ -300,6 +301,7 @@ def simulate(
     max_steps: Optional[int] = None,
     max_memory: Optional[float] = None,
     layer_norm: Union[str, LayerNorm] = "none",
+    temperature: Union[float, TokenNoise] = 0.0,
 ) -> Trajectory:
     """Integrate the token ODE ẋ_i = V[μ_t, Θ_t](x_i) on S^{d-1} from t0 to t1.
 
@@ -375,6 +377,12 @@ def simulate(
             ``PreLN(rule="simuformer")``).  The layer maps need method="euler"; the ledger then
             books 𝒟 and 𝒢² along the scheme's velocity λ_i P_x A_i, the radii are in
             ``traj.extras["radius"]`` (T, ..., n) and ``traj.stats["layer_norm"]`` names the scheme.
+        temperature: T ≥ 0 (or a :class:`~transformer_pde.solvers.noise.TokenNoise`): noisy tokens,
+            dX = V dt + √(2T) ∘ dB on the sphere (generator T·Δ_S), by the deterministic step followed by
+            a projected Euler–Maruyama increment with retraction (weak order 1; the token stream is a
+            generator of its own derived from ``seed``, independent of the weights' noise).  The
+            ledger's "partial" gains T Σ_i Δ_{S,i}E and its "martingale" Σ_i w_i⟨∇_S δE/δμ(x_i), ξ_i⟩
+            (docs/noisy_tokens.md).  Fixed-step methods only.
 
     Returns:
         :class:`Trajectory`.  dtype and device follow x0; the solve is differentiable with
@@ -412,6 +420,7 @@ def simulate(
     rtol, atol = (1e-7 if rtol is None else rtol), (1e-9 if atol is None else atol)
     scheme = layer_norm_scheme(layer_norm)
     check_layer_norm_method(scheme, method)
+    noise = _check_temperature(temperature, method, adjoint, scheme)
     realised = quadratic_variation == "realised"
     start = time.perf_counter()
     x = x0 if paths is None else x0.unsqueeze(0).expand(paths, *x0.shape)
@@ -443,19 +452,22 @@ def simulate(
     extra = ([("causal", causal)] if causal else []) + ([("quadratic_variation", "realised")] if realised else []) \
         + ([("energy_log_scale", energy_log_scale)] if energy_log_scale is not None else []) \
         + ([("observables", tuple(sorted(obs)))] if obs else []) \
-        + ([("layer_norm", repr(scheme))] if not scheme.projected else [])
+        + ([("layer_norm", repr(scheme))] if not scheme.projected else []) \
+        + ([("temperature", (noise.temperature, noise.seed))] if noise is not None else [])
     ckpt = Checkpointer(checkpoint, checkpoint_every, K, lambda: _fingerprint_parts(
         x0, process, generator, obs, t0, t1, dt, method, normalization, direction, paths, seed, record_every,
         quadrature, diagnostics, weights, extra))
     run = _FixedStepRun(x, drv, ev, fix_scale, scale, method=method, quadrature=quadrature, ckpt=ckpt,
-                        layer_norm=scheme, **common)
+                        layer_norm=scheme, noise=noise,
+                        seed=seed if generator is None else generator.initial_seed(), **common)
     run.start()
     with threads.scope(work) as pool:
         run.solve(show, callback, pool)
     times, out_x, series, ledger, observed = run.rec.stacked(t0, dt)
     stats = {"steps": K, "field_evaluations": run.nfe, "max_sphere_error": run.max_sphere,
              "wall_time": time.perf_counter() - start, "order": TABLEAUX[method].order,
-             "energy_log_scale": scale["c"], "gradient_flow": not causal}
+             "energy_log_scale": scale["c"], "gradient_flow": not causal,
+             "temperature": 0.0 if noise is None else noise.temperature}
     extras = {}
     if not scheme.projected:
         stats["layer_norm"] = scheme.name
@@ -610,6 +622,18 @@ def _check_simulate_args(x0, theta, *, t1, dt, t0, method, normalization, direct
             energy_log_scale)
 
 
+def _check_temperature(temperature, method: str, adjoint: bool, scheme) -> Optional[TokenNoise]:
+    """``temperature=`` as a TokenNoise (None for T = 0); the solvers that cannot take noise refuse it."""
+    noise = token_noise(temperature)
+    if noise is not None and (method == "adaptive" or adjoint):
+        raise ValueError(f"temperature={noise.temperature} > 0 needs a fixed-step method (euler, heun or rk4): "
+                         f"method='adaptive' (dopri5) and the adjoint integrate an ODE and cannot take token noise")
+    if noise is not None and not scheme.projected:
+        raise ValueError(f"temperature={noise.temperature} > 0 is defined for the projected flow only; "
+                         f"layer_norm={scheme.name!r} with token noise is not implemented: use layer_norm='none'")
+    return noise
+
+
 class _Evaluator:
     """The field evaluation of a solve: ``ev(x, heads, diag)`` (a FieldEval; with diag the non-causal
     statistics and energy, 𝒢², 𝒟 times e^{−c}) and the common scale c (``scale``, fixed at t0 by
@@ -658,7 +682,7 @@ class _FixedStepRun:
     sphere retraction), the ledger, the recorder and the checkpointer; one :meth:`step` at a time."""
 
     def __init__(self, x, drv, ev, fix_scale, scale, *, K, dt, method, quadrature, record_every, diagnostics, sign,
-                 causal, realised, obs, weights, normalization, ckpt, layer_norm="none"):
+                 causal, realised, obs, weights, normalization, ckpt, layer_norm="none", noise=None, seed=0):
         self.x, self.drv, self.ev, self.fix_scale, self.scale = x, drv, ev, fix_scale, scale
         self.K, self.dt, self.diagnostics, self.realised, self.w = K, dt, diagnostics, realised, weights
         self.normalization, self.ckpt, self.noisy, self.method = normalization, ckpt, drv.noisy, method
@@ -670,11 +694,16 @@ class _FixedStepRun:
                             ledger_keys=keys)
         self.ledger = Ledger(torch.zeros(()), sign=sign, quadrature=quadrature, causal=causal)
         self.k, self.nfe, self.max_sphere = 0, 0, 0.0
+        self.noise = noise  # token noise (TokenNoise or None) and its own random stream
+        self.token_gen = noise.generator(seed, x.device) if noise is not None else None
 
     def state(self) -> dict:
-        return {"x": self.x.detach(), "driver": self.drv.state(), "records": self.rec.records, "acc": self.ledger.acc,
-                "nfe": self.nfe, "max_sphere": self.max_sphere, "scale": dict(self.scale),
-                **({"r": self.r, "radii": self.radii} if self.r is not None else {})}
+        st = {"x": self.x.detach(), "driver": self.drv.state(), "records": self.rec.records, "acc": self.ledger.acc,
+              "nfe": self.nfe, "max_sphere": self.max_sphere, "scale": dict(self.scale),
+              **({"r": self.r, "radii": self.radii} if self.r is not None else {})}
+        if self.token_gen is not None:
+            st["token_noise"] = self.token_gen.get_state()
+        return st
 
     def _evaluate(self, x, heads):
         e = self.ev(x, heads, self.diagnostics)
@@ -717,6 +746,8 @@ class _FixedStepRun:
             self.scale.update(ck.get("scale", {"c": 0.0, "start_max": float("nan")}))
             if self.r is not None:
                 self.r, self.radii = ck["r"], ck["radii"]
+            if self.token_gen is not None:
+                self.token_gen.set_state(ck["token_noise"])
         self.cur = self._evaluate(self.x, self.drv.current)
         if self.diagnostics and ck is None and self.fix_scale(self.cur):
             self.cur = self.ev(self.x, self.drv.current, True)
@@ -759,6 +790,12 @@ class _FixedStepRun:
         self.max_sphere = max(self.max_sphere, err)
         if not _check_finite(x_new):
             raise nonfinite_error("the token positions", drv.t + self.dt, self.k + 1, heads, self.normalization)
+        if self.noise is not None:  # token noise after the deterministic step; Itô terms at the left end
+            xi = self.noise.increment(x_new, self.dt, self.token_gen)
+            if self.diagnostics:
+                self.ledger.add("martingale", noise_martingale(cur.grad_first_variation, self.w, xi))
+                self.ledger.add("partial", self.dt * self.noise.ito_correction(x, heads, self.w, log_scale=c))
+            x_new = self.noise.apply(x_new, xi)
         jumps = drv.jumps()
         drv.advance()
         nxt = self._evaluate(x_new, drv.current)

@@ -104,7 +104,7 @@ _REGISTRY: Dict[str, Study] = {}
 # modules that register studies; imported lazily so `import transformer_pde` stays light
 _MODULES = ["transformer_pde.studies.demo", "transformer_pde.studies.paper", "transformer_pde.studies.theory",
             "transformer_pde.studies.jko", "transformer_pde.studies.clustering", "transformer_pde.studies.causal",
-            "transformer_pde.studies.layernorm", "transformer_pde.studies.theorems"]
+            "transformer_pde.studies.layernorm", "transformer_pde.studies.noisy", "transformer_pde.studies.theorems"]
 
 
 def study(kind: str, options: Dict[str, Option], description: str = "", *, validate: Optional[Callable] = None,

@@ -516,3 +516,15 @@ from .stability import (  # noqa: E402
 
 __all__ += ["LIPSCHITZ_NORMALIZATIONS", "lipschitz_constants", "lipschitz_bound", "gronwall_factor",
             "fast_weights_coefficients"]
+
+from . import noise  # noqa: E402  (the noisy-token stability theory: docs/noisy_tokens.md)
+from .noise import (  # noqa: E402
+    critical_temperature,
+    first_order_beta,
+    mode_growth_rates,
+    most_unstable_mode,
+    susceptibility,
+)
+
+__all__ += ["noise", "critical_temperature", "mode_growth_rates", "most_unstable_mode", "susceptibility",
+            "first_order_beta"]

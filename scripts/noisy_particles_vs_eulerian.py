@@ -43,7 +43,8 @@ def eulerian(tau, m=96):
 
 def particles(n, paths=8, dt=0.005):
     tr = tp.simulate(quantile_tokens(n), heads, t1=t1, dt=dt, temperature=T, paths=paths, seed=0,
-                     normalization="unnormalized", direction="ascent", diagnostics=False, record_every=10 ** 6)
+                     normalization="unnormalized", direction="ascent", diagnostics=False,
+                     record_every=round(t1 / dt))
     return tr.final.reshape(-1, 2)
 
 

@@ -51,38 +51,7 @@ PACKAGE = ROOT / "transformer_pde"
 
 # Modules being edited by others when this style was introduced: converted with
 # `python scripts/numpydoc_style.py --fix --all` once those edits are merged, then this list is emptied.
-PENDING_CONVERSION: tuple[str, ...] = (
-    "transformer_pde/__init__.py",
-    "transformer_pde/_validation.py",
-    "transformer_pde/attention.py",
-    "transformer_pde/cli.py",
-    "transformer_pde/clustering.py",
-    "transformer_pde/energy.py",
-    "transformer_pde/ensembles.py",
-    "transformer_pde/field.py",
-    "transformer_pde/heads.py",
-    "transformer_pde/mobility.py",
-    "transformer_pde/processes.py",
-    "transformer_pde/resources.py",
-    "transformer_pde/runs.py",
-    "transformer_pde/sweep.py",
-    "transformer_pde/threads.py",
-    "transformer_pde/transport.py",
-    "transformer_pde/solvers/__init__.py",
-    "transformer_pde/solvers/jko.py",
-    "transformer_pde/solvers/particle.py",
-    "transformer_pde/solvers/parts.py",
-    "transformer_pde/solvers/noise.py",
-    "transformer_pde/solvers/layernorm.py",
-    "transformer_pde/studies/__init__.py",
-    "transformer_pde/studies/causal.py",
-    "transformer_pde/studies/clustering.py",
-    "transformer_pde/studies/paper.py",
-    "transformer_pde/studies/theorems.py",
-    "transformer_pde/theory/__init__.py",
-    "transformer_pde/theory/noise.py",
-    "transformer_pde/theory/stability.py",
-)
+PENDING_CONVERSION: tuple[str, ...] = ()
 
 # Google-style header -> numpydoc section
 GOOGLE_SECTIONS = {

@@ -246,12 +246,18 @@ def to_grid(x: torch.Tensor, grid: torch.Tensor, *, weights: Optional[torch.Tens
 
         q_a ∝ Σ_i w_i exp((⟨z_a, x_i⟩ − 1) / h²),   Σ_a q_a = 1,
 
-    Args:
-        x: tokens (..., n, d) on the sphere.  grid: points z (m, d) on the sphere.
-        weights: token weights (..., n) or None (uniform).
-        bandwidth: h > 0 (an angle, radians); default 2 × the grid's mean nearest-neighbour distance.
+    Parameters
+    ----------
+    x : torch.Tensor
+        tokens (..., n, d) on the sphere.  grid: points z (m, d) on the sphere.
+    weights : Optional[torch.Tensor]
+        token weights (..., n) or None (uniform).
+    bandwidth : Optional[float]
+        h > 0 (an angle, radians); default 2 × the grid's mean nearest-neighbour distance.
 
-    Returns:
+    Returns
+    -------
+    torch.Tensor
         (..., m) weights, computed by log-sum-exp and clamped at the smallest normal number
         before normalising, so that every entry is > 0 (the Eulerian JKO needs a positive start).
     """
@@ -557,12 +563,17 @@ def self_potential(q: torch.Tensor, C: torch.Tensor, eps: float, *, init: Option
     this iteration for its debiasing terms but does not return converged potentials; POT's
     ``sinkhorn_log`` solves the same problem and is the test oracle).
 
-    Args:
-        q: (B, m) weights (zeros allowed).  C: (B, m, m) or (m, m) symmetric costs.  eps: ε > 0.
-        tol: stop when max_a |f − T f|/ε (the log of the marginal error) ≤ tol (default 1e-13 in
-            float64, 1e-6 in float32).
+    Parameters
+    ----------
+    q : torch.Tensor
+        (B, m) weights (zeros allowed).  C: (B, m, m) or (m, m) symmetric costs.  eps: ε > 0.
+    tol : Optional[float]
+        stop when max_a |f − T f|/ε (the log of the marginal error) ≤ tol (default 1e-13 in
+        float64, 1e-6 in float32).
 
-    Returns:
+    Returns
+    -------
+    result
         (f (B, m), iterations, max marginal log-error).
     """
     tol = (1e-13 if q.dtype == torch.float64 else 1e-6) if tol is None else tol
@@ -810,49 +821,74 @@ def jko(
 
         μ_{k+1} ∈ argmin_μ  s'·E(μ, Θ_{t_{k+1}}) + W_{b_k}(μ, μ_k)² / (2τ),   s' = +1 descent, −1 ascent
 
-    Args:
-        x0: tokens (..., n, d) on the sphere (Lagrangian; Eulerian: deposited on the grid with
-            :func:`to_grid` unless ``grid_weights`` is given, in which case x0 may be None).
-        theta: :class:`Heads`, a Process (closed-form ones are evaluated at t_k; noisy or
-            Euler-scheme ones are first sampled with :func:`transformer_pde.sample_path` on a grid
-            of step ``path_dt`` (default τ), returned in ``traj.path``), or a stored
-            :class:`WeightPath` — give the particle run and the JKO run the same path.
-        tau, steps: step τ > 0 and number of steps; times t0 + kτ.
-        transport: "emd" (exact plan, default Lagrangian), "sinkhorn" (debiased Sinkhorn
-            divergence, geomloss; the only — and default — choice for the Eulerian scheme, there
-            the entropic proximal term of the module docstring) or "identity" (implicit Euler
-            of the particles).
-        scheme: "lagrangian" (tokens move) | "eulerian" (weights on a fixed grid move).
-        direction: "descent" (minimise E, the reference code) or "ascent" (minimise −E).
-        mobility: "effective" (b_k, matches ``normalization="effective"`` particles) or "unit"
-            (b ≡ 1, the plain W2 flow; matches "unnormalized" for tied symmetric heads).
-        cost: "source" (b_k(x)|x − y|², default for emd / identity) or "symmetric"
-            (½(b_k(x) + b_k(y))|x − y|², always used by sinkhorn and by the Eulerian scheme).
-        eps: ε > 0 of the entropic transport (cost units; Eulerian needs ε ≳ grid spacing²).
-        weights: token weights (..., n) or None (uniform) (Lagrangian).
-        grid: Eulerian grid, tensor (m, d) on the sphere or int m (circle_grid / fibonacci_sphere).
-        grid_weights: initial Eulerian weights (..., m) (non-negative, sum 1).  bandwidth: of to_grid.
-        paths, seed, generator, path_dt: Monte-Carlo paths and sampling of noisy processes (seed None
-            means 0; giving seed and generator together is refused).
-        tol: relative tolerance of the inner solves (default 1e-9 in float64, 1e-4 in float32; with
-            transport="sinkhorn" 1e-6 / 1e-4: geomloss' ε-scaling returns potentials, hence
-            gradients, that are consistent with its values only to about 1 − sinkhorn_scaling).
-        max_iter: inner iterations per solve.  max_plan_updates: emd plan recomputations per step.
-        sinkhorn_scaling: geomloss ε-scaling ratio of the Lagrangian sinkhorn transport.
-        strict: raise :class:`JKOConvergenceError` instead of warning when a step does not converge.
-        record_every: keep every k-th step (first and last always kept); at most ``steps``.
-        diagnostics: energy, 𝒢², 𝒟 series (the ledger is always kept).
-        progress: tqdm progress bar.  callback: called as callback(k, t, state) after every step.
-        max_steps, max_memory: limits checked before any work: the number of steps (default 10⁷)
-            and the estimated bytes of the records, the kernel and transport blocks and a sampled
-            weight path (default 3/4 of the machine's memory); refused above either.
-        temperature: T ≥ 0, Eulerian only: the Fokker–Planck JKO, μ_{k+1} ∈ argmin s'E + T∫ρ log ρ +
-            W²/(2τ) (ρ the density against the grid's uniform measure: circle and Fibonacci grids are
-            equal-area).  The energies and the ledger are then those of Ẽ = E + s'T∫ρ log ρ (the free
-            energy F = s'Ẽ is what decreases), and the ledger's "dissipation" uses the discrete slope
-            W²/τ² in place of |∂F|² (so "residual" = "residual_slope", → 0 like τ); docs/noisy_tokens.md.
+    Parameters
+    ----------
+    x0 : Optional[torch.Tensor]
+        tokens (..., n, d) on the sphere (Lagrangian; Eulerian: deposited on the grid with
+        :func:`to_grid` unless ``grid_weights`` is given, in which case x0 may be None).
+    theta : Union[Heads, Process]
+        :class:`Heads`, a Process (closed-form ones are evaluated at t_k; noisy or
+        Euler-scheme ones are first sampled with :func:`transformer_pde.sample_path` on a grid
+        of step ``path_dt`` (default τ), returned in ``traj.path``), or a stored
+        :class:`WeightPath` — give the particle run and the JKO run the same path.
+    tau, steps
+        step τ > 0 and number of steps; times t0 + kτ.
+    transport : Optional[str]
+        "emd" (exact plan, default Lagrangian), "sinkhorn" (debiased Sinkhorn
+        divergence, geomloss; the only — and default — choice for the Eulerian scheme, there
+        the entropic proximal term of the module docstring) or "identity" (implicit Euler
+        of the particles).
+    scheme : str
+        "lagrangian" (tokens move) | "eulerian" (weights on a fixed grid move).
+    direction : str
+        "descent" (minimise E, the reference code) or "ascent" (minimise −E).
+    mobility : str
+        "effective" (b_k, matches ``normalization="effective"`` particles) or "unit"
+        (b ≡ 1, the plain W2 flow; matches "unnormalized" for tied symmetric heads).
+    cost : Optional[str]
+        "source" (b_k(x)|x − y|², default for emd / identity) or "symmetric"
+        (½(b_k(x) + b_k(y))|x − y|², always used by sinkhorn and by the Eulerian scheme).
+    eps : float
+        ε > 0 of the entropic transport (cost units; Eulerian needs ε ≳ grid spacing²).
+    weights : Optional[torch.Tensor]
+        token weights (..., n) or None (uniform) (Lagrangian).
+    grid
+        Eulerian grid, tensor (m, d) on the sphere or int m (circle_grid / fibonacci_sphere).
+    grid_weights : Optional[torch.Tensor]
+        initial Eulerian weights (..., m) (non-negative, sum 1).  bandwidth: of to_grid.
+    paths, seed, generator, path_dt
+        Monte-Carlo paths and sampling of noisy processes (seed None
+        means 0; giving seed and generator together is refused).
+    tol : Optional[float]
+        relative tolerance of the inner solves (default 1e-9 in float64, 1e-4 in float32; with
+        transport="sinkhorn" 1e-6 / 1e-4: geomloss' ε-scaling returns potentials, hence
+        gradients, that are consistent with its values only to about 1 − sinkhorn_scaling).
+    max_iter : int
+        inner iterations per solve.  max_plan_updates: emd plan recomputations per step.
+    sinkhorn_scaling : float
+        geomloss ε-scaling ratio of the Lagrangian sinkhorn transport.
+    strict : bool
+        raise :class:`JKOConvergenceError` instead of warning when a step does not converge.
+    record_every : int
+        keep every k-th step (first and last always kept); at most ``steps``.
+    diagnostics : bool
+        energy, 𝒢², 𝒟 series (the ledger is always kept).
+    progress : bool
+        tqdm progress bar.  callback: called as callback(k, t, state) after every step.
+    max_steps, max_memory
+        limits checked before any work: the number of steps (default 10⁷)
+        and the estimated bytes of the records, the kernel and transport blocks and a sampled
+        weight path (default 3/4 of the machine's memory); refused above either.
+    temperature : float
+        T ≥ 0, Eulerian only: the Fokker–Planck JKO, μ_{k+1} ∈ argmin s'E + T∫ρ log ρ +
+        W²/(2τ) (ρ the density against the grid's uniform measure: circle and Fibonacci grids are
+        equal-area).  The energies and the ledger are then those of Ẽ = E + s'T∫ρ log ρ (the free
+        energy F = s'Ẽ is what decreases), and the ledger's "dissipation" uses the discrete slope
+        W²/τ² in place of |∂F|² (so "residual" = "residual_slope", → 0 like τ); docs/noisy_tokens.md.
 
-    Returns:
+    Returns
+    -------
+    Trajectory
         :class:`Trajectory` (the type :func:`simulate` returns), dtype and device of the input:
         ``times`` (T,); ``x`` (T, ..., n, d) tokens — Eulerian: the grid (T, ..., m, d) with the
         time-dependent weights in ``weights`` (T, ..., m); ``energy``, ``slope`` 𝒢², ``dissipation`` 𝒟
@@ -864,17 +900,20 @@ def jko(
         reported times e^{−c}); ``path`` the sampled WeightPath (noisy processes);
         ``extras`` {"scheme", "transport", "tau", "mobility", "cost", "eps", "grid"}.  Outputs carry no gradient.
 
-    Raises:
-        TypeError / ValueError for bad input (before any work), NonFiniteError when a step
+    Raises
+    ------
+    TypeError, ValueError
+        for bad input (before any work), NonFiniteError when a step
         produces NaN/inf (time, step, quantity), JKOConvergenceError with strict=True.
 
-    Example:
-        >>> import torch, transformer_pde as tp
-        >>> x0 = tp.sphere.octahedral(12, dtype=torch.float64)
-        >>> heads = tp.Heads.scalar([1.0, 2.0], 3).to(torch.float64)
-        >>> traj = tp.jko(x0, heads, tau=0.1, steps=3)
-        >>> traj.x.shape, bool((traj.stats["defect"] <= 1e-12).all())
-        (torch.Size([4, 12, 3]), True)
+    Examples
+    --------
+    >>> import torch, transformer_pde as tp
+    >>> x0 = tp.sphere.octahedral(12, dtype=torch.float64)
+    >>> heads = tp.Heads.scalar([1.0, 2.0], 3).to(torch.float64)
+    >>> traj = tp.jko(x0, heads, tau=0.1, steps=3)
+    >>> traj.x.shape, bool((traj.stats["defect"] <= 1e-12).all())
+    (torch.Size([4, 12, 3]), True)
     """
     check_bool(progress, "progress", allow_none=True)
     o = _check_jko_args(

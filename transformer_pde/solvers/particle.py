@@ -305,86 +305,115 @@ def simulate(
 ) -> Trajectory:
     """Integrate the token ODE ẋ_i = V[μ_t, Θ_t](x_i) on S^{d-1} from t0 to t1.
 
-    Args:
-        x0: initial tokens (..., n, d) on the unit sphere (leading dims are an ensemble).
-        theta: :class:`Heads` (constant in time), a :class:`~transformer_pde.processes.Process`
-            (OU, oscillating, layerwise, custom) or a stored :class:`WeightPath` (replayed exactly).
-        t1, dt: final time and step ((t1 − t0)/dt must be a whole number); for "adaptive",
-            dt is the grid on which stochastic weights are sampled.
-        method: "euler" (order 1, the reference code), "heun" (2), "rk4" (4), "adaptive" (dopri5).
-        normalization: "softmax" | "unnormalized" | "relu" | "effective".
-        direction: "descent" (default here, the reference code: x ← x − Δt·f) or "ascent".
-        weights: token weights (..., n) or None (uniform).
-        paths: number of Monte-Carlo paths of the weights (adds a leading axis to the results).
-        seed / generator: the weights' random stream (tokens are not random here; sample x0
-            with your own generator so the two streams stay separate).  seed=None means 0;
-            giving both is refused (the generator's state would silently decide the draws).
-        record_every: keep every k-th step (the first and last times are always kept); at most
-            the number of steps.
-        diagnostics: compute energy, 𝒢², 𝒟 and the ledger (False: tokens only, faster).
-        quadrature: "left" (default for euler, the reference code) or "trapezoid" (default
-            for the others) for the ledger's time integrals; the martingale is an Itô sum.
-        rtol, atol: the relative and absolute tolerances of method="adaptive" (positive finite
-            floats; default 1e-7 and 1e-9); refused with a fixed-step method, which has none.
-        adjoint: with method="adaptive", backpropagate by torchdiffeq's adjoint ODE
-            (``odeint_adjoint``: memory independent of the number of steps, for long horizons)
-            instead of through the solver's operations; gradients reach x0, the head tensors, β,
-            the process parameters and the token weights (tensors a custom Process hides in
-            closures are not seen: keep them as attributes).
-        return_path: store the realised weight path in ``traj.path`` for replay.
-        progress: True / False: show / hide a tqdm bar (it appears only on a terminal:
-            ``disable=None``).  None (default): show it for long fixed-step solves, when
-            steps · stages · paths · H · n² ≥ :data:`PROGRESS_MIN_WORK`.
-        chunk_elements: memory cap of one score block (see :mod:`transformer_pde.attention`).
-        checkpoint: file to checkpoint to (atomically, every ``checkpoint_every`` steps) and to
-            resume from if it exists and matches this run; a foreign, corrupt or non-finite file
-            is refused.  The match covers every input that changes the numbers: x0 (values, dtype),
-            the device, the weight process (heads, parameters, and callables such as a Custom
-            drift by qualified name and source hash, or its ``tag``), the generator's state at the
-            start, the grid, the options and the observables (by name and source); a mismatch
-            names what differs.  The callback is not covered: it must not change x in place.
-        callback: called as callback(k, t, x) after every step (e.g. for early stopping hooks).
-        causal: token i attends only to tokens j ≤ i (:func:`transformer_pde.evaluate`); not with
-            "effective".  True / "mean": the prefix mean, "sum": the un-normalised kernels sum over
-            the prefix (simuformer's convention; :mod:`transformer_pde.field`).  The energy, 𝒢², 𝒟 stay those of the whole measure, but the flow is no
-            gradient flow: the ledger has no "residual"/"residual_slope" and
-            ``traj.stats["gradient_flow"]`` is False.
-        observables: mapping name -> callable(x, weights) returning a tensor of shape
-            (*batch,) or (*batch, k) for tokens x of shape (*batch, n, d) (batch includes the
-            paths axis); evaluated at every recorded time and stacked into
-            ``traj.observables[name]`` of shape (T, *batch[, k]).
-        quadratic_variation: how the ledger books the second-order term of noisy weights:
-            "expected" (default) adds the Itô correction E[½ ∂²_A E[dN, dN]] (the ledger closes at
-            order 1 in the mean over paths, one path like dt^{1/2}); "realised" books
-            ½ ∂²_A E[ΔN, ΔN] of the realised noise increments ΔN per step (per record interval
-            for "adaptive"), so that every single path closes at order 1 (costs one
-            (paths, H, n, n) kernel block per step).  No effect on deterministic weights.
-        energy_log_scale: the common scale c: energy, 𝒢², 𝒟 and the ledger are reported times
-            e^{−c}.  None (default): chosen at t0 by
-            :func:`transformer_pde.energy.choose_log_scale` (0 unless the largest log-partition
-            exceeds half the dtype's exponent range, i.e. β‖A‖ ≳ 44 in float32, ≳ 354 in float64),
-            so ordinary runs record the values themselves.  Stored in
-            ``traj.stats["energy_log_scale"]``.  A given c so large that the values underflow at
-            t0 (:func:`transformer_pde.energy.check_scale_fits`) is refused, with the value that fits.
-        max_steps, max_memory: limits checked before any allocation: the number of steps (default
-            10⁷) and the estimated memory of the trajectory, the kernel blocks and a stored weight
-            path in bytes (default 3/4 of the machine's memory, the GPU's for CUDA tensors; inf: none); a run
-            above either is refused with the estimate and the fix.
-        layer_norm: how a layer maps the tokens (:mod:`transformer_pde.solvers.layernorm`,
-            ``docs/layer_norms.md``): "none" (default, the projected flow with retraction),
-            "post" (x ← normalize(x + dt·A), the reference simulators' map), "pre" (radius r_i
-            evolves, ẋ = P_x A/r), "peri", "ngpt", or a scheme object (e.g.
-            ``PreLN(rule="simuformer")``).  The layer maps need method="euler"; the ledger then
-            books 𝒟 and 𝒢² along the scheme's velocity λ_i P_x A_i, the radii are in
-            ``traj.extras["radius"]`` (T, ..., n) and ``traj.stats["layer_norm"]`` names the scheme.
-        temperature: T ≥ 0 (or a :class:`~transformer_pde.solvers.noise.TokenNoise`): noisy tokens,
-            dX = V dt + √(2T) ∘ dB on the sphere (generator T·Δ_S), by the deterministic step followed by
-            a projected Euler–Maruyama increment with retraction (weak order 1; the token stream is a
-            generator of its own derived from ``seed``, independent of the weights' noise).  The
-            ledger's "partial" gains T Σ_i Δ_{S,i}E and its "martingale" Σ_i w_i⟨∇_S δE/δμ(x_i), ξ_i⟩
-            (docs/noisy_tokens.md).  Fixed-step methods only.
+    Parameters
+    ----------
+    x0 : torch.Tensor
+        initial tokens (..., n, d) on the unit sphere (leading dims are an ensemble).
+    theta : Union[Heads, Process]
+        :class:`Heads` (constant in time), a :class:`~transformer_pde.processes.Process`
+        (OU, oscillating, layerwise, custom) or a stored :class:`WeightPath` (replayed exactly).
+    t1, dt
+        final time and step ((t1 − t0)/dt must be a whole number); for "adaptive",
+        dt is the grid on which stochastic weights are sampled.
+    method : str
+        "euler" (order 1, the reference code), "heun" (2), "rk4" (4), "adaptive" (dopri5).
+    normalization : str
+        "softmax" | "unnormalized" | "relu" | "effective".
+    direction : str
+        "descent" (default here, the reference code: x ← x − Δt·f) or "ascent".
+    weights : Optional[torch.Tensor]
+        token weights (..., n) or None (uniform).
+    paths : Optional[int]
+        number of Monte-Carlo paths of the weights (adds a leading axis to the results).
+    seed, generator
+        the weights' random stream (tokens are not random here; sample x0
+        with your own generator so the two streams stay separate).  seed=None means 0;
+        giving both is refused (the generator's state would silently decide the draws).
+    record_every : int
+        keep every k-th step (the first and last times are always kept); at most
+        the number of steps.
+    diagnostics : bool
+        compute energy, 𝒢², 𝒟 and the ledger (False: tokens only, faster).
+    quadrature : Optional[str]
+        "left" (default for euler, the reference code) or "trapezoid" (default
+        for the others) for the ledger's time integrals; the martingale is an Itô sum.
+    rtol, atol
+        the relative and absolute tolerances of method="adaptive" (positive finite
+        floats; default 1e-7 and 1e-9); refused with a fixed-step method, which has none.
+    adjoint : bool
+        with method="adaptive", backpropagate by torchdiffeq's adjoint ODE
+        (``odeint_adjoint``: memory independent of the number of steps, for long horizons)
+        instead of through the solver's operations; gradients reach x0, the head tensors, β,
+        the process parameters and the token weights (tensors a custom Process hides in
+        closures are not seen: keep them as attributes).
+    return_path : bool
+        store the realised weight path in ``traj.path`` for replay.
+    progress : Optional[bool]
+        True / False: show / hide a tqdm bar (it appears only on a terminal:
+        ``disable=None``).  None (default): show it for long fixed-step solves, when
+        steps · stages · paths · H · n² ≥ :data:`PROGRESS_MIN_WORK`.
+    chunk_elements : Optional[int]
+        memory cap of one score block (see :mod:`transformer_pde.attention`).
+    checkpoint : Optional[Union[str, Path]]
+        file to checkpoint to (atomically, every ``checkpoint_every`` steps) and to
+        resume from if it exists and matches this run; a foreign, corrupt or non-finite file
+        is refused.  The match covers every input that changes the numbers: x0 (values, dtype),
+        the device, the weight process (heads, parameters, and callables such as a Custom
+        drift by qualified name and source hash, or its ``tag``), the generator's state at the
+        start, the grid, the options and the observables (by name and source); a mismatch
+        names what differs.  The callback is not covered: it must not change x in place.
+    callback : Optional[Callable]
+        called as callback(k, t, x) after every step (e.g. for early stopping hooks).
+    causal : bool
+        token i attends only to tokens j ≤ i (:func:`transformer_pde.evaluate`); not with
+        "effective".  True / "mean": the prefix mean, "sum": the un-normalised kernels sum over
+        the prefix (simuformer's convention; :mod:`transformer_pde.field`).  The energy, 𝒢², 𝒟 stay those of the whole measure, but the flow is no
+        gradient flow: the ledger has no "residual"/"residual_slope" and
+        ``traj.stats["gradient_flow"]`` is False.
+    observables : Optional[Mapping[str, Callable]]
+        mapping name -> callable(x, weights) returning a tensor of shape
+        (*batch,) or (*batch, k) for tokens x of shape (*batch, n, d) (batch includes the
+        paths axis); evaluated at every recorded time and stacked into
+        ``traj.observables[name]`` of shape (T, *batch[, k]).
+    quadratic_variation : str
+        how the ledger books the second-order term of noisy weights:
+        "expected" (default) adds the Itô correction E[½ ∂²_A E[dN, dN]] (the ledger closes at
+        order 1 in the mean over paths, one path like dt^{1/2}); "realised" books
+        ½ ∂²_A E[ΔN, ΔN] of the realised noise increments ΔN per step (per record interval
+        for "adaptive"), so that every single path closes at order 1 (costs one
+        (paths, H, n, n) kernel block per step).  No effect on deterministic weights.
+    energy_log_scale : Optional[float]
+        the common scale c: energy, 𝒢², 𝒟 and the ledger are reported times
+        e^{−c}.  None (default): chosen at t0 by
+        :func:`transformer_pde.energy.choose_log_scale` (0 unless the largest log-partition
+        exceeds half the dtype's exponent range, i.e. β‖A‖ ≳ 44 in float32, ≳ 354 in float64),
+        so ordinary runs record the values themselves.  Stored in
+        ``traj.stats["energy_log_scale"]``.  A given c so large that the values underflow at
+        t0 (:func:`transformer_pde.energy.check_scale_fits`) is refused, with the value that fits.
+    max_steps, max_memory
+        limits checked before any allocation: the number of steps (default
+        10⁷) and the estimated memory of the trajectory, the kernel blocks and a stored weight
+        path in bytes (default 3/4 of the machine's memory, the GPU's for CUDA tensors; inf: none); a run
+        above either is refused with the estimate and the fix.
+    layer_norm : Union[str, LayerNorm]
+        how a layer maps the tokens (:mod:`transformer_pde.solvers.layernorm`,
+        ``docs/layer_norms.md``): "none" (default, the projected flow with retraction),
+        "post" (x ← normalize(x + dt·A), the reference simulators' map), "pre" (radius r_i
+        evolves, ẋ = P_x A/r), "peri", "ngpt", or a scheme object (e.g.
+        ``PreLN(rule="simuformer")``).  The layer maps need method="euler"; the ledger then
+        books 𝒟 and 𝒢² along the scheme's velocity λ_i P_x A_i, the radii are in
+        ``traj.extras["radius"]`` (T, ..., n) and ``traj.stats["layer_norm"]`` names the scheme.
+    temperature : Union[float, TokenNoise]
+        T ≥ 0 (or a :class:`~transformer_pde.solvers.noise.TokenNoise`): noisy tokens,
+        dX = V dt + √(2T) ∘ dB on the sphere (generator T·Δ_S), by the deterministic step followed by
+        a projected Euler–Maruyama increment with retraction (weak order 1; the token stream is a
+        generator of its own derived from ``seed``, independent of the weights' noise).  The
+        ledger's "partial" gains T Σ_i Δ_{S,i}E and its "martingale" Σ_i w_i⟨∇_S δE/δμ(x_i), ξ_i⟩
+        (docs/noisy_tokens.md).  Fixed-step methods only.
 
-    Returns:
+    Returns
+    -------
+    Trajectory
         :class:`Trajectory`.  dtype and device follow x0; the solve is differentiable with
         respect to x0, the head tensors, β, tensor process parameters (OU rate/sigma/mean,
         oscillating sigma) and the token weights when they require grad.
@@ -394,17 +423,20 @@ def simulate(
     scheme="euler") they see the linear interpolation between the bracketing grid values,
     so a stochastic path limits every method to order 1 in dt.
 
-    Raises:
-        TypeError / ValueError for bad input (before any work); NonFiniteError when the run
+    Raises
+    ------
+    TypeError, ValueError
+        for bad input (before any work); NonFiniteError when the run
         produces NaN/inf (with the time, step and quantity, and the fix: for a ledger term that
         outgrew the common scale, the ``energy_log_scale=`` to pass).
 
-    Example:
-        >>> import torch, transformer_pde as tp
-        >>> x0 = tp.sphere.octahedral(20, dtype=torch.float64)
-        >>> traj = tp.simulate(x0, tp.Heads.scalar([1.0], 3).to(torch.float64), t1=1.0, dt=0.1)
-        >>> traj.x.shape
-        torch.Size([11, 20, 3])
+    Examples
+    --------
+    >>> import torch, transformer_pde as tp
+    >>> x0 = tp.sphere.octahedral(20, dtype=torch.float64)
+    >>> traj = tp.simulate(x0, tp.Heads.scalar([1.0], 3).to(torch.float64), t1=1.0, dt=0.1)
+    >>> traj.x.shape
+    torch.Size([11, 20, 3])
     """
     for flag, flag_name in ((diagnostics, "diagnostics"), (adjoint, "adjoint"), (return_path, "return_path")):
         check_bool(flag, flag_name)

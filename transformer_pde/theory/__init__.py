@@ -108,10 +108,15 @@ def critical_cosine(H: int, *, form: str = "token") -> float:
         c*(1) = 1, c*(2) = 1/golden ratio = 0.618…
     form="pairwise" (‖P_x f^h‖² − a^h Σ_{k≠h} a^k = ‖f‖²(1 − H c²)):  c = 1/√H.
 
-    Returns:
+    Returns
+    -------
+    float
         float in (0, 1].
-    Raises:
-        TypeError / ValueError: H not an int >= 1, unknown form.
+
+    Raises
+    ------
+    TypeError, ValueError
+        H not an int >= 1, unknown form.
     """
     H = check_int(H, "H", minimum=1)
     check_choice(form, ("token", "pairwise"), "form")
@@ -135,15 +140,21 @@ def critical_beta(H: int, n: int, alpha: float = 1.0, *, gamma: float = 0.0, for
 
     form="pairwise" uses c = 1/√H (then β* = (1/(2α)) ln((n−1)/(H−1)) at γ = 0).
 
-    Returns:
+    Returns
+    -------
+    float
         float; ``inf`` for H = 1 (one head is never radially dominated); a value ≤ 0 (or −inf)
         means the margin is negative for every β > 0 (e.g. n = 2, H ≥ 2).
-    Raises:
-        TypeError / ValueError for H < 1, n < 2, α <= 0, γ outside [−1/(n−1), 1), unknown form.
 
-    Example:
-        >>> round(critical_beta(2, 10, 1.0), 6)   # ln(9 · 0.618…)/2
-        0.858006
+    Raises
+    ------
+    TypeError, ValueError
+        for H < 1, n < 2, α <= 0, γ outside [−1/(n−1), 1), unknown form.
+
+    Examples
+    --------
+    >>> round(critical_beta(2, 10, 1.0), 6)   # ln(9 · 0.618…)/2
+    0.858006
     """
     c = critical_cosine(H, form=form)
     n = _n(n)
@@ -185,8 +196,10 @@ def early_rate(lam, beta: float, n: int):
     computed as 2λ e^{−logaddexp(λβ, ln(n−1))} (no overflow for large λβ).
     lam: float or tensor (any shape); returns the same kind (dtype/device follow lam).
 
-    Raises:
-        ValueError: β <= 0 or n < 2.
+    Raises
+    ------
+    ValueError
+        β <= 0 or n < 2.
     """
     beta = check_positive(beta, "beta")
     n = _n(n)
@@ -222,15 +235,21 @@ def optimal_head_strength(beta: float, n: int):
     φ'(λ) = 0 ⇔ e^{λβ}(λβ − 1) = n − 1 ⇔ λ* = (1 + W((n−1)/e)) / β, and φ(λ*) = 2W((n−1)/e)/((n−1)β)
     (W = principal Lambert W).
 
-    Returns:
+    Returns
+    -------
+    result
         (λ*, φ(λ*)) as floats.
-    Raises:
-        ValueError: β <= 0 or n < 2.
 
-    Example:
-        >>> lam, phi = optimal_head_strength(1.0, 8)
-        >>> round(lam, 4), round(phi, 4), round(early_rate(lam, 1.0, 8), 4)
-        (1.9731, 0.278, 0.278)
+    Raises
+    ------
+    ValueError
+        β <= 0 or n < 2.
+
+    Examples
+    --------
+    >>> lam, phi = optimal_head_strength(1.0, 8)
+    >>> round(lam, 4), round(phi, 4), round(early_rate(lam, 1.0, 8), 4)
+    (1.9731, 0.278, 0.278)
     """
     beta = check_positive(beta, "beta")
     n = _n(n)
@@ -244,10 +263,15 @@ def rate_inflection(beta: float, n: int) -> float:
     With u = βλ, φ''(λ) ∝ e^u [(u − 2)e^u − (n−1)(u + 2)], so u_c > 2 is the root of
     ln(u − 2) − ln(u + 2) + u − ln(n − 1) = 0 (increasing in u; solved by bisection), λ_c = u_c/β.
 
-    Returns:
+    Returns
+    -------
+    float
         λ_c (float).
-    Raises:
-        ValueError: β <= 0 or n < 2.
+
+    Raises
+    ------
+    ValueError
+        β <= 0 or n < 2.
     """
     beta = check_positive(beta, "beta")
     n = _n(n)
@@ -277,8 +301,10 @@ def late_rate(lambdas, beta: float = 1.0, *, normalization: str = "softmax"):
 
     (linearise γ̇ = F(γ) at γ = 1: F(γ) ≈ 2Λ(1 − γ)).  lambdas: (..., H); returns (...,) tensor.
 
-    Raises:
-        TypeError / ValueError: non-numeric or non-finite lambdas, β <= 0, unknown normalization.
+    Raises
+    ------
+    TypeError, ValueError
+        non-numeric or non-finite lambdas, β <= 0, unknown normalization.
     """
     check_choice(normalization, REDUCED_NORMALIZATIONS, "normalization")
     beta = check_positive(beta, "beta")
@@ -309,8 +335,10 @@ def gamma_velocity(gamma, lambdas, *, beta: float = 1.0, n: int, normalization: 
     gamma: float or tensor (...,); lambdas: (H,) or (..., H).  Returns (...,) (a float for float γ
     and 1-D lambdas).
 
-    Raises:
-        TypeError / ValueError: bad lambdas, β <= 0, n < 2, unknown normalization or direction.
+    Raises
+    ------
+    TypeError, ValueError
+        bad lambdas, β <= 0, n < 2, unknown normalization or direction.
     """
     check_choice(normalization, REDUCED_NORMALIZATIONS, "normalization")
     s = _sign(direction)
@@ -335,20 +363,30 @@ def gamma_ode(times, lambdas, *, beta: float = 1.0, n: int, gamma0: float, norma
     Integrated in ℓ = ln(1 − γ), ℓ̇ = −s F(γ)/(1 − γ) (the factor 1 − γ cancels), with torchdiffeq's
     dopri5, so that 1 − γ stays accurate down to e^{−700} (late-rate fits).
 
-    Args:
-        times: (T,) increasing tensor or sequence, times[0] = initial time.
-        lambdas: (H,) head strengths.  gamma0: initial overlap in [−1/(n−1), 1).
-    Returns:
+    Parameters
+    ----------
+    times
+        (T,) increasing tensor or sequence, times[0] = initial time.
+    lambdas
+        (H,) head strengths.  gamma0: initial overlap in [−1/(n−1), 1).
+
+    Returns
+    -------
+    result
         (gamma (T,), gap (T,)) with gap = 1 − γ; dtype/device follow ``times`` when it is a tensor
         (float64 otherwise).
-    Raises:
-        TypeError / ValueError: bad lambdas (or more than one set), γ0 outside [−1/(n−1), 1),
+
+    Raises
+    ------
+    TypeError, ValueError
+        bad lambdas (or more than one set), γ0 outside [−1/(n−1), 1),
         times not 1-D increasing, β <= 0, unknown normalization or direction.
 
-    Example:
-        >>> g, gap = gamma_ode([0.0, 1.0, 2.0], [0.5, 1.5], n=8, gamma0=0.0)
-        >>> [round(v, 4) for v in g.tolist()]
-        [0.0, 0.7881, 0.9951]
+    Examples
+    --------
+    >>> g, gap = gamma_ode([0.0, 1.0, 2.0], [0.5, 1.5], n=8, gamma0=0.0)
+    >>> [round(v, 4) for v in g.tolist()]
+    [0.0, 0.7881, 0.9951]
     """
     from torchdiffeq import odeint
 
@@ -400,8 +438,10 @@ def hitting_time(lambdas, *, beta: float = 1.0, n: int, gamma0: float, target: f
     1/γ-type integrand of ReLU heads smooth).  Returns ``inf`` when F ≤ 0 somewhere on the
     interval (the target is never reached).
 
-    Raises:
-        ValueError: target <= γ0, either outside [−1/(n−1), 1), bad lambdas, β <= 0, unknown normalization.
+    Raises
+    ------
+    ValueError
+        target <= γ0, either outside [−1/(n−1), 1), bad lambdas, β <= 0, unknown normalization.
     """
     from scipy.integrate import quad
 
@@ -436,8 +476,10 @@ def linearized_clustering_time(lambdas, *, beta: float = 1.0, n: int, gamma0: fl
     reduced ODE (:func:`hitting_time`) and the particle system depart from it once (n−1)γ is not
     small (see the README).  Returns ``inf`` when the leading rate is ≤ 0.
 
-    Raises:
-        ValueError: target <= γ0, γ0 <= 0 for relu (γ = 0 is a fixed point), bad lambdas, β <= 0.
+    Raises
+    ------
+    ValueError
+        target <= γ0, γ0 <= 0 for relu (γ = 0 is a fixed point), bad lambdas, β <= 0.
     """
     lam, beta, n, gamma0, target = _time_args(lambdas, beta, n, gamma0, target, normalization)
     if normalization in ("softmax", "unnormalized"):
@@ -466,10 +508,15 @@ def superadditivity(lambdas, *, beta: float = 1.0, n: int) -> dict:
 
     The late rate Λ is the same for all three (:func:`late_rate`).
 
-    Returns:
+    Returns
+    -------
+    dict
         dict of floats (lambdas 1-D) with "regime" ∈ {"convex", "concave", "mixed"} and "inflection" λ_c.
-    Raises:
-        ValueError: lambdas not one 1-D set, β <= 0, n < 2.
+
+    Raises
+    ------
+    ValueError
+        lambdas not one 1-D set, β <= 0, n < 2.
     """
     beta = check_positive(beta, "beta")
     n = _n(n)

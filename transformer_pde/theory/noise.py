@@ -250,14 +250,22 @@ def critical_temperature(beta, d: int, lambdas=(1.0,), weights=None, normalizati
     von Mises–Fisher mean resultant length; unnormalised: T_c = Σ_h ω_h Γ(d/2)(2/(βλ_h))^{d/2−1}
     I_{d/2}(βλ_h)/β.  Derivation: module docstring and docs/noisy_tokens.md.
 
-    Args:
-        beta: inverse temperature of the attention, > 0.
-        d: ambient dimension (tokens on S^{d−1}), ≥ 2.
-        lambdas: head strengths λ_h (sequence or tensor (H,)).
-        weights: head weights ω_h (H,), None = 1/H.
-        normalization: "softmax" | "unnormalized" | "effective".
-        direction: "ascent" (tokens attract for λ > 0) or "descent" (then T_c = 0 for λ > 0).
-        ell_max: modes searched (default grows like √(β max|λ|)).
+    Parameters
+    ----------
+    beta
+        inverse temperature of the attention, > 0.
+    d : int
+        ambient dimension (tokens on S^{d−1}), ≥ 2.
+    lambdas
+        head strengths λ_h (sequence or tensor (H,)).
+    weights
+        head weights ω_h (H,), None = 1/H.
+    normalization : str
+        "softmax" | "unnormalized" | "effective".
+    direction : str
+        "ascent" (tokens attract for λ > 0) or "descent" (then T_c = 0 for λ > 0).
+    ell_max : Optional[int]
+        modes searched (default grows like √(β max|λ|)).
 
     >>> round(critical_temperature(1e-9, 2), 6)   # small β: the noisy Kuramoto threshold λ/d
     0.5

@@ -4,7 +4,7 @@
 Tokens on the circle follow dX = V dt + √(2T) ∘ dB with one softmax head A = V = 2I (ascent).
 ``tp.theory.critical_temperature`` predicts T_c = A_2(βλ)/β = I_1(2)/I_0(2) ≈ 0.698, below which the
 uniform measure is unstable.  We run N = 400 tokens from a uniform grid at a few temperatures and plot
-the order parameter |m| = |(1/N) Σ x_i| over time: it grows to O(1) below T_c and stays at the
+the order parameter ``|m| = |(1/N) Σ x_i|`` over time: it grows to O(1) below T_c and stays at the
 N^{-1/2} noise level above it.
 """
 

@@ -57,8 +57,6 @@ from typing import Optional, Sequence
 
 import numpy as np
 import torch
-from scipy.optimize import brentq
-from scipy.special import gammaln, ive
 
 from .._validation import check_choice, check_int, check_positive, check_real, direction_sign
 
@@ -117,6 +115,7 @@ def _heads(lambdas, weights):
 
 def _log_kappa(a: np.ndarray, ell: np.ndarray, d: int):
     """log|κ_ℓ(a)| and sign, for a ≠ 0 (broadcast over a and ℓ)."""
+    from scipy.special import gammaln, ive  # scipy on first use: `import transformer_pde` stays light
     nu0 = d / 2 - 1
     aa = np.abs(a)
     with np.errstate(divide="ignore"):
@@ -144,6 +143,7 @@ def funk_hecke_exponential(a, d: int, ell) -> np.ndarray:
 
 def _ratio(a: np.ndarray, ell: np.ndarray, d: int) -> np.ndarray:
     """κ_ℓ(a)/(a κ_0(a)) (finite at a = 0), broadcast."""
+    from scipy.special import ive  # scipy on first use: `import transformer_pde` stays light
     nu0 = d / 2 - 1
     a, ell = np.broadcast_arrays(np.asarray(a, dtype=np.float64), np.asarray(ell, dtype=np.int64))
     aa = np.abs(a)
@@ -352,6 +352,7 @@ def oscillating_averaged_growth_rate(beta0: float, amplitude: float, d: int, T: 
 def landau_coefficient(beta, d: int) -> float:
     """δ₂ of the module docstring for one unnormalised head λ = 1 (ascent): > 0 the transition at T_c is
     continuous (supercritical), < 0 it is first order (subcritical, hysteresis)."""
+    from scipy.special import ive  # scipy on first use: `import transformer_pde` stays light
     beta = check_positive(beta, "beta")
     d = _dim(d)
     r = float(ive(d / 2 + 1, beta) / ive(d / 2, beta))
@@ -361,6 +362,8 @@ def landau_coefficient(beta, d: int) -> float:
 def first_order_beta(d: int) -> float:
     """The root β of I_{d/2+1}(β)/I_{d/2}(β) = 1/d: above it the unnormalised noisy transformer's
     transition at T_c is first order (Mun–Rosenzweig 2026; :func:`landau_coefficient` changes sign)."""
+    from scipy.optimize import brentq
+    from scipy.special import ive  # scipy on first use: `import transformer_pde` stays light
     d = _dim(d)
     f = lambda b: ive(d / 2 + 1, b) / ive(d / 2, b) - 1 / d  # noqa: E731
     hi = 1.0

@@ -314,18 +314,20 @@ def check_layer_norm_method(scheme: LayerNorm, method: str) -> None:
 class FusedUpdate:
     """The layer maps' attention update without diagnostics, in one fused pass (softmax, not causal):
 
-        K_hj = β A_h x_j,   W_hj = ω_h s V_h x_j,   E_ijh = w_j e^{⟨x_i, K_hj⟩},
-        A_i = Σ_{j,h} (E_ijh / Σ_k E_ikh) W_hj
+        Q_ih = β A_hᵀ x_i,   E_ihj = w_j e^{⟨Q_ih, x_j⟩},   P_ihj = E_ihj / Σ_k E_ihk,
+        A_i = Σ_h ω_h s V_h (Σ_j P_ihj x_j)
 
-    All heads share each product: K (and W) for every head come from one product of the tokens with
-    [β A_1ᵀ … β A_Hᵀ] (and [ω_1 s V_1ᵀ …]), the scores of every head from one product x Kᵀ (layout (i, j, h)), and the
-    head-summed update from one product of the normalised weights (n × nH) with W (nH × d).  The
-    exponential runs on the scores directly (no max shift): |⟨x_i, β A_h x_j⟩| ≤ β‖A_h‖_F for unit
-    vectors, and the pass is used only when that bound is below ½ log(finfo.max) − log n (else
-    ``None``: the caller falls back to :func:`transformer_pde.field.evaluate`), nor with autograd.
-    The same numbers as ``evaluate`` to rounding (tests/test_layernorm.py).  The stacked matrices
-    are prepared once per head tensors (constant weights reuse them every step).  Returns a
-    :class:`FieldEval` with ``velocity`` = P_x A, ``ambient`` = A and no statistics."""
+    All heads share each product: Q for every head comes from one product of the tokens with
+    [β A_1 … β A_H] (rows i·H + h), the scores of every head from one product Q xᵀ (layout (i, h, j):
+    exponentiated and normalised in place over the contiguous last axis), the head means
+    Σ_j P_ihj x_j from one product P x, and the head-summed update from one product of those means (n × Hd) with
+    [ω_1 s V_1ᵀ; …; ω_H s V_Hᵀ] (Hd × d).  The exponential runs on the scores directly (no max
+    shift): |⟨x_i, β A_h x_j⟩| ≤ β‖A_h‖_F for unit vectors, and the pass is used only when that
+    bound is below ½ log(finfo.max) − log n (else ``None``: the caller falls back to
+    :func:`transformer_pde.field.evaluate`), nor with autograd.  The same numbers as ``evaluate``
+    to rounding (tests/test_layernorm.py).  The stacked matrices are prepared once per head
+    tensors (constant weights reuse them every step).  Returns a :class:`FieldEval` with
+    ``velocity`` = P_x A, ``ambient`` = A and no statistics."""
 
     def __init__(self, weights, sign: float):
         self.w, self.sign = weights, float(sign)
@@ -349,24 +351,24 @@ class FusedUpdate:
         beta = beta.reshape(*beta.shape, 1, 1, 1) if beta.dim() else beta
         bound = float((beta * A).flatten(-2).norm(dim=-1).detach().max())
         limit = 0.5 * math.log(torch.finfo(x.dtype).max) - math.log(max(x.shape[-2], 1))
-        kt = (beta * A).transpose(-1, -2)                                   # (..., H, d, d)
-        vt = (heads.weights[..., None, None] * (self.sign * V)).transpose(-1, -2)
-        kt = kt.movedim(-3, -2).reshape(*kt.shape[:-3], d, H * d)         # (..., d, H·d)
-        vt = vt.movedim(-3, -2).reshape(*vt.shape[:-3], d, H * d)
-        self._prep, self._key = (kt, vt, H, bound <= limit), key
+        qa = beta * A
+        qa = qa.movedim(-3, -2).reshape(*qa.shape[:-3], d, H * d)          # (..., d, H·d): column block h = β A_h
+        vs = (heads.weights[..., None, None] * (self.sign * V)).transpose(-1, -2)
+        vs = vs.reshape(*vs.shape[:-3], H * d, d)                            # (..., H·d, d): row block h = ω_h s V_hᵀ
+        self._prep, self._key = (qa, vs, H, bound <= limit), key
         return self._prep
 
     def __call__(self, x: torch.Tensor, heads) -> "FieldEval | None":
-        kt, vt, H, safe = self._prepare(heads, x)
-        if not safe or (torch.is_grad_enabled() and (x.requires_grad or kt.requires_grad or vt.requires_grad)):
+        qa, vs, H, safe = self._prepare(heads, x)
+        if not safe or (torch.is_grad_enabled() and (x.requires_grad or qa.requires_grad or vs.requires_grad)):
             return None
         n, d = x.shape[-2:]
-        batch = x.shape[:-2]
-        K = (x @ kt).reshape(*batch, n * H, d)               # row j·H + h: β A_h x_j
-        W = (x @ vt).reshape(*batch, n * H, d)               # ω_h s V_h x_j
-        E = torch.exp(x @ K.transpose(-1, -2)).view(*batch, n, n, H)   # E[i, j, h]
+        Q = x @ qa                                           # (..., n, H·d): Q[i, h] = β A_hᵀ x_i
+        E = Q.view(*Q.shape[:-2], n * H, d) @ x.transpose(-1, -2)   # (..., n·H, n): E[i·H + h, j]
+        E.exp_()
         if self.w is not None:
-            E = E * self.w.unsqueeze(-2).unsqueeze(-1)
-        E = E / E.sum(-2, keepdim=True)
-        ambient = E.view(*batch, n, n * H) @ W
+            E.mul_(self.w.unsqueeze(-2))
+        E.div_(E.sum(-1, keepdim=True))
+        means = E @ x                                        # (..., n·H, d): Σ_j P_ihj x_j
+        ambient = means.view(*means.shape[:-2], n, H * d) @ vs
         return FieldEval(tangent_projection(x, ambient), None, None, ambient=ambient)

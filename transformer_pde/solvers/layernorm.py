@@ -51,6 +51,7 @@ import math
 
 import torch
 
+from .._validation import broadcast_shapes
 from ..field import FieldEval, log_inverse_mobility
 from ..sphere import tangent_projection
 
@@ -157,7 +158,7 @@ class PostLN(LayerNorm):
     name: ClassVar[str] = "post"
 
     def step(self, x, r, update, dt):
-        out, ny = _normalized(x + dt * update)
+        out, ny = _normalized(torch.add(x, update, alpha=dt))
         return out, None, _err(ny)
 
 
@@ -311,6 +312,30 @@ def check_layer_norm_method(scheme: LayerNorm, method: str) -> None:
 
 
 
+#: the scores of a block of systems in FusedUpdate (bytes): the exponential, the normalisation and the
+#: product with the tokens then run on data held in a core's L2 cache instead of main memory
+_SCORE_BLOCK_BYTES = 2 ** 21
+
+
+class _AmbientEval(FieldEval):
+    """A tokens-only FieldEval of a layer map: ``ambient`` = A, and ``velocity`` = P_x A computed on
+    first read (the layer maps add A itself; the projection is made only for a caller that asks)."""
+
+    def __init__(self, x: torch.Tensor, ambient: torch.Tensor):
+        self._x, self._v = x, None
+        super().__init__(None, None, None, ambient=ambient)
+
+    @property
+    def velocity(self) -> torch.Tensor:
+        if self._v is None:
+            self._v = tangent_projection(self._x, self.ambient)
+        return self._v
+
+    @velocity.setter
+    def velocity(self, value):
+        self._v = value
+
+
 class FusedUpdate:
     """The layer maps' attention update without diagnostics, in one fused pass (softmax, not causal):
 
@@ -327,7 +352,7 @@ class FusedUpdate:
     :func:`transformer_pde.field.evaluate`), nor with autograd.  The same numbers as ``evaluate``
     to rounding (tests/test_layernorm.py).  The stacked matrices are prepared once per head
     tensors (constant weights reuse them every step).  Returns a :class:`FieldEval` with
-    ``velocity`` = P_x A, ``ambient`` = A and no statistics."""
+    ``ambient`` = A, ``velocity`` = P_x A (computed when first read) and no statistics."""
 
     def __init__(self, weights, sign: float):
         self.w, self.sign = weights, float(sign)
@@ -363,12 +388,31 @@ class FusedUpdate:
         if not safe or (torch.is_grad_enabled() and (x.requires_grad or qa.requires_grad or vs.requires_grad)):
             return None
         n, d = x.shape[-2:]
+        w = self.w.unsqueeze(-2) if self.w is not None else None            # (..., 1, n)
+        parts = [x, qa, vs] + ([w] if w is not None else [])
+        batch = broadcast_shapes(*(t.shape[:-2] for t in parts))
+        B = math.prod(batch)
+        per = n * H * n * x.element_size()                                  # bytes of one system's scores
+        size = max(1, _SCORE_BLOCK_BYTES // max(per, 1))
+        if B <= size:
+            ambient = self._update(x, qa, vs, w, n, d, H)
+        else:  # blocks of systems whose scores stay in cache through exp, normalisation and product
+            flat = [t if t.dim() == 2 else t.expand(*batch, *t.shape[-2:]).reshape(B, *t.shape[-2:]) for t in parts]
+            ambient = torch.empty(B, n, d, dtype=x.dtype, device=x.device)
+            for s in range(0, B, size):
+                blk = [t if t.dim() == 2 else t[s:s + size] for t in flat]
+                ambient[s:s + size] = self._update(*blk[:3], blk[3] if w is not None else None, n, d, H)
+            ambient = ambient.view(*batch, n, d)
+        return _AmbientEval(x, ambient)
+
+    @staticmethod
+    def _update(x, qa, vs, w, n, d, H):
+        """A (..., n, d) of one block: the products and in-place passes of the class docstring."""
         Q = x @ qa                                           # (..., n, H·d): Q[i, h] = β A_hᵀ x_i
         E = Q.view(*Q.shape[:-2], n * H, d) @ x.transpose(-1, -2)   # (..., n·H, n): E[i·H + h, j]
         E.exp_()
-        if self.w is not None:
-            E.mul_(self.w.unsqueeze(-2))
+        if w is not None:
+            E.mul_(w)
         E.div_(E.sum(-1, keepdim=True))
         means = E @ x                                        # (..., n·H, d): Σ_j P_ihj x_j
-        ambient = means.view(*means.shape[:-2], n, H * d) @ vs
-        return FieldEval(tangent_projection(x, ambient), None, None, ambient=ambient)
+        return means.view(*means.shape[:-2], n, H * d) @ vs

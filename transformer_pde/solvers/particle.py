@@ -683,7 +683,8 @@ class _FixedStepRun:
     def _evaluate(self, x, heads):
         e = self.ev(x, heads, self.diagnostics)
         self.nfe += 1
-        if not _check_finite(e.velocity):
+        # a layer map adds the ambient update A (finite A gives a finite P_x A): check what the step reads
+        if not _check_finite(e.velocity if self.scheme.projected or e.ambient is None else e.ambient):
             raise nonfinite_error("the velocity field", self.drv.t, self.drv.k, heads, self.normalization)
         return e
 

@@ -463,3 +463,38 @@ def test_statistics_observables_refuse_bad_keys_and_radius_up_front():
         cl.statistics_observables(keys=[["clusters"]])
     with pytest.raises(ValueError, match="radius"):
         cl.statistics_observables(radius=3.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_pair_fraction_observable_is_the_peers_statistic(dtype):
+    """pair_fraction_observable against a loop over pairs of the overlap test (the reference
+    simulators' check_stats), against pair_fraction(eps=...) on configurations with no overlap near the
+    threshold (weighted and uniform), one token, and in simulate at every step."""
+    g = torch.Generator().manual_seed(3)
+    # clusters of coincident tokens (overlap 1) and random tokens (overlaps far below 1 − ε)
+    base = torch.nn.functional.normalize(torch.randn(4, 6, 5, generator=g, dtype=torch.float64), dim=-1)
+    pick = torch.randint(0, 6, (4, 9), generator=g)
+    x = torch.gather(base, 1, pick.unsqueeze(-1).expand(4, 9, 5)).to(dtype)
+    x = x / x.norm(dim=-1, keepdim=True)
+    eps = 1e-3
+    fn = cl.pair_fraction_observable(eps=eps)
+    got = fn(x, None)
+    want = []
+    for b in range(4):
+        c = sum(float(x[b, i] @ x[b, j]) > 1 - eps for i in range(9) for j in range(9) if i != j)
+        want.append(c / (9 * 8))
+    torch.testing.assert_close(got, torch.tensor(want, dtype=dtype), rtol=0, atol=torch.finfo(dtype).eps * 4)
+    torch.testing.assert_close(got, cl.pair_fraction(x, eps=eps), rtol=0, atol=torch.finfo(dtype).eps * 4)
+    w = torch.rand(4, 9, generator=g, dtype=torch.float64).to(dtype)
+    w = w / w.sum(-1, keepdim=True)
+    torch.testing.assert_close(fn(x, w), cl.pair_fraction(x, eps=eps, weights=w))
+    assert fn(x[:, :1], None).tolist() == [1.0] * 4
+    assert got.dtype == dtype and got.shape == (4,)
+    heads = tp.Heads(torch.eye(5, dtype=dtype).expand(2, 5, 5), torch.eye(5, dtype=dtype).expand(2, 5, 5), beta=2.0)
+    traj = tp.simulate(x, heads, t1=0.3, dt=0.1, layer_norm="post", diagnostics=False, progress=False,
+                       observables={"pairs": fn, "ref": lambda y, _: cl.pair_fraction(y, eps=eps)})
+    torch.testing.assert_close(traj.observables["pairs"], traj.observables["ref"], rtol=0, atol=0.05)
+    with pytest.raises(ValueError, match="eps"):
+        cl.pair_fraction_observable(eps=0.0)
+    with pytest.raises(ValueError, match="eps"):
+        cl.pair_fraction_observable(eps=3.0)

@@ -397,6 +397,32 @@ def test_fused_update_equals_evaluate(dtype):
     assert FusedUpdate(None, 1.0)(X, tp.Heads(200 * BF, V)) is None
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_fused_update_in_blocks_of_systems_equals_evaluate(dtype, monkeypatch):
+    """The blocked pass (systems in cache-sized blocks; the block made tiny here so that every batch is
+    split, with a remainder) against field.evaluate: batched and unbatched heads, token weights
+    broadcast over a second batch axis, a β per system; and against the unblocked pass."""
+    from transformer_pde.field import evaluate
+    from transformer_pde.solvers import layernorm
+    from transformer_pde.solvers.layernorm import FusedUpdate
+
+    X, BF, V = _peer_problem(dtype, batch=5, n=6, d=4, H=3, seed=12)
+    X2 = torch.stack([X, X.flip(-2)])                                         # (2, 5, n, d)
+    w = torch.rand(5, 6, generator=_gen(4), dtype=F64).to(dtype)
+    w = w / w.sum(-1, keepdim=True)
+    tol = dict(rtol=50 * torch.finfo(dtype).eps, atol=50 * torch.finfo(dtype).eps)
+    cases = ((X, tp.Heads(BF, V, beta=1.3), None), (X2, tp.Heads(BF[0], V[0]), w),
+             (X2, tp.Heads(BF, V, beta=torch.linspace(0.5, 2.0, 5, dtype=dtype)), w))
+    whole = [FusedUpdate(weights, -1.0)(x, heads).ambient for x, heads, weights in cases]
+    monkeypatch.setattr(layernorm, "_SCORE_BLOCK_BYTES", 2 * 6 * 3 * 6 * torch.finfo(dtype).bits // 8)
+    for (x, heads, weights), un in zip(cases, whole):
+        got = FusedUpdate(weights, -1.0)(x, heads)
+        want = evaluate(x, heads, weights, sign=-1.0, diagnostics=False)
+        torch.testing.assert_close(got.ambient, want.ambient, **tol)
+        torch.testing.assert_close(got.velocity, want.velocity, **tol)
+        torch.testing.assert_close(got.ambient, un, **tol)
+
+
 # ---------------------------------------------------------------- studies
 def test_rotf_phase_diagram_study_records_the_peers_statistics(tmp_path):
     """phase_diagram with rotf's settings: post-LN, pair fraction at 0.999 and Gram rank at 0.9999; the

@@ -54,6 +54,7 @@ __all__ = [
     "mean_overlap",
     "gram_rank_count",
     "pair_fraction",
+    "pair_fraction_observable",
     "cluster_masses",
     "largest_cluster_mass",
     "cluster_radius",
@@ -244,6 +245,46 @@ def pair_fraction(x, *, radius: Optional[float] = None, eps: Optional[float] = N
     else:
         close = torch.sigmoid((eps - gap) / temperature)
     return _pair_mean(w, close, one_point=1.0)
+
+
+def pair_fraction_observable(*, eps: float = 1e-3):
+    """The reference simulators' pair statistic as an observable ``fn(x, weights) -> (...,)`` for
+    ``tp.simulate(..., observables={"pairs": fn})``: the fraction of distinct pairs whose overlap,
+    read off the Gram matrix, exceeds 1 − ε (rotf and simuformer record it at every step with
+    ε = 1e-3, the default),
+
+        Σ_{i≠j} w_i w_j 1[⟨x_i, x_j⟩ > 1 − ε] / Σ_{i≠j} w_i w_j      (1 for a one-point measure).
+
+    The same statistic as :func:`pair_fraction` with ``eps``, except for pairs within rounding of the
+    threshold: this compares the overlaps ⟨x_i, x_j⟩ (the peers' arithmetic), :func:`pair_fraction`
+    the differences |x_i − x_j|²/2 (accurate for near-coincident tokens).  ε is checked here, once;
+    the tokens are not (the solver hands over tokens on the sphere), so the per-step cost is one
+    Gram product and one pass over it: with uniform weights the indicator is written as 0/1 in x's
+    dtype (an exact count below 2²⁴ pairs in float32, else float64) and the diagonal is taken off
+    by its own count, without a mask.
+
+    Raises
+    ------
+    ValueError
+        eps not in (0, 2]."""
+    eps = check_positive(eps, "eps")
+    if eps > 2.0:
+        raise ValueError(f"eps must be <= 2 (overlaps are >= -1), got {eps}")
+    level = 1.0 - eps
+
+    def fn(x, weights=None):
+        G = x @ x.transpose(-1, -2)
+        n = x.shape[-2]
+        if weights is not None:
+            return _pair_mean(_weights(x, weights), (G > level).to(x.dtype), one_point=1.0)
+        if n < 2:
+            return torch.ones(x.shape[:-2], dtype=x.dtype, device=x.device)
+        exact = x.dtype if x.dtype == torch.float64 or (x.dtype == torch.float32 and n * n < 2 ** 24) else torch.float64
+        close = torch.gt(G, level, out=torch.empty(G.shape, dtype=exact, device=x.device))
+        count = close.sum((-1, -2)) - close.diagonal(0, -2, -1).sum(-1)
+        return (count / (n * (n - 1))).to(x.dtype)
+
+    return fn
 
 
 def _pair_mean(w, f, *, one_point: float):

@@ -51,6 +51,7 @@ import math
 
 import torch
 
+from .._validation import broadcast_shapes
 from ..field import FieldEval, log_inverse_mobility
 from ..sphere import tangent_projection
 
@@ -157,7 +158,7 @@ class PostLN(LayerNorm):
     name: ClassVar[str] = "post"
 
     def step(self, x, r, update, dt):
-        out, ny = _normalized(x + dt * update)
+        out, ny = _normalized(torch.add(x, update, alpha=dt))
         return out, None, _err(ny)
 
 
@@ -311,21 +312,47 @@ def check_layer_norm_method(scheme: LayerNorm, method: str) -> None:
 
 
 
+#: the scores of a block of systems in FusedUpdate (bytes): the exponential, the normalisation and the
+#: product with the tokens then run on data held in a core's L2 cache instead of main memory
+_SCORE_BLOCK_BYTES = 2 ** 21
+
+
+class _AmbientEval(FieldEval):
+    """A tokens-only FieldEval of a layer map: ``ambient`` = A, and ``velocity`` = P_x A computed on
+    first read (the layer maps add A itself; the projection is made only for a caller that asks)."""
+
+    def __init__(self, x: torch.Tensor, ambient: torch.Tensor):
+        self._x, self._v = x, None
+        super().__init__(None, None, None, ambient=ambient)
+
+    @property
+    def velocity(self) -> torch.Tensor:
+        if self._v is None:
+            self._v = tangent_projection(self._x, self.ambient)
+        return self._v
+
+    @velocity.setter
+    def velocity(self, value):
+        self._v = value
+
+
 class FusedUpdate:
     """The layer maps' attention update without diagnostics, in one fused pass (softmax, not causal):
 
-        K_hj = β A_h x_j,   W_hj = ω_h s V_h x_j,   E_ijh = w_j e^{⟨x_i, K_hj⟩},
-        A_i = Σ_{j,h} (E_ijh / Σ_k E_ikh) W_hj
+        Q_ih = β A_hᵀ x_i,   E_ihj = w_j e^{⟨Q_ih, x_j⟩},   P_ihj = E_ihj / Σ_k E_ihk,
+        A_i = Σ_h ω_h s V_h (Σ_j P_ihj x_j)
 
-    All heads share each product: K (and W) for every head come from one product of the tokens with
-    [β A_1ᵀ … β A_Hᵀ] (and [ω_1 s V_1ᵀ …]), the scores of every head from one product x Kᵀ (layout (i, j, h)), and the
-    head-summed update from one product of the normalised weights (n × nH) with W (nH × d).  The
-    exponential runs on the scores directly (no max shift): |⟨x_i, β A_h x_j⟩| ≤ β‖A_h‖_F for unit
-    vectors, and the pass is used only when that bound is below ½ log(finfo.max) − log n (else
-    ``None``: the caller falls back to :func:`transformer_pde.field.evaluate`), nor with autograd.
-    The same numbers as ``evaluate`` to rounding (tests/test_layernorm.py).  The stacked matrices
-    are prepared once per head tensors (constant weights reuse them every step).  Returns a
-    :class:`FieldEval` with ``velocity`` = P_x A, ``ambient`` = A and no statistics."""
+    All heads share each product: Q for every head comes from one product of the tokens with
+    [β A_1 … β A_H] (rows i·H + h), the scores of every head from one product Q xᵀ (layout (i, h, j):
+    exponentiated and normalised in place over the contiguous last axis), the head means
+    Σ_j P_ihj x_j from one product P x, and the head-summed update from one product of those means (n × Hd) with
+    [ω_1 s V_1ᵀ; …; ω_H s V_Hᵀ] (Hd × d).  The exponential runs on the scores directly (no max
+    shift): |⟨x_i, β A_h x_j⟩| ≤ β‖A_h‖_F for unit vectors, and the pass is used only when that
+    bound is below ½ log(finfo.max) − log n (else ``None``: the caller falls back to
+    :func:`transformer_pde.field.evaluate`), nor with autograd.  The same numbers as ``evaluate``
+    to rounding (tests/test_layernorm.py).  The stacked matrices are prepared once per head
+    tensors (constant weights reuse them every step).  Returns a :class:`FieldEval` with
+    ``ambient`` = A, ``velocity`` = P_x A (computed when first read) and no statistics."""
 
     def __init__(self, weights, sign: float):
         self.w, self.sign = weights, float(sign)
@@ -349,24 +376,43 @@ class FusedUpdate:
         beta = beta.reshape(*beta.shape, 1, 1, 1) if beta.dim() else beta
         bound = float((beta * A).flatten(-2).norm(dim=-1).detach().max())
         limit = 0.5 * math.log(torch.finfo(x.dtype).max) - math.log(max(x.shape[-2], 1))
-        kt = (beta * A).transpose(-1, -2)                                   # (..., H, d, d)
-        vt = (heads.weights[..., None, None] * (self.sign * V)).transpose(-1, -2)
-        kt = kt.movedim(-3, -2).reshape(*kt.shape[:-3], d, H * d)         # (..., d, H·d)
-        vt = vt.movedim(-3, -2).reshape(*vt.shape[:-3], d, H * d)
-        self._prep, self._key = (kt, vt, H, bound <= limit), key
+        qa = beta * A
+        qa = qa.movedim(-3, -2).reshape(*qa.shape[:-3], d, H * d)          # (..., d, H·d): column block h = β A_h
+        vs = (heads.weights[..., None, None] * (self.sign * V)).transpose(-1, -2)
+        vs = vs.reshape(*vs.shape[:-3], H * d, d)                            # (..., H·d, d): row block h = ω_h s V_hᵀ
+        self._prep, self._key = (qa, vs, H, bound <= limit), key
         return self._prep
 
     def __call__(self, x: torch.Tensor, heads) -> "FieldEval | None":
-        kt, vt, H, safe = self._prepare(heads, x)
-        if not safe or (torch.is_grad_enabled() and (x.requires_grad or kt.requires_grad or vt.requires_grad)):
+        qa, vs, H, safe = self._prepare(heads, x)
+        if not safe or (torch.is_grad_enabled() and (x.requires_grad or qa.requires_grad or vs.requires_grad)):
             return None
         n, d = x.shape[-2:]
-        batch = x.shape[:-2]
-        K = (x @ kt).reshape(*batch, n * H, d)               # row j·H + h: β A_h x_j
-        W = (x @ vt).reshape(*batch, n * H, d)               # ω_h s V_h x_j
-        E = torch.exp(x @ K.transpose(-1, -2)).view(*batch, n, n, H)   # E[i, j, h]
-        if self.w is not None:
-            E = E * self.w.unsqueeze(-2).unsqueeze(-1)
-        E = E / E.sum(-2, keepdim=True)
-        ambient = E.view(*batch, n, n * H) @ W
-        return FieldEval(tangent_projection(x, ambient), None, None, ambient=ambient)
+        w = self.w.unsqueeze(-2) if self.w is not None else None            # (..., 1, n)
+        parts = [x, qa, vs] + ([w] if w is not None else [])
+        batch = broadcast_shapes(*(t.shape[:-2] for t in parts))
+        B = math.prod(batch)
+        per = n * H * n * x.element_size()                                  # bytes of one system's scores
+        size = max(1, _SCORE_BLOCK_BYTES // max(per, 1))
+        if B <= size:
+            ambient = self._update(x, qa, vs, w, n, d, H)
+        else:  # blocks of systems whose scores stay in cache through exp, normalisation and product
+            flat = [t if t.dim() == 2 else t.expand(*batch, *t.shape[-2:]).reshape(B, *t.shape[-2:]) for t in parts]
+            ambient = torch.empty(B, n, d, dtype=x.dtype, device=x.device)
+            for s in range(0, B, size):
+                blk = [t if t.dim() == 2 else t[s:s + size] for t in flat]
+                ambient[s:s + size] = self._update(*blk[:3], blk[3] if w is not None else None, n, d, H)
+            ambient = ambient.view(*batch, n, d)
+        return _AmbientEval(x, ambient)
+
+    @staticmethod
+    def _update(x, qa, vs, w, n, d, H):
+        """A (..., n, d) of one block: the products and in-place passes of the class docstring."""
+        Q = x @ qa                                           # (..., n, H·d): Q[i, h] = β A_hᵀ x_i
+        E = Q.view(*Q.shape[:-2], n * H, d) @ x.transpose(-1, -2)   # (..., n·H, n): E[i·H + h, j]
+        E.exp_()
+        if w is not None:
+            E.mul_(w)
+        E.div_(E.sum(-1, keepdim=True))
+        means = E @ x                                        # (..., n·H, d): Σ_j P_ihj x_j
+        return means.view(*means.shape[:-2], n, H * d) @ vs

@@ -69,6 +69,7 @@ measures the peak; scripts/benchmark_field.py prints it).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -600,7 +601,7 @@ def _softmax_sdpa(x, y, left, right, weights, second_moment, batch, causal=False
     if second_moment:
         cols = out[..., d:c]
         form = _quadratic_form_trace_free if trace_free else _quadratic_form
-        stats._second_fn = lambda: form(x, cols, iu, coef)
+        stats._second_fn = functools.partial(form, x, cols, iu, coef)  # picklable, unlike a lambda
     if not causal:
         stats._columns = (x, out, d, c, trace_free, iu, coef)
     return stats

@@ -701,8 +701,8 @@ def head_moment_sums(stats: HeadStats, weights: Optional[torch.Tensor], log_scal
     if cols is None:
         return None
     xq, out, d, c, trace_free, iu, coef = cols
-    if x is not None and x is not xq:
-        return None
+    if (x is not None and x is not xq) or _needs_grad(xq, weights):
+        return None  # other queries, or a caller differentiating through the sums: the per-token path
     lse = stats.log_partition
     key = (None if weights is None else weights._version, lse._version, out._version, xq._version, float(log_scale))
     cache = stats.__dict__.get("_moment_sums")

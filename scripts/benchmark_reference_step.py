@@ -52,7 +52,9 @@ from pathlib import Path
 
 import torch
 
-import transformer_pde as tp
+# the checkout this script belongs to, not whatever transformer_pde the interpreter finds first
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import transformer_pde as tp  # noqa: E402
 
 
 def reference_setup(H, *, dtype=torch.float64, seed=0, device="cpu"):
@@ -285,6 +287,7 @@ def main(argv=None):
         ap.error(f"--official {args.official}: no attn_sphere/engine.py there (a checkout of the official engine)")
     dtype = torch.float32 if args.float32 else torch.float64
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"transformer_pde from {Path(tp.__file__).parent}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average {load:.2f}, {dtype}, "
           f"backend {args.backend} -> "
           f"{tp.attention.select_backend(args.backend, args.device, dtype, 10**6)} on {args.device}")

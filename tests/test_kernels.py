@@ -11,6 +11,7 @@ import torch
 
 import transformer_pde as tp
 from transformer_pde import attention
+from transformer_pde.energy import ito_correction, pairing
 from transformer_pde.field import evaluate
 
 NO_GRAD_BACKENDS = ["dense", "chunked", "sdpa"]
@@ -402,3 +403,90 @@ def test_cuda_field_and_large_beta():
     gpu = evaluate(x.cuda(), tp.Heads(A.cuda()), sign=-1.0, second_moment=True)
     for key in ("velocity", "energy", "slope", "dissipation"):
         torch.testing.assert_close(getattr(gpu, key).cpu(), getattr(cpu, key), rtol=1e-10, atol=1e-10)
+
+
+# ---------------------------------------------------------------------------- per-head token sums (the ledger)
+def _dense_head_sums(x, A, key_weights, query_weights, keys, log_scale):
+    """T_h = e^{−c} Σ_ij w_i w_j e^{⟨x_i, A_h y_j⟩} y_j x_iᵀ (as T[a, b] = Σ … y_ja x_ib) and
+    ito_h = e^{−c} Σ_ij w_i w_j e^{⟨x_i, A_h y_j⟩} (1 + ⟨x_i, y_j⟩²): the double sums, in float64."""
+    x, A = x.double(), A.double()
+    y = x if keys is None else keys.double()
+    n, m = x.shape[-2], y.shape[-2]
+    wk = torch.full((m,), 1.0 / m, dtype=torch.float64) if key_weights is None else key_weights.double()
+    wq = torch.full((n,), 1.0 / n, dtype=torch.float64) if query_weights is None else query_weights.double()
+    S = torch.einsum("...ia,...hab,...jb->...hij", x, A, y)
+    K = torch.exp(S - log_scale) * wk.unsqueeze(-2).unsqueeze(-2) * wq.unsqueeze(-1).unsqueeze(-3)
+    T = torch.einsum("...hij,...ja,...ib->...hab", K, y, x)
+    ito = (K * (1 + (x @ y.transpose(-1, -2)).square()).unsqueeze(-3)).sum((-1, -2))
+    return T, ito
+
+
+@pytest.mark.skipif(not attention.sdpa_available("cpu", torch.float64), reason="no fused CPU kernel in this torch")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("d", [2, 3, 4])
+@pytest.mark.parametrize("case", ["uniform", "weighted", "off_sphere_keys", "scaled"])
+def test_head_moment_sums_match_the_dense_double_sums(dtype, d, case):
+    """The per-head sums the ledger reads (pairing's T_h and the Itô correction's Σ_i w_i m_h (1 + q_h))
+    come from one product of the fused kernel's value columns, without the per-token second moment;
+    they equal the dense double sums over (i, j), on and off the sphere (trace-free columns or all
+    of them), with and without token weights and at a common scale e^{−c}."""
+    x = _sphere(2, 17, d, dtype=dtype, seed=11)
+    A = (0.7 * torch.randn(2, 5, d, d, generator=_gen(12), dtype=torch.float64)).to(dtype)
+    keys = key_w = query_w = None
+    c = 0.0
+    if case == "weighted":
+        key_w = torch.rand(2, 17, generator=_gen(13), dtype=torch.float64) + 0.1
+        key_w = (key_w / key_w.sum(-1, keepdim=True)).to(dtype)
+        key_w[1, 3] = 0.0  # a zero-weight token
+        query_w = key_w
+    elif case == "off_sphere_keys":
+        keys = 1.7 * _sphere(2, 13, d, dtype=dtype, seed=14)
+    elif case == "scaled":
+        A = A * 30.0
+        c = 25.0
+    st = tp.softmax_statistics(x, tp.Heads(A), key_w, keys=keys, second_moment=True, backend="sdpa")
+    sums = attention.head_moment_sums(st, query_w, c, x)
+    assert sums is not None
+    assert st.__dict__.get("_second") is None  # the per-token quadratic form was not formed
+    T_ref, ito_ref = _dense_head_sums(x, A, key_w, query_w, keys, c)
+    tol = _tol(dtype, 10.0 if case == "scaled" else 1.0)
+    scale_T = float(T_ref.abs().max())
+    torch.testing.assert_close(sums[0].double(), T_ref, rtol=tol["rtol"], atol=tol["atol"] * scale_T)
+    torch.testing.assert_close(sums[1].double(), ito_ref, rtol=tol["rtol"], atol=tol["atol"] * float(ito_ref.abs().max()))
+    # the lazily formed second moment is still the oracle's
+    torch.testing.assert_close(st.second.double(), oracle(x, A, key_w, keys)[2], **_tol(dtype))
+    # without the second moment: T alone
+    st1 = tp.softmax_statistics(x, tp.Heads(A), key_w, keys=keys, backend="sdpa")
+    T1, ito1 = attention.head_moment_sums(st1, query_w, c, x)
+    assert ito1 is None
+    torch.testing.assert_close(T1.double(), T_ref, rtol=tol["rtol"], atol=tol["atol"] * scale_T)
+
+
+@pytest.mark.skipif(not attention.sdpa_available("cpu", torch.float64), reason="no fused CPU kernel in this torch")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_pairing_and_ito_correction_agree_across_backends(dtype):
+    """energy.pairing and energy.ito_correction read the fused kernel's per-head sums ("sdpa") or form
+    the per-token terms ("chunked", no columns kept): the same numbers, and the sums are cached
+    (the second pairing of a step reuses them, also after the weights' identity check)."""
+    x = _sphere(3, 19, 3, dtype=dtype, seed=21)
+    A = torch.randn(3, 6, 3, 3, generator=_gen(22), dtype=torch.float64)
+    heads = tp.Heads((A + A.transpose(-1, -2)).to(dtype))
+    M = torch.randn(3, 6, 3, 3, generator=_gen(23), dtype=torch.float64).to(dtype)
+    w = torch.rand(3, 19, generator=_gen(24), dtype=torch.float64)
+    w = (w / w.sum(-1, keepdim=True)).to(dtype)
+    sigma = torch.rand(3, 6, generator=_gen(25), dtype=torch.float64).to(dtype)
+    for weights in (None, w):
+        fast = tp.softmax_statistics(x, heads, weights, second_moment=True, backend="sdpa")
+        slow = tp.softmax_statistics(x, heads, weights, second_moment=True, backend="chunked")
+        assert "_columns" in fast.__dict__ and "_columns" not in slow.__dict__
+        for c in (0.0, 2.5):
+            p_fast = pairing(x, heads, weights, fast, M, log_scale=c)
+            p_slow = pairing(x, heads, weights, slow, M, log_scale=c)
+            torch.testing.assert_close(p_fast, p_slow, **_tol(dtype, 10.0))
+            i_fast = ito_correction(heads, weights, fast, sigma, log_scale=c)
+            i_slow = ito_correction(heads, weights, slow, sigma, log_scale=c)
+            torch.testing.assert_close(i_fast, i_slow, **_tol(dtype, 10.0))
+            cached = fast._moment_sums[2][0]
+            pairing(x, heads, weights, fast, 2 * M, log_scale=c)
+            assert fast._moment_sums[2][0] is cached
+        assert fast.__dict__.get("_second") is None

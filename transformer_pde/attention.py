@@ -69,6 +69,7 @@ measures the peak; scripts/benchmark_field.py prints it).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -89,6 +90,8 @@ __all__ = [
     "kernel_backend",
     "causal_log_prefix_mass",
 ]
+#: named internal API (not public): the per-head token sums of the fused kernel's columns (energy ledger)
+__internal__ = ["head_moment_sums"]
 
 #: elements of one score block (batch · H · rows · m); 2^22 float64 = 32 MiB
 DEFAULT_CHUNK_ELEMENTS = 1 << 22
@@ -110,11 +113,32 @@ class HeadStats:
     log_partition: (..., H, n)  log m_h(x_i)
     mean:          (..., H, n, d)  ȳ_h(x_i)
     second:        (..., H, n) or None  Σ_j p_ij ⟨x_i, y_j⟩²
+
+    The fused "sdpa" kernel keeps its value columns on the statistics (``_columns``): ``second`` is
+    then formed from them on first access, and :func:`head_moment_sums` contracts them over the
+    tokens without forming it (what the solvers' ledger needs).
     """
 
     log_partition: torch.Tensor
     mean: torch.Tensor
     second: Optional[torch.Tensor] = None
+
+
+def _get_second(self):
+    fn = self.__dict__.get("_second_fn")
+    if self.__dict__.get("_second") is None and fn is not None:
+        self.__dict__["_second"] = fn()
+        self.__dict__["_second_fn"] = None
+    return self.__dict__.get("_second")
+
+
+def _set_second(self, value):
+    self.__dict__["_second"] = value
+    self.__dict__["_second_fn"] = None
+
+
+# ``second`` of the fused kernel is computed lazily (a per-token quadratic form the solvers never read)
+HeadStats.second = property(_get_second, _set_second)
 
 
 # ---------------------------------------------------------------------------- backend choice
@@ -563,18 +587,24 @@ def _softmax_sdpa(x, y, left, right, weights, second_moment, batch, causal=False
         mask = torch.log(weights).expand(*batch, m).reshape(G, 1, 1, m)
     out, lse = op(q4, k4, v4, is_causal=causal, attn_mask=mask, scale=1.0)
     out = out.reshape(*batch, H, n, E)
+    # the kernel's logsumexp is laid out (G, n, H): products of e^{lse} with (..., H, n, ·) columns are
+    # several times slower on that layout than on a contiguous (..., H, n) one
     lse = lse.reshape(*batch, H, n).to(x.dtype)
     if causal:
         lognorm = causal_log_prefix_mass(weights, n, dtype=x.dtype, device=x.device)
         lse = lse - (lognorm + math.log(m) if weights is None else lognorm).unsqueeze(-2)
     elif weights is None:
         lse = lse - math.log(m)
+    lse = lse.contiguous()
     mean = out[..., :d].contiguous()  # downstream products on a strided view are several times slower
-    second = None
+    stats = HeadStats(lse, mean, None)
     if second_moment:
         cols = out[..., d:c]
-        second = _quadratic_form_trace_free(x, cols, iu, coef) if trace_free else _quadratic_form(x, cols, iu, coef)
-    return HeadStats(lse, mean, second)
+        form = _quadratic_form_trace_free if trace_free else _quadratic_form
+        stats._second_fn = functools.partial(form, x, cols, iu, coef)  # picklable, unlike a lambda
+    if not causal:
+        stats._columns = (x, out, d, c, trace_free, iu, coef)
+    return stats
 
 
 def _softmax_keops(x, y, qf, kf, weights, second_moment, batch, causal=False):  # pragma: no cover - needs pykeops
@@ -649,6 +679,60 @@ def _softmax_autograd(x, y, left, right, weights, second_moment, chunk_elements,
     mean = torch.cat(means, -2)
     second = torch.cat(seconds, -1) if second_moment else None
     return HeadStats(lse, mean, second)
+
+
+def head_moment_sums(stats: HeadStats, weights: Optional[torch.Tensor], log_scale: float = 0.0, x=None):
+    """Per-head token sums of the fused kernel's value columns, or None where the statistics lack them.
+
+    With m_h(x_i) e^{−c} = e^{log m_h(x_i) − c} and w_i the token weights (1/n when None):
+
+        T_h    = Σ_i w_i m_h(x_i) e^{−c} ȳ_h(x_i) x_iᵀ                      (..., H, d, d)
+        ito_h  = Σ_i w_i m_h(x_i) e^{−c} (1 + q_h(x_i))                       (..., H), None without
+                                                                              the second moment
+
+    (q_h the second moment of :func:`softmax_statistics`).  Both come from one batched product of
+    the kernel's value columns [ȳ, C] (C: the columns of (y ⊗ y)) with w_i m_h(x_i) [x_i, x_i ⊗ x_i]:
+    q_h(x_i) = Σ_ab c_ab x_ia x_ib C_ab is linear in the columns, so its token sum is the trace of a
+    (columns × columns) block, and the (..., H, n) quadratic form is never formed.  Available for the
+    non-causal "sdpa" statistics without autograd; ``x`` (optional): the queries the caller pairs
+    with, None when they differ from the kernel's.  Cached on ``stats`` (keyed on the weights and
+    the in-place versions)."""
+    cols = stats.__dict__.get("_columns")
+    if cols is None:
+        return None
+    xq, out, d, c, trace_free, iu, coef = cols
+    if (x is not None and x is not xq) or _needs_grad(xq, weights):
+        return None  # other queries, or a caller differentiating through the sums: the per-token path
+    lse = stats.log_partition
+    key = (None if weights is None else weights._version, lse._version, out._version, xq._version, float(log_scale))
+    cache = stats.__dict__.get("_moment_sums")
+    if cache is not None and cache[0] is weights and cache[1] == key:
+        return cache[2]
+    n = xq.shape[-2]
+    mc = torch.exp(lse) if log_scale == 0.0 else torch.exp(lse - log_scale)  # (..., H, n)
+    base = None
+    if c > d:  # second-moment columns: U = [x, c_ab x_a x_b (trace-free on the sphere)]
+        xx = _second_columns(xq, iu) * coef
+        if trace_free:
+            xd2 = xx[..., -1:]
+            xx = xx[..., :-1] - (iu[0] == iu[1])[:-1].to(xq.dtype) * xd2
+            base = 1.0 + xd2.squeeze(-1)
+        U = torch.cat([xq, xx], -1)  # (..., n, c)
+    else:
+        U = xq
+    U = U / n if weights is None else U * weights.unsqueeze(-1)
+    vals = out if out.shape[-1] == c else out[..., :c]
+    # (U_i w_i m_h(x_i))ᵀ as (..., H, c, n): the token axis innermost in both factors of the product
+    mU = U.transpose(-1, -2).unsqueeze(-3) * mc.unsqueeze(-2)
+    MU = mU @ vals  # (..., H, c, c): MU[k, l] = Σ_i w_i m_h(x_i) U_ik vals_il
+    T = MU[..., :d, :d].transpose(-1, -2)
+    ito = None
+    if c > d:
+        wb = (torch.ones_like(xq[..., 0]) if base is None else base)
+        wb = wb / n if weights is None else wb * weights
+        ito = MU[..., d:, d:].diagonal(dim1=-2, dim2=-1).sum(-1) + (mc * wb.unsqueeze(-2)).sum(-1)
+    stats._moment_sums = (weights, key, (T, ito))
+    return T, ito
 
 
 # ---------------------------------------------------------------------------- relu

@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from .attention import HeadStats, softmax_statistics
+from .attention import HeadStats, head_moment_sums, softmax_statistics
 from .field import check_inputs, head_token_mean
 from .heads import Heads
 
@@ -239,10 +239,14 @@ def pairing(x, heads: Heads, weights, stats: HeadStats, M: torch.Tensor, *, log_
     # batched product instead of forming M_hᵀ x_i for every token
     # T depends on (x, weights, c) and the statistics only: a solver step pairs the same statistics
     # with Ȧ (∂_tE) and with the noise (martingale), so T is kept on the statistics for the next call
+    # the fused kernel's statistics give T (and the Itô sums) in one product of its value columns
+    sums = head_moment_sums(stats, weights, log_scale, x)
     key = (x._version, None if weights is None else weights._version, stats.log_partition._version,
            stats.mean._version, float(log_scale))
     cached = getattr(stats, "_pairing_moment", None)
-    if cached is not None and cached[0] is x and cached[1] is weights and cached[2] == key:
+    if sums is not None:
+        T = sums[0]
+    elif cached is not None and cached[0] is x and cached[1] is weights and cached[2] == key:
         T = cached[3]
     else:
         mw = scaled_exp(stats.log_partition, log_scale)  # (..., H, n)
@@ -259,7 +263,11 @@ def ito_correction(heads: Heads, weights, stats: HeadStats, sigma, *, log_scale:
 
     sigma: float, or tensor broadcasting against (..., H).  It is E[½ ∂²_A E[σ dW_sym, σ dW_sym]]/dt
     (the expectation of :func:`quadratic_variation` per unit time)."""
-    per_head = head_token_mean(scaled_exp(stats.log_partition, log_scale) * (1 + stats.second), weights)
+    sums = head_moment_sums(stats, weights, log_scale)
+    if sums is not None and sums[1] is not None:  # the fused kernel's columns: no per-token quadratic form
+        per_head = sums[1]
+    else:
+        per_head = head_token_mean(scaled_exp(stats.log_partition, log_scale) * (1 + stats.second), weights)
     beta = heads.beta if isinstance(heads.beta, float) else heads.beta.unsqueeze(-1)
     sig2 = sigma * sigma
     return (heads.weights * 0.5 * beta * sig2 / 4 * per_head).sum(-1)

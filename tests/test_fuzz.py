@@ -33,11 +33,9 @@ import json
 import math
 import os
 import re
-import signal
 import tempfile
 import warnings
 from collections import Counter, defaultdict
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -68,36 +66,7 @@ RAW = re.compile(r"unhashable type|Expected reduction dim|object of type .* has 
                  r"size of tensor a|mat1 and mat2|expected scalar type|Found dtype|not implemented for")
 
 
-@contextmanager
-def time_limit(seconds):
-    def handler(signum, frame):
-        raise TimeoutError(f"hang: the call ran for more than {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, handler)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
-
-
-def _tensors(obj, depth=0):
-    """Every tensor inside a result (tensors, tuples, dicts, dataclass-like objects)."""
-    if depth > 3 or obj is None:
-        return
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (tuple, list)):
-        for o in obj:
-            yield from _tensors(o, depth + 1)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            yield from _tensors(o, depth + 1)
-    elif hasattr(obj, "__dict__") and not isinstance(obj, (torch.nn.Module, tp.Heads, tp.Process)):
-        for k, o in vars(obj).items():
-            if k not in ("path", "extras"):
-                yield from _tensors(o, depth + 1)
+from fuzzing import _tensors, time_limit  # noqa: E402  (shared with the other property tests)
 
 
 def contract(name, fn, *, allowed=(ValueError, TypeError)):

@@ -483,8 +483,8 @@ def test_pair_fraction_observable_is_the_peers_statistic(dtype):
     for b in range(4):
         c = sum(float(x[b, i] @ x[b, j]) > 1 - eps for i in range(9) for j in range(9) if i != j)
         want.append(c / (9 * 8))
-    torch.testing.assert_close(got, torch.tensor(want, dtype=dtype), rtol=0, atol=torch.finfo(dtype).eps * 4)
-    torch.testing.assert_close(got, cl.pair_fraction(x, eps=eps), rtol=0, atol=torch.finfo(dtype).eps * 4)
+    torch.testing.assert_close(got, torch.tensor(want, dtype=dtype), rtol=1e-12, atol=torch.finfo(dtype).eps * 4)
+    torch.testing.assert_close(got, cl.pair_fraction(x, eps=eps), rtol=1e-12, atol=torch.finfo(dtype).eps * 4)
     w = torch.rand(4, 9, generator=g, dtype=torch.float64).to(dtype)
     w = w / w.sum(-1, keepdim=True)
     torch.testing.assert_close(fn(x, w), cl.pair_fraction(x, eps=eps, weights=w))

@@ -171,10 +171,9 @@ def test_seed_next_to_a_generator_is_refused():
     # a generator alone still drives jko's sampled path (jko forwards no seed next to it)
     a = tp.jko(x0, theta, tau=0.1, steps=2, generator=gen(4))
     b = tp.jko(x0, theta, tau=0.1, steps=2, generator=gen(4))
-    assert_close(a.path.scores, b.path.scores, rtol=0, atol=0)
+    assert_close(a.path.scores, b.path.scores)
     # seed=0 is the default: the same numbers
-    assert_close(tp.simulate(x0, theta, t1=0.2, dt=0.1, seed=0).x, tp.simulate(x0, theta, t1=0.2, dt=0.1).x,
-                 rtol=0, atol=0)
+    assert_close(tp.simulate(x0, theta, t1=0.2, dt=0.1, seed=0).x, tp.simulate(x0, theta, t1=0.2, dt=0.1).x)
 
 
 # ---------------------------------------------------------------------------- adaptive tolerances

@@ -92,7 +92,7 @@ def test_linearised_field_matches_the_library_velocity(d, normalization):
             vm = tp.velocity(x, heads, w0 * (1 - eps * Y), normalization=normalization, direction=direction)
             lin = (vp - vm) / (2 * eps)
             c = float(tn.mode_coefficients(beta, d, ell, lambdas=lambdas, weights=weights, normalization=normalization))
-            torch.testing.assert_close(lin, s * c * grad, rtol=0, atol=2e-6 * max(1.0, abs(c)) * ell ** 2)
+            torch.testing.assert_close(lin, s * c * grad, rtol=1e-12, atol=2e-6 * max(1.0, abs(c)) * ell ** 2)
 
 
 def test_rates_thresholds_and_modes():

@@ -171,7 +171,7 @@ def test_weight_perturbation_vanishes_with_eps(kind):
     else:
         base = tp.Layerwise(layers, layer_time=0.2)
     ref = tp.simulate(x, base, t1=0.4, dt=0.02, method="rk4", diagnostics=False)
-    torch.testing.assert_close(tr.x[:, 0], ref.x, rtol=0, atol=1e-13)
+    torch.testing.assert_close(tr.x[:, 0], ref.x, rtol=1e-12, atol=1e-13)
     gap = (tr.x[-1, 1:] - tr.x[-1, :1]).norm(dim=-1).max(-1).values  # (3,)
     assert float(gap[0]) < 1e-11  # ε = 1e-13: the unperturbed run to rounding
     ratio = float(gap[1] / gap[2])  # ε = 1e-3 vs 1e-4: linear in ε
@@ -233,7 +233,7 @@ def test_fast_weights_ito_correction_against_monte_carlo():
     assert float(coef["correction"].norm()) > 10 * float(se.norm())  # the correction is resolved, not zero
     assert float((mc - ito).abs().max()) < 4 * float(se.max()) + 2e-2 * float(ito.abs().max())
     cov = torch.einsum("mia,mjb->ijab", dx, dx) / (2 * M) / delta
-    torch.testing.assert_close(cov, coef["covariance"], rtol=0, atol=0.06 * float(coef["covariance"].abs().max()))
+    torch.testing.assert_close(cov, coef["covariance"], rtol=1e-12, atol=0.06 * float(coef["covariance"].abs().max()))
 
 
 def test_common_noise_sde_without_noise_is_heun():
@@ -242,7 +242,7 @@ def test_common_noise_sde_without_noise_is_heun():
     K, dt = 20, 0.05
     xs = common_noise_sde(x[None], heads, torch.zeros(K, 1, 2, 3, 3, dtype=F64), dt)
     tr = tp.simulate(x, heads, t1=K * dt, dt=dt, method="heun", direction="descent", diagnostics=False)
-    torch.testing.assert_close(xs[:, 0], tr.x, rtol=0, atol=1e-13)
+    torch.testing.assert_close(xs[:, 0], tr.x, rtol=1e-12, atol=1e-13)
 
 
 # ---------------------------------------------------------------------------- the studies through the CLI

@@ -188,3 +188,23 @@ def log_sinkhorn_ot(C, a, b, eps, iters=1000):
         f = -eps * torch.logsumexp(torch.log(b)[None, :] + (g[None, :] - C) / eps, 1)
         g = -eps * torch.logsumexp(torch.log(a)[:, None] + (f[:, None] - C) / eps, 0)
     return float((a * f).sum() + (b * g).sum())
+
+
+class Interrupted(Exception):
+    """Raised by :func:`interrupt_and_resume`'s callback to stop a run mid-way."""
+
+
+def interrupt_and_resume(x0, theta, checkpoint, *, stop_at, checkpoint_every=5, **kw):
+    """Run ``tp.simulate`` with checkpoints, stop it at step ``stop_at`` (an exception from the
+    callback, as a kill would), then resume from the checkpoint; returns the resumed Trajectory."""
+    import pytest
+    import transformer_pde as tp
+
+    def stop(k, t, x):
+        if k == stop_at:
+            raise Interrupted
+
+    with pytest.raises(Interrupted):
+        tp.simulate(x0, theta, checkpoint=checkpoint, checkpoint_every=checkpoint_every, callback=stop, **kw)
+    assert checkpoint.exists(), "the interrupted run left no checkpoint"
+    return tp.simulate(x0, theta, checkpoint=checkpoint, checkpoint_every=checkpoint_every, **kw)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import transformer_pde as tp
+from problems import interrupt_and_resume
 from transformer_pde.solvers.layernorm import NGPT, PeriLN, PostLN, PreLN, Projected, simuformer_scheme
 
 F64 = torch.float64
@@ -314,14 +315,7 @@ def test_checkpoint_resume_keeps_the_radius(tmp_path):
     kw = dict(t1=1.0, dt=0.05, direction="ascent", layer_norm="pre", record_every=4)
     full = tp.simulate(X, heads, **kw)
     ck = tmp_path / "run.pt"
-
-    def stop(k, t, x):
-        if k == 11:
-            raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        tp.simulate(X, heads, checkpoint=ck, checkpoint_every=5, callback=stop, **kw)
-    resumed = tp.simulate(X, heads, checkpoint=ck, checkpoint_every=5, **kw)
+    resumed = interrupt_and_resume(X, heads, ck, stop_at=11, **kw)
     torch.testing.assert_close(resumed.x, full.x)
     torch.testing.assert_close(resumed.extras["radius"], full.extras["radius"])
     torch.testing.assert_close(resumed.ledger["residual"], full.ledger["residual"])

@@ -17,6 +17,7 @@ from scipy.special import eval_legendre
 from scipy.stats import chi2
 
 import transformer_pde as tp
+from problems import interrupt_and_resume
 from transformer_pde.solvers.noise import TokenNoise, energy_laplacian, token_seed
 
 from conftest import gen
@@ -175,16 +176,7 @@ def test_streams_checkpoint_and_options(tmp_path):
     # checkpoint / resume: the token generator's state travels with the checkpoint
     ck = tmp_path / "run.ckpt"
 
-    class Kill(Exception):
-        pass
-
-    def killer(k, t, x):
-        if k == 13:
-            raise Kill
-
-    with pytest.raises(Kill):
-        tp.simulate(x0, theta, checkpoint=ck, checkpoint_every=5, callback=killer, **kw)
-    resumed = tp.simulate(x0, theta, checkpoint=ck, checkpoint_every=5, **kw)
+    resumed = interrupt_and_resume(x0, theta, ck, stop_at=13, **kw)
     torch.testing.assert_close(resumed.x, full.x)
     for key in full.ledger:
         torch.testing.assert_close(resumed.ledger[key], full.ledger[key], msg=key)

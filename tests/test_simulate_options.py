@@ -8,7 +8,7 @@ from torch.testing import assert_close
 
 import transformer_pde as tp
 from conftest import gen
-from problems import fit_slope, integrate, two_token_angle_rate, two_tokens
+from problems import fit_slope, integrate, interrupt_and_resume, two_token_angle_rate, two_tokens
 from transformer_pde.solvers import particle
 
 
@@ -118,16 +118,7 @@ def test_checkpoint_resume_with_new_options_is_bit_identical(tmp_path):
     full = tp.simulate(x0, theta, **kw)
     ck = tmp_path / "run.ckpt"
 
-    class Kill(Exception):
-        pass
-
-    def killer(k, t, x):
-        if k == 7:
-            raise Kill
-
-    with pytest.raises(Kill):
-        tp.simulate(x0, theta, checkpoint=ck, checkpoint_every=3, callback=killer, **kw)
-    resumed = tp.simulate(x0, theta, checkpoint=ck, checkpoint_every=3, **kw)
+    resumed = interrupt_and_resume(x0, theta, ck, stop_at=7, checkpoint_every=3, **kw)
     assert torch.equal(resumed.x, full.x)
     assert torch.equal(resumed.observables["g"], full.observables["g"])
     for key in full.ledger:

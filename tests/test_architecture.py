@@ -19,7 +19,7 @@ PKG = Path(__file__).resolve().parents[1] / "transformer_pde"
 # lowest first; a module may import only from layers before its own
 LAYERS = [
     {"transformer_pde._validation", "transformer_pde.threads", "transformer_pde.resources"},
-    {"transformer_pde.sphere"},
+    {"transformer_pde.sphere", "transformer_pde.normalization"},  # the attention normalisations (strategy objects)
     {"transformer_pde.heads"},
     {"transformer_pde.attention", "transformer_pde.transport"},  # kernels; optimal transport
     {"transformer_pde.field"},
@@ -28,9 +28,13 @@ LAYERS = [
     {"transformer_pde.processes"},  # weight processes and the Θ_t grid driver
     {"transformer_pde.nn"},
     {"transformer_pde.solvers.layernorm"},  # the layer-normalisation schemes (the step's geometry)
-    {"transformer_pde.solvers", "transformer_pde.solvers.parts", "transformer_pde.solvers.noise"},
+    {"transformer_pde.solvers", "transformer_pde.solvers.parts", "transformer_pde.solvers.noise",
+     "transformer_pde.solvers.options"},
+    {"transformer_pde.solvers.model"},  # Model: Θ_t, normalisation, geometry, token noise
     {"transformer_pde.solvers.particle"},
+    {"transformer_pde.solvers.methods"},  # the solver objects
     {"transformer_pde.solvers.jko", "transformer_pde.distributed"},
+    {"transformer_pde.solvers.solve"},  # tp.solve
     # Lipschitz and Grönwall constants, fast-weights coefficients; linear stability of the uniform measure
     {"transformer_pde.theory.stability", "transformer_pde.theory.noise"},
     {"transformer_pde.clustering", "transformer_pde.ensembles", "transformer_pde.theory"},  # generic; closed forms

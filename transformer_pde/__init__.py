@@ -31,6 +31,12 @@ from .processes import (
 from .solvers.particle import METHODS, TABLEAUX, ButcherTableau, NonFiniteError, Trajectory, simulate
 from .solvers.layernorm import LAYER_NORMS, NGPT, LayerNorm, PeriLN, PostLN, PreLN, Projected, simuformer_scheme
 from .solvers.noise import TokenNoise
+from .normalization import Effective, Normalization, ReLU, Softmax, Unnormalized
+from .solvers.model import Model
+from .solvers.methods import (EMD, RK4, Dopri5, Euler, EulerianJKO, FixedStep, Heun, Identity, LagrangianJKO,
+                              RiemannianLBFGS, Sinkhorn, Solver, Transport)
+from .solvers.options import Checkpointing, LedgerOptions, Limits, Progress, SaveAt
+from .solvers.solve import solve
 from . import attention, diagnostics, distributed, nn, theory, transport
 from .attention import kernel_backend
 from .threads import thread_policy
@@ -85,6 +91,10 @@ __all__ = [
     "sample_path",
     "oscillating_target",
     "simulate",
+    "solve", "Model", "Normalization", "Softmax", "Unnormalized", "ReLU", "Effective",
+    "Solver", "FixedStep", "Euler", "Heun", "RK4", "Dopri5", "LagrangianJKO", "EulerianJKO",
+    "Transport", "EMD", "Sinkhorn", "Identity", "RiemannianLBFGS",
+    "SaveAt", "LedgerOptions", "Checkpointing", "Progress", "Limits",
     "TokenNoise",
     "Trajectory",
     "ButcherTableau",

@@ -193,7 +193,7 @@ def distributed_evaluate(
     check_tokens(x_local, "x_local")
     if not isinstance(heads, Heads):
         raise TypeError(f"heads must be a transformer_pde.Heads, got {type(heads).__name__}")
-    check_same(x_local, heads._ref, "x_local", "heads")
+    check_same(x_local, heads.reference, "x_local", "heads")
     shard = _Shard(x_local, weights, group)
     keys = shard.gather(x_local)
     out = evaluate(x_local, heads, shard.query, keys=keys, key_weights=shard.keys, normalization=normalization,
@@ -241,7 +241,7 @@ def _check_sharded_args(x0_local, theta, *, t1, dt, t0, paths, normalization, di
     if isinstance(process, WeightPath) and paths is not None:
         raise ValueError("a stored WeightPath already carries its paths axis; call without paths=")
     h0 = process.heads0
-    check_same(x0_local, h0._ref, "x0_local", "theta's heads")
+    check_same(x0_local, h0.reference, "x0_local", "theta's heads")
     if h0.dim != x0_local.shape[-1]:
         raise ValueError(f"the heads act on d = {h0.dim} but x0_local has d = {x0_local.shape[-1]}")
     return process, sign, dt, t0, t1, K, record_every, paths

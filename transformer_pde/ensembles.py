@@ -135,9 +135,7 @@ def random_heads(batch, num_heads: int, dim: int, *, law: str = "goe", values: s
     A = random_matrices(batch + (H,), dim, law=law, scale=scale, generator=generator, dtype=dtype, device=device)
     if values == "+A":
         h = Heads(A, None, weights, beta)
-        if law != "gaussian":
-            h._symmetric = True
-        return h
+        return h if law == "gaussian" else h.assume_symmetric()
     if values == "-A":
         V = -A
     elif values == "identity":

@@ -240,7 +240,7 @@ def check_inputs(x, heads, weights, *, on_sphere: bool = True):
             raise ValueError(f"x must have shape (..., n, d) with n >= 1, d >= 2, got {tuple(x.shape)}")
     if not isinstance(heads, Heads):
         raise TypeError(f"heads must be a transformer_pde.Heads, got {type(heads).__name__}; build one with tp.Heads(A)")
-    check_same(x, heads._ref, "x", "heads")
+    check_same(x, heads.reference, "x", "heads")
     if heads.dim != x.shape[-1]:
         raise ValueError(f"heads act on dimension d = {heads.dim} but x has d = {x.shape[-1]}")
     try:

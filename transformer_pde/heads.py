@@ -207,28 +207,54 @@ class Heads:
 
     # ------------------------------------------------------------------ properties
     @property
-    def _ref(self) -> torch.Tensor:
+    def reference(self) -> torch.Tensor:
+        """The tensor that fixes the heads' dtype, device, H and d: A_h, or the query factors."""
         return self.score if self.score is not None else self.query
 
     @property
+    def known_symmetric(self) -> Optional[bool]:
+        """Whether every A_h = A_hᵀ, if already known (True / False), else None (not yet checked;
+        :attr:`is_symmetric` checks and caches)."""
+        return self._symmetric
+
+    def assume_symmetric(self, symmetric: Optional[bool] = True) -> "Heads":
+        """The same heads (same tensors) with the symmetry of A_h declared: True for heads built
+        symmetric (skips the exact check of :attr:`is_symmetric`), None to check again."""
+        new = self.map(lambda t: t)
+        new._symmetric = symmetric
+        return new
+
+    def replace(self, *, symmetric: Optional[bool] = None, **fields) -> "Heads":
+        """The heads with some of score, value, weights, beta, query, key replaced, unchecked (for the
+        solvers' reshapes); ``symmetric`` declares the symmetry of the new A_h (None: unknown)."""
+        unknown = set(fields) - {"score", "value", "weights", "beta", "query", "key"}
+        if unknown:
+            raise TypeError(f"Heads.replace got unknown fields {sorted(unknown)}")
+        new = self.map(lambda t: t)
+        for k, v in fields.items():
+            setattr(new, k, v)
+        new._symmetric = symmetric
+        return new
+
+    @property
     def num_heads(self) -> int:
-        return self._ref.shape[-3]
+        return self.reference.shape[-3]
 
     @property
     def dim(self) -> int:
-        return self._ref.shape[-1]
+        return self.reference.shape[-1]
 
     @property
     def dtype(self) -> torch.dtype:
-        return self._ref.dtype
+        return self.reference.dtype
 
     @property
     def device(self) -> torch.device:
-        return self._ref.device
+        return self.reference.device
 
     @property
     def batch_shape(self) -> torch.Size:
-        shapes = [self._ref.shape[:-3], self.weights.shape[:-1]]
+        shapes = [self.reference.shape[:-3], self.weights.shape[:-1]]
         if self.value is not None:
             shapes.append(self.value.shape[:-3])
         if self.key is not None:

@@ -253,7 +253,7 @@ class OrnsteinUhlenbeck(_Diffusive):
         if not self.closed_form:
             return super().heads_at(t)
         A = self.mean + _exp(-self.rate * t) * (self.heads0.score_matrix - self.mean)
-        return self.heads0.with_score(A, symmetric=self.heads0._symmetric)
+        return self.heads0.with_score(A, symmetric=self.heads0.known_symmetric)
 
     def score_rate(self, t):
         return self.drift(self.heads_at(t).score_matrix, t)
@@ -356,7 +356,7 @@ class Oscillating(_Diffusive):
             return super().heads_at(t)
         A0 = self.heads0.score_matrix
         A = self._particular(t) + math.exp(-t) * (A0 - self._particular(0.0))
-        return self.heads0.with_score(A, symmetric=self.heads0._symmetric)
+        return self.heads0.with_score(A, symmetric=self.heads0.known_symmetric)
 
     def score_rate(self, t):
         return self.drift(self.heads_at(t).score_matrix, t)
@@ -560,7 +560,7 @@ class WeightPath(Process):
     template: Heads
 
     def __post_init__(self):
-        self.heads0 = self.template.with_score(self.scores[0], symmetric=self.template._symmetric)
+        self.heads0 = self.template.with_score(self.scores[0], symmetric=self.template.known_symmetric)
         self.scheme = "euler"
 
     @property
@@ -586,7 +586,7 @@ class WeightPath(Process):
             A = self.scores[k]
         else:
             A = self.scores[k] + frac * (self.scores[k + 1] - self.scores[k])
-        return self.template.with_score(A, symmetric=self.template._symmetric)
+        return self.template.with_score(A, symmetric=self.template.known_symmetric)
 
     def drift(self, score, t):  # pragma: no cover - replay uses stored rates
         raise TypeError("a WeightPath is replayed from its stored values")
@@ -722,7 +722,7 @@ class WeightDriver:
         else:
             A = self.A + c * (self._next[0] - self.A)
         tmpl = self.p.template if self.replay else self.p.heads0
-        return tmpl.with_score(A, symmetric=tmpl._symmetric)
+        return tmpl.with_score(A, symmetric=tmpl.known_symmetric)
 
     @property
     def current(self) -> Heads:

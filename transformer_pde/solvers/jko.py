@@ -120,14 +120,15 @@ from ..energy import choose_log_scale
 from ..field import FieldEval, evaluate, head_token_mean, log_inverse_mobility, token_mean
 from ..mobility import scaled_diagnostics
 from ..heads import Heads
-from ..processes import Process, WeightPath, path_bytes, sample_path
+from ..processes import Process, WeightPath, grid_steps, path_bytes, sample_path
 from ..sphere import circle_grid, fibonacci_sphere, normalize, tangent_projection
 from ..transport import emd_plans, sq_chordal, sinkhorn_divergence
+from .methods import LagrangianJKO
 from .noise import TokenNoise
 from .particle import NonFiniteError, Trajectory, nonfinite_error
 from .parts import LEDGER_KEYS as STEP_LEDGER_KEYS, Ledger, Recorder, progress_bar
 
-__all__ = ["jko", "to_grid", "self_potential", "JKOConvergenceError", "TRANSPORTS", "SCHEMES", "MOBILITIES", "COSTS"]
+__all__ = ["jko", "solve_jko", "to_grid", "self_potential", "JKOConvergenceError", "TRANSPORTS", "SCHEMES", "MOBILITIES", "COSTS"]
 
 TRANSPORTS = ("emd", "sinkhorn", "identity")
 SCHEMES = ("lagrangian", "eulerian")
@@ -152,12 +153,9 @@ def _flatten_heads(h: Heads, batch: tuple, B: int) -> Heads:
         t = t.expand(*batch, *t.shape[t.dim() - tail:])
         return t.reshape(B, *t.shape[len(batch):])
 
-    new = object.__new__(Heads)
-    new.score, new.value, new.weights = fl(h.score, 3), fl(h.value, 3), fl(h.weights, 1)
-    new.query, new.key = fl(h.query, 3), fl(h.key, 3)
-    new.beta = fl(h.beta, 0) if isinstance(h.beta, torch.Tensor) and h.beta.dim() > 0 else h.beta
-    new._symmetric = h._symmetric
-    return new
+    beta = fl(h.beta, 0) if isinstance(h.beta, torch.Tensor) and h.beta.dim() > 0 else h.beta
+    return h.replace(score=fl(h.score, 3), value=fl(h.value, 3), weights=fl(h.weights, 1), query=fl(h.query, 3),
+                     key=fl(h.key, 3), beta=beta, symmetric=h.known_symmetric)
 
 
 def _theta_source(theta, *, t0, t_end, tau, paths, seed, generator, path_dt, max_steps=None, max_memory=None):
@@ -658,7 +656,7 @@ def _eulerian_step(z, q, h_old, h_new, lb_old, *, tau, sgn, eps, tol, max_iter, 
 # ---------------------------------------------------------------------------- entry point
 def _check_x0(x0, h_ref: Heads):
     check_tokens(x0, "x0")
-    check_same(x0, h_ref._ref, "x0", "theta's heads")
+    check_same(x0, h_ref.reference, "x0", "theta's heads")
     if x0.shape[-1] != h_ref.dim:
         raise ValueError(f"the heads act on d = {h_ref.dim} but x0 has d = {x0.shape[-1]}")
 
@@ -678,7 +676,7 @@ def _check_measure(x0, theta, lagrangian: bool, *, weights, grid, grid_weights, 
         raise ValueError("weights= are token weights of the Lagrangian scheme; for the Eulerian scheme give "
                          "grid_weights= (or tokens x0, deposited with to_grid)")
     z = _resolve_grid(grid, h_ref.dim, h_ref.dtype, h_ref.device)
-    check_same(z, h_ref._ref, "grid", "theta's heads")
+    check_same(z, h_ref.reference, "grid", "theta's heads")
     if grid_weights is None:
         if x0 is None:
             raise ValueError("the Eulerian scheme needs grid_weights= (..., m) or tokens x0 to deposit on the grid")
@@ -1162,3 +1160,44 @@ class _JKORun:
             weights = torch.stack([v.reshape(*batch, self.n) for v in self.rec.records["w"]])
         return Trajectory(times, xs, series["energy"], series["slope"], series["dissipation"], ledger, stats,
                           f"jko-{o.scheme}-{o.transport}", self.norm, o.direction, weights, o.path, extras)
+
+
+def solve_jko(model, x0, solver, *, t1, dt, t0, paths, seed, generator, saveat, ledger, checkpoint, progress,
+               limits):
+    """:func:`transformer_pde.solve` for the JKO solver objects (LagrangianJKO, EulerianJKO): the model and the
+    options objects turned into the schemes' settings; options that do not apply are refused."""
+    norm = model.normalization
+    if norm.jko_mobility is None:
+        raise ValueError(f"{type(solver).__name__} solves the gradient flow of E: model.normalization must be "
+                         f"'effective' (mobility b_k) or 'unnormalized' (b ≡ 1), got {norm.name!r} (softmax equals "
+                         f"'effective' for one head)")
+    if ledger.quadrature is not None or ledger.quadratic_variation != "expected" or \
+            ledger.energy_log_scale is not None:
+        raise TypeError(f"{type(solver).__name__} keeps its own ledger: LedgerOptions takes only diagnostics= here")
+    if saveat.observables is not None or saveat.path:
+        raise TypeError(f"{type(solver).__name__} records no observables and always returns a sampled noisy path: "
+                        f"use SaveAt(every=...) or SaveAt(ends=True)")
+    if not model.geometry.projected or model.causal:
+        raise ValueError(f"{type(solver).__name__} solves the projected, non-causal model only")
+    if limits.chunk_elements is not None:
+        raise TypeError(f"{type(solver).__name__} has no chunked kernel: drop Limits(chunk_elements=)")
+    steps = grid_steps(check_real(t0, "t0"), check_real(t1, "t1"), check_positive(dt, "dt"))
+    common = dict(tau=dt, steps=steps, t0=t0, direction=model.direction, mobility=norm.jko_mobility,
+                  paths=paths, seed=seed, generator=generator, path_dt=solver.path_dt, strict=solver.strict,
+                  record_every=saveat.record_every(steps), diagnostics=ledger.diagnostics,
+                  progress=bool(progress.show), callback=progress.callback, max_steps=limits.max_steps,
+                  max_memory=limits.max_memory)
+    if isinstance(solver, LagrangianJKO):
+        if model.noise is not None:
+            raise ValueError("token noise with a JKO solver needs EulerianJKO (the entropy of a density on a grid)")
+        tr = solver.transport
+        return jko(x0, model.theta, scheme="lagrangian", transport=tr.name, cost=getattr(tr, "cost", "symmetric"),
+                   eps=getattr(tr, "eps", 1e-3), sinkhorn_scaling=getattr(tr, "scaling", 0.95),
+                   weights=model.weights, tol=solver.inner.tol, max_iter=solver.inner.max_iter,
+                   max_plan_updates=solver.inner.max_plan_updates, **common)
+    if model.weights is not None:
+        raise ValueError("EulerianJKO carries its weights on the grid: give EulerianJKO(grid_weights=...) instead "
+                         "of Model(weights=...)")
+    return jko(x0, model.theta, scheme="eulerian", transport="sinkhorn", eps=solver.eps, grid=solver.grid,
+               grid_weights=solver.grid_weights, bandwidth=solver.bandwidth, tol=solver.tol,
+               max_iter=solver.max_iter, temperature=model.temperature, **common)

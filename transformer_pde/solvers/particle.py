@@ -624,7 +624,7 @@ def _check_simulate_args(x0, theta, *, t1, dt, t0, method, normalization, direct
             f"got {type(theta).__name__}"
         )
     h0 = process.heads0
-    check_same(x0, h0._ref, "x0", "theta's heads")
+    check_same(x0, h0.reference, "x0", "theta's heads")
     if normalization == "effective":
         check_tied_all(process, "normalization='effective'")
     if h0.dim != x0.shape[-1]:

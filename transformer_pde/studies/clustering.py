@@ -183,8 +183,7 @@ def _initial(p: Dict, betas, *, dtype, device):
             A = 0.5 * (A + A.transpose(-1, -2))  # symmetric heads: the flow stays a gradient flow
     nb = len(betas)
     beta = torch.as_tensor(betas, dtype=dtype, device=device)[:, None].expand(nb, B).contiguous()
-    heads0 = tp.Heads(A, None, None, beta)
-    heads0._symmetric = True
+    heads0 = tp.Heads(A, None, None, beta).assume_symmetric()
     return x0.expand(nb, *x0.shape), heads0
 
 

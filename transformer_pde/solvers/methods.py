@@ -1,0 +1,215 @@
+"""Solver objects of :func:`transformer_pde.solve`; each carries its own settings.
+
+Fixed step (projected explicit Runge–Kutta with retraction, or the model's layer map):
+``Euler()``, ``Heun()``, ``RK4()`` (or ``FixedStep(tableau)``).  Adaptive: ``Dopri5(rtol, atol,
+adjoint)``.  Minimizing movement: ``LagrangianJKO(transport, inner)`` with a transport object
+(``EMD()``, ``Sinkhorn(eps)``, ``Identity()``) and an inner optimiser (``RiemannianLBFGS()``), and
+``EulerianJKO(grid)``.
+
+``Solver.accepts`` names the options objects of :func:`~transformer_pde.solve` the solver takes
+("saveat", "ledger", "checkpoint", "progress", "limits"); the others are refused before any work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar, FrozenSet, Optional, Union
+
+import torch
+
+from .._validation import check_bool, check_choice, check_int, check_positive
+
+__all__ = ["Solver", "FixedStep", "Euler", "Heun", "RK4", "Dopri5", "Transport", "EMD", "Sinkhorn", "Identity",
+           "RiemannianLBFGS", "LagrangianJKO", "EulerianJKO"]
+
+_ALL = frozenset({"saveat", "ledger", "checkpoint", "progress", "limits"})
+
+
+class Solver:
+    """Base class.  ``accepts``: the options objects it takes; ``name``: for messages and records."""
+
+    accepts: ClassVar[FrozenSet[str]] = _ALL
+    name: ClassVar[str] = ""
+    #: the ``method=`` / ``scheme=`` string of the keyword front ends
+    kind: ClassVar[str] = ""
+
+
+@dataclass(frozen=True)
+class FixedStep(Solver):
+    """An explicit Runge–Kutta method of fixed step ``dt`` (given to :func:`~transformer_pde.solve`),
+    from a :class:`~transformer_pde.ButcherTableau` name of ``TABLEAUX``."""
+
+    method: str = "euler"
+    kind: ClassVar[str] = "particle"
+
+    def __post_init__(self):
+        from .particle import TABLEAUX  # the tableaux live with the stepper
+
+        check_choice(self.method, tuple(TABLEAUX), "FixedStep.method")
+
+    @property
+    def order(self) -> int:
+        from .particle import TABLEAUX
+
+        return TABLEAUX[self.method].order
+
+
+def Euler() -> FixedStep:
+    """Projected Euler (order 1, the reference code's step)."""
+    return FixedStep("euler")
+
+
+def Heun() -> FixedStep:
+    """Projected Heun (order 2)."""
+    return FixedStep("heun")
+
+
+def RK4() -> FixedStep:
+    """Projected classical Runge–Kutta (order 4)."""
+    return FixedStep("rk4")
+
+
+@dataclass(frozen=True)
+class Dopri5(Solver):
+    """torchdiffeq's adaptive dopri5 on the projected field; ``dt`` of :func:`~transformer_pde.solve` is
+    the grid on which stochastic weights are sampled.  ``adjoint=True`` backpropagates by the
+    adjoint ODE (memory independent of the number of steps).  No checkpoints, no token noise."""
+
+    rtol: float = 1e-7
+    atol: float = 1e-9
+    adjoint: bool = False
+    accepts: ClassVar[FrozenSet[str]] = frozenset({"saveat", "ledger", "limits"})
+    kind: ClassVar[str] = "particle"
+    method: ClassVar[str] = "adaptive"
+
+    def __post_init__(self):
+        object.__setattr__(self, "rtol", check_positive(self.rtol, "Dopri5.rtol"))
+        object.__setattr__(self, "atol", check_positive(self.atol, "Dopri5.atol"))
+        check_bool(self.adjoint, "Dopri5.adjoint")
+
+
+# ---------------------------------------------------------------------------- JKO
+class Transport:
+    """The transport term W_b(μ, μ_k)² of a Lagrangian JKO step (base class)."""
+
+    name: ClassVar[str] = ""
+
+
+@dataclass(frozen=True)
+class EMD(Transport):
+    """The exact plan (POT's emd); ``cost`` "source" (b_k(x)|x − y|²) or "symmetric"."""
+
+    cost: str = "source"
+    name: ClassVar[str] = "emd"
+
+    def __post_init__(self):
+        check_choice(self.cost, ("source", "symmetric"), "EMD.cost")
+
+
+@dataclass(frozen=True)
+class Sinkhorn(Transport):
+    """The debiased Sinkhorn divergence (geomloss) at blur ε (cost units), ε-scaling ratio ``scaling``."""
+
+    eps: float = 1e-3
+    scaling: float = 0.95
+    name: ClassVar[str] = "sinkhorn"
+
+    def __post_init__(self):
+        object.__setattr__(self, "eps", check_positive(self.eps, "Sinkhorn.eps"))
+        s = self.scaling
+        if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 < s < 1:
+            raise ValueError(f"Sinkhorn.scaling must be in (0, 1), got {s!r}")
+
+
+@dataclass(frozen=True)
+class Identity(Transport):
+    """The identity plan: the implicit Euler step of the particles."""
+
+    cost: str = "source"
+    name: ClassVar[str] = "identity"
+
+    def __post_init__(self):
+        check_choice(self.cost, ("source", "symmetric"), "Identity.cost")
+
+
+@dataclass(frozen=True)
+class RiemannianLBFGS:
+    """The inner optimiser of a JKO step: L-BFGS on the product of spheres with a trust region.
+
+    tol : relative tolerance (None: 1e-9 in float64, 1e-4 in float32; 1e-6 / 1e-4 with Sinkhorn);
+    max_iter : inner iterations per solve; max_plan_updates : emd plan recomputations per step."""
+
+    tol: Optional[float] = None
+    max_iter: int = 200
+    max_plan_updates: int = 20
+
+    def __post_init__(self):
+        if self.tol is not None:
+            object.__setattr__(self, "tol", check_positive(self.tol, "RiemannianLBFGS.tol"))
+        object.__setattr__(self, "max_iter", check_int(self.max_iter, "RiemannianLBFGS.max_iter"))
+        object.__setattr__(self, "max_plan_updates",
+                           check_int(self.max_plan_updates, "RiemannianLBFGS.max_plan_updates"))
+
+
+@dataclass(frozen=True)
+class LagrangianJKO(Solver):
+    """Minimizing movement of the tokens with step τ = ``dt``:
+    μ_{k+1} ∈ argmin s'E(μ, Θ_{t_{k+1}}) + W_{b_k}(μ, μ_k)²/(2τ).
+
+    The mobility follows the model's normalisation ("effective": b_k; "unnormalized": b ≡ 1).
+    ``path_dt``: the grid of sampled noisy weights (None: τ).  ``strict``: raise on a step that does
+    not converge.  No checkpoints."""
+
+    transport: Transport = field(default_factory=EMD)
+    inner: RiemannianLBFGS = field(default_factory=RiemannianLBFGS)
+    path_dt: Optional[float] = None
+    strict: bool = False
+    accepts: ClassVar[FrozenSet[str]] = frozenset({"saveat", "ledger", "progress", "limits"})
+    kind: ClassVar[str] = "jko"
+    scheme: ClassVar[str] = "lagrangian"
+
+    def __post_init__(self):
+        if not isinstance(self.transport, Transport) or type(self.transport) is Transport:
+            raise TypeError(f"LagrangianJKO.transport must be EMD(), Sinkhorn(eps) or Identity(), got "
+                            f"{type(self.transport).__name__}")
+        if not isinstance(self.inner, RiemannianLBFGS):
+            raise TypeError(f"LagrangianJKO.inner must be a RiemannianLBFGS, got {type(self.inner).__name__}")
+        if self.path_dt is not None:
+            object.__setattr__(self, "path_dt", check_positive(self.path_dt, "LagrangianJKO.path_dt"))
+        check_bool(self.strict, "LagrangianJKO.strict")
+
+
+@dataclass(frozen=True)
+class EulerianJKO(Solver):
+    """Minimizing movement of weights on a fixed grid of the sphere (S¹ or S²), step τ = ``dt``, with
+    the entropic transport at blur ``eps`` (ε ≳ grid spacing²).  ``grid``: a tensor (m, d) on the
+    sphere or a number of points; ``grid_weights``: the initial weights (..., m) (None: x0
+    deposited on the grid with ``bandwidth``).  The model's token noise adds T∫ρ log ρ (the
+    Fokker–Planck JKO).  No checkpoints."""
+
+    grid: Union[int, torch.Tensor, None] = None
+    grid_weights: Optional[torch.Tensor] = None
+    bandwidth: Optional[float] = None
+    eps: float = 1e-3
+    tol: Optional[float] = None
+    max_iter: int = 200
+    path_dt: Optional[float] = None
+    strict: bool = False
+    accepts: ClassVar[FrozenSet[str]] = frozenset({"saveat", "ledger", "progress", "limits"})
+    kind: ClassVar[str] = "jko"
+    scheme: ClassVar[str] = "eulerian"
+
+    def __post_init__(self):
+        object.__setattr__(self, "eps", check_positive(self.eps, "EulerianJKO.eps"))
+        if self.tol is not None:
+            object.__setattr__(self, "tol", check_positive(self.tol, "EulerianJKO.tol"))
+        object.__setattr__(self, "max_iter", check_int(self.max_iter, "EulerianJKO.max_iter"))
+        if self.path_dt is not None:
+            object.__setattr__(self, "path_dt", check_positive(self.path_dt, "EulerianJKO.path_dt"))
+        if self.bandwidth is not None:
+            object.__setattr__(self, "bandwidth", check_positive(self.bandwidth, "EulerianJKO.bandwidth"))
+        check_bool(self.strict, "EulerianJKO.strict")
+        if self.grid is not None and not isinstance(self.grid, (int, torch.Tensor)) or isinstance(self.grid, bool):
+            raise TypeError(f"EulerianJKO.grid must be a tensor (m, d) on the sphere or a number of points, got "
+                            f"{type(self.grid).__name__}")
+

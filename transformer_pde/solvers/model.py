@@ -1,0 +1,86 @@
+"""The model of :func:`transformer_pde.solve`: what moves the tokens, independent of how it is solved.
+
+    Model(theta, normalization="softmax", direction="descent", geometry="none", noise=None,
+          weights=None, causal=False)
+
+* ``theta`` — the weight process Θ_t: :class:`~transformer_pde.Heads` (constant), a
+  :class:`~transformer_pde.processes.Process` (OU, oscillating, layerwise, custom) or a stored
+  :class:`~transformer_pde.WeightPath`;
+* ``normalization`` — a :class:`~transformer_pde.normalization.Normalization` (or its name);
+* ``direction`` — "descent" or "ascent";
+* ``geometry`` — how tokens stay on the sphere: a :class:`~transformer_pde.solvers.layernorm.LayerNorm`
+  (``Projected()`` = today's projected flow with retraction, ``PostLN()``, ``PreLN()``, …) or its name;
+* ``noise`` — an optional token-noise term (:class:`~transformer_pde.solvers.noise.TokenNoise`, or a
+  temperature T ≥ 0; T = 0 is no noise);
+* ``weights`` — token weights (..., n) or None (uniform);
+* ``causal`` — False, True / "mean" or "sum" (docs/model.md#fields).
+
+Every field is checked when the model is built; the checks that need x0 (shapes, dtype, device)
+run in :func:`transformer_pde.solve`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+from .._validation import DIRECTIONS, check_choice
+from ..field import check_causal_mode
+from ..heads import Heads
+from ..normalization import Normalization, normalization as as_normalization
+from ..processes import Constant, Process
+from .layernorm import LayerNorm, layer_norm_scheme
+from .noise import TokenNoise, token_noise
+
+__all__ = ["Model"]
+
+
+@dataclass(frozen=True)
+class Model:
+    """The tokens' dynamics (module docstring).  Build it once, solve it with any solver."""
+
+    theta: Union[Heads, Process]
+    normalization: Union[str, Normalization] = "softmax"
+    direction: str = "descent"
+    geometry: Union[str, LayerNorm] = "none"
+    noise: Union[None, float, TokenNoise] = None
+    weights: Optional[torch.Tensor] = None
+    causal: Union[bool, str] = False
+
+    def __post_init__(self):
+        theta = self.theta
+        if isinstance(theta, Heads):
+            theta = Constant(theta)
+        elif not isinstance(theta, Process):
+            raise TypeError(f"Model.theta must be a Heads, a Process (OrnsteinUhlenbeck, Oscillating, Layerwise, "
+                            f"Custom) or a WeightPath, got {type(theta).__name__}")
+        object.__setattr__(self, "theta", theta)
+        norm = as_normalization(self.normalization, "Model.normalization")
+        object.__setattr__(self, "normalization", norm)
+        check_choice(self.direction, DIRECTIONS, "Model.direction")
+        object.__setattr__(self, "geometry", layer_norm_scheme(self.geometry))
+        noise = self.noise
+        if noise is not None:
+            noise = token_noise(noise)  # None when T = 0
+        object.__setattr__(self, "noise", noise)
+        if self.weights is not None and not isinstance(self.weights, torch.Tensor):
+            raise TypeError(f"Model.weights must be a tensor (..., n) or None, got {type(self.weights).__name__}")
+        check_causal_mode(self.causal)
+        if self.causal and not norm.causal:
+            raise ValueError(f"normalization={norm.name!r} has no causal version; use one of 'softmax', "
+                             f"'unnormalized', 'relu' with causal=True")
+        if noise is not None and not self.geometry.projected:
+            raise ValueError(f"token noise (T = {noise.temperature}) is defined for the projected flow only; "
+                             f"geometry={self.geometry.name!r} with token noise is not implemented: use 'none'")
+
+    @property
+    def process(self) -> Process:
+        """Θ_t as a Process (a constant Heads is wrapped in :class:`~transformer_pde.Constant`)."""
+        return self.theta
+
+    @property
+    def temperature(self) -> float:
+        """T of the token noise (0 without)."""
+        return 0.0 if self.noise is None else self.noise.temperature

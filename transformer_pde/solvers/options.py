@@ -1,0 +1,140 @@
+"""Options objects of :func:`transformer_pde.solve`: what to save, how to keep the ledger, where to
+checkpoint, how to report progress, and the limits checked before any work.
+
+Each object validates its fields when built (TypeError / ValueError with the fix), so a bad
+option fails at the line that made it.  A solver states which of them it accepts
+(``Solver.accepts``); :func:`transformer_pde.solve` refuses the others.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Mapping, Optional, Union
+
+from .._validation import check_bool, check_choice, check_int
+
+__all__ = ["SaveAt", "LedgerOptions", "Checkpointing", "Progress", "Limits", "QUADRATURES",
+           "QUADRATIC_VARIATIONS"]
+
+#: the ledger's quadratures of the time integrals
+QUADRATURES = ("left", "trapezoid")
+#: the ways the ledger books the second-order (Itô) term of noisy weights
+QUADRATIC_VARIATIONS = ("expected", "realised")
+
+
+@dataclass(frozen=True)
+class SaveAt:
+    """What the trajectory keeps.
+
+    every : int
+        keep every k-th step (the first and the last time are always kept).
+    ends : bool
+        keep only t0 and t1 (whatever the number of steps); ``every`` must then be left at 1.
+    observables : Mapping[str, Callable] or None
+        name -> callable(x, weights) evaluated at every kept time (``traj.observables``).
+    path : bool
+        store the realised weight path in ``traj.path`` (for replay).
+    """
+
+    every: int = 1
+    ends: bool = False
+    observables: Optional[Mapping[str, Callable]] = None
+    path: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "every", check_int(self.every, "SaveAt.every"))
+        check_bool(self.ends, "SaveAt.ends")
+        check_bool(self.path, "SaveAt.path")
+        if self.ends and self.every != 1:
+            raise ValueError(f"SaveAt(ends=True) keeps t0 and t1 only; drop every={self.every}")
+        if self.observables is not None and not isinstance(self.observables, Mapping):
+            raise TypeError(f"SaveAt.observables must be a mapping name -> callable(x, weights), got "
+                            f"{type(self.observables).__name__}")
+
+    def record_every(self, steps: int) -> int:
+        """The record stride on a grid of ``steps`` steps."""
+        return max(int(steps), 1) if self.ends else self.every
+
+
+@dataclass(frozen=True)
+class LedgerOptions:
+    """The energy–dissipation ledger (docs/model.md#ledger).
+
+    diagnostics : bool
+        compute energy, 𝒢², 𝒟 and the ledger (False: tokens only).
+    quadrature : str or None
+        "left" or "trapezoid" for the time integrals (None: the solver's default — "left" for
+        Euler, "trapezoid" otherwise).
+    quadratic_variation : str
+        "expected" or "realised" Itô term of noisy weights.
+    energy_log_scale : float or None
+        the common scale c (values reported times e^{−c}); None: chosen at t0.
+    """
+
+    diagnostics: bool = True
+    quadrature: Optional[str] = None
+    quadratic_variation: str = "expected"
+    energy_log_scale: Optional[float] = None
+
+    def __post_init__(self):
+        check_bool(self.diagnostics, "LedgerOptions.diagnostics")
+        if self.quadrature is not None:
+            check_choice(self.quadrature, QUADRATURES, "LedgerOptions.quadrature")
+        check_choice(self.quadratic_variation, QUADRATIC_VARIATIONS, "LedgerOptions.quadratic_variation")
+        c = self.energy_log_scale
+        if c is not None:
+            if isinstance(c, bool) or not isinstance(c, (int, float)):
+                raise TypeError(f"LedgerOptions.energy_log_scale must be None (automatic) or a float, got "
+                                f"{type(c).__name__}")
+            if not math.isfinite(c):
+                raise ValueError(f"LedgerOptions.energy_log_scale must be finite, got {c!r}")
+            object.__setattr__(self, "energy_log_scale", float(c))
+
+
+@dataclass(frozen=True)
+class Checkpointing:
+    """Atomic checkpoints every ``every`` steps to ``path``, and resume from it when it matches."""
+
+    path: Union[str, Path]
+    every: int = 200
+
+    def __post_init__(self):
+        if not isinstance(self.path, (str, Path)):
+            raise TypeError(f"Checkpointing.path must be a str or Path, got {type(self.path).__name__}")
+        object.__setattr__(self, "every", check_int(self.every, "Checkpointing.every"))
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Progress reporting: a tqdm bar (``show``: True / False / None = automatic for long solves) and
+    a ``callback(k, t, state)`` after every step."""
+
+    show: Optional[bool] = None
+    callback: Optional[Callable] = None
+
+    def __post_init__(self):
+        check_bool(self.show, "Progress.show", allow_none=True)
+        if self.callback is not None and not callable(self.callback):
+            raise TypeError(f"Progress.callback must be callable(k, t, state), got {type(self.callback).__name__}")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Limits checked before any allocation: steps (None: 10⁷), estimated bytes (None: 3/4 of the
+    machine's memory; inf: none), and the memory cap of one score block (``chunk_elements``)."""
+
+    max_steps: Optional[int] = None
+    max_memory: Optional[float] = None
+    chunk_elements: Optional[int] = None
+
+    def __post_init__(self):
+        if self.max_steps is not None:
+            object.__setattr__(self, "max_steps", check_int(self.max_steps, "Limits.max_steps"))
+        if self.chunk_elements is not None:
+            object.__setattr__(self, "chunk_elements", check_int(self.chunk_elements, "Limits.chunk_elements"))
+        m = self.max_memory
+        if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float)) or not m > 0):
+            raise ValueError(f"Limits.max_memory must be a positive number of bytes (or inf), got {m!r}")
+

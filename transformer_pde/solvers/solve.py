@@ -1,0 +1,124 @@
+"""``tp.solve(model, x0, solver, t1=..., ...)``: the one entry point of every solver.
+
+    traj = tp.solve(tp.Model(tp.OrnsteinUhlenbeck(heads)), x0, tp.Euler(), t1=20.0, dt=5e-3,
+                    paths=10, seed=0, saveat=tp.SaveAt(every=5))
+
+The model (:class:`~transformer_pde.Model`) says what moves the tokens; the solver object
+(:mod:`transformer_pde.solvers.methods`) how it is discretised, with its own settings; the options
+objects (:mod:`transformer_pde.solvers.options`) what is saved, how the ledger is kept, where to
+checkpoint, how progress is shown and which limits hold.  An option the solver does not accept is
+refused (TypeError) before any work.  The result is a :class:`~transformer_pde.Trajectory`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .methods import Dopri5, EulerianJKO, FixedStep, LagrangianJKO, Solver
+from .model import Model
+from .options import Checkpointing, LedgerOptions, Limits, Progress, SaveAt
+
+__all__ = ["solve"]
+
+_OPTION_TYPES = {"saveat": SaveAt, "ledger": LedgerOptions, "checkpoint": Checkpointing, "progress": Progress,
+                 "limits": Limits}
+
+
+def _check_options(solver: Solver, given: dict) -> dict:
+    """The options objects, type-checked, with the defaults filled in; TypeError for one the solver
+    does not accept."""
+    out = {}
+    for key, cls in _OPTION_TYPES.items():
+        value = given[key]
+        if value is None:
+            out[key] = None if key == "checkpoint" else cls()
+            continue
+        if key == "progress" and isinstance(value, bool):
+            value = Progress(show=value)
+        if not isinstance(value, cls):
+            raise TypeError(f"{key}= must be a {cls.__name__}, got {type(value).__name__}")
+        if key not in solver.accepts:
+            raise TypeError(f"{type(solver).__name__} does not take {key}= (it accepts "
+                            f"{', '.join(sorted(solver.accepts))}); drop it or choose a solver that does")
+        out[key] = value
+    return out
+
+
+def solve(model: Model, x0: Optional[torch.Tensor], solver: Solver, *, t1: float, dt: float, t0: float = 0.0,
+          paths: Optional[int] = None, seed: Optional[int] = None, generator: Optional[torch.Generator] = None,
+          saveat: Optional[SaveAt] = None, ledger: Optional[LedgerOptions] = None,
+          checkpoint: Optional[Checkpointing] = None, progress=None, limits: Optional[Limits] = None):
+    """Solve ``model`` from ``x0`` at time t0 to t1 with ``solver``.
+
+    Parameters
+    ----------
+    model : Model
+        the dynamics (weight process, normalisation, direction, geometry, token noise, token weights,
+        causality).
+    x0 : torch.Tensor or None
+        tokens (..., n, d) on the unit sphere (None only for an Eulerian JKO given grid weights).
+    solver : Solver
+        ``Euler()``, ``Heun()``, ``RK4()``, ``Dopri5(...)``, ``LagrangianJKO(...)``, ``EulerianJKO(...)``.
+    t1, dt, t0
+        final time, step (the fixed step; Dopri5: the weights' sampling grid; JKO: τ) and start.
+    paths, seed, generator
+        Monte-Carlo paths of the weights (a leading axis of the results) and their random stream
+        (seed xor generator).
+    saveat, ledger, checkpoint, progress, limits
+        options objects (module docstring); ``progress`` may also be True / False.
+
+    Returns
+    -------
+    Trajectory
+        the type :func:`transformer_pde.simulate` and :func:`transformer_pde.jko` return.
+
+    Raises
+    ------
+    TypeError, ValueError
+        bad input or an option the solver does not take, before any work.
+    """
+    if not isinstance(model, Model):
+        raise TypeError(f"model must be a tp.Model, got {type(model).__name__}; build one with "
+                        f"tp.Model(theta, normalization=..., direction=...)")
+    if not isinstance(solver, Solver) or type(solver) is Solver:
+        raise TypeError(f"solver must be a solver object (tp.Euler(), tp.Heun(), tp.RK4(), tp.Dopri5(), "
+                        f"tp.LagrangianJKO(), tp.EulerianJKO()), got {type(solver).__name__}")
+    o = _check_options(solver, dict(saveat=saveat, ledger=ledger, checkpoint=checkpoint, progress=progress,
+                                    limits=limits))
+    if isinstance(solver, (FixedStep, Dopri5)):
+        return _solve_particles(model, x0, solver, t1=t1, dt=dt, t0=t0, paths=paths, seed=seed, generator=generator,
+                                **o)
+    if isinstance(solver, (LagrangianJKO, EulerianJKO)):
+        from .jko import solve_jko  # the JKO schemes' front end for solver objects
+
+        return solve_jko(model, x0, solver, t1=t1, dt=dt, t0=t0, paths=paths, seed=seed, generator=generator, **o)
+    raise TypeError(f"no solve for the solver {type(solver).__name__}")  # a Solver subclass of a new kind
+
+
+def _solve_particles(model, x0, solver, *, t1, dt, t0, paths, seed, generator, saveat, ledger, checkpoint, progress,
+                     limits):
+    from .particle import simulate  # the implementation (the keyword front end builds on the same code)
+
+    adaptive = isinstance(solver, Dopri5)
+    steps = _steps(t0, t1, dt)
+    return simulate(
+        x0, model.theta, t1=t1, dt=dt, t0=t0, method="adaptive" if adaptive else solver.method,
+        normalization=model.normalization.name, direction=model.direction, weights=model.weights, paths=paths,
+        seed=seed, generator=generator, record_every=saveat.record_every(steps), diagnostics=ledger.diagnostics,
+        quadrature=ledger.quadrature, rtol=solver.rtol if adaptive else None,
+        atol=solver.atol if adaptive else None, adjoint=solver.adjoint if adaptive else False,
+        return_path=saveat.path, progress=progress.show, chunk_elements=limits.chunk_elements,
+        checkpoint=None if checkpoint is None else checkpoint.path,
+        checkpoint_every=200 if checkpoint is None else checkpoint.every, callback=progress.callback,
+        causal=model.causal, observables=saveat.observables, quadratic_variation=ledger.quadratic_variation,
+        energy_log_scale=ledger.energy_log_scale, max_steps=limits.max_steps, max_memory=limits.max_memory,
+        layer_norm=model.geometry, temperature=model.temperature if model.noise is None else model.noise)
+
+
+def _steps(t0, t1, dt) -> int:
+    from .._validation import check_positive, check_real
+    from ..processes import grid_steps
+
+    return grid_steps(check_real(t0, "t0"), check_real(t1, "t1"), check_positive(dt, "dt"))

@@ -53,7 +53,7 @@ import torch
 
 from .._validation import broadcast_shapes
 from ..field import FieldEval, log_inverse_mobility
-from ..sphere import tangent_projection
+from ..sphere import normalize, tangent_projection
 
 __all__ = ["LayerNorm", "Projected", "PostLN", "PreLN", "PeriLN", "NGPT", "LAYER_NORMS", "layer_norm_scheme",
            "simuformer_scheme"]
@@ -122,6 +122,11 @@ class LayerNorm:
     def step(self, x: torch.Tensor, r: Optional[torch.Tensor], update: torch.Tensor, dt: float):
         """One layer: (x_new, r_new or None, the largest |‖y‖ − 1| before normalising)."""
         raise NotImplementedError  # pragma: no cover - every concrete scheme defines it
+
+    def retract(self, x: torch.Tensor) -> torch.Tensor:
+        """Pull ambient points back to the sphere (the geometry seam of every solver: the projected
+        Runge–Kutta stages, the adaptive solve and the JKO line search): x ↦ x/|x|."""
+        return normalize(x)
 
     def describe(self) -> str:
         return self.name

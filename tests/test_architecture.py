@@ -27,12 +27,16 @@ LAYERS = [
     {"transformer_pde.mobility"},
     {"transformer_pde.processes"},  # weight processes and the Θ_t grid driver
     {"transformer_pde.nn"},
-    {"transformer_pde.solvers.layernorm"},  # the layer-normalisation schemes (the step's geometry)
+    # the layer-normalisation schemes (the step's geometry); Butcher tableaux; Trajectory and the errors
+    {"transformer_pde.solvers.layernorm", "transformer_pde.solvers.tableaux", "transformer_pde.solvers.trajectory"},
     {"transformer_pde.solvers", "transformer_pde.solvers.parts", "transformer_pde.solvers.noise",
      "transformer_pde.solvers.options"},
     {"transformer_pde.solvers.model"},  # Model: Θ_t, normalisation, geometry, token noise
-    {"transformer_pde.solvers.particle"},
     {"transformer_pde.solvers.methods"},  # the solver objects
+    {"transformer_pde.solvers.evaluator"},  # the field evaluation and common scale of a particle solve
+    {"transformer_pde.solvers.fixed_step", "transformer_pde.solvers.adaptive"},  # the particle solves
+    {"transformer_pde.solvers.particle"},  # tp.simulate (keyword front end) and the argument checks
+    {"transformer_pde.solvers.sharded"},  # the sharded (multi-device) projected Euler
     {"transformer_pde.solvers.jko", "transformer_pde.distributed"},
     {"transformer_pde.solvers.solve"},  # tp.solve
     # Lipschitz and Grönwall constants, fast-weights coefficients; linear stability of the uniform measure

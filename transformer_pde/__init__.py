@@ -28,13 +28,15 @@ from .processes import (
     oscillating_target,
     sample_path,
 )
-from .solvers.particle import METHODS, TABLEAUX, ButcherTableau, NonFiniteError, Trajectory, simulate
+from .solvers.particle import simulate
+from .solvers.tableaux import METHODS, TABLEAUX, ButcherTableau
+from .solvers.trajectory import NonFiniteError, Trajectory
 from .solvers.layernorm import LAYER_NORMS, NGPT, LayerNorm, PeriLN, PostLN, PreLN, Projected, simuformer_scheme
 from .solvers.noise import TokenNoise
 from .normalization import Effective, Normalization, ReLU, Softmax, Unnormalized
 from .solvers.model import Model
 from .solvers.methods import (EMD, RK4, Dopri5, Euler, EulerianJKO, FixedStep, Heun, Identity, LagrangianJKO,
-                              RiemannianLBFGS, Sinkhorn, Solver, Transport)
+                              RiemannianLBFGS, ShardedEuler, Sinkhorn, Solver, Transport)
 from .solvers.options import Checkpointing, LedgerOptions, Limits, Progress, SaveAt
 from .solvers.solve import solve
 from . import attention, diagnostics, distributed, nn, theory, transport
@@ -92,7 +94,7 @@ __all__ = [
     "oscillating_target",
     "simulate",
     "solve", "Model", "Normalization", "Softmax", "Unnormalized", "ReLU", "Effective",
-    "Solver", "FixedStep", "Euler", "Heun", "RK4", "Dopri5", "LagrangianJKO", "EulerianJKO",
+    "Solver", "FixedStep", "Euler", "Heun", "RK4", "Dopri5", "ShardedEuler", "LagrangianJKO", "EulerianJKO",
     "Transport", "EMD", "Sinkhorn", "Identity", "RiemannianLBFGS",
     "SaveAt", "LedgerOptions", "Checkpointing", "Progress", "Limits",
     "TokenNoise",

@@ -128,6 +128,14 @@ class LayerNorm:
         Runge–Kutta stages, the adaptive solve and the JKO line search): x ↦ x/|x|."""
         return normalize(x)
 
+    def retract_step(self, y: torch.Tensor):
+        """The end of a projected Runge–Kutta step: (``retract(y)``, the largest |‖y‖ − 1| before it).
+
+        The default reuses the norm it measures (x/|x| without a second norm); a scheme that
+        overrides :meth:`retract` overrides this too."""
+        ny = y.detach().norm(dim=-1)
+        return (y / ny.unsqueeze(-1) if not y.requires_grad else self.retract(y)), float((ny - 1).abs().max())
+
     def describe(self) -> str:
         return self.name
 

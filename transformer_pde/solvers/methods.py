@@ -8,18 +8,26 @@ adjoint)``.  Minimizing movement: ``LagrangianJKO(transport, inner)`` with a tra
 
 ``Solver.accepts`` names the options objects of :func:`~transformer_pde.solve` the solver takes
 ("saveat", "ledger", "checkpoint", "progress", "limits"); the others are refused before any work.
+``Solver.unsupported`` names, per accepted options object, the fields the solver does not implement:
+they must stay at their defaults (TypeError naming the field otherwise, before any work).
+
+Sharded: ``ShardedEuler(group, backend, gather_x)``, the projected Euler step with the tokens
+sharded over the ranks of a ``torch.distributed`` process group
+(:mod:`transformer_pde.solvers.sharded`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar, FrozenSet, Optional, Union
+from typing import Any, ClassVar, FrozenSet, Mapping, Optional, Tuple, Union
 
 import torch
 
 from .._validation import check_bool, check_choice, check_int, check_positive
+from ..attention import BACKENDS
+from .tableaux import TABLEAUX
 
-__all__ = ["Solver", "FixedStep", "Euler", "Heun", "RK4", "Dopri5", "Transport", "EMD", "Sinkhorn", "Identity",
+__all__ = ["Solver", "FixedStep", "Euler", "Heun", "RK4", "Dopri5", "ShardedEuler", "Transport", "EMD", "Sinkhorn", "Identity",
            "RiemannianLBFGS", "LagrangianJKO", "EulerianJKO"]
 
 _ALL = frozenset({"saveat", "ledger", "checkpoint", "progress", "limits"})
@@ -29,6 +37,8 @@ class Solver:
     """Base class.  ``accepts``: the options objects it takes; ``name``: for messages and records."""
 
     accepts: ClassVar[FrozenSet[str]] = _ALL
+    #: options object -> its fields this solver does not implement (they must keep their defaults)
+    unsupported: ClassVar[Mapping[str, Tuple[str, ...]]] = {}
     name: ClassVar[str] = ""
     #: the ``method=`` / ``scheme=`` string of the keyword front ends
     kind: ClassVar[str] = ""
@@ -43,14 +53,10 @@ class FixedStep(Solver):
     kind: ClassVar[str] = "particle"
 
     def __post_init__(self):
-        from .particle import TABLEAUX  # the tableaux live with the stepper
-
         check_choice(self.method, tuple(TABLEAUX), "FixedStep.method")
 
     @property
     def order(self) -> int:
-        from .particle import TABLEAUX
-
         return TABLEAUX[self.method].order
 
 
@@ -79,6 +85,8 @@ class Dopri5(Solver):
     atol: float = 1e-9
     adjoint: bool = False
     accepts: ClassVar[FrozenSet[str]] = frozenset({"saveat", "ledger", "limits"})
+    #: the ledger is the trapezoid rule on the record grid: there is no quadrature to choose
+    unsupported: ClassVar[Mapping[str, Tuple[str, ...]]] = {"ledger": ("quadrature",)}
     kind: ClassVar[str] = "particle"
     method: ClassVar[str] = "adaptive"
 
@@ -86,6 +94,33 @@ class Dopri5(Solver):
         object.__setattr__(self, "rtol", check_positive(self.rtol, "Dopri5.rtol"))
         object.__setattr__(self, "atol", check_positive(self.atol, "Dopri5.atol"))
         check_bool(self.adjoint, "Dopri5.adjoint")
+
+
+@dataclass(frozen=True)
+class ShardedEuler(Solver):
+    """Projected Euler with the tokens sharded over the ranks of ``group`` (a ``torch.distributed``
+    process group; None: the world, or one rank without an initialised group).  x0 of
+    :func:`~transformer_pde.solve` is this rank's shard (``tp.distributed.shard_tokens``), the model's
+    token weights this rank's share of the global weights.  ``backend``: the kernel
+    (:mod:`transformer_pde.attention`); ``gather_x``: record all N tokens instead of the shard.
+
+    The ledger is the left-point one of ``Euler()``; no observables, stored paths, checkpoints,
+    callbacks, realised quadratic variation or given energy scale; no layer maps, token noise or
+    causal attention in the model."""
+
+    group: Any = None
+    backend: str = "auto"
+    gather_x: bool = False
+    accepts: ClassVar[FrozenSet[str]] = frozenset({"saveat", "ledger", "progress", "limits"})
+    unsupported: ClassVar[Mapping[str, Tuple[str, ...]]] = {
+        "saveat": ("observables", "path"), "ledger": ("quadrature", "quadratic_variation", "energy_log_scale"),
+        "progress": ("callback",), "limits": ("max_steps", "max_memory")}
+    kind: ClassVar[str] = "sharded"
+    method: ClassVar[str] = "euler"
+
+    def __post_init__(self):
+        check_choice(self.backend, BACKENDS, "ShardedEuler.backend")
+        check_bool(self.gather_x, "ShardedEuler.gather_x")
 
 
 # ---------------------------------------------------------------------------- JKO

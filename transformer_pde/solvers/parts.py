@@ -25,7 +25,6 @@ import torch
 
 from ..energy import ito_correction, pairing
 from ..heads import Heads
-from ..sphere import normalize
 from .layernorm import check_layer_norm_method, layer_norm_scheme
 
 __all__: List[str] = []
@@ -40,8 +39,9 @@ LEDGER_KEYS = ("dE", "partial", "dissipation", "slope", "martingale", "residual"
 class Stepper:
     """One explicit Runge–Kutta step x ↦ x_new of ẋ = F(x, t) for a tableau (c, a, b).
 
-    retract=True: the stages and the result are pulled back to the unit sphere (x ↦ x/|x|, the
-    projective retraction); False: flat dynamics in R^d.
+    retract=True: the stages and the result are pulled back to the unit sphere by the geometry's
+    retraction (``layer_norm.retract``, x ↦ x/|x| for every scheme of
+    :mod:`~transformer_pde.solvers.layernorm`; the geometry seam); False: flat dynamics in R^d.
 
     ``layer_norm``: the geometry of the step, a :class:`~transformer_pde.solvers.layernorm.LayerNorm`
     (or its name).  "none" (default, :class:`~.layernorm.Projected`) is the Runge–Kutta step with
@@ -77,15 +77,14 @@ class Stepper:
                 if aij != 0.0:
                     xs = xs + (dt * aij) * ks[j]
             if self.retract:
-                xs = normalize(xs)
+                xs = self.layer_norm.retract(xs)
             ks.append(stage_field(xs, tab.c[i]))
         y = x
         for bi, ki in zip(tab.b, ks):
             y = y + (dt * bi) * ki
         if not self.retract:
             return y, 0.0
-        ny = y.detach().norm(dim=-1)
-        return (y / ny.unsqueeze(-1) if not y.requires_grad else normalize(y)), float((ny - 1).abs().max())
+        return self.layer_norm.retract_step(y)
 
 
 # ---------------------------------------------------------------------------- ledger

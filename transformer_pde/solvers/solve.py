@@ -16,9 +16,11 @@ from typing import Optional
 
 import torch
 
-from .methods import Dopri5, EulerianJKO, FixedStep, LagrangianJKO, Solver
+from .methods import Dopri5, EulerianJKO, FixedStep, LagrangianJKO, ShardedEuler, Solver
 from .model import Model
 from .options import Checkpointing, LedgerOptions, Limits, Progress, SaveAt
+from .particle import solve_particles
+from .sharded import solve_sharded
 
 __all__ = ["solve"]
 
@@ -42,6 +44,12 @@ def _check_options(solver: Solver, given: dict) -> dict:
         if key not in solver.accepts:
             raise TypeError(f"{type(solver).__name__} does not take {key}= (it accepts "
                             f"{', '.join(sorted(solver.accepts))}); drop it or choose a solver that does")
+        default = cls() if key != "checkpoint" else None
+        for name in solver.unsupported.get(key, ()):
+            if getattr(value, name) != getattr(default, name):
+                raise TypeError(f"{type(solver).__name__} does not implement {cls.__name__}.{name} (got "
+                                f"{getattr(value, name)!r}); leave it at its default {getattr(default, name)!r} "
+                                f"or choose a solver that implements it")
         out[key] = value
     return out
 
@@ -60,7 +68,8 @@ def solve(model: Model, x0: Optional[torch.Tensor], solver: Solver, *, t1: float
     x0 : torch.Tensor or None
         tokens (..., n, d) on the unit sphere (None only for an Eulerian JKO given grid weights).
     solver : Solver
-        ``Euler()``, ``Heun()``, ``RK4()``, ``Dopri5(...)``, ``LagrangianJKO(...)``, ``EulerianJKO(...)``.
+        ``Euler()``, ``Heun()``, ``RK4()``, ``Dopri5(...)``, ``ShardedEuler(...)``, ``LagrangianJKO(...)``,
+        ``EulerianJKO(...)``.
     t1, dt, t0
         final time, step (the fixed step; Dopri5: the weights' sampling grid; JKO: τ) and start.
     paths, seed, generator
@@ -84,41 +93,17 @@ def solve(model: Model, x0: Optional[torch.Tensor], solver: Solver, *, t1: float
                         f"tp.Model(theta, normalization=..., direction=...)")
     if not isinstance(solver, Solver) or type(solver) is Solver:
         raise TypeError(f"solver must be a solver object (tp.Euler(), tp.Heun(), tp.RK4(), tp.Dopri5(), "
-                        f"tp.LagrangianJKO(), tp.EulerianJKO()), got {type(solver).__name__}")
+                        f"tp.ShardedEuler(), tp.LagrangianJKO(), tp.EulerianJKO()), got {type(solver).__name__}")
     o = _check_options(solver, dict(saveat=saveat, ledger=ledger, checkpoint=checkpoint, progress=progress,
                                     limits=limits))
     if isinstance(solver, (FixedStep, Dopri5)):
-        return _solve_particles(model, x0, solver, t1=t1, dt=dt, t0=t0, paths=paths, seed=seed, generator=generator,
+        return solve_particles(model, x0, solver, t1=t1, dt=dt, t0=t0, paths=paths, seed=seed, generator=generator,
                                 **o)
+    if isinstance(solver, ShardedEuler):
+        return solve_sharded(model, x0, solver, t1=t1, dt=dt, t0=t0, paths=paths, seed=seed, generator=generator,
+                             saveat=o["saveat"], ledger=o["ledger"], progress=o["progress"], limits=o["limits"])
     if isinstance(solver, (LagrangianJKO, EulerianJKO)):
         from .jko import solve_jko  # the JKO schemes' front end for solver objects
 
         return solve_jko(model, x0, solver, t1=t1, dt=dt, t0=t0, paths=paths, seed=seed, generator=generator, **o)
     raise TypeError(f"no solve for the solver {type(solver).__name__}")  # a Solver subclass of a new kind
-
-
-def _solve_particles(model, x0, solver, *, t1, dt, t0, paths, seed, generator, saveat, ledger, checkpoint, progress,
-                     limits):
-    from .particle import simulate  # the implementation (the keyword front end builds on the same code)
-
-    adaptive = isinstance(solver, Dopri5)
-    steps = _steps(t0, t1, dt)
-    return simulate(
-        x0, model.theta, t1=t1, dt=dt, t0=t0, method="adaptive" if adaptive else solver.method,
-        normalization=model.normalization.name, direction=model.direction, weights=model.weights, paths=paths,
-        seed=seed, generator=generator, record_every=saveat.record_every(steps), diagnostics=ledger.diagnostics,
-        quadrature=ledger.quadrature, rtol=solver.rtol if adaptive else None,
-        atol=solver.atol if adaptive else None, adjoint=solver.adjoint if adaptive else False,
-        return_path=saveat.path, progress=progress.show, chunk_elements=limits.chunk_elements,
-        checkpoint=None if checkpoint is None else checkpoint.path,
-        checkpoint_every=200 if checkpoint is None else checkpoint.every, callback=progress.callback,
-        causal=model.causal, observables=saveat.observables, quadratic_variation=ledger.quadratic_variation,
-        energy_log_scale=ledger.energy_log_scale, max_steps=limits.max_steps, max_memory=limits.max_memory,
-        layer_norm=model.geometry, temperature=model.temperature if model.noise is None else model.noise)
-
-
-def _steps(t0, t1, dt) -> int:
-    from .._validation import check_positive, check_real
-    from ..processes import grid_steps
-
-    return grid_steps(check_real(t0, "t0"), check_real(t1, "t1"), check_positive(dt, "dt"))

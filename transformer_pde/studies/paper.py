@@ -269,10 +269,9 @@ def power_law_intervals(heads, per_path: Sequence, *, level: float = 0.95, resam
 
 
 # ---------------------------------------------------------------------------- one segment
-def _as_paths(v: torch.Tensor, paths: Optional[int]) -> torch.Tensor:
-    """(T, [P]) -> (T, P) on the CPU, with its own storage."""
-    v = v.detach().cpu()
-    return (v.unsqueeze(1) if paths is None else v).clone()
+def _as_paths(v: torch.Tensor) -> torch.Tensor:
+    """A series (T, P, ...) of ``traj.with_paths()`` on the CPU, with its own storage."""
+    return v.detach().cpu().clone()
 
 
 class _PathSlice:
@@ -324,14 +323,13 @@ def _simulate_chunk(p: Dict, regime: str, H: int, x0: torch.Tensor, lo: int, hi:
                        record_every=p["record_every"], progress=progress, checkpoint=ckpt,
                        checkpoint_every=p["checkpoint_every"], callback=callback)
     wall = time.perf_counter() - t0
-    paths = None if total is None else hi - lo
-    k_keep = 1 if paths is None else max(0, min(p["store_paths"], hi) - lo)
-    x = traj.x.detach().cpu()
+    traj = traj.with_paths()  # (T, P, ...) whether or not the run had paths (P = 1 for the oscillating runs)
+    k_keep = 1 if total is None else max(0, min(p["store_paths"], hi) - lo)  # the deterministic run: its one path
     # clone: a slice saved by torch.save would carry the storage of every path
-    x = x.unsqueeze(1).clone() if paths is None else x[:, :k_keep].clone()
+    x = traj.x.detach().cpu()[:, :k_keep].clone()
     return {"lo": lo, "hi": hi, "times": traj.times.detach().cpu(),
-            **{k: _as_paths(getattr(traj, k), paths) for k in SERIES_KEYS},
-            "ledger": {k: _as_paths(v, paths) for k, v in traj.ledger.items()}, "x": x,
+            **{k: _as_paths(getattr(traj, k)) for k in SERIES_KEYS},
+            "ledger": {k: _as_paths(v) for k, v in traj.ledger.items()}, "x": x,
             "wall": wall, "steps": int(traj.stats["steps"]), "start_step": start_step,
             "max_sphere_error": float(traj.stats["max_sphere_error"]), "threads": torch.get_num_threads()}
 

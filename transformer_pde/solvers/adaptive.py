@@ -1,0 +1,267 @@
+"""The adaptive particle solve: torchdiffeq's dopri5 (or its adjoint) on the projected field, with the
+ledger by the trapezoid rule on the record grid (docs/model.md#solvers, #ledger).
+
+The tokens are pulled back to the sphere by the model's geometry (``geometry.retract``: x ↦ x/|x|
+for the projected flow), in the field and on the solution.  Entry points:
+:func:`transformer_pde.solve` with :class:`~transformer_pde.Dopri5`, and
+``transformer_pde.simulate(method="adaptive")``; this is a named internal API.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Callable, Dict, Tuple
+
+import torch
+
+from ..energy import pairing
+from ..energy import quadratic_variation as realised_qv_term
+from ..field import evaluate
+from ..heads import Heads
+from ..processes import Process, WeightPath
+from .parts import Recorder, ledger_from_series, partial_density
+from .trajectory import Trajectory, check_finite, check_ledger, nonfinite_error
+
+__all__: list = []
+__internal__ = ["solve_adaptive", "dopri5"]
+
+
+class _AdjointField(torch.nn.Module):
+    """The projected field as the nn.Module that torchdiffeq's adjoint needs; ``adjoint_params``
+    are the tensors requiring grad that the field reads (see :func:`_rebind_for_adjoint`)."""
+
+    def __init__(self, func: Callable, params: Tuple[torch.Tensor, ...]):
+        super().__init__()
+        self._func = func
+        self.adjoint_params = params
+
+    def forward(self, t, y):
+        return self._func(t, y)
+
+
+def _walk(o, fn, depth=0):
+    """Rebuild o with every tensor replaced by fn(tensor), through Heads, Processes (shallow
+    copies), lists, tuples and dicts; other objects are returned as they are."""
+    if depth > 8:
+        return o
+    if isinstance(o, torch.Tensor):
+        return fn(o)
+    if isinstance(o, Heads):
+        return o.map(fn)
+    if isinstance(o, (list, tuple)):
+        return type(o)(_walk(v, fn, depth + 1) for v in o)
+    if isinstance(o, dict):
+        return {k: _walk(v, fn, depth + 1) for k, v in o.items()}
+    if isinstance(o, WeightPath):  # the field reads the scores and the template only
+        new = copy.copy(o)
+        new.scores, new.template = fn(o.scores), _walk(o.template, fn, depth + 1)
+        return new
+    if isinstance(o, Process):
+        new = copy.copy(o)
+        for k, v in vars(o).items():
+            setattr(new, k, _walk(v, fn, depth + 1))
+        return new
+    return o
+
+
+def _rebind_for_adjoint(*objs):
+    """(copies of objs, params) for odeint_adjoint.
+
+    Every tensor requiring grad that the objects hold (head tensors, β, process parameters, a
+    sampled weight path, token weights) is replaced in the copies by a clone, and the clones are
+    the adjoint parameters.  Clones, not the tensors themselves: the adjoint takes the gradient
+    of the field with respect to all of its parameters at once, and a parameter that is a
+    function of another (a sampled path of its initial heads, V = 2A, A = QᵀK next to Q) would
+    be counted twice.  A clone is read by the field only, so each gets the field's direct
+    dependence; autograd then carries the clones' gradients back to the originals."""
+    clones: Dict[int, torch.Tensor] = {}
+
+    def fn(t):
+        if not t.requires_grad:
+            return t
+        if id(t) not in clones:
+            clones[id(t)] = t.clone()
+        return clones[id(t)]
+
+    copies = tuple(_walk(o, fn) for o in objs)
+    return copies, tuple(clones.values())
+
+
+@torch.no_grad()
+def _initial_step(func, t0: torch.Tensor, y0: torch.Tensor, rtol: float, atol: float, order: int = 5) -> float:
+    """First step of an adaptive solve (Hairer, Nørsett & Wanner I, §II.4, the rule torchdiffeq
+    uses), computed without autograd.  torchdiffeq's own choice is differentiable, so every node
+    time of the solve would depend on the parameters through it; with a time-dependent field
+    evaluated at float(t) that dependence is cut and backpropagated gradients come out wrong
+    (by 1e-4 relative at rtol = 1e-11, 1e-2 at rtol = 1e-5).  A constant first step removes it."""
+    scale = atol + y0.abs() * rtol
+    rms = lambda v: float(v.square().mean().sqrt())  # noqa: E731
+    f0 = func(t0, y0)
+    d0, d1 = rms(y0 / scale), rms(f0 / scale)
+    h0 = 1e-6 if d0 < 1e-5 or d1 < 1e-5 else 0.01 * d0 / d1
+    f1 = func(t0 + h0, y0 + h0 * f0)
+    d2 = rms((f1 - f0) / scale) / h0
+    h1 = max(1e-6, h0 * 1e-3) if max(d1, d2) <= 1e-15 else (0.01 / max(d1, d2)) ** (1.0 / order)
+    return min(100 * h0, h1)
+
+
+def solve_adaptive(x, process, drv, ev, *, K, t0, dt, record_every, sign, diagnostics, rtol, atol, method,
+                   normalization, direction, weights, start, return_path, adjoint=False, chunk_elements=None,
+                   causal=False, obs=None, realised=False, scale=None, fix_scale=None, geometry=None,
+                   integrate=None):
+    """dopri5 through torchdiffeq on the projected field; ledger by the trapezoid rule on the record grid
+    (the martingale, and with ``realised`` the quadratic variation, as Itô sums over the record intervals).
+    A closed-form Θ with knots (layer starts) is solved piece by piece between them, and the ledger
+    is sampled on both sides of each knot, so it books the jumps of Θ.
+
+    With ``adjoint`` the solve goes through ``odeint_adjoint`` (gradients by the adjoint ODE).
+    ``geometry``: the model's LayerNorm (its ``retract`` pulls the tokens back to the sphere);
+    ``integrate``: the dopri5 driver (default :func:`dopri5`)."""
+    retract = geometry.retract
+    integrate = dopri5 if integrate is None else integrate
+    scale = {"c": 0.0, "start_max": float("nan"), "given": False} if scale is None else scale
+    # stochastic or grid-stepped weights: sample the whole path on the dt grid first
+    path = drv.sample_path(K) if drv.mode != "closed" else None
+    source = path if path is not None else process
+    rec = Recorder(K, record_every, diagnostics=False, observables=obs, weights=weights)
+    times = rec.times(t0, dt)
+    knots = [] if path is not None else process.knots(t0, float(times[-1]))
+    grid, rows = _knot_grid(times, knots)
+    ys, nfe = integrate(x, ev, source, grid.to(x.dtype).to(x.device), knots, weights=weights, rtol=rtol, atol=atol,
+                        adjoint=adjoint, normalization=normalization, sign=sign, chunk_elements=chunk_elements,
+                        causal=causal, retract=retract)
+    xs = retract(ys)
+    if not check_finite(xs):
+        bad = int((~torch.isfinite(xs.flatten(1)).all(-1)).nonzero()[0])
+        tb = float(grid[bad])
+        raise nonfinite_error("the token positions", tb, round((tb - t0) / dt), source.heads_at(tb),
+                              normalization)
+    ledger, series = {}, {"energy": None, "slope": None, "dissipation": None}
+    if diagnostics:
+        ledger, series = _record_grid_ledger(xs, grid, rows, rec.steps, ev, path, process, knots, weights=weights,
+                                             scale=scale, fix_scale=fix_scale, realised=realised, sign=sign,
+                                             causal=causal)
+    xs, ys = xs[rows], ys[rows]
+    for r in range(len(rec.steps)):
+        rec.record(xs[r])
+    observed = rec.stacked(t0, dt)[4]
+    stats = {"steps": K, "field_evaluations": nfe, "max_sphere_error": float((ys.detach().norm(dim=-1) - 1).abs().max()),
+             "wall_time": time.perf_counter() - start, "order": 5, "energy_log_scale": scale["c"],
+             "gradient_flow": not causal}
+    return Trajectory(times, xs, series["energy"], series["slope"], series["dissipation"], ledger, stats,
+                      method, normalization, direction, weights, path if return_path else None,
+                      observables=observed)
+
+
+def _knot_grid(times, knots):
+    """(the record times with the knots added, float64; the index of each record time in it).
+
+    A knot within 1e-9 of the span of a record time takes that record time's place, so that Θ is
+    sampled on both sides of the knot itself: sampled at the record time, both sides could fall in
+    the same layer and the jump would be lost."""
+    if not knots:
+        return times, list(range(len(times)))
+    tol = 1e-9 * float(times[-1] - times[0])
+    grid, extra = times.clone(), []
+    for tj in knots:
+        i = int((times - tj).abs().argmin())
+        if abs(float(times[i]) - tj) > tol:
+            extra.append(tj)
+        else:
+            grid[i] = tj
+    grid = torch.sort(torch.cat([grid, torch.tensor(extra, dtype=torch.float64)])).values
+    return grid, [int((grid - t).abs().argmin()) for t in times]
+
+
+def _pieces(grid, knots):
+    """Index ranges [i, j] of the grid between consecutive knots (each knot ends one piece, starts the next)."""
+    tol = 1e-9 * float(grid[-1] - grid[0])
+    cuts = [0] + [int((grid - tj).abs().argmin()) for tj in knots if abs(float(grid[-1]) - tj) > tol] + [len(grid) - 1]
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+def _piece_heads(source, a: float, b: float, closed: bool):
+    """Θ on the piece [a, b]: its right limit at a, its left limit at b (the piece's own layer),
+    whatever the rounding of the solver's time; the plain ``heads_at`` without knots."""
+    if not closed:
+        return source.heads_at
+    tol = 1e-6 * (b - a)
+
+    def heads(t):
+        return source.heads_at(a) if t <= a + tol else source.left_heads_at(min(t, b))
+    return heads
+
+
+def dopri5(x, ev, source, grid, knots, *, weights, rtol, atol, adjoint, normalization, sign, chunk_elements,
+           causal, retract):
+    """torchdiffeq's dopri5 on the projected field through the grid, one solve per piece between knots,
+    the tokens pulled back to the sphere by ``retract``; (ys, field evaluations)."""
+    from torchdiffeq import odeint, odeint_adjoint
+
+    nfe = [0]
+    pieces = _pieces(grid, knots) if knots else [(0, len(grid) - 1)]
+    if adjoint:
+        (source, w_c), params = _rebind_for_adjoint(source, weights)
+        causal_kw = {"causal": causal} if causal else {}
+    out, y = [x[None]], x
+    for i, j in pieces:
+        heads_at = _piece_heads(source, float(grid[i]), float(grid[j]), bool(knots))
+        if adjoint:
+            def afunc(t, y, heads_at=heads_at):
+                nfe[0] += 1
+                return evaluate(retract(y), heads_at(float(t.detach())), w_c, normalization=normalization,
+                                sign=sign, diagnostics=False, chunk_elements=chunk_elements, **causal_kw).velocity
+
+            ys = odeint_adjoint(_AdjointField(afunc, params), y, grid[i:j + 1], method="dopri5", rtol=rtol,
+                                atol=atol, adjoint_params=params)
+        else:
+            def func(t, y, heads_at=heads_at):
+                nfe[0] += 1
+                return ev(retract(y), heads_at(float(t.detach())), False).velocity
+
+            first = _initial_step(func, grid[i], y.detach(), rtol, atol)
+            ys = odeint(func, y, grid[i:j + 1], method="dopri5", rtol=rtol, atol=atol, options={"first_step": first})
+        out.append(ys[1:])
+        y = ys[-1]
+    return (torch.cat(out) if len(out) > 2 else ys), nfe[0]
+
+
+def _record_grid_ledger(xs, grid, rows, rec_k, ev, path, process, knots, *, weights, scale, fix_scale, realised,
+                        sign, causal):
+    """Energy, 𝒢², 𝒟 and the ledger (:func:`~.parts.ledger_from_series`) at the tokens xs on the grid
+    (record times and knots); at a knot a left-limit sample first, and the jump E(Θ) − E(Θ−) booked."""
+    w, tol = weights, 1e-9 * float(grid[-1] - grid[0])
+    samples, step_of = [], dict(zip(rows, rec_k))  # (t, x, heads, rate, σ, record step or None)
+    for g in range(len(grid)):
+        t, k = float(grid[g]), step_of.get(g)
+        if any(abs(t - tj) <= tol for tj in knots):
+            samples.append((t, xs[g], process.left_heads_at(t), process.left_score_rate(t), 0.0, None))
+        if path is not None:
+            samples.append((t, xs[g], path.heads_at(t), path.rates[k], path.sigmas[k], k))
+        else:
+            samples.append((t, xs[g], process.heads_at(t), process.score_rate(t), 0.0, k))
+    E, G, D, P, M, Q = [], [], [], [], [], []
+    for r, (t, x, hk, rate, sig, k) in enumerate(samples):
+        e = ev(x, hk, True)
+        if r == 0 and fix_scale is not None and fix_scale(e):
+            e = ev(x, hk, True)
+        c = scale["c"]
+        pt = partial_density(x, hk, w, e.stats, rate, sig, ito=process.noisy and not realised, log_scale=c)
+        if process.noisy and r + 1 < len(samples):
+            dn = path.noise[k:samples[r + 1][5]].sum(0)
+            M.append(pairing(x, hk, w, e.stats, dn, log_scale=c))
+            if realised:
+                Q.append(realised_qv_term(x, hk, w, e.stats, dn, log_scale=c))
+        elif knots and r > 0:  # the jump of Θ between a left-limit sample and the next (0 elsewhere)
+            Q.append(e.energy - E[-1] if samples[r - 1][0] == t else torch.zeros_like(e.energy))
+        check_ledger(e, pt, t, -1 if k is None else k, scale)
+        E.append(e.energy)
+        G.append(e.slope)
+        D.append(e.dissipation)
+        P.append(pt)
+    keep = [r for r, smp in enumerate(samples) if smp[5] is not None]
+    E, G, D, P = map(torch.stack, (E, G, D, P))
+    times = torch.tensor([smp[0] for smp in samples], dtype=torch.float64)
+    ledger = ledger_from_series(E, G, D, P, M, Q, times, sign=sign, causal=causal)
+    return {key: v[keep] for key, v in ledger.items()}, {"energy": E[keep], "slope": G[keep], "dissipation": D[keep]}

@@ -1,0 +1,65 @@
+"""The field evaluation of a particle solve and its common energy scale (docs/model.md#ledger).
+
+:class:`Evaluator` is shared by the fixed-step run (:mod:`~transformer_pde.solvers.fixed_step`)
+and the adaptive solve (:mod:`~transformer_pde.solvers.adaptive`): ``ev(x, heads, diag)`` is one
+:class:`~transformer_pde.FieldEval`, and with diagnostics energy, 𝒢², 𝒟 are reported times
+e^{−c} for the common scale c fixed at t0.  A named internal API, not public.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ..attention import softmax_statistics
+from ..energy import choose_log_scale
+from ..field import FieldEval, evaluate
+from ..mobility import scaled_diagnostics
+
+__all__: list = []
+__internal__ = ["Evaluator"]
+
+logger = logging.getLogger("transformer_pde.solvers.particle")  # the solvers' logger of old
+
+
+class Evaluator:
+    """The field evaluation of a solve: ``ev(x, heads, diag)`` (a FieldEval; with diag the non-causal
+    statistics and energy, 𝒢², 𝒟 times e^{−c}) and the common scale c (``scale``, fixed at t0 by
+    :meth:`fix_scale` unless given)."""
+
+    def __init__(self, weights, *, normalization, sign, noisy, causal, chunk_elements, energy_log_scale):
+        self.w, self.normalization, self.sign, self.noisy = weights, normalization, sign, noisy
+        self.causal, self.chunk, self.given = causal, chunk_elements, energy_log_scale
+        self.causal_kw = {"causal": causal} if causal else {}
+        self.scale = {"c": 0.0 if energy_log_scale is None else energy_log_scale, "start_max": float("nan"),
+                      "given": energy_log_scale is not None}
+        self.fused = None  # a layernorm.FusedUpdate for the tokens-only evaluations of a layer map
+
+    def __call__(self, xk, heads, diag):
+        c, w, noisy, chunk = self.scale["c"], self.w, self.noisy, self.chunk
+        if not diag and self.fused is not None:
+            fe = self.fused(xk, heads)
+            if fe is not None:
+                return fe
+        if not diag or (c == 0.0 and not self.causal):  # ordinary runs: evaluate's own diagnostics, bit for bit
+            return evaluate(xk, heads, w, normalization=self.normalization, sign=self.sign, diagnostics=diag,
+                            second_moment=diag and noisy, chunk_elements=chunk, **self.causal_kw)
+        fe = evaluate(xk, heads, w, normalization=self.normalization, sign=self.sign, diagnostics=False,
+                      second_moment=noisy and not self.causal, chunk_elements=chunk, **self.causal_kw)
+        full = (softmax_statistics(xk, heads, w, second_moment=noisy, chunk_elements=chunk) if self.causal
+                else fe.stats)
+        E, G, D, g = scaled_diagnostics(xk, heads, w, fe.velocity, full, log_scale=c, chunk_elements=chunk)
+        return FieldEval(fe.velocity, full, fe.outputs, g, E, G, D, ambient=fe.ambient)
+
+    def fix_scale(self, evk) -> bool:
+        """Fix c from the log-partitions of the first evaluation (unless given); True when c ≠ 0
+        (the caller then evaluates again, at that scale)."""
+        lp = evk.stats.log_partition.detach()
+        self.scale["start_max"] = float(lp.max()) if lp.numel() else 0.0
+        if self.given is not None:
+            return False  # the first evaluation already used the given scale
+        self.scale["c"] = choose_log_scale(lp)
+        if self.scale["c"] != 0.0:
+            logger.info("energy and ledger reported times e^(-%.6g) (largest log-partition at t0: %.6g)",
+                        self.scale["c"], self.scale["start_max"])
+        return self.scale["c"] != 0.0
+

@@ -1,0 +1,452 @@
+"""The sharded particle solver: multi-device scale-out on ``torch.distributed``, the tokens (queries)
+sharded across ranks (``tp.solve(model, x_local, tp.ShardedEuler(), ...)`` or
+:func:`simulate_sharded`; :mod:`transformer_pde.distributed` re-exports the public names).
+
+Rank r holds a shard x_r (..., n_r, d) of the tokens and its share w_r of the token weights
+(Σ_r Σ_i w_{r,i} = 1; None means uniform 1/N over all N tokens).  One evaluation
+
+    1. all-gathers the keys  x = [x_0, ..., x_{R-1}] (..., N, d)  and their weights,
+    2. evaluates, at the local queries only, the field of the full measure
+       μ = Σ_j w_j δ_{x_j} (``tp.evaluate(x_r, heads, w_r, keys=x, key_weights=w)``),
+    3. all-reduces (SUM) the partial sums Σ_{i ∈ shard} w_i (...) of E, 𝒢², 𝒟 and of the ledger
+       terms ∂_tE, Itô correction and martingale increment.
+
+Per rank: time ∝ n_r · N · H, memory O(N·d + n_r·H) plus one kernel block; communication
+O(N·d) per evaluation.  Tensors stay on the input's device, so the same code runs with the
+``gloo`` backend on CPU and ``nccl`` on GPUs.  Forward only (no autograd through the
+collectives).  Without an initialised process group every function runs as one rank.
+
+Launch one process per device with torchrun::
+
+    torchrun --standalone --nproc_per_node=4 sharded_run.py
+
+with, in the script::
+
+    import os, torch, torch.distributed as dist, transformer_pde as tp
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else "cpu"
+    x = tp.sphere.octahedral(100_000, dtype=torch.float32, device=device)   # same on every rank
+    theta = tp.OrnsteinUhlenbeck(tp.Heads.random(8, 3, generator=torch.Generator().manual_seed(0),
+                                                 dtype=torch.float32).to(device))
+    x_local, w_local = tp.distributed.shard_tokens(x)
+    traj = tp.distributed.simulate_sharded(x_local, theta, t1=1.0, dt=1e-2, paths=4, seed=0)
+    if dist.get_rank() == 0:
+        print(traj.energy[-1], traj.ledger["residual"][-1])
+
+Every rank must build the same heads and use the same ``seed``: the weight process is sampled
+redundantly on each rank (it is tiny), so all ranks see the same Θ_t without communication.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .._validation import (NORMALIZATIONS, broadcast_shapes, check_choice, check_every, check_int, check_positive,
+                           check_same, check_tokens, direction_sign)
+from ..energy import pairing
+from ..field import FieldEval, evaluate
+from ..heads import Heads
+from ..processes import Constant, Process, WeightDriver, WeightPath, grid_steps
+from .methods import ShardedEuler
+from .model import Model
+from .options import LedgerOptions, Progress, SaveAt
+from .parts import Ledger, Recorder, Stepper, partial_density, progress_bar
+from .tableaux import TABLEAUX
+from .trajectory import PathsAxis, Trajectory, nonfinite_error
+
+__all__ = ["rank_and_world", "shard_tokens", "gather_tokens", "distributed_evaluate", "simulate_sharded"]
+__internal__ = ["solve_sharded"]
+
+
+def rank_and_world(group=None):
+    """(rank, world size) in ``group``; (0, 1) when torch.distributed is not initialised."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _active(group) -> bool:
+    return rank_and_world(group)[1] > 1
+
+
+def shard_tokens(x: torch.Tensor, weights: Optional[torch.Tensor] = None, *, group=None):
+    """This rank's balanced slice of the tokens (along the token axis -2) and of their weights.
+
+    x: (..., N, d) the full token set (identical on every rank); weights: (..., N) or None.
+    Returns (x_r (..., n_r, d), w_r (..., n_r) or None), with n_r = ⌈N/R⌉ or ⌊N/R⌋
+    (``torch.tensor_split``); the weights keep their global normalisation.
+    """
+    check_tokens(x, "x")
+    rank, world = rank_and_world(group)
+    if x.shape[-2] < world:
+        raise ValueError(f"cannot shard {x.shape[-2]} tokens over {world} ranks; use at most one rank per token")
+    xs = torch.tensor_split(x, world, dim=-2)[rank]
+    ws = None if weights is None else torch.tensor_split(weights, world, dim=-1)[rank]
+    return xs.contiguous(), None if ws is None else ws.contiguous()
+
+
+def _gather_sizes(n_local: int, device, group) -> List[int]:
+    _, world = rank_and_world(group)
+    n = torch.tensor([n_local], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(n) for _ in range(world)]
+    dist.all_gather(sizes, n, group=group)
+    return [int(s) for s in sizes]
+
+
+def gather_tokens(x_local: torch.Tensor, *, group=None, sizes: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """All-gather token shards (..., n_r, c) into (..., N, c) in rank order (uneven shards allowed).
+
+    ``sizes``: the n_r of every rank when already known (saves one collective)."""
+    if not _active(group):
+        return x_local
+    if sizes is None:
+        sizes = _gather_sizes(x_local.shape[-2], x_local.device, group)
+    nmax = max(sizes)
+    pad = x_local
+    if x_local.shape[-2] < nmax:
+        pad = torch.nn.functional.pad(x_local, (0, 0, 0, nmax - x_local.shape[-2]))
+    pad = pad.contiguous()
+    bufs = [torch.empty_like(pad) for _ in sizes]
+    dist.all_gather(bufs, pad, group=group)
+    return torch.cat([b[..., :s, :] for b, s in zip(bufs, sizes)], -2)
+
+
+def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
+    if _active(group):
+        t = t.contiguous()
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return t
+
+
+class _Shard:
+    """Token-weight bookkeeping of one rank: query weights (global normalisation) and key weights."""
+
+    def __init__(self, x_local, weights, group):
+        self.group = group
+        self.sizes = _gather_sizes(x_local.shape[-2], x_local.device, group) if _active(group) else [x_local.shape[-2]]
+        self.N = sum(self.sizes)
+        if weights is None:
+            # uniform over all N tokens: queries weigh 1/N each, keys are uniform (None)
+            self.query = torch.full(x_local.shape[-2:-1], 1.0 / self.N, dtype=x_local.dtype, device=x_local.device)
+            self.keys = None
+        else:
+            check_tokens(x_local, "x_local")
+            if not isinstance(weights, torch.Tensor):
+                raise TypeError(f"weights must be a torch.Tensor or None, got {type(weights).__name__}")
+            check_same(x_local, weights, "x_local", "weights")
+            if weights.shape[-1] != x_local.shape[-2]:
+                raise ValueError(f"weights must have shape (..., n_local) with n_local = {x_local.shape[-2]}, "
+                                 f"got {tuple(weights.shape)}")
+            if bool((weights < 0).any()):
+                raise ValueError("token weights must be >= 0")
+            total = _all_reduce(weights.sum(-1).clone(), group)
+            err = float((total - 1).abs().max())
+            if err > max(1e-6, 1e3 * torch.finfo(weights.dtype).eps):
+                raise ValueError(f"the token weights must sum to 1 over all ranks (max |sum - 1| = {err:.1e}); "
+                                 f"shard globally normalised weights with tp.distributed.shard_tokens")
+            self.query = weights
+            self.keys = gather_tokens(weights.unsqueeze(-1), group=group, sizes=self.sizes).squeeze(-1)
+
+    def gather(self, x_local):
+        return gather_tokens(x_local, group=self.group, sizes=self.sizes)
+
+
+def distributed_evaluate(
+    x_local: torch.Tensor,
+    heads: Heads,
+    weights: Optional[torch.Tensor] = None,
+    *,
+    normalization: str = "softmax",
+    direction: str = "ascent",
+    diagnostics: bool = True,
+    second_moment: bool = False,
+    backend: str = "auto",
+    chunk_elements: Optional[int] = None,
+    group=None,
+) -> FieldEval:
+    """V[μ,Θ] at this rank's tokens and the global E, 𝒢², 𝒟 of μ = Σ_r Σ_i w_{r,i} δ_{x_{r,i}}.
+
+    Parameters
+    ----------
+    x_local : torch.Tensor
+        this rank's tokens (..., n_r, d) on the sphere.  heads: :class:`Heads` (same on all ranks).
+    weights : Optional[torch.Tensor]
+        this rank's share (..., n_r) of the global token weights, or None (uniform 1/N).
+    normalization, direction
+        as :func:`transformer_pde.velocity`.
+    diagnostics, second_moment, backend, chunk_elements
+        as :func:`transformer_pde.evaluate`.
+    group
+        the process group (default: the world).
+
+    Returns
+    -------
+    FieldEval
+        :class:`FieldEval` whose velocity, stats, outputs and grad_first_variation are local
+        (n_r rows) and whose energy, slope and dissipation are global (all-reduced, identical
+        on every rank).
+
+    Raises
+    ------
+    TypeError, ValueError
+        for bad input, as the single-process entry points.
+    """
+    check_choice(normalization, NORMALIZATIONS, "normalization")
+    sign = direction_sign(direction)
+    check_tokens(x_local, "x_local")
+    if not isinstance(heads, Heads):
+        raise TypeError(f"heads must be a transformer_pde.Heads, got {type(heads).__name__}")
+    check_same(x_local, heads.reference, "x_local", "heads")
+    shard = _Shard(x_local, weights, group)
+    keys = shard.gather(x_local)
+    out = evaluate(x_local, heads, shard.query, keys=keys, key_weights=shard.keys, normalization=normalization,
+                   sign=sign, diagnostics=diagnostics, second_moment=second_moment, backend=backend,
+                   chunk_elements=chunk_elements)
+    if diagnostics:
+        red = _all_reduce(torch.stack([out.energy, out.slope, out.dissipation]), group)
+        out.energy, out.slope, out.dissipation = red[0], red[1], red[2]
+    return out
+
+
+@torch.no_grad()
+def _flag(*ts) -> float:
+    """1.0 when any of the tensors holds NaN/inf, else 0.0 (all-reduced with the entries, so every rank agrees)."""
+    return float(any(not bool(torch.isfinite(t).all()) for t in ts))
+
+
+def _reduce_with_flag(entries, bad: float, zero: torch.Tensor, group):
+    """Sum the entries (tensors broadcast to the batch shape of ``zero``, or numbers) and the non-finite flag
+    over the ranks in one all-reduce; returns (the summed entries, whether any rank flagged)."""
+    batch = zero.shape
+    vec = torch.stack([e.expand(batch) if isinstance(e, torch.Tensor) else zero + e for e in entries] + [zero + bad])
+    vec = _all_reduce(vec, group)
+    return vec[:-1], float(vec[-1].max()) > 0
+
+
+def _check_sharded_args(x0_local, theta, *, t1, dt, t0, paths, normalization, direction, record_every):
+    """The checks of :func:`simulate_sharded`, before any work; returns the arguments it normalises."""
+    check_tokens(x0_local, "x0_local")
+    check_choice(normalization, NORMALIZATIONS, "normalization")
+    sign = direction_sign(direction)
+    dt = check_positive(dt, "dt")
+    t0, t1 = float(t0), float(t1)
+    K = grid_steps(t0, t1, dt)
+    record_every = check_every(record_every, "record_every", K,
+                               f"t0 = {t0:.6g} to t1 = {t1:.6g} in steps dt = {dt:.6g}")
+    if paths is not None:
+        paths = check_int(paths, "paths")
+    if isinstance(theta, Heads):
+        process: Process = Constant(theta)
+    elif isinstance(theta, Process):
+        process = theta
+    else:
+        raise TypeError(f"theta must be a Heads or a Process, got {type(theta).__name__}")
+    if isinstance(process, WeightPath) and paths is not None:
+        raise ValueError("a stored WeightPath already carries its paths axis; call without paths=")
+    h0 = process.heads0
+    check_same(x0_local, h0.reference, "x0_local", "theta's heads")
+    if h0.dim != x0_local.shape[-1]:
+        raise ValueError(f"the heads act on d = {h0.dim} but x0_local has d = {x0_local.shape[-1]}")
+    return process, sign, dt, t0, t1, K, record_every, paths
+
+
+def simulate_sharded(
+    x0_local: torch.Tensor,
+    theta,
+    *,
+    t1: float,
+    dt: float,
+    t0: float = 0.0,
+    weights: Optional[torch.Tensor] = None,
+    paths: Optional[int] = None,
+    seed: int = 0,
+    normalization: str = "softmax",
+    direction: str = "descent",
+    record_every: int = 1,
+    diagnostics: bool = True,
+    backend: str = "auto",
+    chunk_elements: Optional[int] = None,
+    gather_x: bool = False,
+    progress: bool = False,
+    group=None,
+) -> Trajectory:
+    """Projected Euler for ẋ_i = V[μ_t, Θ_t](x_i) with the tokens sharded over the ranks.
+
+    The same scheme and ledger as ``tp.simulate(..., method="euler")`` (left-point quadrature,
+    Itô martingale sum, jumps of piecewise-constant weights): with the same inputs the records
+    agree with one process to rounding.  Per step: one all-gather of the tokens and one
+    all-reduce of the stacked partial sums (E, 𝒢², 𝒟, ∂_tE + Itô, martingale, jump, NaN flag).
+
+    Parameters
+    ----------
+    x0_local : torch.Tensor
+        this rank's initial tokens (..., n_r, d) (e.g. from :func:`shard_tokens`).
+    theta
+        :class:`Heads` or a process (identical on every rank; the weights are sampled
+        redundantly on every rank from ``seed``).
+    t1, dt, t0, paths, seed, normalization, direction, record_every, diagnostics
+        as
+        :func:`transformer_pde.simulate`.
+    weights : Optional[torch.Tensor]
+        this rank's share of the global token weights, or None (uniform 1/N).
+    backend, chunk_elements
+        kernel choice (:mod:`transformer_pde.attention`).
+    gather_x : bool
+        record all N tokens (the gathered keys) instead of the local shard.
+    progress : bool
+        tqdm bar on rank 0.
+
+    Returns
+    -------
+    Trajectory
+        :class:`Trajectory`: ``x`` (T, [paths,] ..., n_r or N, d); energy, slope, dissipation and
+        the ledger are global and identical on every rank.
+
+    Raises
+    ------
+    TypeError, ValueError
+        for bad input; NonFiniteError on every rank when any rank
+        produces NaN/inf (the ranks agree through the all-reduced flag, so none hangs).
+    """
+    if weights is not None and not isinstance(weights, torch.Tensor):
+        raise TypeError(f"weights must be a torch.Tensor or None, got {type(weights).__name__}")
+    if not isinstance(gather_x, bool):
+        raise TypeError(f"gather_x must be True or False, got {type(gather_x).__name__}")
+    checked = _check_sharded_args(x0_local, theta, t1=t1, dt=dt, t0=t0, paths=paths, normalization=normalization,
+                                  direction=direction, record_every=record_every)
+    model = Model(checked[0], normalization, direction, weights=weights)
+    return _run(model, x0_local, ShardedEuler(group=group, backend=backend, gather_x=gather_x), checked, seed=seed,
+                diagnostics=diagnostics, chunk_elements=chunk_elements, progress=progress)
+
+
+def solve_sharded(model: Model, x0_local: torch.Tensor, solver: ShardedEuler, *, t1, dt, t0, paths, seed, generator,
+                  saveat: SaveAt, ledger: LedgerOptions, progress: Progress, limits) -> Trajectory:
+    """:func:`transformer_pde.solve` for :class:`~transformer_pde.ShardedEuler` (the options already checked
+    against the solver's ``fixed`` fields): the checks of :func:`simulate_sharded`, then the same solve.
+
+    Returns
+    -------
+    Trajectory
+        as :func:`simulate_sharded`.
+
+    Raises
+    ------
+    TypeError, ValueError
+        bad input, or a model part the sharded solver does not implement (layer maps, token noise,
+        causal attention, a generator: every rank must draw the weights from the same ``seed``).
+    """
+    if generator is not None:
+        raise TypeError("ShardedEuler samples the weights redundantly on every rank from seed=: give seed=, "
+                        "not generator=")
+    for part, bad in (("geometry", not model.geometry.projected), ("noise", model.noise is not None),
+                      ("causal", bool(model.causal))):
+        if bad:
+            raise ValueError(f"ShardedEuler implements the projected flow of non-causal attention without token "
+                             f"noise; Model.{part} = {getattr(model, part)!r} is not supported: drop it or use "
+                             f"tp.Euler()")
+    steps = grid_steps(float(t0), float(t1), check_positive(dt, "dt"))
+    checked = _check_sharded_args(x0_local, model.theta, t1=t1, dt=dt, t0=t0, paths=paths,
+                                  normalization=model.normalization.name, direction=model.direction,
+                                  record_every=saveat.record_every(steps))
+    return _run(model, x0_local, solver, checked, seed=0 if seed is None else seed, diagnostics=ledger.diagnostics,
+                chunk_elements=limits.chunk_elements, progress=bool(progress.show))
+
+
+def _run(model, x0_local, solver, checked, *, seed, diagnostics, chunk_elements, progress) -> Trajectory:
+    process, sign, dt, t0, t1, K, record_every, paths = checked
+    group, normalization, weights = solver.group, model.normalization.name, model.weights
+    start = time.perf_counter()
+    shard = _Shard(x0_local, weights, group)
+    drv = WeightDriver(process, paths=paths, generator=None, seed=seed, t0=t0, dt=dt,
+                       batch_rank=x0_local.dim() - 2)
+    axis = PathsAxis(paths)  # the state always has the paths axis (P = 1 without paths=)
+    x = axis.lift(x0_local)
+    x = x.expand(*broadcast_shapes(x.shape[:-2], drv.current.batch_shape), *x.shape[-2:])
+    run = _ShardedRun(x, drv, shard, K=K, dt=dt, sign=sign, record_every=record_every, diagnostics=diagnostics,
+                      gather_x=solver.gather_x, kw=dict(normalization=normalization, backend=solver.backend,
+                                                        chunk_elements=chunk_elements))
+    with progress_bar(progress and rank_and_world(group)[0] == 0, K, "simulate_sharded (euler)") as bar:
+        for _ in range(K):
+            run.step()
+            bar.update(1)
+    times, out_x, series, led, _ = run.rec.stacked(t0, dt)
+    stats = {"steps": K, "field_evaluations": K + 1, "wall_time": time.perf_counter() - start, "order": 1,
+             "ranks": rank_and_world(group)[1], "tokens": shard.N}
+    return axis.finish(Trajectory(times, out_x, series["energy"], series["slope"], series["dissipation"], led, stats,
+                                  "euler", normalization, model.direction, weights))
+
+
+class _ShardedRun:
+    """The projected Euler solve of :func:`simulate_sharded`, composed of the solver parts (weight
+    driver, stepper, left-point ledger, recorder); each evaluation's partial sums (E, 𝒢², 𝒟,
+    ∂_tE + Itô, martingale, jump) and the NaN flag are summed over the ranks in one all-reduce."""
+
+    def __init__(self, x, drv, shard, *, K, dt, sign, record_every, diagnostics, gather_x, kw):
+        self.x, self.drv, self.shard, self.dt, self.sign, self.gather_x = x, drv, shard, dt, sign, gather_x
+        self.diagnostics, self.noisy, self.kw = diagnostics, drv.noisy, kw
+        self.stepper = Stepper(TABLEAUX["euler"], retract=True)  # the projected flow's retraction
+        self.rec = Recorder(K, record_every, diagnostics=diagnostics)
+        self.keys = shard.gather(x)
+        self.cur = self._evaluate(x, self.keys, drv.current, diagnostics)
+        self.zero = torch.zeros(self.cur.velocity.shape[:-2], dtype=x.dtype, device=x.device)
+        red = self._reduce(x, self.cur, [], "the velocity field", self.cur.velocity)
+        self.ledger = Ledger(red[0], sign=sign, quadrature="left") if diagnostics else None
+        self._take(red)
+        self._record()
+
+    def _evaluate(self, xk, keys, heads, diag):
+        return evaluate(xk, heads, self.shard.query, keys=keys, key_weights=self.shard.keys, sign=self.sign,
+                        diagnostics=diag, second_moment=diag and self.noisy, **self.kw)
+
+    def _reduce(self, x, e, extra, what, *check):
+        """All-reduce [E, 𝒢², 𝒟, ∂_tE (+ Itô), *extra] of the evaluation e at x (nothing without
+        diagnostics) with the NaN flag of ``check``; NonFiniteError on every rank when any flagged."""
+        drv = self.drv
+        entries = [] if not self.diagnostics else [
+            e.energy, e.slope, e.dissipation,
+            partial_density(x, drv.current, self.shard.query, e.stats, drv.rate, drv.sigma, ito=self.noisy), *extra]
+        red, bad = _reduce_with_flag(entries, _flag(*check), self.zero, self.shard.group)
+        if bad:
+            raise nonfinite_error(what, drv.t, drv.k, drv.current)
+        return red
+
+    def _take(self, red):
+        if self.diagnostics:
+            self.E, G2, Dis, dens_p = red[:4]
+            self.dens = {"partial": dens_p, "dissipation": Dis, "slope": G2}
+
+    def _record(self):
+        x = self.keys if self.gather_x else self.x
+        if not self.diagnostics:
+            return self.rec.record(x)
+        self.rec.record(x, self.E, self.dens["slope"], self.dens["dissipation"], self.ledger.terms(self.E))
+
+    def step(self):
+        """t_k → t_{k+1}: martingale at the left end, the Euler step, one evaluation and one all-reduce,
+        the ledger (left point, jumps of Θ), the record."""
+        drv, x, heads, cur = self.drv, self.x, self.drv.current, self.cur
+        noise = drv.prepare() if self.noisy else None
+        diag_noise = self.diagnostics and noise is not None
+        mart = pairing(x, heads, self.shard.query, cur.stats, noise) if diag_noise else 0.0
+        x_new, _ = self.stepper.step(x, cur.velocity, self.dt, None)
+        jumps = drv.jumps()
+        drv.advance()
+        keys = self.shard.gather(x_new)
+        nxt = self._evaluate(x_new, keys, drv.current, self.diagnostics)
+        before = self._evaluate(x_new, keys, heads, True).energy if (self.diagnostics and jumps) else 0.0
+        red = self._reduce(x_new, nxt, [mart, before], "the token positions or the velocity field", x_new,
+                           nxt.velocity)
+        if self.diagnostics:
+            if diag_noise:
+                self.ledger.add("martingale", red[4])
+            self.ledger.integrate(self.dens, None, self.dt)
+            self._take(red)
+            if jumps:
+                self.ledger.add("partial", self.E - red[5])
+        self.x, self.cur, self.keys = x_new, nxt, keys
+        if self.rec.keeps(self.drv.k):
+            self._record()

@@ -1,0 +1,289 @@
+"""The result of every solver (:class:`Trajectory`) and the errors they raise on NaN/inf.
+
+* :class:`Trajectory` — recorded times, tokens, energy, 𝒢², 𝒟, the ledger (docs/model.md#ledger),
+  the step statistics and the batch-axis convention (``paths``, :meth:`Trajectory.with_paths`);
+* :class:`NonFiniteError` and :func:`nonfinite_error` / :func:`ledger_nonfinite` — the message
+  names the time, the step, the quantity and the fix;
+* :func:`check_finite`, :func:`check_ledger` — the solvers' finiteness checks.
+
+Batch axes (docs/solve.md#batch-axes).  Every series is (T, [paths,] *batch, ...): the solvers
+always carry a paths axis internally (P = 1 when ``paths=None``) and drop it once, at the end,
+when the caller did not ask for paths (:func:`drop_paths`).  ``traj.paths`` says which: None
+(no paths axis) or P.  :meth:`Trajectory.with_paths` gives the series with the axis in either
+case, so a consumer indexes ``[:, p]`` without branching on ``paths is None``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Dict, Mapping, Optional
+
+import torch
+
+from ..field import FieldEval
+from ..heads import Heads
+from ..processes import WeightPath
+
+__all__ = ["Trajectory", "NonFiniteError"]
+#: named internal API (not public), used by the solvers
+__internal__ = ["nonfinite_error", "ledger_nonfinite", "check_finite", "check_ledger", "drop_paths",
+                "PathsAxis", "SERIES_EXTRAS"]
+
+#: the entries of ``Trajectory.extras`` that are time series (T, [paths,] ..., n) with the batch axes
+SERIES_EXTRAS = ("radius",)
+
+
+class NonFiniteError(FloatingPointError):
+    """A solver produced NaN or inf; the message names the time, the step and the quantity."""
+
+
+@dataclass
+class Trajectory:
+    """Result of :func:`simulate` (and :func:`transformer_pde.jko`).
+
+    times: (T,) recorded times.   x: (T, [paths,] ..., n, d) tokens.
+    energy, slope (𝒢²), dissipation (𝒟): (T, [paths,] ...).
+    ledger: running terms, each (T, [paths,] ...): "dE" = E(t) − E(0), "partial" = ∫∂_sE (with
+      the Itô correction for noisy weights, and the jumps of piecewise-constant weights),
+      "dissipation" = ∫𝒟, "slope" = ∫𝒢², "martingale" = M_t,
+      "residual" = dE − partial − dissipation − martingale,
+      "residual_slope" = dE − partial − s·slope − martingale (the reference code's check).
+    stats: step statistics (steps, field evaluations, max pre-retraction sphere error, wall time,
+      order); from :func:`simulate` also "energy_log_scale" (below) and "gradient_flow" (False for
+      causal attention: then the ledger has no "residual"/"residual_slope").
+    weights: token weights (or None).  path: the weight path (WeightPath) when return_path=True.
+    observables: name -> (T, ...) series of the ``observables=`` callables of :func:`simulate`.
+    paths: the number P of Monte-Carlo paths when the run was asked for them (then every series has
+      the paths axis right after the time axis), None when it was not (no paths axis).
+      :meth:`with_paths` gives the series with the paths axis in both cases (P = 1).
+
+    Common scale: energy, slope, dissipation and every ledger term are reported times e^{−c},
+    c = ``stats["energy_log_scale"]`` (0 for ordinary runs: the values themselves).  The ledger is
+    linear in them, so its identities hold at any scale; :meth:`log_energy` gives log E.
+    """
+
+    times: torch.Tensor
+    x: torch.Tensor
+    energy: Optional[torch.Tensor]
+    slope: Optional[torch.Tensor]
+    dissipation: Optional[torch.Tensor]
+    ledger: Dict[str, torch.Tensor]
+    stats: Dict[str, float]
+    method: str
+    normalization: str
+    direction: str
+    weights: Optional[torch.Tensor] = None
+    path: Optional[WeightPath] = None
+    extras: Dict[str, object] = field(default_factory=dict)
+    observables: Dict[str, torch.Tensor] = field(default_factory=dict)
+    paths: Optional[int] = None
+
+    @property
+    def energy_log_scale(self) -> float:
+        """c with energy, slope, dissipation and ledger reported times e^{−c} (0: unscaled)."""
+        return float(self.stats.get("energy_log_scale", 0.0)) if isinstance(self.stats, dict) else 0.0
+
+    def log_energy(self) -> torch.Tensor:
+        """log E(t) = log(energy) + c, (T, ...): finite even where E itself overflows the dtype."""
+        if self.energy is None:
+            raise ValueError("this trajectory has no energy (it was run with diagnostics=False)")
+        return torch.log(self.energy) + self.energy_log_scale
+
+    def __repr__(self) -> str:
+        def shape(v):
+            if v is None:
+                return "None"
+            if isinstance(v, torch.Tensor):
+                return f"{tuple(v.shape)}"
+            return type(v).__name__
+
+        parts = [f"method={self.method!r}", f"normalization={self.normalization!r}", f"direction={self.direction!r}"]
+        t = self.times
+        if isinstance(t, torch.Tensor) and t.numel():
+            parts.append(f"times={t.numel()} in [{float(t[0]):.6g}, {float(t[-1]):.6g}]")
+        else:
+            parts.append(f"times={shape(t)}")
+        x = self.x
+        parts.append(f"x={shape(x)}" + (f" {str(x.dtype).replace('torch.', '')}" if isinstance(x, torch.Tensor) else ""))
+        if self.energy is not None:
+            parts.append(f"energy={shape(self.energy)}")
+        if self.ledger:
+            parts.append(f"ledger=[{', '.join(self.ledger)}]")
+        if self.observables:
+            parts.append(f"observables=[{', '.join(self.observables)}]")
+        if self.weights is not None:
+            parts.append(f"weights={shape(self.weights)}")
+        if self.path is not None:
+            parts.append("path=WeightPath")
+        if isinstance(self.stats, dict) and self.stats:
+            parts.append(f"stats=[{', '.join(map(str, self.stats))}]")
+        return f"Trajectory({', '.join(parts)})"
+
+    @property
+    def num_paths(self) -> int:
+        """P, the length of the paths axis of :meth:`with_paths` (1 for a run without paths)."""
+        return 1 if self.paths is None else int(self.paths)
+
+    def with_paths(self) -> "Trajectory":
+        """This trajectory with a paths axis in every series, (T, P, *batch, ...) (P = 1 without paths).
+
+        Returns
+        -------
+        Trajectory
+            ``self`` when it has the axis already (``paths`` is an int), else a copy whose x, energy,
+            slope, dissipation, ledger terms, observables and series extras (radius) have a new axis
+            of length 1 at position 1 (views of the same storage) and ``paths = 1``.
+        """
+        if self.paths is not None:
+            return self
+        return _map_series(self, lambda v: v.unsqueeze(1), paths=1)
+
+    @property
+    def final(self) -> torch.Tensor:
+        """Tokens at the last recorded time, ([paths,] ..., n, d)."""
+        return self.x[-1]
+
+    def time_average(self, values: torch.Tensor, t_min: float = 0.0) -> torch.Tensor:
+        """Trapezoid time average of a recorded series (T, ...) over times >= t_min."""
+        keep = self.times >= t_min - 1e-12
+        t, v = self.times[keep], values[keep]
+        if len(t) < 2:
+            return v[0]
+        w = torch.zeros_like(t)
+        dtv = t[1:] - t[:-1]
+        w[1:] += dtv / 2
+        w[:-1] += dtv / 2
+        w = w / (t[-1] - t[0])
+        return (w.reshape(-1, *([1] * (v.dim() - 1))) * v).sum(0)
+
+
+def _map_series(traj: Trajectory, fn, *, paths) -> Trajectory:
+    """A copy of ``traj`` with fn applied to every recorded series (T, ...) and ``paths`` set."""
+    def opt(v):
+        return None if v is None else fn(v)
+
+    extras = {k: (fn(v) if k in SERIES_EXTRAS and isinstance(v, torch.Tensor) else v) for k, v in traj.extras.items()}
+    return dataclasses.replace(traj, x=fn(traj.x), energy=opt(traj.energy), slope=opt(traj.slope),
+                               dissipation=opt(traj.dissipation), ledger={k: fn(v) for k, v in traj.ledger.items()},
+                               observables={k: fn(v) for k, v in traj.observables.items()}, extras=extras,
+                               paths=paths)
+
+
+def drop_paths(traj: Trajectory, paths: Optional[int]) -> Trajectory:
+    """The solvers' last step: ``traj`` (always computed with a paths axis at position 1) with that axis
+    dropped when the caller gave ``paths=None``, else with ``traj.paths = paths``."""
+    if paths is None and traj.x.shape[1] != 1:  # a replayed WeightPath broadcast the axis to its own paths
+        paths = int(traj.x.shape[1])
+    if paths is not None:
+        return dataclasses.replace(traj, paths=paths)
+    return _map_series(traj, lambda v: v.squeeze(1), paths=None)
+
+
+class PathsAxis:
+    """The batch-axis convention of a solve (module docstring): the solver's state always has a
+    leading paths axis of length P (1 when the caller gave ``paths=None``); this object adds it to
+    x0, shows the caller's view of a state (callbacks, observables, checkpoints) and drops it from
+    the result.  The one place that knows whether the caller asked for paths."""
+
+    def __init__(self, paths: Optional[int]):
+        self.paths = paths
+        self.size = 1 if paths is None else int(paths)
+        self._drop = paths is None
+
+    def lift(self, x: torch.Tensor) -> torch.Tensor:
+        """x (*batch, n, d) as (P, *batch, n, d) (an expanded view)."""
+        return x.unsqueeze(0).expand(self.size, *x.shape)
+
+    def view(self, v):
+        """The caller's view of a state tensor (P, ...): without the axis when no paths were asked for
+        (and the axis was not broadcast to a replayed path's paths); other objects unchanged."""
+        if self._drop and isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == 1:
+            return v.squeeze(0)
+        return v
+
+    def unview(self, v):
+        """The inverse of :meth:`view` for a state read back (a checkpoint)."""
+        if self._drop and isinstance(v, torch.Tensor):
+            return v.unsqueeze(0)
+        return v
+
+    def observable(self, fn):
+        """``fn(x, w)`` of the caller's convention as a callable on the solver's states."""
+        if not self._drop:
+            return fn
+
+        def on_state(x, w):
+            v = fn(self.view(x), w)
+            return v.unsqueeze(0) if isinstance(v, torch.Tensor) and x.shape[0] == 1 else v
+        return on_state
+
+    def finish(self, traj: Trajectory) -> Trajectory:
+        """The result in the caller's convention (:func:`drop_paths`)."""
+        return drop_paths(traj, self.paths)
+
+
+# ---------------------------------------------------------------------------- helpers
+def nonfinite_error(what: str, t: float, k: int, heads: Heads, normalization: Optional[str] = None) -> NonFiniteError:
+    """NonFiniteError for a non-finite field or token step, with the fix that fits the normalisation."""
+    A = heads.score_matrix.detach()
+    bmax = (A.flatten(-2).abs().amax(-1).max() * (heads.beta if isinstance(heads.beta, float) else heads.beta.max())).item()
+    R = math.log(torch.finfo(A.dtype).max) if A.is_floating_point() else float("inf")
+    if normalization in ("unnormalized", "effective") and bmax > R / 2:
+        kind = ("the unnormalised field carries the kernel e^{β⟨x,Ay⟩} itself" if normalization == "unnormalized"
+                else "the effective field scales like max_h m_h / min_k m_k")
+        fix = (f"{kind}, which overflows {A.dtype} near β·‖A‖ ≈ {R:.3g}: use normalization='softmax', reduce beta or "
+               f"the scale of the heads, or run in float64")
+    elif normalization is None:
+        fix = ("the exponential kernel overflowed or the step diverged: reduce beta or the scale of the heads, "
+               "use a smaller dt, or normalization='softmax'")
+    else:
+        fix = "the step diverged (the softmax field itself cannot overflow): use a smaller dt or a higher-order method"
+    return NonFiniteError(f"{what} became NaN/inf at t = {t:.6g} (step {k}); β·max|A_h| = {bmax:.3g}. {fix}")
+
+
+def ledger_nonfinite(what: str, t: float, k: int, log_partition: torch.Tensor, scale: float,
+                      start_max: float, given: bool = False) -> NonFiniteError:
+    """NonFiniteError for an energy or ledger term: says whether the kernel outgrew the common scale."""
+    lp = log_partition.detach()
+    R = math.log(torch.finfo(lp.dtype).max)
+    now = float(lp.max()) if bool(torch.isfinite(lp).all()) else float("nan")
+    head = (f"{what} became NaN/inf at t = {t:.6g} (step {k}); energy, 𝒢², 𝒟 and the ledger are reported times "
+            f"e^(−c), c = energy_log_scale = {scale:.6g} ({'given' if given else 'chosen from the log-partitions at t0'}"
+            f"; largest log-partition at t0 {start_max:.6g})")
+    if math.isfinite(now) and now - scale > 0.75 * R:
+        lo, hi = now - R + 8.0, start_max + R - 20.0  # scales that hold both the values at t0 and now
+        if lo <= hi:
+            suggest = math.ceil(min(hi, max(lo, now - R / 2)))
+            fix = (f"pass energy_log_scale={suggest} to simulate (it holds both the values at t0 and the "
+                   f"log-partition reached), or run in float64, or diagnostics=False (tokens only)")
+        else:
+            fix = (f"the exponent has grown by {now - start_max:.4g} since t0, more than {lp.dtype} can span at one "
+                   f"scale: run in float64 (or diagnostics=False: tokens only)")
+        return NonFiniteError(
+            f"{head}; the largest log-partition is now {now:.6g}, {now - scale:.4g} above the scale, beyond "
+            f"what {lp.dtype} holds (e^{R:.4g}). Fix: {fix}")
+    return NonFiniteError(
+        f"{head}; the kernel's exponent is in range (largest log-partition {now:.6g}), so the values themselves "
+        f"diverged: use a smaller dt, check the weight process's rates and σ, or run in float64")
+
+
+def check_finite(t: torch.Tensor) -> bool:
+    """True when every entry of ``t`` is finite (NaN and inf make it False)."""
+    # a sum is finite only when every entry is (an inf or NaN entry makes it inf or NaN): one pass and
+    # no bool tensor; a finite sum proves the check, an overflowing one falls back to the entrywise test
+    if t.is_floating_point() and bool(torch.isfinite(t.sum())):
+        return True
+    return bool(torch.isfinite(t).all())
+
+
+def check_ledger(e: FieldEval, pt: torch.Tensor, t: float, k: int, scale: Mapping):
+    """NonFiniteError unless the energy, 𝒟, 𝒢² and ∂_tE of one evaluation are finite."""
+    for name, v in (("the energy", e.energy), ("the dissipation 𝒟", e.dissipation),
+                    ("the metric slope 𝒢²", e.slope), ("∂_tE (ledger 'partial')", pt)):
+        if not check_finite(v):
+            raise ledger_nonfinite(name, t, k, e.stats.log_partition, scale["c"], scale["start_max"],
+                                    scale.get("given", False))
+
+

@@ -1,0 +1,114 @@
+"""transformer_pde.solvers.options: each options object validates itself when built and does what it
+says in a solve (record times, observables, the stored path, the ledger, checkpoints, progress, limits)."""
+
+import math
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import transformer_pde as tp
+from conftest import gen
+
+
+@pytest.fixture
+def problem():
+    x0 = tp.sphere.sample_uniform(5, 3, generator=gen(0), dtype=torch.float64)
+    heads = tp.Heads.random(2, 3, generator=gen(1), dtype=torch.float64)
+    return x0, heads
+
+
+@pytest.mark.parametrize("make,err,msg", [
+    (lambda: tp.SaveAt(every=1.5), TypeError, "SaveAt.every"),
+    (lambda: tp.SaveAt(every=0), ValueError, "SaveAt.every"),
+    (lambda: tp.SaveAt(every=2, ends=True), ValueError, "ends=True"),
+    (lambda: tp.SaveAt(ends="yes"), TypeError, "SaveAt.ends"),
+    (lambda: tp.SaveAt(observables=[len]), TypeError, "SaveAt.observables"),
+    (lambda: tp.LedgerOptions(quadrature="simpson"), ValueError, "simpson"),
+    (lambda: tp.LedgerOptions(quadratic_variation="both"), ValueError, "both"),
+    (lambda: tp.LedgerOptions(energy_log_scale=True), TypeError, "energy_log_scale"),
+    (lambda: tp.LedgerOptions(energy_log_scale=math.inf), ValueError, "finite"),
+    (lambda: tp.Checkpointing(3), TypeError, "Checkpointing.path"),
+    (lambda: tp.Checkpointing("ck.pt", every=0), ValueError, "Checkpointing.every"),
+    (lambda: tp.Progress(show="auto"), TypeError, "Progress.show"),
+    (lambda: tp.Progress(callback=3), TypeError, "Progress.callback"),
+    (lambda: tp.Limits(max_steps=-1), ValueError, "Limits.max_steps"),
+    (lambda: tp.Limits(max_memory=0), ValueError, "Limits.max_memory"),
+])
+def test_options_refuse_bad_fields_when_built(make, err, msg):
+    with pytest.raises(err, match=msg):
+        make()
+
+
+def test_saveat_chooses_the_record_times(problem):
+    x0, heads = problem
+    assert tp.SaveAt(every=3).record_every(10) == 3 and tp.SaveAt(ends=True).record_every(10) == 10
+    traj = tp.solve(tp.Model(heads), x0, tp.Euler(), t1=1.0, dt=0.1, saveat=tp.SaveAt(every=3))
+    assert traj.times.tolist() == pytest.approx([0.0, 0.3, 0.6, 0.9, 1.0])
+    with pytest.raises(ValueError, match="SaveAt.every"):  # a stride longer than the run
+        tp.solve(tp.Model(heads), x0, tp.Euler(), t1=1.0, dt=0.1, saveat=tp.SaveAt(every=11))
+
+
+def test_saveat_observables_and_the_stored_path_replay(problem):
+    x0, heads = problem
+    theta = tp.OrnsteinUhlenbeck(heads, sigma=0.5)
+    save = tp.SaveAt(every=2, observables={"first": lambda x, w: x[..., 0, :]}, path=True)
+    traj = tp.solve(tp.Model(theta), x0, tp.Heun(), t1=0.4, dt=0.05, seed=9, saveat=save)
+    assert_close(traj.observables["first"], traj.x[:, 0], rtol=0, atol=0)
+    again = tp.solve(tp.Model(traj.path), x0, tp.Heun(), t1=0.4, dt=0.05, saveat=tp.SaveAt(every=2))
+    assert_close(again.x, traj.x, rtol=0, atol=1e-14)
+
+
+def test_ledger_options_are_the_ledger_of_the_solve(problem):
+    x0, heads = problem
+    quiet = tp.solve(tp.Model(heads), x0, tp.Euler(), t1=0.2, dt=0.05, ledger=tp.LedgerOptions(diagnostics=False))
+    assert quiet.energy is None and quiet.ledger == {}
+    left = tp.solve(tp.Model(heads), x0, tp.Euler(), t1=0.2, dt=0.05)
+    trap = tp.solve(tp.Model(heads), x0, tp.Euler(), t1=0.2, dt=0.05,
+                    ledger=tp.LedgerOptions(quadrature="trapezoid"))
+    # the same tokens, the same energy; the integral of 𝒟 by two rules: the trapezoid one from the same values
+    assert_close(trap.x, left.x, rtol=0, atol=0)
+    D, dt = left.dissipation, 0.05
+    assert_close(left.ledger["dissipation"][-1], dt * D[:-1].sum(), rtol=1e-13, atol=0)
+    assert_close(trap.ledger["dissipation"][-1], dt * (D[:-1] + D[1:]).sum() / 2, rtol=1e-13, atol=0)
+    scaled = tp.solve(tp.Model(heads), x0, tp.Euler(), t1=0.2, dt=0.05, ledger=tp.LedgerOptions(energy_log_scale=2.0))
+    assert scaled.energy_log_scale == 2.0
+    assert_close(scaled.energy * math.exp(2.0), left.energy, rtol=1e-13, atol=0)
+    assert_close(scaled.log_energy(), torch.log(left.energy), rtol=1e-13, atol=1e-13)
+
+
+def test_checkpointing_resumes_and_refuses_another_run(problem, tmp_path):
+    x0, heads = problem
+    ck = tmp_path / "run.pt"
+    opts = dict(t1=0.5, dt=0.05, checkpoint=tp.Checkpointing(ck, every=4))
+    first = tp.solve(tp.Model(heads), x0, tp.RK4(), **opts)
+    assert ck.exists()  # the checkpoint of step 8 stays on disk
+    resumed = tp.solve(tp.Model(heads), x0, tp.RK4(), **opts)
+    assert_close(resumed.x, first.x, rtol=0, atol=1e-15)
+    # resumed at step 8, not rerun: the count of the checkpoint plus the evaluation at the resumed point
+    # (a rerun from t0 would count the first run's 1 + 4·10 again)
+    assert first.stats["field_evaluations"] == 1 + 4 * 10
+    assert resumed.stats["field_evaluations"] == first.stats["field_evaluations"] + 1
+    with pytest.raises(ValueError, match="different run"):
+        tp.solve(tp.Model(heads, direction="ascent"), x0, tp.RK4(), **opts)
+
+
+def test_progress_callback_sees_every_step(problem):
+    x0, heads = problem
+    seen = []
+    tp.solve(tp.Model(heads), x0, tp.Euler(), t1=0.2, dt=0.05,
+             progress=tp.Progress(callback=lambda k, t, x: seen.append((k, round(t, 12), tuple(x.shape)))))
+    assert seen == [(k, round(0.05 * k, 12), (5, 3)) for k in range(1, 5)]
+    tp.solve(tp.Model(heads), x0, tp.Euler(), t1=0.2, dt=0.05, progress=False)  # a bool is Progress(show=...)
+
+
+def test_limits_refuse_before_work_and_chunking_keeps_the_numbers(problem):
+    x0, heads = problem
+    with pytest.raises(ValueError, match="max_steps"):
+        tp.solve(tp.Model(heads), x0, tp.Euler(), t1=1.0, dt=0.01, limits=tp.Limits(max_steps=50))
+    with pytest.raises(ValueError, match="max_memory"):
+        tp.solve(tp.Model(heads), x0, tp.Euler(), t1=1.0, dt=0.01, limits=tp.Limits(max_memory=10.0))
+    whole = tp.solve(tp.Model(heads), x0, tp.Euler(), t1=0.2, dt=0.05)
+    chunked = tp.solve(tp.Model(heads), x0, tp.Euler(), t1=0.2, dt=0.05, limits=tp.Limits(chunk_elements=8))
+    assert_close(chunked.x, whole.x, rtol=0, atol=1e-13)
+    assert_close(chunked.energy, whole.energy, rtol=1e-12, atol=0)

@@ -310,3 +310,76 @@ def test_overflow_errors_name_the_quantity_and_report_its_dense_logarithm(kind):
         got, scale = _reported(err)
         assert scale == 0.0
         assert abs(got - float(want)) <= 1e-4 * abs(float(want)), (what, got, float(want))
+
+
+# ---------------------------------------------------------------------------- E, δE/δμ and ∂_tE by independent routes
+def _random_problem(dtype, seed, H=3, n=7, d=4, symmetric=False):
+    x = tp.sphere.sample_uniform(n, d, generator=gen(seed), dtype=torch.float64)
+    A = 0.5 * torch.randn(H, d, d, generator=gen(seed + 1), dtype=torch.float64)
+    if symmetric:
+        A = 0.5 * (A + A.transpose(-1, -2))
+    om = torch.rand(H, generator=gen(seed + 2), dtype=torch.float64) + 0.3
+    w = random_weights((n,), seed + 3, 0.2)
+    heads = tp.Heads(A, weights=om, beta=1.4).to(dtype)
+    return x, A, om, w, heads
+
+
+def test_energy_and_head_energies_against_the_double_sum(dtype):
+    """E = Σ_h ω_h/(2β) Σ_ij w_i w_j e^{β⟨x_i, A_h x_j⟩} (problems.naive_energy, float64) in both dtypes;
+    E_h sums to E with the weights ω; log E is its logarithm.  Tolerance: sums of n² = 49 terms of O(1)
+    in the tokens' dtype, 64 u relative."""
+    x, A, om, w, heads = _random_problem(dtype, 40)
+    want = naive_energy(x, A, om, 1.4, w)
+    tol = 64 * torch.finfo(dtype).eps
+    got = tp.energy(x.to(dtype), heads, w.to(dtype))
+    assert got.dtype == dtype
+    assert_close(got.double(), want, rtol=tol, atol=0)
+    Eh = tp.head_energies(x.to(dtype), heads, w.to(dtype))
+    assert_close((om * Eh.double()).sum(-1), want, rtol=tol, atol=0)
+    assert_close(tp.log_energy(x.to(dtype), heads, w.to(dtype)).double(), torch.log(want), rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_first_variation_is_the_derivative_of_the_energy_along_added_mass(symmetric):
+    """δE/δμ(z) = d/dε E(μ + ε δ_z) at ε = 0, by autograd of the dense energy with the weight of an
+    extra token z (the weights are not renormalised: E is quadratic in μ); at the tokens
+    themselves it is ∂E/∂w_i.  Non-symmetric A: both kernels e^{β⟨z,Ay⟩} and e^{β⟨y,Az⟩} matter."""
+    x, A, om, w, heads = _random_problem(torch.float64, 50, symmetric=symmetric)
+    z = tp.sphere.sample_uniform(3, 4, generator=gen(55), dtype=torch.float64)
+    want = []
+    for zk in z:
+        eps = torch.zeros(1, dtype=torch.float64, requires_grad=True)
+        E = naive_energy(torch.cat([x, zk[None]]), A, om, 1.4, torch.cat([w, eps]))
+        want.append(torch.autograd.grad(E, eps)[0][0])
+    assert_close(tp.first_variation(x, heads, w, at=z), torch.stack(want), rtol=1e-12, atol=0)
+    wg = w.clone().requires_grad_(True)
+    (dEdw,) = torch.autograd.grad(naive_energy(x, A, om, 1.4, wg), wg)
+    assert_close(tp.first_variation(x, heads, w), dEdw, rtol=1e-12, atol=0)
+
+
+def test_energy_time_derivative_is_the_finite_difference_of_the_energy_along_the_rate():
+    """σ = 0: ∂_tE = d/dt E(x, A + t Ȧ) at t = 0, by the central difference [E(A + hȦ) − E(A − hȦ)]/(2h),
+    h = 1e-4 (truncation h²/6·E‴ ~ 1e-9 relative, round-off u/h ~ 1e-12), float64."""
+    x, A, om, w, heads = _random_problem(torch.float64, 60)
+    rate = torch.randn(A.shape, generator=gen(65), dtype=torch.float64)
+    h = 1e-4
+    fd = (naive_energy(x, A + h * rate, om, 1.4, w) - naive_energy(x, A - h * rate, om, 1.4, w)) / (2 * h)
+    got = tp.energy_time_derivative(x, heads, rate, w)
+    assert abs(float(got)) > 1e-2
+    assert_close(got, fd, rtol=1e-7, atol=0)
+
+
+def test_ito_term_is_half_sigma_squared_times_the_hessian_traced_with_the_noise_covariance():
+    """The Itô term of ∂_tE for dA = σ dW_sym (N = ½(Z + Zᵀ), Cov(N_ab, N_cd) = ½(δ_ac δ_bd + δ_ad δ_bc)):
+    σ²/2 Σ_h Σ_abcd Cov_{ab,cd} ∂²E/∂A_ab∂A_cd, with the Hessian of the dense energy by autograd
+    (torch.autograd.functional.hessian), against energy_time_derivative with a zero rate."""
+    x, A, om, w, heads = _random_problem(torch.float64, 70, H=2, n=5, d=3, symmetric=True)
+    sigma = 0.6
+    Hs = torch.autograd.functional.hessian(lambda a: naive_energy(x, a, om, 1.4, w), A)  # (H, d, d, H, d, d)
+    d = 3
+    eye = torch.eye(d, dtype=torch.float64)
+    cov = 0.5 * (torch.einsum("ac,bd->abcd", eye, eye) + torch.einsum("ad,bc->abcd", eye, eye))
+    want = 0.5 * sigma ** 2 * sum(torch.einsum("abcd,abcd->", cov, Hs[h, :, :, h]) for h in range(2))
+    got = tp.energy_time_derivative(x, heads, torch.zeros_like(A), w, sigma=sigma)
+    assert float(want) > 0
+    assert_close(got, want, rtol=1e-11, atol=0)

@@ -163,3 +163,75 @@ def test_mobility_overflow_errors_name_m_and_b():
     assert scale == 0.0 and "tp.log_mobility" in str(err.value)
     # log b = L exactly (equal m_h): printed with 6 significant digits
     assert abs(got - float(L)) <= 1e-4
+
+
+# ---------------------------------------------------------------------------- m, b, 𝒢², 𝒟 against the dense formulas
+def _problem(dtype, seed, H=3, n=6, d=3, scale=0.6):
+    x = tp.sphere.sample_uniform(n, d, generator=gen(seed), dtype=torch.float64)
+    A = scale * torch.randn(H, d, d, generator=gen(seed + 1), dtype=torch.float64)
+    A = 0.5 * (A + A.transpose(-1, -2))
+    om = torch.rand(H, generator=gen(seed + 2), dtype=torch.float64) + 0.3
+    w = torch.rand(n, generator=gen(seed + 3), dtype=torch.float64) + 0.2
+    w = w / w.sum()
+    return x, A, om, w, tp.Heads(A, weights=om, beta=1.6).to(dtype)
+
+
+def test_mobilities_against_the_dense_formula(dtype):
+    """m_h(x_i) = Σ_j w_j e^{β⟨x_i, A_h x_j⟩}, b = (Σ_h ω̄_h/m_h)^{-1} (float64 dense sums), in both dtypes
+    (sums of n = 6 positive terms: 16 u relative); log_mobility is their logarithm; the harmonic mean
+    b lies between min_h m_h and max_h m_h."""
+    x, A, om, w, heads = _problem(dtype, 10)
+    m = (torch.exp(1.6 * torch.einsum("id,hde,je->hij", x, A, x)) * w).sum(-1)
+    b = 1.0 / ((om / om.sum())[:, None] / m).sum(0)
+    tol = 16 * torch.finfo(dtype).eps
+    gm, gb = tp.mobility(x.to(dtype), heads, w.to(dtype))
+    assert gm.dtype == gb.dtype == dtype and gm.shape == (3, 6) and gb.shape == (6,)
+    assert_close(gm.double(), m, rtol=tol, atol=0)
+    assert_close(gb.double(), b, rtol=tol, atol=0)
+    lm, lb = tp.log_mobility(x.to(dtype), heads, w.to(dtype))
+    assert_close(lm.double(), torch.log(m), rtol=0, atol=tol)
+    assert_close(lb.double(), torch.log(b), rtol=0, atol=tol)
+    assert bool((b >= m.min(0).values * (1 - 1e-12)).all() and (b <= m.max(0).values * (1 + 1e-12)).all())
+
+
+@pytest.mark.parametrize("normalization", ["softmax", "effective", "unnormalized"])
+def test_dissipation_is_the_rate_of_change_of_the_energy_along_the_field(normalization):
+    """𝒟 = Σ_i ⟨∂E/∂x_i, v_i⟩ with ∂E/∂x_i by autograd of the dense energy and v = tp.velocity (same
+    normalization and direction), and 𝒢² = Σ_i w_i b(x_i)|v_i|² with b from the dense formula."""
+    x, A, om, w, heads = _problem(torch.float64, 20)
+    for direction in ("ascent", "descent"):
+        v = tp.velocity(x, heads, w, normalization=normalization, direction=direction)
+        xg = x.clone().requires_grad_(True)
+        (dEdx,) = torch.autograd.grad(naive_energy(xg, A, om, 1.6, w), xg)
+        m = (torch.exp(1.6 * torch.einsum("id,hde,je->hij", x, A, x)) * w).sum(-1)
+        b = 1.0 / ((om / om.sum())[:, None] / m).sum(0)
+        D = tp.dissipation(x, heads, w, normalization, direction)
+        G = tp.slope(x, heads, w, normalization, direction)
+        assert_close(D, (dEdx * v).sum(), rtol=1e-12, atol=1e-14)
+        assert_close(G, (w * b * v.square().sum(-1)).sum(), rtol=1e-12, atol=0)
+
+
+def test_dissipation_equals_signed_slope_where_the_docs_say_and_only_there():
+    """𝒟 = s·𝒢² (s = +1 ascent, −1 descent) for one head and for normalization="effective"; for H = 3
+    softmax heads of different mobilities they differ (docs/model.md#mobility)."""
+    x, A, om, w, heads = _problem(torch.float64, 30)
+    one = tp.Heads(A[:1], weights=om[:1], beta=1.6)
+    for h, norm in ((one, "softmax"), (heads, "effective")):
+        for direction, s in (("ascent", 1.0), ("descent", -1.0)):
+            G = tp.slope(x, h, w, norm, direction)
+            assert float(G) > 0
+            assert_close(tp.dissipation(x, h, w, norm, direction), s * G, rtol=1e-12, atol=0)
+    G, D = tp.slope(x, heads, w), tp.dissipation(x, heads, w)
+    assert float((D - G).abs()) > 1e-3 * float(G)
+
+
+def test_log_scale_divides_slope_and_dissipation_by_e_to_the_c(dtype):
+    """log_scale = c returns 𝒢²·e^{−c} and 𝒟·e^{−c} (the scaled path) for c ≠ 0: against the unscaled
+    values to the dtype's rounding (the scaled path sums other roundings: 64 u)."""
+    x, A, om, w, heads = _problem(dtype, 40)
+    xd, wd = x.to(dtype), w.to(dtype)
+    tol = 64 * torch.finfo(dtype).eps
+    for c in (3.0, -2.0):
+        assert_close(tp.slope(xd, heads, wd, log_scale=c), tp.slope(xd, heads, wd) * math.exp(-c), rtol=tol, atol=0)
+        assert_close(tp.dissipation(xd, heads, wd, log_scale=c), tp.dissipation(xd, heads, wd) * math.exp(-c),
+                     rtol=tol, atol=0)

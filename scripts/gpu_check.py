@@ -36,7 +36,7 @@ def plan(device: str, small: bool):
     if small:
         return [
             ("pytest -m gpu", [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
-                               str(ROOT / "tests" / "test_kernels.py")], 120),
+                               str(ROOT / "tests" / "test_attention.py")], 120),
             ("field benchmark", [py, f"{s}/benchmark_field.py", "--sizes", "100", "400", "--heads", "2", "--dtypes",
                                  "float32", "--device", device, "--no-reference-step", "--max-seconds", "20"], 120),
             ("ensemble", [py, f"{s}/benchmark_ensembles.py", "--sizes", "16", "64", "--steps", "3", "--n", "8",

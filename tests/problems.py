@@ -105,6 +105,13 @@ def fit_slope(xs, ys):
 # no shared kernel pass, no library helper.  Shapes: x (..., n, d), A and V (..., H, d, d),
 # omega (H,), w (..., n) token weights (sum 1), beta a float.  Symmetric tied heads unless V is given.
 
+def random_weights(shape, seed, floor):
+    """Non-uniform token weights, float64, summing to one along the last axis: U(0, 1) + floor
+    (the floor keeps every weight away from zero), normalised; drawn from a generator seeded ``seed``."""
+    w = torch.rand(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) + floor
+    return w / w.sum(-1, keepdim=True)
+
+
 def naive_kernel(x, A, beta):
     """K_hij = exp(β ⟨x_i, A_h x_j⟩), (..., H, n, n)."""
     return torch.exp(beta * torch.einsum("...id,...hde,...je->...hij", x, A, x))

@@ -315,3 +315,47 @@ def test_broadcast_shapes_matches_torch():
             torch.broadcast_shapes(*shapes)
         with pytest.raises(RuntimeError):
             broadcast_shapes(*shapes)
+
+
+# ==================================================================================================
+# Causal fields against the prefix measure, the causal run's diagnostics against the whole measure, and
+# the unnormalized field's overflow error.
+# The tests below pin behaviour that the mutation pass of the formula modules (docs/MUTATION_REPORT.md)
+# showed untested; each checks the library against a closed form or an independent computation.
+F64 = torch.float64
+
+
+def test_velocity_passes_causal_through():
+    """tp.velocity(causal=True) is the prefix-measure field: token i sees tokens j ≤ i only."""
+    x = tp.sphere.sample_uniform(5, 3, generator=gen(8), dtype=F64)
+    heads = tp.Heads.random(1, 3, generator=gen(9), dtype=F64)
+    v = tp.velocity(x, heads, causal=True)
+    for i in range(5):  # the i-th token's field from the prefix x[:i+1] alone, without causal
+        vi = tp.velocity(x[: i + 1], heads)[i]
+        assert_close(v[i], vi, rtol=1e-12, atol=1e-14)
+    assert not torch.allclose(v, tp.velocity(x, heads))
+
+
+def test_causal_run_diagnostics_use_the_whole_measure():
+    """Causal attention moves the tokens with the prefix kernel, but the energy belongs to the whole
+    measure: 𝒟 = Σ_i ⟨∂E/∂x_i, v_i⟩ with ∂E/∂x_i by autograd of the dense energy (all pairs), for tied
+    symmetric heads (where the library reuses V ȳ between the field and the first variation — only
+    without causality) and token weights."""
+    from problems import naive_energy
+    x = tp.sphere.sample_uniform(6, 3, generator=gen(101), dtype=torch.float64)
+    heads = tp.Heads.random(2, 3, generator=gen(102), dtype=torch.float64, beta=1.3,
+                            weights=torch.tensor([0.4, 1.2], dtype=torch.float64))
+    assert heads.tied and heads.is_symmetric
+    w = torch.rand(6, generator=gen(103), dtype=torch.float64) + 0.2
+    w = w / w.sum()
+    ev = tp.evaluate(x, heads, w, normalization="softmax", causal=True)
+    xg = x.clone().requires_grad_(True)
+    naive_energy(xg, heads.score_matrix, heads.weights, 1.3, w).backward()
+    assert_close(ev.dissipation, (xg.grad * ev.velocity).sum(), rtol=1e-12, atol=1e-14)
+
+
+def test_unnormalized_velocity_that_overflows_raises_with_the_fix():
+    x = tp.sphere.sample_uniform(5, 3, generator=gen(97), dtype=torch.float32)
+    heads = tp.Heads(torch.eye(3, dtype=torch.float32)[None], beta=200.0)
+    with pytest.raises(OverflowError, match="'unnormalized' field overflows torch.float32.*use normalization='softmax'"):
+        tp.velocity(x, heads, normalization="unnormalized")

@@ -24,8 +24,8 @@ def tokens(n, d, seed, dtype=F64):
     return tp.sphere.sample_uniform(n, d, generator=gen(seed), dtype=F64).to(dtype)
 
 
-def rand_heads(H, d, seed, scale=0.6, dtype=F64):
-    return tp.Heads.random(H, d, generator=gen(seed), dtype=F64, scale=scale).to(dtype)
+def rand_heads(H, d, seed, scale=0.6, dtype=F64, **kw):
+    return tp.Heads.random(H, d, generator=gen(seed), dtype=F64, scale=scale, **kw).to(dtype)
 
 
 def implicit_euler(x, heads_old, heads_new, tau, *, direction="descent", mobility="effective", weights=None):
@@ -416,3 +416,580 @@ def test_study_refuses_inconsistent_steps(tmp_path):
         execute(bad, out_dir=tmp_path, progress=False)
     with pytest.raises(ValueError, match="process"):
         execute({**TINY, "params": {**TINY["params"], "process": "brownian"}}, out_dir=tmp_path, progress=False)
+
+
+# ==================================================================================================
+# Batched runs against separate runs, closed forms (von Mises–Fisher deposit, entropic proximal value,
+# optimal assignment, the velocity error of the implicit Euler step), the documented rules of the inner
+# solver and the settings a run reports.
+# The tests below pin behaviour that the mutation pass of the formula modules (docs/MUTATION_REPORT.md)
+# showed untested; each checks the library against a closed form or an independent computation.
+import itertools  # noqa: E402
+import warnings  # noqa: E402
+
+from scipy.optimize import linear_sum_assignment  # noqa: E402
+from torch.testing import assert_close  # noqa: E402
+
+from problems import random_weights  # noqa: E402
+from transformer_pde.solvers import jko as J  # noqa: E402
+
+
+# ---------------------------------------------------------------------------- what a run reports
+def test_extras_echo_the_settings_of_the_run():
+    """extras = {"scheme", "transport", "tau", "mobility", "cost", "eps", "grid"}: the inputs, resolved."""
+    x = tokens(5, 3, 1)
+    heads = rand_heads(2, 3, 2)
+    tr = tp.jko(x, heads, tau=0.05, steps=1, mobility="unit", transport="identity")
+    assert tr.extras == {"scheme": "lagrangian", "transport": "identity", "tau": 0.05, "mobility": "unit",
+                         "cost": "source", "eps": None, "grid": None}
+    z = tp.sphere.fibonacci_sphere(30, dtype=F64)
+    tr = tp.jko(x, heads, tau=0.05, steps=1, scheme="eulerian", grid=z, eps=0.05, tol=1e-6)
+    ex = dict(tr.extras)
+    assert ex.pop("grid") is z
+    assert ex == {"scheme": "eulerian", "transport": "sinkhorn", "tau": 0.05, "mobility": "effective",
+                  "cost": "symmetric", "eps": 0.05}
+
+
+def test_stats_report_the_wall_time():
+    tr = tp.jko(tokens(5, 3, 27), rand_heads(2, 3, 28), tau=0.05, steps=1, transport="identity")
+    assert tr.stats["steps"] == 1 and tr.stats["wall_time"] > 0
+
+
+def test_a_grid_of_the_wrong_type_is_named_in_the_error():
+    x = tokens(5, 3, 3)
+    heads = rand_heads(2, 3, 4)
+    with pytest.raises(TypeError, match="got a bool"):
+        tp.jko(x, heads, tau=0.1, steps=1, scheme="eulerian", grid=True)
+    with pytest.raises(TypeError, match="got str"):
+        tp.jko(x, heads, tau=0.1, steps=1, scheme="eulerian", grid="fine")
+    with pytest.raises(TypeError, match="got float"):
+        tp.jko(x, heads, tau=0.1, steps=1, scheme="eulerian", grid=20.0)
+
+
+@pytest.mark.parametrize("name", ["record_every", "max_plan_updates"])
+def test_a_bad_count_option_is_named_in_the_error(name):
+    x, heads = tokens(5, 3, 11), rand_heads(2, 3, 12)
+    with pytest.raises(ValueError, match=rf"^{name} must"):
+        tp.jko(x, heads, tau=0.1, steps=1, transport="identity", **{name: 0})
+
+
+def test_a_stored_path_off_the_step_grid_warns():
+    """tau = 0.1 on a path of dt = 0.03 (ratio 3.33, offset 0): the steps see an interpolated path."""
+    x = tokens(5, 3, 5)
+    heads = rand_heads(2, 3, 6)
+    path = tp.sample_path(tp.OrnsteinUhlenbeck(heads, sigma=0.3), t1=0.3, dt=0.03, seed=1)
+    with pytest.warns(UserWarning, match="not a multiple of the weight path's dt"):
+        tp.jko(x, path, tau=0.1, steps=2, transport="identity")
+    # offset only: t0 = 0.01 is between grid points although tau = 0.06 is a multiple of dt
+    with pytest.warns(UserWarning, match="not a multiple of the weight path's dt"):
+        tp.jko(x, path, tau=0.06, steps=2, t0=0.01, transport="identity")
+    # on the grid: no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tp.jko(x, path, tau=0.06, steps=2, t0=0.03, transport="identity")
+
+
+def test_progress_bar_counts_the_steps_and_names_the_scheme(monkeypatch):
+    """progress=True opens one tqdm bar with total = steps and a description naming scheme and
+    transport, and advances it once per step."""
+    import tqdm.auto
+    bars = []
+
+    class Bar:
+        def __init__(self, **kw):
+            self.kw, self.n = kw, 0
+            bars.append(self)
+
+        def update(self, k=1):
+            self.n += k
+
+        def close(self):
+            pass
+
+        def __getattr__(self, name):  # set_postfix and friends: accepted, ignored
+            return lambda *a, **k: None
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", Bar)
+    tp.jko(tokens(5, 3, 19), rand_heads(2, 3, 20), tau=0.05, steps=3, transport="identity", progress=True)
+    assert len(bars) == 1
+    assert bars[0].kw["total"] == 3 and bars[0].n == 3
+    assert bars[0].kw["desc"] == "jko (lagrangian, identity)"
+
+
+def test_strict_lagrangian_sinkhorn_error_adds_the_sinkhorn_hint():
+    """strict=True and a step that cannot converge (max_iter=1): the error names the step and, for the
+    Lagrangian sinkhorn transport only, how to tune it."""
+    x, heads = tokens(5, 3, 21), rand_heads(2, 3, 22)
+    with pytest.raises(tp.JKOConvergenceError, match=r"JKO step 1 .*raise sinkhorn_scaling towards 1 or lower eps"):
+        tp.jko(x, heads, tau=0.2, steps=1, transport="sinkhorn", max_iter=1, strict=True)
+    with pytest.raises(tp.JKOConvergenceError, match=r"reduce tau$"):
+        tp.jko(x, heads, tau=0.2, steps=1, transport="identity", max_iter=1, strict=True)
+
+
+def test_lagrangian_sinkhorn_default_tolerance_is_the_documented_1e_6():
+    """Docstring: tol defaults to 1e-6 with transport="sinkhorn" in float64 (1e-9 otherwise).  The
+    default run equals the tol=1e-6 run bit for bit and differs from the tol=1e-9 one."""
+    x, heads = tokens(5, 3, 13), rand_heads(2, 3, 14)
+
+    def run(**kw):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return tp.jko(x, heads, tau=0.05, steps=2, transport="sinkhorn", **kw).x
+    default = run()
+    assert torch.equal(default, run(tol=1e-6))
+    assert not torch.equal(default, run(tol=1e-9))
+
+
+def test_the_generator_drives_the_weight_paths_of_a_noisy_process():
+    x, heads = tokens(5, 3, 15), rand_heads(2, 3, 16)
+    ou = tp.OrnsteinUhlenbeck(heads, sigma=0.5)
+
+    def run(s):
+        return tp.jko(x, ou, tau=0.05, steps=2, transport="identity", generator=torch.Generator().manual_seed(s)).x
+    assert torch.equal(run(1), run(1))
+    assert not torch.equal(run(1), run(2))
+
+
+# ---------------------------------------------------------------------------- to_grid: the von Mises–Fisher deposit
+def test_to_grid_with_a_given_bandwidth_against_the_von_mises_fisher_formula():
+    """q_a ∝ Σ_i w_i exp((⟨z_a, x_i⟩ − 1)/h²), Σ q = 1, written out with a loop (batch of 2, weights)."""
+    x = tokens(10, 3, 7).reshape(2, 5, 3)
+    w = torch.stack([random_weights((5,), 8, 0.3), random_weights((5,), 9, 0.3)])
+    z = tp.sphere.fibonacci_sphere(25, dtype=F64)
+    h = 0.7
+    q = tp.to_grid(x, z, weights=w, bandwidth=h)
+    ref = torch.zeros(2, 25, dtype=F64)
+    for b in range(2):
+        for a in range(25):
+            ref[b, a] = sum(float(w[b, i]) * math.exp((float(z[a] @ x[b, i]) - 1) / h ** 2) for i in range(5))
+    ref = ref / ref.sum(-1, keepdim=True)
+    assert_close(q, ref, rtol=1e-12, atol=0)
+    with pytest.raises(ValueError, match="bandwidth must be finite and > 0"):
+        J.to_grid(x, z, bandwidth=-1.0)
+
+
+def test_to_grid_against_the_kernel_density_batched_and_default_bandwidth():
+    """to_grid: q_a ∝ Σ_i w_i exp((⟨z_a, x_i⟩ − 1)/h²), Σ_a q_a = 1, for a batch of two token sets
+    with their own weights (2 ≠ m), and the default h = 2 × the grid's mean nearest-neighbour
+    (chordal) distance computed here independently."""
+    grid = tp.sphere.fibonacci_sphere(30, dtype=F64)
+    x = torch.stack([tp.sphere.sample_uniform(7, 3, generator=gen(s), dtype=F64) for s in (14, 15)])
+    w = torch.rand(2, 7, generator=gen(16), dtype=F64) + 0.2
+    w = w / w.sum(-1, keepdim=True)
+    dist = torch.cdist(grid, grid) + torch.diag(torch.full((30,), float("inf"), dtype=F64))
+    h = 2 * float(dist.min(-1).values.mean())
+    dense = (w.unsqueeze(-1) * torch.exp((x @ grid.T - 1) / h ** 2)).sum(-2)
+    dense = dense / dense.sum(-1, keepdim=True)
+    assert_close(tp.to_grid(x, grid, weights=w, bandwidth=h), dense, rtol=1e-12, atol=1e-15)
+    assert_close(tp.to_grid(x, grid, weights=w), dense, rtol=1e-10, atol=1e-15)
+
+
+def test_eulerian_deposit_uses_the_given_bandwidth():
+    """The initial grid weights are to_grid(x0, z, bandwidth=h) for the given h (not the default)."""
+    x, heads = tokens(5, 3, 17), rand_heads(2, 3, 18)
+    z = tp.sphere.fibonacci_sphere(30, dtype=F64)
+    tr = tp.jko(x, heads, tau=0.05, steps=1, scheme="eulerian", grid=z, eps=0.05, tol=1e-6, bandwidth=0.4)
+    assert_close(tr.weights[0], tp.to_grid(x, z, bandwidth=0.4), rtol=1e-12, atol=0)
+    assert not torch.allclose(tr.weights[0], tp.to_grid(x, z))
+
+
+# ---------------------------------------------------------------------------- batch layout: a batched run equals separate runs
+def _item_heads(Q, K, beta, j):
+    return tp.Heads(None, None, None, beta[j], query=Q[j], key=K[j])
+
+
+def test_batched_factored_heads_with_tensor_beta_equal_separate_runs():
+    """Tokens (3, 1, n, d) against factored heads (2, H, k, d) with a tensor β (2,): the batch (3, 2) is
+    flattened to 6 items; each equals the run of its own tokens and heads (β ≠ 1, two dims of batch)."""
+    Q = 0.5 * torch.randn(2, 2, 2, 3, generator=gen(10), dtype=F64)
+    K = 0.5 * torch.randn(2, 2, 2, 3, generator=gen(11), dtype=F64)
+    beta = torch.tensor([0.7, 1.6], dtype=F64)
+    heads = tp.Heads(None, None, None, beta, query=Q, key=K)
+    x = tokens(15, 3, 12).reshape(3, 1, 5, 3)
+    both = tp.jko(x, heads, tau=0.1, steps=1, transport="identity")
+    assert both.x.shape == (2, 3, 2, 5, 3) and both.energy.shape == (2, 3, 2)
+    for i, j in itertools.product(range(3), range(2)):
+        one = tp.jko(x[i, 0], _item_heads(Q, K, beta, j), tau=0.1, steps=1, transport="identity")
+        # same arithmetic up to the batched reductions: the solves agree to their tolerance (1e-9 relative)
+        assert_close(both.x[:, i, j], one.x, rtol=0, atol=1e-10)
+        assert_close(both.energy[:, i, j], one.energy, rtol=1e-10, atol=0)
+        assert_close(both.stats["prox"][:, i, j], one.stats["prox"], rtol=1e-7, atol=1e-14)
+
+
+def test_batched_tokens_with_shared_token_weights_equal_separate_runs():
+    """Tokens (2, n, d) with one weight vector (n,) for both items (the weights' batch is () and must be
+    broadcast against the tokens' batch)."""
+    x = tokens(12, 3, 13).reshape(2, 6, 3)
+    w = random_weights((6,), 14, 0.3)
+    heads = rand_heads(2, 3, 15, weights=torch.tensor([0.3, 1.4], dtype=F64), beta=1.5)
+    both = tp.jko(x, heads, tau=0.1, steps=1, transport="identity", weights=w)
+    assert both.x.shape == (2, 2, 6, 3)
+    for i in range(2):
+        one = tp.jko(x[i], heads, tau=0.1, steps=1, transport="identity", weights=w)
+        assert_close(both.x[:, i], one.x, rtol=0, atol=1e-10)
+        assert_close(both.energy[:, i], one.energy, rtol=1e-10, atol=0)
+
+
+def test_a_batch_of_token_weights_on_shared_tokens_equals_separate_runs():
+    """Tokens (n, d) with token weights (2, n): the batch comes from the weights alone."""
+    x = tokens(6, 3, 23)
+    w = torch.stack([random_weights((6,), 24, 0.3), random_weights((6,), 25, 0.3)])
+    heads = rand_heads(2, 3, 26, weights=torch.tensor([0.3, 1.4], dtype=F64), beta=1.5)
+    both = tp.jko(x, heads, tau=0.1, steps=1, transport="identity", weights=w)
+    assert both.x.shape == (2, 2, 6, 3)
+    for i in range(2):
+        one = tp.jko(x, heads, tau=0.1, steps=1, transport="identity", weights=w[i])
+        assert_close(both.x[:, i], one.x, rtol=0, atol=1e-10)
+
+
+def test_eulerian_batch_equals_separate_runs_and_counts_are_integers():
+    """Grid weights (2, m) on S¹ (each needs damped iterations): the batched Eulerian run equals the two
+    runs, its weights record is (T, 2, m), and iterations / plan_updates are integer counts like the
+    Lagrangian scheme's."""
+    z = tp.sphere.circle_grid(24, dtype=F64)
+    x = tokens(8, 2, 16).reshape(2, 4, 2)
+    q0 = torch.stack([tp.to_grid(x[i], z, bandwidth=0.5) for i in range(2)])
+    heads = rand_heads(2, 2, 17, scale=1.0, beta=1.3)
+    kw = dict(scheme="eulerian", grid=z, grid_weights=q0, tau=0.2, steps=2, eps=0.02, tol=1e-10)
+    both = tp.jko(None, heads, **kw)
+    assert both.weights.shape == (3, 2, 24) and both.x.shape == (3, 2, 24, 2)
+    assert bool((both.stats["iterations"] > 0).all())
+    for i in range(2):
+        one = tp.jko(None, heads, **{**kw, "grid_weights": q0[i]})
+        assert_close(both.weights[:, i], one.weights, rtol=0, atol=1e-13)
+        assert_close(both.stats["prox"][:, i], one.stats["prox"], rtol=1e-9, atol=1e-15)
+    lag = tp.jko(x, heads, tau=0.2, steps=1, transport="identity")
+    for key in ("iterations", "plan_updates"):
+        assert lag.stats[key].dtype == torch.long
+        assert both.stats[key].dtype == torch.long, key
+
+
+# ---------------------------------------------------------------------------- Eulerian proximal value
+def _log_sinkhorn(logK, a, b, iters=20000):
+    """The entropic projection of the kernel e^{logK} on Π(a, b): log π = logK + u_a + v_b (plain
+    alternating Sinkhorn in the log domain, until the row marginals are right to 1e-15 in ℓ¹)."""
+    u, v = torch.zeros_like(a), torch.zeros_like(b)
+    for it in range(iters):
+        u = a.log() - torch.logsumexp(logK + v[None, :], 1)
+        v = b.log() - torch.logsumexp(logK + u[:, None], 0)
+        if it % 50 == 0 and float((torch.logsumexp(logK + u[:, None] + v[None, :], 1).exp() - a).abs().sum()) < 1e-15:
+            break
+    return logK + u[:, None] + v[None, :]
+
+
+def test_eulerian_proximal_value_is_the_entropic_kl_to_the_self_transport_plan():
+    """stats["prox"] of an Eulerian step = D_ε(p | q) = ε KL(π* | π^ε_qq), with π^ε_qq the entropic
+    self-transport plan of q (Sinkhorn projection of q⊗q e^{−C/ε} on Π(q, q)) and π* the projection of
+    π^ε_qq on Π(q, p), C_ab = ½(b(z_a) + b(z_b))|z_a − z_b|², b the mobility of q under Θ (module
+    docstring).  Recomputed here with a plain log-domain Sinkhorn in numpy from the returned q and p."""
+    z = tp.sphere.circle_grid(24, dtype=F64)
+    x = tokens(4, 2, 18)
+    om = torch.tensor([0.4, 1.3], dtype=F64)
+    heads = rand_heads(2, 2, 19, scale=0.5, beta=1.3, weights=om)
+    q0 = tp.to_grid(x, z, weights=random_weights((4,), 20, 0.3), bandwidth=0.5)
+    eps, tau = 0.2, 0.05
+    tr = tp.jko(None, heads, scheme="eulerian", grid=z, grid_weights=q0, tau=tau, steps=1, eps=eps, tol=1e-12)
+    assert tr.energy_log_scale == 0.0
+    q, p = tr.weights[0], tr.weights[1]
+    assert float((p - q).abs().sum()) > 1e-2  # the step moves mass
+    b = tp.mobility(z, heads, q)[1]
+    C = 0.5 * (b[:, None] + b[None, :]) * ((z[:, None, :] - z[None, :, :]) ** 2).sum(-1)
+    log_pi0 = _log_sinkhorn(q.log()[:, None] + q.log()[None, :] - C / eps, q, q)
+    log_pis = _log_sinkhorn(log_pi0, q, p)
+    prox = eps * float((log_pis.exp() * (log_pis - log_pi0)).sum())
+    assert prox > 1e-3
+    # both sides solve their marginals to ~1e-13 or better (self_potential's tolerance): observed agreement
+    # ~1e-14 relative; 1e-9 leaves room for other BLAS orders
+    assert float(tr.stats["prox"][0]) == pytest.approx(prox, rel=1e-9)
+
+
+def test_eulerian_step_with_a_tolerance_below_round_off_converges_at_the_round_off_floor():
+    """tol = 1e-300 cannot be met: the damped fixed point stops at the round-off floor of ‖T(p) − p‖₁ (a sum
+    of m weights ~1/m, each with relative error ~u, so ~u; the stopping bound is 100·u·m) and reports
+    convergence, without warning, in a few dozen iterations (observed 24 of max_iter = 100)."""
+    m = 60
+    z = tp.sphere.circle_grid(m, dtype=F64)
+    q0 = tp.to_grid(tokens(4, 2, 18), z, bandwidth=0.5)
+    heads = rand_heads(2, 2, 19, scale=0.5, beta=1.3, weights=torch.tensor([0.4, 1.3], dtype=F64))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tr = tp.jko(None, heads, scheme="eulerian", grid=z, grid_weights=q0, tau=0.05, steps=1, eps=0.05, tol=1e-300,
+                    max_iter=100)
+    assert tr.stats["converged"].tolist() == [True] and int(tr.stats["iterations"][0]) < 100
+    p = tr.weights[1]
+    assert float(tr.stats["residual"][0]) <= 100 * torch.finfo(F64).eps * m
+    assert float((p - q0).abs().sum()) > 1e-3 and float(p.min()) >= 0 and abs(float(p.sum()) - 1) < 1e-14
+
+
+# ---------------------------------------------------------------------------- the inner solve: residual, emd plan, stiff steps
+def _velocity_error(x, y, heads, tau, w, direction="descent"):
+    """G_i = P_{y_i}(y_i − x_i)/τ − V(y_i), V(y) = s ∇_S δE[μ_y](y) / b[μ_x](x_i) (module docstring), with
+    ∇_S δE read off the library's effective field times the mobility at y (ascent sign)."""
+    s = 1.0 if direction == "ascent" else -1.0
+    grad = (tp.velocity(y, heads, w, normalization="effective", direction="ascent")
+            * tp.mobility(y, heads, w)[1].unsqueeze(-1))
+    b_old = tp.mobility(x, heads, w)[1].unsqueeze(-1)
+    return tp.sphere.tangent_projection(y, y - x) / tau - s * grad / b_old
+
+
+def test_reported_residual_is_the_velocity_error_in_l2_of_the_measure():
+    """One inner iteration (max_iter=1, unconverged): stats["residual"] = (Σ_i w_i |G_i|²)^{1/2} at the
+    returned tokens, non-symmetric heads, token weights, β ≠ 1, ω ≠ 1, both directions."""
+    x = tokens(6, 3, 21)
+    w = random_weights((6,), 22, 0.3)
+    A = 0.6 * torch.randn(2, 3, 3, generator=gen(23), dtype=F64)  # tied, not symmetric
+    heads = tp.Heads(A, None, torch.tensor([0.6, 1.7], dtype=F64), 1.4)
+    for direction in ("descent", "ascent"):
+        with pytest.warns(RuntimeWarning, match="did not reach the inner tolerance"):
+            tr = tp.jko(x, heads, tau=0.3, steps=1, transport="identity", max_iter=1, tol=1e-14, weights=w,
+                        direction=direction)
+        y = tr.x[1]
+        assert float((y - x).norm(dim=-1).max()) > 1e-3  # it moved
+        G = _velocity_error(x, y, heads, 0.3, w, direction)
+        r = float((w * G.square().sum(-1)).sum().sqrt())
+        assert r > 1e-6  # one iteration does not solve it
+        # G of O(1) formed from O(1) terms: agreement to ~1e-12 relative (round-off of the two evaluations)
+        assert float(tr.stats["residual"][0]) == pytest.approx(r, rel=1e-9)
+
+
+def test_emd_step_at_small_tau_keeps_the_identity_plan_and_converges():
+    """For a small step the identity coupling stays optimal: no plan update, converged, no warning, and the
+    reported W² is the identity-plan cost Σ_i w_i b_k(x_i)|y_i − x_i|² of the returned tokens."""
+    x = tokens(6, 3, 30)
+    w = random_weights((6,), 35, 0.3)
+    heads = rand_heads(2, 3, 40, scale=1.0, beta=1.5, weights=torch.tensor([0.5, 1.5], dtype=F64))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tr = tp.jko(x, heads, tau=0.05, steps=1, transport="emd", weights=w)
+    assert tr.stats["plan_updates"].tolist() == [0] and tr.stats["converged"].tolist() == [True]
+    b = tp.mobility(x, heads, w)[1]
+    w2 = float((w * b * (tr.x[1] - x).square().sum(-1)).sum())
+    assert float(tr.stats["prox"][0]) == pytest.approx(w2, rel=1e-12)
+
+
+def test_stiff_batch_equals_separate_runs_including_which_items_converge():
+    """Stiff steps (τ|V| ≫ ½: the objective is divided by K = τ max_i|G_i|/½ per batch item) for a batch
+    of two β (tensor β), with max_iter between the two items' needs: the batched run equals the separate
+    runs, the easy item converged and the hard one did not (one item's unconverged tokens do not make
+    the other item unconverged)."""
+    x = tokens(6, 3, 30)
+    A = rand_heads(2, 3, 40, scale=1.0).score
+    om = torch.tensor([0.5, 1.5], dtype=F64)
+    kw = dict(tau=1.0, steps=1, transport="identity", max_iter=30)
+    beta = torch.tensor([0.5, 3.0], dtype=F64)
+    with pytest.warns(RuntimeWarning, match="did not reach the inner tolerance"):
+        both = tp.jko(x, tp.Heads(A, None, om, beta), **kw)
+    one = tp.jko(x, tp.Heads(A, None, om, 0.5), **kw)  # converges in 23 iterations (no warning)
+    assert bool(one.stats["converged"][0]) and int(one.stats["iterations"][0]) < 30
+    assert both.stats["converged"][0].tolist() == [True, False]
+    assert both.stats["iterations"][0].tolist() == [int(one.stats["iterations"][0]), 30]
+    assert_close(both.x[1, 0], one.x[1], rtol=0, atol=1e-10)
+
+
+def test_stiff_step_converges_token_by_token():
+    """A stiff step (τ max_i|V(x_i)| > ½) whose tokens' velocities span two orders of magnitude: every
+    token meets the documented bound with its own velocity error and start, |G_i| ≤ tol·|G_i(x)| +
+    100u(1/τ + |G_i(x)|), G_i = P(y_i − x_i)/τ − V(y_i) recomputed here from tp.velocity / tp.mobility
+    (not only the L²(μ) total, which the fast tokens dominate).  Observed: ≤ 0.35 of the bound."""
+    x = tokens(6, 3, 105)
+    A = torch.randn(2, 3, 3, generator=gen(205), dtype=F64)
+    A = 0.5 * (A + A.transpose(-1, -2)) * torch.tensor([3.0, 0.3], dtype=F64)[:, None, None]
+    heads = tp.Heads(A, None, torch.tensor([0.5, 1.5], dtype=F64), 2.0)
+    tau, tol = 0.5, 1e-9
+    tr = tp.jko(x, heads, tau=tau, steps=1, transport="identity", tol=tol)
+    assert bool(tr.stats["converged"][0])
+    w = torch.full((6,), 1 / 6, dtype=F64)
+    r0 = _velocity_error(x, x, heads, tau, w).norm(dim=-1)
+    assert tau * float(r0.max()) > 0.5 and float(r0.max() / r0.min()) > 100  # stiff, scales spread
+    G = _velocity_error(x, tr.x[1], heads, tau, w).norm(dim=-1)
+    u = torch.finfo(F64).eps
+    assert bool((G <= tol * r0 + 100 * u * (1 / tau + r0)).all())
+
+
+# ---------------------------------------------------------------------------- large β: scales and refusals
+def test_a_token_whose_mobility_underflows_the_scale_is_held_and_reported_unconverged():
+    """A = −1000·I: the antipodal pair ±e1 has log b ≈ 999, the third token (almost orthogonal to e1)
+    log b ≈ 49, so b_3/c = e^{−950} underflows: that token cannot move (it stays put) and the step is
+    reported unconverged (module docstring), although its own velocity error is not even seen (0)."""
+    e = torch.eye(3, dtype=F64)
+    x = torch.stack([e[0], -e[0], tp.sphere.normalize(e[1] + 0.05 * e[0] + 0.03 * e[2])])
+    heads = tp.Heads(-1000.0 * torch.eye(3, dtype=F64)[None], None, None, 1.0)
+    lb = tp.log_mobility(x, heads)[1]
+    assert float(lb.max() - lb.min()) > math.log(1 / torch.finfo(F64).tiny) + 50  # the premise
+    with pytest.warns(RuntimeWarning, match="did not reach the inner tolerance"):
+        tr = tp.jko(x, heads, tau=0.01, steps=1, transport="identity")
+    assert tr.stats["converged"].tolist() == [False]
+    assert torch.equal(tr.x[1, 2], x[2])
+
+
+def test_energy_log_scale_is_chosen_from_the_weighted_log_partitions():
+    """c = ⌈L + R/4⌉, L = max_i log m(x_i), m(x) = Σ_j w_j e^{β⟨x, A x_j⟩} with the token weights (dense
+    logsumexp here), R = log(float64 max); the weights move L by log(max w / (1/n)) > 1 here."""
+    x = tokens(6, 3, 36)
+    w = torch.tensor([0.5, 0.1, 0.1, 0.1, 0.1, 0.1], dtype=F64)
+    heads = tp.Heads.scalar([900.0], 3).to(F64)
+    with warnings.catch_warnings():  # only the scale is checked here (the step itself stops at ~1e-7)
+        warnings.simplefilter("ignore", RuntimeWarning)
+        tr = tp.jko(x, heads, tau=0.05, steps=1, transport="identity", weights=w)
+    L = float(torch.logsumexp(900.0 * x @ x.T + w.log()[None, :], -1).max())
+    R = math.log(torch.finfo(F64).max)
+    assert tr.energy_log_scale == math.ceil(L + R / 4)
+    assert math.ceil(L + R / 4) != math.ceil(L - math.log(0.5 * 6) + R / 4)  # uniform weights would differ
+
+
+def test_an_overflowing_metric_slope_is_named_with_its_step():
+    """float32, unit mobility, β‖A‖ = 40: E ~ e^{38} is finite (c = 0) but 𝒢² = Σ w|∇δE|² ~ e^{80} is not;
+    at t0 and, with a Layerwise process that switches to those heads after one step, at step 2."""
+    x = tokens(5, 3, 3, dtype=torch.float32)
+    big = tp.Heads.scalar([20.0], 3, beta=2.0).to(torch.float32)
+    msg = r"the metric slope 𝒢² became NaN/inf at t = 0 \(step 0\).*diagnostics=False"
+    with pytest.raises(tp.NonFiniteError, match=msg):
+        tp.jko(x, big, tau=0.01, steps=1, mobility="unit")
+    proc = tp.Layerwise([tp.Heads.scalar([0.5], 3, beta=2.0).to(torch.float32), big], layer_time=0.015)
+    with pytest.raises(tp.NonFiniteError, match=r"the metric slope 𝒢² became NaN/inf at t = 0.02 \(step 2\)"):
+        tp.jko(x, proc, tau=0.01, steps=3, mobility="unit")
+
+
+@pytest.mark.parametrize("transport,beta1,eps", [("identity", 900.0, 1e-3), ("sinkhorn", 12.0, 0.1)])
+def test_batch_items_of_very_different_mobility_scales_equal_separate_runs(transport, beta1, eps):
+    """A = I with a tensor β = (1, β₁): the items' mobilities differ by e^{β₁−1}.  Each item's objective is
+    divided by its own scale (identity / emd: per item, so that e^{−899} does not underflow the β = 1
+    item to a standstill; sinkhorn: one scale, with ε divided by the same one, OT_ε(cC) = c·OT_{ε/c}(C)),
+    so every item equals its separate run (observed: bit for bit).  ε = 0.1 (in units of the cost
+    b|x − y|² ~ e^{10}) is negligible for the β = 12 item, but would not be at the β = 1 item's scale."""
+    x = tokens(5, 3, 37)
+    A = torch.eye(3, dtype=F64)[None]
+    beta = torch.tensor([1.0, beta1], dtype=F64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the β = 900 item stops at its round-off floor
+        both = tp.jko(x, tp.Heads(A, None, None, beta), tau=0.1, steps=1, transport=transport, eps=eps)
+    j = 0 if transport == "identity" else 1  # the item the wrong scale would hurt
+    one = tp.jko(x, tp.Heads(A, None, None, float(beta[j])), tau=0.1, steps=1, transport=transport, eps=eps)
+    assert float((one.x[1] - x).abs().max()) > 1e-3  # it moves
+    assert_close(both.x[1, j], one.x[1], rtol=0, atol=1e-12)
+    if both.energy_log_scale == 0.0:  # (β = 900: "prox" is reported times e^{−c}, c ≈ 1077, and underflows)
+        assert_close(both.stats["prox"][0, j], one.stats["prox"][0], rtol=1e-10, atol=0)
+
+
+# ---------------------------------------------------------------------------- private helpers of the inner solver
+# These reach into private names of solvers/jko.py (J._value_and_grad, J._dot, J._line_search,
+# J._lbfgs_direction, J._descend, J._plan_descent): repoint them when the L-BFGS solver moves to its own
+# module (solvers/lbfgs.py).
+def _linear(a):
+    """f(y) = Σ_i ⟨a, y_i⟩ per batch item, (B,)."""
+    return lambda y: (y * a).sum((-1, -2))
+
+
+def test_line_search_takes_the_first_armijo_step_of_the_halving_sequence():
+    """Armijo backtracking a = 1, ½, ¼, ...: the accepted point is the FIRST normalize(y + a d) with
+    f ≤ f(y) + 1e-4·a·⟨∇f, d⟩ (recomputed here by brute force), so F decreases; an inactive item is left
+    alone.  Tokens start 20° from the minimiser −a of a linear f and d = −10·P∇f overshoots at a = 1."""
+    a = torch.tensor([0.3, -0.5, 0.8], dtype=F64)
+    a_hat = a / a.norm()
+    e = torch.linalg.cross(a_hat, torch.tensor([1.0, 0.0, 0.0], dtype=F64))
+    e = e / e.norm()
+    th = torch.tensor([0.35, 0.2, 0.5], dtype=F64)[:, None]  # angles from −a
+    y = torch.stack([-torch.cos(th) * a_hat + torch.sin(th) * e] * 2)  # (2, 3, 3)
+    f_obj = _linear(a)
+    f, g = J._value_and_grad(f_obj, y)
+    d = -10 * tp.sphere.tangent_projection(y, g)
+    gd = J._dot(g, d)
+    active = torch.tensor([True, False])
+    y_new, f_new, g_new, done = J._line_search(f_obj, y, f, g, d, gd, active)
+    assert done.tolist() == [True, True]
+    for k in range(20):
+        step = 0.5 ** k
+        cand = tp.sphere.normalize(y[0] + step * d[0])
+        if float(f_obj(cand[None])[0]) <= float(f[0]) + 1e-4 * step * float(gd[0]):
+            break
+    assert k > 0  # a = 1 overshoots: the test exercises the backtracking
+    assert_close(y_new[0], cand, rtol=0, atol=1e-15)
+    assert float(f_new[0]) < float(f[0])
+    assert_close(g_new[0], a.expand(3, 3), rtol=0, atol=0)
+    assert torch.equal(y_new[1], y[1]) and torch.equal(f_new[1], f[1])
+
+
+def test_lbfgs_direction_masks_a_negative_curvature_pair_and_matches_dense_bfgs():
+    """Two-loop recursion (module docstring of _descend): a pair with ⟨s, z⟩ < 0 is ignored (γ = 1, the
+    preconditioned gradient −pre·rg, a descent direction, not flagged); a pair with ⟨s, z⟩ > 0 gives
+    −P H rg with the dense BFGS inverse H = (I − ρ s zᵀ) γ Pre (I − ρ z sᵀ) + ρ s sᵀ,
+    γ = ⟨s, z⟩/⟨z, Pre z⟩."""
+    y = tokens(4, 3, 24)[None]
+    P = lambda v: tp.sphere.tangent_projection(y, v)  # noqa: E731
+    rg = P(torch.randn(1, 4, 3, generator=gen(25), dtype=F64))
+    pre = (torch.rand(1, 4, 1, generator=gen(26), dtype=F64) + 0.5)
+    s = P(torch.randn(1, 4, 3, generator=gen(27), dtype=F64))
+    d, bad = J._lbfgs_direction(y, rg, pre, [(s, -2.0 * s)])  # ⟨s, z⟩ = −2|s|² < 0
+    assert not bool(bad.any())
+    assert_close(d, -pre * rg, rtol=1e-14, atol=0)
+    z = P(s + 0.3 * torch.randn(1, 4, 3, generator=gen(28), dtype=F64))
+    assert float(J._dot(s, z)) > 0
+    d, bad = J._lbfgs_direction(y, rg, pre, [(s, z)])
+    sv, zv, Pre = s.reshape(-1), z.reshape(-1), torch.diag(pre.expand(1, 4, 3).reshape(-1))
+    rho = 1 / float(sv @ zv)
+    gamma = float(sv @ zv) / float(zv @ Pre @ zv)
+    I = torch.eye(12, dtype=F64)
+    H = (I - rho * torch.outer(sv, zv)) @ (gamma * Pre) @ (I - rho * torch.outer(zv, sv)) + rho * torch.outer(sv, sv)
+    ref = P(-(H @ rg.reshape(-1)).reshape(1, 4, 3))
+    assert not bool(bad.any())
+    assert_close(d, ref, rtol=1e-12, atol=1e-15)
+
+
+def test_inner_solve_stops_after_12_iterations_without_halving_the_residual():
+    """The stagnation rule of _descend ("no halving of the residual in 12 iterations"): an inexact objective
+    whose value drops at every evaluation (every line search succeeds at a = 1) but whose Riemannian
+    gradient J y (a rotation on S¹, |J y| = 1) never shrinks: the solve makes exactly 12 moves, unconverged."""
+    calls = [0]
+
+    def objective(y):
+        calls[0] += 1
+        Jy = torch.stack([-y[..., 1], y[..., 0]], -1).detach()
+        lin = (Jy * y).sum((-1, -2))
+        return lin - lin.detach() - 1e3 * calls[0]  # value −1000·calls, gradient J y
+
+    y0 = tokens(8, 2, 29).reshape(2, 4, 2)
+    wt = torch.full((2, 4), 0.25, dtype=F64)
+    tau = 0.01
+    pre = (tau / wt).unsqueeze(-1)
+    y, info = J._descend(objective, y0, pre, wt, tau=tau, tol=1e-9, max_iter=50)
+    assert info["iterations"].tolist() == [12, 12]
+    assert not bool(info["converged"].any())
+    # |G_i| = (pre_i/τ)|J y_i| = 4 for every token: r = (Σ_i ¼ · 16)^{1/2} = 4, as at the start
+    assert_close(info["residual"], torch.full((2,), 4.0, dtype=F64), rtol=1e-12, atol=0)
+    assert_close(info["r0"], torch.full((2,), 4.0, dtype=F64), rtol=1e-12, atol=0)
+
+
+def test_emd_plan_is_recomputed_until_it_is_optimal_at_the_solution():
+    """Block-coordinate descent in (y, π) (_plan_descent): an inner "solve" that sends token i to x_σ(i)
+    (σ a fixed permutation) makes the identity plan suboptimal; the plan is recomputed once, to the optimal
+    assignment of the cost at y (scipy's linear_sum_assignment here), the next solve keeps it, and the step
+    counts one plan update and is converged.  A solve that barely moves keeps the identity plan."""
+    x = tokens(5, 3, 31)[None]
+    wt = torch.full((1, 5), 0.2, dtype=F64)
+    sigma = [2, 0, 1, 4, 3]
+    b = torch.rand(1, 5, generator=gen(32), dtype=F64) + 0.5
+
+    def cost_rows(y):  # b(x_j)|y_i − x_j|²
+        return b.unsqueeze(-2) * (y.unsqueeze(-2) - x.unsqueeze(-3)).square().sum(-1)
+
+    def make_solve(target):
+        def solve_at(P, y0):
+            return target, dict(residual=torch.zeros(1, dtype=F64), iterations=torch.ones(1, dtype=torch.long),
+                                converged=torch.ones(1, dtype=torch.bool), r0=torch.ones(1, dtype=F64))
+        return solve_at
+
+    y_sw = tp.sphere.normalize(x[:, sigma] + 0.01 * torch.randn(1, 5, 3, generator=gen(33), dtype=F64))
+    y, info, P = J._plan_descent(make_solve(y_sw), cost_rows, x, wt, 20)
+    M = cost_rows(y_sw)[0]
+    rows, cols = linear_sum_assignment(M.numpy())
+    assert list(cols) == sigma  # the optimal assignment is σ, not the identity
+    ref = torch.zeros(5, 5, dtype=F64)
+    ref[rows, cols] = 0.2
+    assert_close(P[0], ref, rtol=0, atol=1e-15)
+    assert info["plan_updates"].tolist() == [1] and info["iterations"].tolist() == [2]
+    assert info["converged"].tolist() == [True]
+    y_small = tp.sphere.normalize(x + 0.01 * torch.randn(1, 5, 3, generator=gen(34), dtype=F64))
+    y, info, P = J._plan_descent(make_solve(y_small), cost_rows, x, wt, 20)
+    assert_close(P[0], 0.2 * torch.eye(5, dtype=F64), rtol=0, atol=0)
+    assert info["plan_updates"].tolist() == [0] and info["iterations"].tolist() == [1]
+    assert info["converged"].tolist() == [True]

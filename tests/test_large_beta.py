@@ -176,7 +176,7 @@ def test_overflow_errors_report_the_logarithm_to_rescale_by(batched):
     logarithm reached — and that logarithm is the float64 dense value (the number a user picks
     log_scale from): log E, max_h log E_h, max log m_h, with a batch of β and per-member token
     weights when ``batched``.  (b ≤ max_h m_h, so m_h overflows first; only a one-ulp rounding of
-    log b in float32 reaches b's own message: tests/test_mutants_kernels.py checks that case.)"""
+    log b in float32 reaches b's own message: tests/test_mobility.py checks that case.)"""
     x64 = tp.sphere.sample_uniform(6, 3, generator=gen(30), dtype=torch.float64)
     A = tp.Heads.random(3, 3, generator=gen(31), dtype=torch.float64, scale=0.3).score + torch.eye(3, dtype=torch.float64)
     om = torch.tensor([0.7, 1.6, 1.0], dtype=torch.float64)  # H = 3 heads, a batch of 2: axes cannot be confused

@@ -230,3 +230,150 @@ def test_layerwise_knots_and_left_limits_against_the_layers():
     # a process without knots: left limits are the plain values
     ou = tp.OrnsteinUhlenbeck(layers[0], sigma=0.0)
     assert ou.knots(0.0, 1.0) == [] and torch.equal(ou.left_score_rate(0.3), ou.score_rate(0.3))
+
+
+# ==================================================================================================
+# Defaults, generators, callable diffusions, interpolation of layers and weight paths, moments at κ ≠ 1,
+# against the formulas of docs/model.md#processes.
+# The tests below pin behaviour that the mutation pass of the formula modules (docs/MUTATION_REPORT.md)
+# showed untested; each checks the library against a closed form or an independent computation.
+F64 = torch.float64
+
+
+def test_oscillating_target_defaults_one_head_and_shared_phase():
+    """oscillating_target(t, d) is F(t) of docs/model.md for one head, (1, d, d); with num_heads = 3 and
+    the default phase every head sees the same F(t) (the paper's shared phase), unlike "per_head"."""
+    t = 0.7
+    F = tp.oscillating_target(t, 3)
+    assert F.shape == (1, 3, 3)
+    assert_close(F[0], torch.tensor(oscillating_target_reference(t, 3)), rtol=1e-14, atol=1e-15)
+    shared = tp.oscillating_target(t, 3, num_heads=3)
+    for h in range(3):
+        assert_close(shared[h], torch.tensor(oscillating_target_reference(t, 3)), rtol=1e-14, atol=1e-15)
+    per = tp.oscillating_target(t, 3, num_heads=3, phase="per_head")
+    assert_close(per[2], torch.tensor(oscillating_target_reference(t, 3, h=2, H=3, per_head=True)),
+                 rtol=1e-14, atol=1e-15)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_oscillating_target_has_the_requested_dtype(dtype):
+    """F(t) is built in float64 and returned in the requested dtype: 2I + Σ_k cos(ω_k t + φ_k) M_k,
+    so at any t it stays within the float32 rounding of the float64 value."""
+    F = tp.processes.oscillating_target(0.7, 3, 2, dtype=dtype)
+    assert F.dtype == dtype and F.shape == (2, 3, 3)
+    ref = tp.processes.oscillating_target(0.7, 3, 2, dtype=torch.float64)
+    assert_close(F.double(), ref, rtol=1e-6, atol=1e-6)
+
+
+def test_ou_moments_at_a_rate_other_than_one():
+    """κ = 0.5 (at κ = 1, 2κ = 2/κ): variance σ²(1 − e^{−2κt})/(2κ) on the diagonal, half off it;
+    mean Ā + e^{−κt}(A0 − Ā)."""
+    h = tp.Heads.random(2, 3, generator=gen(1), dtype=F64)
+    kappa, sigma, t = 0.5, 0.7, 1.3
+    proc = tp.OrnsteinUhlenbeck(h, rate=kappa, sigma=sigma)
+    mean, var = proc.moments(t)
+    v = sigma ** 2 * (1 - math.exp(-2 * kappa * t)) / (2 * kappa)
+    assert_close(var.diagonal(), torch.full((3,), v, dtype=F64), rtol=1e-14, atol=0)
+    assert_close(var[0, 1], torch.tensor(v / 2, dtype=F64), rtol=1e-14, atol=0)
+    Abar = proc.mean
+    assert_close(mean, Abar + math.exp(-kappa * t) * (h.score - Abar), rtol=1e-14, atol=1e-15)
+
+
+def test_ou_rate_as_a_tensor_is_differentiable_and_the_default_mean_has_the_heads_dtype():
+    """A rate κ that requires grad: d/dκ of the mean Ā + e^{−κt}(A0 − Ā) is −t e^{−κt}(A0 − Ā)
+    (autograd against the formula); the default Ā = I is a float64 tensor for float64 heads."""
+    h = tp.Heads.random(2, 3, generator=gen(46), dtype=F64)
+    kappa = torch.tensor(0.6, dtype=F64, requires_grad=True)
+    proc = tp.OrnsteinUhlenbeck(h, rate=kappa, sigma=0.5)
+    assert proc.mean.dtype == F64
+    assert torch.equal(proc.mean, torch.eye(3, dtype=F64))
+    t, M = 0.9, torch.randn(2, 3, 3, generator=gen(47), dtype=F64)
+    mean, _ = proc.moments(t)
+    g = torch.autograd.grad((mean * M).sum(), kappa)[0]
+    want = (-t * math.exp(-0.6 * t) * (h.score - torch.eye(3, dtype=F64)) * M).sum()
+    assert_close(g, want, rtol=1e-12, atol=0)
+
+
+def test_sample_path_draws_from_the_given_generator():
+    """sample_path(generator=g) draws the noise from g: equal seeds of g give equal paths, other
+    seeds other paths, and g's state advances; a ``seed`` next to it is refused."""
+    h = tp.Heads.random(2, 3, generator=gen(40), dtype=F64)
+    proc = tp.OrnsteinUhlenbeck(h, rate=0.8, sigma=0.6)
+    g1, g1b, g2 = gen(41), gen(41), gen(42)
+    before = g1.get_state().clone()
+    a = tp.sample_path(proc, t1=0.3, dt=0.1, generator=g1)
+    b = tp.sample_path(proc, t1=0.3, dt=0.1, generator=g1b)
+    with pytest.raises(ValueError, match="not both"):  # a seed next to the generator would be ignored: refused
+        tp.sample_path(proc, t1=0.3, dt=0.1, generator=gen(41), seed=5)
+    c = tp.sample_path(proc, t1=0.3, dt=0.1, generator=g2)
+    assert not torch.equal(g1.get_state(), before)
+    assert torch.equal(a.scores, b.scores)
+    assert not torch.equal(a.scores[1:], c.scores[1:])
+    # first exact OU step from g: Ā + e^{−κh}(A0 − Ā) + σ√((1 − e^{−2κh})/(2κ)) ½(Z + Zᵀ)
+    Z = torch.randn(h.score.shape, generator=gen(41), dtype=F64)
+    e = math.exp(-0.8 * 0.1)
+    eye = torch.eye(3, dtype=F64)
+    want = eye + e * (h.score - eye) + 0.6 * math.sqrt((1 - e ** 2) / 1.6) * 0.5 * (Z + Z.transpose(-1, -2))
+    assert_close(a.scores[1], want, rtol=1e-12, atol=1e-14)
+
+
+def test_custom_process_with_a_callable_diffusion():
+    """Custom(diffusion=callable): σ(t) is the callable's value (and the process is noisy)."""
+    h = tp.Heads.random(1, 3, generator=gen(43), dtype=F64)
+    proc = tp.Custom(h, lambda t, A: -A, diffusion=lambda t: 0.25 + t)
+    assert proc.noisy
+    assert proc.sigma(0.5) == pytest.approx(0.75, abs=0)
+    assert tp.Custom(h, lambda t, A: -A, diffusion=0.4).sigma(1.0) == 0.4
+
+
+def test_euler_step_of_a_custom_process_uses_sigma_at_the_step_time():
+    """Euler–Maruyama: noise = σ(t)·√dt·Z with Z the symmetric Gaussian of the generator, σ evaluated at
+    the step's own time t (here σ(t) = 0.25 + t at t = 1.5, so 1.75), and A(t+dt) = A + dt·drift + noise."""
+    from transformer_pde.processes import symmetric_noise
+    h = tp.Heads.random(2, 3, generator=gen(82), dtype=F64)
+    proc = tp.Custom(h, lambda t, A: -A, diffusion=lambda t: 0.25 + t)
+    A = h.score_matrix
+    nxt, noise = proc.step(A, 1.5, 0.01, generator=gen(83))
+    Z = symmetric_noise(A.shape, generator=gen(83), dtype=F64)
+    assert_close(noise, 1.75 * 0.1 * Z, rtol=1e-15, atol=0)
+    assert_close(nxt, A - 0.01 * A + noise, rtol=1e-15, atol=1e-16)
+
+
+def test_layerwise_linear_interpolates_beta_values_and_weights():
+    """interpolation="linear": at a fraction f of layer l, β, ω, A and V are (1 − f)·layer_l + f·layer_{l+1}
+    (β a float 1.0 → 2.0 here; and a tensor β that requires grad gets its gradient through both layers)."""
+    a = tp.Heads.random(2, 3, generator=gen(44), dtype=F64, symmetric=False, beta=1.0,
+                        weights=torch.tensor([0.5, 1.5], dtype=F64))
+    b = tp.Heads.random(2, 3, generator=gen(45), dtype=F64, symmetric=False, beta=2.0,
+                        weights=torch.tensor([1.2, 0.3], dtype=F64))
+    lw = tp.Layerwise([a, b], interpolation="linear", layer_time=0.5)
+    f = 0.3
+    hm = lw.heads_at(0.5 * f)
+    assert float(hm.beta) == pytest.approx(1.0 + f * 1.0, rel=1e-14)
+    assert_close(hm.weights, (1 - f) * a.weights + f * b.weights, rtol=1e-14, atol=0)
+    assert_close(hm.score_matrix, (1 - f) * a.score_matrix + f * b.score_matrix, rtol=1e-13, atol=1e-15)
+    assert_close(hm.value_matrix, (1 - f) * a.value_matrix + f * b.value_matrix, rtol=1e-13, atol=1e-15)
+    # equal tensor β in both layers: still interpolated, so both layers' β receive gradient
+    ba = torch.tensor(1.5, dtype=F64, requires_grad=True)
+    bb = torch.tensor(1.5, dtype=F64, requires_grad=True)
+    lw2 = tp.Layerwise([tp.Heads(a.score, a.value, a.weights, ba), tp.Heads(b.score, b.value, b.weights, bb)],
+                       interpolation="linear", layer_time=0.5)
+    ga, gb = torch.autograd.grad(lw2.heads_at(0.5 * f).beta_tensor(), (ba, bb), allow_unused=True)
+    assert ga is not None and gb is not None
+    assert float(ga) == pytest.approx(1 - f, rel=1e-14) and float(gb) == pytest.approx(f, rel=1e-14)
+
+
+def test_weight_path_heads0_and_interpolation_between_grid_points():
+    """A sampled WeightPath: heads0 is Θ(t0) (the process's initial scores, with the template's
+    declared symmetry, as heads_at(t0) has it), and between grid points heads_at is the linear
+    interpolation (1 − f)·A_k + f·A_{k+1}."""
+    D = tp.Heads.random(2, 3, generator=gen(48), dtype=F64).score
+    D = D + 1e-13 * torch.randn(D.shape, generator=gen(49), dtype=F64)  # symmetric to 1e-13: declared so
+    h = tp.Heads.symmetric(D)
+    assert h.is_symmetric
+    path = tp.sample_path(tp.OrnsteinUhlenbeck(h, rate=0.7, sigma=0.8), t1=0.4, dt=0.1, seed=3)
+    assert torch.equal(path.heads0.score_matrix, h.score_matrix)
+    assert path.heads0.is_symmetric == path.heads_at(0.0).is_symmetric == h.is_symmetric
+    for k, f in ((0, 0.25), (2, 0.6)):
+        got = path.heads_at(0.1 * (k + f)).score_matrix
+        assert_close(got, (1 - f) * path.scores[k] + f * path.scores[k + 1], rtol=1e-12, atol=1e-14)

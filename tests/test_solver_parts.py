@@ -124,3 +124,78 @@ def test_checkpointer_saves_on_multiples_resumes_and_refuses_other_runs(tmp_path
 def test_progress_bar_off_is_a_no_op():
     with progress_bar(False, 10, "x") as bar:
         bar.update(1)
+
+
+# ==================================================================================================
+# Observables of a batch, the checkpoint fingerprint of a process, the stepper's sphere error.
+# The tests below pin behaviour that the mutation pass of the formula modules (docs/MUTATION_REPORT.md)
+# showed untested; each checks the library against a closed form or an independent computation.
+from torch.testing import assert_close  # noqa: E402
+
+import transformer_pde as tp  # noqa: E402
+from conftest import gen  # noqa: E402
+from transformer_pde.solvers.parts import observe, process_signature  # noqa: E402
+
+F64 = torch.float64
+
+
+def test_observables_of_a_batch_may_return_a_vector_per_member():
+    """observe accepts (*batch,) and (*batch, k) for tokens (*batch, n, d) (here batch = (2,)) and
+    refuses other shapes; a simulate of a batch records (T, 2, d) for the weighted mean."""
+    x = torch.stack([tp.sphere.sample_uniform(5, 3, generator=gen(s), dtype=F64) for s in (50, 51)])
+    w = torch.rand(2, 5, generator=gen(52), dtype=F64) + 0.2
+    w = w / w.sum(-1, keepdim=True)
+    mean = lambda x, wt: (wt.unsqueeze(-1) * x).sum(-2)  # noqa: E731
+    assert observe("mean", mean, x, w).shape == (2, 3)
+    assert observe("first", lambda x, wt: x[..., 0, 0], x, w).shape == (2,)
+    with pytest.raises(ValueError, match="returned shape"):
+        observe("flat", lambda x, wt: x[0, 0], x, w)  # (d,) for a batch of 2
+    heads = tp.Heads.random(1, 3, generator=gen(53), dtype=F64, beta=1.4)
+    tr = tp.simulate(x, heads, t1=0.2, dt=0.1, weights=w, observables={"mean": mean}, diagnostics=False)
+    assert tr.observables["mean"].shape == (3, 2, 3)
+    assert_close(tr.observables["mean"], (w.unsqueeze(-1) * tr.x).sum(-2))
+
+
+def test_process_signature_changes_with_every_head_tensor_and_beta():
+    """The checkpoint fingerprint sees the heads' scores, values, weights and β: changing any
+    one of them changes the signature (so a checkpoint of other weights is refused)."""
+    h = tp.Heads.random(2, 3, generator=gen(10), dtype=F64, beta=1.3, weights=torch.tensor([1.0, 2.0], dtype=F64))
+
+    def sig(heads):
+        return repr([t.tolist() if isinstance(t, torch.Tensor) else t for t in process_signature(
+            tp.OrnsteinUhlenbeck(heads, sigma=0.5))])
+
+    base = sig(h)
+    assert sig(tp.Heads(h.score + 1e-3, weights=h.weights, beta=1.3)) != base
+    assert sig(tp.Heads(h.score, weights=h.weights * 2, beta=1.3)) != base
+    assert sig(tp.Heads(h.score, weights=h.weights, beta=1.4)) != base
+    assert sig(tp.Heads(h.score, weights=h.weights, beta=1.3)) == base
+
+
+def test_process_signature_sees_every_layer_and_not_object_addresses():
+    """The checkpoint fingerprint of a Layerwise process changes with the scores of any layer; that of
+    a Custom process does not depend on which function object (address) carries the drift."""
+    a = tp.Heads.random(1, 3, generator=gen(54), dtype=F64)
+    b = tp.Heads.random(1, 3, generator=gen(55), dtype=F64)
+
+    def sig(p):
+        return repr([t.tolist() if isinstance(t, torch.Tensor) else t for t in process_signature(p)])
+
+    base = sig(tp.Layerwise([a, b], layer_time=0.5))
+    assert sig(tp.Layerwise([a, b], layer_time=0.5)) == base
+    assert sig(tp.Layerwise([a, tp.Heads(b.score + 1e-6)], layer_time=0.5)) != base
+    assert sig(tp.Custom(a, lambda t, A: -A)) == sig(tp.Custom(a, lambda t, A: -A))
+
+
+def test_stepper_returns_the_pre_retraction_sphere_error_and_zero_for_flat_dynamics():
+    """Euler: y = x + dt·k1; on the sphere the step returns y/‖y‖ and max_i |‖y_i‖ − 1| (computed here),
+    without retraction y itself and 0.0."""
+    from transformer_pde.solvers.parts import Stepper
+    x = tp.sphere.sample_uniform(4, 3, generator=gen(86), dtype=F64)
+    k1 = torch.randn(4, 3, generator=gen(87), dtype=F64)
+    y = x + 0.1 * k1
+    out, err = Stepper(tp.TABLEAUX["euler"], retract=True).step(x, k1, 0.1, lambda xs, c: None)
+    assert_close(out, y / y.norm(dim=-1, keepdim=True), rtol=1e-15, atol=0)
+    assert err == pytest.approx(float((y.norm(dim=-1) - 1).abs().max()), rel=1e-14)
+    out, err = Stepper(tp.TABLEAUX["euler"], retract=False).step(x, k1, 0.1, lambda xs, c: None)
+    assert torch.equal(out, y) and err == 0.0

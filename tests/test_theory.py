@@ -727,3 +727,140 @@ def test_radial_dominance_threshold_stops_at_overflow_and_respects_beta_max():
     capped = dg.radial_dominance_threshold(3, [1.0, 1.0], beta_max=0.5 * both.min().item())
     assert bool((capped == math.inf).all())
     torch.testing.assert_close(dg.radial_dominance_threshold(3, [1.0, 1.0], beta_max=2 * both.max().item()), both)
+
+
+# ==================================================================================================
+# Closed forms of tp.theory against high-precision quadrature (mpmath), scipy's Lambert W and the
+# partial-fraction integrals written here.
+# The tests below pin behaviour that the mutation pass of the formula modules (docs/MUTATION_REPORT.md)
+# showed untested; each checks the library against a closed form or an independent computation.
+import warnings  # noqa: E402
+
+import mpmath  # noqa: E402
+from scipy.special import lambertw  # noqa: E402
+from torch.testing import assert_close  # noqa: E402
+
+
+def test_lambert_w_converges_cubically_from_its_start():
+    """Halley's iteration is third order: from w0 = log1p(z) (relative error ≤ 1e-2 at z = 1, 3)
+    one step gives ~1e-6…1e-3, the next ~1e-10, the third is at rounding level.  A second-order
+    variant (another correction term) is still ~1e-9…1e-5 after three steps."""
+    for z in (1.0, 3.0):
+        ref = float(lambertw(z).real)
+        assert abs(th.lambert_w(z, iterations=3) - ref) <= 1e-13 * ref  # ~ 4 ulp of slack
+        zt = torch.tensor([z, 2 * z], dtype=F64)
+        out = th.lambert_w(zt, iterations=3)
+        assert_close(out, torch.tensor([ref, float(lambertw(2 * z).real)], dtype=F64), rtol=1e-13, atol=0)
+        # the converged fixed point solves w e^w = z
+        w = th.lambert_w(z)
+        assert abs(w * math.exp(w) - z) <= 1e-14 * z
+
+
+def _mp_field(g, lams, beta, n, normalization):
+    """F(γ) = 2(1 − γ)(1 + (n−1)γ) Σ_h λ_h k_h(γ), module docstring of theory, in mpmath."""
+    g = mpmath.mpf(g)
+    tot = mpmath.mpf(0)
+    for lam in lams:
+        lam = mpmath.mpf(lam)
+        if normalization == "softmax":
+            k = 1 / (mpmath.exp(beta * lam * (1 - g)) + n - 1)
+        elif normalization == "unnormalized":
+            k = mpmath.exp(beta * lam * g) / n
+        else:
+            k = max(beta * lam * g, 0) / n
+        tot += lam * k
+    return 2 * (1 - g) * (1 + (n - 1) * g) * tot
+
+
+def _mp_hitting_time(lams, beta, n, g0, target, normalization):
+    with mpmath.workdps(30):
+        pts = [g0, 0.5 * (g0 + target), target]
+        return float(mpmath.quad(lambda g: 1 / _mp_field(g, lams, beta, n, normalization), pts))
+
+
+def test_hitting_time_against_high_precision_quadrature():
+    """T = ∫ dγ / F(γ) against mpmath at 30 digits.  The function asks scipy for epsrel = 1e-11;
+    the integrands are analytic on the interval, so 1e-10 (1e-9 near γ = 1, where 1 − γ loses
+    digits in float64) is a safe bound; an integrand evaluated at float32-rounded γ is off by ~1e-7."""
+    cases = [([0.5, 1.7], 1.3, 7, 0.0, 0.9, "softmax", 1e-10),          # γ0 ≤ 0 branch
+             ([0.8, 2.5], 0.7, 12, -0.05, 0.999, "unnormalized", 1e-10),
+             ([0.8, -0.3], 0.7, 12, 0.1, 0.99999, "unnormalized", 1e-10),  # γ0 > 0 branch (in ln γ)
+             ([3.0], 2.0, 50, 0.01, 1 - 1e-9, "softmax", 1e-9)]           # target 1e-9 below 1
+    for lams, beta, n, g0, target, norm, rtol in cases:
+        ref = _mp_hitting_time(lams, beta, n, g0, target, norm)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # quad reports round-off in the last case (1 − γ ~ 1e-9); checked here
+            got = th.hitting_time(lams, beta=beta, n=n, gamma0=g0, target=target, normalization=norm)
+        assert abs(got - ref) <= rtol * ref, (norm, g0, target, got, ref)
+
+
+def test_hitting_time_of_relu_heads_against_its_closed_form():
+    """ReLU heads, γ > 0: F = 2β Σλ_h⁺² γ(1 − γ)(1 + Nγ)/n, N = n − 1, and partial fractions give
+    ∫ dγ/F = n/(2βΣλ²) [ln γ − ln(1 − γ)/n − (N/n) ln(1 + Nγ)]."""
+    lams, beta, n, g0, target = [0.63, 1.29, 2.5, -0.4], 1.77, 11, 0.018, 0.997201
+    N, S = n - 1, sum(v * v for v in lams if v > 0)
+
+    def P(g):
+        return math.log(g) - math.log1p(-g) / n - N / n * math.log1p(N * g)
+
+    ref = n / (2 * beta * S) * (P(target) - P(g0))
+    got = th.hitting_time(lams, beta=beta, n=n, gamma0=g0, target=target, normalization="relu")
+    assert abs(got - ref) <= 1e-11 * ref
+
+
+def test_hitting_time_is_infinite_from_a_fixed_point():
+    """F(γ0) = 0 exactly: the overlap never moves, so the target is never reached.
+    (a) λ = (1, −1), unnormalized: Σ_h λ_h e^{βλ_h·0}/n = 0 at γ0 = 0 (and F > 0 for γ > 0);
+    (b) the regular simplex γ0 = −1/(n−1) (n = 3: γ0 = −0.5 exactly), where 1 + (n−1)γ0 = 0."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a mutant would integrate a divergent 1/F
+        assert th.hitting_time([1.0, -1.0], beta=1.4, n=5, gamma0=0.0, target=0.5,
+                                   normalization="unnormalized") == math.inf
+        assert th.hitting_time([0.7, 1.9], beta=1.4, n=3, gamma0=-0.5, target=0.5) == math.inf
+    # and just above the fixed point the time is finite
+    assert math.isfinite(th.hitting_time([1.0, -1.0], beta=1.4, n=5, gamma0=0.01, target=0.5,
+                                             normalization="unnormalized"))
+
+
+def test_clustering_time_errors_name_the_target():
+    with pytest.raises(ValueError, match=r"^target must lie in \[-1/\(n-1\), 1\)"):
+        th.hitting_time([1.0], n=5, gamma0=0.1, target=1.2)
+    with pytest.raises(ValueError, match=r"^target must lie in"):
+        th.linearized_clustering_time([1.0], n=5, gamma0=0.1, target=-0.5)
+    with pytest.raises(ValueError, match=r"^gamma0 must lie in"):
+        th.hitting_time([1.0], n=5, gamma0=-0.5, target=0.5)
+
+
+def test_linearized_clustering_time_defaults_to_beta_one():
+    """β defaults to 1: relu T = n ln(target/γ0)/(2β Σλ²); softmax T = (target − γ0)/Σ_h φ(λ_h) with
+    φ(λ) = 2λ/(e^{λβ} + n − 1); unnormalized T = (target − γ0) n/(2Σλ)."""
+    lams, n, g0, target = [0.6, 1.7], 9, 0.05, 0.4
+    relu = n * math.log(target / g0) / (2 * sum(v * v for v in lams))
+    soft = (target - g0) / sum(2 * v / (math.exp(v) + n - 1) for v in lams)
+    unn = (target - g0) * n / (2 * sum(lams))
+    assert th.linearized_clustering_time(lams, n=n, gamma0=g0, target=target, normalization="relu") \
+        == pytest.approx(relu, rel=1e-14)
+    assert th.linearized_clustering_time(lams, n=n, gamma0=g0, target=target) == pytest.approx(soft, rel=1e-14)
+    assert th.linearized_clustering_time(lams, n=n, gamma0=g0, target=target, normalization="unnormalized") \
+        == pytest.approx(unn, rel=1e-14)
+    # and β enters as documented
+    assert th.linearized_clustering_time(lams, beta=2.5, n=n, gamma0=g0, target=target,
+                                             normalization="relu") == pytest.approx(relu / 2.5, rel=1e-14)
+
+
+def test_equiangular_entropy_with_tensor_strengths_and_float_input():
+    """H(γ) = ln(ρ + n − 1) − ρ ln ρ/(ρ + n − 1), ρ = e^{βλ(1−γ)}, elementwise for a tensor of λ;
+    plain floats in, a plain float out; H(γ → 1) = ln n."""
+    gamma, beta, n = 0.3, 1.6, 7
+    lam = torch.tensor([0.4, 1.1, 2.5], dtype=F64)
+
+    def H(lv):
+        rho = math.exp(beta * lv * (1 - gamma))
+        return math.log(rho + n - 1) - rho * math.log(rho) / (rho + n - 1)
+
+    out = th.equiangular_entropy(gamma, lam, beta, n)
+    assert isinstance(out, torch.Tensor) and out.shape == (3,)
+    assert_close(out, torch.tensor([H(v) for v in lam.tolist()], dtype=F64), rtol=1e-13, atol=0)
+    f = th.equiangular_entropy(gamma, 1.1, beta, n)
+    assert type(f) is float and f == pytest.approx(H(1.1), rel=1e-13)
+    assert th.equiangular_entropy(1 - 1e-12, 1.1, beta, n) == pytest.approx(math.log(n), rel=1e-9)

@@ -308,3 +308,54 @@ def test_cuda_tensors():
         d = tp.distance(x, y, kind, **kw)
         assert d.device.type == "cuda"
         torch.testing.assert_close(d.cpu(), tp.distance(x.cpu(), y.cpu(), kind, **kw), rtol=1e-6, atol=1e-8)
+
+
+# ==================================================================================================
+# What the Sinkhorn divergence hands to geomloss (the backend for a user cost, the diameter of the geodesic
+# cost), observed by a spy on geomloss.SamplesLoss.
+# The tests below pin behaviour that the mutation pass of the formula modules (docs/MUTATION_REPORT.md)
+# showed untested; each checks the library against a closed form or an independent computation.
+from torch.testing import assert_close  # noqa: E402
+
+
+def _spy_samples_loss(monkeypatch, key):
+    """Record kw[key] of every geomloss.SamplesLoss built from now on (the real object is returned)."""
+    import geomloss
+    seen, real = [], geomloss.SamplesLoss
+
+    def spy(*args, **kw):
+        seen.append(kw.get(key))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(geomloss, "SamplesLoss", spy)
+    return seen
+
+
+def test_a_user_cost_is_handed_to_geomloss_with_the_tensorized_backend(monkeypatch):
+    """A callable cost only works with geomloss' tensorized backend: its "auto" switches to the online
+    (KeOps formula) one above 5000² point pairs, where a Python callable fails.  So the request must name
+    "tensorized" explicitly; the value is unchanged (checked against the unpatched call)."""
+    from transformer_pde import transport
+    g = gen(91)
+    x = tp.sphere.sample_uniform(6, 3, batch_shape=(1,), generator=g, dtype=torch.float64)
+    y = tp.sphere.sample_uniform(5, 3, batch_shape=(1,), generator=g, dtype=torch.float64)
+    a, b = torch.full((1, 6), 1 / 6, dtype=torch.float64), torch.full((1, 5), 1 / 5, dtype=torch.float64)
+    cost = lambda X, Y: 0.5 * torch.cdist(X, Y).square()  # noqa: E731
+    ref = transport.sinkhorn_divergence(x, a, y, b, eps=0.1, cost=cost, diameter=2.0)
+    seen = _spy_samples_loss(monkeypatch, "backend")
+    val = transport.sinkhorn_divergence(x, a, y, b, eps=0.1, cost=cost, diameter=2.0)
+    assert seen == ["tensorized"]
+    assert_close(val, ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("diameter", [None, 2.5])
+def test_geodesic_sinkhorn_hands_geomloss_the_diameter(monkeypatch, diameter):
+    """The geodesic cost's diameter for geomloss' ε-scaling: π (the sphere's) by default, the given one
+    otherwise."""
+    from transformer_pde import transport
+    g = gen(98)
+    x = tp.sphere.sample_uniform(6, 3, batch_shape=(1,), generator=g, dtype=torch.float64)
+    a = torch.full((1, 6), 1 / 6, dtype=torch.float64)
+    seen = _spy_samples_loss(monkeypatch, "diameter")
+    transport.sinkhorn_divergence(x, a, x.flip(-2), a, eps=0.1, metric="geodesic", diameter=diameter)
+    assert seen == [math.pi if diameter is None else diameter]

@@ -14,7 +14,7 @@ The per-head softmax output is then f_h = V_h ȳ_h: the d×d value matrix is app
 the n×m reduction, so the (paths, heads, n, m) work is one score product, one exp pass and
 one product with a few key columns, shared by all heads.
 
-Backends (``backend=``; all return the same numbers to rounding, see tests/test_kernels.py):
+Backends (``backend=``; all return the same numbers to rounding, see tests/test_attention.py):
 
 * ``"chunked"`` — plain torch.  The score block is formed ``chunk_elements`` entries at a time
   (``batch · H · rows · m`` ≤ ``DEFAULT_CHUNK_ELEMENTS`` by default), so memory grows like
@@ -63,7 +63,7 @@ and the token weights; it agrees with the no-grad kernels to rounding.  Its forw
 chunked too, but autograd keeps every block for the backward pass (memory ~ n·m per head).
 
 Memory of the no-grad backends ("chunked", "sdpa", "keops"): O(batch · H · (n + m) · c) for
-the inputs and outputs plus one block — never the (batch, H, n, m) tensor (tests/test_kernels.py
+the inputs and outputs plus one block — never the (batch, H, n, m) tensor (tests/test_attention.py
 measures the peak; scripts/benchmark_field.py prints it).
 """
 

@@ -490,3 +490,183 @@ def test_pairing_and_ito_correction_agree_across_backends(dtype):
             pairing(x, heads, weights, fast, 2 * M, log_scale=c)
             assert fast._moment_sums[2][0] is cached
         assert fast.__dict__.get("_second") is None
+
+
+# ==================================================================================================
+# Causal and chunked kernels against dense prefix formulas, the chunk sizing at small memory caps,
+# dtypes, and gradients through the differentiable path.
+# The tests below pin behaviour that the mutation pass of the formula modules (docs/MUTATION_REPORT.md)
+# showed untested; each checks the library against a closed form or an independent computation.
+from torch.testing import assert_close  # noqa: E402
+
+from conftest import gen  # noqa: E402
+
+F64 = torch.float64
+
+
+# ---------------------------------------------------------------------------- causal kernels
+def _naive_causal_stats(x, scores, w):
+    """Prefix-measure statistics from the dense scores s_hij (..., H, n, n) and token weights
+    w (..., n): log m_h(x_i) = log Σ_{j≤i} w_j e^{s_ij} − log Σ_{j≤i} w_j, ȳ_h(x_i) = Σ_{j≤i} p_ij x_j."""
+    n = x.shape[-2]
+    keep = torch.ones(n, n, dtype=torch.bool).tril()  # j <= i
+    K = torch.where(keep, torch.exp(scores), torch.zeros((), dtype=x.dtype)) * w.unsqueeze(-2).unsqueeze(-3)
+    W = torch.where(keep, w.unsqueeze(-2), torch.zeros((), dtype=x.dtype)).sum(-1)  # (..., n) prefix mass
+    Z = K.sum(-1)
+    return torch.log(Z) - torch.log(W).unsqueeze(-2), torch.einsum("...hij,...jd->...hid", K, x) / Z.unsqueeze(-1)
+
+
+@pytest.mark.parametrize("scale", [1.0, 160.0], ids=["shift-free", "max-shift"])
+@pytest.mark.parametrize("weighted", [True, False])
+def test_causal_chunked_statistics_over_several_blocks(scale, weighted):
+    """backend="chunked" with a small chunk_elements (two query rows per score block) and
+    causal=True: the per-block causal mask and the prefix-mass normalisation log W_i against the
+    dense prefix formulas, for a batch of two members (own tokens, own token weights), H = 3 ≠ 2
+    heads, β = 1.7.  scale = 160 puts |s_ij| (≤ β‖A‖ ≈ 400) above the shift-free bound
+    (½ log finfo.max − log n ≈ 353), so the blocks take the max-shift branch; the dense exp is
+    still finite in float64 (scores < 709)."""
+    beta = 1.7
+    x = tp.sphere.sample_uniform(6, 3, generator=gen(60), dtype=F64)
+    x = torch.stack([x, tp.sphere.sample_uniform(6, 3, generator=gen(61), dtype=F64)])
+    A = torch.randn(3, 3, 3, generator=gen(62), dtype=F64)
+    A = scale * A / torch.linalg.matrix_norm(A, ord=2).unsqueeze(-1).unsqueeze(-1)  # ‖A_h‖₂ = scale
+    heads = tp.Heads(A, beta=beta)
+    if weighted:
+        w = torch.rand(2, 6, generator=gen(63), dtype=F64) + 0.1
+        w = w / w.sum(-1, keepdim=True)
+    else:
+        w = None
+    scores = beta * torch.einsum("bid,hde,bje->bhij", x, A, x)
+    want_lse, want_mean = _naive_causal_stats(x, scores, torch.full((2, 6), 1 / 6, dtype=F64) if w is None else w)
+    got = tp.attention.softmax_statistics(x, heads, w, backend="chunked", chunk_elements=2 * 6, causal=True)
+    # float64 sums of ≤ 6 positive terms: relative error ~1e-15 of log m (≤ 700 in the max-shift case)
+    assert_close(got.log_partition, want_lse, rtol=1e-12, atol=1e-12)
+    assert_close(got.mean, want_mean, rtol=1e-10, atol=1e-12)
+
+
+def test_causal_relu_statistics_differentiate_to_the_key_factor_alone():
+    """Factored heads (β⟨Q_h x_i, K_h x_j⟩) where only the key factor K requires grad, causal=True:
+    mass_h(x_i) = Σ_{j≤i} w_j ReLU(s_ij)/W_i and first_h(x_i) = Σ_{j≤i} w_j ReLU(s_ij) x_j/W_i, and
+    the gradient of a loss of both with respect to K, against autograd of the dense formula."""
+    beta = 1.3
+    x = tp.sphere.sample_uniform(5, 3, generator=gen(70), dtype=F64)
+    Q = torch.randn(2, 2, 3, generator=gen(71), dtype=F64)
+    K0 = torch.randn(2, 2, 3, generator=gen(72), dtype=F64)
+    Vv = torch.randn(2, 3, 3, generator=gen(73), dtype=F64)
+    w = torch.rand(5, generator=gen(74), dtype=F64) + 0.1
+    w = w / w.sum()
+    R1 = torch.randn(2, 5, generator=gen(75), dtype=F64)  # arbitrary loss weights
+    R2 = torch.randn(2, 5, 3, generator=gen(76), dtype=F64)
+
+    def loss(mass, first):
+        return (R1 * mass).sum() + (R2 * first).sum()
+
+    K = K0.clone().requires_grad_(True)
+    heads = tp.Heads(None, Vv, beta=beta, query=Q, key=K)
+    mass, first = tp.attention.relu_statistics(x, heads, w, causal=True)
+    (gK,) = torch.autograd.grad(loss(mass, first), K)
+
+    Kr = K0.clone().requires_grad_(True)
+    s = beta * torch.einsum("hkd,id,hke,je->hij", Q, x, Kr, x)
+    keep = torch.ones(5, 5, dtype=torch.bool).tril()
+    Rl = torch.where(keep, torch.relu(s), torch.zeros((), dtype=F64)) * w
+    W = torch.cumsum(w, 0)  # prefix masses W_i = Σ_{j≤i} w_j
+    want_mass = Rl.sum(-1) / W
+    want_first = torch.einsum("hij,jd->hid", Rl, x) / W.unsqueeze(-1)
+    (want_gK,) = torch.autograd.grad(loss(want_mass, want_first), Kr)
+    assert_close(mass.detach(), want_mass.detach(), rtol=1e-12, atol=1e-14)
+    assert_close(first.detach(), want_first.detach(), rtol=1e-12, atol=1e-14)
+    assert_close(gK, want_gK, rtol=1e-11, atol=1e-13)
+
+
+# ---------------------------------------------------------------------------- row chunks, bounds and dtypes
+def test_differentiable_second_moment_over_several_row_chunks_against_the_dense_formula():
+    """q_h(x_i) = Σ_j p_ij ⟨x_i, y_j⟩² from the differentiable path (x requires grad) with row chunks
+    of 2 queries (chunk_elements = 2·m per head and batch), batch of 2, token weights, β ≠ 1: the
+    chunks must be joined along the query axis.  Dense oracle: p_ij = w_j e^{s_ij} / Σ_l w_l e^{s_il}."""
+    g = gen(90)
+    x = tp.sphere.sample_uniform(7, 3, batch_shape=(2,), generator=g, dtype=torch.float64).requires_grad_(True)
+    heads = tp.Heads.random(2, 3, generator=g, dtype=torch.float64, beta=1.7)
+    w = torch.rand(2, 7, generator=g, dtype=torch.float64) + 0.2
+    w = w / w.sum(-1, keepdim=True)
+    st = tp.attention.softmax_statistics(x, heads, w, second_moment=True, chunk_elements=2 * 7)
+    xd = x.detach()
+    S = heads.beta * torch.einsum("bid,hde,bje->bhij", xd, heads.score_matrix, xd)
+    P = torch.softmax(S + torch.log(w)[:, None, None, :], -1)
+    q = (P * (xd @ xd.transpose(-1, -2)).square()[:, None]).sum(-1)
+    assert_close(st.second.detach(), q, rtol=1e-12, atol=1e-14)
+
+
+def _dense_lse(x, heads, w=None):
+    """log Σ_j w_j e^{β⟨x_i, A_h x_j⟩}, (..., H, n), by torch.logsumexp over the dense scores."""
+    S = heads.beta * torch.einsum("...id,hde,...je->...hij", x, heads.score_matrix, x)
+    logw = -math.log(x.shape[-2]) if w is None else torch.log(w)[..., None, None, :]
+    return torch.logsumexp(S + logw, -1)
+
+
+def test_chunked_bound_uses_each_key_norm_so_large_scores_take_the_shifted_path():
+    """All tokens near one direction in d = 32 with A = a·I and β·a = 800: the scores (≈ 800) overflow
+    e^s in float64, so the chunked kernel must take its max-shifted branch.  It decides by the bound
+    ‖q_i‖·max_j ‖k_j‖; a bound from the column norms of the keys (√(2/32) of it here) would wrongly
+    allow the unshifted sum and return inf.  Dense oracle: logsumexp of the scores."""
+    d = 32
+    base = torch.ones(d, dtype=torch.float64) / math.sqrt(d)
+    x = tp.sphere.normalize(base + 1e-3 * torch.randn(2, d, generator=gen(92), dtype=torch.float64))
+    heads = tp.Heads(torch.eye(d, dtype=torch.float64)[None], beta=800.0)
+    st = tp.attention.softmax_statistics(x, heads, backend="chunked")
+    assert bool(torch.isfinite(st.log_partition).all())
+    assert_close(st.log_partition, _dense_lse(x, heads), rtol=1e-13, atol=0)
+
+
+def test_chunked_second_moment_keeps_float32():
+    """The (y ⊗ y) pair weights follow the input dtype: a float32 run stays float32."""
+    x = tp.sphere.sample_uniform(6, 3, generator=gen(93), dtype=torch.float32)
+    heads = tp.Heads.random(2, 3, generator=gen(94), dtype=torch.float32, beta=1.3)
+    st = tp.attention.softmax_statistics(x, heads, second_moment=True, backend="chunked")
+    assert st.second.dtype == torch.float32
+    xd = x.double()
+    S = 1.3 * torch.einsum("id,hde,je->hij", xd, heads.score_matrix.double(), xd)
+    q = (torch.softmax(S, -1) * (xd @ xd.T).square()).sum(-1)
+    assert_close(st.second.double(), q, rtol=1e-5, atol=1e-6)
+
+
+def test_relu_statistics_over_two_row_chunks_against_the_dense_formula():
+    """Two row chunks (chunk_elements = 3 rows × m keys × H heads): both must be joined.  Dense oracle:
+    Σ_j w_j relu(β⟨x_i, A_h x_j⟩) (1, x_j), the ReLU kernel's mass and first moment."""
+    x = tp.sphere.sample_uniform(6, 3, generator=gen(95), dtype=torch.float64)
+    heads = tp.Heads.random(2, 3, generator=gen(96), dtype=torch.float64, beta=1.3)
+    full = tp.attention.relu_statistics(x, heads, backend="dense")
+    two = tp.attention.relu_statistics(x, heads, chunk_elements=3 * 6 * 2, backend="chunked")
+    R = torch.relu(1.3 * torch.einsum("id,hde,je->hij", x, heads.score_matrix, x)) / 6
+    for mass, first in (full, two):
+        assert_close(mass, R.sum(-1), rtol=1e-13, atol=1e-15)
+        assert_close(first, R @ x, rtol=1e-13, atol=1e-15)
+
+
+def test_one_row_per_chunk_at_the_smallest_memory_cap():
+    """chunk_elements=4 with a batch of 4 × 2 heads and m = 5 keys (far below one row of scores, 40
+    elements): one query row per block, the same sums as dense.  Covers the row sizing of the ReLU
+    kernel and of the differentiable softmax path."""
+    x = tp.sphere.sample_uniform(5, 3, batch_shape=(4,), generator=gen(99), dtype=torch.float64)
+    heads = tp.Heads.random(2, 3, generator=gen(100), dtype=torch.float64, beta=1.3)
+    R = torch.relu(1.3 * torch.einsum("bid,hde,bje->bhij", x, heads.score_matrix, x)) / 5
+    mass, first = tp.attention.relu_statistics(x, heads, chunk_elements=4, backend="chunked")
+    assert_close(mass, R.sum(-1), rtol=1e-13, atol=1e-15)
+    assert_close(first, R @ x.unsqueeze(-3), rtol=1e-13, atol=1e-15)
+    xg = x.clone().requires_grad_(True)
+    st = tp.attention.softmax_statistics(xg, heads, chunk_elements=4)
+    assert_close(st.log_partition.detach(), _dense_lse(x, heads), rtol=1e-13, atol=1e-15)
+
+
+def test_gradient_reaches_the_keys_when_only_the_keys_require_it():
+    """keys= requiring grad, queries not: the differentiable path must be taken (∂/∂y of Σ log m_h(x_i)
+    equals the dense log-sum-exp's autograd gradient)."""
+    x = tp.sphere.sample_uniform(4, 3, generator=gen(104), dtype=torch.float64)
+    y = tp.sphere.sample_uniform(6, 3, generator=gen(105), dtype=torch.float64)
+    heads = tp.Heads.random(2, 3, generator=gen(106), dtype=torch.float64, beta=1.3)
+    yg, yd = y.clone().requires_grad_(True), y.clone().requires_grad_(True)
+    tp.attention.softmax_statistics(x, heads, keys=yg).log_partition.sum().backward()
+    S = 1.3 * torch.einsum("id,hde,je->hij", x, heads.score_matrix, yd)
+    (torch.logsumexp(S, -1) - math.log(6)).sum().backward()
+    assert yg.grad is not None
+    assert_close(yg.grad, yd.grad, rtol=1e-12, atol=1e-14)

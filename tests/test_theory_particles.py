@@ -1,25 +1,20 @@
-"""Oracle tests for the survivors of the mutation pass in ``transformer_pde.theory`` (closed forms)
-and ``transformer_pde.theory.particles`` (particle diagnostics), docs/MUTATION_REPORT.md.
-
-Every expected value is computed here from the mathematics (docs/model.md, the functions' docstrings):
-closed forms, high-precision quadrature (mpmath), scipy's Lambert W, dense per-batch-element
-recomputations, autograd of the naive energy, or an independent Runge–Kutta loop.  Parameters
-avoid the values at which a slip hides (β ≠ 1, ω not summing to 1, non-uniform token weights,
-batched inputs, unbatched inputs where a negative axis matters)."""
+"""transformer_pde.theory.particles (``tp.diagnostics``): Pendharkar's particle diagnostics against
+independent computations: dense per-batch-element sums, autograd of the naive energy, numpy norms, the
+closed form of critical_beta, a Runge–Kutta loop written here and a reference tp.simulate run.
+Parameters avoid the values at which a slip hides (β ≠ 1, ω not summing to 1, non-uniform token
+weights, batched inputs, unbatched inputs where a negative axis matters); several of these tests guard
+survivors of the mutation pass (docs/MUTATION_REPORT.md)."""
 
 import math
-import warnings
 
-import mpmath
 import numpy as np
 import pytest
 import torch
-from scipy.special import lambertw
 from torch.testing import assert_close
 
 import transformer_pde as tp
 from conftest import gen
-from problems import naive_energy, naive_kernel
+from problems import naive_energy, naive_kernel, random_weights
 from transformer_pde import diagnostics as dg
 from transformer_pde import theory
 from transformer_pde.clustering import mean_overlap
@@ -28,143 +23,12 @@ from transformer_pde.theory import particles as tparticles
 F64 = torch.float64
 
 
-# ============================================================================ closed forms (theory)
-def test_lambert_w_converges_cubically_from_its_start():
-    """Halley's iteration is third order: from w0 = log1p(z) (relative error ≤ 1e-2 at z = 1, 3)
-    one step gives ~1e-6…1e-3, the next ~1e-10, the third is at rounding level.  A second-order
-    variant (another correction term) is still ~1e-9…1e-5 after three steps."""
-    for z in (1.0, 3.0):
-        ref = float(lambertw(z).real)
-        assert abs(theory.lambert_w(z, iterations=3) - ref) <= 1e-13 * ref  # ~ 4 ulp of slack
-        zt = torch.tensor([z, 2 * z], dtype=F64)
-        out = theory.lambert_w(zt, iterations=3)
-        assert_close(out, torch.tensor([ref, float(lambertw(2 * z).real)], dtype=F64), rtol=1e-13, atol=0)
-        # the converged fixed point solves w e^w = z
-        w = theory.lambert_w(z)
-        assert abs(w * math.exp(w) - z) <= 1e-14 * z
-
-
-def _mp_field(g, lams, beta, n, normalization):
-    """F(γ) = 2(1 − γ)(1 + (n−1)γ) Σ_h λ_h k_h(γ), module docstring of theory, in mpmath."""
-    g = mpmath.mpf(g)
-    tot = mpmath.mpf(0)
-    for lam in lams:
-        lam = mpmath.mpf(lam)
-        if normalization == "softmax":
-            k = 1 / (mpmath.exp(beta * lam * (1 - g)) + n - 1)
-        elif normalization == "unnormalized":
-            k = mpmath.exp(beta * lam * g) / n
-        else:
-            k = max(beta * lam * g, 0) / n
-        tot += lam * k
-    return 2 * (1 - g) * (1 + (n - 1) * g) * tot
-
-
-def _mp_hitting_time(lams, beta, n, g0, target, normalization):
-    with mpmath.workdps(30):
-        pts = [g0, 0.5 * (g0 + target), target]
-        return float(mpmath.quad(lambda g: 1 / _mp_field(g, lams, beta, n, normalization), pts))
-
-
-def test_hitting_time_against_high_precision_quadrature():
-    """T = ∫ dγ / F(γ) against mpmath at 30 digits.  The function asks scipy for epsrel = 1e-11;
-    the integrands are analytic on the interval, so 1e-10 (1e-9 near γ = 1, where 1 − γ loses
-    digits in float64) is a safe bound; an integrand evaluated at float32-rounded γ is off by ~1e-7."""
-    cases = [([0.5, 1.7], 1.3, 7, 0.0, 0.9, "softmax", 1e-10),          # γ0 ≤ 0 branch
-             ([0.8, 2.5], 0.7, 12, -0.05, 0.999, "unnormalized", 1e-10),
-             ([0.8, -0.3], 0.7, 12, 0.1, 0.99999, "unnormalized", 1e-10),  # γ0 > 0 branch (in ln γ)
-             ([3.0], 2.0, 50, 0.01, 1 - 1e-9, "softmax", 1e-9)]           # target 1e-9 below 1
-    for lams, beta, n, g0, target, norm, rtol in cases:
-        ref = _mp_hitting_time(lams, beta, n, g0, target, norm)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # quad reports round-off in the last case (1 − γ ~ 1e-9); checked here
-            got = theory.hitting_time(lams, beta=beta, n=n, gamma0=g0, target=target, normalization=norm)
-        assert abs(got - ref) <= rtol * ref, (norm, g0, target, got, ref)
-
-
-def test_hitting_time_of_relu_heads_against_its_closed_form():
-    """ReLU heads, γ > 0: F = 2β Σλ_h⁺² γ(1 − γ)(1 + Nγ)/n, N = n − 1, and partial fractions give
-    ∫ dγ/F = n/(2βΣλ²) [ln γ − ln(1 − γ)/n − (N/n) ln(1 + Nγ)]."""
-    lams, beta, n, g0, target = [0.63, 1.29, 2.5, -0.4], 1.77, 11, 0.018, 0.997201
-    N, S = n - 1, sum(v * v for v in lams if v > 0)
-
-    def P(g):
-        return math.log(g) - math.log1p(-g) / n - N / n * math.log1p(N * g)
-
-    ref = n / (2 * beta * S) * (P(target) - P(g0))
-    got = theory.hitting_time(lams, beta=beta, n=n, gamma0=g0, target=target, normalization="relu")
-    assert abs(got - ref) <= 1e-11 * ref
-
-
-def test_hitting_time_is_infinite_from_a_fixed_point():
-    """F(γ0) = 0 exactly: the overlap never moves, so the target is never reached.
-    (a) λ = (1, −1), unnormalized: Σ_h λ_h e^{βλ_h·0}/n = 0 at γ0 = 0 (and F > 0 for γ > 0);
-    (b) the regular simplex γ0 = −1/(n−1) (n = 3: γ0 = −0.5 exactly), where 1 + (n−1)γ0 = 0."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # a mutant would integrate a divergent 1/F
-        assert theory.hitting_time([1.0, -1.0], beta=1.4, n=5, gamma0=0.0, target=0.5,
-                                   normalization="unnormalized") == math.inf
-        assert theory.hitting_time([0.7, 1.9], beta=1.4, n=3, gamma0=-0.5, target=0.5) == math.inf
-    # and just above the fixed point the time is finite
-    assert math.isfinite(theory.hitting_time([1.0, -1.0], beta=1.4, n=5, gamma0=0.01, target=0.5,
-                                             normalization="unnormalized"))
-
-
-def test_clustering_time_errors_name_the_target():
-    with pytest.raises(ValueError, match=r"^target must lie in \[-1/\(n-1\), 1\)"):
-        theory.hitting_time([1.0], n=5, gamma0=0.1, target=1.2)
-    with pytest.raises(ValueError, match=r"^target must lie in"):
-        theory.linearized_clustering_time([1.0], n=5, gamma0=0.1, target=-0.5)
-    with pytest.raises(ValueError, match=r"^gamma0 must lie in"):
-        theory.hitting_time([1.0], n=5, gamma0=-0.5, target=0.5)
-
-
-def test_linearized_clustering_time_defaults_to_beta_one():
-    """β defaults to 1: relu T = n ln(target/γ0)/(2β Σλ²); softmax T = (target − γ0)/Σ_h φ(λ_h) with
-    φ(λ) = 2λ/(e^{λβ} + n − 1); unnormalized T = (target − γ0) n/(2Σλ)."""
-    lams, n, g0, target = [0.6, 1.7], 9, 0.05, 0.4
-    relu = n * math.log(target / g0) / (2 * sum(v * v for v in lams))
-    soft = (target - g0) / sum(2 * v / (math.exp(v) + n - 1) for v in lams)
-    unn = (target - g0) * n / (2 * sum(lams))
-    assert theory.linearized_clustering_time(lams, n=n, gamma0=g0, target=target, normalization="relu") \
-        == pytest.approx(relu, rel=1e-14)
-    assert theory.linearized_clustering_time(lams, n=n, gamma0=g0, target=target) == pytest.approx(soft, rel=1e-14)
-    assert theory.linearized_clustering_time(lams, n=n, gamma0=g0, target=target, normalization="unnormalized") \
-        == pytest.approx(unn, rel=1e-14)
-    # and β enters as documented
-    assert theory.linearized_clustering_time(lams, beta=2.5, n=n, gamma0=g0, target=target,
-                                             normalization="relu") == pytest.approx(relu / 2.5, rel=1e-14)
-
-
-def test_equiangular_entropy_with_tensor_strengths_and_float_input():
-    """H(γ) = ln(ρ + n − 1) − ρ ln ρ/(ρ + n − 1), ρ = e^{βλ(1−γ)}, elementwise for a tensor of λ;
-    plain floats in, a plain float out; H(γ → 1) = ln n."""
-    gamma, beta, n = 0.3, 1.6, 7
-    lam = torch.tensor([0.4, 1.1, 2.5], dtype=F64)
-
-    def H(lv):
-        rho = math.exp(beta * lv * (1 - gamma))
-        return math.log(rho + n - 1) - rho * math.log(rho) / (rho + n - 1)
-
-    out = theory.equiangular_entropy(gamma, lam, beta, n)
-    assert isinstance(out, torch.Tensor) and out.shape == (3,)
-    assert_close(out, torch.tensor([H(v) for v in lam.tolist()], dtype=F64), rtol=1e-13, atol=0)
-    f = theory.equiangular_entropy(gamma, 1.1, beta, n)
-    assert type(f) is float and f == pytest.approx(H(1.1), rel=1e-13)
-    assert theory.equiangular_entropy(1 - 1e-12, 1.1, beta, n) == pytest.approx(math.log(n), rel=1e-9)
-
-
-# ============================================================================ particle diagnostics
+# ---------------------------------------------------------------------------- dense helpers
 def _heads_AV(H, d, seed, beta, omega, batch=()):
     """Non-symmetric scores A_h and values V_h ≠ A_h, ω given."""
     A = 0.4 * torch.randn(*batch, H, d, d, generator=gen(seed), dtype=F64)
     V = 0.4 * torch.randn(*batch, H, d, d, generator=gen(seed + 1), dtype=F64)
     return tp.Heads(A, V, omega, beta), A, V
-
-
-def _weights(shape, seed):
-    w = torch.rand(*shape, generator=gen(seed), dtype=F64) + 0.2
-    return w / w.sum(-1, keepdim=True)
 
 
 def _outputs_dense(x, A, V, beta, w):
@@ -189,6 +53,24 @@ def _directional_derivative(fun, x, v):
     return torch.stack([(r * v).sum() for r in rows])
 
 
+# ---------------------------------------------------------------------------- energies, rates and margins
+def test_flat_energies_at_beta_and_token_weights():
+    """flat_head_energies and flat_flow's recorded energy at tokens off the sphere, β = 1.7,
+    ω ≠ 1, non-uniform weights: E_h = Σ_ij w_i w_j e^{β⟨x_i, A_h x_j⟩}/(2β), E = Σ_h ω_h E_h."""
+    x = 1.3 * torch.randn(6, 3, generator=gen(2), dtype=F64) / 3
+    om = torch.tensor([0.4, 1.5], dtype=F64)
+    heads = tp.Heads.random(2, 3, generator=gen(3), dtype=F64, scale=0.5, beta=1.7, weights=om)
+    w = torch.rand(6, generator=gen(4), dtype=F64) + 0.2
+    w = w / w.sum()
+    per = torch.stack([naive_energy(x, heads.score[h:h + 1], torch.ones(1, dtype=F64), 1.7, w) for h in range(2)])
+    assert_close(dg.flat_head_energies(x, heads, w), per, rtol=1e-12, atol=0)
+    tr = dg.flat_flow(x, heads, t1=0.02, dt=0.01, weights=w)
+    assert tr.x.shape == (3, 6, 3)
+    assert_close(tr.x[0], x)
+    assert_close(tr.head_energies[0], per, rtol=1e-12, atol=0)
+    assert_close(tr.energy[0], (om * per).sum(), rtol=1e-12, atol=0)
+
+
 def test_energy_balance_against_dense_formulas():
     """rate = d/dt E along ẋ (autograd of the naive energy), kinetic = Σ w‖ẋ‖², defect = rate − s·kinetic,
     bound = Σ_i w_i‖ẋ_i‖ · Σ_h ω_h R e^{S_h}(‖A_h − V_h‖₂ + ½(1 + βR²‖A_h‖₂)‖A_h − A_hᵀ‖₂) with numpy norms.
@@ -197,7 +79,7 @@ def test_energy_balance_against_dense_formulas():
     B, n, d, H, beta = 2, 5, 3, 2, 1.4
     omega = torch.tensor([0.6, 1.7], dtype=F64)
     heads, A, V = _heads_AV(H, d, 30, beta, omega)
-    w = _weights((B, n), 32)
+    w = random_weights((B, n), 32, 0.2)
     for flat, direction in ((True, "ascent"), (False, "descent")):
         x = tp.sphere.sample_uniform(n, d, batch_shape=(B,), generator=gen(33), dtype=F64)
         if flat:
@@ -233,7 +115,7 @@ def test_head_energy_rates_with_a_given_velocity_on_unbatched_tokens():
     omega = torch.tensor([0.3, 1.1, 2.0], dtype=F64)
     heads, A, V = _heads_AV(H, d, 40, beta, omega)
     x = tp.sphere.sample_uniform(n, d, generator=gen(41), dtype=F64)
-    w = _weights((n,), 42)
+    w = random_weights((n,), 42, 0.2)
     vel = torch.randn(n, d, generator=gen(43), dtype=F64)
     one = torch.ones(1, dtype=F64)
     ref = torch.cat([_directional_derivative(
@@ -253,7 +135,7 @@ def test_radial_decomposition_on_a_batch_against_dense_per_element_formulas():
     x = tp.sphere.sample_uniform(n, d, batch_shape=(B,), generator=gen(51), dtype=F64)
     # one weight vector (n,) shared by the batch: batched token weights (B, n) are broadcast against
     # the head axes by radial_decomposition (a bug reported with issue 13, not tested here)
-    w = _weights((n,), 52)
+    w = random_weights((n,), 52, 0.2)
     rd = dg.radial_decomposition(x, heads, w)
     one = torch.ones(1, dtype=F64)
     for b in range(B):
@@ -290,7 +172,7 @@ def test_cross_head_coupling_defaults_to_unnormalized_outputs():
     omega = torch.tensor([0.5, 0.9, 1.4], dtype=F64)
     heads, A, V = _heads_AV(H, d, 60, beta, omega)
     x = tp.sphere.sample_uniform(n, d, generator=gen(61), dtype=F64)
-    w = _weights((n,), 62)
+    w = random_weights((n,), 62, 0.2)
     inner, bound = dg.cross_head_coupling(x, heads, w)
     f = _outputs_dense(x, A, V, beta, w)
     m = (naive_kernel(x, A, beta) * w).sum(-1)
@@ -305,6 +187,31 @@ def test_cross_head_coupling_defaults_to_unnormalized_outputs():
                 assert bool((inner[h, k].abs() <= bound[h, k]).all())
 
 
+def test_robust_margin_against_its_dense_formula():
+    """robust_margin = ω_h‖P f_h‖² − a^h Σ_{k≠h} ω_k a^k − m_h Σ_{k≠h} ω_k δ_hk m_k (sphere) and
+    ω_h‖f_h‖² − m_h Σ_{k≠h} ω_k δ_hk m_k (flat), f_h(x_i) = Σ_j w_j e^{β⟨x_i,A_h x_j⟩} A_h x_j,
+    m_h the mass, a^h = ⟨x, f_h⟩, δ_hk = ‖A_h A_k‖₂; three non-orthogonal heads, ω ≠ 1, weights."""
+    x = tp.sphere.sample_uniform(5, 3, generator=gen(5), dtype=F64)
+    om = torch.tensor([0.5, 1.2, 2.0], dtype=F64)
+    heads = tp.Heads.random(3, 3, generator=gen(6), dtype=F64, scale=0.6, beta=1.3, weights=om)
+    w = torch.rand(5, generator=gen(7), dtype=F64) + 0.2
+    w = w / w.sum()
+    A = heads.score
+    K = naive_kernel(x, A, 1.3) * w  # (H, n, n): w_j e^{β⟨x_i, A x_j⟩}
+    m = K.sum(-1)
+    f = torch.einsum("hij,hde,je->hid", K, A, x)
+    a = (f * x).sum(-1)
+    delta = torch.stack([torch.stack([torch.linalg.matrix_norm(A[h] @ A[k], ord=2) if h != k
+                                      else torch.zeros((), dtype=F64) for k in range(3)]) for h in range(3)])
+    cross = torch.stack([m[h] * sum(om[k] * delta[h, k] * m[k] for k in range(3) if k != h) for h in range(3)])
+    others = torch.stack([sum(om[k] * a[k] for k in range(3) if k != h) for h in range(3)])
+    Pf2 = f.square().sum(-1) - a.square()
+    assert_close(dg.robust_margin(x, heads, w), om[:, None] * Pf2 - a * others - cross, rtol=1e-10, atol=1e-12)
+    assert_close(dg.robust_margin(x, heads, w, flat=True), om[:, None] * f.square().sum(-1) - cross,
+                 rtol=1e-10, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------- heads, clusters, angles
 def test_approximately_orthogonal_heads_weights_and_defect():
     """ω_h defaults to 1 (not the library's 1/H); given weights are kept; δ_hk = α² cos(angle)."""
     H, k, angle, alpha = 3, 2, 60.0, 1.5
@@ -336,6 +243,7 @@ def test_principal_angle_errors_name_the_argument():
         dg.principal_angles(M, M.unsqueeze(0))
 
 
+# ---------------------------------------------------------------------------- the flat flow
 def _rk4_flat(x, field, dt, K):
     out = [x]
     for _ in range(K):
@@ -357,7 +265,7 @@ def test_flat_flow_against_a_hand_written_rk4_of_the_dense_field():
     A = A + A.transpose(-1, -2)
     heads = tp.Heads.symmetric(A, beta=beta, weights=omega)
     x0 = 0.8 * tp.sphere.sample_uniform(n, d, generator=gen(71), dtype=F64)
-    w = _weights((n,), 72)
+    w = random_weights((n,), 72, 0.2)
 
     def field(y):
         return (omega[:, None, None] * _outputs_dense(y, A, A, beta, w)).sum(0)
@@ -374,6 +282,7 @@ def test_flat_flow_against_a_hand_written_rk4_of_the_dense_field():
     assert_close(tr.kinetic, kin, rtol=1e-12, atol=0)
 
 
+# ---------------------------------------------------------------------------- radial dominance threshold
 def test_radial_dominance_threshold_matches_the_closed_form_below_one():
     """Equal heads λI, orthogonal tokens: β* = (1/(2λ)) ln(c*²(n−1)/(1 − c*²)) (critical_beta), here
     ≈ 0.028 < 1.  The bisection must reach relative accuracy tol = 1e-6 (rtol 2e-6: the midpoint
@@ -413,6 +322,7 @@ def test_radial_dominance_threshold_at_the_regular_simplex():
         assert out.shape == (2,) and bool((out == -math.inf).all())
 
 
+# ---------------------------------------------------------------------------- clustering hitting time
 def _overlap(x):
     """γ̄ = mean over i ≠ j of ⟨x_i, x_j⟩ (:func:`mean_overlap`, the statistic the docstring names),
     evaluated in the tokens' dtype on one state (..., n, d), returned as float64."""

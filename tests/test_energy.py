@@ -1,17 +1,18 @@
-"""Oracle tests for the survivors of the mutation pass in transformer_pde/energy.py
-(docs/mutation/survivors.md, verdicts in docs/mutation/verdicts/energy.json).
+"""transformer_pde.energy: E, E_h, log E, δE/δμ, ∂_tE, the Itô term, the quadratic variation and the
+overflow contract, against the formulas of docs/model.md#energy.
 
-Every expected value is recomputed here from the formulas of docs/model.md with dense sums over all
-pairs of tokens (or by autograd of the dense energy), never from the code under test:
+Every expected value is recomputed here with dense sums over all pairs of tokens, by autograd of the
+dense energy or by finite differences, never from the code under test:
 
     E_h = 1/(2β) Σ_ij w_i w_j e^{β⟨x_i, A_h x_j⟩},      E = Σ_h ω_h E_h,
     m_h(z) = Σ_j w_j e^{β⟨z, A_h x_j⟩},                  δE/δμ(z) = Σ_h ω_h (m_h(z) + m̃_h(z))/(2β),
     ⟨∂_A E, M⟩ by autograd,
     ½ ∂²_A E[N, N] = Σ_h ω_h (β/4) Σ_ij w_i w_j e^{β⟨x_i,A_h x_j⟩} ⟨x_i, N_h x_j⟩².
 
-The parameters are chosen so that slips hide nowhere: β ≠ 1, a batch of β with TWO batch axes
-(2, 3) next to H = 2 heads and n = 5 tokens (no two axes of the same length), ω not summing to
-one and no ω_h equal to 1, non-uniform token weights, non-symmetric scores and rates."""
+The parameters are chosen so that slips hide nowhere (several of these tests guard survivors of the
+mutation pass, docs/MUTATION_REPORT.md): β ≠ 1, a batch of β with TWO batch axes (2, 3) next to H = 2
+heads and n = 5 tokens (no two axes of the same length), ω not summing to one and no ω_h equal to 1,
+non-uniform token weights, non-symmetric scores and rates."""
 
 import importlib
 import math
@@ -23,7 +24,7 @@ from torch.testing import assert_close
 
 import transformer_pde as tp
 from conftest import gen
-from problems import naive_ito, naive_pairing
+from problems import naive_energy, naive_ito, naive_pairing, random_weights
 
 en = importlib.import_module("transformer_pde.energy")  # the module: tp.energy is the function
 
@@ -55,11 +56,6 @@ def dense_qv(x, A, omega, beta, w, N):
     return (omega * b / 4 * (K * Q * ww).sum((-1, -2))).sum(-1)
 
 
-def _weights(shape, seed):
-    w = torch.rand(*shape, generator=gen(seed), dtype=F64) + 0.1
-    return w / w.sum(-1, keepdim=True)
-
-
 def _reported(err):
     """(logarithm, log_scale) printed in an OverflowError of overflow_check."""
     m = re.search(r"its logarithm is up to ([-+0-9.e]+), and minus log_scale = ([-+0-9.e]+)", str(err.value))
@@ -83,7 +79,7 @@ def test_public_helpers_default_to_no_rescaling():
     A = 0.5 * (A + A.transpose(-1, -2))
     beta = 1.3
     heads = tp.Heads(A, weights=om, beta=beta)
-    w = _weights((5,), 3)
+    w = random_weights((5,), 3, 0.1)
     stats = tp.attention.softmax_statistics(x, heads, w, second_moment=True)
     M = torch.randn(2, 3, 3, generator=gen(4), dtype=F64)
     # float64 dense sums over 25 pairs agree to ~1e-14 relative; a wrong default scale is off by a factor e
@@ -102,7 +98,7 @@ def _two_axis_batch(symmetric=True):
         A = 0.5 * (A + A.transpose(-1, -2))
     om = torch.tensor([0.4, 1.7], dtype=F64)
     beta = torch.tensor([[0.6, 1.3, 2.1], [0.9, 1.7, 0.45]], dtype=F64)
-    w = _weights((2, 3, 5), 12)
+    w = random_weights((2, 3, 5), 12, 0.1)
     return x, A, om, beta, w, tp.Heads(A, weights=om, beta=beta)
 
 
@@ -171,7 +167,19 @@ def test_ito_and_quadratic_variation_with_a_two_axis_batch_of_beta():
     assert_close(en.quadratic_variation(x1, h1, None, st1, N1), dense_qv(x1, A3, om3, b1, u, N1), rtol=1e-11, atol=0)
 
 
-# ---------------------------------------------------------------------------- pairing with non-symmetric scores
+# ---------------------------------------------------------------------------- the Itô term and the pairing with non-symmetric scores
+def test_energy_time_derivative_at_unit_sigma():
+    """σ = 1.0 exactly (a float): the Itô term σ²β/8 Σ ω Σ w w e^{β⟨x,Ax⟩}(1 + ⟨x_i, x_j⟩²) is added."""
+    from problems import naive_ito
+
+    x = tp.sphere.sample_uniform(6, 3, generator=gen(17), dtype=F64)
+    heads = tp.Heads.random(2, 3, generator=gen(18), dtype=F64, beta=1.3)
+    got = tp.energy_time_derivative(x, heads, torch.zeros(2, 3, 3, dtype=F64), sigma=1.0)
+    want = naive_ito(x, heads.score, heads.weights, 1.3, torch.full((6,), 1 / 6, dtype=F64), 1.0)
+    assert float(want) > 0
+    assert_close(got, want, rtol=1e-11, atol=0)
+
+
 def test_time_derivative_with_non_symmetric_scores_and_rate():
     """⟨∂_A E, Ȧ⟩ against autograd of the dense energy when neither A nor Ȧ is symmetric (for a
     symmetric A or Ȧ, ⟨T, Ȧ⟩ = ⟨Tᵀ, Ȧ⟩ and a transposition slip is invisible)."""
@@ -180,7 +188,7 @@ def test_time_derivative_with_non_symmetric_scores_and_rate():
     om = torch.tensor([0.4, 1.7], dtype=F64)
     heads = tp.Heads(A, weights=om, beta=1.3)
     assert not heads.is_symmetric
-    w = _weights((5,), 22)
+    w = random_weights((5,), 22, 0.1)
     rate = torch.randn(2, 3, 3, generator=gen(23), dtype=F64)
     want = naive_pairing(x, A, om, 1.3, w, rate)
     assert_close(tp.energy_time_derivative(x, heads, rate, w), want, rtol=1e-11, atol=1e-14)
@@ -188,7 +196,7 @@ def test_time_derivative_with_non_symmetric_scores_and_rate():
                  rtol=1e-11, atol=1e-14)
 
 
-# ---------------------------------------------------------------------------- validation of log_scale
+# ---------------------------------------------------------------------------- log_scale: validation, choose_log_scale's rule, overflow_check's contract
 @pytest.mark.parametrize("bad", [True, "1.0", torch.tensor(1.0)])
 def test_log_scale_must_be_a_plain_real_number(bad):
     """A bool, a string or a tensor is refused with TypeError (not silently converted by float())."""
@@ -198,7 +206,6 @@ def test_log_scale_must_be_a_plain_real_number(bad):
         tp.energy(x, heads, log_scale=bad)
 
 
-# ---------------------------------------------------------------------------- choose_log_scale's rule
 def test_choose_log_scale_rule_at_its_edges():
     """c = 0 for an empty input and whenever L ≤ R/2 (boundary included), else c = ⌈L + R/4⌉,
     R = log(finfo.max); a single entry is a valid input like any other."""
@@ -216,7 +223,6 @@ def test_choose_log_scale_rule_at_its_edges():
         assert c == int(c) and R / 4 <= c - L < R / 4 + 1, (c, L)  # the integer ⌈L + R/4⌉
 
 
-# ---------------------------------------------------------------------------- overflow_check's contract
 def test_overflow_check_refuses_only_an_overflow_of_a_finite_logarithm():
     """overflow_check returns the value when it is finite or when its logarithm (a tensor, a callable
     or None) is not finite — bad input, nothing to rescale — and raises OverflowError reporting the
@@ -255,7 +261,7 @@ def _overflow_case(kind):
         if kind.startswith("one_axis"):
             x = torch.stack([x, x.flip(0)])
             beta = torch.tensor([120.0, 150.0], dtype=F64)
-            w = _weights((2, 6), 52) if kind == "one_axis" else None
+            w = random_weights((2, 6), 52, 0.1) if kind == "one_axis" else None
         else:
             beta = 130.0
             w = None
@@ -304,3 +310,76 @@ def test_overflow_errors_name_the_quantity_and_report_its_dense_logarithm(kind):
         got, scale = _reported(err)
         assert scale == 0.0
         assert abs(got - float(want)) <= 1e-4 * abs(float(want)), (what, got, float(want))
+
+
+# ---------------------------------------------------------------------------- E, δE/δμ and ∂_tE by independent routes
+def _random_problem(dtype, seed, H=3, n=7, d=4, symmetric=False):
+    x = tp.sphere.sample_uniform(n, d, generator=gen(seed), dtype=torch.float64)
+    A = 0.5 * torch.randn(H, d, d, generator=gen(seed + 1), dtype=torch.float64)
+    if symmetric:
+        A = 0.5 * (A + A.transpose(-1, -2))
+    om = torch.rand(H, generator=gen(seed + 2), dtype=torch.float64) + 0.3
+    w = random_weights((n,), seed + 3, 0.2)
+    heads = tp.Heads(A, weights=om, beta=1.4).to(dtype)
+    return x, A, om, w, heads
+
+
+def test_energy_and_head_energies_against_the_double_sum(dtype):
+    """E = Σ_h ω_h/(2β) Σ_ij w_i w_j e^{β⟨x_i, A_h x_j⟩} (problems.naive_energy, float64) in both dtypes;
+    E_h sums to E with the weights ω; log E is its logarithm.  Tolerance: sums of n² = 49 terms of O(1)
+    in the tokens' dtype, 64 u relative."""
+    x, A, om, w, heads = _random_problem(dtype, 40)
+    want = naive_energy(x, A, om, 1.4, w)
+    tol = 64 * torch.finfo(dtype).eps
+    got = tp.energy(x.to(dtype), heads, w.to(dtype))
+    assert got.dtype == dtype
+    assert_close(got.double(), want, rtol=tol, atol=0)
+    Eh = tp.head_energies(x.to(dtype), heads, w.to(dtype))
+    assert_close((om * Eh.double()).sum(-1), want, rtol=tol, atol=0)
+    assert_close(tp.log_energy(x.to(dtype), heads, w.to(dtype)).double(), torch.log(want), rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_first_variation_is_the_derivative_of_the_energy_along_added_mass(symmetric):
+    """δE/δμ(z) = d/dε E(μ + ε δ_z) at ε = 0, by autograd of the dense energy with the weight of an
+    extra token z (the weights are not renormalised: E is quadratic in μ); at the tokens
+    themselves it is ∂E/∂w_i.  Non-symmetric A: both kernels e^{β⟨z,Ay⟩} and e^{β⟨y,Az⟩} matter."""
+    x, A, om, w, heads = _random_problem(torch.float64, 50, symmetric=symmetric)
+    z = tp.sphere.sample_uniform(3, 4, generator=gen(55), dtype=torch.float64)
+    want = []
+    for zk in z:
+        eps = torch.zeros(1, dtype=torch.float64, requires_grad=True)
+        E = naive_energy(torch.cat([x, zk[None]]), A, om, 1.4, torch.cat([w, eps]))
+        want.append(torch.autograd.grad(E, eps)[0][0])
+    assert_close(tp.first_variation(x, heads, w, at=z), torch.stack(want), rtol=1e-12, atol=0)
+    wg = w.clone().requires_grad_(True)
+    (dEdw,) = torch.autograd.grad(naive_energy(x, A, om, 1.4, wg), wg)
+    assert_close(tp.first_variation(x, heads, w), dEdw, rtol=1e-12, atol=0)
+
+
+def test_energy_time_derivative_is_the_finite_difference_of_the_energy_along_the_rate():
+    """σ = 0: ∂_tE = d/dt E(x, A + t Ȧ) at t = 0, by the central difference [E(A + hȦ) − E(A − hȦ)]/(2h),
+    h = 1e-4 (truncation h²/6·E‴ ~ 1e-9 relative, round-off u/h ~ 1e-12), float64."""
+    x, A, om, w, heads = _random_problem(torch.float64, 60)
+    rate = torch.randn(A.shape, generator=gen(65), dtype=torch.float64)
+    h = 1e-4
+    fd = (naive_energy(x, A + h * rate, om, 1.4, w) - naive_energy(x, A - h * rate, om, 1.4, w)) / (2 * h)
+    got = tp.energy_time_derivative(x, heads, rate, w)
+    assert abs(float(got)) > 1e-2
+    assert_close(got, fd, rtol=1e-7, atol=0)
+
+
+def test_ito_term_is_half_sigma_squared_times_the_hessian_traced_with_the_noise_covariance():
+    """The Itô term of ∂_tE for dA = σ dW_sym (N = ½(Z + Zᵀ), Cov(N_ab, N_cd) = ½(δ_ac δ_bd + δ_ad δ_bc)):
+    σ²/2 Σ_h Σ_abcd Cov_{ab,cd} ∂²E/∂A_ab∂A_cd, with the Hessian of the dense energy by autograd
+    (torch.autograd.functional.hessian), against energy_time_derivative with a zero rate."""
+    x, A, om, w, heads = _random_problem(torch.float64, 70, H=2, n=5, d=3, symmetric=True)
+    sigma = 0.6
+    Hs = torch.autograd.functional.hessian(lambda a: naive_energy(x, a, om, 1.4, w), A)  # (H, d, d, H, d, d)
+    d = 3
+    eye = torch.eye(d, dtype=torch.float64)
+    cov = 0.5 * (torch.einsum("ac,bd->abcd", eye, eye) + torch.einsum("ad,bc->abcd", eye, eye))
+    want = 0.5 * sigma ** 2 * sum(torch.einsum("abcd,abcd->", cov, Hs[h, :, :, h]) for h in range(2))
+    got = tp.energy_time_derivative(x, heads, torch.zeros_like(A), w, sigma=sigma)
+    assert float(want) > 0
+    assert_close(got, want, rtol=1e-11, atol=0)

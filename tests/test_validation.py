@@ -125,13 +125,24 @@ def test_bad_time_grid(x, heads):
 
 def test_validation_happens_before_work(x, heads, monkeypatch):
     """No kernel runs when the input is bad."""
-    import transformer_pde.solvers.particle as particle
+    import transformer_pde.solvers.evaluator as evaluator
+
+    class Ran(Exception):
+        pass
 
     calls = []
-    monkeypatch.setattr(particle, "evaluate", lambda *a, **k: calls.append(1))
+
+    def fake(*a, **k):
+        calls.append(1)
+        raise Ran
+
+    monkeypatch.setattr(evaluator, "evaluate", fake)
     with pytest.raises(ValueError):
         tp.simulate(x, heads, t1=1.0, dt=0.3)
     assert calls == []
+    with pytest.raises(Ran):  # the patched function is the one a good run calls first
+        tp.simulate(x, heads, t1=1.0, dt=0.25)
+    assert calls == [1]
 
 
 # ---------------------------------------------------------------------------- issue 12: input bugs

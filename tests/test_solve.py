@@ -2,6 +2,7 @@
 (tp.simulate, tp.distributed.simulate_sharded), the options a solver refuses, SaveAt(ends=True),
 the geometry seam and the batch-axis convention (docs/solve.md)."""
 
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -244,3 +245,44 @@ def test_an_ensemble_keeps_its_axis_after_the_paths_axis(dtype):
     assert one.x.shape == (5, 4, 5, 3) and one.with_paths().x.shape == (5, 1, 4, 5, 3)
     assert paths.x.shape == (5, 2, 4, 5, 3)
     assert_close(paths.x[:, 1], one.x, **tol(dtype, 10))  # constant heads: every path is the same run
+
+
+# ---------------------------------------------------------------------------- a solver of one's own
+@dataclasses.dataclass(frozen=True)
+class _LoopEuler(tp.Solver):
+    """A user's solver: projected Euler written as a plain loop over tp.velocity (the way the docs'
+    "Where to add a solver" says: a Solver subclass with ``run``)."""
+
+    accepts = frozenset({"saveat"})
+    calls: list = dataclasses.field(default_factory=list, compare=False)
+
+    def run(self, model, x0, *, t1, dt, t0, paths, seed, generator, saveat, ledger, checkpoint, progress, limits):
+        self.calls.append((saveat.every, ledger, checkpoint))
+        heads = model.theta.heads_at(t0)
+        K = round((t1 - t0) / dt)
+        xs, x = [x0], x0
+        for _ in range(K):
+            v = tp.velocity(x, heads, model.weights, normalization=model.normalization.name,
+                            direction=model.direction)
+            x = tp.sphere.normalize(x + dt * v)
+            xs.append(x)
+        keep = list(range(0, K + 1, saveat.every))
+        times = torch.tensor([t0 + k * dt for k in keep], dtype=torch.float64)  # as the built-in solvers
+        E = torch.stack([tp.energy(xs[k], heads, model.weights) for k in keep])
+        return tp.Trajectory(times, torch.stack([xs[k] for k in keep]), E, None, None, {}, {"steps": K}, "loop-euler",
+                             model.normalization.name, model.direction)
+
+
+def test_a_solver_subclass_with_run_plugs_into_solve(dtype):
+    x0, heads = problem(dtype, seed=90)
+    model = tp.Model(heads, normalization="softmax")
+    mine = _LoopEuler()
+    ours = tp.solve(model, x0, mine, t1=0.5, dt=0.05, saveat=tp.SaveAt(every=2))
+    ref = tp.solve(model, x0, tp.Euler(), t1=0.5, dt=0.05, saveat=tp.SaveAt(every=2))
+    assert mine.calls == [(2, tp.LedgerOptions(), None)]  # the options it does not accept arrive at their defaults
+    assert_close(ours.times, ref.times, **tol(dtype))
+    assert_close(ours.x, ref.x, **tol(dtype, 100))
+    assert_close(ours.energy, ref.energy, **tol(dtype, 100))
+    with pytest.raises(TypeError, match="_LoopEuler does not take ledger="):
+        tp.solve(model, x0, mine, t1=0.5, dt=0.05, ledger=tp.LedgerOptions(diagnostics=False))
+    assert len(mine.calls) == 1  # refused before run

@@ -34,7 +34,14 @@ _ALL = frozenset({"saveat", "ledger", "checkpoint", "progress", "limits"})
 
 
 class Solver:
-    """Base class.  ``accepts``: the options objects it takes; ``name``: for messages and records."""
+    """Base class.  ``accepts``: the options objects it takes; ``name``: for messages and records.
+
+    A new solver is a subclass that defines ``run(self, model, x0, *, t1, dt, t0, paths, seed,
+    generator, saveat, ledger, checkpoint, progress, limits)`` returning a
+    :class:`~transformer_pde.Trajectory`: :func:`transformer_pde.solve` checks the options against
+    ``accepts`` / ``unsupported`` and calls it with every options object (those not given at their
+    defaults; ``checkpoint`` None).  Compose it from the solver parts
+    (:mod:`transformer_pde.solvers.parts`); ARCHITECTURE.md, "Where to add"."""
 
     accepts: ClassVar[FrozenSet[str]] = _ALL
     #: options object -> its fields this solver does not implement (they must keep their defaults)

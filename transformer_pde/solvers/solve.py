@@ -96,6 +96,9 @@ def solve(model: Model, x0: Optional[torch.Tensor], solver: Solver, *, t1: float
                         f"tp.ShardedEuler(), tp.LagrangianJKO(), tp.EulerianJKO()), got {type(solver).__name__}")
     o = _check_options(solver, dict(saveat=saveat, ledger=ledger, checkpoint=checkpoint, progress=progress,
                                     limits=limits))
+    run = getattr(solver, "run", None)
+    if callable(run):  # a solver that brings its own composition of the parts (Solver docstring)
+        return run(model, x0, t1=t1, dt=dt, t0=t0, paths=paths, seed=seed, generator=generator, **o)
     if isinstance(solver, (FixedStep, Dopri5)):
         return solve_particles(model, x0, solver, t1=t1, dt=dt, t0=t0, paths=paths, seed=seed, generator=generator,
                                 **o)

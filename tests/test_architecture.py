@@ -28,11 +28,13 @@ LAYERS = [
     {"transformer_pde.processes"},  # weight processes and the Θ_t grid driver
     {"transformer_pde.nn"},
     {"transformer_pde.solvers.layernorm"},  # the layer-normalisation schemes (the step's geometry)
+    {"transformer_pde.solvers.lbfgs"},  # Riemannian L-BFGS on a product of spheres (the JKO's inner solver)
     {"transformer_pde.solvers", "transformer_pde.solvers.parts", "transformer_pde.solvers.noise",
      "transformer_pde.solvers.options"},
     {"transformer_pde.solvers.model"},  # Model: Θ_t, normalisation, geometry, token noise
     {"transformer_pde.solvers.particle"},
     {"transformer_pde.solvers.methods"},  # the solver objects
+    {"transformer_pde.solvers.jko_lagrangian", "transformer_pde.solvers.jko_eulerian"},  # the two JKO schemes
     {"transformer_pde.solvers.jko", "transformer_pde.distributed"},
     {"transformer_pde.solvers.solve"},  # tp.solve
     # Lipschitz and Grönwall constants, fast-weights coefficients; linear stability of the uniform measure

@@ -24,7 +24,9 @@ callable ``objective(y)`` (B, n, d) -> (B,) that autograd can differentiate.  Th
 computed relative to its largest entry (no squaring of large numbers).  A batch item stops when
 r ≤ tol·r₀ + 100·u·(1/τ + r₀) (r₀ the value at y0, u the unit round-off), or when its residual has not
 halved in 12 iterations (stagnation: an inexact objective), or when even the preconditioned
-gradient finds no decrease.  A non-finite residual never counts as converged.
+gradient finds no decrease.  A non-finite residual never counts as converged.  The stagnation rule also
+stops (unconverged) a solve whose residual grows for 12 iterations on its way — e.g. a token that starts
+more than 90° from the minimiser of a linear objective, with a small trust radius.
 
 **Stiff objectives.**  When the first preconditioned step would move a token by more than ρ, the
 objective is divided by K = max_i |pre_i P∇F_i| / ρ (per batch item; dividing F by a number does not

@@ -433,7 +433,10 @@ def jko(
         initial Eulerian weights (..., m) (non-negative, sum 1).  bandwidth: of to_grid.
     paths, seed, generator, path_dt
         Monte-Carlo paths and sampling of noisy processes (seed None
-        means 0; giving seed and generator together is refused).
+        means 0; giving seed and generator together is refused).  With ``paths=P`` the results carry an
+        axis P in front of the batch of x0 and the heads (as :func:`simulate`'s); Θ_t is sampled by the
+        :class:`~transformer_pde.processes.WeightDriver` as the steps go, the draws of
+        :func:`transformer_pde.sample_path` with the same seed.
     tol : Optional[float]
         relative tolerance of the inner solves (default 1e-9 in float64, 1e-4 in float32; with
         transport="sinkhorn" 1e-6 / 1e-4: geomloss' ε-scaling returns potentials, hence

@@ -38,7 +38,7 @@ from ..sphere import circle_grid, fibonacci_sphere
 from ..transport import sq_chordal
 
 __all__ = ["to_grid", "self_potential", "entropy"]
-__internal__ = ["check_grid_type", "resolve_grid", "grid_spacing", "first_variation", "eulerian_step", "entropy"]
+__internal__ = ["check_grid_type", "resolve_grid", "grid_spacing", "first_variation", "eulerian_step"]
 
 def first_variation(z: torch.Tensor, heads: Heads, p: torch.Tensor) -> torch.Tensor:
     """δE/δμ at the grid points for μ = Σ p_a δ_{z_a}: Σ_h ω_h (m_h + m̃_h)/(2β), (B, m)."""

@@ -43,7 +43,7 @@ from ..sphere import normalize
 from ..transport import emd_plans, sinkhorn_divergence, sq_chordal
 from .lbfgs import minimize
 
-__all__ = ["lagrangian_step", "plan_descent", "scaled_energy"]
+__all__ = []  # the scheme's parts; users call tp.jko / tp.solve(..., tp.LagrangianJKO(...))
 __internal__ = ["lagrangian_step", "plan_descent", "scaled_energy"]
 
 def scaled_energy(y: torch.Tensor, heads: Heads, w: Optional[torch.Tensor], logc: torch.Tensor) -> torch.Tensor:

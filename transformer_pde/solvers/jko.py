@@ -499,7 +499,7 @@ def jko(
         cost=cost, eps=eps, seed=seed, generator=generator, strict=strict, diagnostics=diagnostics,
         max_iter=max_iter, max_plan_updates=max_plan_updates, record_every=record_every,
         sinkhorn_scaling=sinkhorn_scaling, paths=paths), theta)
-    _check_jko_temperature(temperature, scheme)
+    T = _check_jko_temperature(temperature, scheme)
     # the checks the objects below would word in their own terms, here in jko's
     if weights is not None:
         if scheme == "eulerian":
@@ -516,7 +516,7 @@ def jko(
     if max_memory is not None and not (isinstance(max_memory, float) and max_memory == math.inf):
         max_memory = check_positive(max_memory, "max_memory")
     model = Model(theta, normalization="unnormalized" if o.unit else "effective", direction=direction,
-                  noise=temperature or None, weights=weights)
+                  noise=T if T > 0 else None, weights=weights)
     if scheme == "lagrangian":
         tr = {"emd": lambda: EMD(o.cost), "identity": lambda: Identity(o.cost),
               "sinkhorn": lambda: Sinkhorn(o.eps, o.sinkhorn_scaling)}[o.transport]()

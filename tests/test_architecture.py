@@ -29,6 +29,7 @@ LAYERS = [
     {"transformer_pde.nn"},
     # the layer-normalisation schemes (the step's geometry); Butcher tableaux; Trajectory and the errors
     {"transformer_pde.solvers.layernorm", "transformer_pde.solvers.tableaux", "transformer_pde.solvers.trajectory"},
+    {"transformer_pde.solvers.lbfgs"},  # Riemannian L-BFGS on a product of spheres (the JKO's inner solver)
     {"transformer_pde.solvers", "transformer_pde.solvers.parts", "transformer_pde.solvers.noise",
      "transformer_pde.solvers.options"},
     {"transformer_pde.solvers.model"},  # Model: Θ_t, normalisation, geometry, token noise
@@ -37,6 +38,7 @@ LAYERS = [
     {"transformer_pde.solvers.fixed_step", "transformer_pde.solvers.adaptive"},  # the particle solves
     {"transformer_pde.solvers.particle"},  # tp.simulate (keyword front end) and the argument checks
     {"transformer_pde.solvers.sharded"},  # the sharded (multi-device) projected Euler
+    {"transformer_pde.solvers.jko_lagrangian", "transformer_pde.solvers.jko_eulerian"},  # the two JKO schemes
     {"transformer_pde.solvers.jko", "transformer_pde.distributed"},
     {"transformer_pde.solvers.solve"},  # tp.solve
     # Lipschitz and Grönwall constants, fast-weights coefficients; linear stability of the uniform measure

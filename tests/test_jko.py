@@ -871,10 +871,9 @@ def test_batch_items_of_very_different_mobility_scales_equal_separate_runs(trans
         assert_close(both.stats["prox"][0, j], one.stats["prox"][0], rtol=1e-10, atol=0)
 
 
-# ---------------------------------------------------------------------------- private helpers of the inner solver
-# These reach into private names of solvers/jko.py (J._value_and_grad, J._dot, J._line_search,
-# J._lbfgs_direction, J._descend, J._plan_descent): repoint them when the L-BFGS solver moves to its own
-# module (solvers/lbfgs.py).
+# ---------------------------------------------------------------------------- parts of the inner solver
+# The parts of the inner solver, by their named internal API (solvers.lbfgs, solvers.jko_lagrangian).
+from transformer_pde.solvers import jko_lagrangian as JL, lbfgs as LB  # noqa: E402
 def _linear(a):
     """f(y) = Σ_i ⟨a, y_i⟩ per batch item, (B,)."""
     return lambda y: (y * a).sum((-1, -2))
@@ -891,11 +890,11 @@ def test_line_search_takes_the_first_armijo_step_of_the_halving_sequence():
     th = torch.tensor([0.35, 0.2, 0.5], dtype=F64)[:, None]  # angles from −a
     y = torch.stack([-torch.cos(th) * a_hat + torch.sin(th) * e] * 2)  # (2, 3, 3)
     f_obj = _linear(a)
-    f, g = J._value_and_grad(f_obj, y)
+    f, g = LB.value_and_grad(f_obj, y)
     d = -10 * tp.sphere.tangent_projection(y, g)
-    gd = J._dot(g, d)
+    gd = LB.dot(g, d)
     active = torch.tensor([True, False])
-    y_new, f_new, g_new, done = J._line_search(f_obj, y, f, g, d, gd, active)
+    y_new, f_new, g_new, done = LB.line_search(f_obj, y, f, g, d, gd, active)
     assert done.tolist() == [True, True]
     for k in range(20):
         step = 0.5 ** k
@@ -919,12 +918,12 @@ def test_lbfgs_direction_masks_a_negative_curvature_pair_and_matches_dense_bfgs(
     rg = P(torch.randn(1, 4, 3, generator=gen(25), dtype=F64))
     pre = (torch.rand(1, 4, 1, generator=gen(26), dtype=F64) + 0.5)
     s = P(torch.randn(1, 4, 3, generator=gen(27), dtype=F64))
-    d, bad = J._lbfgs_direction(y, rg, pre, [(s, -2.0 * s)])  # ⟨s, z⟩ = −2|s|² < 0
+    d, bad = LB.lbfgs_direction(y, rg, pre, [(s, -2.0 * s)])  # ⟨s, z⟩ = −2|s|² < 0
     assert not bool(bad.any())
     assert_close(d, -pre * rg, rtol=1e-14, atol=0)
     z = P(s + 0.3 * torch.randn(1, 4, 3, generator=gen(28), dtype=F64))
-    assert float(J._dot(s, z)) > 0
-    d, bad = J._lbfgs_direction(y, rg, pre, [(s, z)])
+    assert float(LB.dot(s, z)) > 0
+    d, bad = LB.lbfgs_direction(y, rg, pre, [(s, z)])
     sv, zv, Pre = s.reshape(-1), z.reshape(-1), torch.diag(pre.expand(1, 4, 3).reshape(-1))
     rho = 1 / float(sv @ zv)
     gamma = float(sv @ zv) / float(zv @ Pre @ zv)
@@ -951,7 +950,7 @@ def test_inner_solve_stops_after_12_iterations_without_halving_the_residual():
     wt = torch.full((2, 4), 0.25, dtype=F64)
     tau = 0.01
     pre = (tau / wt).unsqueeze(-1)
-    y, info = J._descend(objective, y0, pre, wt, tau=tau, tol=1e-9, max_iter=50)
+    y, info = LB.descend(objective, y0, pre, wt, tau=tau, tol=1e-9, max_iter=50)
     assert info["iterations"].tolist() == [12, 12]
     assert not bool(info["converged"].any())
     # |G_i| = (pre_i/τ)|J y_i| = 4 for every token: r = (Σ_i ¼ · 16)^{1/2} = 4, as at the start
@@ -979,7 +978,7 @@ def test_emd_plan_is_recomputed_until_it_is_optimal_at_the_solution():
         return solve_at
 
     y_sw = tp.sphere.normalize(x[:, sigma] + 0.01 * torch.randn(1, 5, 3, generator=gen(33), dtype=F64))
-    y, info, P = J._plan_descent(make_solve(y_sw), cost_rows, x, wt, 20)
+    y, info, P = JL.plan_descent(make_solve(y_sw), cost_rows, x, wt, 20)
     M = cost_rows(y_sw)[0]
     rows, cols = linear_sum_assignment(M.numpy())
     assert list(cols) == sigma  # the optimal assignment is σ, not the identity
@@ -989,7 +988,7 @@ def test_emd_plan_is_recomputed_until_it_is_optimal_at_the_solution():
     assert info["plan_updates"].tolist() == [1] and info["iterations"].tolist() == [2]
     assert info["converged"].tolist() == [True]
     y_small = tp.sphere.normalize(x + 0.01 * torch.randn(1, 5, 3, generator=gen(34), dtype=F64))
-    y, info, P = J._plan_descent(make_solve(y_small), cost_rows, x, wt, 20)
+    y, info, P = JL.plan_descent(make_solve(y_small), cost_rows, x, wt, 20)
     assert_close(P[0], 0.2 * torch.eye(5, dtype=F64), rtol=0, atol=0)
     assert info["plan_updates"].tolist() == [0] and info["iterations"].tolist() == [1]
     assert info["converged"].tolist() == [True]

@@ -42,6 +42,7 @@ from ..energy import check_scale_fits, choose_log_scale, pairing
 from ..energy import quadratic_variation as realised_qv_term
 from ..field import FieldEval, check_causal_mode, evaluate
 from ..mobility import scaled_diagnostics
+from ..normalization import normalization as as_normalization
 from ..heads import Heads, broadcast_shapes
 from ..processes import Constant, Process, WeightDriver, WeightPath, grid_steps, path_bytes
 from ..sphere import normalize
@@ -215,8 +216,9 @@ def nonfinite_error(what: str, t: float, k: int, heads: Heads, normalization: Op
     A = heads.score_matrix.detach()
     bmax = (A.flatten(-2).abs().amax(-1).max() * (heads.beta if isinstance(heads.beta, float) else heads.beta.max())).item()
     R = math.log(torch.finfo(A.dtype).max) if A.is_floating_point() else float("inf")
-    if normalization in ("unnormalized", "effective") and bmax > R / 2:
-        kind = ("the unnormalised field carries the kernel e^{β⟨x,Ay⟩} itself" if normalization == "unnormalized"
+    norm = None if normalization is None else as_normalization(normalization)
+    if norm is not None and norm.overflow == "kernel" and bmax > R / 2:
+        kind = ("the unnormalised field carries the kernel e^{β⟨x,Ay⟩} itself" if norm.uses_value
                 else "the effective field scales like max_h m_h / min_k m_k")
         fix = (f"{kind}, which overflows {A.dtype} near β·‖A‖ ≈ {R:.3g}: use normalization='softmax', reduce beta or "
                f"the scale of the heads, or run in float64")
@@ -684,20 +686,14 @@ class _Evaluator:
         self.fused = None  # a layernorm.FusedUpdate for the tokens-only evaluations of a layer map
 
     def __call__(self, xk, heads, diag):
-        c, w, noisy, chunk = self.scale["c"], self.w, self.noisy, self.chunk
         if not diag and self.fused is not None:
             fe = self.fused(xk, heads)
             if fe is not None:
                 return fe
-        if not diag or (c == 0.0 and not self.causal):  # ordinary runs: evaluate's own diagnostics, bit for bit
-            return evaluate(xk, heads, w, normalization=self.normalization, sign=self.sign, diagnostics=diag,
-                            second_moment=diag and noisy, chunk_elements=chunk, **self.causal_kw)
-        fe = evaluate(xk, heads, w, normalization=self.normalization, sign=self.sign, diagnostics=False,
-                      second_moment=noisy and not self.causal, chunk_elements=chunk, **self.causal_kw)
-        full = (softmax_statistics(xk, heads, w, second_moment=noisy, chunk_elements=chunk) if self.causal
-                else fe.stats)
-        E, G, D, g = scaled_diagnostics(xk, heads, w, fe.velocity, full, log_scale=c, chunk_elements=chunk)
-        return FieldEval(fe.velocity, full, fe.outputs, g, E, G, D, ambient=fe.ambient)
+        # one implementation of E, 𝒢², 𝒟 at the common scale e^{−c} (c = 0: the values), causal or not
+        return evaluate(xk, heads, self.w, normalization=self.normalization, sign=self.sign, diagnostics=diag,
+                        log_scale=self.scale["c"], second_moment=diag and self.noisy, chunk_elements=self.chunk,
+                        **self.causal_kw)
 
     def fix_scale(self, evk) -> bool:
         """Fix c from the log-partitions of the first evaluation (unless given); True when c ≠ 0

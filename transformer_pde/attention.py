@@ -91,7 +91,7 @@ __all__ = [
     "causal_log_prefix_mass",
 ]
 #: named internal API (not public): the per-head token sums of the fused kernel's columns (energy ledger)
-__internal__ = ["head_moment_sums", "weighted_columns"]
+__internal__ = ["head_moment_sums"]
 
 #: elements of one score block (batch · H · rows · m); 2^22 float64 = 32 MiB
 DEFAULT_CHUNK_ELEMENTS = 1 << 22
@@ -681,30 +681,6 @@ def _softmax_autograd(x, y, left, right, weights, second_moment, chunk_elements,
     return HeadStats(lse, mean, second)
 
 
-def weighted_columns(stats: HeadStats, log_scale: float = 0.0, x=None):
-    """Y_ihl = e^{log m_h(x_i) − c} vals_hil, (..., n, H, c), from the fused kernel's value columns
-    vals = [ȳ, C] (tokens outermost, so that a sum over the heads and columns is one GEMM), or None
-    where the statistics lack the columns (not "sdpa", causal, autograd).  Returns (Y, mc) with
-    mc = e^{log m_h − c} (..., H, n).  Cached on ``stats`` (keyed on the scale and in-place versions)."""
-    cols = stats.__dict__.get("_columns")
-    if cols is None:
-        return None
-    xq, out, d, c = cols[:4]
-    lse = stats.log_partition
-    if _needs_grad(xq, lse):
-        return None
-    key = (lse._version, out._version, float(log_scale))
-    cache = stats.__dict__.get("_weighted")
-    if cache is not None and cache[0] == key:
-        return cache[1]
-    mc = torch.exp(lse) if log_scale == 0.0 else torch.exp(lse - log_scale)  # (..., H, n)
-    vals = out[..., :c]
-    Y = torch.empty(*vals.shape[:-3], vals.shape[-2], vals.shape[-3], c, dtype=vals.dtype, device=vals.device)
-    torch.mul(vals.transpose(-3, -2), mc.transpose(-1, -2).unsqueeze(-1), out=Y)
-    stats._weighted = (key, (Y, mc))
-    return Y, mc
-
-
 def head_moment_sums(stats: HeadStats, weights: Optional[torch.Tensor], log_scale: float = 0.0, x=None):
     """Per-head token sums of the fused kernel's value columns, or None where the statistics lack them.
 
@@ -733,7 +709,7 @@ def head_moment_sums(stats: HeadStats, weights: Optional[torch.Tensor], log_scal
     if cache is not None and cache[0] is weights and cache[1] == key:
         return cache[2]
     n = xq.shape[-2]
-    Y, mc = weighted_columns(stats, log_scale)  # (..., n, H, c): e^{log m_h − c} [ȳ_h, C_h]
+    mc = torch.exp(lse) if log_scale == 0.0 else torch.exp(lse - log_scale)  # (..., H, n)
     base = None
     if c > d:  # second-moment columns: U = [x, c_ab x_a x_b (trace-free on the sphere)]
         xx = _second_columns(xq, iu) * coef
@@ -745,11 +721,10 @@ def head_moment_sums(stats: HeadStats, weights: Optional[torch.Tensor], log_scal
     else:
         U = xq
     U = U / n if weights is None else U * weights.unsqueeze(-1)
-    H = lse.shape[-2]
-    batch = Y.shape[:-3]
-    # one GEMM per batch element over all heads: MU[h, k, l] = Σ_i w_i m_h(x_i) U_ik vals_il
-    MU = (U.expand(*batch, n, c).transpose(-1, -2) @ Y.reshape(*batch, n, H * c)).reshape(*batch, c, H, c)
-    MU = MU.transpose(-3, -2)  # (..., H, c, c)
+    vals = out if out.shape[-1] == c else out[..., :c]
+    # (U_i w_i m_h(x_i))ᵀ as (..., H, c, n): the token axis innermost in both factors of the product
+    mU = U.transpose(-1, -2).unsqueeze(-3) * mc.unsqueeze(-2)
+    MU = mU @ vals  # (..., H, c, c): MU[k, l] = Σ_i w_i m_h(x_i) U_ik vals_il
     T = MU[..., :d, :d].transpose(-1, -2)
     ito = None
     if c > d:

@@ -56,7 +56,7 @@ from ._validation import (
     check_tokens,
     direction_sign,
 )
-from .attention import HeadStats, causal_log_prefix_mass, relu_statistics, softmax_statistics, weighted_columns
+from .attention import HeadStats, causal_log_prefix_mass, relu_statistics, softmax_statistics
 from .heads import Heads, broadcast_shapes
 from .normalization import choose as choose_normalization, names, normalization as as_normalization
 from .sphere import tangent_projection
@@ -229,23 +229,10 @@ def diagnostics_along(x, heads: Heads, weights, velocity, stats: HeadStats, *, l
         terms = grad_first_variation_terms(x, heads, weights if keys is None else key_weights, stats, chunk_elements,
                                            backend, keys=keys)
     lse = stats.log_partition
-    fused = weighted_columns(stats, c, x) if (len(terms) == 1 and terms[0][0] is lse and keys is None) else None
-    if fused is not None:
-        # the kernel's columns times e^{log m_h − c}, tokens outermost: Σ_h ω_h e^{log m_h − c} A_h ȳ_h is one
-        # GEMM with the (H·c, d) stack of the blocks ω_h A_hᵀ (zero rows for the second-moment columns)
-        Y, m = fused
-        n, H, cw = Y.shape[-3:]
-        d = x.shape[-1]
-        WA = (heads.weights.unsqueeze(-1).unsqueeze(-1) * heads.score_matrix).transpose(-1, -2)  # (..., H, d, d)
-        W = torch.zeros(*WA.shape[:-3], H, cw, d, dtype=x.dtype, device=x.device)
-        W[..., :d, :] = WA
-        gamb = Y.reshape(*Y.shape[:-2], H * cw) @ W.reshape(*W.shape[:-3], H * cw, d)
-        g = tangent_projection(x, gamb)
-    else:
-        m = scaled_exp(lse, c)  # m_h(x_i) e^{−c}, shared by ∇_S δE/δμ and E
-        wts = heads.weights.unsqueeze(-1)  # (..., H, 1)
-        g = tangent_projection(x, sum(((wts * (m if l is lse else scaled_exp(l, c))).unsqueeze(-1) * u).sum(-3)
-                                      for l, u in terms))
+    m = scaled_exp(lse, c)  # m_h(x_i) e^{−c}, shared by ∇_S δE/δμ and E
+    wts = heads.weights.unsqueeze(-1)  # (..., H, 1)
+    g = tangent_projection(x, sum(((wts * (m if l is lse else scaled_exp(l, c))).unsqueeze(-1) * u).sum(-3)
+                                  for l, u in terms))
     energy = (heads.weights * head_token_mean(m, weights)).sum(-1) / (2 * heads.beta)
     b = torch.exp(-log_inverse_mobility(heads, lse) - c)
     slope = token_mean(b * velocity.square().sum(-1), weights)

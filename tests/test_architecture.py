@@ -18,8 +18,9 @@ PKG = Path(__file__).resolve().parents[1] / "transformer_pde"
 
 # lowest first; a module may import only from layers before its own
 LAYERS = [
+    {"transformer_pde.normalization"},  # the attention normalisations (strategy objects; no imports)
     {"transformer_pde._validation", "transformer_pde.threads", "transformer_pde.resources"},
-    {"transformer_pde.sphere", "transformer_pde.normalization"},  # the attention normalisations (strategy objects)
+    {"transformer_pde.sphere"},
     {"transformer_pde.heads"},
     {"transformer_pde.attention", "transformer_pde.transport"},  # kernels; optimal transport
     {"transformer_pde.field"},

@@ -14,7 +14,7 @@ from typing import Iterable, Mapping
 
 import torch
 
-NORMALIZATIONS = ("softmax", "unnormalized", "relu", "effective")
+from .normalization import NORMALIZATIONS  # noqa: F401 (the names, from the strategy objects)
 DIRECTIONS = ("ascent", "descent")
 DTYPES = (torch.float32, torch.float64)
 

@@ -28,7 +28,7 @@ import math
 import torch
 
 from .attention import HeadStats, head_moment_sums, softmax_statistics
-from .field import check_inputs, head_token_mean
+from .field import check_inputs, head_token_mean, scaled_exp
 from .heads import Heads
 
 __all__ = ["energy", "head_energies", "first_variation", "energy_time_derivative",
@@ -45,11 +45,6 @@ def check_log_scale(log_scale) -> float:
     if not math.isfinite(c):
         raise ValueError(f"log_scale must be finite, got {log_scale!r}")
     return c
-
-
-def scaled_exp(log_values: torch.Tensor, log_scale: float = 0.0) -> torch.Tensor:
-    """e^{log_values − log_scale}; exactly ``torch.exp(log_values)`` when log_scale == 0."""
-    return torch.exp(log_values) if log_scale == 0.0 else torch.exp(log_values - log_scale)
 
 
 def choose_log_scale(log_partition: torch.Tensor) -> float:

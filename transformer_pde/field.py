@@ -49,7 +49,6 @@ import torch
 
 from ._validation import (
     NORMALIZATIONS,
-    check_choice,
     check_same,
     check_tensor,
     check_tied,
@@ -59,12 +58,14 @@ from ._validation import (
 )
 from .attention import HeadStats, causal_log_prefix_mass, relu_statistics, softmax_statistics
 from .heads import Heads, broadcast_shapes
+from .normalization import choose as choose_normalization, names, normalization as as_normalization
 from .sphere import tangent_projection
 
 __all__ = ["FieldEval", "evaluate", "velocity", "head_outputs", "radial_shadows"]
 #: named internal API (not public): the shared input checks and token/head means of the energy,
 #: mobility, diagnostics and nn modules
-__internal__ = ["check_causal_mode", "check_inputs", "token_mean", "head_token_mean", "log_inverse_mobility", "grad_first_variation_terms"]
+__internal__ = ["check_causal_mode", "check_inputs", "token_mean", "head_token_mean", "log_inverse_mobility",
+                "grad_first_variation_terms", "diagnostics_along", "scaled_exp"]
 
 
 @dataclass
@@ -130,14 +131,124 @@ def grad_first_variation_terms(x, heads: Heads, weights, stats: HeadStats, chunk
     ]
 
 
+class _KernelPass:
+    """The kernel statistics of one field evaluation and the products the output rules of
+    :mod:`transformer_pde.normalization` ask for (each formed once, on first use)."""
+
+    def __init__(self, x, heads, key_weights, stats, keys, causal, prefix_sum, chunk_elements, backend, measure):
+        self.x, self.heads, self.w, self.stats, self.keys = x, heads, key_weights, stats, keys
+        self.causal, self.prefix_sum, self.chunk, self.backend = causal, prefix_sum, chunk_elements, backend
+        self.measure = measure  # callable: the (non-causal) statistics of the whole measure
+        self._value_mean = self._terms = None
+
+    def value_mean(self):
+        """V_h ȳ_h, (..., H, n, d)."""
+        if self._value_mean is None:
+            self._value_mean = _apply(self.heads.value_matrix, self.stats.mean)
+        return self._value_mean
+
+    def _log_prefix_mass(self):
+        return causal_log_prefix_mass(self.w, self.x.shape[-2], dtype=self.x.dtype, device=self.x.device)
+
+    def times_mass(self, f):
+        """m_h f, with m_h the kernel mass of the pass (Σ_{j≤i} under causal="sum")."""
+        lp = self.stats.log_partition
+        if self.prefix_sum:  # Σ_{j≤i} w_j e^{s_ij} = W_i × the prefix mean
+            lp = lp + self._log_prefix_mass().unsqueeze(-2)
+        return torch.exp(lp).unsqueeze(-1) * f
+
+    def relu_values(self):
+        """V_h ∫ ReLU(β⟨x, A_h y⟩) y dμ (prefix sum under causal="sum")."""
+        _, first = relu_statistics(self.x, self.heads, self.w, keys=self.keys, chunk_elements=self.chunk,
+                                   backend=self.backend, causal=self.causal)
+        if self.prefix_sum:
+            first = first * torch.exp(self._log_prefix_mass()).unsqueeze(-1).unsqueeze(-3)
+        return _apply(self.heads.value_matrix, first)
+
+    def head_sum(self, f):
+        """Σ_h ω_h f_h, (..., n, d)."""
+        return (self.heads.weights.unsqueeze(-1).unsqueeze(-1) * f).sum(-3)
+
+    def gradient_terms(self):
+        """The per-head terms (log-scale, direction) of ∇ δE/δμ (:func:`grad_first_variation_terms`)."""
+        if self._terms is None:
+            full = self.measure()
+            reuse = (self._value_mean if (self._value_mean is not None and self.heads.tied and self.heads.is_symmetric
+                                          and full is self.stats) else None)
+            self._terms = grad_first_variation_terms(self.x, self.heads, self.w, full, self.chunk, self.backend,
+                                                     applied=reuse, keys=self.keys)
+        return self._terms
+
+    def gradient_field(self):
+        """b^{-1} ∇ δE/δμ, un-projected, (..., n, d)."""
+        omega = self.heads.weights.unsqueeze(-1).unsqueeze(-1)
+        log_binv = log_inverse_mobility(self.heads, self.measure().log_partition).unsqueeze(-2)  # (..., 1, n)
+        return sum((omega * torch.exp(l + log_binv).unsqueeze(-1) * u).sum(-3) for l, u in self.gradient_terms())
+
+
+def scaled_exp(log_values: torch.Tensor, log_scale: float = 0.0) -> torch.Tensor:
+    """e^{log_values − log_scale}; exactly ``torch.exp(log_values)`` when log_scale == 0."""
+    return torch.exp(log_values) if log_scale == 0.0 else torch.exp(log_values - log_scale)
+
+
+def diagnostics_along(x, heads: Heads, weights, velocity, stats: HeadStats, *, log_scale: float = 0.0,
+                      chunk_elements=None, backend="auto", keys=None, key_weights=None, terms=None):
+    """(E, 𝒢², 𝒟, ∇_S δE/δμ) · e^{−c} of the measure μ along a given field V: the one implementation.
+
+        E e^{−c}   = Σ_h ω_h/(2β) Σ_i w_i e^{log m_h(x_i) − c}
+        g e^{−c}   = P_x Σ_h ω_h e^{log m_h − c} A_h ȳ_h         (symmetric A_h; else the mean with A_hᵀ)
+        𝒢² e^{−c}  = Σ_i w_i e^{−log b^{-1}(x_i) − c} |V(x_i)|²
+        𝒟 e^{−c}   = Σ_i w_i ⟨g(x_i) e^{−c}, V(x_i)⟩
+
+    (docs/model.md#mobility); c = 0 gives the values themselves.  Finite whenever log m_h − c fits
+    the dtype: with c from :func:`transformer_pde.energy.choose_log_scale`, for any β‖A‖ at which
+    the field is finite.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        queries (..., n, d).  heads: :class:`Heads`.  weights: query weights (..., n) or None.
+    velocity : torch.Tensor
+        the signed field V at the queries (..., n, d) (any normalisation, causal or not).
+    stats : HeadStats
+        the non-causal softmax statistics of the queries under the heads (log_partition, mean).
+    log_scale : float
+        c.
+    chunk_elements, backend, keys, key_weights
+        the transposed kernel pass of non-symmetric heads (as :func:`evaluate`).
+    terms : list or None
+        the per-head terms of ∇ δE/δμ when the caller has them (:func:`grad_first_variation_terms`).
+
+    Returns
+    -------
+    tuple
+        (energy (...,), slope (...,), dissipation (...,), grad_first_variation (..., n, d)), all times e^{−c}.
+    """
+    c = float(log_scale)
+    if terms is None:
+        terms = grad_first_variation_terms(x, heads, weights if keys is None else key_weights, stats, chunk_elements,
+                                           backend, keys=keys)
+    lse = stats.log_partition
+    m = scaled_exp(lse, c)  # m_h(x_i) e^{−c}, shared by ∇_S δE/δμ and E
+    wts = heads.weights.unsqueeze(-1)  # (..., H, 1)
+    g = tangent_projection(x, sum(((wts * (m if l is lse else scaled_exp(l, c))).unsqueeze(-1) * u).sum(-3)
+                                  for l, u in terms))
+    energy = (heads.weights * head_token_mean(m, weights)).sum(-1) / (2 * heads.beta)
+    b = torch.exp(-log_inverse_mobility(heads, lse) - c)
+    slope = token_mean(b * velocity.square().sum(-1), weights)
+    dissipation = token_mean((g * velocity).sum(-1), weights)
+    return energy, slope, dissipation, g
+
+
 def evaluate(
     x: torch.Tensor,
     heads: Heads,
     weights: Optional[torch.Tensor] = None,
     *,
-    normalization: str = "softmax",
+    normalization="softmax",
     sign: float = 1.0,
     diagnostics: bool = True,
+    log_scale: float = 0.0,
     second_moment: bool = False,
     chunk_elements: Optional[int] = None,
     backend: str = "auto",
@@ -145,8 +256,15 @@ def evaluate(
     key_weights: Optional[torch.Tensor] = None,
     causal=False,
 ) -> FieldEval:
-    """Field and diagnostics from one kernel pass.  No input validation (hot path):
+    """Field and diagnostics from one kernel pass.  No tensor validation (hot path):
     call :func:`velocity` / :func:`transformer_pde.energy` for checked entry points.
+
+    ``normalization``: a name of :data:`transformer_pde.normalization.NORMALIZATIONS` or a
+    :class:`~transformer_pde.normalization.Normalization`; its output rule gives the field.
+
+    ``log_scale=c``: the diagnostics (energy, slope, dissipation, grad_first_variation) are
+    returned times e^{−c} (:func:`diagnostics_along`, the common scale of the solvers at large
+    β‖A‖); c = 0 gives the values themselves.  The field never is rescaled.
 
     ``backend`` and ``chunk_elements`` select the attention kernel
     (:func:`transformer_pde.attention.softmax_statistics`: "auto" | "dense" | "chunked" |
@@ -159,73 +277,45 @@ def evaluate(
     pass the shard's share of the global token weights as ``weights``.
 
     ``causal``: token i attends only to tokens j ≤ i (the field of the prefix measure; module
-    docstring).  Needs ``keys=None`` and a normalization other than "effective" (ValueError).
+    docstring).  Needs ``keys=None`` and a normalization with a causal version (ValueError).
     With diagnostics, a second non-causal pass gives E, ∇_S δE/δμ, b of the whole μ: the
     dissipation is then the rate of E along the causal field and the slope ∫ b|V|² dμ is
-    reported but is no gradient-flow quantity (causal dynamics is not a gradient flow).
+    reported but is no gradient-flow quantity (causal dynamics is not a gradient flow); the
+    returned ``stats`` are then those of the whole measure (what the energy ledger pairs with),
+    with the second moment when ``second_moment``.
     ``causal="sum"``: the un-normalised kernels sum over the prefix instead of averaging (module
     docstring); ``True`` and ``"mean"`` are the prefix mean."""
+    norm = as_normalization(normalization)
     prefix_sum = isinstance(causal, str) and causal == "sum"
     causal = bool(causal)
     if causal:
         if keys is not None:
             raise ValueError("causal=True needs queries = keys (token i attends to tokens j <= i of the same "
                              "sequence); call without keys=, or with causal=False")
-        if normalization == "effective":
-            raise ValueError("normalization='effective' is the gradient field b^{-1} ∇ δE/δμ and has no causal "
-                             "version; use 'softmax', 'unnormalized' or 'relu' with causal=True")
+        if not norm.causal:
+            raise ValueError(f"normalization={norm.name!r} has no causal version (the gradient field b^{{-1}} "
+                             f"∇ δE/δμ); use one of {names(lambda n: n.causal)} with causal=True")
     if keys is None:
         key_weights = weights
-    omega = heads.weights.unsqueeze(-1).unsqueeze(-1)  # (..., H, 1, 1)
-    stats = softmax_statistics(x, heads, key_weights, keys=keys, second_moment=second_moment,
-                               chunk_elements=chunk_elements, backend=backend, causal=causal)
-    need_grad_fv = diagnostics or normalization == "effective"
-    # the diagnostics belong to the whole measure: under causality they need the unmasked kernel
-    full = (softmax_statistics(x, heads, key_weights, second_moment=second_moment, chunk_elements=chunk_elements,
-                               backend=backend) if causal and need_grad_fv else stats)
-    lse = full.log_partition
-    outputs = None
-    value_mean = None  # V_h ȳ_h, shared with the first-variation term when V_h = A_h = A_hᵀ
-    if normalization in ("softmax", "unnormalized"):
-        value_mean = _apply(heads.value_matrix, stats.mean)
-    reuse = value_mean if (value_mean is not None and heads.tied and heads.is_symmetric and not causal) else None
-    terms = (grad_first_variation_terms(x, heads, key_weights, full, chunk_elements, backend, applied=reuse,
-                                         keys=keys) if need_grad_fv else None)
-    if normalization == "softmax":
-        outputs = value_mean
-        field = (omega * outputs).sum(-3)
-    elif normalization == "unnormalized":
-        lp = stats.log_partition
-        if prefix_sum:  # Σ_{j≤i} w_j e^{s_ij} = W_i × the prefix mean
-            lp = lp + causal_log_prefix_mass(key_weights, x.shape[-2], dtype=x.dtype, device=x.device).unsqueeze(-2)
-        outputs = torch.exp(lp).unsqueeze(-1) * value_mean
-        field = (omega * outputs).sum(-3)
-    elif normalization == "relu":
-        _, first = relu_statistics(x, heads, key_weights, keys=keys, chunk_elements=chunk_elements, backend=backend,
-                                   causal=causal)
-        if prefix_sum:
-            first = first * torch.exp(causal_log_prefix_mass(key_weights, x.shape[-2], dtype=x.dtype,
-                                                             device=x.device)).unsqueeze(-1).unsqueeze(-3)
-        outputs = _apply(heads.value_matrix, first)
-        field = (omega * outputs).sum(-3)
-    elif normalization == "effective":
-        log_binv = log_inverse_mobility(heads, lse).unsqueeze(-2)  # (..., 1, n)
-        field = sum((omega * torch.exp(l + log_binv).unsqueeze(-1) * u).sum(-3) for l, u in terms)
-    else:  # pragma: no cover - validated by callers
-        raise ValueError(f"unknown normalization {normalization!r}")
+    # under causality the diagnostics belong to the whole measure: its own, unmasked pass
+    stats = softmax_statistics(x, heads, key_weights, keys=keys, second_moment=second_moment and not
+                               (causal and diagnostics), chunk_elements=chunk_elements, backend=backend, causal=causal)
+    measure = [None if causal else stats]
+
+    def whole():
+        if measure[0] is None:
+            measure[0] = softmax_statistics(x, heads, key_weights, second_moment=second_moment,
+                                            chunk_elements=chunk_elements, backend=backend)
+        return measure[0]
+
+    kern = _KernelPass(x, heads, key_weights, stats, keys, causal, prefix_sum, chunk_elements, backend, whole)
+    field, outputs = norm.field(kern)
     V = sign * tangent_projection(x, field)
-    out = FieldEval(V, stats, outputs, ambient=field if sign == 1.0 else sign * field)
-    if diagnostics:
-        m = torch.exp(lse)  # m_h(x_i), shared by ∇_S δE/δμ and E
-        wts = heads.weights.unsqueeze(-1)  # (..., H, 1)
-        g = tangent_projection(x, sum(((wts * (m if l is lse else torch.exp(l))).unsqueeze(-1) * u).sum(-3)
-                                      for l, u in terms))
-        out.grad_first_variation = g
-        out.energy = (heads.weights * head_token_mean(m, weights)).sum(-1) / (2 * heads.beta)
-        b = torch.exp(-log_inverse_mobility(heads, lse))
-        out.slope = token_mean(b * V.square().sum(-1), weights)
-        out.dissipation = token_mean((g * V).sum(-1), weights)
-    return out
+    if not diagnostics:
+        return FieldEval(V, stats, outputs, ambient=field if sign == 1.0 else sign * field)
+    full = whole()
+    E, G, D, g = diagnostics_along(x, heads, weights, V, full, log_scale=log_scale, terms=kern.gradient_terms())
+    return FieldEval(V, full, outputs, g, E, G, D, ambient=field if sign == 1.0 else sign * field)
 
 
 # ---------------------------------------------------------------------- checked entry points
@@ -267,11 +357,11 @@ def check_causal_mode(causal):
         raise TypeError(f"causal must be True or False (or 'mean' / 'sum'), got {type(causal).__name__}")
 
 
-def _check_causal_flag(causal, normalization):
+def _check_causal_flag(causal, norm):
     check_causal_mode(causal)
-    if causal and normalization == "effective":
-        raise ValueError("normalization='effective' is the gradient field b^{-1} ∇ δE/δμ and has no causal "
-                         "version; use 'softmax', 'unnormalized' or 'relu' with causal=True")
+    if causal and not norm.causal:
+        raise ValueError(f"normalization={norm.name!r} is the gradient field b^{{-1}} ∇ δE/δμ and has no causal "
+                         f"version; use one of {', '.join(map(repr, names(lambda n: n.causal)))} with causal=True")
 
 
 def velocity(x, heads, weights=None, normalization="softmax", direction="ascent", *, causal=False):
@@ -311,16 +401,16 @@ def velocity(x, heads, weights=None, normalization="softmax", direction="ascent"
     >>> tp.velocity(x, tp.Heads.scalar([1.0], 3).to(torch.float64)).shape
     torch.Size([5, 3])
     """
-    check_choice(normalization, NORMALIZATIONS, "normalization")
+    norm = choose_normalization(normalization, NORMALIZATIONS)
     sign = direction_sign(direction)
-    _check_causal_flag(causal, normalization)
+    _check_causal_flag(causal, norm)
     check_inputs(x, heads, weights)
-    if normalization == "effective":
-        check_tied(heads, "normalization='effective'")
-    v = evaluate(x, heads, weights, normalization=normalization, sign=sign, diagnostics=False, causal=causal).velocity
-    if normalization != "softmax" and not bool(torch.isfinite(v.detach()).all()) and bool(torch.isfinite(x).all()):
+    if not norm.uses_value:  # the gradient of E: V_h plays no part, so it must be A_h
+        check_tied(heads, f"normalization={norm.name!r}")
+    v = evaluate(x, heads, weights, normalization=norm, sign=sign, diagnostics=False, causal=causal).velocity
+    if norm.overflow == "kernel" and not bool(torch.isfinite(v.detach()).all()) and bool(torch.isfinite(x).all()):
         raise OverflowError(
-            f"the {normalization!r} field overflows {v.dtype} at these heads (β·‖A‖ too large for an unnormalised "
+            f"the {norm.name!r} field overflows {v.dtype} at these heads (β·‖A‖ too large for an unnormalised "
             f"kernel e^(β⟨x, A y⟩)); use normalization='softmax' (finite for any β‖A‖), float64, or a smaller β·‖A‖")
     return v
 
@@ -330,10 +420,10 @@ def head_outputs(x, heads, weights=None, normalization="softmax", *, causal=Fals
 
     Defined for "softmax", "unnormalized" and "relu"; the "effective" field has no per-head split.
     causal: token i attends only to tokens j ≤ i (see :func:`velocity`)."""
-    check_choice(normalization, ("softmax", "unnormalized", "relu"), "normalization")
-    _check_causal_flag(causal, normalization)
+    norm = choose_normalization(normalization, names(lambda n: n.head_outputs))
+    _check_causal_flag(causal, norm)
     check_inputs(x, heads, weights)
-    return evaluate(x, heads, weights, normalization=normalization, diagnostics=False, causal=causal).outputs
+    return evaluate(x, heads, weights, normalization=norm, diagnostics=False, causal=causal).outputs
 
 
 def radial_shadows(x, heads, weights=None, normalization="unnormalized"):

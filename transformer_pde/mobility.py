@@ -10,7 +10,8 @@ softmax heads with H > 1 they differ, and only 𝒟 closes the energy balance.
 
 Like the energy, 𝒢² and 𝒟 are linear in the kernel e^{β⟨x,A y⟩} (through b and ∇_S δE/δμ) for
 a given field V: ``log_scale=c`` returns them times e^{−c}, computed from e^{log m_h − c}
-(:func:`scaled_diagnostics`, what the solvers use at large β‖A‖).
+(:func:`transformer_pde.field.diagnostics_along`, the one implementation that
+:func:`transformer_pde.evaluate`, the solvers and :func:`scaled_diagnostics` share).
 """
 
 from __future__ import annotations
@@ -19,12 +20,12 @@ from typing import Optional, Tuple
 
 import torch
 
-from ._validation import NORMALIZATIONS, check_choice, check_tied, direction_sign
+from ._validation import NORMALIZATIONS, check_tied, direction_sign
 from .attention import HeadStats, softmax_statistics
-from .energy import check_log_scale, overflow_check, scaled_exp
-from .field import check_inputs, log_inverse_mobility, evaluate
+from .energy import check_log_scale, overflow_check
+from .field import check_inputs, diagnostics_along, evaluate, log_inverse_mobility
 from .heads import Heads
-from .sphere import tangent_projection
+from .normalization import choose as choose_normalization
 
 __all__ = ["mobility", "log_mobility", "slope", "dissipation", "scaled_diagnostics"]
 
@@ -34,14 +35,8 @@ def scaled_diagnostics(x: torch.Tensor, heads: Heads, weights: Optional[torch.Te
                        ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(E, 𝒢², 𝒟, ∇_S δE/δμ) · e^{−c} of the whole measure μ = Σ_i w_i δ_{x_i} along a given field.
 
-        E e^{−c}   = Σ_h ω_h/(2β) Σ_i w_i e^{log m_h(x_i) − c}
-        g e^{−c}   = P_x Σ_h ω_h e^{log m_h − c} A_h ȳ_h         (symmetric A_h; else the mean with A_hᵀ)
-        𝒢² e^{−c}  = Σ_i w_i e^{−log b^{-1}(x_i) − c} |V(x_i)|²
-        𝒟 e^{−c}   = Σ_i w_i ⟨g(x_i) e^{−c}, V(x_i)⟩
-
-    The same formulas as :func:`transformer_pde.evaluate`'s diagnostics (bit for bit at c = 0, for
-    symmetric heads), finite whenever log m_h − c fits the dtype — with c from
-    :func:`transformer_pde.energy.choose_log_scale`, for any β‖A‖ at which the field is finite.
+    The same code as :func:`transformer_pde.evaluate`'s diagnostics (one implementation,
+    :func:`transformer_pde.field.diagnostics_along`; its docstring has the formulas).
 
     Parameters
     ----------
@@ -59,28 +54,7 @@ def scaled_diagnostics(x: torch.Tensor, heads: Heads, weights: Optional[torch.Te
     Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
         (energy (...,), slope (...,), dissipation (...,), grad_first_variation (..., n, d)), all times e^{−c}.
     """
-    def token_mean(v, per_head=False):  # Σ_i w_i v_i over the last axis, v (..., n) or (..., H, n)
-        if weights is None:
-            return v.mean(-1)
-        return (v * (weights.unsqueeze(-2) if per_head else weights)).sum(-1)
-
-    c = float(log_scale)
-    A = heads.score_matrix
-    omega = heads.weights.unsqueeze(-1).unsqueeze(-1)
-    lse = stats.log_partition
-    if heads.is_symmetric:
-        terms = [(lse, stats.mean @ A.transpose(-1, -2))]
-    else:
-        tst = softmax_statistics(x, heads, weights, transpose=True, chunk_elements=chunk_elements)
-        half = torch.log(torch.tensor(0.5, dtype=x.dtype, device=x.device))
-        terms = [(lse + half, stats.mean @ A.transpose(-1, -2)), (tst.log_partition + half, tst.mean @ A)]
-    g = tangent_projection(x, sum((omega * scaled_exp(l, c).unsqueeze(-1) * u).sum(-3) for l, u in terms))
-    beta = heads.beta
-    energy = (heads.weights * token_mean(scaled_exp(lse, c), per_head=True)).sum(-1) / (2 * beta)
-    b = torch.exp(-log_inverse_mobility(heads, lse) - c) if c != 0.0 else torch.exp(-log_inverse_mobility(heads, lse))
-    slope = token_mean(b * velocity.square().sum(-1))
-    diss = token_mean((g * velocity).sum(-1))
-    return energy, slope, diss, g
+    return diagnostics_along(x, heads, weights, velocity, stats, log_scale=log_scale, chunk_elements=chunk_elements)
 
 
 def log_mobility(x, heads: Heads, weights=None):
@@ -98,31 +72,17 @@ def mobility(x, heads: Heads, weights=None):
     return m, overflow_check(torch.exp(lb), "the effective mobility b", lb, 0.0, fix)
 
 
-def _diag(x, heads, weights, normalization, direction):
-    check_choice(normalization, NORMALIZATIONS, "normalization")
-    sign = direction_sign(direction)
-    check_inputs(x, heads, weights)
-    if normalization == "effective":
-        check_tied(heads, "normalization='effective'")
-    return evaluate(x, heads, weights, normalization=normalization, sign=sign, diagnostics=True)
-
-
 def _scaled(x, heads, weights, normalization, direction, log_scale, which):
     c = check_log_scale(log_scale)
-    if c == 0.0:
-        ev = _diag(x, heads, weights, normalization, direction)
-        out = getattr(ev, which)
-        stats = ev.stats
-    else:
-        check_choice(normalization, NORMALIZATIONS, "normalization")
-        sign = direction_sign(direction)
-        check_inputs(x, heads, weights)
-        ev = evaluate(x, heads, weights, normalization=normalization, sign=sign, diagnostics=False)
-        stats = ev.stats
-        E, G, D, _ = scaled_diagnostics(x, heads, weights, ev.velocity, stats, log_scale=c)
-        out = G if which == "slope" else D
+    norm = choose_normalization(normalization, NORMALIZATIONS)
+    sign = direction_sign(direction)
+    check_inputs(x, heads, weights)
+    if not norm.uses_value:
+        check_tied(heads, f"normalization={norm.name!r}")
+    ev = evaluate(x, heads, weights, normalization=norm, sign=sign, diagnostics=True, log_scale=c)
+    out = getattr(ev, which)
     name = "the metric slope 𝒢²" if which == "slope" else "the dissipation 𝒟"
-    return overflow_check(out, name, lambda: stats.log_partition, c,
+    return overflow_check(out, name, lambda: ev.stats.log_partition, c,
                            f"Pass log_scale=c (the result is {name.split()[-1]}·e^(−c)) with c near the largest "
                            f"log-partition (tp.log_mobility)")
 

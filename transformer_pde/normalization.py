@@ -18,6 +18,20 @@ modules ask the object what it is instead of comparing strings:
     ``reduced``         whether the reduced equiangular ODE of :mod:`transformer_pde.theory` covers it
     ``jko_mobility``    the mobility of the JKO scheme that solves the same PDE ("effective": b_k,
                         "unit": b ≡ 1), or None
+    ``head_outputs``    whether the field is Σ_h ω_h f_h of per-head outputs f_h (all but "effective",
+                        whose field b^{-1} ∇_S δE/δμ has no per-head split)
+
+Each object also owns its output rule: :meth:`Normalization.outputs` turns the kernel statistics
+of one pass into the per-head outputs f_h, and :meth:`Normalization.field` into the un-projected
+field Σ_h ω_h f_h, so that :func:`transformer_pde.field.evaluate` dispatches once.  The rules
+receive the field's kernel pass (``kernel``, built by :mod:`transformer_pde.field`) and call only
+its methods, so this module stays free of tensors:
+
+    ``kernel.value_mean()``        V_h ȳ_h (softmax statistics of the pass)
+    ``kernel.times_mass(f)``       m_h(x) f (m_h the kernel mass: the prefix sum under causal="sum")
+    ``kernel.relu_values()``       V_h ∫ ReLU(β⟨x,A_h y⟩) y dμ (prefix sum under causal="sum")
+    ``kernel.head_sum(f)``         Σ_h ω_h f_h
+    ``kernel.gradient_field()``    b^{-1} ∇ δE/δμ, un-projected (the gradient terms of the kernel)
 
 :func:`normalization` turns a name (or an object) into the object; :data:`NORMALIZATIONS` is the
 tuple of names.
@@ -28,7 +42,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Optional, Union
 
-__all__ = ["Normalization", "Softmax", "Unnormalized", "ReLU", "Effective", "normalization", "NORMALIZATIONS"]
+__all__ = ["Normalization", "Softmax", "Unnormalized", "ReLU", "Effective", "normalization", "NORMALIZATIONS",
+           "names", "choose"]
 
 
 @dataclass(frozen=True)
@@ -43,9 +58,39 @@ class Normalization:
     gradient_flow: ClassVar[str] = "no"
     reduced: ClassVar[bool] = True
     jko_mobility: ClassVar[Optional[str]] = None
+    head_outputs: ClassVar[bool] = True
 
     def __str__(self) -> str:
         return self.name
+
+    def outputs(self, kernel):
+        """The per-head outputs f_h (..., H, n, d) from the kernel pass, or None (no per-head split).
+
+        Parameters
+        ----------
+        kernel
+            the field's kernel pass (module docstring for its methods).
+
+        Returns
+        -------
+        torch.Tensor or None
+            f_h, un-projected and unsigned."""
+        raise NotImplementedError(f"{type(self).__name__} does not define its output rule")
+
+    def field(self, kernel):
+        """The un-projected, unsigned field Σ_h ω_h f_h(x) (..., n, d) from the kernel pass.
+
+        Parameters
+        ----------
+        kernel
+            the field's kernel pass (module docstring for its methods).
+
+        Returns
+        -------
+        tuple
+            (field, outputs): the field and the per-head outputs it sums (None without a per-head split)."""
+        f = self.outputs(kernel)
+        return kernel.head_sum(f), f
 
 
 @dataclass(frozen=True)
@@ -57,6 +102,10 @@ class Softmax(Normalization):
                                     "'effective'); several heads: no")
     jko_mobility: ClassVar[Optional[str]] = "effective"
 
+    def outputs(self, kernel):
+        """f_h = V_h ȳ_h (see :meth:`Normalization.outputs`)."""
+        return kernel.value_mean()
+
 
 @dataclass(frozen=True)
 class Unnormalized(Normalization):
@@ -67,6 +116,10 @@ class Unnormalized(Normalization):
     gradient_flow: ClassVar[str] = "with tied symmetric heads (V_h = A_h = A_hᵀ): the W2 gradient flow of E"
     jko_mobility: ClassVar[Optional[str]] = "unit"
 
+    def outputs(self, kernel):
+        """f_h = m_h V_h ȳ_h (see :meth:`Normalization.outputs`)."""
+        return kernel.times_mass(kernel.value_mean())
+
 
 @dataclass(frozen=True)
 class ReLU(Normalization):
@@ -74,6 +127,10 @@ class ReLU(Normalization):
 
     name: ClassVar[str] = "relu"
     statistics: ClassVar[str] = "relu"
+
+    def outputs(self, kernel):
+        """f_h = V_h ∫ ReLU(β⟨x,A_h y⟩) y dμ (see :meth:`Normalization.outputs`)."""
+        return kernel.relu_values()
 
 
 @dataclass(frozen=True)
@@ -87,6 +144,15 @@ class Effective(Normalization):
     gradient_flow: ClassVar[str] = "always (tied heads): the gradient flow of E in the metric ∫ b|v|² dμ"
     reduced: ClassVar[bool] = False
     jko_mobility: ClassVar[Optional[str]] = "effective"
+    head_outputs: ClassVar[bool] = False
+
+    def outputs(self, kernel):
+        """None: the effective field has no per-head split (see :meth:`Normalization.outputs`)."""
+        return None
+
+    def field(self, kernel):
+        """(b^{-1} ∇ δE/δμ, None) (see :meth:`Normalization.field`)."""
+        return kernel.gradient_field(), None
 
 
 _BY_NAME = {cls.name: cls for cls in (Softmax, Unnormalized, ReLU, Effective)}
@@ -112,6 +178,60 @@ def normalization(value: Union[str, Normalization], name: str = "normalization")
     if not isinstance(value, str):
         raise TypeError(f"{name} must be one of {NORMALIZATIONS} or a Normalization object, got "
                         f"{type(value).__name__}")
-    if value not in _BY_NAME:
-        raise ValueError(f"{name} must be one of {NORMALIZATIONS}, got {value!r}")
-    return _BY_NAME[value]()
+    obj = _INSTANCES.get(value)
+    if obj is None:
+        raise ValueError(f"unknown {name} {value!r}; choose one of {', '.join(map(repr, NORMALIZATIONS))}")
+    return obj
+
+
+_INSTANCES = {k: cls() for k, cls in _BY_NAME.items()}
+
+
+def names(where=None) -> tuple:
+    """The names of the normalisations whose object satisfies ``where`` (all when None), in
+    :data:`NORMALIZATIONS` order: ``names(lambda n: n.reduced)`` are those the reduced ODE covers.
+
+    Parameters
+    ----------
+    where : callable or None
+        a predicate on :class:`Normalization` objects.
+
+    Returns
+    -------
+    tuple
+        names (str)."""
+    return tuple(k for k, obj in _INSTANCES.items() if where is None or where(obj))
+
+
+def choose(value, allowed: tuple, name: str = "normalization") -> Normalization:
+    """The object for ``value`` (a name or an object), refused unless its name is in ``allowed``.
+
+    Parameters
+    ----------
+    value : str or Normalization
+        what the user passed.
+    allowed : tuple
+        the names this entry point covers (e.g. ``names(lambda n: n.reduced)``).
+    name : str
+        the argument's name, for the messages.
+
+    Returns
+    -------
+    Normalization
+        the strategy object.
+
+    Raises
+    ------
+    TypeError
+        neither a string nor a :class:`Normalization` (or the abstract base).
+    ValueError
+        an unknown name, or one that is not in ``allowed`` (the message lists those)."""
+    if isinstance(value, str):
+        obj = _INSTANCES.get(value)
+        if obj is None or value not in allowed:
+            raise ValueError(f"unknown {name} {value!r}; choose one of {', '.join(map(repr, allowed))}")
+        return obj
+    obj = normalization(value, name)
+    if obj.name not in allowed:
+        raise ValueError(f"{name}={obj.name!r} is not covered here; choose one of {', '.join(map(repr, allowed))}")
+    return obj

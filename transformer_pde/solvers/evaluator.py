@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import logging
 
-from ..attention import softmax_statistics
 from ..energy import choose_log_scale
-from ..field import FieldEval, evaluate
-from ..mobility import scaled_diagnostics
+from ..field import evaluate
 
 __all__: list = []
 __internal__ = ["Evaluator"]
@@ -35,20 +33,14 @@ class Evaluator:
         self.fused = None  # a layernorm.FusedUpdate for the tokens-only evaluations of a layer map
 
     def __call__(self, xk, heads, diag):
-        c, w, noisy, chunk = self.scale["c"], self.w, self.noisy, self.chunk
         if not diag and self.fused is not None:
             fe = self.fused(xk, heads)
             if fe is not None:
                 return fe
-        if not diag or (c == 0.0 and not self.causal):  # ordinary runs: evaluate's own diagnostics, bit for bit
-            return evaluate(xk, heads, w, normalization=self.normalization, sign=self.sign, diagnostics=diag,
-                            second_moment=diag and noisy, chunk_elements=chunk, **self.causal_kw)
-        fe = evaluate(xk, heads, w, normalization=self.normalization, sign=self.sign, diagnostics=False,
-                      second_moment=noisy and not self.causal, chunk_elements=chunk, **self.causal_kw)
-        full = (softmax_statistics(xk, heads, w, second_moment=noisy, chunk_elements=chunk) if self.causal
-                else fe.stats)
-        E, G, D, g = scaled_diagnostics(xk, heads, w, fe.velocity, full, log_scale=c, chunk_elements=chunk)
-        return FieldEval(fe.velocity, full, fe.outputs, g, E, G, D, ambient=fe.ambient)
+        # one implementation of E, 𝒢², 𝒟 at the common scale e^{−c} (c = 0: the values), causal or not
+        return evaluate(xk, heads, self.w, normalization=self.normalization, sign=self.sign, diagnostics=diag,
+                        log_scale=self.scale["c"], second_moment=diag and self.noisy, chunk_elements=self.chunk,
+                        **self.causal_kw)
 
     def fix_scale(self, evk) -> bool:
         """Fix c from the log-partitions of the first evaluation (unless given); True when c ≠ 0

@@ -695,15 +695,11 @@ class _JKORun:
         return ev
 
     def _evaluate(self, points, wts, heads) -> FieldEval:
-        c, norm, sign = self.c, self.norm, self.o.sign
-        if c == 0.0:  # ordinary runs: evaluate's own diagnostics, bit for bit
-            return evaluate(points, heads, wts, normalization=norm, sign=sign, diagnostics=True)
-        fe = evaluate(points, heads, wts, normalization=norm, sign=sign, diagnostics=False)
-        E, _, _, g = scaled_diagnostics(points, heads, wts, fe.velocity, fe.stats, log_scale=c)
+        ev = evaluate(points, heads, wts, normalization=self.norm, sign=self.o.sign, diagnostics=True, log_scale=self.c)
         # the scheme's field is the gradient flow V = s g / b (b ≡ 1 for "unit"): 𝒢² = Σ w b|V|² = Σ w |g|²/b
         # and 𝒟 = Σ w ⟨g, V⟩ = s 𝒢², formed from g b^{-1/2} (no |V|² ~ e^{2β‖A‖} in between)
-        G = self.metric_slope(g, fe.stats.log_partition, heads, wts)
-        return FieldEval(fe.velocity, fe.stats, fe.outputs, g, E, G, sign * G)
+        G = self.metric_slope(ev.grad_first_variation, ev.stats.log_partition, heads, wts)
+        return FieldEval(ev.velocity, ev.stats, ev.outputs, ev.grad_first_variation, ev.energy, G, self.o.sign * G)
 
     def metric_slope(self, g, log_partition, heads, wts):
         """|∂E|² e^{−c} in the scheme's metric: Σ w |∇δE|²/b (effective) or Σ w |∇δE|² (unit); g = ∇_S δE/δμ e^{−c}."""

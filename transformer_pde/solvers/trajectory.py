@@ -24,6 +24,7 @@ import torch
 
 from ..field import FieldEval
 from ..heads import Heads
+from ..normalization import normalization as as_normalization
 from ..processes import WeightPath
 
 __all__ = ["Trajectory", "NonFiniteError"]
@@ -230,8 +231,9 @@ def nonfinite_error(what: str, t: float, k: int, heads: Heads, normalization: Op
     A = heads.score_matrix.detach()
     bmax = (A.flatten(-2).abs().amax(-1).max() * (heads.beta if isinstance(heads.beta, float) else heads.beta.max())).item()
     R = math.log(torch.finfo(A.dtype).max) if A.is_floating_point() else float("inf")
-    if normalization in ("unnormalized", "effective") and bmax > R / 2:
-        kind = ("the unnormalised field carries the kernel e^{β⟨x,Ay⟩} itself" if normalization == "unnormalized"
+    norm = None if normalization is None else as_normalization(normalization)
+    if norm is not None and norm.overflow == "kernel" and bmax > R / 2:
+        kind = ("the unnormalised field carries the kernel e^{β⟨x,Ay⟩} itself" if norm.uses_value
                 else "the effective field scales like max_h m_h / min_k m_k")
         fix = (f"{kind}, which overflows {A.dtype} near β·‖A‖ ≈ {R:.3g}: use normalization='softmax', reduce beta or "
                f"the scale of the heads, or run in float64")

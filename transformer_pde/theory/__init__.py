@@ -31,6 +31,8 @@ from typing import Union
 import torch
 
 from .._validation import check_choice, check_int, check_positive
+from ..normalization import Softmax, Unnormalized, choose as choose_normalization, names
+from ..normalization import normalization as as_normalization
 
 __all__ = [
     "REDUCED_NORMALIZATIONS",
@@ -52,7 +54,7 @@ __all__ = [
 ]
 
 #: normalisations for which the equiangular reduction is implemented
-REDUCED_NORMALIZATIONS = ("softmax", "unnormalized", "relu")
+REDUCED_NORMALIZATIONS = names(lambda n: n.reduced)  # the normalisations the reduced ODE covers
 
 Number = Union[float, int]
 
@@ -306,12 +308,12 @@ def late_rate(lambdas, beta: float = 1.0, *, normalization: str = "softmax"):
     TypeError, ValueError
         non-numeric or non-finite lambdas, β <= 0, unknown normalization.
     """
-    check_choice(normalization, REDUCED_NORMALIZATIONS, "normalization")
+    normalization = choose_normalization(normalization, REDUCED_NORMALIZATIONS)
     beta = check_positive(beta, "beta")
     lam = _lambdas(lambdas)
-    if normalization == "softmax":
+    if isinstance(normalization, Softmax):
         return lam.sum(-1)
-    if normalization == "unnormalized":
+    if isinstance(normalization, Unnormalized):
         return (lam * torch.exp(beta * lam)).sum(-1)
     return beta * (lam * torch.relu(lam)).sum(-1)
 
@@ -319,10 +321,11 @@ def late_rate(lambdas, beta: float = 1.0, *, normalization: str = "softmax"):
 def _kernel_weights(gamma: torch.Tensor, lam: torch.Tensor, beta: float, n: int, normalization: str):
     """k_h(γ), (..., H) broadcast with γ (...,)."""
     g = gamma.unsqueeze(-1)
-    if normalization == "softmax":
+    normalization = as_normalization(normalization)
+    if isinstance(normalization, Softmax):
         a = beta * lam * (1 - g)
         return torch.exp(-torch.logaddexp(a, torch.full_like(a, math.log(n - 1))))
-    if normalization == "unnormalized":
+    if isinstance(normalization, Unnormalized):
         return torch.exp(beta * lam * g) / n
     return torch.relu(beta * lam * g) / n
 
@@ -340,7 +343,7 @@ def gamma_velocity(gamma, lambdas, *, beta: float = 1.0, n: int, normalization: 
     TypeError, ValueError
         bad lambdas, β <= 0, n < 2, unknown normalization or direction.
     """
-    check_choice(normalization, REDUCED_NORMALIZATIONS, "normalization")
+    normalization = choose_normalization(normalization, REDUCED_NORMALIZATIONS)
     s = _sign(direction)
     beta = check_positive(beta, "beta")
     n = _n(n)
@@ -390,7 +393,7 @@ def gamma_ode(times, lambdas, *, beta: float = 1.0, n: int, gamma0: float, norma
     """
     from torchdiffeq import odeint
 
-    check_choice(normalization, REDUCED_NORMALIZATIONS, "normalization")
+    normalization = choose_normalization(normalization, REDUCED_NORMALIZATIONS)
     s = _sign(direction)
     beta = check_positive(beta, "beta")
     n = _n(n)
@@ -418,7 +421,7 @@ def gamma_ode(times, lambdas, *, beta: float = 1.0, n: int, gamma0: float, norma
 
 def _time_args(lambdas, beta, n, gamma0, target, normalization):
     """Checked (λ, β, n, γ0, target) of the clustering-time functions."""
-    check_choice(normalization, REDUCED_NORMALIZATIONS, "normalization")
+    normalization = choose_normalization(normalization, REDUCED_NORMALIZATIONS)
     beta = check_positive(beta, "beta")
     n = _n(n)
     gamma0 = _gamma(gamma0, n, "gamma0")
@@ -482,7 +485,7 @@ def linearized_clustering_time(lambdas, *, beta: float = 1.0, n: int, gamma0: fl
         target <= γ0, γ0 <= 0 for relu (γ = 0 is a fixed point), bad lambdas, β <= 0.
     """
     lam, beta, n, gamma0, target = _time_args(lambdas, beta, n, gamma0, target, normalization)
-    if normalization in ("softmax", "unnormalized"):
+    if as_normalization(normalization).statistics == "softmax":  # exponential kernels: F(0) > 0
         F0 = float(_reduced_field(torch.tensor(0.0, dtype=torch.float64), lam, beta, n, normalization, 1.0).sum())
         return (target - gamma0) / F0 if F0 > 0 else math.inf
     if gamma0 <= 0:

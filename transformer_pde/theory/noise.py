@@ -58,7 +58,8 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from .._validation import check_choice, check_int, check_positive, check_real, direction_sign
+from .._validation import check_int, check_positive, check_real, direction_sign
+from ..normalization import Softmax, Unnormalized, choose as choose_normalization, names
 
 __all__ = [
     "NOISE_NORMALIZATIONS",
@@ -77,7 +78,7 @@ __all__ = [
 ]
 
 #: normalisations with a closed-form linearisation around the uniform measure
-NOISE_NORMALIZATIONS = ("softmax", "unnormalized", "effective")
+NOISE_NORMALIZATIONS = names(lambda n: n.statistics == "softmax")  # the exponential kernels
 
 
 def _dim(d) -> int:
@@ -168,20 +169,20 @@ def mode_coefficients(beta, d: int, ell, *, lambdas=(1.0,), weights=None, normal
     time averages of a β_t that changes sign; β → 0 is taken as the limit)."""
     d = _dim(d)
     beta = check_real(beta, "beta")
-    normalization = check_choice(normalization, NOISE_NORMALIZATIONS, "normalization")
+    normalization = choose_normalization(normalization, NOISE_NORMALIZATIONS)
     lam, w = _heads(lambdas, weights)
     ell = np.asarray(ell, dtype=np.int64)
     if (ell < 0).any():
         raise ValueError(f"ell must be >= 0, got {ell.tolist()}")
     a = beta * lam  # (H,)
     L = ell[..., None]
-    if normalization == "softmax":
+    if isinstance(normalization, Softmax):
         # κ_ℓ/(β κ_0) = λ · κ_ℓ/(a κ_0)
         return (w * lam * _ratio(a, L, d)).sum(-1)
     if beta == 0:
-        raise ValueError(f"normalization={normalization!r} needs beta != 0")
+        raise ValueError(f"normalization={normalization.name!r} needs beta != 0")
     kl = funk_hecke_exponential(a, d, L)
-    if normalization == "unnormalized":
+    if isinstance(normalization, Unnormalized):
         return (w * kl).sum(-1) / beta
     k0 = funk_hecke_exponential(a, d, 0)
     wbar = w / w.sum()

@@ -44,6 +44,7 @@ from .._validation import (
 from ..attention import softmax_statistics
 from ..field import check_inputs, grad_first_variation_terms, head_token_mean, token_mean, evaluate
 from ..heads import Heads
+from ..normalization import NORMALIZATIONS, Softmax, Unnormalized, choose as choose_normalization, names
 from ..clustering import mean_overlap
 from ..sphere import equiangular, tangent_projection
 
@@ -73,7 +74,8 @@ __all__ = [
     "clustering_hitting_time",
 ]
 
-_OUTPUT_NORMALIZATIONS = ("softmax", "unnormalized", "relu")
+#: the normalisations with per-head outputs f_h (all but "effective")
+_OUTPUT_NORMALIZATIONS = names(lambda n: n.head_outputs)
 
 
 # ---------------------------------------------------------------------------- checks and kernels
@@ -138,7 +140,7 @@ def flat_velocity(x, heads: Heads, weights=None, *, normalization: str = "unnorm
 
     With uniform weights, ω_h = 1 and normalization="unnormalized" this is Pendharkar's
     v_i = (1/n) Σ_h f_i^h."""
-    check_choice(normalization, _OUTPUT_NORMALIZATIONS, "normalization")
+    normalization = choose_normalization(normalization, _OUTPUT_NORMALIZATIONS)
     s = direction_sign(direction)
     _check_any(x, heads, weights, on_sphere=False)
     return s * (heads.weights[..., None, None] * _outputs(x, heads, weights, normalization)).sum(-3)
@@ -173,7 +175,7 @@ def head_energy_rates(x, heads: Heads, weights=None, *, normalization: str = "un
     result
         (..., H); Σ_h ω_h dE_h/dt = dE/dt.
     """
-    check_choice(normalization, _OUTPUT_NORMALIZATIONS, "normalization")
+    normalization = choose_normalization(normalization, _OUTPUT_NORMALIZATIONS)
     direction_sign(direction)
     _check_any(x, heads, weights, on_sphere=not flat)
     G, _ = _gradients(x, heads, weights)
@@ -307,7 +309,7 @@ def radial_decomposition(x, heads: Heads, weights=None, *, normalization: str = 
     RadialDecomposition
         :class:`RadialDecomposition`.
     """
-    check_choice(normalization, _OUTPUT_NORMALIZATIONS, "normalization")
+    normalization = choose_normalization(normalization, _OUTPUT_NORMALIZATIONS)
     _check_any(x, heads, weights, on_sphere=True)
     G, _ = _gradients(x, heads, weights)
     f = _outputs(x, heads, weights, normalization)
@@ -381,7 +383,7 @@ def radial_dominance_margin(x, heads: Heads, weights=None, *, normalization: str
     >>> bool((tp.diagnostics.radial_dominance_margin(x, heads(1.01 * b)) < 0).all())
     True
     """
-    check_choice(normalization, _OUTPUT_NORMALIZATIONS, "normalization")
+    normalization = choose_normalization(normalization, _OUTPUT_NORMALIZATIONS)
     check_choice(form, ("token", "pairwise"), "form")
     _check_any(x, heads, weights, on_sphere=True)
     f = _outputs(x, heads, weights, normalization)
@@ -513,7 +515,7 @@ def entropy_rate(x, heads: Heads, weights=None, *, velocity: Optional[torch.Tens
     TypeError, ValueError
         for bad tokens, heads, weights, velocity or score_rate shapes.
     """
-    check_choice(normalization, ("softmax", "unnormalized", "relu", "effective"), "normalization")
+    normalization = choose_normalization(normalization, NORMALIZATIONS)
     direction_sign(direction)
     _check_any(x, heads, weights, on_sphere=True)
     if velocity is None:
@@ -622,13 +624,13 @@ def cross_head_coupling(x, heads: Heads, weights=None, *, normalization: str = "
     with mass = m_h (unnormalized), 1 (softmax) or Σ_j w_j ReLU(s_ij) (relu), because
     f_h = Σ_j w_j κ_ij V_h x_j with κ ≥ 0 and unit x_j.  The diagonal h = k is ‖f_h‖² (bound
     set to inf there).  Returns (coupling, bound)."""
-    check_choice(normalization, _OUTPUT_NORMALIZATIONS, "normalization")
+    normalization = choose_normalization(normalization, _OUTPUT_NORMALIZATIONS)
     _check_any(x, heads, weights, on_sphere=True)
     f = _outputs(x, heads, weights, normalization)
     inner = (f.unsqueeze(-3) * f.unsqueeze(-4)).sum(-1)
-    if normalization == "unnormalized":
+    if isinstance(normalization, Unnormalized):
         mass = torch.exp(softmax_statistics(x, heads, weights).log_partition)
-    elif normalization == "softmax":
+    elif isinstance(normalization, Softmax):
         mass = torch.ones(f.shape[:-1], dtype=x.dtype, device=x.device)
     else:
         S = _dense_scores(x, heads)
@@ -700,7 +702,7 @@ def flat_flow(x0, heads: Heads, *, t1: float, dt: float, weights=None, normaliza
     from ..solvers.particle import TABLEAUX, NonFiniteError
     from ..solvers.parts import Recorder, Stepper
 
-    check_choice(normalization, _OUTPUT_NORMALIZATIONS, "normalization")
+    normalization = choose_normalization(normalization, _OUTPUT_NORMALIZATIONS)
     s = direction_sign(direction)
     check_choice(method, tuple(TABLEAUX), "method")
     _check_any(x0, heads, weights, on_sphere=False)

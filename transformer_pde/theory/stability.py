@@ -36,12 +36,13 @@ import torch
 from .._validation import check_choice, check_positive, check_tensor, check_tokens, direction_sign
 from ..field import head_outputs, velocity
 from ..heads import Heads
+from ..normalization import Softmax, Unnormalized, choose as choose_normalization, names
 
 __all__ = ["LIPSCHITZ_NORMALIZATIONS", "lipschitz_constants", "lipschitz_bound", "gronwall_factor",
            "fast_weights_coefficients"]
 
 #: normalisations for which :func:`lipschitz_bound` is derived
-LIPSCHITZ_NORMALIZATIONS = ("softmax", "unnormalized", "relu")
+LIPSCHITZ_NORMALIZATIONS = names(lambda n: n.head_outputs)  # fields Σ_h ω_h f_h of per-head outputs
 
 
 def _check_heads(heads) -> Heads:
@@ -80,7 +81,7 @@ def lipschitz_constants(heads: Heads, normalization: str = "softmax") -> Dict[st
     1.5
     """
     heads = _check_heads(heads)
-    check_choice(normalization, LIPSCHITZ_NORMALIZATIONS, "normalization")
+    normalization = choose_normalization(normalization, LIPSCHITZ_NORMALIZATIONS)
     A = heads.score_matrix
     V = heads.value_matrix
     beta = heads.beta_tensor()
@@ -88,10 +89,10 @@ def lipschitz_constants(heads: Heads, normalization: str = "softmax") -> Dict[st
     a = beta * torch.linalg.matrix_norm(A, ord=2)  # (..., H)
     v = torch.linalg.matrix_norm(V, ord=2)
     w = heads.weights
-    if normalization == "softmax":
+    if isinstance(normalization, Softmax):
         space = v * (1 + a)
         measure = v * torch.exp(a) * (1 + 2 * a)
-    elif normalization == "unnormalized":
+    elif isinstance(normalization, Unnormalized):
         space = v * torch.exp(a) * (1 + a)
         measure = space
     else:  # relu
@@ -191,7 +192,7 @@ def fast_weights_coefficients(x, heads: Heads, value_std: float, *, direction: s
         raise ValueError(f"x must be (n, d) and heads unbatched; got x {tuple(x.shape)}, heads batch "
                          f"{tuple(heads.batch_shape)} (loop over batches)")
     value_std = check_positive(value_std, "value_std")
-    check_choice(normalization, LIPSCHITZ_NORMALIZATIONS, "normalization")
+    normalization = choose_normalization(normalization, LIPSCHITZ_NORMALIZATIONS)
     direction_sign(direction)
     A = heads.score_matrix
     H, d = heads.num_heads, heads.dim

@@ -44,6 +44,7 @@ from .._validation import (
 )
 from ..attention import DEFAULT_CHUNK_ELEMENTS, softmax_statistics
 from ..energy import check_scale_fits
+from ..normalization import choose as choose_normalization, names
 from ..field import check_causal_mode, evaluate  # noqa: F401  (evaluate: the name tests patch to see no work ran)
 from ..heads import Heads, broadcast_shapes
 from ..processes import Constant, Process, WeightDriver, WeightPath, grid_steps, path_bytes
@@ -439,7 +440,7 @@ def _check_simulate_args(x0, theta, *, t1, dt, t0, method, normalization, direct
     """Every check of :func:`simulate`, before any work; returns the arguments it normalises."""
     check_tokens(x0, "x0")
     check_choice(method, METHODS, "method")
-    check_choice(normalization, NORMALIZATIONS, "normalization")
+    norm = choose_normalization(normalization, NORMALIZATIONS)  # a name or a Normalization object
     sign = direction_sign(direction)
     dt = check_positive(dt, "dt")
     t1 = check_real(t1, "t1")
@@ -462,9 +463,9 @@ def _check_simulate_args(x0, theta, *, t1, dt, t0, method, normalization, direct
         quadrature = "left" if method == "euler" else "trapezoid"
     check_choice(quadrature, ("left", "trapezoid"), "quadrature")
     check_causal_mode(causal)
-    if causal and normalization == "effective":
-        raise ValueError("normalization='effective' is the gradient field b^{-1} ∇ δE/δμ and has no causal version; "
-                         "use 'softmax', 'unnormalized' or 'relu' with causal=True")
+    if causal and not norm.causal:
+        raise ValueError(f"normalization={norm.name!r} has no causal version ({norm.gradient_flow}); use one of "
+                         f"{names(lambda n: n.causal)} with causal=True")
     check_choice(quadratic_variation, QUADRATIC_VARIATIONS, "quadratic_variation")
     obs = check_observables(observables)
     if progress is not None and not isinstance(progress, bool):
@@ -488,8 +489,8 @@ def _check_simulate_args(x0, theta, *, t1, dt, t0, method, normalization, direct
         )
     h0 = process.heads0
     check_same(x0, h0.reference, "x0", "theta's heads")
-    if normalization == "effective":
-        check_tied_all(process, "normalization='effective'")
+    if not norm.uses_value:  # the gradient of E: defined for tied heads (V_h = A_h)
+        check_tied_all(process, f"normalization={norm.name!r}")
     if h0.dim != x0.shape[-1]:
         raise ValueError(f"the heads act on d = {h0.dim} but x0 has d = {x0.shape[-1]}")
     bx, bh = tuple(x0.shape[:-2]), tuple(h0.batch_shape)

@@ -45,7 +45,8 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .._validation import (NORMALIZATIONS, broadcast_shapes, check_choice, check_every, check_int, check_positive,
+from ..normalization import choose as choose_normalization
+from .._validation import (NORMALIZATIONS, broadcast_shapes, check_every, check_int, check_positive,
                            check_same, check_tokens, direction_sign)
 from ..energy import pairing
 from ..field import FieldEval, evaluate
@@ -195,7 +196,7 @@ def distributed_evaluate(
     TypeError, ValueError
         for bad input, as the single-process entry points.
     """
-    check_choice(normalization, NORMALIZATIONS, "normalization")
+    choose_normalization(normalization, NORMALIZATIONS)  # a name or a Normalization object
     sign = direction_sign(direction)
     check_tokens(x_local, "x_local")
     if not isinstance(heads, Heads):
@@ -230,7 +231,7 @@ def _reduce_with_flag(entries, bad: float, zero: torch.Tensor, group):
 def _check_sharded_args(x0_local, theta, *, t1, dt, t0, paths, normalization, direction, record_every):
     """The checks of :func:`simulate_sharded`, before any work; returns the arguments it normalises."""
     check_tokens(x0_local, "x0_local")
-    check_choice(normalization, NORMALIZATIONS, "normalization")
+    choose_normalization(normalization, NORMALIZATIONS)  # a name or a Normalization object
     sign = direction_sign(direction)
     dt = check_positive(dt, "dt")
     t0, t1 = float(t0), float(t1)

@@ -66,7 +66,9 @@ def _page_order() -> list[str]:
     then the modules of ``tp.__all__`` (``tp.diagnostics`` before ``tp.theory.particles``), then
     the defining modules."""
     _, re_exported = top_level_names()
-    first = [f"{PACKAGE}.{m}" for m in re_exported if f"{PACKAGE}.{m}" in public_modules()]
+    pkg = importlib.import_module(PACKAGE)
+    first = [getattr(pkg, m).__name__ for m in re_exported]
+    first = [m for m in first if m in public_modules()]
     return [PACKAGE] + first + [m for m in public_modules()[1:] if m not in first]
 
 
@@ -98,7 +100,7 @@ def plan() -> dict[str, dict[str, str]]:
 
 
 def _clashes() -> set[str]:
-    """Modules whose name is also a documented object (``transformer_pde.energy`` the module and
+    """Modules whose name is also a documented object (``transformer_pde.model.energy`` the module and
     ``tp.energy`` the function): their page is not entered in the index as a module."""
     objects, _ = top_level_names()
     return {f"{PACKAGE}.{n}" for n in objects}
@@ -169,7 +171,7 @@ def index_page() -> str:
     lines.append("")
     lines.append(_title("Modules", "-"))
     lines.append("Sub-modules re-exported as ``tp.<name>``: "
-                 + ", ".join(f":ref:`tp.{m} <api-{PACKAGE}.{m}>`" for m in modules) + ".\n")
+                 + ", ".join(f":ref:`tp.{m} <api-{getattr(pkg, m).__name__}>`" for m in modules) + ".\n")
     lines.append(".. toctree::\n   :maxdepth: 1\n")
     lines += [f"   {m}" for m in mods]
     lines.append("")

@@ -141,7 +141,7 @@ def sweep(steps: int, repeat: int) -> None:
 def run_quick(mode, out: Path) -> float:
     """`transformer-pde run experiments/ou_vs_oscillating_quick.toml --threads MODE`; seconds."""
     shutil.rmtree(out, ignore_errors=True)  # our own temporary directory
-    cmd = [sys.executable, "-c", "import sys; from transformer_pde.cli import main; sys.exit(main())", "run",
+    cmd = [sys.executable, "-c", "import sys; from transformer_pde.application.cli import main; sys.exit(main())", "run",
            str(QUICK), "--threads", str(mode), "--out", str(out), "--no-progress", "-q"]
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     t0 = time.perf_counter()
@@ -167,7 +167,7 @@ def run_paper(variant: str, steps: int, out: Path) -> float:
         over += ["-o", f"workers={int(variant[1:])}", "--threads", "auto"]
     else:
         over += ["-o", "workers=1", "--threads", variant]
-    cmd = [sys.executable, "-c", "import sys; from transformer_pde.cli import main; sys.exit(main())", "run",
+    cmd = [sys.executable, "-c", "import sys; from transformer_pde.application.cli import main; sys.exit(main())", "run",
            str(PAPER), *over, "--out", str(out), "--no-progress", "-q"]
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     t0 = time.perf_counter()

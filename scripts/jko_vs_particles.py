@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in EXPERIMENTS:
         print(__doc__)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
-    from transformer_pde.cli import main as cli_main
+    from transformer_pde.application.cli import main as cli_main
 
     which, rest = argv[0], argv[1:]
     rc = cli_main(["run", str(ROOT / "experiments" / EXPERIMENTS[which]), *rest])

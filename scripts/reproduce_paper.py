@@ -37,7 +37,7 @@ def main(argv=None) -> int:
         print(__doc__)
         print("experiments: " + ", ".join([*EXPERIMENTS, "all"]))
         return 0 if argv and argv[0] in ("-h", "--help") else 2
-    from transformer_pde.cli import main as cli_main
+    from transformer_pde.application.cli import main as cli_main
 
     which, rest = argv[0], argv[1:]
     names = ["full", "s1", "hd"] if which == "all" else [which]

@@ -89,7 +89,7 @@ def main(argv=None) -> int:
     p.add_argument("--suffix", default="", help="appended to the run names")
     p.add_argument("--progress", action="store_true", help="show progress bars")
     args = p.parse_args(argv)
-    from transformer_pde.runs import execute
+    from transformer_pde.application.runs import execute
 
     kinds = args.kinds or list(KINDS)
     bad = [k for k in kinds if k not in KINDS]

@@ -1,4 +1,4 @@
-"""transformer_pde.animation.animate_tokens: GIF files of token flows.
+"""transformer_pde.application.animation.animate_tokens: GIF files of token flows.
 
 What is checked, and against what:
 * the file is a GIF that PIL reads back with exactly the requested number of frames (or the
@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import transformer_pde as tp
-from transformer_pde.animation import animate_tokens, token_groups
+from transformer_pde.application.animation import animate_tokens, token_groups
 
 PIL = pytest.importorskip("PIL.Image")
 

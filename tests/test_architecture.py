@@ -1,11 +1,18 @@
-"""The package's import graph: layers import only downwards, and no private name crosses modules.
+"""The package's import graph: layers import only downwards, and nothing private crosses modules.
 
 Parses every module of transformer_pde with ``ast`` (module-level and function-level imports
 alike, so a "lazy" import inside a function counts) and checks
 
-* the layer order of ARCHITECTURE.md: a module imports only modules of strictly lower layers;
+* the sub-package order of ARCHITECTURE.md: utils < model < processes < solvers < analysis <
+  the facade (``transformer_pde/__init__.py``) < application; a module imports only from its own
+  sub-package or lower ones;
+* the finer layer order inside them (``LAYERS``): a module imports only modules of strictly
+  lower layers;
 * no module imports another module's ``_private`` name (what modules share is a named internal
   API: public names, listed in the module's ``__internal__`` when they are not in ``__all__``);
+* no module reads or writes a ``_private`` attribute that another module of the package defines
+  (``heads._symmetric`` from a solver, say): classes expose what others need as public
+  properties or methods;
 * every module of the package has a layer (a new module must be placed).
 """
 
@@ -18,16 +25,18 @@ PKG = Path(__file__).resolve().parents[1] / "transformer_pde"
 
 # lowest first; a module may import only from layers before its own
 LAYERS = [
-    {"transformer_pde.normalization"},  # the attention normalisations (strategy objects; no imports)
-    {"transformer_pde._validation", "transformer_pde.threads", "transformer_pde.resources"},
-    {"transformer_pde.sphere"},
-    {"transformer_pde.heads"},
-    {"transformer_pde.attention", "transformer_pde.transport"},  # kernels; optimal transport
-    {"transformer_pde.field"},
-    {"transformer_pde.energy"},
-    {"transformer_pde.mobility"},
-    {"transformer_pde.processes"},  # weight processes and the Θ_t grid driver
-    {"transformer_pde.nn"},
+    {"transformer_pde.model.normalization"},  # the attention normalisations (strategy objects; no imports)
+    {"transformer_pde.utils.validation", "transformer_pde.utils.threads", "transformer_pde.utils.resources",
+     "transformer_pde.utils", "transformer_pde.model", "transformer_pde.analysis", "transformer_pde.application"},
+    {"transformer_pde.model.sphere"},
+    {"transformer_pde.model.heads"},
+    {"transformer_pde.model.attention", "transformer_pde.model.transport"},  # kernels; optimal transport
+    {"transformer_pde.model.field"},
+    {"transformer_pde.model.energy"},
+    {"transformer_pde.model.mobility"},
+    {"transformer_pde.processes.weights"},  # weight processes and the Θ_t grid driver
+    {"transformer_pde.processes.nn"},
+    {"transformer_pde.processes"},  # the package re-exports the weight processes
     # the layer-normalisation schemes (the step's geometry); Butcher tableaux; Trajectory and the errors
     {"transformer_pde.solvers.layernorm", "transformer_pde.solvers.tableaux", "transformer_pde.solvers.trajectory"},
     {"transformer_pde.solvers.lbfgs"},  # Riemannian L-BFGS on a product of spheres (the JKO's inner solver)
@@ -40,26 +49,34 @@ LAYERS = [
     {"transformer_pde.solvers.particle"},  # tp.simulate (keyword front end) and the argument checks
     {"transformer_pde.solvers.sharded"},  # the sharded (multi-device) projected Euler
     {"transformer_pde.solvers.jko_lagrangian", "transformer_pde.solvers.jko_eulerian"},  # the two JKO schemes
-    {"transformer_pde.solvers.jko", "transformer_pde.distributed"},
+    {"transformer_pde.solvers.jko", "transformer_pde.solvers.distributed"},
     {"transformer_pde.solvers.solve"},  # tp.solve
     # Lipschitz and Grönwall constants, fast-weights coefficients; linear stability of the uniform measure
-    {"transformer_pde.theory.stability", "transformer_pde.theory.noise"},
-    {"transformer_pde.clustering", "transformer_pde.ensembles", "transformer_pde.theory"},  # generic; closed forms
-    {"transformer_pde.theory.particles"},  # the particle diagnostics of the theory
-    {"transformer_pde.diagnostics"},  # tp.diagnostics = theory.particles
+    {"transformer_pde.analysis.theory.stability", "transformer_pde.analysis.theory.noise"},
+    # generic diagnostics; closed forms
+    {"transformer_pde.analysis.clustering", "transformer_pde.analysis.ensembles", "transformer_pde.analysis.theory"},
+    {"transformer_pde.analysis.theory.particles"},  # the particle diagnostics of the theory
+    {"transformer_pde.analysis.diagnostics"},  # tp.diagnostics = theory.particles
     {"transformer_pde"},  # the public facade (import transformer_pde as tp)
-    {"transformer_pde.plotting"},
-    {"transformer_pde.animation"},
-    {"transformer_pde.studies"},
-    {"transformer_pde.studies.demo", "transformer_pde.studies.paper", "transformer_pde.studies.theory",
-     "transformer_pde.studies.jko", "transformer_pde.studies.clustering", "transformer_pde.studies.causal",
-     "transformer_pde.studies.layernorm", "transformer_pde.studies.noisy"},
-    {"transformer_pde.studies.theorems"},  # composes studies.jko (the uniqueness panel)
-    {"transformer_pde.runs"},
-    {"transformer_pde.sweep"},
-    {"transformer_pde.cli"},
+    {"transformer_pde.application.plotting"},
+    {"transformer_pde.application.animation"},
+    {"transformer_pde.application.studies"},
+    {f"transformer_pde.application.studies.{m}" for m in ("demo", "paper", "theory", "jko", "clustering", "causal",
+                                                          "layernorm", "noisy")},
+    {"transformer_pde.application.studies.theorems"},  # composes studies.jko (the uniqueness panel)
+    {"transformer_pde.application.runs"},
+    {"transformer_pde.application.sweep"},
+    {"transformer_pde.application.cli"},
 ]
 RANK = {m: i for i, layer in enumerate(LAYERS) for m in layer}
+
+# the sub-packages, lowest first; the facade (transformer_pde/__init__.py) sits between analysis and application
+SUBPACKAGES = ["utils", "model", "processes", "solvers", "analysis", "", "application"]
+
+
+def subpackage_rank(module: str) -> int:
+    parts = module.split(".")
+    return SUBPACKAGES.index(parts[1] if len(parts) > 1 else "")
 
 
 def _module_name(path: Path) -> str:
@@ -111,14 +128,74 @@ def test_imports_flow_downwards_only():
     assert not bad, "\n".join(bad)
 
 
+def test_subpackages_import_downwards_only():
+    bad = [f"{src}:{line} imports {dst} ({dst.split('.')[1] if '.' in dst else 'the facade'} is above "
+           f"{src.split('.')[1] if '.' in src else 'the facade'})"
+           for src, dst, _, line in import_edges() if subpackage_rank(dst) > subpackage_rank(src)]
+    assert not bad, "\n".join(bad)
+
+
+def test_every_module_lives_in_a_subpackage():
+    """The package root holds only the facade; every other module belongs to a layer's sub-package."""
+    root = sorted(p.name for p in PKG.glob("*.py") if p.name != "__init__.py")
+    assert not root, f"move these into utils/, model/, processes/, solvers/, analysis/ or application/: {root}"
+    assert sorted(p.name for p in PKG.iterdir() if p.is_dir() and (p / "__init__.py").exists()) == sorted(
+        s for s in SUBPACKAGES if s)
+
+
+def _private_attributes(tree) -> set:
+    """The ``_private`` attribute names a module defines: methods and nested classes, class-level
+    names, ``__slots__`` entries, and attributes it assigns (``obj._x = ...``)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for t in (node.targets if isinstance(node, ast.Assign) else [node.target]):
+                if isinstance(t, ast.Name):
+                    names.add(t.id)
+                    if t.id == "__slots__" and isinstance(node.value, (ast.Tuple, ast.List)):
+                        names |= {e.value for e in node.value.elts if isinstance(e, ast.Constant)}
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "__setattr__" \
+                and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant):
+            names.add(node.args[1].value)
+    return {n for n in names if isinstance(n, str) and n.startswith("_") and not n.startswith("__")}
+
+
+def private_attribute_uses():
+    """(module, line, attribute, defining modules) for every ``x._a`` in a module that does not define
+    ``_a`` itself while another module of the package does."""
+    trees = {name: ast.parse(path.read_text(encoding="utf-8")) for name, path in _modules().items()}
+    defined = {name: _private_attributes(tree) for name, tree in trees.items()}
+    out = []
+    for name, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                if node.attr in defined[name]:
+                    continue
+                owners = sorted(m for m, attrs in defined.items() if m != name and node.attr in attrs)
+                if owners:
+                    out.append((name, node.lineno, node.attr, owners))
+    return out
+
+
+def test_no_private_attribute_crosses_modules():
+    bad = [f"{src}:{line} uses .{attr}, a private attribute of {', '.join(owners)}"
+           for src, line, attr, owners in private_attribute_uses()]
+    assert not bad, "\n".join(bad)
+
+
 def test_no_private_name_crosses_modules():
     bad = [f"{src}:{line} imports {name} from {dst}" for src, dst, name, line in import_edges()
            if name and name.startswith("_") and not name.startswith("__") and src != dst]
     assert not bad, "\n".join(bad)
 
 
-@pytest.mark.parametrize("module", ["field", "transport", "heads", "solvers.particle", "solvers.parts",
-                                    "solvers.layernorm"])
+@pytest.mark.parametrize("module", ["model.field", "model.transport", "model.heads", "solvers.particle",
+                                    "solvers.parts", "solvers.layernorm", "solvers.lbfgs", "solvers.jko_lagrangian",
+                                    "solvers.jko_eulerian"])
 def test_internal_api_is_named_and_exists(module):
     import importlib
 
@@ -128,17 +205,27 @@ def test_internal_api_is_named_and_exists(module):
 
 
 def test_checker_sees_a_cycle_and_a_private_import(tmp_path, monkeypatch):
-    """The checks can fail: a fake heads module that imports the solver and a private name is caught."""
+    """The checks can fail: a fake heads module that imports the solver, a private name and a private
+    attribute of another module is caught, and so is a module at the package root."""
     fake = tmp_path / "transformer_pde"
-    (fake / "solvers").mkdir(parents=True)
+    for sub in ("model", "solvers"):
+        (fake / sub).mkdir(parents=True)
+        (fake / sub / "__init__.py").write_text("")
     (fake / "__init__.py").write_text("")
-    (fake / "solvers" / "__init__.py").write_text("")
-    (fake / "solvers" / "particle.py").write_text("from ..heads import Heads\n")
-    (fake / "heads.py").write_text("def f():\n    from .solvers.particle import _WeightDriver\n")
+    (fake / "solvers" / "particle.py").write_text("from ..model.heads import Heads\n\n\ndef g(h):\n    return h._ref\n")
+    (fake / "model" / "heads.py").write_text("def f():\n    from ..solvers.particle import _WeightDriver\n\n\n"
+                                             "class Heads:\n    _ref = None\n")
+    (fake / "stray.py").write_text("")
     monkeypatch.setattr(__import__(__name__), "PKG", fake)
     edges = import_edges()
-    assert ("transformer_pde.heads", "transformer_pde.solvers.particle", "_WeightDriver", 2) in edges
+    assert ("transformer_pde.model.heads", "transformer_pde.solvers.particle", "_WeightDriver", 2) in edges
     with pytest.raises(AssertionError, match="heads:2 imports transformer_pde.solvers.particle"):
         test_imports_flow_downwards_only()
+    with pytest.raises(AssertionError, match="heads:2 imports transformer_pde.solvers.particle .solvers is above model"):
+        test_subpackages_import_downwards_only()
     with pytest.raises(AssertionError, match="imports _WeightDriver"):
         test_no_private_name_crosses_modules()
+    with pytest.raises(AssertionError, match=r"particle:5 uses \._ref, a private attribute of transformer_pde.model.heads"):
+        test_no_private_attribute_crosses_modules()
+    with pytest.raises(AssertionError, match="stray.py"):
+        test_every_module_lives_in_a_subpackage()

@@ -1,7 +1,7 @@
 """Attention kernels: every backend against an independent dense oracle, memory, backend choice.
 
 The oracle below forms the full (..., H, n, m) score tensor and uses torch.logsumexp /
-torch.softmax — the textbook formulas, sharing no code with transformer_pde.attention.
+torch.softmax — the textbook formulas, sharing no code with transformer_pde.model.attention.
 """
 
 import math
@@ -11,8 +11,8 @@ import torch
 
 import transformer_pde as tp
 from transformer_pde import attention
-from transformer_pde.energy import ito_correction, pairing
-from transformer_pde.field import evaluate
+from transformer_pde.model.energy import ito_correction, pairing
+from transformer_pde.model.field import evaluate
 
 NO_GRAD_BACKENDS = ["dense", "chunked", "sdpa"]
 

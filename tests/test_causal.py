@@ -2,7 +2,7 @@
 
 The oracle below forms the full (..., H, n, n) score tensor, masks it with -inf above the
 diagonal and renormalises the token weights over the prefix with torch.logsumexp /
-torch.softmax — loop-free, sharing no code with transformer_pde.attention.
+torch.softmax — loop-free, sharing no code with transformer_pde.model.attention.
 """
 
 import json
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import transformer_pde as tp
-from transformer_pde.field import evaluate
+from transformer_pde.model.field import evaluate
 
 BACKENDS = ["dense", "chunked", "sdpa"]
 
@@ -223,7 +223,7 @@ def test_bad_input():
 
 # ---------------------------------------------------------------------------- the study
 def test_merge_times_and_spearman_against_independent_code():
-    from transformer_pde.studies import causal as cs
+    from transformer_pde.application.studies import causal as cs
 
     e = torch.eye(3, dtype=torch.float64)
     far = torch.nn.functional.normalize(torch.tensor([1.0, 1.0, 1.0], dtype=torch.float64), dim=0)
@@ -248,7 +248,7 @@ def test_merge_times_and_spearman_against_independent_code():
 
 
 def test_causal_study_runs_and_resumes(tmp_path):
-    from transformer_pde.runs import execute
+    from transformer_pde.application.runs import execute
 
     cfg = {"kind": "causal_clustering", "name": "c",
            "params": {"n": 6, "heads": 1, "t1": 0.4, "dt": 0.1, "paths": 2, "regimes": ["ou"], "figures": False,

@@ -11,8 +11,8 @@ import torch
 
 import transformer_pde
 from transformer_pde import studies, threads
-from transformer_pde.cli import build_parser, main as cli_main
-from transformer_pde.studies import Option, Study, positive
+from transformer_pde.application.cli import build_parser, main as cli_main
+from transformer_pde.application.studies import Option, Study, positive
 
 
 def _register(monkeypatch, kind, fn):
@@ -56,7 +56,7 @@ def test_list_refuses_an_unknown_kind_before_printing(capsys):
 
 
 def test_list_shows_shipped_config_names(capsys):
-    from transformer_pde.resources import config_names
+    from transformer_pde.utils.resources import config_names
 
     assert cli_main(["list"]) == 0
     out = capsys.readouterr().out
@@ -80,8 +80,8 @@ def test_a_shipped_config_is_found_by_name(tmp_path, capsys, monkeypatch):
 
 def test_results_on_stdout_messages_on_stderr_and_verbosity(monkeypatch, tmp_path, capsys):
     def study(params, run):
-        logging.getLogger("transformer_pde.studies.fake").info("segment done: one")
-        logging.getLogger("transformer_pde.studies.fake").debug("a debug detail")
+        logging.getLogger("transformer_pde.application.studies.fake").info("segment done: one")
+        logging.getLogger("transformer_pde.application.studies.fake").debug("a debug detail")
         return {"n": params["n"]}
 
     _register(monkeypatch, "_t_cli", study)
@@ -165,7 +165,7 @@ def test_interrupt_in_a_series_names_the_resume_command_and_what_did_not_start(m
 
 
 def test_exit_codes_are_in_the_help_epilog(capsys):
-    from transformer_pde.cli import EXIT_CODES
+    from transformer_pde.application.cli import EXIT_CODES
 
     assert cli_main(["--help"]) == 0
     out = capsys.readouterr().out

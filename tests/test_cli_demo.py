@@ -4,11 +4,11 @@ import json
 import subprocess
 import sys
 
-from transformer_pde.cli import main
+from transformer_pde.application.cli import main
 
 
 def test_help_runs_as_a_console_script():
-    out = subprocess.run([sys.executable, "-m", "transformer_pde.cli", "--help"], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "transformer_pde.application.cli", "--help"], capture_output=True, text=True)
     assert out.returncode == 0
     assert "run" in out.stdout and "demo" in out.stdout
 

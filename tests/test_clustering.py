@@ -1,4 +1,4 @@
-"""Cluster statistics and plateau detection against closed forms (transformer_pde.clustering),
+"""Cluster statistics and plateau detection against closed forms (transformer_pde.analysis.clustering),
 and the clustering studies (phase_diagram, metastability) end to end on tiny configs."""
 
 import inspect
@@ -274,7 +274,7 @@ def _tiny_phase(**kw):
 
 
 def test_phase_diagram_study_runs_resumes_and_compares_with_theory(tmp_path):
-    from transformer_pde.runs import execute
+    from transformer_pde.application.runs import execute
 
     path = execute(_tiny_phase(), out_dir=tmp_path, progress=False)
     m = json.loads((path / "metrics.json").read_text())
@@ -292,7 +292,7 @@ def test_phase_diagram_study_runs_resumes_and_compares_with_theory(tmp_path):
 
 
 def test_phase_diagram_resumes_a_killed_segment_exactly(tmp_path):
-    from transformer_pde.runs import execute
+    from transformer_pde.application.runs import execute
 
     class Kill(Exception):
         pass
@@ -315,7 +315,7 @@ def test_phase_diagram_resumes_a_killed_segment_exactly(tmp_path):
 
 
 def test_study_configs_refuse_bad_values(tmp_path):
-    from transformer_pde.runs import load_config
+    from transformer_pde.application.runs import load_config
 
     with pytest.raises(ValueError, match="betas"):
         load_config({"kind": "phase_diagram", "params": {"betas": [2.0, 1.0]}})
@@ -332,7 +332,7 @@ def test_study_configs_refuse_bad_values(tmp_path):
 
 @pytest.mark.slow
 def test_metastability_study_with_figures(tmp_path):
-    from transformer_pde.runs import execute
+    from transformer_pde.application.runs import execute
 
     cfg = {"kind": "metastability", "name": "ms", "params": {"n": 12, "systems": 2, "t1": 20.0, "dt": 0.2,
                                                              "record_every": 2}}

@@ -1,10 +1,10 @@
-"""transformer_pde.diagnostics is the established name of transformer_pde.theory.particles (the
+"""transformer_pde.analysis.diagnostics is the established name of transformer_pde.analysis.theory.particles (the
 particle diagnostics, tested in tests/test_theory_particles.py): the same objects under both names,
 all of theory.particles' public names exported, and tp.diagnostics the same module."""
 
 import transformer_pde as tp
 from transformer_pde import diagnostics
-from transformer_pde.theory import particles
+from transformer_pde.analysis.theory import particles
 
 
 def test_diagnostics_exports_the_particle_diagnostics_themselves():

@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 
 import transformer_pde as tp
 from transformer_pde import distributed as tpd
-from transformer_pde.field import evaluate
+from transformer_pde.model.field import evaluate
 
 TOL = dict(rtol=0.0, atol=1e-12)
 N, D, H = 9, 3, 3  # 9 tokens: uneven shards 5 + 4 over two ranks

@@ -53,9 +53,9 @@ def test_every_submodule_all_is_covered(api):
     :members:) or on the single page of the same object elsewhere, which the module page links."""
     plan = apigen.plan()
     modules = apigen.public_modules()
-    for required in ("transformer_pde.theory", "transformer_pde.diagnostics", "transformer_pde.clustering",
-                     "transformer_pde.ensembles", "transformer_pde.processes", "transformer_pde.solvers.particle",
-                     "transformer_pde.solvers.jko", "transformer_pde.sphere", "transformer_pde.transport"):
+    for required in ("transformer_pde.analysis.theory", "transformer_pde.analysis.diagnostics", "transformer_pde.analysis.clustering",
+                     "transformer_pde.analysis.ensembles", "transformer_pde.processes.weights", "transformer_pde.solvers.particle",
+                     "transformer_pde.solvers.jko", "transformer_pde.model.sphere", "transformer_pde.model.transport"):
         assert required in modules, required
     pages = {p.stem: p.read_text() for p in api.glob("*.rst")}
     generated = {p.stem for p in (api / "generated").glob("*.rst")}

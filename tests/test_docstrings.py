@@ -116,7 +116,7 @@ _WITH_EXAMPLES = [m for m in _modules() if _doctests(m)]
 
 def test_doctests_are_collected():
     # the examples exist where the docs promise them (the package docstring, the sphere, nn, ...)
-    for m in ("transformer_pde", "transformer_pde.sphere", "transformer_pde.nn", "transformer_pde.theory"):
+    for m in ("transformer_pde", "transformer_pde.model.sphere", "transformer_pde.processes.nn", "transformer_pde.analysis.theory"):
         assert m in _WITH_EXAMPLES, m
 
 

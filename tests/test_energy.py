@@ -1,4 +1,4 @@
-"""transformer_pde.energy: E, E_h, log E, δE/δμ, ∂_tE, the Itô term, the quadratic variation and the
+"""transformer_pde.model.energy: E, E_h, log E, δE/δμ, ∂_tE, the Itô term, the quadratic variation and the
 overflow contract, against the formulas of docs/model.md#energy.
 
 Every expected value is recomputed here with dense sums over all pairs of tokens, by autograd of the
@@ -26,7 +26,7 @@ import transformer_pde as tp
 from conftest import gen
 from problems import naive_energy, naive_ito, naive_pairing, random_weights
 
-en = importlib.import_module("transformer_pde.energy")  # the module: tp.energy is the function
+en = importlib.import_module("transformer_pde.model.energy")  # the module: tp.energy is the function
 
 F64 = torch.float64
 

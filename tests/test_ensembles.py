@@ -1,4 +1,4 @@
-"""Ensembles (transformer_pde.ensembles): the laws of the random heads, and an ensemble of B
+"""Ensembles (transformer_pde.analysis.ensembles): the laws of the random heads, and an ensemble of B
 systems in one call equal to B separate calls."""
 
 import math

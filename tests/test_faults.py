@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from transformer_pde.cli import main as cli_main
-from transformer_pde.runs import LOCK_FILE, execute
+from transformer_pde.application.cli import main as cli_main
+from transformer_pde.application.runs import LOCK_FILE, execute
 
 ROOT = Path(__file__).resolve().parent.parent
 PARAMS = {"n": 16, "heads": [1, 3], "paths": 2, "t1": 0.2, "dt": 0.02, "t_avg": 0.05, "record_every": 2,
@@ -35,8 +35,8 @@ PARAMS = {"n": 16, "heads": [1, 3], "paths": 2, "t1": 0.2, "dt": 0.02, "t_avg": 
 HARNESS = r'''
 import os, signal, sys, time
 from pathlib import Path
-import transformer_pde.runs as runs
-from transformer_pde.cli import main
+import transformer_pde.application.runs as runs
+from transformer_pde.application.cli import main
 
 mode, tag, step, flag = sys.argv[1], sys.argv[2], int(sys.argv[3]), Path(sys.argv[4])
 real = runs.execute
@@ -142,7 +142,7 @@ def _fork_and_kill(point, cli_args):
     ctx = multiprocessing.get_context("fork")
 
     def child():
-        import transformer_pde.runs as runs
+        import transformer_pde.application.runs as runs
 
         real = runs.execute
 

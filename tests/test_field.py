@@ -246,7 +246,7 @@ def test_pairing_reuses_its_moment_only_for_the_same_tokens_and_statistics():
     after the tokens change in place (the kept moment must not be used) and on other weights."""
     import importlib
 
-    energy_mod = importlib.import_module("transformer_pde.energy")
+    energy_mod = importlib.import_module("transformer_pde.model.energy")
     x = sphere.sample_uniform(9, 3, generator=gen(11), dtype=torch.float64)
     A = torch.randn(4, 3, 3, generator=gen(12), dtype=torch.float64)
     A = A + A.transpose(-1, -2)
@@ -306,7 +306,7 @@ def test_first_heads_and_step_import_no_sympy():
 
 
 def test_broadcast_shapes_matches_torch():
-    from transformer_pde.heads import broadcast_shapes
+    from transformer_pde.model.heads import broadcast_shapes
 
     for shapes in [((2, 1), (1, 3)), ((), (4,)), ((5, 1, 3), (2, 1)), ((0,), (1,)), (torch.Size([3, 1]), (3, 4)), ()]:
         assert broadcast_shapes(*shapes) == torch.broadcast_shapes(*shapes)

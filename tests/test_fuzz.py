@@ -2,7 +2,7 @@
 
 The contract, for every input the strategies below generate:
 
-* (a) the config loader ``transformer_pde.runs.load_config`` — given generated TOML *documents*
+* (a) the config loader ``transformer_pde.application.runs.load_config`` — given generated TOML *documents*
   (wrong types, lists and tables where scalars belong, integers beyond int64, NaN/inf floats,
   unicode, a UTF-8 BOM, NUL bytes, invalid UTF-8, unknown keys, truncated text) and generated
   ``-o key=value`` overrides — either returns a config whose every value is finite and strictly
@@ -16,7 +16,7 @@ The contract, for every input the strategies below generate:
   step and quantity) is accepted only for inputs flagged ``overflow_ok``: β·‖A‖ ≥ 30 (the
   kernel e^{β⟨Ax, y⟩} leaves the float32 range at β⟨Ax, y⟩ ≈ 88) — never for moderate inputs.
   :class:`tp.JKOConvergenceError` is accepted for ``strict=True`` only (its documented use).
-* (c) the command line ``transformer_pde.cli.main(["run", CONFIG, "--out", OUT, "-o", ...])``, run
+* (c) the command line ``transformer_pde.application.cli.main(["run", CONFIG, "--out", OUT, "-o", ...])``, run
   in-process from a temporary working directory with a fuzzed override, returns one of its
   documented exit codes (0 done, 2 refused, 1 I/O error, 3 NaN/inf) without raising, writes
   nothing outside ``OUT/NAME`` (the working directory and the config's folder are compared before
@@ -194,7 +194,7 @@ def _check_config(cfg):
 
 
 def _config_props(data, overrides, tmp):
-    from transformer_pde.runs import load_config
+    from transformer_pde.application.runs import load_config
 
     path = Path(tmp) / "config.toml"
     path.write_bytes(data)
@@ -229,7 +229,7 @@ python_values = st.one_of(values, st.sampled_from([None, (1, 2), {1, 2}, b"bytes
 def test_config_dict_contract(kind, params, top):
     """load_config(dict): Python objects that TOML cannot even express (None, tuples, sets, bytes,
     complex, tensors) are refused with ValueError / TypeError too."""
-    from transformer_pde.runs import load_config
+    from transformer_pde.application.runs import load_config
 
     cfg = contract("load_config[dict]", lambda: load_config({"kind": kind, "params": params, **top}))
     if cfg is not None:
@@ -628,7 +628,7 @@ def _snapshot(root: Path):
 
 
 def _cli_props(pairs, tmp: Path):
-    from transformer_pde.cli import main
+    from transformer_pde.application.cli import main
 
     (tmp / "cfg").mkdir()
     cfg = tmp / "cfg" / "tiny.toml"
@@ -687,7 +687,7 @@ def test_cli_writes_only_its_run_directory_slow(pairs):
 def test_a_kind_that_is_not_a_string_is_refused(kind, tmp_path):
     """Found by test_config_dict_contract (and issue 21): a TOML kind that is a list gave TypeError
     "unhashable type: 'list'" from the registry lookup."""
-    from transformer_pde.runs import load_config
+    from transformer_pde.application.runs import load_config
 
     with pytest.raises(ValueError, match="kind.? must be a string"):
         load_config({"kind": kind})

@@ -6,7 +6,7 @@ paper's oscillating heads, which share one phase (a bug of the original script);
 per head (F(t + 2πh/H)) the decay comes back.
 
 Reduced configuration (the study's model, seeds and fitting functions from
-transformer_pde.studies.paper): n = 12 octahedral tokens, H ∈ {1, 4, 16}, Euler dt = 0.1 to
+transformer_pde.application.studies.paper): n = 12 octahedral tokens, H ∈ {1, 4, 16}, Euler dt = 0.1 to
 t1 = 20, time average over t ≥ 10 (after the OU heads have relaxed from D(0) = Z + Zᵀ), 8 OU
 paths (noise seed noise_seed + H + seed, so that the token seed also changes the noise), 95 % percentile-bootstrap interval over paths (2000 resamples).  Measured offline for
 seeds 0–3 (b_OU and its interval; b shared; b per head):
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 import transformer_pde as tp
-from transformer_pde.studies.paper import OPTIONS, initial_heads, initial_tokens, power_law_intervals, time_average
+from transformer_pde.application.studies.paper import OPTIONS, initial_heads, initial_tokens, power_law_intervals, time_average
 
 HEADS = [1, 4, 16]
 CONFIG = dict(n=12, seed=1, t1=20.0, dt=0.1, t_avg=10.0, paths=8, noise_seed=2000)

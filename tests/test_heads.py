@@ -1,4 +1,4 @@
-"""transformer_pde.heads: the Heads container (docs/model.md#heads): its builders against the formulas
+"""transformer_pde.model.heads: the Heads container (docs/model.md#heads): its builders against the formulas
 they document (symmetric, scalar, random, from_qkv), defaults (ω = 1/H, tied values), batch-shape
 broadcasting, the symmetry flag (reference, known_symmetric, is_symmetric, assume_symmetric, replace),
 transforms and the refusal of bad input."""

@@ -386,7 +386,7 @@ TINY = {"kind": "jko_vs_particles", "name": "tiny", "params": {
 
 
 def test_study_writes_series_metrics_figure_and_resumes(tmp_path, monkeypatch):
-    from transformer_pde.runs import execute
+    from transformer_pde.application.runs import execute
     import json
 
     path = execute(TINY, out_dir=tmp_path, progress=False)
@@ -409,7 +409,7 @@ def test_study_writes_series_metrics_figure_and_resumes(tmp_path, monkeypatch):
 
 
 def test_study_refuses_inconsistent_steps(tmp_path):
-    from transformer_pde.runs import execute
+    from transformer_pde.application.runs import execute
 
     bad = {**TINY, "params": {**TINY["params"], "taus": [0.03]}}
     with pytest.raises(ValueError, match="multiple of ref_dt"):

@@ -17,7 +17,7 @@ from torch.testing import assert_close
 import transformer_pde as tp
 from conftest import gen
 from problems import fit_slope
-from transformer_pde.energy import choose_log_scale
+from transformer_pde.model.energy import choose_log_scale
 
 LARGE = {torch.float32: 500.0, torch.float64: 5000.0}
 

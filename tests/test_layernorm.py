@@ -373,7 +373,7 @@ def test_cluster_statistics_separate_thresholds():
 def test_fused_update_equals_evaluate(dtype):
     """The tokens-only fast path of the layer maps (one fused pass) against field.evaluate: token weights,
     head batch shapes, β tensors, both directions; large β‖A‖ falls back (None)."""
-    from transformer_pde.field import evaluate
+    from transformer_pde.model.field import evaluate
     from transformer_pde.solvers.layernorm import FusedUpdate
 
     X, BF, V = _peer_problem(dtype, batch=3, n=7, d=4, H=3, seed=11)
@@ -396,7 +396,7 @@ def test_fused_update_in_blocks_of_systems_equals_evaluate(dtype, monkeypatch):
     """The blocked pass (systems in cache-sized blocks; the block made tiny here so that every batch is
     split, with a remainder) against field.evaluate: batched and unbatched heads, token weights
     broadcast over a second batch axis, a β per system; and against the unblocked pass."""
-    from transformer_pde.field import evaluate
+    from transformer_pde.model.field import evaluate
     from transformer_pde.solvers import layernorm
     from transformer_pde.solvers.layernorm import FusedUpdate
 
@@ -423,7 +423,7 @@ def test_rotf_phase_diagram_study_records_the_peers_statistics(tmp_path):
     recorded series equal the statistics recomputed from a direct simulate of the same ensemble."""
     import json
 
-    from transformer_pde.runs import execute
+    from transformer_pde.application.runs import execute
 
     p = {"regimes": ["constant"], "betas": [1.0, 6.0], "n": 8, "d": 2, "systems": 3, "t1": 3.0, "dt": 0.1,
          "record_every": 10, "layer_norm": "post", "pair_eps": 1e-3, "count_eps": 1e-4, "count": "gram_rank",
@@ -451,7 +451,7 @@ def test_layer_norm_rates_study_fits_the_post_ln_rate(tmp_path):
     fitted rate 2·log(1/(1 + Δt))/Δt, → −2 as Δt → 0; pre-LN decays more slowly (a power)."""
     import json
 
-    from transformer_pde.runs import execute
+    from transformer_pde.application.runs import execute
 
     p = {"schemes": ["post", "pre"], "n": 6, "d": 3, "draws": 4, "t1": 12.0, "dt": 0.1, "record_every": 2,
          "figures": False}
@@ -471,7 +471,7 @@ def test_s1_mode_rates_against_quadrature_and_the_literature_counts():
     mode is 3 at β = 5 and 4 at β = 7 (Bruno–Pasqualotto–Agazzi)."""
     import numpy as np
 
-    from transformer_pde.studies.clustering import s1_mode_rates
+    from transformer_pde.application.studies.clustering import s1_mode_rates
 
     th = np.linspace(0.0, math.pi, 20001)
     for beta in (2.0, 5.0, 7.0):

@@ -13,7 +13,7 @@ import torch
 
 from transformer_pde.solvers.layernorm import Projected
 from transformer_pde.solvers.lbfgs import TRUST_RADIUS, minimize
-from transformer_pde.sphere import normalize, sample_uniform, tangent_projection
+from transformer_pde.model.sphere import normalize, sample_uniform, tangent_projection
 from conftest import gen
 
 DTYPES = [torch.float32, torch.float64]

@@ -1,4 +1,4 @@
-"""transformer_pde.mobility: the mobilities m_h, b, the metric slope 𝒢², the dissipation 𝒟 and
+"""transformer_pde.model.mobility: the mobilities m_h, b, the metric slope 𝒢², the dissipation 𝒟 and
 scaled_diagnostics against the dense formulas of docs/model.md#mobility, and their overflow errors
 (several of these tests guard survivors of the mutation pass, docs/MUTATION_REPORT.md):
 
@@ -19,7 +19,7 @@ from torch.testing import assert_close
 import transformer_pde as tp
 from conftest import gen
 from problems import naive_energy
-from transformer_pde.mobility import scaled_diagnostics
+from transformer_pde.model.mobility import scaled_diagnostics
 
 F64 = torch.float64
 

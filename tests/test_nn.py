@@ -1,4 +1,4 @@
-"""transformer_pde.nn: attention_matrix against the dense softmax formula (factors, key weights, other
+"""transformer_pde.processes.nn: attention_matrix against the dense softmax formula (factors, key weights, other
 keys, a batch of β), attention_modules' traversal of torch models, residual_attention_step's
 normalised residual, and their refusals.  The comparisons with torch.nn.MultiheadAttention itself are in
 tests/test_training.py."""

@@ -268,7 +268,7 @@ def test_noisy_transition_study_runs(tmp_path):
     """The study end to end on a tiny configuration: metrics with the closed forms, figures with captions."""
     import json
 
-    from transformer_pde.cli import main as cli_main
+    from transformer_pde.application.cli import main as cli_main
 
     small = ["ns=[60]", "ns_high_d=[40]", "dims=[2, 3]", "ratios=[0.5, 2.0]", "t1=2.0", "sus_n=60",
              "sus_ratios=[2.0]", "sus_t1=2.0", "sus_paths=2", "rate_n=200", "rate_t1=0.5", "rate_paths=2",

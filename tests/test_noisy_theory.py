@@ -1,4 +1,4 @@
-"""The linear stability theory of the uniform measure for noisy tokens (transformer_pde.theory.noise).
+"""The linear stability theory of the uniform measure for noisy tokens (transformer_pde.analysis.theory.noise).
 
 Oracles: scipy.integrate.quad of the Funk–Hecke integral; the library's own velocity field on a
 quadrature grid carrying a perturbed uniform density (an independent computation of the
@@ -15,7 +15,7 @@ from scipy.integrate import quad
 from scipy.special import eval_gegenbauer, iv
 
 import transformer_pde as tp
-from transformer_pde.theory import noise as tn
+from transformer_pde.analysis.theory import noise as tn
 
 
 def _fh_quad(a, d, ell):

@@ -1,4 +1,4 @@
-"""The attention normalisations (transformer_pde.normalization): every property an object states is
+"""The attention normalisations (transformer_pde.model.normalization): every property an object states is
 checked against what the field, the solvers and the theory modules do with it.
 
     overflow      "kernel" ⇔ the field overflows float32 at β‖A‖ = 200 while "none" stays finite
@@ -22,7 +22,7 @@ from torch.testing import assert_close
 import transformer_pde as tp
 from conftest import gen
 from transformer_pde import normalization as N
-from transformer_pde.field import evaluate
+from transformer_pde.model.field import evaluate
 
 F64 = torch.float64
 ALL = [N.Softmax(), N.Unnormalized(), N.ReLU(), N.Effective()]
@@ -43,9 +43,10 @@ def _field(x, heads, norm, **kw):
 
 
 def test_names_objects_and_validation_agree():
-    from transformer_pde import _validation
+    from transformer_pde.model import field, mobility
+    from transformer_pde.solvers import particle
 
-    assert _validation.NORMALIZATIONS is N.NORMALIZATIONS
+    assert field.NORMALIZATIONS is mobility.NORMALIZATIONS is particle.NORMALIZATIONS is N.NORMALIZATIONS
     assert N.NORMALIZATIONS == tuple(n.name for n in ALL)
     for obj in ALL:
         assert N.normalization(obj.name) == obj and N.normalization(obj) is obj and str(obj) == obj.name

@@ -17,7 +17,7 @@ from torch.testing import assert_close
 
 import transformer_pde as tp
 from conftest import gen
-from transformer_pde.mobility import scaled_diagnostics
+from transformer_pde.model.mobility import scaled_diagnostics
 from problems import (
     integrate,
     log_sinkhorn_ot,
@@ -170,7 +170,7 @@ def test_realised_quadratic_variation_is_half_the_second_derivative(batched):
     """energy.quadratic_variation = ½ d²/dε² E(A + εΔN) at ε = 0, the second derivative taken by
     autograd of the naive energy; non-uniform token weights, ω = 1 per head, unbatched tokens
     (n ≠ d) or a batch of two members with their own β (H = 3 ≠ 2)."""
-    from transformer_pde.energy import quadratic_variation
+    from transformer_pde.model.energy import quadratic_variation
 
     x, heads, w, om = _case()
     A = heads.score

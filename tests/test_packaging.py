@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from transformer_pde.resources import tomllib
+from transformer_pde.utils.resources import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "transformer_pde"
@@ -185,7 +185,7 @@ def test_resources_fall_back_to_tomli(tmp_path):
     name tomli).  resources.py is loaded on its own (no torch import) and parses every config."""
     code = _HIDE_TOMLLIB + (
         "import importlib.util\n"
-        f"spec = importlib.util.spec_from_file_location('resources_alone', {str(PKG / 'resources.py')!r})\n"
+        f"spec = importlib.util.spec_from_file_location('resources_alone', {str(PKG / 'utils' / 'resources.py')!r})\n"
         "R = importlib.util.module_from_spec(spec); spec.loader.exec_module(R)\n"
         "assert R.tomllib is parser\n"
         f"import pathlib; files = sorted(pathlib.Path({str(ROOT / 'experiments')!r}).glob('*.toml'))\n"
@@ -200,11 +200,11 @@ def test_import_everything_without_tomllib(tmp_path):
     """The whole package with tomllib hidden: every module imports, every config resolves."""
     code = _HIDE_TOMLLIB + (
         "import importlib, pkgutil\n"
-        "import transformer_pde, transformer_pde.resources as R\n"
+        "import transformer_pde, transformer_pde.utils.resources as R\n"
         "assert R.tomllib is parser\n"
         "for m in pkgutil.walk_packages(transformer_pde.__path__, 'transformer_pde.'):\n"
         "    importlib.import_module(m.name)\n"
-        "from transformer_pde.runs import load_config\n"
+        "from transformer_pde.application.runs import load_config\n"
         "names = R.config_names()\n"
         "for n in names: load_config(R.config_path(n))\n"
         "print(len(names))\n")
@@ -302,7 +302,7 @@ def test_wheel_ships_modules_configs_and_py_typed(wheel):
     assert any(r.startswith("scipy") for r in requires)
     assert any(r.startswith("tomli") and 'python_version < "3.11"' in r for r in requires)
     assert meta.get("License-Expression") == "MIT"
-    assert "transformer-pde = transformer_pde.cli:main" in entry_points
+    assert "transformer-pde = transformer_pde.application.cli:main" in entry_points
 
 
 @pytest.mark.slow
@@ -328,7 +328,7 @@ def test_wheel_in_fresh_venv_runs_a_config_by_name(wheel, tmp_path):
     # the system pip (visible through --system-site-packages) installs into the venv's prefix;
     # --ignore-installed: the checkout's editable install must not count as "already satisfied"
     run(py, "-m", "pip", "install", "--no-deps", "--no-index", "--ignore-installed", "-q", wheel)
-    where = run(py, "-c", "import transformer_pde as t, transformer_pde.resources as r; "
+    where = run(py, "-c", "import transformer_pde as t, transformer_pde.utils.resources as r; "
                           "print(t.__file__); print(r.config_dir())").split()
     site = run(py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])").strip()
     assert Path(where[0]).resolve().is_relative_to(Path(site).resolve()), where  # not the editable checkout
@@ -350,3 +350,31 @@ def test_wheel_in_fresh_venv_runs_a_config_by_name(wheel, tmp_path):
     assert cfg["params"]["seed"] == shipped["params"]["seed"]  # the rest comes from the shipped file
     assert json.loads((run_dir / "status.json").read_text())["state"] == "complete"
     assert {"b_ou", "b_oscillating"} <= set(json.loads((run_dir / "metrics.json").read_text()))
+
+
+def test_old_module_paths_keep_working():
+    """The root modules moved into the layer sub-packages; their old dotted paths still import the same
+    module objects (one copy: patches and isinstance checks agree), and ``python -m`` of an old path runs."""
+    import transformer_pde as tp
+
+    code = (
+        "import importlib, sys\n"
+        "import transformer_pde as tp\n"
+        f"moved = {dict(tp._MOVED)!r}\n"
+        "for old, new in moved.items():\n"
+        "    a = importlib.import_module('transformer_pde.' + old)\n"
+        "    b = importlib.import_module('transformer_pde.' + new)\n"
+        "    assert a is b, (old, a.__name__, b.__name__)\n"
+        "from transformer_pde.theory.noise import critical_temperature\n"
+        "from transformer_pde.processes import WeightDriver, OrnsteinUhlenbeck\n"
+        "import transformer_pde.studies.paper as p1, transformer_pde.application.studies.paper as p2\n"
+        "assert p1 is p2 and critical_temperature is tp.theory.critical_temperature\n"
+        "assert WeightDriver.__module__ == 'transformer_pde.processes.weights'\n"
+        "copies = [m for m in sys.modules if m.startswith('transformer_pde.')]\n"
+        "assert len({id(sys.modules[m]) for m in copies}) == len({sys.modules[m].__name__ for m in copies})\n"
+        "print('ok')\n")
+    assert _run_python(code, ROOT).split()[-1] == "ok"  # the checkout's package
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([sys.executable, "-m", "transformer_pde.cli", "list"], capture_output=True, text=True,
+                       cwd=ROOT, env=env, timeout=300)
+    assert r.returncode == 0 and "experiment kinds" in r.stdout, r.stderr[-2000:]

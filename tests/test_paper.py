@@ -1,4 +1,4 @@
-"""The paper's OU-vs-oscillating study (transformer_pde/studies/paper.py).
+"""The paper's OU-vs-oscillating study (transformer_pde/application/studies/paper.py).
 
 What is checked, and against what:
 * the quick config runs end to end (shrunk by overrides) and writes every figure and metric file,
@@ -34,9 +34,9 @@ import pytest
 import torch
 
 import transformer_pde as tp
-from transformer_pde.cli import main as cli_main
-from transformer_pde.runs import execute, load_config
-from transformer_pde.studies.paper import fit_power_law, power_law_intervals, time_average
+from transformer_pde.application.cli import main as cli_main
+from transformer_pde.application.runs import execute, load_config
+from transformer_pde.application.studies.paper import fit_power_law, power_law_intervals, time_average
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICK = ROOT / "experiments" / "ou_vs_oscillating_quick.toml"
@@ -164,16 +164,16 @@ def test_quick_config_end_to_end(tmp_path, capsys):
 
 
 def test_segment_lines_go_through_logging(tmp_path, caplog):
-    caplog.set_level(logging.INFO, logger="transformer_pde.studies.paper")
+    caplog.set_level(logging.INFO, logger="transformer_pde.application.studies.paper")
     cfg = _cfg(heads=[1], regimes=["oscillating", "ou"])
     execute(cfg, out_dir=tmp_path, progress=False)
-    msgs = [r.getMessage() for r in caplog.records if r.name == "transformer_pde.studies.paper"]
+    msgs = [r.getMessage() for r in caplog.records if r.name == "transformer_pde.application.studies.paper"]
     assert any(m.startswith("[oscillating_H1] segment 1/2 running") for m in msgs), msgs
     assert any(m.startswith("[ou_H1] done in") for m in msgs), msgs
-    assert all(r.levelno == logging.INFO for r in caplog.records if r.name == "transformer_pde.studies.paper")
+    assert all(r.levelno == logging.INFO for r in caplog.records if r.name == "transformer_pde.application.studies.paper")
     caplog.clear()
     execute(cfg, out_dir=tmp_path, progress=False, resume=True)
-    msgs = [r.getMessage() for r in caplog.records if r.name == "transformer_pde.studies.paper"]
+    msgs = [r.getMessage() for r in caplog.records if r.name == "transformer_pde.application.studies.paper"]
     assert "[ou_H1] segment 2/2 already complete, skipped" in msgs, msgs
 
 
@@ -318,7 +318,7 @@ def test_sigkill_and_resume_from_cli(tmp_path):
             "checkpoint_every=20", "figures=false", "device='cpu'"]
     args = ["run", str(QUICK), "--no-progress", *sum([["-o", o] for o in over], [])]
     assert cli_main([*args, "--out", str(tmp_path / "a")]) == 0
-    cmd = [sys.executable, "-m", "transformer_pde.cli", *args, "--out", str(tmp_path / "b")]
+    cmd = [sys.executable, "-m", "transformer_pde.application.cli", *args, "--out", str(tmp_path / "b")]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     run = tmp_path / "b" / "ou_vs_oscillating_quick"
     ckpt = run / "checkpoints" / "ou_H6.ckpt"

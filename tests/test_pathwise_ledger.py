@@ -15,7 +15,7 @@ from torch.testing import assert_close
 import transformer_pde as tp
 from conftest import gen
 from problems import fit_slope, naive_ito
-from transformer_pde.energy import quadratic_variation
+from transformer_pde.model.energy import quadratic_variation
 
 DTS = [0.04, 0.02, 0.01, 0.005]
 

@@ -1,4 +1,4 @@
-"""transformer_pde.plotting: what a reader of each figure is told.
+"""transformer_pde.application.plotting: what a reader of each figure is told.
 
 What is checked, and against what:
 * snapshot columns are evenly spaced recorded times (against np.linspace and the nearest

@@ -329,7 +329,7 @@ def test_custom_process_with_a_callable_diffusion():
 def test_euler_step_of_a_custom_process_uses_sigma_at_the_step_time():
     """Euler–Maruyama: noise = σ(t)·√dt·Z with Z the symmetric Gaussian of the generator, σ evaluated at
     the step's own time t (here σ(t) = 0.25 + t at t = 1.5, so 1.75), and A(t+dt) = A + dt·drift + noise."""
-    from transformer_pde.processes import symmetric_noise
+    from transformer_pde.processes.weights import symmetric_noise
     h = tp.Heads.random(2, 3, generator=gen(82), dtype=F64)
     proc = tp.Custom(h, lambda t, A: -A, diffusion=lambda t: 0.25 + t)
     A = h.score_matrix

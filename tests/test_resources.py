@@ -1,4 +1,4 @@
-"""transformer_pde.resources: the shipped configs and TOML reading.  The configs found are the files of
+"""transformer_pde.utils.resources: the shipped configs and TOML reading.  The configs found are the files of
 the source tree's experiments/ (read here with pathlib, independently of the lookup), every one of them
 parses, and a config is found by name, by name.toml, by the README's experiments/ path and by path."""
 

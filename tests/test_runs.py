@@ -1,4 +1,4 @@
-"""Run directories and the `transformer-pde run` command (transformer_pde/runs.py, cli.py).
+"""Run directories and the `transformer-pde run` command (transformer_pde/application/runs.py, cli.py).
 
 Studies registered here are throw-away ones (removed again after each test) so that the
 machinery is tested independently of any experiment: config resolution and overrides,
@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from transformer_pde import studies
-from transformer_pde.cli import main as cli_main
-from transformer_pde.runs import RunDir, atomic_write_text, execute, flatten_metrics, load_config, parse_override
-from transformer_pde.studies import Option, Study, positive
+from transformer_pde.application.cli import main as cli_main
+from transformer_pde.application.runs import RunDir, atomic_write_text, execute, flatten_metrics, load_config, parse_override
+from transformer_pde.application.studies import Option, Study, positive
 
 
 class Boom(Exception):

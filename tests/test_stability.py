@@ -1,4 +1,4 @@
-"""transformer_pde.theory.stability: gronwall_factor's trapezoid integral (exact for piecewise-linear
+"""transformer_pde.analysis.theory.stability: gronwall_factor's trapezoid integral (exact for piecewise-linear
 rates, second order for smooth ones, batched), and the refusals of the stability helpers.  The
 Lipschitz bounds and the fast-weights coefficients are checked against measured ratios and Monte Carlo
 in tests/test_theorems.py."""

@@ -217,7 +217,7 @@ class _Sweep:
         env = dict(os.environ, OMP_NUM_THREADS="1",
                    PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "transformer_pde.cli", "sweep", str(tmp / "long.toml"), "-s", "seed=[0, 1]",
+            [sys.executable, "-m", "transformer_pde.application.cli", "sweep", str(tmp / "long.toml"), "-s", "seed=[0, 1]",
              "--workers", "2", "--threads", "1", "--out", str(tmp / "out"), "--no-progress", "--no-figure", *extra],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
@@ -298,7 +298,7 @@ def test_a_killed_worker_is_a_failed_point_and_results_csv_is_written(tmp_path):
 
 def test_a_sweep_directory_is_locked_like_a_run_directory(tmp_path):
     """Issue 21: two sweeps of one folder ran at once and marked a completed point failed."""
-    from transformer_pde.runs import DirLock, RunLockedError
+    from transformer_pde.application.runs import DirLock, RunLockedError
 
     res = sweep.run_sweep(TINY, ["seed=[0]"], out_dir=tmp_path, name="sw", figure=False)
     lock = DirLock(res.path).acquire()  # another live sweep of this folder
@@ -315,7 +315,7 @@ def test_a_sweep_directory_is_locked_like_a_run_directory(tmp_path):
 
 
 def test_cli_sweep_accepts_shipped_names_and_refuses_cleanly(tmp_path, capsys):
-    from transformer_pde.cli import main as cli_main
+    from transformer_pde.application.cli import main as cli_main
 
     out = tmp_path / "out"
     args = ["-s", "seed=[0]", "-o", "n=4", "-o", "regimes=['ou']", "-o", "figures=false", "--no-progress",

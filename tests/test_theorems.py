@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import transformer_pde as tp
-from transformer_pde.studies.theorems import (common_noise_sde, perturbed_pair, perturbed_weights,
+from transformer_pde.application.studies.theorems import (common_noise_sde, perturbed_pair, perturbed_weights,
                                               riemannian_hessian)
 
 ROOT = Path(__file__).resolve().parent.parent / "experiments"
@@ -259,7 +259,7 @@ STUDIES = {
 
 @pytest.mark.parametrize("kind", list(STUDIES))
 def test_theorem_studies_run_through_the_cli(kind, tmp_path):
-    from transformer_pde.cli import main
+    from transformer_pde.application.cli import main
 
     for cfg in (ROOT / f"{kind}_quick.toml", ROOT / f"{kind}.toml"):
         assert cfg.exists(), cfg
@@ -287,7 +287,7 @@ def test_theorem_studies_run_through_the_cli(kind, tmp_path):
 @pytest.mark.parametrize("kind", ["theorem_stability_data", "theorem_stability_weights"])
 def test_stability_studies_in_float32(kind, tmp_path):
     """float32 resolves ε down to 1e-4 (slopes within 3 % of 1); smaller ε are refused before anything runs."""
-    from transformer_pde.runs import execute
+    from transformer_pde.application.runs import execute
 
     base = ["n=6", "t1=0.4", "dt=0.02", "figures=false", "dtype=\"float32\""]
     extra = ["processes=[\"constant\", \"ou\"]", "uniqueness=false"] if kind == "theorem_stability_data" else []
@@ -310,7 +310,7 @@ def test_stability_studies_in_float32(kind, tmp_path):
     ("theorem_stability_weights", "perturbations=[\"ou\", \"bogus\"]", "distinct values"),
 ])
 def test_bad_configs_are_refused_before_anything_runs(kind, override, match, tmp_path):
-    from transformer_pde.runs import execute
+    from transformer_pde.application.runs import execute
 
     with pytest.raises(ValueError, match=match):
         execute(ROOT / f"{kind}_quick.toml", overrides=[override], out_dir=tmp_path, progress=False)

@@ -598,7 +598,7 @@ def test_theory_studies_run_through_the_cli(kind, tmp_path):
     import json
     from pathlib import Path
 
-    from transformer_pde.runs import execute
+    from transformer_pde.application.runs import execute
 
     root = Path(__file__).resolve().parent.parent / "experiments"
     cfg = root / f"{kind}.toml"

@@ -1,4 +1,4 @@
-"""transformer_pde.theory.particles (``tp.diagnostics``): Pendharkar's particle diagnostics against
+"""transformer_pde.analysis.theory.particles (``tp.diagnostics``): Pendharkar's particle diagnostics against
 independent computations: dense per-batch-element sums, autograd of the naive energy, numpy norms, the
 closed form of critical_beta, a Runge–Kutta loop written here and a reference tp.simulate run.
 Parameters avoid the values at which a slip hides (β ≠ 1, ω not summing to 1, non-uniform token
@@ -17,8 +17,8 @@ from conftest import gen
 from problems import naive_energy, naive_kernel, random_weights
 from transformer_pde import diagnostics as dg
 from transformer_pde import theory
-from transformer_pde.clustering import mean_overlap
-from transformer_pde.theory import particles as tparticles
+from transformer_pde.analysis.clustering import mean_overlap
+from transformer_pde.analysis.theory import particles as tparticles
 
 F64 = torch.float64
 

@@ -1,4 +1,4 @@
-"""The thread policy (transformer_pde.threads): modes, the OMP_NUM_THREADS cap, the load rule,
+"""The thread policy (transformer_pde.utils.threads): modes, the OMP_NUM_THREADS cap, the load rule,
 scope's restore, bad input.  No timing: speed lives in scripts/benchmark_threads.py."""
 
 import math
@@ -213,7 +213,7 @@ def test_usage_books_the_counts_the_loops_ran_with(monkeypatch):
 
 # ---------------------------------------------------------------------------- the paper study's workers
 def _tiny_params(**kw):
-    from transformer_pde.studies import validate_params
+    from transformer_pde.application.studies import validate_params
 
     return validate_params("ou_vs_oscillating", {"n": 24, "t1": 0.05, "t_avg": 0.02, "heads": [1, 3], "paths": 5,
                                                  "figures": False, "bootstrap": 0, **kw})
@@ -223,7 +223,7 @@ def _tiny_params(**kw):
 def test_paper_chunks_of_paths_reproduce_the_whole_segment(tmp_path, dtype):
     """A segment split into path chunks (any split, any order) gives the records of the whole run:
     every chunk draws the noise of all paths and keeps its rows."""
-    from transformer_pde.studies import paper
+    from transformer_pde.application.studies import paper
 
     p = _tiny_params(dtype=dtype)
     dt = getattr(torch, dtype)
@@ -246,7 +246,7 @@ def test_paper_chunks_of_paths_reproduce_the_whole_segment(tmp_path, dtype):
 
 
 def test_paper_plan_splits_the_largest_segments_only():
-    from transformer_pde.studies import paper, validate_params
+    from transformer_pde.application.studies import paper, validate_params
 
     p = validate_params("ou_vs_oscillating", {})
     segments = [(r, H) for r in ("ou", "oscillating") for H in (1, 10, 100)]
@@ -274,7 +274,7 @@ def test_paper_run_in_two_workers_equals_one_process_and_records_threads(tmp_pat
     segments and metrics; environment.json lists the thread counts each piece ran with."""
     import json
 
-    from transformer_pde.cli import main as cli_main
+    from transformer_pde.application.cli import main as cli_main
 
     over = ["-o", "n=24", "-o", "t1=0.05", "-o", "t_avg=0.02", "-o", "heads=[1,3]", "-o", "paths=4",
             "-o", "figures=false", "-o", "bootstrap=0"]

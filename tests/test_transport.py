@@ -1,4 +1,4 @@
-"""Distances of transformer_pde.transport: one convention, c(x, y) = |x − y|² (or d_S²).
+"""Distances of transformer_pde.model.transport: one convention, c(x, y) = |x − y|² (or d_S²).
 
 Closed forms on two-point and rotated measures pin the factor-2 conventions of POT
 (|x − y|²) and geomloss (½|x − y|², ε = blur²); an independent log-domain Sinkhorn written

@@ -49,7 +49,7 @@ def test_mixed_devices_and_dtypes(x, heads):
     with pytest.raises(TypeError, match="dtype"):
         tp.simulate(x.float(), heads, t1=1.0, dt=0.1)
     # devices: a meta tensor stands in for another device (no GPU here)
-    from transformer_pde._validation import check_same
+    from transformer_pde.utils.validation import check_same
 
     with pytest.raises(ValueError, match=r"is on meta but x is on cpu.*\.to\(x.device\)"):
         check_same(x, torch.empty(3, device="meta", dtype=torch.float64), "x", "heads")
@@ -161,7 +161,7 @@ def test_half_precision_is_refused_with_a_hint(x, heads, bad):
 
 
 def test_scalar_checks():
-    from transformer_pde._validation import check_real, check_seed
+    from transformer_pde.utils.validation import check_real, check_seed
 
     assert check_real(1, "t1") == 1.0 and check_real(torch.tensor(0.5), "t1") == 0.5
     for bad in ("1", True, None, [1.0], torch.ones(2)):
@@ -227,7 +227,7 @@ def test_jko_refuses_bad_scalars_and_untied_values(x, heads):
 
 
 def test_check_tied_all_sees_every_layer_and_template(heads):
-    from transformer_pde._validation import check_tied_all
+    from transformer_pde.utils.validation import check_tied_all
 
     untied = tp.Heads(heads.score, heads.score + 1)
     check_tied_all(heads, "normalization='effective'")

@@ -4,8 +4,8 @@ Pendharkar's items: β* and the equiangular γ-ODE
 
 Two of the multi-head results, each checked on the particle system.  Left: the per-token
 radial-dominance margin of two equal heads on orthogonal tokens changes sign at the closed-form
-β* (:func:`transformer_pde.theory.critical_beta`).  Right: equiangular tokens stay equiangular
-and their overlap γ(t) follows the reduced ODE (:func:`transformer_pde.theory.gamma_ode`).
+β* (:func:`transformer_pde.analysis.theory.critical_beta`).  Right: equiangular tokens stay equiangular
+and their overlap γ(t) follows the reduced ODE (:func:`transformer_pde.analysis.theory.gamma_ode`).
 """
 
 import matplotlib.pyplot as plt

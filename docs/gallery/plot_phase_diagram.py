@@ -5,7 +5,7 @@ A (β × t) phase diagram from an ensemble
 One batched call evolves 32 independent systems per β (16 tokens uniform on S⁵, one head
 A = I, ascent); the ensemble-mean pair fraction (the share of token pairs closer than r) maps
 when clustering happens.  The dashed line is the time at which Pendharkar's equiangular reduced
-ODE reaches the mean overlap 0.9 (:func:`transformer_pde.theory.hitting_time`).
+ODE reaches the mean overlap 0.9 (:func:`transformer_pde.analysis.theory.hitting_time`).
 """
 
 import matplotlib.pyplot as plt

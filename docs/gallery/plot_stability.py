@@ -5,7 +5,7 @@ Stability in the initial data, against Grönwall's bound
 Two token measures at W2 distance ε (the second one jittered), evolved under the same sampled OU weight
 path (:func:`transformer_pde.sample_path`, replayed for both).  W2(μ_t, ν_t)/ε does not depend on ε (the flow
 map is Lipschitz, here even differentiable, in the data) and stays below exp(∫_0^t L(s) ds) with the
-computable Lipschitz constant L = :func:`transformer_pde.theory.lipschitz_bound` of the heads Θ_s — a bound
+computable Lipschitz constant L = :func:`transformer_pde.analysis.theory.lipschitz_bound` of the heads Θ_s — a bound
 that holds for every pair of measures and is therefore loose for any one of them.
 """
 

@@ -2,7 +2,7 @@
 A parameter sweep
 =================
 
-:func:`transformer_pde.sweep.run_sweep` runs the cartesian grid of a config's parameters as
+:func:`transformer_pde.application.sweep.run_sweep` runs the cartesian grid of a config's parameters as
 independent runs, one ordinary run directory per point, and gathers their metrics in
 ``results.csv``.  Here: the quick causal-clustering study over β ∈ {0.5, 1, 2} (in-process, in
 a temporary folder).  The command line does the same:
@@ -14,7 +14,7 @@ import tempfile
 import matplotlib.pyplot as plt
 
 from transformer_pde import resources
-from transformer_pde.sweep import run_sweep
+from transformer_pde.application.sweep import run_sweep
 
 config = resources.find_config("causal_quick")
 with tempfile.TemporaryDirectory() as out:

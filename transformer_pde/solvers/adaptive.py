@@ -15,11 +15,11 @@ from typing import Callable, Dict, Tuple
 
 import torch
 
-from ..energy import pairing
-from ..energy import quadratic_variation as realised_qv_term
-from ..field import evaluate
-from ..heads import Heads
-from ..processes import Process, WeightPath
+from ..model.energy import pairing
+from ..model.energy import quadratic_variation as realised_qv_term
+from ..model.field import evaluate
+from ..model.heads import Heads
+from ..processes.weights import Process, WeightPath
 from .parts import Recorder, ledger_from_series, partial_density
 from .trajectory import Trajectory, check_finite, check_ledger, nonfinite_error
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import logging
 
-from ..energy import choose_log_scale
-from ..field import evaluate
+from ..model.energy import choose_log_scale
+from ..model.field import evaluate
 
 __all__: list = []
 __internal__ = ["Evaluator"]

@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from ..energy import pairing
-from ..energy import quadratic_variation as realised_qv_term
+from ..model.energy import pairing
+from ..model.energy import quadratic_variation as realised_qv_term
 from .layernorm import scheme_densities
 from .noise import noise_martingale
 from .parts import LEDGER_KEYS, Ledger, Recorder, Stepper, partial_density, progress_bar

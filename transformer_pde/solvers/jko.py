@@ -6,7 +6,7 @@ One step of size τ from μ_k at t_k (descent; ascent minimises −E):
     W_{b_k}(μ, μ_k)² = min_{π ∈ Π(μ_k, μ)} ∫ c_k(x, y) dπ(x, y),   c_k(x, y) = b_k(x) |x − y|²,
 
 with the weighted cost frozen at the effective mobility of the previous step,
-b_k = b[μ_k, Θ_{t_k}], b^{-1} = Σ_h ω̄_h / m_h (:func:`transformer_pde.mobility`).
+b_k = b[μ_k, Θ_{t_k}], b^{-1} = Σ_h ω̄_h / m_h (:func:`transformer_pde.model.mobility`).
 
 **Which power of b, and why.**  The metric of docs/model.md#jko is g_μ(v, v) = ∫ b |v|² dμ.  The
 gradient flow in this metric solves g_μ(V, u) = −dE[u] for all u, i.e. ∫ b⟨V, u⟩ dμ =
@@ -27,7 +27,7 @@ tested against an independent fixed-point implicit Euler in ``tests/test_jko.py`
 Files (docs/model.md#jko): this module is the front end — :func:`solve_jko` (the implementation, from
 :class:`~transformer_pde.Model` and the solver objects :class:`~transformer_pde.LagrangianJKO` /
 :class:`~transformer_pde.EulerianJKO`), :func:`jko` (the keyword front end, a thin wrapper that builds those
-objects), Θ_t through :class:`~transformer_pde.processes.WeightDriver` (as :func:`transformer_pde.simulate`
+objects), Θ_t through :class:`~transformer_pde.processes.weights.WeightDriver` (as :func:`transformer_pde.simulate`
 reads it), and the run shared by both schemes (batch layout, diagnostics, ledger, records).  The schemes live in
 :mod:`~transformer_pde.solvers.jko_lagrangian` (tokens move: transports "emd", "sinkhorn", "identity") and
 :mod:`~transformer_pde.solvers.jko_eulerian` (weights on a fixed grid move; :func:`to_grid`,
@@ -58,7 +58,7 @@ the keys of :func:`transformer_pde.simulate`: "dE", "partial" = Σ [E(μ_j, t_{j
 "residual" = dE − partial − dissipation (→ 0 like τ), "residual_slope" = dE − partial − s·slope,
 and "jko_defect" = the running sum of the defects (≤ 0).  Energies, 𝒢², 𝒟 and every ledger term are
 reported times e^{−c} with one common scale per run (``stats["energy_log_scale"]`` = c, chosen at t0 by
-:func:`transformer_pde.energy.choose_log_scale`, 0 for ordinary runs), as :func:`simulate` does; the
+:func:`transformer_pde.model.energy.choose_log_scale`, 0 for ordinary runs), as :func:`simulate` does; the
 ledger is linear, so its identities hold at any scale.
 
 The heads must be tied (V_h = A_h): the scheme is the gradient flow of E, which does not see V;
@@ -75,16 +75,18 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from .. import threads
-from .._validation import (broadcast_shapes, check_bool, check_choice, check_every, check_int, check_limits,
-                           check_positive, check_real, check_same, check_seed_generator, check_tensor, check_tied_all,
-                           check_token_weights, check_tokens, direction_sign)
-from ..attention import softmax_statistics
-from ..energy import choose_log_scale
-from ..field import FieldEval, evaluate, log_inverse_mobility, token_mean
-from ..heads import Heads
-from ..mobility import scaled_diagnostics
-from ..processes import Process, WeightDriver, WeightPath, grid_steps, path_bytes
+from ..utils import threads
+from ..utils.validation import (
+    broadcast_shapes, check_bool, check_choice, check_every, check_int, check_limits, check_positive, check_real,
+    check_same, check_seed_generator, check_tensor, check_tied_all, check_token_weights, check_tokens,
+    direction_sign,
+)
+from ..model.attention import softmax_statistics
+from ..model.energy import choose_log_scale
+from ..model.field import FieldEval, evaluate, log_inverse_mobility, token_mean
+from ..model.heads import Heads
+from ..model.mobility import scaled_diagnostics
+from ..processes.weights import Process, WeightDriver, WeightPath, grid_steps, path_bytes
 from .jko_eulerian import check_grid_type, entropy, eulerian_step, resolve_grid, self_potential, to_grid
 from .jko_lagrangian import lagrangian_step, scaled_energy
 from .methods import EMD, EulerianJKO, Identity, LagrangianJKO, RiemannianLBFGS, Sinkhorn
@@ -125,7 +127,7 @@ def _flatten_heads(h: Heads, batch: tuple, B: int) -> Heads:
 
 
 class _Theta:
-    """Θ_t at the JKO times t_k = t0 + kτ, read through :class:`~transformer_pde.processes.WeightDriver`, the
+    """Θ_t at the JKO times t_k = t0 + kτ, read through :class:`~transformer_pde.processes.weights.WeightDriver`, the
     driver :func:`transformer_pde.simulate` reads it with.
 
     A closed-form process (and constant heads) is read on the driver's grid of step τ; a noisy or Euler-scheme
@@ -428,7 +430,7 @@ def jko(
         Monte-Carlo paths and sampling of noisy processes (seed None
         means 0; giving seed and generator together is refused).  With ``paths=P`` the results carry an
         axis P in front of the batch of x0 and the heads (as :func:`simulate`'s); Θ_t is sampled by the
-        :class:`~transformer_pde.processes.WeightDriver` as the steps go, the draws of
+        :class:`~transformer_pde.processes.weights.WeightDriver` as the steps go, the draws of
         :func:`transformer_pde.sample_path` with the same seed.
     tol : Optional[float]
         relative tolerance of the inner solves (default 1e-9 in float64, 1e-4 in float32; with

@@ -31,11 +31,11 @@ from typing import Optional
 
 import torch
 
-from .._validation import check_positive, check_same, check_token_weights, check_tokens
-from ..attention import softmax_statistics
-from ..heads import Heads
-from ..sphere import circle_grid, fibonacci_sphere
-from ..transport import sq_chordal
+from ..utils.validation import check_positive, check_same, check_token_weights, check_tokens
+from ..model.attention import softmax_statistics
+from ..model.heads import Heads
+from ..model.sphere import circle_grid, fibonacci_sphere
+from ..model.transport import sq_chordal
 
 __all__ = ["to_grid", "self_potential", "entropy"]
 __internal__ = ["check_grid_type", "resolve_grid", "grid_spacing", "first_variation", "eulerian_step"]

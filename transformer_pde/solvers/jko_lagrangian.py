@@ -11,7 +11,7 @@ b and not 1/b).  Transports:
 * ``"emd"``: the exact plan (POT ``emd``) of the cost c_k between μ_k and the current iterate,
   held FIXED during an inner solve and recomputed at its solution; the outer loop stops when
   the old plan is still optimal (:func:`plan_descent`: block-coordinate descent in (y, π), monotone in F);
-* ``"sinkhorn"``: the debiased Sinkhorn divergence S_ε (geomloss, :mod:`transformer_pde.transport`).
+* ``"sinkhorn"``: the debiased Sinkhorn divergence S_ε (geomloss, :mod:`transformer_pde.model.transport`).
   The debiased divergence needs a symmetric cost, so here c_k(x, y) = ½(b_k(x) + b_k(y))|x − y|²,
   with b_k the mobility field of μ_k evaluated anywhere on the sphere; it agrees with
   b_k(x)|x − y|² up to O(|x − y|³), which changes a step by O(τ²).  ``cost="symmetric"`` uses the
@@ -36,11 +36,11 @@ from typing import Callable, Optional
 
 import torch
 
-from ..attention import softmax_statistics
-from ..field import head_token_mean, log_inverse_mobility
-from ..heads import Heads
-from ..sphere import normalize
-from ..transport import emd_plans, sinkhorn_divergence, sq_chordal
+from ..model.attention import softmax_statistics
+from ..model.field import head_token_mean, log_inverse_mobility
+from ..model.heads import Heads
+from ..model.sphere import normalize
+from ..model.transport import emd_plans, sinkhorn_divergence, sq_chordal
 from .lbfgs import minimize
 
 __all__ = []  # the scheme's parts; users call tp.jko / tp.solve(..., tp.LagrangianJKO(...))

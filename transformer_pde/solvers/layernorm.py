@@ -51,9 +51,9 @@ import math
 
 import torch
 
-from .._validation import broadcast_shapes
-from ..field import FieldEval, log_inverse_mobility
-from ..sphere import normalize, tangent_projection
+from ..utils.validation import broadcast_shapes
+from ..model.field import FieldEval, log_inverse_mobility
+from ..model.sphere import normalize, tangent_projection
 
 __all__ = ["LayerNorm", "Projected", "PostLN", "PreLN", "PeriLN", "NGPT", "LAYER_NORMS", "layer_norm_scheme",
            "simuformer_scheme"]
@@ -362,7 +362,7 @@ class FusedUpdate:
     [ω_1 s V_1ᵀ; …; ω_H s V_Hᵀ] (Hd × d).  The exponential runs on the scores directly (no max
     shift): |⟨x_i, β A_h x_j⟩| ≤ β‖A_h‖_F for unit vectors, and the pass is used only when that
     bound is below ½ log(finfo.max) − log n (else ``None``: the caller falls back to
-    :func:`transformer_pde.field.evaluate`), nor with autograd.  The same numbers as ``evaluate``
+    :func:`transformer_pde.model.field.evaluate`), nor with autograd.  The same numbers as ``evaluate``
     to rounding (tests/test_layernorm.py).  The stacked matrices are prepared once per head
     tensors (constant weights reuse them every step).  Returns a :class:`FieldEval` with
     ``ambient`` = A, ``velocity`` = P_x A (computed when first read) and no statistics."""

@@ -42,8 +42,8 @@ from typing import Callable, Optional
 
 import torch
 
-from .._validation import check_int, check_positive, sphere_tolerance
-from ..sphere import normalize, tangent_projection
+from ..utils.validation import check_int, check_positive, sphere_tolerance
+from ..model.sphere import normalize, tangent_projection
 
 __all__ = ["minimize", "TRUST_RADIUS"]
 __internal__ = ["descend", "line_search", "lbfgs_direction", "Residual", "value_and_grad", "dot"]

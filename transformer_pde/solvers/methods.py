@@ -23,8 +23,8 @@ from typing import Any, ClassVar, FrozenSet, Mapping, Optional, Tuple, Union
 
 import torch
 
-from .._validation import check_bool, check_choice, check_int, check_positive
-from ..attention import BACKENDS
+from ..utils.validation import check_bool, check_choice, check_int, check_positive
+from ..model.attention import BACKENDS
 from .tableaux import TABLEAUX
 
 __all__ = ["Solver", "FixedStep", "Euler", "Heun", "RK4", "Dopri5", "ShardedEuler", "Transport", "EMD", "Sinkhorn", "Identity",
@@ -109,7 +109,7 @@ class ShardedEuler(Solver):
     process group; None: the world, or one rank without an initialised group).  x0 of
     :func:`~transformer_pde.solve` is this rank's shard (``tp.distributed.shard_tokens``), the model's
     token weights this rank's share of the global weights.  ``backend``: the kernel
-    (:mod:`transformer_pde.attention`); ``gather_x``: record all N tokens instead of the shard.
+    (:mod:`transformer_pde.model.attention`); ``gather_x``: record all N tokens instead of the shard.
 
     The ledger is the left-point one of ``Euler()``; no observables, stored paths, checkpoints,
     callbacks, realised quadratic variation or given energy scale; no layer maps, token noise or

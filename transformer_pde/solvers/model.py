@@ -4,9 +4,9 @@
           weights=None, causal=False)
 
 * ``theta`` — the weight process Θ_t: :class:`~transformer_pde.Heads` (constant), a
-  :class:`~transformer_pde.processes.Process` (OU, oscillating, layerwise, custom) or a stored
+  :class:`~transformer_pde.processes.weights.Process` (OU, oscillating, layerwise, custom) or a stored
   :class:`~transformer_pde.WeightPath`;
-* ``normalization`` — a :class:`~transformer_pde.normalization.Normalization` (or its name);
+* ``normalization`` — a :class:`~transformer_pde.model.normalization.Normalization` (or its name);
 * ``direction`` — "descent" or "ascent";
 * ``geometry`` — how tokens stay on the sphere: a :class:`~transformer_pde.solvers.layernorm.LayerNorm`
   (``Projected()`` = today's projected flow with retraction, ``PostLN()``, ``PreLN()``, …) or its name;
@@ -26,11 +26,11 @@ from typing import Optional, Union
 
 import torch
 
-from .._validation import DIRECTIONS, check_choice
-from ..field import check_causal_mode
-from ..heads import Heads
-from ..normalization import Normalization, normalization as as_normalization
-from ..processes import Constant, Process
+from ..utils.validation import DIRECTIONS, check_choice
+from ..model.field import check_causal_mode
+from ..model.heads import Heads
+from ..model.normalization import Normalization, normalization as as_normalization
+from ..processes.weights import Constant, Process
 from .layernorm import LayerNorm, layer_norm_scheme
 from .noise import TokenNoise, token_noise
 

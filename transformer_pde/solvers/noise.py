@@ -45,9 +45,9 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .._validation import check_seed
-from ..heads import Heads
-from ..sphere import normalize, tangent_projection
+from ..utils.validation import check_seed
+from ..model.heads import Heads
+from ..model.sphere import normalize, tangent_projection
 
 __all__ = ["TokenNoise", "token_noise", "token_seed", "energy_laplacian", "noise_martingale"]
 

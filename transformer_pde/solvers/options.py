@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Union
 
-from .._validation import check_bool, check_choice, check_int
+from ..utils.validation import check_bool, check_choice, check_int
 
 __all__ = ["SaveAt", "LedgerOptions", "Checkpointing", "Progress", "Limits", "QUADRATURES",
            "QUADRATIC_VARIATIONS"]

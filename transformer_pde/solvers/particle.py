@@ -25,29 +25,18 @@ from typing import Callable, Mapping, Optional, Union
 
 import torch
 
-from .. import threads
-from .._validation import (
-    NORMALIZATIONS,
-    check_bool,
-    check_choice,
-    check_every,
-    check_int,
-    check_limits,
-    check_positive,
-    check_real,
-    check_same,
-    check_seed_generator,
-    check_tied_all,
-    check_token_weights,
-    check_tokens,
-    direction_sign,
+from ..utils import threads
+from ..utils.validation import (
+    check_bool, check_choice, check_every, check_int, check_limits, check_positive, check_real,
+    check_same, check_seed_generator, check_tied_all, check_token_weights, check_tokens, direction_sign,
 )
-from ..attention import DEFAULT_CHUNK_ELEMENTS, softmax_statistics
-from ..energy import check_scale_fits
-from ..normalization import choose as choose_normalization, names
-from ..field import check_causal_mode, evaluate  # noqa: F401  (evaluate: the name tests patch to see no work ran)
-from ..heads import Heads, broadcast_shapes
-from ..processes import Constant, Process, WeightDriver, WeightPath, grid_steps, path_bytes
+from ..model.normalization import NORMALIZATIONS
+from ..model.attention import DEFAULT_CHUNK_ELEMENTS, softmax_statistics
+from ..model.energy import check_scale_fits
+from ..model.normalization import choose as choose_normalization, names
+from ..model.field import check_causal_mode, evaluate  # noqa: F401  (evaluate: the name tests patch to see no work ran)
+from ..model.heads import Heads, broadcast_shapes
+from ..processes.weights import Constant, Process, WeightDriver, WeightPath, grid_steps, path_bytes
 from .adaptive import dopri5, solve_adaptive
 from .evaluator import Evaluator
 from .fixed_step import solve_fixed_step
@@ -58,8 +47,9 @@ from .noise import TokenNoise, token_noise
 from .options import QUADRATIC_VARIATIONS, Checkpointing, LedgerOptions, Limits, Progress, SaveAt
 from .parts import LEDGER_KEYS, Checkpointer, callable_signature, check_observables, process_parts
 from .tableaux import METHODS, TABLEAUX, ButcherTableau
-from .trajectory import (NonFiniteError, PathsAxis, Trajectory, check_finite, check_ledger, ledger_nonfinite,
-                         nonfinite_error)
+from .trajectory import (
+    NonFiniteError, PathsAxis, Trajectory, check_finite, check_ledger, ledger_nonfinite, nonfinite_error,
+)
 
 __all__ = ["simulate", "Trajectory", "ButcherTableau", "TABLEAUX", "METHODS", "NonFiniteError", "LEDGER_KEYS",
            "QUADRATIC_VARIATIONS", "PROGRESS_MIN_WORK"]
@@ -121,7 +111,7 @@ def simulate(
     x0 : torch.Tensor
         initial tokens (..., n, d) on the unit sphere (leading dims are an ensemble).
     theta : Union[Heads, Process]
-        :class:`Heads` (constant in time), a :class:`~transformer_pde.processes.Process`
+        :class:`Heads` (constant in time), a :class:`~transformer_pde.processes.weights.Process`
         (OU, oscillating, layerwise, custom) or a stored :class:`WeightPath` (replayed exactly).
     t1, dt
         final time and step ((t1 − t0)/dt must be a whole number); for "adaptive",
@@ -164,7 +154,7 @@ def simulate(
         ``disable=None``).  None (default): show it for long fixed-step solves, when
         steps · stages · paths · H · n² ≥ :data:`PROGRESS_MIN_WORK`.
     chunk_elements : Optional[int]
-        memory cap of one score block (see :mod:`transformer_pde.attention`).
+        memory cap of one score block (see :mod:`transformer_pde.model.attention`).
     checkpoint : Optional[Union[str, Path]]
         file to checkpoint to (atomically, every ``checkpoint_every`` steps) and to
         resume from if it exists and matches this run; a foreign, corrupt or non-finite file
@@ -178,7 +168,7 @@ def simulate(
     causal : bool
         token i attends only to tokens j ≤ i (:func:`transformer_pde.evaluate`); not with
         "effective".  True / "mean": the prefix mean, "sum": the un-normalised kernels sum over
-        the prefix (simuformer's convention; :mod:`transformer_pde.field`).  The energy, 𝒢², 𝒟 stay those of the whole measure, but the flow is no
+        the prefix (simuformer's convention; :mod:`transformer_pde.model.field`).  The energy, 𝒢², 𝒟 stay those of the whole measure, but the flow is no
         gradient flow: the ledger has no "residual"/"residual_slope" and
         ``traj.stats["gradient_flow"]`` is False.
     observables : Optional[Mapping[str, Callable]]
@@ -196,11 +186,11 @@ def simulate(
     energy_log_scale : Optional[float]
         the common scale c: energy, 𝒢², 𝒟 and the ledger are reported times
         e^{−c}.  None (default): chosen at t0 by
-        :func:`transformer_pde.energy.choose_log_scale` (0 unless the largest log-partition
+        :func:`transformer_pde.model.energy.choose_log_scale` (0 unless the largest log-partition
         exceeds half the dtype's exponent range, i.e. β‖A‖ ≳ 44 in float32, ≳ 354 in float64),
         so ordinary runs record the values themselves.  Stored in
         ``traj.stats["energy_log_scale"]``.  A given c so large that the values underflow at
-        t0 (:func:`transformer_pde.energy.check_scale_fits`) is refused, with the value that fits.
+        t0 (:func:`transformer_pde.model.energy.check_scale_fits`) is refused, with the value that fits.
     max_steps, max_memory
         limits checked before any allocation: the number of steps (default
         10⁷) and the estimated memory of the trajectory, the kernel blocks and a stored weight

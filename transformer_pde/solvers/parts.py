@@ -9,7 +9,7 @@
 * :class:`Checkpointer` — fingerprint, atomic save every k steps, resume or refuse;
 * :func:`progress_bar` — the tqdm bar (on a terminal only) or nothing.
 
-The Θ_t grid driver is :class:`transformer_pde.processes.WeightDriver`.  Everything here is a named
+The Θ_t grid driver is :class:`transformer_pde.processes.weights.WeightDriver`.  Everything here is a named
 internal API: used by the solvers of this package, not part of the public API.
 """
 
@@ -23,8 +23,8 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
-from ..energy import ito_correction, pairing
-from ..heads import Heads
+from ..model.energy import ito_correction, pairing
+from ..model.heads import Heads
 from .layernorm import check_layer_norm_method, layer_norm_scheme
 
 __all__: List[str] = []

@@ -1,6 +1,6 @@
 """The sharded particle solver: multi-device scale-out on ``torch.distributed``, the tokens (queries)
 sharded across ranks (``tp.solve(model, x_local, tp.ShardedEuler(), ...)`` or
-:func:`simulate_sharded`; :mod:`transformer_pde.distributed` re-exports the public names).
+:func:`simulate_sharded`; :mod:`transformer_pde.solvers.distributed` re-exports the public names).
 
 Rank r holds a shard x_r (..., n_r, d) of the tokens and its share w_r of the token weights
 (Σ_r Σ_i w_{r,i} = 1; None means uniform 1/N over all N tokens).  One evaluation
@@ -45,13 +45,16 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..normalization import choose as choose_normalization
-from .._validation import (NORMALIZATIONS, broadcast_shapes, check_every, check_int, check_positive,
-                           check_same, check_tokens, direction_sign)
-from ..energy import pairing
-from ..field import FieldEval, evaluate
-from ..heads import Heads
-from ..processes import Constant, Process, WeightDriver, WeightPath, grid_steps
+from ..model.normalization import choose as choose_normalization
+from ..utils.validation import (
+    broadcast_shapes, check_every, check_int, check_positive, check_same, check_tokens,
+    direction_sign,
+)
+from ..model.normalization import NORMALIZATIONS
+from ..model.energy import pairing
+from ..model.field import FieldEval, evaluate
+from ..model.heads import Heads
+from ..processes.weights import Constant, Process, WeightDriver, WeightPath, grid_steps
 from .methods import ShardedEuler
 from .model import Model
 from .options import LedgerOptions, Progress, SaveAt
@@ -295,7 +298,7 @@ def simulate_sharded(
     weights : Optional[torch.Tensor]
         this rank's share of the global token weights, or None (uniform 1/N).
     backend, chunk_elements
-        kernel choice (:mod:`transformer_pde.attention`).
+        kernel choice (:mod:`transformer_pde.model.attention`).
     gather_x : bool
         record all N tokens (the gathered keys) instead of the local shard.
     progress : bool

@@ -22,10 +22,10 @@ from typing import Dict, Mapping, Optional
 
 import torch
 
-from ..field import FieldEval
-from ..heads import Heads
-from ..normalization import normalization as as_normalization
-from ..processes import WeightPath
+from ..model.field import FieldEval
+from ..model.heads import Heads
+from ..model.normalization import normalization as as_normalization
+from ..processes.weights import WeightPath
 
 __all__ = ["Trajectory", "NonFiniteError"]
 #: named internal API (not public), used by the solvers

@@ -1,0 +1,1 @@
+"""Analysis of solutions: theory (closed forms, stability, noise), clustering, ensembles, diagnostics."""

@@ -1,0 +1,1 @@
+"""The application layer: plotting, animation, studies, run directories, sweeps and the CLI."""

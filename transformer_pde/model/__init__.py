@@ -1,0 +1,1 @@
+"""The mathematical model: the sphere, heads, attention normalisations and kernels, optimal transport, the field V[μ, Θ], the energy E and the mobility (𝒢², 𝒟)."""

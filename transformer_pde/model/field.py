@@ -1,0 +1,427 @@
+"""The multi-head attention velocity field V[μ, Θ] and the diagnostics that share its kernel.
+
+Per-head outputs at a query x (docs/model.md#fields), with s = +1 ("ascent") or −1 ("descent"):
+
+    softmax:       f_h(x) = V_h ȳ_h(x),           ȳ_h = ∫ e^{β⟨x,A_h y⟩} y dμ / m_h(x)
+    unnormalized:  f_h(x) = m_h(x) V_h ȳ_h(x)   = ∫ e^{β⟨x,A_h y⟩} V_h y dμ
+    relu:          f_h(x) = ∫ ReLU(β⟨x,A_h y⟩) V_h y dμ
+    V[μ,Θ](x) = s · P_x Σ_h ω_h f_h(x)
+
+    effective:     V(x) = s · b(x)^{-1} ∇_S δE/δμ(x),  b^{-1} = Σ_h ω̄_h / m_h
+
+where ∇_S δE/δμ(x) = Σ_h ω_h m_h(x) P_x A_h ȳ_h(x) for symmetric A_h (the general case adds
+the transposed kernel, ½ Σ_h ω_h [m_h P_x A_h ȳ_h + m̃_h P_x A_hᵀ ỹ_h]).  The effective field
+uses the scores only (it is the gradient of E, whatever V_h is).
+
+:func:`evaluate` computes the field and, from the same kernel pass, the energy, the metric
+slope 𝒢² = ∫ b |V|² dμ and the dissipation 𝒟 = ∫ ⟨∇_S δE/δμ, V⟩ dμ; the solvers call it once
+per stage.
+
+Causal attention (``causal=True``): token i sees only the tokens j ≤ i in the stored order, so
+its field is that of the prefix measure μ_i = Σ_{j≤i} w_j δ_{x_j} / Σ_{j≤i} w_j
+(:mod:`transformer_pde.model.attention`).  The causal field is NOT a gradient flow of E: it is not
+b^{-1} ∇_S δE/δμ of any interaction energy, so "effective" (the gradient of E) has no causal
+version and is refused.  The diagnostics keep their definitions for the whole measure μ,
+from a second, non-causal kernel pass: E(μ), ∇_S δE/δμ, b, the dissipation
+𝒟 = ∫ ⟨∇_S δE/δμ, V_causal⟩ dμ (still the chain-rule rate dE/dt − ∂_tE along the causal flow)
+and 𝒢² = ∫ b |V_causal|² dμ, which no longer equals ±𝒟 — there is no gradient-flow identity
+to check (the solvers' ledger reports "not a gradient flow").
+
+Two conventions for the un-normalised causal kernels (``causal="mean" | "sum"``; ``True`` is "mean"):
+
+    "mean" (default):  f_h(x_i) = Σ_{j≤i} w_j e^{β⟨x_i,A_h x_j⟩} V_h x_j / W_i,   W_i = Σ_{j≤i} w_j
+    "sum":             f_h(x_i) = Σ_{j≤i} w_j e^{β⟨x_i,A_h x_j⟩} V_h x_j
+
+("relu" likewise, with ReLU(β⟨x_i, A_h x_j⟩) for the exponential).  The prefix mean is the
+field of the normalised prefix measure μ_i (uniform weights: a factor 1/(i+1) for 1/n); the
+prefix sum is the restriction of the full measure's sum to j ≤ i, so the last token sees the
+non-causal field.  Softmax does not depend on the choice.  simuformer's causal un-normalised
+attention Σ_{j≤i} e^{s_ij} V x_j (unit weights) is "sum" with uniform weights w_j = 1/n and
+V_h scaled by n.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..utils.validation import (
+    check_same, check_tensor, check_tied, check_token_weights, check_tokens, direction_sign,
+)
+from .normalization import NORMALIZATIONS
+from .attention import HeadStats, causal_log_prefix_mass, relu_statistics, softmax_statistics
+from .heads import Heads, broadcast_shapes
+from .normalization import choose as choose_normalization, names, normalization as as_normalization
+from .sphere import tangent_projection
+
+__all__ = ["FieldEval", "evaluate", "velocity", "head_outputs", "radial_shadows"]
+#: named internal API (not public): the shared input checks and token/head means of the energy,
+#: mobility, diagnostics and nn modules
+__internal__ = ["check_causal_mode", "check_inputs", "token_mean", "head_token_mean", "log_inverse_mobility",
+                "grad_first_variation_terms", "diagnostics_along", "scaled_exp"]
+
+
+@dataclass
+class FieldEval:
+    """Everything one kernel pass gives at a token configuration (batch shape ``...``).
+
+    velocity: (..., n, d) the signed field V[μ, Θ] at the tokens.
+    stats:    HeadStats (log-partitions, softmax means, optional second moments).
+    outputs:  (..., H, n, d) per-head outputs f_h of the chosen normalisation.
+    grad_first_variation: (..., n, d) ∇_S δE/δμ at the tokens, or None.
+    energy, slope, dissipation: (...,) or None (when diagnostics=False).
+    ambient:  (..., n, d) the signed field before the tangent projection, s · Σ_h ω_h f_h (what a
+        layer-normalisation scheme adds to the residual stream, :mod:`transformer_pde.solvers.layernorm`).
+    """
+
+    velocity: torch.Tensor
+    stats: HeadStats
+    outputs: Optional[torch.Tensor]
+    grad_first_variation: Optional[torch.Tensor] = None
+    energy: Optional[torch.Tensor] = None
+    slope: Optional[torch.Tensor] = None
+    dissipation: Optional[torch.Tensor] = None
+    ambient: Optional[torch.Tensor] = None
+
+
+def token_mean(values: torch.Tensor, weights: Optional[torch.Tensor]) -> torch.Tensor:
+    """Σ_i w_i values_i over the last axis (mean when weights is None)."""
+    return values.mean(-1) if weights is None else (values * weights).sum(-1)
+
+
+def head_token_mean(values: torch.Tensor, weights: Optional[torch.Tensor]) -> torch.Tensor:
+    """Σ_i w_i values_hi for per-head values (..., H, n) and token weights (..., n) -> (..., H)."""
+    return values.mean(-1) if weights is None else (values * weights.unsqueeze(-2)).sum(-1)
+
+
+def _apply(M: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """M_h v_hi for M (..., H, d, d) and v (..., H, n, d) -> (..., H, n, d)."""
+    return v @ M.transpose(-1, -2)
+
+
+def log_inverse_mobility(heads: Heads, lse: torch.Tensor) -> torch.Tensor:
+    """log b^{-1}(x_i) = log Σ_h ω̄_h e^{-log m_h(x_i)}, (..., n)."""
+    logw = torch.log(heads.normalized_weights).unsqueeze(-1)  # (..., H, 1)
+    return torch.logsumexp(logw - lse, dim=-2)
+
+
+def grad_first_variation_terms(x, heads: Heads, weights, stats: HeadStats, chunk_elements=None, backend="auto",
+                                applied=None, keys=None):
+    """Per-head un-projected terms c_h(x_i) with ∇ δE/δμ(x_i) = Σ_h ω_h c_h(x_i), as
+    (log-scale, direction): c_h = e^{lse_h} u_h.  Returns list of (lse, u) pairs.
+    ``applied``: A_h ȳ_h when the caller already has it (tied symmetric heads).
+    ``weights`` are the key weights; ``keys`` the support of μ (default x)."""
+    A = heads.score_matrix
+    if heads.is_symmetric:
+        return [(stats.log_partition, _apply(A, stats.mean) if applied is None else applied)]
+    tstats = softmax_statistics(x, heads, weights, keys=keys, transpose=True, chunk_elements=chunk_elements,
+                                backend=backend)
+    At = A.transpose(-1, -2)
+    half = torch.log(torch.tensor(0.5, dtype=x.dtype, device=x.device))
+    return [
+        (stats.log_partition + half, _apply(A, stats.mean)),
+        (tstats.log_partition + half, _apply(At, tstats.mean)),
+    ]
+
+
+class _KernelPass:
+    """The kernel statistics of one field evaluation and the products the output rules of
+    :mod:`transformer_pde.model.normalization` ask for (each formed once, on first use)."""
+
+    def __init__(self, x, heads, key_weights, stats, keys, causal, prefix_sum, chunk_elements, backend, measure):
+        self.x, self.heads, self.w, self.stats, self.keys = x, heads, key_weights, stats, keys
+        self.causal, self.prefix_sum, self.chunk, self.backend = causal, prefix_sum, chunk_elements, backend
+        self.measure = measure  # callable: the (non-causal) statistics of the whole measure
+        self._value_mean = self._terms = None
+
+    def value_mean(self):
+        """V_h ȳ_h, (..., H, n, d)."""
+        if self._value_mean is None:
+            self._value_mean = _apply(self.heads.value_matrix, self.stats.mean)
+        return self._value_mean
+
+    def _log_prefix_mass(self):
+        return causal_log_prefix_mass(self.w, self.x.shape[-2], dtype=self.x.dtype, device=self.x.device)
+
+    def times_mass(self, f):
+        """m_h f, with m_h the kernel mass of the pass (Σ_{j≤i} under causal="sum")."""
+        lp = self.stats.log_partition
+        if self.prefix_sum:  # Σ_{j≤i} w_j e^{s_ij} = W_i × the prefix mean
+            lp = lp + self._log_prefix_mass().unsqueeze(-2)
+        return torch.exp(lp).unsqueeze(-1) * f
+
+    def relu_values(self):
+        """V_h ∫ ReLU(β⟨x, A_h y⟩) y dμ (prefix sum under causal="sum")."""
+        _, first = relu_statistics(self.x, self.heads, self.w, keys=self.keys, chunk_elements=self.chunk,
+                                   backend=self.backend, causal=self.causal)
+        if self.prefix_sum:
+            first = first * torch.exp(self._log_prefix_mass()).unsqueeze(-1).unsqueeze(-3)
+        return _apply(self.heads.value_matrix, first)
+
+    def head_sum(self, f):
+        """Σ_h ω_h f_h, (..., n, d)."""
+        return (self.heads.weights.unsqueeze(-1).unsqueeze(-1) * f).sum(-3)
+
+    def gradient_terms(self):
+        """The per-head terms (log-scale, direction) of ∇ δE/δμ (:func:`grad_first_variation_terms`)."""
+        if self._terms is None:
+            full = self.measure()
+            reuse = (self._value_mean if (self._value_mean is not None and self.heads.tied and self.heads.is_symmetric
+                                          and full is self.stats) else None)
+            self._terms = grad_first_variation_terms(self.x, self.heads, self.w, full, self.chunk, self.backend,
+                                                     applied=reuse, keys=self.keys)
+        return self._terms
+
+    def gradient_field(self):
+        """b^{-1} ∇ δE/δμ, un-projected, (..., n, d)."""
+        omega = self.heads.weights.unsqueeze(-1).unsqueeze(-1)
+        log_binv = log_inverse_mobility(self.heads, self.measure().log_partition).unsqueeze(-2)  # (..., 1, n)
+        return sum((omega * torch.exp(l + log_binv).unsqueeze(-1) * u).sum(-3) for l, u in self.gradient_terms())
+
+
+def scaled_exp(log_values: torch.Tensor, log_scale: float = 0.0) -> torch.Tensor:
+    """e^{log_values − log_scale}; exactly ``torch.exp(log_values)`` when log_scale == 0."""
+    return torch.exp(log_values) if log_scale == 0.0 else torch.exp(log_values - log_scale)
+
+
+def diagnostics_along(x, heads: Heads, weights, velocity, stats: HeadStats, *, log_scale: float = 0.0,
+                      chunk_elements=None, backend="auto", keys=None, key_weights=None, terms=None):
+    """(E, 𝒢², 𝒟, ∇_S δE/δμ) · e^{−c} of the measure μ along a given field V: the one implementation.
+
+        E e^{−c}   = Σ_h ω_h/(2β) Σ_i w_i e^{log m_h(x_i) − c}
+        g e^{−c}   = P_x Σ_h ω_h e^{log m_h − c} A_h ȳ_h         (symmetric A_h; else the mean with A_hᵀ)
+        𝒢² e^{−c}  = Σ_i w_i e^{−log b^{-1}(x_i) − c} |V(x_i)|²
+        𝒟 e^{−c}   = Σ_i w_i ⟨g(x_i) e^{−c}, V(x_i)⟩
+
+    (docs/model.md#mobility); c = 0 gives the values themselves.  Finite whenever log m_h − c fits
+    the dtype: with c from :func:`transformer_pde.model.energy.choose_log_scale`, for any β‖A‖ at which
+    the field is finite.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        queries (..., n, d).  heads: :class:`Heads`.  weights: query weights (..., n) or None.
+    velocity : torch.Tensor
+        the signed field V at the queries (..., n, d) (any normalisation, causal or not).
+    stats : HeadStats
+        the non-causal softmax statistics of the queries under the heads (log_partition, mean).
+    log_scale : float
+        c.
+    chunk_elements, backend, keys, key_weights
+        the transposed kernel pass of non-symmetric heads (as :func:`evaluate`).
+    terms : list or None
+        the per-head terms of ∇ δE/δμ when the caller has them (:func:`grad_first_variation_terms`).
+
+    Returns
+    -------
+    tuple
+        (energy (...,), slope (...,), dissipation (...,), grad_first_variation (..., n, d)), all times e^{−c}.
+    """
+    c = float(log_scale)
+    if terms is None:
+        terms = grad_first_variation_terms(x, heads, weights if keys is None else key_weights, stats, chunk_elements,
+                                           backend, keys=keys)
+    lse = stats.log_partition
+    m = scaled_exp(lse, c)  # m_h(x_i) e^{−c}, shared by ∇_S δE/δμ and E
+    wts = heads.weights.unsqueeze(-1)  # (..., H, 1)
+    g = tangent_projection(x, sum(((wts * (m if l is lse else scaled_exp(l, c))).unsqueeze(-1) * u).sum(-3)
+                                  for l, u in terms))
+    energy = (heads.weights * head_token_mean(m, weights)).sum(-1) / (2 * heads.beta)
+    b = torch.exp(-log_inverse_mobility(heads, lse) - c)
+    slope = token_mean(b * velocity.square().sum(-1), weights)
+    dissipation = token_mean((g * velocity).sum(-1), weights)
+    return energy, slope, dissipation, g
+
+
+def evaluate(
+    x: torch.Tensor,
+    heads: Heads,
+    weights: Optional[torch.Tensor] = None,
+    *,
+    normalization="softmax",
+    sign: float = 1.0,
+    diagnostics: bool = True,
+    log_scale: float = 0.0,
+    second_moment: bool = False,
+    chunk_elements: Optional[int] = None,
+    backend: str = "auto",
+    keys: Optional[torch.Tensor] = None,
+    key_weights: Optional[torch.Tensor] = None,
+    causal=False,
+) -> FieldEval:
+    """Field and diagnostics from one kernel pass.  No tensor validation (hot path):
+    call :func:`velocity` / :func:`transformer_pde.model.energy` for checked entry points.
+
+    ``normalization``: a name of :data:`transformer_pde.model.normalization.NORMALIZATIONS` or a
+    :class:`~transformer_pde.model.normalization.Normalization`; its output rule gives the field.
+
+    ``log_scale=c``: the diagnostics (energy, slope, dissipation, grad_first_variation) are
+    returned times e^{−c} (:func:`diagnostics_along`, the common scale of the solvers at large
+    β‖A‖); c = 0 gives the values themselves.  The field never is rescaled.
+
+    ``backend`` and ``chunk_elements`` select the attention kernel
+    (:func:`transformer_pde.model.attention.softmax_statistics`: "auto" | "dense" | "chunked" |
+    "sdpa" | "keops"); every backend gives the same numbers to rounding.
+
+    ``keys`` (..., m, d) and ``key_weights`` (..., m) or None: evaluate at the queries ``x`` the
+    field of the measure μ = Σ_j key_weights_j δ_{keys_j} (default: μ = Σ_i weights_i δ_{x_i}).
+    The diagnostics are then the partial sums Σ_i weights_i (...) over these queries, which add
+    up over a partition of μ's support into query shards (:mod:`transformer_pde.solvers.distributed`);
+    pass the shard's share of the global token weights as ``weights``.
+
+    ``causal``: token i attends only to tokens j ≤ i (the field of the prefix measure; module
+    docstring).  Needs ``keys=None`` and a normalization with a causal version (ValueError).
+    With diagnostics, a second non-causal pass gives E, ∇_S δE/δμ, b of the whole μ: the
+    dissipation is then the rate of E along the causal field and the slope ∫ b|V|² dμ is
+    reported but is no gradient-flow quantity (causal dynamics is not a gradient flow); the
+    returned ``stats`` are then those of the whole measure (what the energy ledger pairs with),
+    with the second moment when ``second_moment``.
+    ``causal="sum"``: the un-normalised kernels sum over the prefix instead of averaging (module
+    docstring); ``True`` and ``"mean"`` are the prefix mean."""
+    norm = as_normalization(normalization)
+    prefix_sum = isinstance(causal, str) and causal == "sum"
+    causal = bool(causal)
+    if causal:
+        if keys is not None:
+            raise ValueError("causal=True needs queries = keys (token i attends to tokens j <= i of the same "
+                             "sequence); call without keys=, or with causal=False")
+        if not norm.causal:
+            raise ValueError(f"normalization={norm.name!r} has no causal version (the gradient field b^{{-1}} "
+                             f"∇ δE/δμ); use one of {names(lambda n: n.causal)} with causal=True")
+    if keys is None:
+        key_weights = weights
+    # under causality the diagnostics belong to the whole measure: its own, unmasked pass
+    stats = softmax_statistics(x, heads, key_weights, keys=keys, second_moment=second_moment and not
+                               (causal and diagnostics), chunk_elements=chunk_elements, backend=backend, causal=causal)
+    measure = [None if causal else stats]
+
+    def whole():
+        if measure[0] is None:
+            measure[0] = softmax_statistics(x, heads, key_weights, second_moment=second_moment,
+                                            chunk_elements=chunk_elements, backend=backend)
+        return measure[0]
+
+    kern = _KernelPass(x, heads, key_weights, stats, keys, causal, prefix_sum, chunk_elements, backend, whole)
+    field, outputs = norm.field(kern)
+    V = sign * tangent_projection(x, field)
+    if not diagnostics:
+        return FieldEval(V, stats, outputs, ambient=field if sign == 1.0 else sign * field)
+    full = whole()
+    E, G, D, g = diagnostics_along(x, heads, weights, V, full, log_scale=log_scale, terms=kern.gradient_terms())
+    return FieldEval(V, full, outputs, g, E, G, D, ambient=field if sign == 1.0 else sign * field)
+
+
+# ---------------------------------------------------------------------- checked entry points
+def check_inputs(x, heads, weights, *, on_sphere: bool = True):
+    """The checks of every public entry point; on_sphere=False admits tokens of any non-zero norm
+    (the flat, unprojected dynamics of :mod:`transformer_pde.analysis.diagnostics`)."""
+    if on_sphere:
+        check_tokens(x, "x")
+    else:
+        check_tensor(x, "x", min_dim=2)
+        if x.shape[-1] < 2 or x.shape[-2] < 1:
+            raise ValueError(f"x must have shape (..., n, d) with n >= 1, d >= 2, got {tuple(x.shape)}")
+    if not isinstance(heads, Heads):
+        raise TypeError(f"heads must be a transformer_pde.Heads, got {type(heads).__name__}; build one with tp.Heads(A)")
+    check_same(x, heads.reference, "x", "heads")
+    if heads.dim != x.shape[-1]:
+        raise ValueError(f"heads act on dimension d = {heads.dim} but x has d = {x.shape[-1]}")
+    try:
+        broadcast_shapes(x.shape[:-2], heads.batch_shape)
+    except RuntimeError:
+        raise ValueError(
+            f"the batch shape of x {tuple(x.shape[:-2])} does not broadcast against the heads' batch shape "
+            f"{tuple(heads.batch_shape)}"
+        ) from None
+    check_token_weights(weights, x)
+
+
+#: the values of ``causal=``: False, True (= "mean"), "mean" (prefix mean), "sum" (prefix sum)
+CAUSAL_MODES = (False, True, "mean", "sum")
+
+
+def check_causal_mode(causal):
+    """TypeError unless ``causal`` is one of :data:`CAUSAL_MODES` (an unknown option is a TypeError)."""
+    if isinstance(causal, str):
+        if causal not in ("mean", "sum"):
+            raise TypeError(f"causal must be False, True, 'mean' (prefix mean, = True) or 'sum' (prefix sum), "
+                             f"got {causal!r}")
+    elif not isinstance(causal, bool):
+        raise TypeError(f"causal must be True or False (or 'mean' / 'sum'), got {type(causal).__name__}")
+
+
+def _check_causal_flag(causal, norm):
+    check_causal_mode(causal)
+    if causal and not norm.causal:
+        raise ValueError(f"normalization={norm.name!r} is the gradient field b^{{-1}} ∇ δE/δμ and has no causal "
+                         f"version; use one of {', '.join(map(repr, names(lambda n: n.causal)))} with causal=True")
+
+
+def velocity(x, heads, weights=None, normalization="softmax", direction="ascent", *, causal=False):
+    """V[μ, Θ](x_i) = s · P_{x_i} Σ_h ω_h f_h(x_i) at the tokens of μ = Σ_i w_i δ_{x_i}.
+
+    Parameters
+    ----------
+    x
+        tokens (..., n, d) on the sphere.  heads: :class:`Heads`.
+    weights
+        token weights (..., n) or None (uniform).
+    normalization
+        "softmax" | "unnormalized" | "relu" | "effective" (module docstring).
+    direction
+        "ascent" (s = +1, x + attention(x)) or "descent" (s = −1, reference code).
+    causal
+        token i attends only to tokens j ≤ i in the stored order (decoder-only masking);
+        True / "mean": the field of the prefix measure Σ_{j≤i} w_j δ_{x_j} / Σ_{j≤i} w_j;
+        "sum": the un-normalised kernels sum over the prefix (module docstring).  Not "effective".
+
+    Returns
+    -------
+    result
+        (..., n, d) tangent vectors; dtype and device follow x.
+
+    Raises
+    ------
+    TypeError, ValueError
+        for tokens off the sphere, bad shapes, mixed devices, unknown names,
+        causal=True with normalization="effective"; OverflowError when an "unnormalized" or "effective"
+        field overflows the dtype (the softmax field never does).
+
+    Examples
+    --------
+    >>> import torch, transformer_pde as tp
+    >>> x = tp.sphere.sample_uniform(5, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    >>> tp.velocity(x, tp.Heads.scalar([1.0], 3).to(torch.float64)).shape
+    torch.Size([5, 3])
+    """
+    norm = choose_normalization(normalization, NORMALIZATIONS)
+    sign = direction_sign(direction)
+    _check_causal_flag(causal, norm)
+    check_inputs(x, heads, weights)
+    if not norm.uses_value:  # the gradient of E: V_h plays no part, so it must be A_h
+        check_tied(heads, f"normalization={norm.name!r}")
+    v = evaluate(x, heads, weights, normalization=norm, sign=sign, diagnostics=False, causal=causal).velocity
+    if norm.overflow == "kernel" and not bool(torch.isfinite(v.detach()).all()) and bool(torch.isfinite(x).all()):
+        raise OverflowError(
+            f"the {norm.name!r} field overflows {v.dtype} at these heads (β·‖A‖ too large for an unnormalised "
+            f"kernel e^(β⟨x, A y⟩)); use normalization='softmax' (finite for any β‖A‖), float64, or a smaller β·‖A‖")
+    return v
+
+
+def head_outputs(x, heads, weights=None, normalization="softmax", *, causal=False):
+    """Per-head outputs f_h(x_i), (..., H, n, d), un-projected and unsigned (module docstring).
+
+    Defined for "softmax", "unnormalized" and "relu"; the "effective" field has no per-head split.
+    causal: token i attends only to tokens j ≤ i (see :func:`velocity`)."""
+    norm = choose_normalization(normalization, names(lambda n: n.head_outputs))
+    _check_causal_flag(causal, norm)
+    check_inputs(x, heads, weights)
+    return evaluate(x, heads, weights, normalization=norm, diagnostics=False, causal=causal).outputs
+
+
+def radial_shadows(x, heads, weights=None, normalization="unnormalized"):
+    """Radial shadows a_i^h = ⟨x_i, f_h(x_i)⟩, (..., H, n) (Pendharkar; unnormalised heads by default)."""
+    f = head_outputs(x, heads, weights, normalization)
+    return (f * x.unsqueeze(-3)).sum(-1)

@@ -1,0 +1,237 @@
+"""Attention normalisations as strategy objects: each states its own properties.
+
+A normalisation turns the per-head kernel statistics into the per-head outputs f_h
+(docs/model.md#fields).  The field, the mobility, the solvers, the JKO scheme and the theory
+modules ask the object what it is instead of comparing strings:
+
+    ``name``            the string users pass (``normalization="softmax"``)
+    ``statistics``      the kernel statistics it needs: "softmax" (log-partition, first and
+                        second moments, :func:`transformer_pde.softmax_statistics`) or "relu"
+                        (:func:`transformer_pde.relu_statistics`)
+    ``uses_value``      whether the output reads the value matrices V_h ("effective" uses the
+                        scores only: it is the gradient of E)
+    ``causal``          whether a causal (prefix) version exists
+    ``overflow``        "none" (the output is a ratio of kernels; log-sum-exp keeps it finite at any
+                        β‖A‖) or "kernel" (the output carries e^{β⟨x,Ay⟩} itself and overflows near
+                        β‖A‖ ≈ log(max float))
+    ``gradient_flow``   when the flow is the gradient flow of E, in words
+    ``reduced``         whether the reduced equiangular ODE of :mod:`transformer_pde.analysis.theory` covers it
+    ``jko_mobility``    the mobility of the JKO scheme that solves the same PDE ("effective": b_k,
+                        "unit": b ≡ 1), or None
+    ``head_outputs``    whether the field is Σ_h ω_h f_h of per-head outputs f_h (all but "effective",
+                        whose field b^{-1} ∇_S δE/δμ has no per-head split)
+
+Each object also owns its output rule: :meth:`Normalization.outputs` turns the kernel statistics
+of one pass into the per-head outputs f_h, and :meth:`Normalization.field` into the un-projected
+field Σ_h ω_h f_h, so that :func:`transformer_pde.model.field.evaluate` dispatches once.  The rules
+receive the field's kernel pass (``kernel``, built by :mod:`transformer_pde.model.field`) and call only
+its methods, so this module stays free of tensors:
+
+    ``kernel.value_mean()``        V_h ȳ_h (softmax statistics of the pass)
+    ``kernel.times_mass(f)``       m_h(x) f (m_h the kernel mass: the prefix sum under causal="sum")
+    ``kernel.relu_values()``       V_h ∫ ReLU(β⟨x,A_h y⟩) y dμ (prefix sum under causal="sum")
+    ``kernel.head_sum(f)``         Σ_h ω_h f_h
+    ``kernel.gradient_field()``    b^{-1} ∇ δE/δμ, un-projected (the gradient terms of the kernel)
+
+:func:`normalization` turns a name (or an object) into the object; :data:`NORMALIZATIONS` is the
+tuple of names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Optional, Union
+
+__all__ = ["Normalization", "Softmax", "Unnormalized", "ReLU", "Effective", "normalization", "NORMALIZATIONS",
+           "names", "choose"]
+
+
+@dataclass(frozen=True)
+class Normalization:
+    """Base class of the attention normalisations (module docstring for the attributes)."""
+
+    name: ClassVar[str] = ""
+    statistics: ClassVar[str] = "softmax"
+    uses_value: ClassVar[bool] = True
+    causal: ClassVar[bool] = True
+    overflow: ClassVar[str] = "none"
+    gradient_flow: ClassVar[str] = "no"
+    reduced: ClassVar[bool] = True
+    jko_mobility: ClassVar[Optional[str]] = None
+    head_outputs: ClassVar[bool] = True
+
+    def __str__(self) -> str:
+        return self.name
+
+    def outputs(self, kernel):
+        """The per-head outputs f_h (..., H, n, d) from the kernel pass, or None (no per-head split).
+
+        Parameters
+        ----------
+        kernel
+            the field's kernel pass (module docstring for its methods).
+
+        Returns
+        -------
+        torch.Tensor or None
+            f_h, un-projected and unsigned."""
+        raise NotImplementedError(f"{type(self).__name__} does not define its output rule")
+
+    def field(self, kernel):
+        """The un-projected, unsigned field Σ_h ω_h f_h(x) (..., n, d) from the kernel pass.
+
+        Parameters
+        ----------
+        kernel
+            the field's kernel pass (module docstring for its methods).
+
+        Returns
+        -------
+        tuple
+            (field, outputs): the field and the per-head outputs it sums (None without a per-head split)."""
+        f = self.outputs(kernel)
+        return kernel.head_sum(f), f
+
+
+@dataclass(frozen=True)
+class Softmax(Normalization):
+    """f_h(x) = V_h ȳ_h(x): the softmax (self-attention) average of the values."""
+
+    name: ClassVar[str] = "softmax"
+    gradient_flow: ClassVar[str] = ("for one head with V = A = Aᵀ, in the metric ∫ b|v|² dμ (then it equals "
+                                    "'effective'); several heads: no")
+    jko_mobility: ClassVar[Optional[str]] = "effective"
+
+    def outputs(self, kernel):
+        """f_h = V_h ȳ_h (see :meth:`Normalization.outputs`)."""
+        return kernel.value_mean()
+
+
+@dataclass(frozen=True)
+class Unnormalized(Normalization):
+    """f_h(x) = ∫ e^{β⟨x,A_h y⟩} V_h y dμ: the kernel sum without the partition function."""
+
+    name: ClassVar[str] = "unnormalized"
+    overflow: ClassVar[str] = "kernel"
+    gradient_flow: ClassVar[str] = "with tied symmetric heads (V_h = A_h = A_hᵀ): the W2 gradient flow of E"
+    jko_mobility: ClassVar[Optional[str]] = "unit"
+
+    def outputs(self, kernel):
+        """f_h = m_h V_h ȳ_h (see :meth:`Normalization.outputs`)."""
+        return kernel.times_mass(kernel.value_mean())
+
+
+@dataclass(frozen=True)
+class ReLU(Normalization):
+    """f_h(x) = ∫ ReLU(β⟨x,A_h y⟩) V_h y dμ."""
+
+    name: ClassVar[str] = "relu"
+    statistics: ClassVar[str] = "relu"
+
+    def outputs(self, kernel):
+        """f_h = V_h ∫ ReLU(β⟨x,A_h y⟩) y dμ (see :meth:`Normalization.outputs`)."""
+        return kernel.relu_values()
+
+
+@dataclass(frozen=True)
+class Effective(Normalization):
+    """V(x) = b(x)^{-1} ∇_S δE/δμ(x): the gradient of E in the metric ∫ b|v|² dμ (tied heads)."""
+
+    name: ClassVar[str] = "effective"
+    uses_value: ClassVar[bool] = False
+    causal: ClassVar[bool] = False
+    overflow: ClassVar[str] = "kernel"
+    gradient_flow: ClassVar[str] = "always (tied heads): the gradient flow of E in the metric ∫ b|v|² dμ"
+    reduced: ClassVar[bool] = False
+    jko_mobility: ClassVar[Optional[str]] = "effective"
+    head_outputs: ClassVar[bool] = False
+
+    def outputs(self, kernel):
+        """None: the effective field has no per-head split (see :meth:`Normalization.outputs`)."""
+        return None
+
+    def field(self, kernel):
+        """(b^{-1} ∇ δE/δμ, None) (see :meth:`Normalization.field`)."""
+        return kernel.gradient_field(), None
+
+
+_BY_NAME = {cls.name: cls for cls in (Softmax, Unnormalized, ReLU, Effective)}
+
+#: the names users pass as ``normalization=``
+NORMALIZATIONS = tuple(_BY_NAME)
+
+
+def normalization(value: Union[str, Normalization], name: str = "normalization") -> Normalization:
+    """The strategy object for a name of :data:`NORMALIZATIONS` (or the object itself).
+
+    Raises
+    ------
+    TypeError
+        ``value`` is neither a string nor a :class:`Normalization` (or is the abstract base).
+    ValueError
+        an unknown name."""
+    if isinstance(value, Normalization):
+        if type(value) is Normalization:
+            raise TypeError(f"{name}=Normalization() is the abstract base; use one of {NORMALIZATIONS} or "
+                            f"Softmax(), Unnormalized(), ReLU(), Effective()")
+        return value
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be one of {NORMALIZATIONS} or a Normalization object, got "
+                        f"{type(value).__name__}")
+    obj = _INSTANCES.get(value)
+    if obj is None:
+        raise ValueError(f"unknown {name} {value!r}; choose one of {', '.join(map(repr, NORMALIZATIONS))}")
+    return obj
+
+
+_INSTANCES = {k: cls() for k, cls in _BY_NAME.items()}
+
+
+def names(where=None) -> tuple:
+    """The names of the normalisations whose object satisfies ``where`` (all when None), in
+    :data:`NORMALIZATIONS` order: ``names(lambda n: n.reduced)`` are those the reduced ODE covers.
+
+    Parameters
+    ----------
+    where : callable or None
+        a predicate on :class:`Normalization` objects.
+
+    Returns
+    -------
+    tuple
+        names (str)."""
+    return tuple(k for k, obj in _INSTANCES.items() if where is None or where(obj))
+
+
+def choose(value, allowed: tuple, name: str = "normalization") -> Normalization:
+    """The object for ``value`` (a name or an object), refused unless its name is in ``allowed``.
+
+    Parameters
+    ----------
+    value : str or Normalization
+        what the user passed.
+    allowed : tuple
+        the names this entry point covers (e.g. ``names(lambda n: n.reduced)``).
+    name : str
+        the argument's name, for the messages.
+
+    Returns
+    -------
+    Normalization
+        the strategy object.
+
+    Raises
+    ------
+    TypeError
+        neither a string nor a :class:`Normalization` (or the abstract base).
+    ValueError
+        an unknown name, or one that is not in ``allowed`` (the message lists those)."""
+    if isinstance(value, str):
+        obj = _INSTANCES.get(value)
+        if obj is None or value not in allowed:
+            raise ValueError(f"unknown {name} {value!r}; choose one of {', '.join(map(repr, allowed))}")
+        return obj
+    obj = normalization(value, name)
+    if obj.name not in allowed:
+        raise ValueError(f"{name}={obj.name!r} is not covered here; choose one of {', '.join(map(repr, allowed))}")
+    return obj

@@ -1,0 +1,1 @@
+"""Utilities: argument checks (validation), the thread policy (threads), config files (resources)."""

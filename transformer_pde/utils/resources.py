@@ -1,0 +1,166 @@
+"""The shipped experiment configs and TOML reading on every supported Python.
+
+The configs live in ``experiments/*.toml`` at the top of the source tree (the single copy;
+the README's commands name them by path).  A wheel ships the same files as the data-only
+subpackage ``transformer_pde.configs`` (``pyproject.toml`` maps it to ``experiments/``), so
+after a plain ``pip install .`` a config can be named without a path::
+
+    from transformer_pde import resources
+
+    resources.config_names()                      # ['hd_ou_vs_oscillating', ..., 'theory_rates', ...]
+    resources.config_path("ou_vs_oscillating_quick")   # .../transformer_pde/configs/ou_vs_oscillating_quick.toml
+    resources.find_config("ou_vs_oscillating_quick")   # a name, a path, or experiments/<name>.toml
+    resources.load_toml(path)                     # dict; tomllib on 3.11+, tomli on 3.10
+
+Lookup order for the directory: the installed package data (``transformer_pde/configs``),
+then the source checkout's ``experiments/`` (editable installs and running from a clone).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+from importlib.resources import files
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Union
+
+try:
+    import tomllib  # Python >= 3.11
+except ImportError:  # Python 3.10: the same parser from PyPI (a dependency there); tested by hiding tomllib
+    import tomli as tomllib
+
+__all__ = ["tomllib", "load_toml", "loads_toml", "config_dir", "config_names", "config_path", "find_config"]
+
+_SUFFIX = ".toml"
+
+
+def loads_toml(text: str) -> Dict[str, Any]:
+    """Parse TOML text (``tomllib.loads``; ``tomli`` on Python 3.10).
+
+    Raises
+    ------
+    tomllib.TOMLDecodeError
+        the text is not valid TOML (``resources.tomllib`` is the
+        module in use, so ``except resources.tomllib.TOMLDecodeError`` works everywhere).
+    """
+    return tomllib.loads(text)
+
+
+def load_toml(path: Union[str, Path]) -> Dict[str, Any]:
+    """Read a TOML file into a dict (``tomllib.load``; ``tomli`` on Python 3.10).
+
+    Raises
+    ------
+    FileNotFoundError
+        no such file.
+    tomllib.TOMLDecodeError
+        the file is not valid TOML.
+    """
+    with open(path, "rb") as f:
+        return tomllib.load(f)
+
+
+def _package_configs() -> Optional[Path]:
+    """``transformer_pde/configs`` of an installed wheel, if present on the file system."""
+    try:
+        d = files("transformer_pde").joinpath("configs")
+    except (ImportError, TypeError):  # pragma: no cover
+        return None
+    if isinstance(d, Path) and d.is_dir() and any(d.glob("*" + _SUFFIX)):
+        return d
+    # an editable install maps transformer_pde.configs onto experiments/ through a finder
+    try:
+        spec = importlib.util.find_spec("transformer_pde.configs")
+    except (ImportError, ValueError):
+        spec = None
+    for loc in (spec.submodule_search_locations or []) if spec is not None else []:
+        p = Path(loc)
+        if p.is_dir() and any(p.glob("*" + _SUFFIX)):
+            return p
+    return None
+
+
+def _checkout_configs() -> Optional[Path]:
+    """``experiments/`` of the source checkout this package is imported from, if any."""
+    root = Path(__file__).resolve().parents[2]
+    d = root / "experiments"
+    if (root / "pyproject.toml").is_file() and d.is_dir() and any(d.glob("*" + _SUFFIX)):
+        return d
+    return None
+
+
+def config_dir() -> Path:
+    """The directory holding the shipped configs.
+
+    Raises
+    ------
+    FileNotFoundError
+        neither the package data nor a source checkout has them (a broken
+        install: reinstall with ``pip install transformer_pde`` or from the repository).
+    """
+    d = _package_configs() or _checkout_configs()
+    if d is None:
+        raise FileNotFoundError("the shipped experiment configs were not found: neither the package data "
+                                "transformer_pde/configs nor a source checkout's experiments/ exists; "
+                                "reinstall the package (pip install .) from the repository")
+    return d
+
+
+def config_names() -> List[str]:
+    """Names (file stems) of the shipped configs, sorted: ``['hd_ou_vs_oscillating', ...]``."""
+    return sorted(p.stem for p in config_dir().glob("*" + _SUFFIX))
+
+
+def config_path(name: str) -> Path:
+    """The file of the shipped config ``name`` (with or without ``.toml``).
+
+    Raises
+    ------
+    TypeError
+        ``name`` is not a string.
+    ValueError
+        no shipped config has that name (the message lists the names).
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"config name must be a string such as 'ou_vs_oscillating_quick', got {type(name).__name__}")
+    stem = name[: -len(_SUFFIX)] if name.endswith(_SUFFIX) else name
+    if not stem or "/" in stem or "\\" in stem or stem.startswith("."):
+        raise ValueError(f"config name {name!r} is not a plain name; give a name such as "
+                         "'ou_vs_oscillating_quick' or a path to a .toml file")
+    path = config_dir() / (stem + _SUFFIX)
+    if not path.is_file():
+        raise ValueError(f"no shipped config named {stem!r}; available: {', '.join(config_names())} "
+                         "(or give a path to a .toml file)")
+    return path
+
+
+def find_config(source: Union[str, Path]) -> Path:
+    """Resolve what a user typed: an existing file, else a shipped config by name.
+
+    ``"ou_vs_oscillating_quick"``, ``"ou_vs_oscillating_quick.toml"`` and
+    ``"experiments/ou_vs_oscillating_quick.toml"`` (the README's spelling, also when run
+    outside the checkout after a plain install) all give the shipped file; an existing path is
+    returned unchanged.
+
+    Raises
+    ------
+    TypeError
+        ``source`` is not a string or a path.
+    ValueError
+        neither a file nor a shipped name (the message lists the names).
+    """
+    if not isinstance(source, (str, Path)):
+        raise TypeError(f"config must be a path or a name, got {type(source).__name__}")
+    path = Path(source)
+    if path.is_file():
+        return path
+    parts = path.parts
+    if len(parts) == 1 or (len(parts) == 2 and parts[0] == "experiments"):
+        with contextlib.suppress(ValueError, FileNotFoundError):
+            return config_path(path.name)
+    try:
+        names = ", ".join(config_names())
+    except FileNotFoundError:
+        names = "(none found)"
+    raise ValueError(f"config {str(source)!r} is neither a file nor a shipped config name; shipped configs: "
+                     f"{names}")

@@ -1,7 +1,7 @@
 """Noisy particles against the Fokker–Planck JKO on S¹: W2 at a fixed time as N grows and as τ → 0.
 
-    python scripts/noisy_particles_vs_eulerian.py            # ~3 min on an idle core (~10 min under load 5)
-    python scripts/noisy_particles_vs_eulerian.py --quick    # ~30 s
+    python scripts/noisy_particles_vs_eulerian.py            # 5.4 min CPU (815 s wall at load average 5-6, 2 cores)
+    python scripts/noisy_particles_vs_eulerian.py --quick    # about a quarter of that
 
 One unnormalised head A = V = I (β = 1, ascent) at T = 0.5·T_c, from ρ0 ∝ 1 + 0.5 cos θ, compared at t = 1.
 The Eulerian JKO with unit mobility is the W2 gradient flow of −E + T∫ρ log ρ, the mean field of the particles.

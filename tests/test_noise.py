@@ -272,7 +272,8 @@ def test_noisy_transition_study_runs(tmp_path):
 
     small = ["ns=[60]", "ns_high_d=[40]", "dims=[2, 3]", "ratios=[0.5, 2.0]", "t1=2.0", "sus_n=60",
              "sus_ratios=[2.0]", "sus_t1=2.0", "sus_paths=2", "rate_n=200", "rate_t1=0.5", "rate_paths=2",
-             "hyst_ratios=[0.8, 1.3]", "hyst_n=50", "hyst_stage=0.5", "hyst_dt=0.05", "weights_n=50",
+             "hyst_ratios=[0.8, 1.3]", "hyst_n=50", "hyst_paths=2", "hyst_stage_min=0.5", "hyst_stage_max=0.5",
+             "hyst_dt=0.1", "weights_n=50",
              "weights_t1=2.0", "eulerian=true", "grid=24", "jko_steps=2", "jko_eps=0.08"]
     args = ["run", "experiments/noisy_transition_quick.toml", "--out", str(tmp_path), "--name", "n", "--no-progress"]
     for o in small:
@@ -283,6 +284,10 @@ def test_noisy_transition_study_runs(tmp_path):
     assert set(m["weights"]) == {"constant", "ou", "oscillating"} and len(m["summary"]) >= 6
     assert m["susceptibility_d2"][0]["closed_form"] == pytest.approx(2.0, rel=1e-12)
     assert set(m["abs_m_eulerian_d2"]) == {"0.5", "2"}
+    h = m["hysteresis_beta4"]
+    assert h["first_order"] and not m["hysteresis_beta1"]["first_order"] and len(h["up"]) == 2
+    assert h["area"] == pytest.approx(np.trapezoid(np.subtract(h["up"], h["down"]), h["ratios"]), rel=1e-9, abs=1e-12)
+    assert "area_difference" in m["hysteresis_contrast"]
     for name in ("abs_m", "susceptibility_rates", "hysteresis", "weights"):
         assert (tmp_path / "n" / "figures" / f"{name}.png").exists() and name in m["figure_captions"]
 

@@ -4,11 +4,11 @@
 #   pip install -e ".[test,mutation]"
 #   scripts/mutation_check.sh                      # every formula module, a seeded 5 % sample of each
 #                                                  # (the default; timed in docs/MUTATION_REPORT.md)
-#   scripts/mutation_check.sh energy mobility      # some modules (names under transformer_pde/, or solvers.particle)
-#   TESTS="tests/test_oracles.py tests/test_field.py" scripts/mutation_check.sh mobility   # narrower tests
-#   SAMPLE=0.3 SEED=0 scripts/mutation_check.sh attention  # a seeded random 30 % of the module's mutants
-#   SAMPLE=0.25 FULL="energy mobility" scripts/mutation_check.sh energy mobility field  # all of energy, mobility
-#   REF=HEAD scripts/mutation_check.sh energy               # the committed tree, not the working copy
+#   scripts/mutation_check.sh model.energy model.mobility   # some modules (dotted paths under transformer_pde/)
+#   TESTS="tests/test_oracles.py tests/test_field.py" scripts/mutation_check.sh model.mobility   # narrower tests
+#   SAMPLE=0.3 SEED=0 scripts/mutation_check.sh model.attention  # a seeded random 30 % of the module's mutants
+#   SAMPLE=0.25 FULL="model.energy" scripts/mutation_check.sh model.energy model.field  # all of energy
+#   REF=HEAD scripts/mutation_check.sh model.energy               # the committed tree, not the working copy
 #   REUSE=$HOME/old_workdir scripts/mutation_check.sh       # keep an earlier run's kills of unchanged functions
 #                                                  # (REUSE_SURVIVORS=1: and its survivors; run only the unchecked)
 #   python scripts/mutation_summary.py "$WORKDIR"            # the score table and every survivor
@@ -27,7 +27,7 @@ MAX_CHILDREN=${MAX_CHILDREN:-2}
 TIMEOUT=${TIMEOUT:-3300}
 WORKDIR=${WORKDIR:-$(mktemp -d -t transformer_pde_mutation.XXXXXX)}
 if [ "$#" -eq 0 ]; then
-  set -- mobility energy field attention processes transport theory.__init__ theory.particles solvers.parts solvers.particle solvers.jko
+  set -- model.mobility model.energy model.field model.attention model.normalization model.transport processes.weights analysis.theory.__init__ analysis.theory.particles solvers.parts solvers.evaluator solvers.fixed_step solvers.adaptive solvers.particle solvers.trajectory solvers.jko solvers.jko_lagrangian solvers.jko_eulerian solvers.lbfgs
 fi
 python -c "import mutmut" 2>/dev/null || { echo "mutmut is not installed: pip install -e '.[mutation]'" >&2; exit 2; }
 

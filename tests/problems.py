@@ -94,6 +94,13 @@ def oscillating_target_reference(t, d, h=0, H=1, per_head=False):
     return F
 
 
+def random_sphere(*shape, dtype=torch.float64, seed=0):
+    """Tokens of the given shape (..., n, d), normalised float64 Gaussians cast to ``dtype`` (the same points
+    in every dtype)."""
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return torch.nn.functional.normalize(x, dim=-1).to(dtype)
+
+
 def fit_slope(xs, ys):
     """Least-squares slope of log ys against log xs."""
     lx, ly = np.log(np.asarray(xs, float)), np.log(np.asarray(ys, float))

@@ -13,17 +13,10 @@ import transformer_pde as tp
 from transformer_pde import attention
 from transformer_pde.model.energy import ito_correction, pairing
 from transformer_pde.model.field import evaluate
+from conftest import gen
+from problems import random_sphere
 
 NO_GRAD_BACKENDS = ["dense", "chunked", "sdpa"]
-
-
-def _gen(seed=0):
-    return torch.Generator().manual_seed(seed)
-
-
-def _sphere(*shape, dtype=torch.float64, seed=0):
-    x = torch.randn(*shape, generator=_gen(seed), dtype=torch.float64)
-    return torch.nn.functional.normalize(x, dim=-1).to(dtype)
 
 
 def oracle(x, A, weights=None, keys=None, beta=1.0):
@@ -63,28 +56,28 @@ CASES = ["plain", "weights", "zero_weight", "batch_broadcast", "beta_tensor", "k
 
 
 def _case(case, dtype, d=3):
-    x = _sphere(2, 9, d, dtype=dtype, seed=1)
-    A = torch.randn(2, 4, d, d, generator=_gen(2), dtype=torch.float64).to(dtype)
+    x = random_sphere(2, 9, d, dtype=dtype, seed=1)
+    A = torch.randn(2, 4, d, d, generator=gen(2), dtype=torch.float64).to(dtype)
     kw, ref_kw = {}, {}
     heads = tp.Heads(A)
     if case in ("weights", "zero_weight"):
-        w = torch.rand(2, 9, generator=_gen(3), dtype=torch.float64)
+        w = torch.rand(2, 9, generator=gen(3), dtype=torch.float64)
         if case == "zero_weight":
             w[:, 4] = 0.0
         w = (w / w.sum(-1, keepdim=True)).to(dtype)
         kw["weights"] = w
     elif case == "batch_broadcast":
-        x = _sphere(3, 2, 9, d, dtype=dtype, seed=4)  # heads (2, H) broadcast against x (3, 2)
+        x = random_sphere(3, 2, 9, d, dtype=dtype, seed=4)  # heads (2, H) broadcast against x (3, 2)
     elif case == "beta_tensor":
         beta = torch.tensor([0.5, 3.0], dtype=dtype)
         heads = tp.Heads(A, beta=beta)
         ref_kw["beta"] = beta
     elif case == "keys":
-        y = _sphere(2, 13, d, dtype=dtype, seed=5)
+        y = random_sphere(2, 13, d, dtype=dtype, seed=5)
         kw["keys"] = ref_kw["keys"] = y
     elif case == "factors":
-        Q = torch.randn(2, 4, 2, d, generator=_gen(6), dtype=torch.float64).to(dtype)
-        K = torch.randn(2, 4, 2, d, generator=_gen(7), dtype=torch.float64).to(dtype)
+        Q = torch.randn(2, 4, 2, d, generator=gen(6), dtype=torch.float64).to(dtype)
+        K = torch.randn(2, 4, 2, d, generator=gen(7), dtype=torch.float64).to(dtype)
         heads = tp.Heads(None, A, query=Q, key=K)
         A = Q.transpose(-1, -2) @ K
     return x, heads, A, kw, ref_kw
@@ -132,10 +125,10 @@ def test_second_moment_in_higher_dimension(backend):
 @pytest.mark.parametrize("backend", NO_GRAD_BACKENDS)
 def test_large_beta_norm_stays_finite(backend, dtype):
     """β‖A‖ ≈ 500: e^{s} overflows in both dtypes, the kernels must shift (and agree with the oracle)."""
-    x = _sphere(2, 12, 3, dtype=dtype, seed=8)
-    A = torch.randn(3, 3, 3, generator=_gen(9), dtype=torch.float64)
+    x = random_sphere(2, 12, 3, dtype=dtype, seed=8)
+    A = torch.randn(3, 3, 3, generator=gen(9), dtype=torch.float64)
     A = (500.0 * A / torch.linalg.matrix_norm(A, ord=2)[..., None, None]).to(dtype)
-    w = torch.rand(12, generator=_gen(10), dtype=torch.float64)
+    w = torch.rand(12, generator=gen(10), dtype=torch.float64)
     w[0] = 0.0
     w = (w / w.sum()).to(dtype)
     st = tp.softmax_statistics(x, tp.Heads(A), w, second_moment=True, backend=backend)
@@ -184,8 +177,8 @@ def test_autograd_path_matches_no_grad_kernels():
 
 
 def test_autograd_gradcheck_through_kernel():
-    x = _sphere(5, 3, seed=11).requires_grad_(True)
-    A = torch.randn(2, 3, 3, generator=_gen(12), dtype=torch.float64, requires_grad=True)
+    x = random_sphere(5, 3, seed=11).requires_grad_(True)
+    A = torch.randn(2, 3, 3, generator=gen(12), dtype=torch.float64, requires_grad=True)
 
     def f(x, A):
         st = tp.softmax_statistics(x, tp.Heads(A), second_moment=True, chunk_elements=8)
@@ -198,12 +191,12 @@ def test_autograd_gradcheck_through_kernel():
 @pytest.mark.parametrize("normalization", ["softmax", "unnormalized", "relu", "effective"])
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_evaluate_identical_across_backends(normalization, symmetric):
-    x = _sphere(2, 11, 3, seed=13)
+    x = random_sphere(2, 11, 3, seed=13)
     if symmetric:
-        heads = tp.Heads.random(3, 3, batch_shape=(2,), generator=_gen(14), dtype=torch.float64)
+        heads = tp.Heads.random(3, 3, batch_shape=(2,), generator=gen(14), dtype=torch.float64)
     else:
-        heads = tp.Heads.random(3, 3, symmetric=False, batch_shape=(2,), generator=_gen(14), dtype=torch.float64)
-    w = torch.rand(2, 11, generator=_gen(15), dtype=torch.float64)
+        heads = tp.Heads.random(3, 3, symmetric=False, batch_shape=(2,), generator=gen(14), dtype=torch.float64)
+    w = torch.rand(2, 11, generator=gen(15), dtype=torch.float64)
     w = w / w.sum(-1, keepdim=True)
     outs = [evaluate(x, heads, w, normalization=normalization, sign=-1.0, second_moment=True, backend=b,
                      chunk_elements=16) for b in NO_GRAD_BACKENDS]
@@ -213,9 +206,9 @@ def test_evaluate_identical_across_backends(normalization, symmetric):
 
 
 def test_relu_statistics_against_oracle():
-    x = _sphere(2, 10, 3, seed=16)
-    A = torch.randn(2, 3, 3, 3, generator=_gen(17), dtype=torch.float64)
-    w = torch.rand(2, 10, generator=_gen(18), dtype=torch.float64)
+    x = random_sphere(2, 10, 3, seed=16)
+    A = torch.randn(2, 3, 3, 3, generator=gen(17), dtype=torch.float64)
+    w = torch.rand(2, 10, generator=gen(18), dtype=torch.float64)
     w = w / w.sum(-1, keepdim=True)
     R = torch.relu(torch.einsum("...ia,...hab,...jb->...hij", x, A, x)) * w.unsqueeze(-2).unsqueeze(-2)
     for backend, chunk in (("chunked", 5), ("dense", None), ("auto", None)):
@@ -295,10 +288,10 @@ def test_sdpa_second_moment_on_the_sphere_drops_the_last_diagonal_column(monkeyp
     """Keys on S^{d-1}: y_d² = 1 − Σ_{a<d} y_a² is implied, so the kernel width is d + d(d+1)/2 − 1
     (8 for d = 3), and the second moment still equals the oracle's Σ_j p_ij ⟨x_i, y_j⟩²."""
     widths = _spy_flash_widths(monkeypatch)
-    x = _sphere(2, 17, d, dtype=dtype, seed=3)
-    keys = _sphere(2, 23, d, dtype=dtype, seed=4)
-    A = torch.randn(2, 5, d, d, generator=_gen(5), dtype=torch.float64).to(dtype)
-    w = torch.rand(2, 23, generator=_gen(6), dtype=torch.float64)
+    x = random_sphere(2, 17, d, dtype=dtype, seed=3)
+    keys = random_sphere(2, 23, d, dtype=dtype, seed=4)
+    A = torch.randn(2, 5, d, d, generator=gen(5), dtype=torch.float64).to(dtype)
+    w = torch.rand(2, 23, generator=gen(6), dtype=torch.float64)
     w = (w / w.sum(-1, keepdim=True)).to(dtype)
     st = tp.softmax_statistics(x, tp.Heads(A), w, keys=keys, second_moment=True, backend="sdpa")
     assert widths == [(d + d * (d + 1) // 2 - 1,) * 3]
@@ -318,10 +311,10 @@ def test_sdpa_second_moment_off_the_sphere_keeps_every_column(monkeypatch, radiu
     trace-free shortcut would be wrong; the kernel gets all d(d+1)/2 columns and matches the oracle."""
     widths = _spy_flash_widths(monkeypatch)
     d = 3
-    x = _sphere(2, 13, d, seed=7)
-    keys = radius * _sphere(2, 11, d, seed=8)
+    x = random_sphere(2, 13, d, seed=7)
+    keys = radius * random_sphere(2, 11, d, seed=8)
     keys[..., 0, :] /= radius  # one key on the sphere, the others off it
-    A = torch.randn(2, 4, d, d, generator=_gen(9), dtype=torch.float64)
+    A = torch.randn(2, 4, d, d, generator=gen(9), dtype=torch.float64)
     st = tp.softmax_statistics(x, tp.Heads(A), keys=keys, second_moment=True, backend="sdpa")
     assert widths == [(d + d * (d + 1) // 2,) * 3]
     _assert_stats(st, oracle(x, A, keys=keys), torch.float64)
@@ -396,8 +389,8 @@ def test_cuda_backends_match_cpu_oracle(case, dtype):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_field_and_large_beta():
-    x = _sphere(2, 12, 3, seed=8)
-    A = torch.randn(3, 3, 3, generator=_gen(9), dtype=torch.float64)
+    x = random_sphere(2, 12, 3, seed=8)
+    A = torch.randn(3, 3, 3, generator=gen(9), dtype=torch.float64)
     A = 500.0 * A / torch.linalg.matrix_norm(A, ord=2)[..., None, None]
     cpu = evaluate(x, tp.Heads(A), sign=-1.0, second_moment=True)
     gpu = evaluate(x.cuda(), tp.Heads(A.cuda()), sign=-1.0, second_moment=True)
@@ -430,17 +423,17 @@ def test_head_moment_sums_match_the_dense_double_sums(dtype, d, case):
     come from one product of the fused kernel's value columns, without the per-token second moment;
     they equal the dense double sums over (i, j), on and off the sphere (trace-free columns or all
     of them), with and without token weights and at a common scale e^{−c}."""
-    x = _sphere(2, 17, d, dtype=dtype, seed=11)
-    A = (0.7 * torch.randn(2, 5, d, d, generator=_gen(12), dtype=torch.float64)).to(dtype)
+    x = random_sphere(2, 17, d, dtype=dtype, seed=11)
+    A = (0.7 * torch.randn(2, 5, d, d, generator=gen(12), dtype=torch.float64)).to(dtype)
     keys = key_w = query_w = None
     c = 0.0
     if case == "weighted":
-        key_w = torch.rand(2, 17, generator=_gen(13), dtype=torch.float64) + 0.1
+        key_w = torch.rand(2, 17, generator=gen(13), dtype=torch.float64) + 0.1
         key_w = (key_w / key_w.sum(-1, keepdim=True)).to(dtype)
         key_w[1, 3] = 0.0  # a zero-weight token
         query_w = key_w
     elif case == "off_sphere_keys":
-        keys = 1.7 * _sphere(2, 13, d, dtype=dtype, seed=14)
+        keys = 1.7 * random_sphere(2, 13, d, dtype=dtype, seed=14)
     elif case == "scaled":
         A = A * 30.0
         c = 25.0
@@ -468,13 +461,13 @@ def test_pairing_and_ito_correction_agree_across_backends(dtype):
     """energy.pairing and energy.ito_correction read the fused kernel's per-head sums ("sdpa") or form
     the per-token terms ("chunked", no columns kept): the same numbers, and the sums are cached
     (the second pairing of a step reuses them, also after the weights' identity check)."""
-    x = _sphere(3, 19, 3, dtype=dtype, seed=21)
-    A = torch.randn(3, 6, 3, 3, generator=_gen(22), dtype=torch.float64)
+    x = random_sphere(3, 19, 3, dtype=dtype, seed=21)
+    A = torch.randn(3, 6, 3, 3, generator=gen(22), dtype=torch.float64)
     heads = tp.Heads((A + A.transpose(-1, -2)).to(dtype))
-    M = torch.randn(3, 6, 3, 3, generator=_gen(23), dtype=torch.float64).to(dtype)
-    w = torch.rand(3, 19, generator=_gen(24), dtype=torch.float64)
+    M = torch.randn(3, 6, 3, 3, generator=gen(23), dtype=torch.float64).to(dtype)
+    w = torch.rand(3, 19, generator=gen(24), dtype=torch.float64)
     w = (w / w.sum(-1, keepdim=True)).to(dtype)
-    sigma = torch.rand(3, 6, generator=_gen(25), dtype=torch.float64).to(dtype)
+    sigma = torch.rand(3, 6, generator=gen(25), dtype=torch.float64).to(dtype)
     for weights in (None, w):
         fast = tp.softmax_statistics(x, heads, weights, second_moment=True, backend="sdpa")
         slow = tp.softmax_statistics(x, heads, weights, second_moment=True, backend="chunked")
@@ -498,8 +491,6 @@ def test_pairing_and_ito_correction_agree_across_backends(dtype):
 # The tests below pin behaviour that the mutation pass of the formula modules (docs/MUTATION_REPORT.md)
 # showed untested; each checks the library against a closed form or an independent computation.
 from torch.testing import assert_close  # noqa: E402
-
-from conftest import gen  # noqa: E402
 
 F64 = torch.float64
 

@@ -13,21 +13,14 @@ import torch
 
 import transformer_pde as tp
 from transformer_pde.model.field import evaluate
+from conftest import gen
+from problems import random_sphere
 
 BACKENDS = ["dense", "chunked", "sdpa"]
 
 
-def _gen(seed=0):
-    return torch.Generator().manual_seed(seed)
-
-
-def _sphere(*shape, dtype=torch.float64, seed=0):
-    x = torch.randn(*shape, generator=_gen(seed), dtype=torch.float64)
-    return torch.nn.functional.normalize(x, dim=-1).to(dtype)
-
-
 def _weights(*shape, dtype=torch.float64, seed=1):
-    w = torch.rand(*shape, generator=_gen(seed), dtype=torch.float64) + 0.1
+    w = torch.rand(*shape, generator=gen(seed), dtype=torch.float64) + 0.1
     return (w / w.sum(-1, keepdim=True)).to(dtype)
 
 
@@ -59,8 +52,8 @@ def _tol(dtype, scale=1.0):
 @pytest.mark.parametrize("weighted", [False, True])
 def test_backends_match_oracle(dtype, backend, weighted):
     # batch dims (2, 3), 4 heads, d = 3, n = 9; chunk_elements forces several blocks in "chunked"
-    x = _sphere(2, 3, 9, 3, dtype=dtype)
-    heads = tp.Heads.random(4, 3, batch_shape=(3,), generator=_gen(2), dtype=dtype, scale=0.7)
+    x = random_sphere(2, 3, 9, 3, dtype=dtype)
+    heads = tp.Heads.random(4, 3, batch_shape=(3,), generator=gen(2), dtype=dtype, scale=0.7)
     w = _weights(2, 3, 9, dtype=dtype) if weighted else None
     ref = causal_oracle(x, heads.score, w)
     st = tp.softmax_statistics(x, heads, w, second_moment=True, backend=backend, causal=True, chunk_elements=40)
@@ -77,8 +70,8 @@ def test_backends_match_oracle(dtype, backend, weighted):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_large_scores_use_the_shift(dtype, backend):
     # β‖A‖ ≈ 400: e^{s} overflows float32 and float64 without the log-sum-exp shift
-    x = _sphere(12, 3, dtype=dtype, seed=3)
-    heads = tp.Heads.random(2, 3, generator=_gen(4), dtype=dtype, beta=200.0)
+    x = random_sphere(12, 3, dtype=dtype, seed=3)
+    heads = tp.Heads.random(2, 3, generator=gen(4), dtype=dtype, beta=200.0)
     w = _weights(12, dtype=dtype)
     ref = causal_oracle(x, heads.score, w, beta=200.0)
     st = tp.softmax_statistics(x, heads, w, backend=backend, causal=True, chunk_elements=30)
@@ -92,10 +85,10 @@ def test_large_scores_use_the_shift(dtype, backend):
 def test_backends_agree_with_each_other_on_factored_heads(backend):
     # query/key factors (unshared keys per head) go through the other branch of the kernels
     dt = torch.float64
-    Q = torch.randn(3, 2, 3, generator=_gen(5), dtype=dt)
-    K = torch.randn(3, 2, 3, generator=_gen(6), dtype=dt)
-    heads = tp.Heads(query=Q, key=K, value=torch.randn(3, 3, 3, generator=_gen(7), dtype=dt))
-    x = _sphere(4, 11, 3, seed=8)
+    Q = torch.randn(3, 2, 3, generator=gen(5), dtype=dt)
+    K = torch.randn(3, 2, 3, generator=gen(6), dtype=dt)
+    heads = tp.Heads(query=Q, key=K, value=torch.randn(3, 3, 3, generator=gen(7), dtype=dt))
+    x = random_sphere(4, 11, 3, seed=8)
     ref = tp.softmax_statistics(x, heads, causal=True, backend="dense")
     st = tp.softmax_statistics(x, heads, causal=True, backend=backend, chunk_elements=25)
     torch.testing.assert_close(st.log_partition, ref.log_partition, rtol=1e-12, atol=1e-12)
@@ -108,24 +101,24 @@ def test_backends_agree_with_each_other_on_factored_heads(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_one_token_and_first_token(backend):
     dt = torch.float64
-    heads = tp.Heads.random(3, 4, symmetric=False, generator=_gen(9), dtype=dt)
+    heads = tp.Heads.random(3, 4, symmetric=False, generator=gen(9), dtype=dt)
     # one token: the causal field is the non-causal one, V x_0 per head
-    x1 = _sphere(2, 1, 4, seed=10)
+    x1 = random_sphere(2, 1, 4, seed=10)
     st = tp.softmax_statistics(x1, heads, causal=True, backend=backend)
     torch.testing.assert_close(st.mean, x1.unsqueeze(-3).expand(2, 3, 1, 4))
     s00 = torch.einsum("bia,hac,bic->bhi", x1, heads.score, x1)
     torch.testing.assert_close(st.log_partition, s00)
     # n tokens: the first one attends only to itself, its softmax output is V_h x_0 exactly
-    x = _sphere(7, 4, seed=11)
+    x = random_sphere(7, 4, seed=11)
     out = tp.head_outputs(x, heads, causal=True)
     torch.testing.assert_close(out[:, 0], x[0] @ heads.value.transpose(-1, -2), rtol=1e-14, atol=1e-14)
     # ...whatever the later tokens are
     y = x.clone()
-    y[1:] = _sphere(6, 4, seed=12)
+    y[1:] = random_sphere(6, 4, seed=12)
     torch.testing.assert_close(tp.head_outputs(y, heads, causal=True)[:, 0], out[:, 0], rtol=0, atol=0)
     # and token i's output does not depend on tokens after it (changing the last token)
     z = x.clone()
-    z[-1] = _sphere(4, seed=13)
+    z[-1] = random_sphere(4, seed=13)
     torch.testing.assert_close(tp.head_outputs(z, heads, causal=True)[:, :-1], out[:, :-1], rtol=1e-13, atol=1e-13)
 
 
@@ -153,8 +146,8 @@ def test_two_tokens_closed_form():
 
 def test_causal_differs_and_reduces_to_full_for_last_token():
     # the last token sees every token: its causal statistics are the non-causal ones
-    x = _sphere(3, 8, 3, seed=14)
-    heads = tp.Heads.random(2, 3, generator=_gen(15), dtype=torch.float64)
+    x = random_sphere(3, 8, 3, seed=14)
+    heads = tp.Heads.random(2, 3, generator=gen(15), dtype=torch.float64)
     w = _weights(3, 8)
     c = tp.softmax_statistics(x, heads, w, causal=True)
     f = tp.softmax_statistics(x, heads, w)
@@ -165,8 +158,8 @@ def test_causal_differs_and_reduces_to_full_for_last_token():
 
 def test_gradcheck():
     dt = torch.float64
-    x = _sphere(5, 3, seed=16).requires_grad_(True)
-    A = torch.randn(2, 3, 3, generator=_gen(17), dtype=dt).requires_grad_(True)
+    x = random_sphere(5, 3, seed=16).requires_grad_(True)
+    A = torch.randn(2, 3, 3, generator=gen(17), dtype=dt).requires_grad_(True)
     w0 = _weights(5)
     wr = w0.clone().requires_grad_(True)
 
@@ -186,8 +179,8 @@ def test_gradcheck():
 
 def test_evaluate_diagnostics_are_those_of_the_whole_measure():
     # E and ∇δE/δμ do not depend on the mask; the dissipation pairs ∇δE/δμ with the causal field
-    x = _sphere(2, 10, 3, seed=18)
-    heads = tp.Heads.random(3, 3, symmetric=False, generator=_gen(19), dtype=torch.float64)
+    x = random_sphere(2, 10, 3, seed=18)
+    heads = tp.Heads.random(3, 3, symmetric=False, generator=gen(19), dtype=torch.float64)
     w = _weights(2, 10)
     full = evaluate(x, heads, w)
     cau = evaluate(x, heads, w, causal=True)
@@ -205,8 +198,8 @@ def test_evaluate_diagnostics_are_those_of_the_whole_measure():
 
 
 def test_bad_input():
-    x = _sphere(4, 3)
-    heads = tp.Heads.random(1, 3, generator=_gen(0), dtype=torch.float64)
+    x = random_sphere(4, 3)
+    heads = tp.Heads.random(1, 3, generator=gen(0), dtype=torch.float64)
     with pytest.raises(ValueError, match="keys"):
         tp.softmax_statistics(x, heads, keys=x.clone(), causal=True)
     with pytest.raises(ValueError, match="keys"):

@@ -18,6 +18,7 @@ from transformer_pde.solvers.jko import self_potential
 from conftest import gen
 
 F64 = torch.float64
+EPS = torch.finfo(F64).eps  # float64 unit round-off; the tokens are unit vectors (scale 1)
 
 
 def tokens(n, d, seed, dtype=F64):
@@ -528,7 +529,8 @@ def test_strict_lagrangian_sinkhorn_error_adds_the_sinkhorn_hint():
 
 def test_lagrangian_sinkhorn_default_tolerance_is_the_documented_1e_6():
     """Docstring: tol defaults to 1e-6 with transport="sinkhorn" in float64 (1e-9 otherwise).  The
-    default run equals the tol=1e-6 run bit for bit and differs from the tol=1e-9 one."""
+    default run equals the tol=1e-6 run to a few ulps (it is the same computation) and differs from the
+    tol=1e-9 one by far more than rounding (observed: 1.9e-8)."""
     x, heads = tokens(5, 3, 13), rand_heads(2, 3, 14)
 
     def run(**kw):
@@ -536,8 +538,8 @@ def test_lagrangian_sinkhorn_default_tolerance_is_the_documented_1e_6():
             warnings.simplefilter("ignore")
             return tp.jko(x, heads, tau=0.05, steps=2, transport="sinkhorn", **kw).x
     default = run()
-    assert torch.equal(default, run(tol=1e-6))
-    assert not torch.equal(default, run(tol=1e-9))
+    assert_close(run(tol=1e-6), default, rtol=4 * EPS, atol=4 * EPS)
+    assert float((default - run(tol=1e-9)).abs().max()) > 1e4 * EPS
 
 
 def test_the_generator_drives_the_weight_paths_of_a_noisy_process():
@@ -546,8 +548,8 @@ def test_the_generator_drives_the_weight_paths_of_a_noisy_process():
 
     def run(s):
         return tp.jko(x, ou, tau=0.05, steps=2, transport="identity", generator=torch.Generator().manual_seed(s)).x
-    assert torch.equal(run(1), run(1))
-    assert not torch.equal(run(1), run(2))
+    assert_close(run(1), run(1), rtol=4 * EPS, atol=4 * EPS)  # the same seed: the same paths
+    assert float((run(1) - run(2)).abs().max()) > 1e-4  # another seed: other paths (observed: 1.3e-2)
 
 
 # ---------------------------------------------------------------------------- to_grid: the von Mises–Fisher deposit
@@ -611,7 +613,7 @@ def test_batched_factored_heads_with_tensor_beta_equal_separate_runs():
     for i, j in itertools.product(range(3), range(2)):
         one = tp.jko(x[i, 0], _item_heads(Q, K, beta, j), tau=0.1, steps=1, transport="identity")
         # same arithmetic up to the batched reductions: the solves agree to their tolerance (1e-9 relative)
-        assert_close(both.x[:, i, j], one.x, rtol=0, atol=1e-10)
+        assert_close(both.x[:, i, j], one.x, rtol=4 * EPS, atol=1e-10)
         assert_close(both.energy[:, i, j], one.energy, rtol=1e-10, atol=0)
         assert_close(both.stats["prox"][:, i, j], one.stats["prox"], rtol=1e-7, atol=1e-14)
 
@@ -626,7 +628,7 @@ def test_batched_tokens_with_shared_token_weights_equal_separate_runs():
     assert both.x.shape == (2, 2, 6, 3)
     for i in range(2):
         one = tp.jko(x[i], heads, tau=0.1, steps=1, transport="identity", weights=w)
-        assert_close(both.x[:, i], one.x, rtol=0, atol=1e-10)
+        assert_close(both.x[:, i], one.x, rtol=4 * EPS, atol=1e-10)
         assert_close(both.energy[:, i], one.energy, rtol=1e-10, atol=0)
 
 
@@ -639,7 +641,7 @@ def test_a_batch_of_token_weights_on_shared_tokens_equals_separate_runs():
     assert both.x.shape == (2, 2, 6, 3)
     for i in range(2):
         one = tp.jko(x, heads, tau=0.1, steps=1, transport="identity", weights=w[i])
-        assert_close(both.x[:, i], one.x, rtol=0, atol=1e-10)
+        assert_close(both.x[:, i], one.x, rtol=4 * EPS, atol=1e-10)
 
 
 def test_eulerian_batch_equals_separate_runs_and_counts_are_integers():
@@ -656,7 +658,7 @@ def test_eulerian_batch_equals_separate_runs_and_counts_are_integers():
     assert bool((both.stats["iterations"] > 0).all())
     for i in range(2):
         one = tp.jko(None, heads, **{**kw, "grid_weights": q0[i]})
-        assert_close(both.weights[:, i], one.weights, rtol=0, atol=1e-13)
+        assert_close(both.weights[:, i], one.weights, rtol=4 * EPS, atol=1e-13)
         assert_close(both.stats["prox"][:, i], one.stats["prox"], rtol=1e-9, atol=1e-15)
     lag = tp.jko(x, heads, tau=0.2, steps=1, transport="identity")
     for key in ("iterations", "plan_updates"):
@@ -783,7 +785,7 @@ def test_stiff_batch_equals_separate_runs_including_which_items_converge():
     assert bool(one.stats["converged"][0]) and int(one.stats["iterations"][0]) < 30
     assert both.stats["converged"][0].tolist() == [True, False]
     assert both.stats["iterations"][0].tolist() == [int(one.stats["iterations"][0]), 30]
-    assert_close(both.x[1, 0], one.x[1], rtol=0, atol=1e-10)
+    assert_close(both.x[1, 0], one.x[1], rtol=4 * EPS, atol=1e-10)
 
 
 def test_stiff_step_converges_token_by_token():
@@ -819,7 +821,7 @@ def test_a_token_whose_mobility_underflows_the_scale_is_held_and_reported_unconv
     with pytest.warns(RuntimeWarning, match="did not reach the inner tolerance"):
         tr = tp.jko(x, heads, tau=0.01, steps=1, transport="identity")
     assert tr.stats["converged"].tolist() == [False]
-    assert torch.equal(tr.x[1, 2], x[2])
+    assert_close(tr.x[1, 2], x[2], rtol=4 * EPS, atol=4 * EPS)  # held where it was
 
 
 def test_energy_log_scale_is_chosen_from_the_weighted_log_partitions():
@@ -861,8 +863,8 @@ def test_batch_items_of_very_different_mobility_scales_equal_separate_runs(trans
     """A = I with a tensor β = (1, β₁): the items' mobilities differ by e^{β₁−1}.  Each item's objective is
     divided by its own scale (identity / emd: per item, so that e^{−899} does not underflow the β = 1
     item to a standstill; sinkhorn: one scale, with ε divided by the same one, OT_ε(cC) = c·OT_{ε/c}(C)),
-    so every item equals its separate run (observed: bit for bit).  ε = 0.1 (in units of the cost
-    b|x − y|² ~ e^{10}) is negligible for the β = 12 item, but would not be at the β = 1 item's scale."""
+    so every item equals its separate run (observed: to the last bit; asserted to 1e-12).  ε = 0.1 (in units
+    of the cost b|x − y|² ~ e^{10}) is negligible for the β = 12 item, but would not be at the β = 1 item's scale."""
     x = tokens(5, 3, 37)
     A = torch.eye(3, dtype=F64)[None]
     beta = torch.tensor([1.0, beta1], dtype=F64)
@@ -872,7 +874,7 @@ def test_batch_items_of_very_different_mobility_scales_equal_separate_runs(trans
     j = 0 if transport == "identity" else 1  # the item the wrong scale would hurt
     one = tp.jko(x, tp.Heads(A, None, None, float(beta[j])), tau=0.1, steps=1, transport=transport, eps=eps)
     assert float((one.x[1] - x).abs().max()) > 1e-3  # it moves
-    assert_close(both.x[1, j], one.x[1], rtol=0, atol=1e-12)
+    assert_close(both.x[1, j], one.x[1], rtol=4 * EPS, atol=1e-12)
     if both.energy_log_scale == 0.0:  # (β = 900: "prox" is reported times e^{−c}, c ≈ 1077, and underflows)
         assert_close(both.stats["prox"][0, j], one.stats["prox"][0], rtol=1e-10, atol=0)
 
@@ -908,10 +910,11 @@ def test_line_search_takes_the_first_armijo_step_of_the_halving_sequence():
         if float(f_obj(cand[None])[0]) <= float(f[0]) + 1e-4 * step * float(gd[0]):
             break
     assert k > 0  # a = 1 overshoots: the test exercises the backtracking
-    assert_close(y_new[0], cand, rtol=0, atol=1e-15)
+    assert_close(y_new[0], cand, rtol=4 * EPS, atol=1e-15)
     assert float(f_new[0]) < float(f[0])
     assert_close(g_new[0], a.expand(3, 3), rtol=0, atol=0)
-    assert torch.equal(y_new[1], y[1]) and torch.equal(f_new[1], f[1])
+    assert_close(y_new[1], y[1], rtol=4 * EPS, atol=4 * EPS)  # the inactive item is left alone
+    assert_close(f_new[1], f[1], rtol=4 * EPS, atol=4 * EPS * float(f[1].abs()))
 
 
 def test_lbfgs_direction_masks_a_negative_curvature_pair_and_matches_dense_bfgs():
@@ -990,7 +993,7 @@ def test_emd_plan_is_recomputed_until_it_is_optimal_at_the_solution():
     assert list(cols) == sigma  # the optimal assignment is σ, not the identity
     ref = torch.zeros(5, 5, dtype=F64)
     ref[rows, cols] = 0.2
-    assert_close(P[0], ref, rtol=0, atol=1e-15)
+    assert_close(P[0], ref, rtol=4 * EPS, atol=1e-15)
     assert info["plan_updates"].tolist() == [1] and info["iterations"].tolist() == [2]
     assert info["converged"].tolist() == [True]
     y_small = tp.sphere.normalize(x + 0.01 * torch.randn(1, 5, 3, generator=gen(34), dtype=F64))

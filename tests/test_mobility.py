@@ -57,12 +57,13 @@ def test_scaled_diagnostics_with_two_batch_axes():
             assert_close(D[a, b], (dEdx * Vk).sum(), rtol=1e-10, atol=1e-13)
 
 
-def test_scaled_diagnostics_match_evaluate_bit_for_bit_for_nearly_symmetric_heads():
+def test_scaled_diagnostics_match_evaluate_to_a_few_ulps_for_nearly_symmetric_heads():
     """Heads.symmetric accepts D with |D − Dᵀ| ≤ 1e-10·max|D| and flags the heads symmetric, so
     A_h ≠ A_hᵀ in the last bits.  scaled_diagnostics at c = 0 is documented to give evaluate's
     diagnostics bit for bit for symmetric heads: both must apply the same matrix A_h to ȳ_h
-    (A_hᵀ ȳ_h differs here by ~1e-11 relative, far above float64 rounding).  Also the dense
-    formula ∇_S δE/δμ(x_i) = P_{x_i} Σ_h ω_h Σ_j w_j e^{β⟨x_i, A_h x_j⟩} A_h x_j, to 1e-13 relative
+    (A_hᵀ ȳ_h differs here by ~1e-11 relative, far above float64 rounding); asserted here to 8 ulps of
+    each quantity's magnitude, whatever the kernels' reduction order (1e-11 relative is ~5·10⁴ ulps).
+    Also the dense formula ∇_S δE/δμ(x_i) = P_{x_i} Σ_h ω_h Σ_j w_j e^{β⟨x_i, A_h x_j⟩} A_h x_j, to 1e-13 relative
     (sums of 7 positive terms in float64), β = 1.3, ω = (0.4, 1.5, 0.8), non-uniform token weights."""
     beta = 1.3
     om = torch.tensor([0.4, 1.5, 0.8], dtype=F64)
@@ -73,13 +74,14 @@ def test_scaled_diagnostics_match_evaluate_bit_for_bit_for_nearly_symmetric_head
     skew = (skew - skew.transpose(-1, -2)) / (skew - skew.transpose(-1, -2)).abs().max()  # max |entry| = 1
     D = D0 + 2e-11 * D0.abs().max() * skew  # |D − Dᵀ| = 4e-11 max|D0|: accepted (< 1e-10 max|D|)
     heads = tp.Heads.symmetric(D, beta=beta, weights=om)
-    assert heads.is_symmetric and not torch.equal(D, D.transpose(-1, -2))
+    eps = torch.finfo(F64).eps
+    assert heads.is_symmetric and float((D - D.transpose(-1, -2)).abs().max()) > 1e3 * eps * float(D.abs().max())
     w = torch.rand(7, generator=gen(103), dtype=F64) + 0.1
     w = w / w.sum()
     ev = tp.field.evaluate(x, heads, w)
     E, G, Dm, g = scaled_diagnostics(x, heads, w, ev.velocity, ev.stats)
-    assert torch.equal(g, ev.grad_first_variation)
-    assert torch.equal(E, ev.energy) and torch.equal(G, ev.slope) and torch.equal(Dm, ev.dissipation)
+    for got, ref in ((g, ev.grad_first_variation), (E, ev.energy), (G, ev.slope), (Dm, ev.dissipation)):
+        assert_close(got, ref, rtol=8 * eps, atol=8 * eps * float(ref.abs().max()))
     K = torch.exp(beta * torch.einsum("id,hde,je->hij", x, D, x)) * w  # w_j e^{β⟨x_i, A_h x_j⟩}
     u = (om[:, None, None] * torch.einsum("hij,hde,je->hid", K, D, x)).sum(0)
     want = u - (u * x).sum(-1, keepdim=True) * x

@@ -345,7 +345,8 @@ def test_a_user_cost_is_handed_to_geomloss_with_the_tensorized_backend(monkeypat
     seen = _spy_samples_loss(monkeypatch, "backend")
     val = transport.sinkhorn_divergence(x, a, y, b, eps=0.1, cost=cost, diameter=2.0)
     assert seen == ["tensorized"]
-    assert_close(val, ref, rtol=0, atol=0)
+    eps = torch.finfo(torch.float64).eps  # the same call twice: a few ulps of the value
+    assert_close(val, ref, rtol=4 * eps, atol=4 * eps * float(ref.abs().max()))
 
 
 @pytest.mark.parametrize("diameter", [None, 2.5])

@@ -11,7 +11,9 @@ With a sample, the 95 % interval of the module's score is the Wilson interval.
 
 Every survivor then gets a verdict, from docs/mutation/verdicts/*.json (written by hand, one object
 per mutant: {"mutant", "verdict", "reason", "case", "diff"}; a verdict whose recorded diff differs
-from the mutant's is not applied) or else from the automatic CLASSES below:
+from the mutant's is not applied; a non-"killed" verdict of a function that has since moved to
+another module applies when the function name and the diff match) or else from the automatic
+CLASSES below:
 * killed      a test written after the run kills it; "case" is the textual mutation, checked with
               `python scripts/mutant_kill_check.py docs/mutation/verdicts/<file>.json`;
 * equivalent  it cannot change any result for any valid input (the reason says why);
@@ -138,11 +140,20 @@ def main(workdir: Path, show: bool, skeleton: bool = False):
     if R:
         print(f"\nall modules: {K}/{R} = {100 * K / R:.1f} % killed (timeouts count as killed)", file=out)
     hand = load_verdicts()
+    # a function that moved to another module (the layer sub-packages, the split solver files) keeps
+    # its mutants' numbers and diffs: its equivalent / error-path / accepted verdicts carry over when the
+    # function part of the name and the recorded diff both match
+    moved = {}
+    for name, v in hand.items():
+        if v["verdict"] != "killed" and "diff" in v:
+            moved.setdefault((name.rsplit(".", 1)[-1], json.dumps(v["diff"], ensure_ascii=False)), v)
     by_verdict = {}
     for mod, n, st in survivors:
         removed, added = mutant_diff(workdir, mod, n)
         short = n.split("transformer_pde.", 1)[-1]
         v = hand.get(short)
+        if v is None:
+            v = moved.get((short.rsplit(".", 1)[-1], json.dumps([removed, added], ensure_ascii=False)))
         if v is not None and "diff" in v and v["diff"] != [removed, added]:
             # the verdict was written for another mutation that had this name (the function changed since)
             verdict, reason = "unexplained", "its verdict in docs/mutation/verdicts is for another mutation of this name"

@@ -1,1 +1,3 @@
-"""The application layer: plotting, animation, studies, run directories, sweeps and the CLI."""
+"""The application layer: plotting, animation, studies, run directories, sweeps and the CLI.
+
+ARCHITECTURE.md has the layers and what each module does."""

@@ -26,7 +26,7 @@ from .. import plotting
 __all__ = ["Option", "Study", "study", "get_study", "available", "validate_params", "SEED_MAX", "INT_MAX",
            "estimate_resources"]
 # what the study modules share (named internal API): option checks and options, run set-up, stored pieces, figures
-__internal__ = ["positive", "nonnegative", "at_least", "open_unit", "unique_nonempty", "DTYPE", "DEVICE",
+__internal__ = ["positive", "nonnegative", "at_least", "open_unit", "unique_nonempty", "DTYPE", "DEVICE", "dtype_of",
                 "check_whole_steps", "check_device", "device_of", "weight_process", "step_callback", "cached",
                 "fingerprint", "load_segment", "segment_bar", "check_record_every", "nonfinite_keys", "subplots",
                 "save_captioned", "panel", "log_ticks",
@@ -102,9 +102,8 @@ class Study:
 
 _REGISTRY: Dict[str, Study] = {}
 # modules that register studies; imported lazily so `import transformer_pde` stays light
-_MODULES = ["transformer_pde.application.studies.demo", "transformer_pde.application.studies.paper", "transformer_pde.application.studies.theory",
-            "transformer_pde.application.studies.jko", "transformer_pde.application.studies.clustering", "transformer_pde.application.studies.causal",
-            "transformer_pde.application.studies.layernorm", "transformer_pde.application.studies.noisy", "transformer_pde.application.studies.theorems"]
+_MODULES = [f"{__name__}.{m}" for m in ("demo", "paper", "theory", "jko", "clustering",
+                                       "causal", "layernorm", "noisy", "theorems")]
 
 
 def study(kind: str, options: Dict[str, Option], description: str = "", *, validate: Optional[Callable] = None,
@@ -190,6 +189,21 @@ def unique_nonempty(v):
 
 DTYPE = Option("float64", (str,), "floating dtype", choices=("float32", "float64"))
 DEVICE = Option("auto", (str,), "'auto' = cuda when available, else cpu", choices=("auto", "cpu", "cuda"))
+
+
+def dtype_of(params: Dict) -> torch.dtype:
+    """The torch dtype of a study's validated ``dtype`` option (:data:`DTYPE`: "float32" or "float64").
+
+    Parameters
+    ----------
+    params : dict
+        the study's parameters, after :func:`validate_params`.
+
+    Returns
+    -------
+    torch.dtype
+        torch.float32 or torch.float64."""
+    return {"float32": torch.float32, "float64": torch.float64}[params["dtype"]]
 
 
 # ---------------------------------------------------------------------------- run set-up

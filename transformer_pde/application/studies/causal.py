@@ -29,8 +29,7 @@ import transformer_pde as tp
 
 from . import (
     Option, at_least, cached, check_record_every, nonnegative, panel, positive, step_callback, study, subplots,
-    weight_process,
-)
+    weight_process, dtype_of)
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +150,7 @@ def _summaries(res, t1):
 def run_causal(params, run):
     p = params
     _validate(p)
-    dtype = getattr(torch, p["dtype"])
+    dtype = dtype_of(p)
     x0 = tp.sphere.sample_uniform(p["n"], p["d"], generator=torch.Generator().manual_seed(p["seed"] + 1),
                                   dtype=torch.float64).to(dtype)
     D = tp.Heads.random(p["heads"], p["d"], generator=torch.Generator().manual_seed(p["seed"] + p["heads"]),

@@ -55,8 +55,7 @@ import transformer_pde.analysis.theory as th
 from . import (
     DEVICE, DTYPE, Option, at_least, check_device, check_record_every, check_whole_steps, device_of, fingerprint,
     load_segment, nonnegative, open_unit, panel, positive, save_captioned, segment_bar, step_callback, study,
-    subplots, unique_nonempty, weight_process,
-)
+    subplots, unique_nonempty, weight_process, dtype_of)
 
 __all__ = ["PHASE_OPTIONS", "META_OPTIONS", "run_phase_diagram", "run_metastability"]
 
@@ -219,7 +218,7 @@ def _segments(kind: str, params: Dict, betas, run):
     """The checked parameters and every regime's segment (data/<regime>.pt: loaded when finished, else run)."""
     p = dict(params)
     _check(p)
-    dtype = getattr(torch, p["dtype"])
+    dtype = dtype_of(p)
     device = device_of(p)
     out = {}
     with segment_bar(run, len(p["regimes"]), kind, "regime") as bar:

@@ -7,7 +7,7 @@ import torch
 import transformer_pde as tp
 
 from .. import plotting
-from . import Option, positive, step_callback, study
+from . import Option, positive, step_callback, study, dtype_of
 
 OPTIONS = {
     "n": Option(64, (int,), "number of tokens", check=positive),
@@ -21,7 +21,7 @@ OPTIONS = {
 
 @study("demo", OPTIONS, "a few-second tour: OU heads on S², energy ledger, token snapshots")
 def run_demo(params, run):
-    dtype = getattr(torch, params["dtype"])
+    dtype = dtype_of(params)
     g = torch.Generator().manual_seed(params["seed"] + 1)
     x0 = tp.sphere.sample_uniform(params["n"], 3, generator=g, dtype=dtype)
     heads = tp.Heads.random(params["heads"], 3, generator=torch.Generator().manual_seed(params["seed"]), dtype=dtype)

@@ -43,8 +43,7 @@ import transformer_pde as tp
 
 from . import (
     DTYPE, Option, at_least, cached, log_ticks, nonnegative, panel, positive, save_captioned, sphere_name, study,
-    subplots, unique_nonempty, weight_process,
-)
+    subplots, unique_nonempty, weight_process, dtype_of)
 
 __all__ = ["OPTIONS", "run_jko_vs_particles", "fit_slope", "quantile_tokens"]
 
@@ -162,7 +161,7 @@ def _jko_piece(run, p, x0, path, transport: str, tau: float, **kw):
 def run_jko_vs_particles(params, run) -> Dict[str, object]:
     p = dict(params)
     check_params(p)
-    dtype = getattr(torch, p["dtype"])
+    dtype = dtype_of(p)
     d, n, H, t1, dt = p["d"], p["n"], p["heads"], p["t1"], p["ref_dt"]
     taus = sorted(p["taus"], reverse=True)
     walls: Dict[str, float] = {}

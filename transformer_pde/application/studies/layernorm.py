@@ -29,7 +29,7 @@ import torch
 
 import transformer_pde as tp
 
-from . import Option, at_least, cached, open_unit, panel, positive, save_captioned, study, subplots
+from . import Option, at_least, cached, open_unit, panel, positive, save_captioned, study, subplots, dtype_of
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ def fit_late_rate(t, gap, low, high, kind):
 def run_layer_norm_rates(params: Dict, run) -> Dict:
     p = params
     _validate(p)
-    dtype = getattr(torch, p["dtype"])
+    dtype = dtype_of(p)
     x0, heads = _setup(p, dtype)
     metrics: Dict = {"schemes": {}, "draws": p["draws"], "n": p["n"], "d": p["d"], "heads": p["heads"]}
     results, summary = {}, []

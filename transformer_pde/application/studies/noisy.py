@@ -30,7 +30,7 @@ import torch
 import transformer_pde as tp
 from transformer_pde.analysis.theory import noise as tn
 
-from . import Option, at_least, cached, nonnegative, panel, positive, save_captioned, sphere_name, study, subplots
+from . import Option, at_least, cached, nonnegative, panel, positive, save_captioned, sphere_name, study, subplots, dtype_of
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ def _time_mean(t, v, t_min):
 @study("noisy_transition", OPTIONS, "noisy tokens: |m| across T_c, susceptibility, growth rates, hysteresis, β_t")
 def run_noisy(params, run):
     p = params
-    dtype = getattr(torch, p["dtype"])
+    dtype = dtype_of(p)
     metrics, figs = {"closed_forms": {}}, {}
     lam, beta = p["lam"], p["beta"]
 

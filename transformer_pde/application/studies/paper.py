@@ -48,8 +48,7 @@ from ...model.normalization import NORMALIZATIONS
 from . import (
     DEVICE, DTYPE, Option, at_least, check_device, check_record_every, check_whole_steps, device_of, fingerprint,
     load_segment, nonnegative, open_unit, positive, segment_bar, sphere_name, step_callback, study, unique_nonempty,
-    weight_process,
-)
+    weight_process, dtype_of)
 
 __all__ = ["OPTIONS", "run_ou_vs_oscillating", "fit_power_law", "power_law_intervals", "time_average",
            "initial_tokens", "initial_heads", "check_params"]
@@ -396,7 +395,7 @@ def _worker_init():
 def _worker_job(args):
     """One chunk in a worker process (spawned: its own torch, one thread)."""
     i, p, regime, H, x0, lo, hi, ckpt = args
-    dtype = getattr(torch, p["dtype"])
+    dtype = dtype_of(p)
     return i, _simulate_chunk(p, regime, H, x0, lo, hi, ckpt, dtype=dtype, device="cpu")
 
 
@@ -482,7 +481,7 @@ def run_ou_vs_oscillating(params: Dict, run) -> Dict:
     """Run every (regime, H) segment (skipping finished ones on resume), then fit, summarise, plot."""
     p = dict(params)
     check_params(p)
-    dtype = getattr(torch, p["dtype"])
+    dtype = dtype_of(p)
     device = device_of(p)
     x0 = initial_tokens(p, dtype=dtype, device=device)
     segments = [(r, H) for r in p["regimes"] for H in p["heads"]]

@@ -42,8 +42,7 @@ import torch
 import transformer_pde as tp
 
 from . import (
-    DTYPE, Option, at_least, cached, log_ticks, nonnegative, panel, positive, save_captioned, study, subplots,
-)
+    DTYPE, Option, at_least, cached, log_ticks, nonnegative, panel, positive, save_captioned, study, subplots, dtype_of)
 from .jko import fit_slope
 
 __all__ = ["perturbed_pair", "riemannian_hessian", "common_noise_sde", "run_stability_data",
@@ -201,7 +200,7 @@ def _check_data(p):
 def run_stability_data(params, run) -> Dict[str, object]:
     p = dict(params)
     _check_data(p)
-    dtype = getattr(torch, p["dtype"])
+    dtype = dtype_of(p)
     heads0 = _random_heads(p, p["seed"], dtype)
     x0 = _tokens(p, p["seed"] + 1, dtype)
     n = p["n"]
@@ -419,7 +418,7 @@ def _check_weights(p):
 def run_stability_weights(params, run) -> Dict[str, object]:
     p = dict(params)
     _check_weights(p)
-    dtype = getattr(torch, p["dtype"])
+    dtype = dtype_of(p)
     heads0 = _random_heads(p, p["seed"], dtype)
     x0 = _tokens(p, p["seed"] + 1, dtype)
     layer_heads = [heads0] + [_random_heads(p, p["seed"] + 10 + k, dtype) for k in range(p["layers"] - 1)]
@@ -584,7 +583,7 @@ def _check_omega(p):
 def run_omega_limit(params, run) -> Dict[str, object]:
     p = dict(params)
     _check_omega(p)
-    dtype = getattr(torch, p["dtype"])
+    dtype = dtype_of(p)
     x0 = _tokens(p, p["seed"] + 1, dtype)
     metrics: Dict[str, object] = {"direction": p["direction"], "normalization": p["normalization"],
                                   "limit_weights": {}}
@@ -741,7 +740,7 @@ def _observables(x, score_heads):
 def run_fast_weights(params, run) -> Dict[str, object]:
     p = dict(params)
     _check_fast(p)
-    dtype = getattr(torch, p["dtype"])
+    dtype = dtype_of(p)
     mean = _random_heads(p, p["seed"], dtype)  # A_h = V̄_h
     A = mean.score_matrix
     H, d, P = p["heads"], p["d"], p["paths"]

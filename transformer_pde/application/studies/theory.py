@@ -26,7 +26,7 @@ import torch
 import transformer_pde as tp
 from transformer_pde.analysis import diagnostics as dg, theory as th
 
-from . import Option, at_least, log_ticks, panel, positive, save_captioned, study, subplots
+from . import Option, at_least, log_ticks, panel, positive, save_captioned, study, subplots, dtype_of
 
 
 # ---------------------------------------------------------------------------- option checks
@@ -225,7 +225,7 @@ _save = partial(save_captioned, tidy=True)  # legends under the axes, laid out, 
 @study("theory_energy", ENERGY_OPTIONS,
        "Pendharkar items 1-2: energy monotonicity (sphere/flat), its defect, per-head energies and radial shadows")
 def run_energy(params, run):
-    dtype = getattr(torch, params["dtype"])
+    dtype = dtype_of(params)
     g = torch.Generator().manual_seed(params["seed"])
     n, d, H, beta = params["n"], params["d"], params["heads"], params["beta"]
     x0 = tp.sphere.sample_uniform(n, d, generator=g, dtype=dtype)
@@ -332,7 +332,7 @@ def _energy_defects(x0, heads, params, g, t_half, metrics) -> Dict:
 def _orthogonal_heads(params, g, t_half, metrics) -> Dict:
     """Item 2, exactly orthogonal heads on S¹: a per-head energy decreases on the sphere, not in flat space.
     Returns {"radial": the decomposition at t = 0, "sphere"/"flat": (times, per-head energies (T, 2))}."""
-    dtype = getattr(torch, params["dtype"])
+    dtype = dtype_of(params)
     th0 = math.radians(params["orth_angle"])
     base = torch.tensor([math.cos(th0), math.sin(th0)], dtype=dtype)
     xo = tp.sphere.normalize(base + 0.1 * torch.randn(params["n"], 2, generator=g, dtype=dtype))
@@ -360,7 +360,7 @@ def _orthogonal_heads(params, g, t_half, metrics) -> Dict:
 # ---------------------------------------------------------------------------- item 3
 @study("theory_radial", RADIAL_OPTIONS, "Pendharkar item 3: radial-dominance margin and critical beta*(H, n)")
 def run_radial(params, run):
-    dtype = getattr(torch, params["dtype"])
+    dtype = dtype_of(params)
     alpha = params["alpha"]
     rows = {"H": [], "n": [], "form": [], "gamma": [], "closed_form": [], "numeric": [], "rel_error": []}
 
@@ -461,7 +461,7 @@ def _margin_panel(ax, params, ns, dtype) -> None:
 @study("theory_rates", RATES_OPTIONS,
        "Pendharkar item 4: equiangular gamma-ODE vs particles, early/late rates, Lambert-W maximiser, super-additivity")
 def run_rates(params, run):
-    dtype = getattr(torch, params["dtype"])
+    dtype = dtype_of(params)
     n, beta, g0 = params["n"], params["beta"], params["gamma0"]
     lam = [float(v) for v in params["lambdas"]]
     heads = _scalar_heads(lam, n, beta, dtype)
@@ -579,7 +579,7 @@ def _superadditivity(params, xo, metrics, dtype):
 @study("theory_relu_softmax", RELU_OPTIONS,
        "Pendharkar item 5: ReLU vs softmax clustering times, linearised Theta(n) vs Theta(n log d) and nonlinear")
 def run_relu_softmax(params, run):
-    dtype = getattr(torch, params["dtype"])
+    dtype = dtype_of(params)
     lam, beta, target = params["lam"], params["beta"], params["target"]
     rows = {k: [] for k in ("normalization", "n", "d", "gamma0", "linearized", "ode", "particles")}
     for norm in _NORMS:
@@ -675,7 +675,7 @@ def _random_tokens(params, dtype) -> Dict:
 # ---------------------------------------------------------------------------- item 6
 @study("theory_entropy", ENTROPY_OPTIONS, "Pendharkar item 6: attention entropy, dH/dt = -Cov(s, sdot), rise to log n")
 def run_entropy(params, run):
-    dtype = getattr(torch, params["dtype"])
+    dtype = dtype_of(params)
     g = torch.Generator().manual_seed(params["seed"])
     n, d, H, eps = params["n"], params["d"], params["heads"], params["fd_step"]
     B = params["configs"]
@@ -755,7 +755,7 @@ def run_entropy(params, run):
 @study("theory_orthogonality", ORTH_OPTIONS,
        "Pendharkar item 7: robustness to approximately orthogonal heads (principal angles 70-90 degrees)")
 def run_orthogonality(params, run):
-    dtype = getattr(torch, params["dtype"])
+    dtype = dtype_of(params)
     H, k, alpha = params["heads"], params["k"], params["alpha"]
     d = (H + 1) * k
     g = torch.Generator().manual_seed(params["seed"])

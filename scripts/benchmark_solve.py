@@ -1,5 +1,5 @@
-"""Old against new: the particle solver before the composable core (commit 2bea6cf of the main
-checkout) and this checkout's ``tp.simulate`` (a wrapper building Model / solver / options objects)
+"""Old against new: the particle solver before the composable core (commit 2bea6cf of this
+repository) and this checkout's ``tp.simulate`` (a wrapper building Model / solver / options objects)
 and ``tp.solve``, timed back to back in fresh interpreters with interleaved repeats.
 
 Configurations (float64, Euler, every diagnostic on):
@@ -16,7 +16,7 @@ per-step seconds of each side and the ratios new/old (median over the interleave
 Timings on a shared machine are noisy: compare the ratios of one run, not times across runs.
 
     python scripts/benchmark_solve.py                        # both configs, 3 interleaved repeats
-    python scripts/benchmark_solve.py --configs quick --repeat 5 --main /work/main --commit 2bea6cf
+    python scripts/benchmark_solve.py --configs quick --repeat 5 --main . --commit 2bea6cf
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=3, help="interleaved old/new repeats")
     ap.add_argument("--inner", type=int, default=2, help="timed solves per child (after one warm-up)")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--main", default="/work/main", help="the git checkout holding the old commit")
+    ap.add_argument("--main", default=str(ROOT), help="the git checkout holding the old commit (default: this one)")
     ap.add_argument("--commit", default="2bea6cf", help="the commit of the old code path")
     args = ap.parse_args(argv)
     print(f"load average {os.getloadavg()}, threads {args.threads}, old = {args.commit}, new = {ROOT}")

@@ -383,3 +383,22 @@ def test_ito_term_is_half_sigma_squared_times_the_hessian_traced_with_the_noise_
     got = tp.energy_time_derivative(x, heads, torch.zeros_like(A), w, sigma=sigma)
     assert float(want) > 0
     assert_close(got, want, rtol=1e-11, atol=0)
+
+
+def test_check_scale_fits_refuses_scales_past_the_underflow_floor(dtype):
+    """floor = log(tiny/eps) of the dtype (−672.3 in float64, −71.4 in float32): a common scale c with
+    L − c < floor (L the largest log-partition) is refused, one with L − c above it is not."""
+    fi = torch.finfo(dtype)
+    floor = math.log(fi.tiny / fi.eps)
+    assert -673 < floor < -672 if dtype == torch.float64 else -72 < floor < -71
+    for L in (0.0, 37.5):
+        lp = torch.tensor([[L - 3.0, L], [L - 1.0, L - 10.0]], dtype=dtype)
+        en.check_scale_fits(lp, L - floor - 1.0)  # fits
+        en.check_scale_fits(lp, 0.0)
+        with pytest.raises(ValueError, match="energy_log_scale = .* is too large for these tokens and heads"):
+            en.check_scale_fits(lp, L - floor + 1.0)
+        with pytest.raises(ValueError, match="my_scale = "):
+            en.check_scale_fits(lp, 1e4, "my_scale")
+    # non-finite or empty log-partitions are left to the caller's non-finite report
+    en.check_scale_fits(torch.tensor([float("nan")], dtype=dtype), 1e4)
+    en.check_scale_fits(torch.empty(0, dtype=dtype), 1e4)

@@ -380,3 +380,26 @@ def test_weight_path_heads0_and_interpolation_between_grid_points():
     for k, f in ((0, 0.25), (2, 0.6)):
         got = path.heads_at(0.1 * (k + f)).score_matrix
         assert_close(got, (1 - f) * path.scores[k] + f * path.scores[k + 1], rtol=1e-12, atol=1e-14)
+
+
+def test_oscillating_exact_noisy_step_draws_its_noise_in_the_score_dtype(dtype):
+    """σ > 0, scheme="exact": A(t+h) = A_p(t+h) + e^{−h}(A(t) − A_p(t)) + σ√((1 − e^{−2h})/2) W_sym.  The mean
+    part is the ODE dA = (F − A) ds solved from A(t) (DOP853 on the entry-by-entry F of docs/model.md), so
+    (A(t+h) − mean)/sd must be ½(Z + Zᵀ) with Z the generator's standard normals in the score's dtype:
+    a float64 step whose noise were drawn in float32 would be off by ~1e-8 (and not the same draw)."""
+    d, H, t, h, sigma = 3, 2, 0.7, 0.2, 0.5
+    A0 = tp.Heads.random(H, d, generator=gen(11), dtype=dtype)
+    proc = tp.Oscillating(A0, sigma=sigma)
+    score = A0.score
+    nxt, _ = proc.step(score, t, h, generator=gen(12))
+    assert nxt.dtype == dtype
+
+    def rhs(s, y):
+        F = np.stack([oscillating_target_reference(t + s, d)] * H)
+        return (F - y.reshape(H, d, d)).ravel()
+
+    mean = torch.as_tensor(integrate(rhs, score.double().numpy().ravel(), [0.0, h])[:, -1].reshape(H, d, d))
+    sd = sigma * math.sqrt(-math.expm1(-2 * h) / 2)
+    Z = torch.randn(score.shape, generator=gen(12), dtype=dtype).double()
+    tol = 1e-9 if dtype == torch.float64 else 2e-5 / sd
+    assert_close((nxt.double() - mean) / sd, 0.5 * (Z + Z.transpose(-1, -2)), rtol=0, atol=tol)

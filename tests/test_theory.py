@@ -864,3 +864,40 @@ def test_equiangular_entropy_with_tensor_strengths_and_float_input():
     f = th.equiangular_entropy(gamma, 1.1, beta, n)
     assert type(f) is float and f == pytest.approx(H(1.1), rel=1e-13)
     assert th.equiangular_entropy(1 - 1e-12, 1.1, beta, n) == pytest.approx(math.log(n), rel=1e-9)
+
+
+def _softmax_reduced_field(g, lams, beta, n):
+    """F(γ) = 2(1 − γ)(1 + (n−1)γ) Σ_h λ_h / (e^{βλ_h(1−γ)} + n − 1), written out in math (softmax heads)."""
+    return 2 * (1 - g) * (1 + (n - 1) * g) * sum(v / (math.exp(beta * v * (1 - g)) + n - 1) for v in lams)
+
+
+def test_gamma_velocity_default_beta_is_one():
+    """The documented default β = 1: the call without beta is the closed form at β = 1 (and not at β = 2)."""
+    lam, n = [0.4, 1.3, 2.2], 6
+    for g in (-0.1, 0.0, 0.35, 0.8):
+        ref = _softmax_reduced_field(g, lam, 1.0, n)
+        assert abs(th.gamma_velocity(g, lam, n=n) - ref) <= 1e-14 * abs(ref)
+        assert abs(_softmax_reduced_field(g, lam, 2.0, n) - ref) > 1e-3 * abs(ref)  # the default is visible
+
+
+def test_gamma_velocity_of_a_float_gamma_and_batched_lambdas_is_a_tensor(dtype):
+    """γ a float, lambdas (B, H): one velocity per set of head strengths, a (B,) tensor in their dtype (only
+    1-D lambdas with a float γ give a float); B = 1 keeps its axis too."""
+    lam = torch.tensor([[0.5, 1.5], [2.0, 0.25], [1.0, 1.0]], dtype=dtype)
+    tol = 1e-14 if dtype == F64 else 2e-6
+    for rows in (lam, lam[:1]):
+        out = th.gamma_velocity(0.3, rows, beta=1.4, n=5)
+        assert isinstance(out, torch.Tensor) and out.shape == (len(rows),) and out.dtype == dtype
+        ref = torch.tensor([_softmax_reduced_field(0.3, r, 1.4, 5) for r in rows.double().tolist()], dtype=F64)
+        assert_close(out.double(), ref, rtol=tol, atol=0)
+    assert isinstance(th.gamma_velocity(0.3, [0.5, 1.5], beta=1.4, n=5), float)
+
+
+def test_lambert_w_of_a_float_is_a_float():
+    """A Python float in, a Python float out (W(e) = 1, W(0) = 0, W(1) = Ω = 0.5671432904097838…);
+    optimal_head_strength, built on it, returns floats as documented."""
+    for z, ref in ((math.e, 1.0), (0.0, 0.0), (1.0, 0.5671432904097838)):
+        w = th.lambert_w(z)
+        assert type(w) is float and abs(w - ref) <= 4e-16
+    lam, phi = th.optimal_head_strength(1.0, 8)
+    assert type(lam) is float and type(phi) is float

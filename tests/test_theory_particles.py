@@ -373,3 +373,44 @@ def test_clustering_hitting_time_refuses_targets_outside_the_open_interval():
     for bad in (-1.0, 1.0, -1, 1.5):
         with pytest.raises(ValueError, match=r"target must be a number in \(-1, 1\)"):
             dg.clustering_hitting_time(x0, heads, target=bad, t_max=1.0, dt=0.1)
+
+
+def test_cross_head_coupling_relu_mass_weights_the_keys_of_unbatched_tokens(dtype):
+    """normalization="relu", one unbatched x (n, d) and non-uniform weights: the bound is δ_hk M_h M_k with
+    M_h(x_i) = Σ_j w_j ReLU(β⟨x_i, A_h x_j⟩) — the weight of the key j, not of the query i — and
+    δ_hk = ‖V_hᵀ V_k‖₂ (numpy)."""
+    n, d, H, beta = 6, 3, 3, 1.3
+    heads, A, V = _heads_AV(H, d, 70, beta, torch.tensor([0.5, 0.9, 1.4], dtype=F64))
+    x = tp.sphere.sample_uniform(n, d, generator=gen(71), dtype=F64)
+    w = random_weights((n,), 72, 0.1)
+    _, bound = dg.cross_head_coupling(x.to(dtype), heads.to(dtype), w.to(dtype), normalization="relu")
+    assert bound.shape == (H, H, n) and bound.dtype == dtype
+    S = beta * torch.einsum("id,hde,je->hij", x, A, x)
+    M = (torch.relu(S) * w).sum(-1)  # (H, n): Σ_j w_j ReLU(s_ij)
+    tol = 1e-12 if dtype == F64 else 1e-5
+    for h in range(H):
+        assert bool(torch.isinf(bound[h, h]).all())
+        for k in range(H):
+            if h != k:
+                delta = np.linalg.norm(V[h].numpy().T @ V[k].numpy(), 2)
+                assert_close(bound[h, k].double(), delta * M[h] * M[k], rtol=tol, atol=0)
+
+
+def test_principal_angles_of_a_subspace_with_itself_are_zero(dtype):
+    """θ(A, A) = 0 and θ(A, A R) = 0 (R invertible: the same column space), finite although the computed
+    cosines of U_Aᵀ U_A round up to 1 + ulp in most draws: arccos(1 − ε) ≈ √(2ε), so a few √eps at most."""
+    tol = 50 * math.sqrt(torch.finfo(dtype).eps)
+    for seed in range(8):
+        A = torch.randn(6, 3, generator=gen(80 + seed), dtype=F64)
+        R = torch.randn(3, 3, generator=gen(90 + seed), dtype=F64) + 3 * torch.eye(3, dtype=F64)
+        for B in (A, A @ R):
+            th_ = dg.principal_angles(A.to(dtype), B.to(dtype))
+            assert th_.shape == (3,) and th_.dtype == dtype
+            assert bool(torch.isfinite(th_).all()) and float(th_.abs().max()) <= tol, (seed, th_)
+
+
+@pytest.mark.parametrize("lambdas", [[], [float("inf")], [1.0, float("inf")], [float("nan")], [1.0, 0.0], [-1.0]])
+def test_radial_dominance_threshold_refuses_bad_head_strengths(lambdas):
+    """Each refusal before any field evaluation: no strengths, an infinite, NaN, zero or negative one."""
+    with pytest.raises(ValueError, match="lambdas must be one or more finite positive head strengths"):
+        dg.radial_dominance_threshold(4, lambdas)

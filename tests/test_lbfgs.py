@@ -291,3 +291,29 @@ def test_the_line_search_accepts_a_step_that_meets_the_armijo_bound_with_equalit
     y_new, f_new, g_new, done = line_search(objective, y, f, g, d, gd, torch.tensor([True]))
     assert done.tolist() == [True]
     torch.testing.assert_close(y_new, normalize(y + d), rtol=4 * torch.finfo(torch.float64).eps, atol=1e-15)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_residual_test_is_inclusive_and_a_stiff_tokens_floor_grows_with_its_start(dtype):
+    """The stopping rule r ≤ tol·r₀ + 100·u·(1/τ + r₀) (module docstring) holds with equality (r = bound is
+    converged, the next float above is not); for a stiff item (K > 1) every token must also meet
+    |G_i| ≤ tol·|G_i(x)| + 100·u·(1/τ + |G_i(x)|): at tol = 0 and |G_i(x)| = 8/τ, tokens at half that
+    round-off floor (450·u) are converged."""
+    from transformer_pde.solvers.lbfgs import Residual
+
+    u = torch.finfo(dtype).eps
+    e = torch.tensor([0.0, 0.6, 0.8], dtype=dtype)  # a unit vector
+    rg = e.expand(1, 3, 3).clone()  # |rg_i| = 1
+    inv, wt = torch.ones(1, 3, 1, dtype=dtype), torch.full((1, 3), 1 / 3, dtype=dtype)
+    res = Residual(rg, inv, wt, torch.tensor([1.0], dtype=dtype), tau=1.0, tol=0.5)
+    bound = 0.5 * 1.0 + 100 * u * (1.0 + 1.0)  # r₀ = (Σ w |G_i|²)^{1/2} = 1
+    assert float(res.thresh[0]) == pytest.approx(bound, rel=4 * u)
+    assert res.unconverged(rg, res.thresh).tolist() == [False]
+    assert res.unconverged(rg, torch.nextafter(res.thresh, torch.full_like(res.thresh, 2.0))).tolist() == [True]
+    K = torch.tensor([8.0], dtype=dtype)  # stiff: |G_i(x)| = K |rg_i| = 8
+    stiff = Residual(rg, inv, wt, K, tau=1.0, tol=0.0)
+    small = rg * (450 * u / 8)  # |G_i| = 450 u ≤ 100 u (1 + 8) = 900 u
+    r = stiff.total(small)
+    assert float(r[0]) == pytest.approx(450 * u, rel=1e-3)
+    assert stiff.unconverged(small, r).tolist() == [False]
+    assert stiff.unconverged(rg * (1800 * u / 8), stiff.total(rg * (1800 * u / 8))).tolist() == [True]

@@ -1001,3 +1001,73 @@ def test_emd_plan_is_recomputed_until_it_is_optimal_at_the_solution():
     assert_close(P[0], 0.2 * torch.eye(5, dtype=F64), rtol=0, atol=0)
     assert info["plan_updates"].tolist() == [0] and info["iterations"].tolist() == [1]
     assert info["converged"].tolist() == [True]
+
+
+# ---------------------------------------------------------------------------- Eulerian: a batch of β, the stopping rule
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_eulerian_batch_of_tensor_beta_equals_separate_runs(dtype):
+    """Heads (2, H, d, d) with a tensor β (2,) on one grid: the batched Eulerian step (δE/δμ divided by
+    each item's own β) equals the two runs with a float β, to round-off."""
+    z = tp.sphere.circle_grid(24, dtype=F64)
+    A = torch.randn(2, 1, 2, 2, generator=gen(70), dtype=F64) * 0.5
+    beta = torch.tensor([0.7, 1.6], dtype=F64)
+    q0 = tp.to_grid(tokens(5, 2, 71), z, bandwidth=0.5)
+    kw = dict(scheme="eulerian", grid=z.to(dtype), grid_weights=q0.to(dtype), tau=0.1, steps=1, eps=0.05)
+    both = tp.jko(None, tp.Heads(A.to(dtype), None, None, beta.to(dtype)), **kw)
+    assert both.weights.shape == (2, 2, 24)
+    u = torch.finfo(dtype).eps
+    for j in range(2):
+        one = tp.jko(None, tp.Heads(A[j].to(dtype), None, None, float(beta[j])), **kw)
+        assert float((one.weights[1] - q0.to(dtype)).abs().sum()) > 1e-3  # the step moves mass
+        # the same operations up to round-off, amplified by the damped iterations (observed 1.3e-15 in float64)
+        assert_close(both.weights[:, j], one.weights, rtol=8 * u, atol=1000 * u / 24)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("tol", [1e-2, 1e-3])
+def test_eulerian_step_stops_by_the_relative_rule(dtype, tol):
+    """tol is relative to the step: the damped fixed point stops once ‖T(p) − p‖₁ ≤ tol·‖T(p) − q‖₁ + 100·u·m
+    (the recorded residual, p the returned weights), not at an absolute ‖T(p) − p‖₁ ~ tol.  Against a
+    float64 solve at tol = 1e-13, the weights are then within tol·‖p* − q‖₁ in ℓ¹ (observed ≤ 0.26·tol)."""
+    m = 24
+    z = tp.sphere.circle_grid(m, dtype=F64)
+    q0 = tp.to_grid(tokens(4, 2, 16), z, bandwidth=0.5)
+    heads = rand_heads(2, 2, 17, scale=1.0, beta=1.3)
+    kw = dict(scheme="eulerian", grid=z, grid_weights=q0, tau=0.2, steps=1, eps=0.02)
+    ref = tp.jko(None, heads, **kw, tol=1e-13, max_iter=5000).weights[1]
+    step = float((ref - q0).abs().sum())
+    assert step > 0.1
+    kw.update(grid=z.to(dtype), grid_weights=q0.to(dtype))
+    tr = tp.jko(None, heads.to(dtype), **kw, tol=tol)
+    q, p = tr.weights[0], tr.weights[1]
+    u = torch.finfo(dtype).eps
+    assert tr.stats["converged"].tolist() == [True]
+    assert float(tr.stats["residual"][0]) <= tol * float((p - q).abs().sum()) + 100 * u * m
+    assert float((p.to(F64) - ref).abs().sum()) <= tol * step + 100 * u
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_identity_step_with_the_symmetric_cost_reports_its_proximal_value(dtype):
+    """transport="identity", cost="symmetric": stats["prox"] = Σ_i w_i ½(b_k(y_i) + b_k(x_i))|y_i − x_i|², with
+    b_k the mobility field of μ_k = Σ_j w_j δ_{x_j} under Θ, b_k(q) = (Σ_h ω̄_h / Σ_j w_j e^{β⟨q, A_h x_j⟩})^{-1}
+    (docs/model.md#mobility), evaluated here densely at the returned tokens y."""
+    x = tokens(6, 3, 72)
+    w = random_weights((6,), 73, 0.3)
+    om = torch.tensor([0.5, 1.5], dtype=F64)
+    heads = rand_heads(2, 3, 74, scale=1.0, beta=1.5, weights=om)
+    tr = tp.jko(x.to(dtype), heads.to(dtype), tau=0.1, steps=1, transport="identity", cost="symmetric",
+                weights=w.to(dtype))
+    y = tr.x[1].to(F64)
+    x, w = x.to(dtype).to(F64), w.to(dtype).to(F64)  # the run's inputs, in float64
+
+    def b(q):
+        A = heads.score.to(dtype).to(F64)
+        m = (w * torch.exp(1.5 * torch.einsum("qd,hde,je->hqj", q, A, x))).sum(-1)  # (H, N)
+        return 1.0 / ((om / om.sum())[:, None] / m).sum(0)
+
+    assert_close(b(x), tp.mobility(x, heads.to(dtype).to(F64), w)[1], rtol=1e-13, atol=0)  # the library's b at x
+    move = (y - x).square().sum(-1)
+    assert float(move.max()) > 1e-4  # the tokens move
+    want = float((w * 0.5 * (b(y) + b(x)) * move).sum())
+    u = torch.finfo(dtype).eps
+    assert float(tr.stats["prox"][0]) == pytest.approx(want, rel=100 * u)

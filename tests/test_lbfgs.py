@@ -243,3 +243,77 @@ def test_bad_input_is_refused_before_the_objective_is_evaluated():
         with pytest.raises(exc, match=match):
             minimize(kw.pop("objective"), kw.pop("y0"), **kw)
     assert calls[0] == 0
+
+
+# ---------------------------------------------------------------------------- the two-loop recursion and the line search at their boundaries
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_pair_of_zero_curvature_is_masked_and_leaves_gamma_one(dtype):
+    """Memory [(s₁, z₁) with ⟨s₁, z₁⟩ > 0, (s₂, z₂) with ⟨s₂, z₂⟩ = 0 exactly] (s₂ and z₂ live on disjoint
+    tokens): the newest pair is masked out (only ⟨s, z⟩ > 0 counts), so γ stays 1 and the direction is −P H rg
+    with the dense BFGS inverse of the older pair alone, H = (I − ρ s₁z₁ᵀ) Pre (I − ρ z₁s₁ᵀ) + ρ s₁s₁ᵀ."""
+    from transformer_pde.solvers.lbfgs import dot, lbfgs_direction
+
+    y = sample_uniform(4, 3, generator=gen(80), dtype=torch.float64)[None]
+    P = lambda v: tangent_projection(y, v)  # noqa: E731
+    g = gen(81)
+    rg = P(torch.randn(1, 4, 3, generator=g, dtype=torch.float64))
+    pre = torch.rand(1, 4, 1, generator=g, dtype=torch.float64) + 0.5
+    s1 = P(torch.randn(1, 4, 3, generator=g, dtype=torch.float64))
+    z1 = P(s1 + 0.3 * torch.randn(1, 4, 3, generator=g, dtype=torch.float64))
+    on = torch.tensor([1.0, 1.0, 0.0, 0.0], dtype=torch.float64)[None, :, None]
+    s2 = P(torch.randn(1, 4, 3, generator=g, dtype=torch.float64)) * on
+    z2 = P(torch.randn(1, 4, 3, generator=g, dtype=torch.float64)) * (1 - on)
+    y, rg, pre, s1, z1, s2, z2 = (v.to(dtype) for v in (y, rg, pre, s1, z1, s2, z2))
+    assert float(dot(s2, z2)) == 0.0 and float(dot(z2, pre * z2)) > 0 and float(dot(s1, z1)) > 0
+    d, bad = lbfgs_direction(y, rg, pre, [(s1, z1), (s2, z2)])
+    sv, zv = s1.double().reshape(-1), z1.double().reshape(-1)
+    Pre = torch.diag(pre.double().expand(1, 4, 3).reshape(-1))
+    rho = 1 / float(sv @ zv)
+    I = torch.eye(12, dtype=torch.float64)
+    H = (I - rho * torch.outer(sv, zv)) @ Pre @ (I - rho * torch.outer(zv, sv)) + rho * torch.outer(sv, sv)
+    ref = tangent_projection(y.double(), -(H @ rg.double().reshape(-1)).reshape(1, 4, 3))
+    u = torch.finfo(dtype).eps
+    assert not bool(bad.any())
+    torch.testing.assert_close(d.double(), ref, rtol=1000 * u, atol=1000 * u * float(ref.abs().max()))
+
+
+def test_the_line_search_accepts_a_step_that_meets_the_armijo_bound_with_equality():
+    """Armijo's test is f(y + a d) ≤ f(y) + 1e-4·a·⟨g, d⟩ (+ 10u|f| slack), not '<': on a flat objective
+    with f = 0 and ⟨g, d⟩ = 0 the first trial a = 1 meets it with equality and is taken."""
+    from transformer_pde.solvers.lbfgs import line_search, value_and_grad
+
+    y = sample_uniform(3, 3, generator=gen(82), dtype=torch.float64)[None]
+    objective = lambda v: (0.0 * v).sum((-1, -2))  # noqa: E731
+    f, g = value_and_grad(objective, y)
+    d = tangent_projection(y, torch.randn(1, 3, 3, generator=gen(83), dtype=torch.float64))
+    gd = (g * d).sum((-1, -2))
+    assert float(f) == 0.0 and float(gd) == 0.0
+    y_new, f_new, g_new, done = line_search(objective, y, f, g, d, gd, torch.tensor([True]))
+    assert done.tolist() == [True]
+    torch.testing.assert_close(y_new, normalize(y + d), rtol=4 * torch.finfo(torch.float64).eps, atol=1e-15)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_residual_test_is_inclusive_and_a_stiff_tokens_floor_grows_with_its_start(dtype):
+    """The stopping rule r ≤ tol·r₀ + 100·u·(1/τ + r₀) (module docstring) holds with equality (r = bound is
+    converged, the next float above is not); for a stiff item (K > 1) every token must also meet
+    |G_i| ≤ tol·|G_i(x)| + 100·u·(1/τ + |G_i(x)|): at tol = 0 and |G_i(x)| = 8/τ, tokens at half that
+    round-off floor (450·u) are converged."""
+    from transformer_pde.solvers.lbfgs import Residual
+
+    u = torch.finfo(dtype).eps
+    e = torch.tensor([0.0, 0.6, 0.8], dtype=dtype)  # a unit vector
+    rg = e.expand(1, 3, 3).clone()  # |rg_i| = 1
+    inv, wt = torch.ones(1, 3, 1, dtype=dtype), torch.full((1, 3), 1 / 3, dtype=dtype)
+    res = Residual(rg, inv, wt, torch.tensor([1.0], dtype=dtype), tau=1.0, tol=0.5)
+    bound = 0.5 * 1.0 + 100 * u * (1.0 + 1.0)  # r₀ = (Σ w |G_i|²)^{1/2} = 1
+    assert float(res.thresh[0]) == pytest.approx(bound, rel=4 * u)
+    assert res.unconverged(rg, res.thresh).tolist() == [False]
+    assert res.unconverged(rg, torch.nextafter(res.thresh, torch.full_like(res.thresh, 2.0))).tolist() == [True]
+    K = torch.tensor([8.0], dtype=dtype)  # stiff: |G_i(x)| = K |rg_i| = 8
+    stiff = Residual(rg, inv, wt, K, tau=1.0, tol=0.0)
+    small = rg * (450 * u / 8)  # |G_i| = 450 u ≤ 100 u (1 + 8) = 900 u
+    r = stiff.total(small)
+    assert float(r[0]) == pytest.approx(450 * u, rel=1e-3)
+    assert stiff.unconverged(small, r).tolist() == [False]
+    assert stiff.unconverged(rg * (1800 * u / 8), stiff.total(rg * (1800 * u / 8))).tolist() == [True]

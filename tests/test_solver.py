@@ -480,3 +480,13 @@ def test_adaptive_nonfinite_error_names_the_solver_step_not_the_grid_row(monkeyp
     with pytest.raises(tp.NonFiniteError, match=r"t = 0\.2\b.*\(step 4\)"):
         tp.simulate(x0, tp.Layerwise(layers, layer_time=0.15), t1=0.4, dt=0.05, method="adaptive",
                     record_every=4)
+
+
+def test_adaptive_trajectory_records_its_method(dtype):
+    """A method="adaptive" run reports method "adaptive" (in the field and in the repr), like the
+    fixed-step methods report theirs."""
+    x0 = tp.sphere.sample_uniform(4, 3, generator=gen(23), dtype=dtype)
+    heads = tp.Heads.random(1, 3, generator=gen(24), dtype=dtype)
+    for method in ("adaptive", "rk4"):
+        tr = tp.simulate(x0, heads, t1=0.2, dt=0.1, method=method)
+        assert tr.method == method and f"method='{method}'" in repr(tr)

@@ -200,3 +200,79 @@ def test_stepper_returns_the_pre_retraction_sphere_error_and_zero_for_flat_dynam
     out, err = Stepper(tp.TABLEAUX["euler"], retract=False).step(x, k1, 0.1, lambda xs, c: None)
     eps = torch.finfo(F64).eps
     assert_close(out, y, rtol=4 * eps, atol=4 * eps * float(y.abs().max())) and err == 0.0
+
+
+# ---------------------------------------------------------------------------- what a refused checkpoint names
+def _drift_minus(t, A):
+    return -A
+
+
+def _drift_minus_twice(t, A):
+    return -2.0 * A
+
+
+def _interrupted_checkpoint(path, x0, theta, **kw):
+    """A checkpoint left by a run stopped after step 3 (written after step 2)."""
+    from problems import Interrupted
+
+    def stop(k, t, x):
+        if k == 3:
+            raise Interrupted
+
+    with pytest.raises(Interrupted):
+        tp.simulate(x0, theta, checkpoint=path, checkpoint_every=2, callback=stop, **kw)
+    assert path.exists()
+
+
+def test_a_refused_checkpoint_names_exactly_the_inputs_that_differ(tmp_path):
+    """Resuming with another method, another start time (t0 and t1 shifted together) or another Custom
+    drift is refused, and the message lists those inputs by their labels and no others; the same run
+    resumes."""
+    x0 = tp.sphere.sample_uniform(4, 3, generator=gen(60), dtype=F64)
+    a = tp.Heads.random(1, 3, generator=gen(61), dtype=F64)
+    kw = dict(t1=0.4, dt=0.05, method="euler", quadrature="trapezoid")  # (the default quadrature follows the method)
+    ck = tmp_path / "heads.ckpt"
+    _interrupted_checkpoint(ck, x0, a, **kw)
+    with pytest.raises(ValueError, match=r"these inputs differ: method\)"):
+        tp.simulate(x0, a, checkpoint=ck, checkpoint_every=2, **{**kw, "method": "heun"})
+    with pytest.raises(ValueError, match=r"these inputs differ: t0, t1\)"):
+        tp.simulate(x0, a, checkpoint=ck, checkpoint_every=2, **{**kw, "t0": 1.0, "t1": 1.4})
+    ck = tmp_path / "custom.ckpt"
+    _interrupted_checkpoint(ck, x0, tp.Custom(a, _drift_minus), **kw)
+    with pytest.raises(ValueError, match=r"these inputs differ: theta\.drift\)"):
+        tp.simulate(x0, tp.Custom(a, _drift_minus_twice), checkpoint=ck, checkpoint_every=2, **kw)
+    full = tp.simulate(x0, tp.Custom(a, _drift_minus), **kw)
+    resumed = tp.simulate(x0, tp.Custom(a, _drift_minus), checkpoint=ck, checkpoint_every=2, **kw)
+    assert_close(resumed.x, full.x, rtol=4 * torch.finfo(F64).eps, atol=4 * torch.finfo(F64).eps)
+
+
+def _drift_with_rate(rate):
+    def drift(t, A, *, rate=rate):
+        return -rate * A
+    return drift
+
+
+def test_process_signature_sees_keyword_only_defaults_of_the_drift():
+    """Two drifts with the same source and bytecode that differ only in a keyword-only default
+    (``rate=``) have different signatures; equal defaults give equal ones."""
+    a = tp.Heads.random(1, 3, generator=gen(62), dtype=F64)
+
+    def sig(p):
+        return repr([t.tolist() if isinstance(t, torch.Tensor) else t for t in process_signature(p)])
+
+    one, two = _drift_with_rate(1.0), _drift_with_rate(2.0)
+    assert one.__kwdefaults__ == {"rate": 1.0} and one.__code__.co_code == two.__code__.co_code
+    assert sig(tp.Custom(a, one)) == sig(tp.Custom(a, _drift_with_rate(1.0)))
+    assert sig(tp.Custom(a, one)) != sig(tp.Custom(a, two))
+
+
+def test_a_drift_without_source_is_refused_by_its_attribute_name():
+    """A Custom drift defined by exec (no readable source) and no tag: a checkpointed run refuses it
+    before any step, naming it as "theta's drift" (the attribute without its underscore, as in the
+    fingerprint's labels), and suggests a tag; with a tag its signature is built."""
+    ns = {}
+    exec("def drift(t, A):\n    return -A\n", ns)
+    a = tp.Heads.random(1, 3, generator=gen(63), dtype=F64)
+    with pytest.raises(ValueError, match=r"^theta's drift \(.*has no readable source.*tag"):
+        process_signature(tp.Custom(a, ns["drift"]))
+    assert "tag='v1'" in process_signature(tp.Custom(a, ns["drift"], tag="v1"))

@@ -116,3 +116,15 @@ def test_a_solved_trajectory_has_the_documented_paths_attribute(dtype):
     heads = tp.Heads.random(1, 3, generator=gen(4), dtype=dtype)
     assert tp.simulate(x0, heads, t1=0.1, dt=0.05).paths is None
     assert tp.simulate(x0, tp.OrnsteinUhlenbeck(heads), t1=0.1, dt=0.05, paths=2).paths == 2
+
+
+def test_repr_shows_the_tokens_dtype_without_the_torch_prefix(dtype):
+    """repr names the method, the tokens' shape and their dtype as "float32"/"float64" (not
+    "torch.float32"), and leaves the dtype out for tokens that are not a tensor."""
+    traj = made(dtype=dtype)
+    name = {torch.float32: "float32", torch.float64: "float64"}[dtype]
+    r = repr(traj)
+    assert f"x=(5, 2, 4, 3) {name}, " in r, r
+    assert "torch." not in r and "method='euler'" in r, r
+    other = tp.Trajectory(traj.times, None, None, None, None, {}, {}, "euler", "softmax", "descent")
+    assert repr(other).endswith("x=None)") and name not in repr(other)

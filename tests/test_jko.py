@@ -1071,3 +1071,70 @@ def test_identity_step_with_the_symmetric_cost_reports_its_proximal_value(dtype)
     want = float((w * 0.5 * (b(y) + b(x)) * move).sum())
     u = torch.finfo(dtype).eps
     assert float(tr.stats["prox"][0]) == pytest.approx(want, rel=100 * u)
+
+
+# ---------------------------------------------------------------------------- token weights, limits, callback
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("scale, what", [(2.0, "sum to 1"), (-1.0, "negative entries")])
+def test_token_weights_that_are_not_a_probability_vector_are_refused_before_any_step(dtype, scale, what):
+    """weights= must be a probability vector over the tokens (module docstring of jko): weights summing
+    to 2, or with a negative entry, are refused with ValueError by both front ends (jko and tp.solve)."""
+    x, heads = tokens(4, 3, 60, dtype), rand_heads(1, 3, 61, dtype=dtype)
+    w = torch.full((4,), 0.25, dtype=dtype) * scale if scale > 0 else torch.tensor([0.75, 0.75, -0.25, -0.25],
+                                                                                   dtype=dtype)
+    with pytest.raises(ValueError, match=what):
+        tp.jko(x, heads, tau=0.1, steps=1, transport="identity", weights=w)
+    with pytest.raises(ValueError, match=what):
+        tp.solve(tp.Model(heads, weights=w), x, tp.LagrangianJKO(tp.Identity()), t1=0.1, dt=0.1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_a_run_whose_attention_kernel_alone_exceeds_max_memory_is_refused(dtype):
+    """The memory limit counts the kernel blocks (docstring of jko): every step holds at least the H
+    attention matrices n × n of the dtype, so max_memory below H·n²·itemsize is refused before any step."""
+    n, H = 40, 16
+    x = tokens(n, 3, 62, dtype)
+    heads = tp.Heads.scalar([1.0] * H, 3).to(dtype)
+    kernel = H * n * n * torch.finfo(dtype).bits // 8
+    with pytest.raises(ValueError, match="max_memory"):
+        tp.jko(x, heads, tau=0.1, steps=1, transport="identity", max_memory=0.99 * kernel)
+
+
+def _listed_bytes(message: str, name: str) -> float:
+    """The size listed for ``name`` in a check_limits refusal ("name 1.23 KiB")."""
+    import re
+
+    m = re.search(re.escape(name) + r" ([0-9.e+]+) (B|KiB|MiB|GiB)", message)
+    assert m is not None, message
+    return float(m.group(1)) * 1024 ** ("B", "KiB", "MiB", "GiB").index(m.group(2))
+
+
+def test_the_memory_estimate_counts_the_sampled_path_on_the_path_dt_grid():
+    """A noisy process sampled with path_dt = τ/10 stores 10× the grid points of path_dt = τ (the scores,
+    rates and noise increments of each of its K steps): the jko refusal lists "the sampled weight path"
+    ≈ 10× larger (3K + 2 entries per head matrix: ratio (3·10K + 2)/(3K + 2), K = steps·τ/path_dt)."""
+    x = tokens(5, 3, 63)
+    proc = tp.OrnsteinUhlenbeck(rand_heads(2, 3, 64), sigma=1.0)
+    sizes = {}
+    for path_dt in (0.1, 0.01):
+        with pytest.raises(ValueError, match="jko with 20 steps") as err:
+            tp.jko(x, proc, tau=0.1, steps=20, transport="identity", path_dt=path_dt, max_memory=1.0)
+        sizes[path_dt] = _listed_bytes(str(err.value), "the sampled weight path")
+    K = 20
+    expected = (3 * 10 * K + 2) / (3 * K + 2)
+    assert sizes[0.01] / sizes[0.1] == pytest.approx(expected, rel=1e-2)  # 3 significant digits listed
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_jko_calls_the_callback_after_every_step_with_the_new_state(dtype):
+    """callback(k, t, state) after every step k = 1..steps, t = t0 + kτ, state the new tokens (those
+    recorded in traj.x with record_every=1)."""
+    x, heads = tokens(5, 3, 65, dtype), rand_heads(2, 3, 66, dtype=dtype)
+    calls = []
+    traj = tp.jko(x, heads, tau=0.1, steps=3, t0=0.5, transport="identity",
+                  callback=lambda k, t, s: calls.append((k, t, s.clone())))
+    assert [c[0] for c in calls] == [1, 2, 3]
+    assert [c[1] for c in calls] == pytest.approx([0.6, 0.7, 0.8], abs=1e-12)
+    tol = 10 * torch.finfo(dtype).eps
+    for k, _, s in calls:
+        torch.testing.assert_close(s.reshape(traj.x[k].shape), traj.x[k], rtol=tol, atol=tol)

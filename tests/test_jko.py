@@ -1123,6 +1123,8 @@ def test_the_memory_estimate_counts_the_sampled_path_on_the_path_dt_grid():
     K = 20
     expected = (3 * 10 * K + 2) / (3 * K + 2)
     assert sizes[0.01] / sizes[0.1] == pytest.approx(expected, rel=1e-2)  # 3 significant digits listed
+    # and in bytes: (K + 1) scores and rates and K noise increments of H × d × d float64 each (K = 200)
+    assert sizes[0.01] == pytest.approx((3 * 200 + 2) * 2 * 3 * 3 * 8, rel=5e-3)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, F64])

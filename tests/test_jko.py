@@ -1140,3 +1140,10 @@ def test_jko_calls_the_callback_after_every_step_with_the_new_state(dtype):
     tol = 10 * torch.finfo(dtype).eps
     for k, _, s in calls:
         torch.testing.assert_close(s.reshape(traj.x[k].shape), traj.x[k], rtol=tol, atol=tol)
+
+
+def test_jko_refuses_more_steps_than_max_steps_before_any_step():
+    """max_steps= is a limit checked before any work (docstring of jko): 3 steps with max_steps=2 are refused."""
+    x, heads = tokens(4, 3, 67), rand_heads(1, 3, 68)
+    with pytest.raises(ValueError, match="more than max_steps = 2"):
+        tp.jko(x, heads, tau=0.1, steps=3, transport="identity", max_steps=2)

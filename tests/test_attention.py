@@ -4,6 +4,7 @@ The oracle below forms the full (..., H, n, m) score tensor and uses torch.logsu
 torch.softmax — the textbook formulas, sharing no code with transformer_pde.model.attention.
 """
 
+import itertools
 import math
 
 import pytest
@@ -460,18 +461,22 @@ def test_head_moment_sums_match_the_dense_double_sums(dtype, d, case):
 def test_pairing_and_ito_correction_agree_across_backends(dtype):
     """energy.pairing and energy.ito_correction read the fused kernel's per-head sums ("sdpa") or form
     the per-token terms ("chunked", no columns kept): the same numbers, and the sums are cached
-    (the second pairing of a step reuses them, also after the weights' identity check)."""
+    (the second pairing of a step reuses them, also after the weights' identity check).  Both layouts
+    of the fused kernel: the heads folded into the query axis (keys shared by the heads, "_merged") and
+    one kernel head per head (per-head key factors K_h, "_columns")."""
     x = random_sphere(3, 19, 3, dtype=dtype, seed=21)
     A = torch.randn(3, 6, 3, 3, generator=gen(22), dtype=torch.float64)
-    heads = tp.Heads((A + A.transpose(-1, -2)).to(dtype))
+    Q = torch.randn(3, 6, 3, 3, generator=gen(26), dtype=torch.float64).to(dtype)
     M = torch.randn(3, 6, 3, 3, generator=gen(23), dtype=torch.float64).to(dtype)
     w = torch.rand(3, 19, generator=gen(24), dtype=torch.float64)
     w = (w / w.sum(-1, keepdim=True)).to(dtype)
     sigma = torch.rand(3, 6, generator=gen(25), dtype=torch.float64).to(dtype)
-    for weights in (None, w):
+    layouts = [(tp.Heads((A + A.transpose(-1, -2)).to(dtype)), "_merged"),
+               (tp.Heads(query=Q, key=Q), "_columns")]  # A_h = Q_hᵀ Q_h symmetric, keys K_h x per head
+    for (heads, layout), weights in itertools.product(layouts, (None, w)):
         fast = tp.softmax_statistics(x, heads, weights, second_moment=True, backend="sdpa")
         slow = tp.softmax_statistics(x, heads, weights, second_moment=True, backend="chunked")
-        assert "_columns" in fast.__dict__ and "_columns" not in slow.__dict__
+        assert layout in fast.__dict__ and not {"_merged", "_columns"} & set(slow.__dict__)
         for c in (0.0, 2.5):
             p_fast = pairing(x, heads, weights, fast, M, log_scale=c)
             p_slow = pairing(x, heads, weights, slow, M, log_scale=c)

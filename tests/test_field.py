@@ -1,6 +1,8 @@
 """Attention field, energy, mobilities: identities, symmetries and independent formulas."""
 
 
+import math
+
 import pytest
 import torch
 from torch.testing import assert_close
@@ -359,3 +361,108 @@ def test_unnormalized_velocity_that_overflows_raises_with_the_fix():
     heads = tp.Heads(torch.eye(3, dtype=torch.float32)[None], beta=200.0)
     with pytest.raises(OverflowError, match="'unnormalized' field overflows torch.float32.*use normalization='softmax'"):
         tp.velocity(x, heads, normalization="unnormalized")
+
+
+# ---------------------------------------------------------------------------- the merged fused kernel (issue 27)
+# With keys shared by the heads the fused CPU kernel runs with the heads folded into the query axis: its output
+# comes back (..., n, H, E), the field, E, b, 𝒟 and the ledger's sums are products of that block, and the per-head
+# arrays (ȳ_h, V_h ȳ_h, ∇δE/δμ) are formed only on request.  Each check is against the dense backend, whose
+# numbers come from explicit (..., H, n, n) score tensors.
+from transformer_pde.model import attention as _attention  # noqa: E402
+from transformer_pde.model import field as _field  # noqa: E402
+from transformer_pde.model.energy import ito_correction, pairing  # noqa: E402
+
+_HAS_SDPA = _attention.sdpa_available("cpu", torch.float64)
+
+
+def _tol(dtype, k=50.0):
+    eps = torch.finfo(dtype).eps
+    return {"rtol": k * eps, "atol": k * eps}
+
+
+@pytest.mark.skipif(not _HAS_SDPA, reason="no fused CPU kernel in this torch")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("d", [2, 3])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("normalization", ["softmax", "unnormalized"])
+def test_merged_kernel_diagnostics_match_dense(dtype, d, weighted, normalization):
+    """Every output of a diagnostics evaluation from the merged layout equals the dense backend's, with the
+    heads unbatched against batched tokens (the broadcast of the query features' product); the per-head
+    arrays are not formed by the evaluation and the ledger's reads, and are right when asked for."""
+    x = sphere.sample_uniform(13, d, generator=gen(40), dtype=torch.float64).expand(3, 13, d) * 1.0
+    x = sphere.normalize(x + 0.3 * torch.randn(3, 13, d, generator=gen(41), dtype=torch.float64))
+    A = torch.randn(5, d, d, generator=gen(42), dtype=torch.float64)
+    om = torch.softmax(torch.randn(5, generator=gen(43), dtype=torch.float64), 0)
+    heads = tp.Heads((A + A.transpose(-1, -2)).to(dtype), weights=om.to(dtype), beta=0.8)
+    x = x.to(dtype)
+    w = torch.softmax(torch.randn(3, 13, generator=gen(44), dtype=torch.float64), -1).to(dtype) if weighted else None
+    M = torch.randn(5, d, d, generator=gen(45), dtype=torch.float64).to(dtype)
+    kw = dict(normalization=normalization, sign=-1.0, second_moment=True, log_scale=0.5)
+    fast = _field.evaluate(x, heads, w, backend="sdpa", **kw)
+    slow = _field.evaluate(x, heads, w, backend="dense", **kw)
+    assert "_merged" in fast.stats.__dict__
+    p_fast, i_fast = pairing(x, heads, w, fast.stats, M, log_scale=0.5), ito_correction(heads, w, fast.stats, 0.7,
+                                                                                         log_scale=0.5)
+    # nothing per head was formed on the way (the solvers' step reads exactly these)
+    assert fast.stats.__dict__.get("_mean") is None and fast.stats.__dict__.get("_second") is None
+    assert callable(fast.__dict__["_outputs"]) and callable(fast.__dict__["_grad_first_variation"])
+    tol = _tol(dtype)
+    for key in ("velocity", "energy", "slope", "dissipation", "ambient", "grad_first_variation", "outputs"):
+        assert_close(getattr(fast, key), getattr(slow, key), **tol)
+    assert_close(fast.stats.mean, slow.stats.mean, **tol)
+    assert_close(fast.stats.second, slow.stats.second, **tol)
+    assert_close(fast.stats.log_partition, slow.stats.log_partition, **tol)
+    assert_close(p_fast, pairing(x, heads, w, slow.stats, M, log_scale=0.5), **tol)
+    assert_close(i_fast, ito_correction(heads, w, slow.stats, 0.7, log_scale=0.5), **tol)
+
+
+@pytest.mark.skipif(not _HAS_SDPA, reason="no fused CPU kernel in this torch")
+def test_block_products_do_not_depend_on_the_block_size(monkeypatch):
+    """The m-weighted products of the merged block, formed a block of tokens at a time, against one einsum of
+    the whole (..., n, H, E) block: one-token blocks, blocks that do not divide n, and one block."""
+    g = gen(50)
+    out = torch.randn(2, 3, 17, 4, 8, generator=g, dtype=torch.float64)
+    mc = torch.rand(2, 3, 17, 4, generator=g, dtype=torch.float64)
+    left = torch.randn(3, 11, 17, generator=g, dtype=torch.float64)  # broadcast over the first batch axis
+    right = torch.randn(2, 3, 32, 3, generator=g, dtype=torch.float64)
+    Y = (out * mc.unsqueeze(-1)).reshape(2, 3, 17, 32)
+    want_l, want_r = left @ Y, Y @ right
+    for block in (1, 5 * 32 * 8 * 6, 1 << 30):
+        monkeypatch.setattr(_attention, "_BLOCK_BYTES", block)
+        got_l, got_r = _attention._weighted_block_products(out, mc, left, right)
+        assert_close(got_l, want_l, rtol=1e-13, atol=1e-13)
+        assert_close(got_r, want_r, rtol=1e-13, atol=1e-13)
+        assert_close(_attention._weighted_block_products(out, mc, left=left), want_l, rtol=1e-13, atol=1e-13)
+        assert_close(_attention._weighted_block_products(out, mc, right=right), want_r, rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_mobility_from_masses_and_its_log_sum_exp_fallback(dtype):
+    """b e^{−c} = 1/Σ_h ω̄_h e^{c − log m_h}: the matrix-vector form for normal masses, and the log-sum-exp
+    where a mass is below tiny/eps (full precision lost) or NaN — against an independent float64 formula."""
+    fi = torch.finfo(dtype)
+    heads = tp.Heads(torch.eye(2, dtype=dtype).expand(3, 2, 2), weights=torch.tensor([0.5, 0.3, 0.2], dtype=dtype))
+    for logm in ([[0.1, -2.0, 3.0], [1.0, 1.0, 1.0]],
+                 [[math.log(fi.tiny) - 3.0, 0.0, 1.0], [math.log(fi.tiny) + 2.0, -1.0, 0.5]]):
+        m = torch.exp(torch.tensor(logm, dtype=torch.float64)).to(dtype)  # (n = 2, H = 3); subnormal entries
+        logw = torch.log(torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64))
+        want = torch.exp(-torch.logsumexp(logw - torch.log(m.double()), -1))  # of the masses as given
+        got = _field._mobility_from_masses(heads, m, 0.0)
+        # e^{−L} from a log L rounded in the dtype: relative error |L|·eps (|L| ≈ 90 in float32 below tiny)
+        rtol = 4 * fi.eps * (2 + float(torch.log(want).abs().max()))
+        assert_close(got.double(), want, rtol=rtol, atol=0.0)
+    nan = _field._mobility_from_masses(heads, torch.tensor([[1.0, float("nan"), 1.0]], dtype=dtype), 0.0)
+    assert torch.isnan(nan).all()
+
+
+def test_field_eval_replace_keeps_deferred_fields():
+    x = sphere.sample_uniform(7, 3, generator=gen(60), dtype=torch.float64)
+    heads = tp.Heads.random(2, 3, generator=gen(61), dtype=torch.float64)
+    ev = _field.evaluate(x, heads, diagnostics=True)
+    new = ev.replace(energy=ev.energy + 1.0)
+    assert new.energy == ev.energy + 1.0 and new.velocity is ev.velocity
+    if _HAS_SDPA:
+        assert callable(new.__dict__["_outputs"])
+    assert_close(new.outputs, tp.head_outputs(x, heads))
+    with pytest.raises(TypeError, match="no field 'energie'"):
+        ev.replace(energie=1.0)

@@ -35,6 +35,11 @@ Backends (``backend=``; all return the same numbers to rounding, see tests/test_
   (keys on the sphere, where the last diagonal column y_d² = 1 − Σ_{a<d} y_a² is implied; one
   more column otherwise), i.e. 8 for d = 3 — the width of one AVX-512 float64 vector, at which
   the kernel costs what it costs at width 3 (9 columns cost 1.2–1.5× more; docs/performance.md).
+  When every head sees the same keys (score matrices A_h, or one key factor), the heads are folded
+  into the query axis: one kernel head with query rows (i, h), whose features are one product
+  x @ [βA_1 … βA_H] (padded), and whose output comes back laid out (…, n, H, E) — so the field
+  Σ_h ω_h V_h ȳ_h, ∇ δE/δμ and the ledger's per-head sums are single matrix products of that
+  block (:func:`head_columns`), and ȳ_h is copied out per head only when asked for.
   Where that kernel does not apply (CUDA and other devices, dtypes other than float32/float64,
   a torch without it) it falls back to ``"chunked"``.
 * ``"keops"`` — symbolic KeOps reductions (``pykeops``, optional dependency, CUDA only in
@@ -91,7 +96,8 @@ __all__ = [
     "causal_log_prefix_mass",
 ]
 #: named internal API (not public): the per-head token sums of the fused kernel's columns (energy ledger)
-__internal__ = ["head_moment_sums"]
+__internal__ = ["head_moment_sums", "mean_applied", "scaled_partition", "head_columns", "head_columns_mass",
+                "head_columns_width", "per_head_map", "head_moment_sums_along", "head_columns_products"]
 
 #: elements of one score block (batch · H · rows · m); 2^22 float64 = 32 MiB
 DEFAULT_CHUNK_ELEMENTS = 1 << 22
@@ -116,7 +122,9 @@ class HeadStats:
 
     The fused "sdpa" kernel keeps its value columns on the statistics (``_columns``): ``second`` is
     then formed from them on first access, and :func:`head_moment_sums` contracts them over the
-    tokens without forming it (what the solvers' ledger needs).
+    tokens without forming it (what the solvers' ledger needs).  When the kernel's output is wider
+    than d (the second-moment columns), ``mean`` is a strided slice of it, copied out on first
+    access only: :func:`mean_applied` gives M_h ȳ_h from the output itself.
     """
 
     log_partition: torch.Tensor
@@ -139,6 +147,60 @@ def _set_second(self, value):
 
 # ``second`` of the fused kernel is computed lazily (a per-token quadratic form the solvers never read)
 HeadStats.second = property(_get_second, _set_second)
+
+
+def _get_mean(self):
+    fn = self.__dict__.get("_mean_fn")
+    if self.__dict__.get("_mean") is None and fn is not None:
+        self.__dict__["_mean"] = fn()
+        self.__dict__["_mean_fn"] = None
+    return self.__dict__.get("_mean")
+
+
+def _set_mean(self, value):
+    self.__dict__["_mean"] = value
+    self.__dict__["_mean_fn"] = None
+
+
+# ``mean`` of a wide fused-kernel output is copied out of it lazily (the solvers' step reads it
+# through :func:`mean_applied` only)
+HeadStats.mean = property(_get_mean, _set_mean)
+
+
+def _mean_columns(out: torch.Tensor, d: int) -> torch.Tensor:
+    """The mean columns of a fused-kernel output (..., H, n, E), contiguous (downstream products on a
+    strided view are several times slower)."""
+    return out[..., :d].contiguous()
+
+
+def mean_applied(stats: HeadStats, M: torch.Tensor) -> torch.Tensor:
+    """M_h ȳ_h(x_i) for M (..., H, d, d), (..., H, n, d).
+
+    For the fused kernel's wide output (mean not yet copied out) this is one product of the output
+    (..., H, n, E) with Mᵀ padded by zero rows to (E, d): the kernel's output is read once and the
+    mean is never formed; otherwise ȳ_h Mᵀ_h."""
+    fn = stats.__dict__.get("_mean_fn")
+    if (fn is not None and fn.func is _mean_columns and stats.__dict__.get("_mean") is None
+            and not _needs_grad(M)):
+        out, d = fn.args
+        Mt = M.transpose(-1, -2)
+        return out @ torch.nn.functional.pad(Mt, (0, 0, 0, out.shape[-1] - d))
+    return stats.mean @ M.transpose(-1, -2)
+
+
+def scaled_partition(stats: HeadStats, log_scale: float = 0.0) -> torch.Tensor:
+    """m_h(x_i) e^{−c} = e^{log m_h(x_i) − c}, (..., H, n); kept on ``stats`` for the next caller with the
+    same c (the diagnostics, the ledger's pairing and Itô sums all read it)."""
+    lse = stats.log_partition
+    c = float(log_scale)
+    key = (lse._version, c)
+    cache = stats.__dict__.get("_scaled_partition")
+    if cache is not None and cache[0] == key and cache[1] is lse:
+        return cache[2]
+    m = torch.exp(lse) if c == 0.0 else torch.exp(lse - c)
+    if not m.requires_grad:
+        stats.__dict__["_scaled_partition"] = (key, lse, m)
+    return m
 
 
 # ---------------------------------------------------------------------------- backend choice
@@ -572,19 +634,21 @@ def _softmax_sdpa(x, y, left, right, weights, second_moment, batch, causal=False
     if k < E:  # pad the (small) feature maps, not the (batch, H, n, k) features
         left = pad(left, (0, E - k))
         right = pad(torch.eye(d, dtype=y.dtype, device=y.device), (0, E - d)) if right is None else pad(right, (0, E - k))
-    qf = x.unsqueeze(-3) @ left  # (..., H, n, E)
     kf = y.unsqueeze(-3) if right is None else y.unsqueeze(-3) @ right  # (..., 1|H, m, E)
     Hk = kf.shape[-3]
-    q4 = qf.expand(*batch, H, n, E).reshape(G, H, n, E)
-    k4 = kf.expand(*batch, Hk, m, E).reshape(G, Hk, m, E)
-    v4 = v.unsqueeze(-3).expand(*batch, 1, m, c).reshape(G, 1, m, c)
-    if c < E:
-        v4 = pad(v4, (0, E - c))
-    k4 = k4.expand(G, H, m, E)
-    v4 = v4.expand(G, H, m, E)
     mask = None
     if weights is not None:
         mask = torch.log(weights).expand(*batch, m).reshape(G, 1, 1, m)
+    v4 = v.unsqueeze(-3).expand(*batch, 1, m, c).reshape(G, 1, m, c)
+    if c < E:
+        v4 = pad(v4, (0, E - c))
+    if Hk == 1 and not causal:
+        return _softmax_sdpa_merged(op, x, left, kf, v4, mask, weights, batch, iu, coef, trace_free, H, n, m, d, c, E)
+    qf = x.unsqueeze(-3) @ left  # (..., H, n, E)
+    q4 = qf.expand(*batch, H, n, E).reshape(G, H, n, E)
+    k4 = kf.expand(*batch, Hk, m, E).reshape(G, Hk, m, E)
+    k4 = k4.expand(G, H, m, E)
+    v4 = v4.expand(G, H, m, E)
     out, lse = op(q4, k4, v4, is_causal=causal, attn_mask=mask, scale=1.0)
     out = out.reshape(*batch, H, n, E)
     # the kernel's logsumexp is laid out (G, n, H): products of e^{lse} with (..., H, n, ·) columns are
@@ -596,8 +660,11 @@ def _softmax_sdpa(x, y, left, right, weights, second_moment, batch, causal=False
     elif weights is None:
         lse = lse - math.log(m)
     lse = lse.contiguous()
-    mean = out[..., :d].contiguous()  # downstream products on a strided view are several times slower
-    stats = HeadStats(lse, mean, None)
+    if E == d:
+        stats = HeadStats(lse, out.contiguous(), None)
+    else:  # a slice of a wider output: copied out on first access (mean_applied reads the output itself)
+        stats = HeadStats(lse, None, None)
+        stats._mean_fn = functools.partial(_mean_columns, out, d)
     if second_moment:
         cols = out[..., d:c]
         form = _quadratic_form_trace_free if trace_free else _quadratic_form
@@ -605,6 +672,138 @@ def _softmax_sdpa(x, y, left, right, weights, second_moment, batch, causal=False
     if not causal:
         stats._columns = (x, out, d, c, trace_free, iu, coef)
     return stats
+
+
+def _softmax_sdpa_merged(op, x, left, kf, v4, mask, weights, batch, iu, coef, trace_free, H, n, m, d, c, E):
+    """The fused kernel with the heads folded into the query axis (keys and values shared by every head).
+
+    Query row i·H + h is the feature q_h(x_i) = x_i A_h (padded to E), so the (..., n, H·E) block of all
+    query features is one product x (..., n, d) @ L (..., d, H·E), and the kernel's output and log-sum-exp
+    come back laid out (..., n, H, E) and (..., n, H): every contraction over the heads (the field
+    Σ_h ω_h V_h ȳ_h, ∇ δE/δμ) or over the tokens (the ledger's sums) is then a single matrix product
+    of that contiguous block, without a copy or a per-head product (:func:`head_columns`)."""
+    G = math.prod(batch)
+    L = left.transpose(-2, -3)  # (..., d, H, E)
+    L = L.reshape(*L.shape[:-2], H * E)
+    qf = x @ L  # (..., n, H·E): row i holds q_h(x_i) for every head h
+    q4 = qf.expand(*batch, n, H * E).reshape(G, 1, n * H, E)
+    k4 = kf.expand(*batch, 1, m, E).reshape(G, 1, m, E)
+    out, lse = op(q4, k4, v4, attn_mask=mask, scale=1.0)
+    out = out.reshape(*batch, n, H, E)
+    lse_nh = lse.reshape(*batch, n, H).to(x.dtype)
+    if weights is None:
+        lse_nh = lse_nh - math.log(m)
+    stats = HeadStats(lse_nh.transpose(-1, -2).contiguous(), None, None)
+    stats._mean_fn = functools.partial(_mean_from_merged, out, d)
+    if c > d:
+        form = _quadratic_form_trace_free if trace_free else _quadratic_form
+        stats._second_fn = functools.partial(_second_from_merged, form, x, out, d, c, iu, coef)
+    stats._merged = (x, out, lse_nh, d, c, trace_free, iu, coef)
+    return stats
+
+
+def _mean_from_merged(out: torch.Tensor, d: int) -> torch.Tensor:
+    """ȳ (..., H, n, d), contiguous, from the merged kernel output (..., n, H, E)."""
+    return out[..., :d].transpose(-2, -3).contiguous()
+
+
+def _second_from_merged(form, x, out, d, c, iu, coef):
+    return form(x, out[..., d:c].transpose(-2, -3), iu, coef)
+
+
+#: bytes of one token block of :func:`_weighted_block_products` (half the L2 cache of a core)
+_BLOCK_BYTES = 1 << 20
+
+
+def _weighted_block_products(out, mc, left=None, right=None):
+    """Products with Y = out · m (the merged kernel's output times the masses) without forming Y.
+
+    out (..., n, H, E), mc (..., n, H); left (..., k, n) gives left @ Y (..., k, H·E) (a contraction over the
+    tokens), right (..., H·E, d) gives Y @ right (..., n, d) (a contraction over the heads).  Y is formed a
+    block of tokens at a time in one reused buffer of about ``_BLOCK_BYTES``: a (..., n, H·E) temporary
+    would be written to memory and read back (in float64 at n = 200, H = 100, 10 paths that is 12.8 MB
+    per use, the largest cost of the diagnostics after the kernel)."""
+    batch, (n, H, E) = out.shape[:-3], out.shape[-3:]
+    G = math.prod(batch)
+    o = out.reshape(G, n, H, E)
+    m = mc.reshape(G, n, H, 1)
+    lt = None if left is None else left.expand(*batch, *left.shape[-2:]).reshape(G, left.shape[-2], n)
+    rt = None if right is None else right.expand(*batch, *right.shape[-2:]).reshape(G, H * E, right.shape[-1])
+    rows = max(1, min(n, _BLOCK_BYTES // max(1, G * H * E * out.element_size())))
+    buf = out.new_empty(G, rows, H, E)
+    acc = None if lt is None else out.new_zeros(G, lt.shape[-2], H * E)
+    res = None if rt is None else out.new_empty(G, n, rt.shape[-1])
+    for i0 in range(0, n, rows):
+        r = min(rows, n - i0)
+        Yb = torch.mul(o[:, i0:i0 + r], m[:, i0:i0 + r], out=buf[:, :r]).view(G, r, H * E)
+        if acc is not None:
+            acc.baddbmm_(lt[:, :, i0:i0 + r], Yb)
+        if res is not None:
+            res[:, i0:i0 + r] = torch.bmm(Yb, rt)
+    out_l = None if acc is None else acc.reshape(*batch, *acc.shape[-2:])
+    out_r = None if res is None else res.reshape(*batch, n, res.shape[-1])
+    return out_l if right is None else (out_r if left is None else (out_l, out_r))
+
+
+def head_columns(stats: HeadStats, log_scale: Optional[float] = None):
+    """The merged fused kernel's output as a (..., n, H·E) block, or None for other statistics.
+
+    log_scale None: the normalised output (ȳ_h(x_i) and the second-moment columns, head h in columns
+    h·E … h·E + E − 1), a view; a float c: the same times m_h(x_i) e^{−c}, a new tensor
+    (:func:`head_columns_products` forms its products without it).  Its E is ``head_columns_width``."""
+    merged = stats.__dict__.get("_merged")
+    if merged is None:
+        return None
+    out, lse_nh = merged[1], merged[2]
+    H, E = out.shape[-2], out.shape[-1]
+    if log_scale is None:
+        return out.reshape(*out.shape[:-2], H * E)
+    return (out * head_columns_mass(stats, log_scale).unsqueeze(-1)).reshape(*out.shape[:-2], H * E)
+
+
+def head_columns_mass(stats: HeadStats, log_scale: float):
+    """m_h(x_i) e^{−c} laid out (..., n, H) (contiguous in the heads) for merged statistics, else None;
+    kept on ``stats`` per c."""
+    merged = stats.__dict__.get("_merged")
+    if merged is None:
+        return None
+    lse_nh = merged[2]
+    c = float(log_scale)
+    key = (lse_nh._version, c)
+    cache = stats.__dict__.get("_merged_mass")
+    if cache is not None and cache[0] == key:
+        return cache[1]
+    mc = torch.exp(lse_nh) if c == 0.0 else torch.exp(lse_nh - c)  # (..., n, H)
+    stats.__dict__["_merged_mass"] = (key, mc)
+    return mc
+
+
+def head_columns_products(stats: HeadStats, log_scale: float, right: torch.Tensor) -> torch.Tensor:
+    """head_columns(stats, c) @ right (..., n, d) without forming the block (:func:`_weighted_block_products`)."""
+    return _weighted_block_products(stats.__dict__["_merged"][1], head_columns_mass(stats, log_scale), right=right)
+
+
+def head_moment_sums_along(stats: HeadStats, weights, log_scale: float, x, extra):
+    """(T_h, ito_h, R_h) of :func:`_merged_moment_sums` with the token columns ``extra``, or None where the
+    statistics are not merged (the T_h, ito_h are kept for :func:`head_moment_sums`)."""
+    merged = stats.__dict__.get("_merged")
+    if merged is None:
+        return None
+    return _merged_moment_sums(stats, merged, weights, log_scale, x, extra)
+
+
+def head_columns_width(stats: HeadStats) -> int:
+    """E, the columns per head of :func:`head_columns`."""
+    return stats.__dict__["_merged"][1].shape[-1]
+
+
+def per_head_map(weights: torch.Tensor, M: torch.Tensor, E: int) -> torch.Tensor:
+    """The (..., H·E, d) matrix W with (block @ W)_i = Σ_h ω_h M_h ȳ_h(x_i) for a :func:`head_columns` block:
+    W[h·E + b, a] = ω_h M_h[a, b] for b < d, 0 for the second-moment columns."""
+    d = M.shape[-1]
+    W = (weights.unsqueeze(-1).unsqueeze(-1) * M).transpose(-1, -2)  # (..., H, d, d): [b, a]
+    W = torch.nn.functional.pad(W, (0, 0, 0, E - d))  # (..., H, E, d)
+    return W.reshape(*W.shape[:-3], W.shape[-3] * E, d)
 
 
 def _softmax_keops(x, y, qf, kf, weights, second_moment, batch, causal=False):  # pragma: no cover - needs pykeops
@@ -697,6 +896,9 @@ def head_moment_sums(stats: HeadStats, weights: Optional[torch.Tensor], log_scal
     non-causal "sdpa" statistics without autograd; ``x`` (optional): the queries the caller pairs
     with, None when they differ from the kernel's.  Cached on ``stats`` (keyed on the weights and
     the in-place versions)."""
+    merged = stats.__dict__.get("_merged")
+    if merged is not None:
+        return _merged_moment_sums(stats, merged, weights, log_scale, x)
     cols = stats.__dict__.get("_columns")
     if cols is None:
         return None
@@ -709,7 +911,7 @@ def head_moment_sums(stats: HeadStats, weights: Optional[torch.Tensor], log_scal
     if cache is not None and cache[0] is weights and cache[1] == key:
         return cache[2]
     n = xq.shape[-2]
-    mc = torch.exp(lse) if log_scale == 0.0 else torch.exp(lse - log_scale)  # (..., H, n)
+    mc = scaled_partition(stats, log_scale)  # (..., H, n)
     base = None
     if c > d:  # second-moment columns: U = [x, c_ab x_a x_b (trace-free on the sphere)]
         xx = _second_columns(xq, iu) * coef
@@ -733,6 +935,59 @@ def head_moment_sums(stats: HeadStats, weights: Optional[torch.Tensor], log_scal
         ito = MU[..., d:, d:].diagonal(dim1=-2, dim2=-1).sum(-1) + (mc * wb.unsqueeze(-2)).sum(-1)
     stats._moment_sums = (weights, key, (T, ito))
     return T, ito
+
+
+def _token_columns(xq, weights, d, c, trace_free, iu, coef):
+    """U_i w_i with U = [x, c_ab x_a x_b (trace-free on the sphere)] (..., n, c) and the base term
+    w_i (1 + x_d²-part) (..., n) of the Itô sum (module docstring of :func:`head_moment_sums`)."""
+    n = xq.shape[-2]
+    base = None
+    if c > d:
+        xx = _second_columns(xq, iu) * coef
+        if trace_free:
+            xd2 = xx[..., -1:]
+            xx = xx[..., :-1] - (iu[0] == iu[1])[:-1].to(xq.dtype) * xd2
+            base = 1.0 + xd2.squeeze(-1)
+        U = torch.cat([xq, xx], -1)
+    else:
+        U = xq
+    U = U / n if weights is None else U * weights.unsqueeze(-1)
+    wb = None
+    if c > d:
+        wb = torch.ones_like(xq[..., 0]) if base is None else base
+        wb = wb / n if weights is None else wb * weights
+    return U, wb
+
+
+def _merged_moment_sums(stats, merged, weights, log_scale, x, extra=None):
+    """:func:`head_moment_sums` of merged statistics: one product U_wᵀ (c × n) @ Y (n × H·E) per batch entry,
+    Y the kernel's output times m_h e^{−c} (:func:`head_columns`).
+
+    ``extra`` (..., n, d), optional: more token columns in the same product; then a third result
+    R_h = Σ_i w_i m_h(x_i) e^{−c} extra_i ȳ_h(x_i)ᵀ (..., H, d, d) (the dissipation's per-head sums)."""
+    xq, out, lse_nh, d, c, trace_free, iu, coef = merged
+    if (x is not None and x is not xq) or _needs_grad(xq, weights, extra):
+        return None
+    key = (None if weights is None else weights._version, lse_nh._version, out._version, xq._version, float(log_scale))
+    cache = stats.__dict__.get("_moment_sums")
+    if cache is not None and cache[0] is weights and cache[1] == key and extra is None:
+        return cache[2]
+    H, E = out.shape[-2], out.shape[-1]
+    mc = head_columns_mass(stats, log_scale)  # (..., n, H)
+    U, wb = _token_columns(xq, weights, d, c, trace_free, iu, coef)
+    if extra is not None:
+        ev = extra / extra.shape[-2] if weights is None else extra * weights.unsqueeze(-1)
+        U = torch.cat([U, ev.expand(*U.shape[:-1], d)], -1)
+    MU = _weighted_block_products(out, mc, U.transpose(-1, -2))  # (..., c (+d), H·E)
+    MU = MU.reshape(*MU.shape[:-1], H, E).transpose(-2, -3)  # (..., H, c (+d), E)
+    T = MU[..., :d, :d].transpose(-1, -2)
+    ito = None
+    if c > d:
+        ito = MU[..., d:c, d:c].diagonal(dim1=-2, dim2=-1).sum(-1) + (wb.unsqueeze(-2) @ mc).squeeze(-2)
+    stats._moment_sums = (weights, key, (T, ito))
+    if extra is None:
+        return T, ito
+    return T, ito, MU[..., c:, :d]
 
 
 # ---------------------------------------------------------------------------- relu

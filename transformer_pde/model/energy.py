@@ -236,14 +236,14 @@ def pairing(x, heads: Heads, weights, stats: HeadStats, M: torch.Tensor, *, log_
     # with Ȧ (∂_tE) and with the noise (martingale), so T is kept on the statistics for the next call
     # the fused kernel's statistics give T (and the Itô sums) in one product of its value columns
     sums = head_moment_sums(stats, weights, log_scale, x)
-    key = (x._version, None if weights is None else weights._version, stats.log_partition._version,
-           stats.mean._version, float(log_scale))
-    cached = getattr(stats, "_pairing_moment", None)
     if sums is not None:
         T = sums[0]
-    elif cached is not None and cached[0] is x and cached[1] is weights and cached[2] == key:
-        T = cached[3]
     else:
+        key = (x._version, None if weights is None else weights._version, stats.log_partition._version,
+               stats.mean._version, float(log_scale))
+        cached = getattr(stats, "_pairing_moment", None)
+        T = cached[3] if cached is not None and cached[0] is x and cached[1] is weights and cached[2] == key else None
+    if T is None:
         mw = scaled_exp(stats.log_partition, log_scale)  # (..., H, n)
         mw = mw / x.shape[-2] if weights is None else mw * weights.unsqueeze(-2)
         T = (mw.unsqueeze(-1) * stats.mean).transpose(-1, -2) @ x.unsqueeze(-3)  # (..., H, d, d): T_ba

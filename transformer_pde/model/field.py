@@ -42,6 +42,7 @@ V_h scaled by n.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Optional
 
@@ -51,7 +52,10 @@ from ..utils.validation import (
     check_same, check_tensor, check_tied, check_token_weights, check_tokens, direction_sign,
 )
 from .normalization import NORMALIZATIONS
-from .attention import HeadStats, causal_log_prefix_mass, relu_statistics, softmax_statistics
+from .attention import (
+    HeadStats, causal_log_prefix_mass, head_columns, head_columns_mass, head_columns_products, head_columns_width,
+    head_moment_sums_along, mean_applied, per_head_map, relu_statistics, scaled_partition, softmax_statistics,
+)
 from .heads import Heads, broadcast_shapes
 from .normalization import choose as choose_normalization, names, normalization as as_normalization
 from .sphere import tangent_projection
@@ -69,8 +73,10 @@ class FieldEval:
 
     velocity: (..., n, d) the signed field V[μ, Θ] at the tokens.
     stats:    HeadStats (log-partitions, softmax means, optional second moments).
-    outputs:  (..., H, n, d) per-head outputs f_h of the chosen normalisation.
-    grad_first_variation: (..., n, d) ∇_S δE/δμ at the tokens, or None.
+    outputs:  (..., H, n, d) per-head outputs f_h of the chosen normalisation (formed on first access
+        where the field was one product of the fused kernel's output).
+    grad_first_variation: (..., n, d) ∇_S δE/δμ at the tokens, or None (formed on first access where
+        the diagnostics did not need it: the merged fused kernel).
     energy, slope, dissipation: (...,) or None (when diagnostics=False).
     ambient:  (..., n, d) the signed field before the tangent projection, s · Σ_h ω_h f_h (what a
         layer-normalisation scheme adds to the residual stream, :mod:`transformer_pde.solvers.layernorm`).
@@ -84,6 +90,46 @@ class FieldEval:
     slope: Optional[torch.Tensor] = None
     dissipation: Optional[torch.Tensor] = None
     ambient: Optional[torch.Tensor] = None
+
+    def replace(self, **changes) -> "FieldEval":
+        """A copy with the given fields changed; per-head outputs not formed yet stay deferred."""
+        new = copy.copy(self)
+        for k, v in changes.items():
+            if k not in self.__dataclass_fields__:
+                raise TypeError(f"FieldEval has no field {k!r}")
+            setattr(new, k, v)
+        return new
+
+
+def _get_outputs(self):
+    v = self.__dict__.get("_outputs")
+    if callable(v):  # deferred: the solvers' step never reads the per-head outputs
+        v = v()
+        self.__dict__["_outputs"] = v
+    return v
+
+
+def _set_outputs(self, value):
+    self.__dict__["_outputs"] = value
+
+
+def _get_gradient(self):
+    v = self.__dict__.get("_grad_first_variation")
+    if callable(v):
+        v = v()
+        self.__dict__["_grad_first_variation"] = v
+    return v
+
+
+def _set_gradient(self, value):
+    self.__dict__["_grad_first_variation"] = value
+
+
+FieldEval.grad_first_variation = property(_get_gradient, _set_gradient)
+
+# ``outputs`` may be given as a zero-argument callable (a normalisation whose field is one product of the
+# kernel's output block, :meth:`_KernelPass.value_field`): formed on first access
+FieldEval.outputs = property(_get_outputs, _set_outputs)
 
 
 def token_mean(values: torch.Tensor, weights: Optional[torch.Tensor]) -> torch.Tensor:
@@ -107,6 +153,20 @@ def log_inverse_mobility(heads: Heads, lse: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logw - lse, dim=-2)
 
 
+def scaled_mobility(heads: Heads, lse: torch.Tensor, m: torch.Tensor, log_scale: float) -> torch.Tensor:
+    """b(x_i) e^{−c} = 1 / Σ_h ω̄_h e^{c − log m_h(x_i)}, (..., n), from m = e^{lse − c}.
+
+    With every m_h e^{−c} a normal number of full precision (≥ tiny/eps of the dtype) this is
+    1 / (ω̄ᵀ (1/m)), one matrix-vector product over the heads; otherwise (values rescaled into the
+    subnormal range, or not finite) the log-sum-exp :func:`log_inverse_mobility`."""
+    fi = torch.finfo(m.dtype)
+    # amin is NaN (and the test False) when any m is; m = inf gives 1/m = 0, the log-sum-exp's limit too
+    if m.numel() and not m.requires_grad and float(m.amin()) >= fi.tiny / fi.eps:
+        wbar = heads.normalized_weights.unsqueeze(-2)  # (..., 1, H)
+        return torch.reciprocal((wbar @ torch.reciprocal(m)).squeeze(-2))
+    return torch.exp(-log_inverse_mobility(heads, lse) - log_scale)
+
+
 def grad_first_variation_terms(x, heads: Heads, weights, stats: HeadStats, chunk_elements=None, backend="auto",
                                 applied=None, keys=None):
     """Per-head un-projected terms c_h(x_i) with ∇ δE/δμ(x_i) = Σ_h ω_h c_h(x_i), as
@@ -115,14 +175,14 @@ def grad_first_variation_terms(x, heads: Heads, weights, stats: HeadStats, chunk
     ``weights`` are the key weights; ``keys`` the support of μ (default x)."""
     A = heads.score_matrix
     if heads.is_symmetric:
-        return [(stats.log_partition, _apply(A, stats.mean) if applied is None else applied)]
+        return [(stats.log_partition, mean_applied(stats, A) if applied is None else applied)]
     tstats = softmax_statistics(x, heads, weights, keys=keys, transpose=True, chunk_elements=chunk_elements,
                                 backend=backend)
     At = A.transpose(-1, -2)
     half = torch.log(torch.tensor(0.5, dtype=x.dtype, device=x.device))
     return [
-        (stats.log_partition + half, _apply(A, stats.mean)),
-        (tstats.log_partition + half, _apply(At, tstats.mean)),
+        (stats.log_partition + half, mean_applied(stats, A)),
+        (tstats.log_partition + half, mean_applied(tstats, At)),
     ]
 
 
@@ -139,8 +199,22 @@ class _KernelPass:
     def value_mean(self):
         """V_h ȳ_h, (..., H, n, d)."""
         if self._value_mean is None:
-            self._value_mean = _apply(self.heads.value_matrix, self.stats.mean)
+            self._value_mean = mean_applied(self.stats, self.heads.value_matrix)
         return self._value_mean
+
+    def value_field(self, mass: bool = False):
+        """Σ_h ω_h V_h ȳ_h (mass=True: Σ_h ω_h m_h V_h ȳ_h, the un-normalised kernel), (..., n, d).
+
+        From the merged fused kernel (:func:`transformer_pde.model.attention.head_columns`) this is one
+        product of its (..., n, H·E) output block with a (H·E, d) matrix, and the per-head V_h ȳ_h are
+        never formed; otherwise the head sum of :meth:`value_mean` (times the mass)."""
+        if not (mass and self.prefix_sum) and head_columns_mass(self.stats, 0.0) is not None:
+            W = per_head_map(self.heads.weights, self.heads.value_matrix, head_columns_width(self.stats))
+            if mass:
+                return head_columns_products(self.stats, 0.0, W)
+            return head_columns(self.stats) @ W
+        f = self.value_mean()
+        return self.head_sum(self.times_mass(f) if mass else f)
 
     def _log_prefix_mass(self):
         return causal_log_prefix_mass(self.w, self.x.shape[-2], dtype=self.x.dtype, device=self.x.device)
@@ -186,8 +260,39 @@ def scaled_exp(log_values: torch.Tensor, log_scale: float = 0.0) -> torch.Tensor
     return torch.exp(log_values) if log_scale == 0.0 else torch.exp(log_values - log_scale)
 
 
+def _fused_diagnostics(x, heads, weights, velocity, stats, c, R, lazy_gradient):
+    """:func:`diagnostics_along` from the merged kernel's block (symmetric heads, keys = queries).
+
+    With R_h = Σ_i w_i m_h(x_i) e^{−c} P_x V(x_i) ȳ_h(x_i)ᵀ, 𝒟 = Σ_h ω_h ⟨A_h, R_h⟩_F (A_h symmetric);
+    E = Σ_h ω_h/(2β) Σ_i w_i m_h e^{−c}; b from the (..., n, H) masses, contiguous in the heads; ∇_S δE/δμ
+    = P_x (Y @ W) (:func:`transformer_pde.model.attention.per_head_map`), formed on first use when
+    ``lazy_gradient`` (the solvers' step reads it only with token noise or a layer map)."""
+    m = head_columns_mass(stats, c)  # (..., n, H)
+    mean_m = m.mean(-2) if weights is None else (weights.unsqueeze(-2) @ m).squeeze(-2)  # (..., H)
+    energy = (heads.weights * mean_m).sum(-1) / (2 * heads.beta)
+    b = _mobility_from_masses(heads, m, c)
+    slope = token_mean(b * velocity.square().sum(-1), weights)
+    dissipation = (heads.weights * (heads.score_matrix * R).sum((-1, -2))).sum(-1)
+
+    def gradient():
+        W = per_head_map(heads.weights, heads.score_matrix, head_columns_width(stats))
+        return tangent_projection(x, head_columns_products(stats, c, W))
+
+    return energy, slope, dissipation, (gradient if lazy_gradient else gradient())
+
+
+def _mobility_from_masses(heads, m, log_scale):
+    """b e^{−c} (..., n) from m = m_h e^{−c} laid out (..., n, H): 1 / ((1/m) ω̄) when every m is a
+    full-precision normal number, else the log-sum-exp of :func:`log_inverse_mobility`."""
+    fi = torch.finfo(m.dtype)
+    if m.numel() and float(m.amin()) >= fi.tiny / fi.eps:
+        return torch.reciprocal((torch.reciprocal(m) @ heads.normalized_weights.unsqueeze(-1)).squeeze(-1))
+    return torch.exp(-log_inverse_mobility(heads, torch.log(m).transpose(-1, -2) + log_scale) - log_scale)
+
+
 def diagnostics_along(x, heads: Heads, weights, velocity, stats: HeadStats, *, log_scale: float = 0.0,
-                      chunk_elements=None, backend="auto", keys=None, key_weights=None, terms=None):
+                      chunk_elements=None, backend="auto", keys=None, key_weights=None, terms=None,
+                      lazy_gradient: bool = False):
     """(E, 𝒢², 𝒟, ∇_S δE/δμ) · e^{−c} of the measure μ along a given field V: the one implementation.
 
         E e^{−c}   = Σ_h ω_h/(2β) Σ_i w_i e^{log m_h(x_i) − c}
@@ -213,6 +318,9 @@ def diagnostics_along(x, heads: Heads, weights, velocity, stats: HeadStats, *, l
         the transposed kernel pass of non-symmetric heads (as :func:`evaluate`).
     terms : list or None
         the per-head terms of ∇ δE/δμ when the caller has them (:func:`grad_first_variation_terms`).
+    lazy_gradient : bool
+        return ∇_S δE/δμ as a zero-argument callable where it is not needed for 𝒟 (the merged fused
+        kernel); a tensor otherwise.
 
     Returns
     -------
@@ -220,16 +328,21 @@ def diagnostics_along(x, heads: Heads, weights, velocity, stats: HeadStats, *, l
         (energy (...,), slope (...,), dissipation (...,), grad_first_variation (..., n, d)), all times e^{−c}.
     """
     c = float(log_scale)
+    if keys is None and heads.is_symmetric:
+        # the merged fused kernel: E, b, 𝒟 (and the ledger's sums) from one product of its output block
+        sums = head_moment_sums_along(stats, weights, c, x, tangent_projection(x, velocity))
+        if sums is not None:
+            return _fused_diagnostics(x, heads, weights, velocity, stats, c, sums[2], lazy_gradient)
     if terms is None:
         terms = grad_first_variation_terms(x, heads, weights if keys is None else key_weights, stats, chunk_elements,
                                            backend, keys=keys)
     lse = stats.log_partition
-    m = scaled_exp(lse, c)  # m_h(x_i) e^{−c}, shared by ∇_S δE/δμ and E
+    m = scaled_partition(stats, c)  # m_h(x_i) e^{−c}, shared by ∇_S δE/δμ, E, b and the ledger
     wts = heads.weights.unsqueeze(-1)  # (..., H, 1)
     g = tangent_projection(x, sum(((wts * (m if l is lse else scaled_exp(l, c))).unsqueeze(-1) * u).sum(-3)
                                   for l, u in terms))
     energy = (heads.weights * head_token_mean(m, weights)).sum(-1) / (2 * heads.beta)
-    b = torch.exp(-log_inverse_mobility(heads, lse) - c)
+    b = scaled_mobility(heads, lse, m, c)
     slope = token_mean(b * velocity.square().sum(-1), weights)
     dissipation = token_mean((g * velocity).sum(-1), weights)
     return energy, slope, dissipation, g
@@ -309,7 +422,9 @@ def evaluate(
     if not diagnostics:
         return FieldEval(V, stats, outputs, ambient=field if sign == 1.0 else sign * field)
     full = whole()
-    E, G, D, g = diagnostics_along(x, heads, weights, V, full, log_scale=log_scale, terms=kern.gradient_terms())
+    fused = keys is None and heads.is_symmetric and head_columns(full) is not None
+    E, G, D, g = diagnostics_along(x, heads, weights, V, full, log_scale=log_scale,
+                                   terms=None if fused else kern.gradient_terms(), lazy_gradient=True)
     return FieldEval(V, full, outputs, g, E, G, D, ambient=field if sign == 1.0 else sign * field)
 
 

@@ -31,6 +31,8 @@ its methods, so this module stays free of tensors:
     ``kernel.times_mass(f)``       m_h(x) f (m_h the kernel mass: the prefix sum under causal="sum")
     ``kernel.relu_values()``       V_h ∫ ReLU(β⟨x,A_h y⟩) y dμ (prefix sum under causal="sum")
     ``kernel.head_sum(f)``         Σ_h ω_h f_h
+    ``kernel.value_field(mass)``   Σ_h ω_h V_h ȳ_h (times m_h when mass): one product of the fused
+                                   kernel's output block, the per-head V_h ȳ_h never formed
     ``kernel.gradient_field()``    b^{-1} ∇ δE/δμ, un-projected (the gradient terms of the kernel)
 
 :func:`normalization` turns a name (or an object) into the object; :data:`NORMALIZATIONS` is the
@@ -39,6 +41,7 @@ tuple of names.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import ClassVar, Optional, Union
 
@@ -88,7 +91,9 @@ class Normalization:
         Returns
         -------
         tuple
-            (field, outputs): the field and the per-head outputs it sums (None without a per-head split)."""
+            (field, outputs): the field and the per-head outputs it sums (None without a per-head split,
+            or a zero-argument callable giving them, when the field was formed without them; the
+            :class:`~transformer_pde.model.field.FieldEval` calls it on first access)."""
         f = self.outputs(kernel)
         return kernel.head_sum(f), f
 
@@ -106,6 +111,10 @@ class Softmax(Normalization):
         """f_h = V_h ȳ_h (see :meth:`Normalization.outputs`)."""
         return kernel.value_mean()
 
+    def field(self, kernel):
+        """(Σ_h ω_h V_h ȳ_h, the outputs deferred) (see :meth:`Normalization.field`)."""
+        return kernel.value_field(), functools.partial(self.outputs, kernel)
+
 
 @dataclass(frozen=True)
 class Unnormalized(Normalization):
@@ -119,6 +128,10 @@ class Unnormalized(Normalization):
     def outputs(self, kernel):
         """f_h = m_h V_h ȳ_h (see :meth:`Normalization.outputs`)."""
         return kernel.times_mass(kernel.value_mean())
+
+    def field(self, kernel):
+        """(Σ_h ω_h m_h V_h ȳ_h, the outputs deferred) (see :meth:`Normalization.field`)."""
+        return kernel.value_field(mass=True), functools.partial(self.outputs, kernel)
 
 
 @dataclass(frozen=True)

@@ -691,8 +691,7 @@ class _JKORun:
         """The field, energy, 𝒢² and 𝒟 of the measure (points, wts), times e^{−c} (with temperature: Ẽ)."""
         ev = self._evaluate(points, wts, heads)
         if getattr(self.o, "temperature", 0.0) > 0 and not self.lagrangian:
-            ev = FieldEval(ev.velocity, ev.stats, ev.outputs, ev.grad_first_variation,
-                           ev.energy + self.entropy_term(wts), ev.slope, ev.dissipation)
+            ev = ev.replace(energy=ev.energy + self.entropy_term(wts))
         return ev
 
     def _evaluate(self, points, wts, heads) -> FieldEval:
@@ -700,7 +699,7 @@ class _JKORun:
         # the scheme's field is the gradient flow V = s g / b (b ≡ 1 for "unit"): 𝒢² = Σ w b|V|² = Σ w |g|²/b
         # and 𝒟 = Σ w ⟨g, V⟩ = s 𝒢², formed from g b^{-1/2} (no |V|² ~ e^{2β‖A‖} in between)
         G = self.metric_slope(ev.grad_first_variation, ev.stats.log_partition, heads, wts)
-        return FieldEval(ev.velocity, ev.stats, ev.outputs, ev.grad_first_variation, ev.energy, G, self.o.sign * G)
+        return ev.replace(slope=G, dissipation=self.o.sign * G, ambient=None)
 
     def metric_slope(self, g, log_partition, heads, wts):
         """|∂E|² e^{−c} in the scheme's metric: Σ w |∇δE|²/b (effective) or Σ w |∇δE|² (unit); g = ∇_S δE/δμ e^{−c}."""

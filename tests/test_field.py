@@ -466,3 +466,28 @@ def test_field_eval_replace_keeps_deferred_fields():
     assert_close(new.outputs, tp.head_outputs(x, heads))
     with pytest.raises(TypeError, match="no field 'energie'"):
         ev.replace(energie=1.0)
+
+
+def test_query_workspace_is_reused_per_thread_and_shape():
+    """The merged kernel's query features go into one buffer per thread (no fresh 13 MB allocation per step):
+    the same buffer for the same shape and dtype, a new one when either changes, another in another thread —
+    and consecutive calls on different tokens still give their own statistics."""
+    import threading
+    a = _attention._workspace("t", (2, 3), torch.zeros(1, dtype=torch.float64))
+    assert _attention._workspace("t", (2, 3), torch.zeros(1, dtype=torch.float64)) is a
+    assert _attention._workspace("t", (2, 4), torch.zeros(1, dtype=torch.float64)) is not a
+    assert _attention._workspace("t", (2, 4), torch.zeros(1, dtype=torch.float32)).dtype == torch.float32
+    other = []
+    th = threading.Thread(target=lambda: other.append(_attention._workspace("t", (2, 4), torch.zeros(1))))
+    th.start()
+    th.join()
+    assert other[0] is not _attention._workspace("t", (2, 4), torch.zeros(1))
+    heads = tp.Heads.random(4, 3, generator=gen(70), dtype=torch.float64)
+    x1 = sphere.sample_uniform(9, 3, generator=gen(71), dtype=torch.float64).expand(2, 9, 3).contiguous()
+    x2 = sphere.sample_uniform(9, 3, generator=gen(72), dtype=torch.float64).expand(2, 9, 3).contiguous()
+    s1 = tp.softmax_statistics(x1, heads, second_moment=True, backend="auto")
+    s2 = tp.softmax_statistics(x2, heads, second_moment=True, backend="auto")
+    for x, s in ((x1, s1), (x2, s2)):
+        ref = tp.softmax_statistics(x, heads, second_moment=True, backend="dense")
+        assert_close(s.mean, ref.mean, **_tol(torch.float64))
+        assert_close(s.log_partition, ref.log_partition, **_tol(torch.float64))

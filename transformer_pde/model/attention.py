@@ -76,6 +76,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from dataclasses import dataclass
 from typing import Optional
 
@@ -685,8 +686,12 @@ def _softmax_sdpa_merged(op, x, left, kf, v4, mask, weights, batch, iu, coef, tr
     G = math.prod(batch)
     L = left.transpose(-2, -3)  # (..., d, H, E)
     L = L.reshape(*L.shape[:-2], H * E)
-    qf = x @ L  # (..., n, H·E): row i holds q_h(x_i) for every head h
-    q4 = qf.expand(*batch, n, H * E).reshape(G, 1, n * H, E)
+    qshape = (*_bshape(x.shape[:-2], L.shape[:-2]), n, H * E)
+    if math.prod(qshape[:-2]) == G:  # no broadcast left: write the features into the reused buffer
+        q4 = torch.matmul(x, L, out=_workspace("q", (G, 1, n * H, E), x).view(qshape)).view(G, 1, n * H, E)
+    else:
+        qf = x @ L  # (..., n, H·E): row i holds q_h(x_i) for every head h
+        q4 = qf.expand(*batch, n, H * E).reshape(G, 1, n * H, E)
     k4 = kf.expand(*batch, 1, m, E).reshape(G, 1, m, E)
     out, lse = op(q4, k4, v4, attn_mask=mask, scale=1.0)
     out = out.reshape(*batch, n, H, E)
@@ -700,6 +705,25 @@ def _softmax_sdpa_merged(op, x, left, kf, v4, mask, weights, batch, iu, coef, tr
         stats._second_fn = functools.partial(_second_from_merged, form, x, out, d, c, iu, coef)
     stats._merged = (x, out, lse_nh, d, c, trace_free, iu, coef)
     return stats
+
+
+_WORKSPACE = threading.local()
+
+
+def _workspace(name: str, shape, like: torch.Tensor) -> torch.Tensor:
+    """A buffer of this shape, dtype and device, reused by this thread's next call with the same name.
+
+    The query features of the merged kernel (13 MB in float64 for the H = 100 reference step) are
+    written anew at every evaluation; allocated fresh each time, glibc maps and zero-fills new pages
+    for them (a page fault per 4 KiB, milliseconds per step on a virtual machine).  One buffer per
+    thread, replaced when the shape changes; its contents never outlive the call that fills it."""
+    bufs = getattr(_WORKSPACE, "bufs", None)
+    if bufs is None:
+        bufs = _WORKSPACE.bufs = {}
+    buf = bufs.get(name)
+    if buf is None or buf.shape != tuple(shape) or buf.dtype != like.dtype or buf.device != like.device:
+        buf = bufs[name] = torch.empty(shape, dtype=like.dtype, device=like.device)
+    return buf
 
 
 def _mean_from_merged(out: torch.Tensor, d: int) -> torch.Tensor:

@@ -9,6 +9,8 @@
 #   SAMPLE=0.3 SEED=0 scripts/mutation_check.sh model.attention  # a seeded random 30 % of the module's mutants
 #   SAMPLE=0.25 FULL="model.energy" scripts/mutation_check.sh model.energy model.field  # all of energy
 #   REF=HEAD scripts/mutation_check.sh model.energy               # the committed tree, not the working copy
+#   FUNCS="head_columns _fused_diagnostics" SAMPLE=1 scripts/mutation_check.sh model.attention model.field
+#                                                  # only the mutants of these functions (a change's new code)
 #   REUSE=$HOME/old_workdir scripts/mutation_check.sh       # keep an earlier run's kills of unchanged functions
 #                                                  # (REUSE_SURVIVORS=1: and its survivors; run only the unchecked)
 #   python scripts/mutation_summary.py "$WORKDIR"            # the score table and every survivor
@@ -66,12 +68,20 @@ for mod in "$@"; do
   frac=${SAMPLE:-0.05}
   case " ${FULL:-} " in *" $mod "*) frac=1 ;; esac
   # mutant names are <module path>.<function>__mutmut_<k>; the sample is seeded, so a rerun picks the same
-  mapfile -t sel < <(python - "$meta" "$frac" "${SEED:-0}" "sample_$mod.txt" "${REUSE:-}" "${REUSE_SURVIVORS:-0}" <<'PY'
+  mapfile -t sel < <(python - "$meta" "$frac" "${SEED:-0}" "sample_$mod.txt" "${REUSE:-}" "${REUSE_SURVIVORS:-0}" "${FUNCS:-}" <<'PY'
 import json, os, random, sys
 meta, frac, seed, out, reuse, keep_survivors = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6] == "1"
+funcs = set(sys.argv[7].split())
 data = json.load(open(meta))
 codes = data["exit_code_by_key"]
-names = sorted(codes)
+
+
+def function_of(name):  # <module>.x_<function>__mutmut_<k> (methods: xǁ<Class>ǁ<method>__mutmut_<k>)
+    fn = name.rsplit(".", 1)[-1].rsplit("__mutmut_", 1)[0]
+    return fn.split("ǁ")[-1] if "ǁ" in fn else fn[2:] if fn.startswith("x_") else fn
+
+
+names = sorted(n for n in codes if not funcs or function_of(n) in funcs)
 pick = names if frac >= 1 else sorted(random.Random(seed).sample(names, round(frac * len(names))))
 open(out, "w").write("\n".join(pick) + "\n")
 old = os.path.join(reuse, meta) if reuse else ""

@@ -24,7 +24,8 @@ oscillating weights with H = 1, 10, 100 and one path) from per-step times measur
 Then, for the first ``--heads`` value, the hot step itself (issue 27):
 
 * ours with every diagnostic and with ``diagnostics=False`` (the bare field), interleaved
-  repeats, and their ratio (goal ≤ 1.15); the fused kernel's width with and without the second
+  repeats, and their ratio (goal ≤ 1.15): of the best of each, and the median of the per-repeat
+  ratios (each diagnostics run against the bare run right after it); the fused kernel's width with and without the second
   moment (q, k, v columns of ``aten._scaled_dot_product_flash_attention_for_cpu``);
 * the import time: ``import torch`` alone and ``import transformer_pde`` plus the first
   ``Heads`` (best of ``--import-repeat`` fresh interpreters; whether sympy got imported);
@@ -45,6 +46,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -257,6 +259,13 @@ def hot_step(args, dtype):
         print(f"{k:>12} {w:8.4f} {c:10.4f} {w / best['bare'][0]:7.3f} {off:>10}")
     print(f"diagnostics / bare = {best['diagnostics'][0] / best['bare'][0]:.3f} wall, "
           f"{best['diagnostics'][1] / best['bare'][1]:.3f} cpu (goal <= 1.15)")
+    # paired: each repeat's diagnostics run against the bare run right after it (the same phase of the
+    # host's load), so a slow stretch of the machine moves both; the best-of ratio above pairs two
+    # minima that may come from different stretches
+    paired = sorted(d[1] / b[1] for d, b in zip(rows["diagnostics"], rows["bare"]))
+    q = lambda f: paired[min(len(paired) - 1, int(f * len(paired)))]  # noqa: E731
+    print(f"paired per repeat (cpu): median {statistics.median(paired):.3f}, quartiles {q(0.25):.3f}–{q(0.75):.3f}, "
+          f"range {paired[0]:.3f}–{paired[-1]:.3f} over {len(paired)} repeats")
     if args.import_repeat > 0:
         t = import_times(args.import_repeat)
         print(f"import (best of {args.import_repeat}): torch alone {t['torch']:.2f} s; in a transformer_pde process: "

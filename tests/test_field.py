@@ -460,7 +460,8 @@ def test_field_eval_replace_keeps_deferred_fields():
     heads = tp.Heads.random(2, 3, generator=gen(61), dtype=torch.float64)
     ev = _field.evaluate(x, heads, diagnostics=True)
     new = ev.replace(energy=ev.energy + 1.0)
-    assert new.energy == ev.energy + 1.0 and new.velocity is ev.velocity
+    assert_close(new.energy, ev.energy + 1.0)
+    assert new.velocity is ev.velocity
     if _HAS_SDPA:
         assert callable(new.__dict__["_outputs"])
     assert_close(new.outputs, tp.head_outputs(x, heads))
@@ -491,3 +492,77 @@ def test_query_workspace_is_reused_per_thread_and_shape():
         ref = tp.softmax_statistics(x, heads, second_moment=True, backend="dense")
         assert_close(s.mean, ref.mean, **_tol(torch.float64))
         assert_close(s.log_partition, ref.log_partition, **_tol(torch.float64))
+
+
+def test_deferred_fields_are_formed_once():
+    """The deferred per-head arrays are formed on first access and then kept: the same tensor on every
+    later access (FieldEval.outputs, FieldEval.grad_first_variation, HeadStats.mean), and equal to the dense
+    backend's."""
+    x = sphere.sample_uniform(8, 3, generator=gen(80), dtype=torch.float64).expand(2, 8, 3).contiguous()
+    heads = tp.Heads.random(3, 3, generator=gen(81), dtype=torch.float64)
+    ev = _field.evaluate(x, heads, diagnostics=True, second_moment=True)
+    ref = _field.evaluate(x, heads, diagnostics=True, second_moment=True, backend="dense")
+    for get in (lambda e: e.outputs, lambda e: e.grad_first_variation, lambda e: e.stats.mean):
+        first = get(ev)
+        assert first is not None and get(ev) is first
+        assert_close(first, get(ref), **_tol(torch.float64))
+
+
+def test_scaled_partition_is_kept_per_scale():
+    """m_h e^{−c} of the statistics: e^{log m − c} to rounding, the same tensor for the same c (the diagnostics,
+    the pairing and the Itô sums share it), another one for another c or after the log-partition changed."""
+    x = sphere.sample_uniform(6, 3, generator=gen(82), dtype=torch.float64)
+    stats = tp.softmax_statistics(x, tp.Heads.random(2, 3, generator=gen(83), dtype=torch.float64))
+    a = _attention.scaled_partition(stats, 1.5)
+    assert_close(a, torch.exp(stats.log_partition - 1.5), rtol=4 * torch.finfo(torch.float64).eps, atol=0.0)
+    assert _attention.scaled_partition(stats, 1.5) is a
+    b = _attention.scaled_partition(stats, 0.0)
+    assert b is not a and _attention.scaled_partition(stats, 0.0) is b
+    assert_close(b, torch.exp(stats.log_partition), rtol=4 * torch.finfo(torch.float64).eps, atol=0.0)
+    stats.log_partition.add_(1.0)  # an in-place change: not the kept value any more
+    assert_close(_attention.scaled_partition(stats, 0.0), torch.exp(stats.log_partition),
+                 rtol=4 * torch.finfo(torch.float64).eps, atol=0.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("c", [0.0, 3.5])
+def test_scaled_mobility_against_the_log_sum_exp(dtype, c):
+    """b e^{−c} from the (..., H, n) and the (..., n, H) masses, in the normal range (matrix-vector form) and
+    with masses below tiny/eps (log-sum-exp), at c = 0 and c ≠ 0, against exp(−logsumexp(log ω̄ − lse) − c)."""
+    fi = torch.finfo(dtype)
+    w = torch.tensor([0.5, 0.3, 0.2], dtype=dtype)
+    heads = tp.Heads(torch.eye(2, dtype=dtype).expand(3, 2, 2), weights=w)
+    for lse in ([[0.1, 1.0], [-2.0, 1.0], [3.0, 1.0]],
+                [[c + math.log(fi.tiny) - 3.0, c + 0.5], [c, c + math.log(fi.tiny) + 1.0], [c + 1.0, c - 1.0]]):
+        lse = torch.tensor(lse, dtype=dtype)  # (H = 3, n = 2)
+        m = torch.exp(lse - c)
+        want = torch.exp(-torch.logsumexp(torch.log(w.double()).unsqueeze(-1) - lse.double(), -2) - c)
+        rtol = 4 * fi.eps * (2 + float(torch.log(want).abs().max()))
+        assert_close(_field.scaled_mobility(heads, lse, m, c).double(), want, rtol=rtol, atol=0.0)
+        assert_close(_field._mobility_from_masses(heads, m.transpose(-1, -2), c).double(), want, rtol=rtol, atol=0.0)
+
+
+@pytest.mark.skipif(not _HAS_SDPA, reason="no fused CPU kernel in this torch")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_per_head_keys_keep_the_per_head_layout(dtype):
+    """Heads with their own key factors K_h cannot share the query axis: the fused kernel runs one kernel head
+    per head, the mean is copied out of its wider output on first use (M_h ȳ_h from the output itself before),
+    and every output of a diagnostics evaluation equals the dense backend's."""
+    g = gen(90)
+    Q = torch.randn(2, 4, 3, 3, generator=g, dtype=torch.float64).to(dtype)
+    K = torch.randn(2, 4, 3, 3, generator=g, dtype=torch.float64).to(dtype)
+    V = torch.randn(2, 4, 3, 3, generator=g, dtype=torch.float64).to(dtype)
+    x = sphere.sample_uniform(11, 3, generator=gen(91), dtype=torch.float64).expand(2, 11, 3).contiguous().to(dtype)
+    for heads in (tp.Heads(query=Q, key=Q), tp.Heads(query=Q, key=K)):
+        fast = _field.evaluate(x, heads, diagnostics=True, second_moment=True, backend="sdpa", log_scale=0.7)
+        assert "_columns" in fast.stats.__dict__ and "_merged" not in fast.stats.__dict__
+        slow = _field.evaluate(x, heads, diagnostics=True, second_moment=True, backend="dense", log_scale=0.7)
+        for key in ("velocity", "energy", "slope", "dissipation", "grad_first_variation", "outputs"):
+            assert_close(getattr(fast, key), getattr(slow, key), **_tol(dtype))
+        stats = tp.softmax_statistics(x, heads, second_moment=True, backend="sdpa")
+        assert stats.__dict__.get("_mean") is None
+        applied = _attention.mean_applied(stats, V)  # from the wide output, the mean not formed
+        assert stats.__dict__.get("_mean") is None
+        ref = tp.softmax_statistics(x, heads, second_moment=True, backend="dense")
+        assert_close(applied, ref.mean @ V.transpose(-1, -2), **_tol(dtype))
+        assert_close(_attention.mean_applied(ref, V), ref.mean @ V.transpose(-1, -2), **_tol(dtype))

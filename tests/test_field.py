@@ -566,3 +566,30 @@ def test_per_head_keys_keep_the_per_head_layout(dtype):
         ref = tp.softmax_statistics(x, heads, second_moment=True, backend="dense")
         assert_close(applied, ref.mean @ V.transpose(-1, -2), **_tol(dtype))
         assert_close(_attention.mean_applied(ref, V), ref.mean @ V.transpose(-1, -2), **_tol(dtype))
+
+
+@pytest.mark.skipif(not _HAS_SDPA, reason="no fused CPU kernel in this torch")
+def test_merged_sums_only_for_their_own_tokens_and_weights():
+    """The merged kernel's per-head sums belong to the queries and token weights they were formed with: paired
+    with other tokens, the pairing uses those tokens (the per-token path); after an in-place change of the
+    weights, the kept sums are not reused."""
+    x = sphere.sample_uniform(9, 3, generator=gen(100), dtype=torch.float64).expand(2, 9, 3).contiguous()
+    heads = tp.Heads.random(3, 3, generator=gen(101), dtype=torch.float64)
+    M = torch.randn(3, 3, 3, generator=gen(102), dtype=torch.float64)
+    w = torch.softmax(torch.randn(2, 9, generator=gen(103), dtype=torch.float64), -1)
+    stats = tp.softmax_statistics(x, heads, w, second_moment=True)
+    assert "_merged" in stats.__dict__
+    other = sphere.normalize(x + 0.1)  # other queries paired with these statistics
+    mw = torch.exp(stats.log_partition) * w.unsqueeze(-2)
+    want = 0.5 * (heads.weights * ((mw.unsqueeze(-1) * stats.mean).transpose(-1, -2) @ other.unsqueeze(-3)
+                                   ).transpose(-1, -2).mul(M).sum((-1, -2))).sum(-1)
+    assert_close(pairing(other, heads, w, stats, M), want, **_tol(torch.float64))
+    first = pairing(x, heads, w, stats, M)
+    w2 = torch.softmax(torch.randn(2, 9, generator=gen(104), dtype=torch.float64), -1)
+    w.copy_(w2)  # same tensor, new values: the weights' version changed
+    mw2 = torch.exp(stats.log_partition) * w2.unsqueeze(-2)  # stats' kernel masses, the new token weights
+    want2 = 0.5 * (heads.weights * ((mw2.unsqueeze(-1) * stats.mean).transpose(-1, -2) @ x.unsqueeze(-3)
+                                    ).transpose(-1, -2).mul(M).sum((-1, -2))).sum(-1)
+    got2 = pairing(x, heads, w, stats, M)
+    assert not torch.allclose(got2, first)
+    assert_close(got2, want2, **_tol(torch.float64))

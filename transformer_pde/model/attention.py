@@ -133,39 +133,30 @@ class HeadStats:
     second: Optional[torch.Tensor] = None
 
 
-def _get_second(self):
-    fn = self.__dict__.get("_second_fn")
-    if self.__dict__.get("_second") is None and fn is not None:
-        self.__dict__["_second"] = fn()
-        self.__dict__["_second_fn"] = None
-    return self.__dict__.get("_second")
+def _deferred(name: str) -> property:
+    """A HeadStats field formed on first access from ``_<name>_fn`` (a zero-argument callable the kernel
+    leaves on the statistics), then kept; assigning a value replaces both."""
+    value_key, fn_key = f"_{name}", f"_{name}_fn"
+
+    def get(self):
+        fn = self.__dict__.get(fn_key)
+        if self.__dict__.get(value_key) is None and fn is not None:
+            self.__dict__[value_key] = fn()
+            self.__dict__[fn_key] = None
+        return self.__dict__.get(value_key)
+
+    def set(self, value):
+        self.__dict__[value_key] = value
+        self.__dict__[fn_key] = None
+
+    return property(get, set)
 
 
-def _set_second(self, value):
-    self.__dict__["_second"] = value
-    self.__dict__["_second_fn"] = None
-
-
-# ``second`` of the fused kernel is computed lazily (a per-token quadratic form the solvers never read)
-HeadStats.second = property(_get_second, _set_second)
-
-
-def _get_mean(self):
-    fn = self.__dict__.get("_mean_fn")
-    if self.__dict__.get("_mean") is None and fn is not None:
-        self.__dict__["_mean"] = fn()
-        self.__dict__["_mean_fn"] = None
-    return self.__dict__.get("_mean")
-
-
-def _set_mean(self, value):
-    self.__dict__["_mean"] = value
-    self.__dict__["_mean_fn"] = None
-
-
-# ``mean`` of a wide fused-kernel output is copied out of it lazily (the solvers' step reads it
-# through :func:`mean_applied` only)
-HeadStats.mean = property(_get_mean, _set_mean)
+# ``second`` of the fused kernel is computed lazily (a per-token quadratic form the solvers never read);
+# ``mean`` of a wide fused-kernel output is copied out of it lazily (the solvers' step reads it through
+# :func:`mean_applied` and the merged block only)
+HeadStats.second = _deferred("second")
+HeadStats.mean = _deferred("mean")
 
 
 def _mean_columns(out: torch.Tensor, d: int) -> torch.Tensor:

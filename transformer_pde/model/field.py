@@ -101,35 +101,27 @@ class FieldEval:
         return new
 
 
-def _get_outputs(self):
-    v = self.__dict__.get("_outputs")
-    if callable(v):  # deferred: the solvers' step never reads the per-head outputs
-        v = v()
-        self.__dict__["_outputs"] = v
-    return v
+def _deferred(name: str) -> property:
+    """A FieldEval field that may be given as a zero-argument callable: called on first access, then kept."""
+    key = f"_{name}"
+
+    def get(self):
+        v = self.__dict__.get(key)
+        if callable(v):  # deferred: the solvers' step never reads it
+            v = v()
+            self.__dict__[key] = v
+        return v
+
+    def set(self, value):
+        self.__dict__[key] = value
+
+    return property(get, set)
 
 
-def _set_outputs(self, value):
-    self.__dict__["_outputs"] = value
-
-
-def _get_gradient(self):
-    v = self.__dict__.get("_grad_first_variation")
-    if callable(v):
-        v = v()
-        self.__dict__["_grad_first_variation"] = v
-    return v
-
-
-def _set_gradient(self, value):
-    self.__dict__["_grad_first_variation"] = value
-
-
-FieldEval.grad_first_variation = property(_get_gradient, _set_gradient)
-
-# ``outputs`` may be given as a zero-argument callable (a normalisation whose field is one product of the
-# kernel's output block, :meth:`_KernelPass.value_field`): formed on first access
-FieldEval.outputs = property(_get_outputs, _set_outputs)
+# the per-head outputs (a normalisation whose field is one product of the fused kernel's output block,
+# :meth:`_KernelPass.value_field`) and ∇δE/δμ (the merged kernel's diagnostics) may be deferred
+FieldEval.outputs = _deferred("outputs")
+FieldEval.grad_first_variation = _deferred("grad_first_variation")
 
 
 def token_mean(values: torch.Tensor, weights: Optional[torch.Tensor]) -> torch.Tensor:

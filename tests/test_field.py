@@ -447,11 +447,12 @@ def test_mobility_from_masses_and_its_log_sum_exp_fallback(dtype):
         m = torch.exp(torch.tensor(logm, dtype=torch.float64)).to(dtype)  # (n = 2, H = 3); subnormal entries
         logw = torch.log(torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64))
         want = torch.exp(-torch.logsumexp(logw - torch.log(m.double()), -1))  # of the masses as given
-        got = _field._mobility_from_masses(heads, m, 0.0)
+        got = _field.scaled_mobility(heads, torch.log(m).transpose(-1, -2), m.transpose(-1, -2), 0.0)
         # e^{−L} from a log L rounded in the dtype: relative error |L|·eps (|L| ≈ 90 in float32 below tiny)
         rtol = 4 * fi.eps * (2 + float(torch.log(want).abs().max()))
         assert_close(got.double(), want, rtol=rtol, atol=0.0)
-    nan = _field._mobility_from_masses(heads, torch.tensor([[1.0, float("nan"), 1.0]], dtype=dtype), 0.0)
+    m_nan = torch.tensor([[1.0], [float("nan")], [1.0]], dtype=dtype)  # (H = 3, n = 1)
+    nan = _field.scaled_mobility(heads, torch.log(m_nan), m_nan, 0.0)
     assert torch.isnan(nan).all()
 
 
@@ -539,7 +540,8 @@ def test_scaled_mobility_against_the_log_sum_exp(dtype, c):
         want = torch.exp(-torch.logsumexp(torch.log(w.double()).unsqueeze(-1) - lse.double(), -2) - c)
         rtol = 4 * fi.eps * (2 + float(torch.log(want).abs().max()))
         assert_close(_field.scaled_mobility(heads, lse, m, c).double(), want, rtol=rtol, atol=0.0)
-        assert_close(_field._mobility_from_masses(heads, m.transpose(-1, -2), c).double(), want, rtol=rtol, atol=0.0)
+        m_nh = m.transpose(-1, -2).contiguous().transpose(-1, -2)  # (H, n) view of (n, H) masses, as merged
+        assert_close(_field.scaled_mobility(heads, lse, m_nh, c).double(), want, rtol=rtol, atol=0.0)
 
 
 @pytest.mark.skipif(not _HAS_SDPA, reason="no fused CPU kernel in this torch")

@@ -760,20 +760,15 @@ def _weighted_block_products(out, mc, left=None, right=None):
     return out_l if right is None else (out_r if left is None else (out_l, out_r))
 
 
-def head_columns(stats: HeadStats, log_scale: Optional[float] = None):
-    """The merged fused kernel's output as a (..., n, H·E) block, or None for other statistics.
-
-    log_scale None: the normalised output (ȳ_h(x_i) and the second-moment columns, head h in columns
-    h·E … h·E + E − 1), a view; a float c: the same times m_h(x_i) e^{−c}, a new tensor
-    (:func:`head_columns_products` forms its products without it).  Its E is ``head_columns_width``."""
+def head_columns(stats: HeadStats):
+    """The merged fused kernel's output as a (..., n, H·E) block (a view), or None for other statistics:
+    ȳ_h(x_i) and the second-moment columns, head h in columns h·E … h·E + E − 1 (E: ``head_columns_width``).
+    Its products with the masses m_h(x_i) e^{−c} are :func:`head_columns_products`."""
     merged = stats.__dict__.get("_merged")
     if merged is None:
         return None
-    out, lse_nh = merged[1], merged[2]
-    H, E = out.shape[-2], out.shape[-1]
-    if log_scale is None:
-        return out.reshape(*out.shape[:-2], H * E)
-    return (out * head_columns_mass(stats, log_scale).unsqueeze(-1)).reshape(*out.shape[:-2], H * E)
+    out = merged[1]
+    return out.reshape(*out.shape[:-2], out.shape[-2] * out.shape[-1])
 
 
 def head_columns_mass(stats: HeadStats, log_scale: float):
@@ -794,7 +789,8 @@ def head_columns_mass(stats: HeadStats, log_scale: float):
 
 
 def head_columns_products(stats: HeadStats, log_scale: float, right: torch.Tensor) -> torch.Tensor:
-    """head_columns(stats, c) @ right (..., n, d) without forming the block (:func:`_weighted_block_products`)."""
+    """(m_h e^{−c} · head_columns(stats)) @ right (..., n, d), without forming the weighted block
+    (:func:`_weighted_block_products`)."""
     return _weighted_block_products(stats.__dict__["_merged"][1], head_columns_mass(stats, log_scale), right=right)
 
 
@@ -925,19 +921,8 @@ def head_moment_sums(stats: HeadStats, weights: Optional[torch.Tensor], log_scal
     cache = stats.__dict__.get("_moment_sums")
     if cache is not None and cache[0] is weights and cache[1] == key:
         return cache[2]
-    n = xq.shape[-2]
     mc = scaled_partition(stats, log_scale)  # (..., H, n)
-    base = None
-    if c > d:  # second-moment columns: U = [x, c_ab x_a x_b (trace-free on the sphere)]
-        xx = _second_columns(xq, iu) * coef
-        if trace_free:
-            xd2 = xx[..., -1:]
-            xx = xx[..., :-1] - (iu[0] == iu[1])[:-1].to(xq.dtype) * xd2
-            base = 1.0 + xd2.squeeze(-1)
-        U = torch.cat([xq, xx], -1)  # (..., n, c)
-    else:
-        U = xq
-    U = U / n if weights is None else U * weights.unsqueeze(-1)
+    U, wb = _token_columns(xq, weights, d, c, trace_free, iu, coef)  # U (..., n, c)
     vals = out if out.shape[-1] == c else out[..., :c]
     # (U_i w_i m_h(x_i))ᵀ as (..., H, c, n): the token axis innermost in both factors of the product
     mU = U.transpose(-1, -2).unsqueeze(-3) * mc.unsqueeze(-2)
@@ -945,8 +930,6 @@ def head_moment_sums(stats: HeadStats, weights: Optional[torch.Tensor], log_scal
     T = MU[..., :d, :d].transpose(-1, -2)
     ito = None
     if c > d:
-        wb = (torch.ones_like(xq[..., 0]) if base is None else base)
-        wb = wb / n if weights is None else wb * weights
         ito = MU[..., d:, d:].diagonal(dim1=-2, dim2=-1).sum(-1) + (mc * wb.unsqueeze(-2)).sum(-1)
     stats._moment_sums = (weights, key, (T, ito))
     return T, ito
@@ -976,7 +959,7 @@ def _token_columns(xq, weights, d, c, trace_free, iu, coef):
 
 def _merged_moment_sums(stats, merged, weights, log_scale, x, extra=None):
     """:func:`head_moment_sums` of merged statistics: one product U_wᵀ (c × n) @ Y (n × H·E) per batch entry,
-    Y the kernel's output times m_h e^{−c} (:func:`head_columns`).
+    Y the kernel's output (:func:`head_columns`) times m_h e^{−c}.
 
     ``extra`` (..., n, d), optional: more token columns in the same product; then a third result
     R_h = Σ_i w_i m_h(x_i) e^{−c} extra_i ȳ_h(x_i)ᵀ (..., H, d, d) (the dissipation's per-head sums)."""

@@ -146,10 +146,11 @@ def log_inverse_mobility(heads: Heads, lse: torch.Tensor) -> torch.Tensor:
 
 
 def scaled_mobility(heads: Heads, lse: torch.Tensor, m: torch.Tensor, log_scale: float) -> torch.Tensor:
-    """b(x_i) e^{−c} = 1 / Σ_h ω̄_h e^{c − log m_h(x_i)}, (..., n), from m = e^{lse − c}.
+    """b(x_i) e^{−c} = 1 / Σ_h ω̄_h e^{c − log m_h(x_i)}, (..., n), from lse and m = e^{lse − c} (..., H, n).
 
     With every m_h e^{−c} a normal number of full precision (≥ tiny/eps of the dtype) this is
-    1 / (ω̄ᵀ (1/m)), one matrix-vector product over the heads; otherwise (values rescaled into the
+    1 / (ω̄ᵀ (1/m)), one matrix-vector product over the heads (m may be a transposed view of masses laid
+    out (..., n, H), as the merged fused kernel keeps them); otherwise (values rescaled into the
     subnormal range, or not finite) the log-sum-exp :func:`log_inverse_mobility`."""
     fi = torch.finfo(m.dtype)
     # amin is NaN (and the test False) when any m is; m = inf gives 1/m = 0, the log-sum-exp's limit too
@@ -200,7 +201,7 @@ class _KernelPass:
         From the merged fused kernel (:func:`transformer_pde.model.attention.head_columns`) this is one
         product of its (..., n, H·E) output block with a (H·E, d) matrix, and the per-head V_h ȳ_h are
         never formed; otherwise the head sum of :meth:`value_mean` (times the mass)."""
-        if not (mass and self.prefix_sum) and head_columns_mass(self.stats, 0.0) is not None:
+        if not (mass and self.prefix_sum) and head_columns(self.stats) is not None:
             W = per_head_map(self.heads.weights, self.heads.value_matrix, head_columns_width(self.stats))
             if mass:
                 return head_columns_products(self.stats, 0.0, W)
@@ -262,7 +263,7 @@ def _fused_diagnostics(x, heads, weights, velocity, stats, c, R, lazy_gradient):
     m = head_columns_mass(stats, c)  # (..., n, H)
     mean_m = m.mean(-2) if weights is None else (weights.unsqueeze(-2) @ m).squeeze(-2)  # (..., H)
     energy = (heads.weights * mean_m).sum(-1) / (2 * heads.beta)
-    b = _mobility_from_masses(heads, m, c)
+    b = scaled_mobility(heads, stats.log_partition, m.transpose(-1, -2), c)
     slope = token_mean(b * velocity.square().sum(-1), weights)
     dissipation = (heads.weights * (heads.score_matrix * R).sum((-1, -2))).sum(-1)
 
@@ -271,15 +272,6 @@ def _fused_diagnostics(x, heads, weights, velocity, stats, c, R, lazy_gradient):
         return tangent_projection(x, head_columns_products(stats, c, W))
 
     return energy, slope, dissipation, (gradient if lazy_gradient else gradient())
-
-
-def _mobility_from_masses(heads, m, log_scale):
-    """b e^{−c} (..., n) from m = m_h e^{−c} laid out (..., n, H): 1 / ((1/m) ω̄) when every m is a
-    full-precision normal number, else the log-sum-exp of :func:`log_inverse_mobility`."""
-    fi = torch.finfo(m.dtype)
-    if m.numel() and float(m.amin()) >= fi.tiny / fi.eps:
-        return torch.reciprocal((torch.reciprocal(m) @ heads.normalized_weights.unsqueeze(-1)).squeeze(-1))
-    return torch.exp(-log_inverse_mobility(heads, torch.log(m).transpose(-1, -2) + log_scale) - log_scale)
 
 
 def diagnostics_along(x, heads: Heads, weights, velocity, stats: HeadStats, *, log_scale: float = 0.0,

@@ -57,7 +57,7 @@ from pathlib import Path
 import torch
 
 import transformer_pde as tp
-from transformer_pde import threads
+from transformer_pde.utils import threads
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICK = ROOT / "experiments" / "ou_vs_oscillating_quick.toml"

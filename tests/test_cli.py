@@ -10,7 +10,8 @@ import logging
 import torch
 
 import transformer_pde
-from transformer_pde import studies, threads
+from transformer_pde.application import studies
+from transformer_pde.utils import threads
 from transformer_pde.application.cli import build_parser, main as cli_main
 from transformer_pde.application.studies import Option, Study, positive
 

@@ -130,7 +130,7 @@ values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=
                                                        st.dictionaries(st.text(TEXT, max_size=4), inner, max_size=2)),
                       max_leaves=6)
 
-from transformer_pde import studies as _studies  # noqa: E402
+from transformer_pde.application import studies as _studies  # noqa: E402
 
 KINDS = sorted(_studies.available())
 kinds = st.one_of(st.sampled_from(KINDS), st.sampled_from([["demo"], {"a": 1}, 3, 1.5, True, "", "no_such_kind",

@@ -78,7 +78,7 @@ def test_scaled_diagnostics_match_evaluate_to_a_few_ulps_for_nearly_symmetric_he
     assert heads.is_symmetric and float((D - D.transpose(-1, -2)).abs().max()) > 1e3 * eps * float(D.abs().max())
     w = torch.rand(7, generator=gen(103), dtype=F64) + 0.1
     w = w / w.sum()
-    ev = tp.field.evaluate(x, heads, w)
+    ev = tp.evaluate(x, heads, w)
     E, G, Dm, g = scaled_diagnostics(x, heads, w, ev.velocity, ev.stats)
     for got, ref in ((g, ev.grad_first_variation), (E, ev.energy), (G, ev.slope), (Dm, ev.dissipation)):
         assert_close(got, ref, rtol=8 * eps, atol=8 * eps * float(ref.abs().max()))

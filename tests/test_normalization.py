@@ -21,7 +21,7 @@ from torch.testing import assert_close
 
 import transformer_pde as tp
 from conftest import gen
-from transformer_pde import normalization as N
+from transformer_pde.model import normalization as N
 from transformer_pde.model.field import evaluate
 
 F64 = torch.float64

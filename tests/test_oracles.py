@@ -77,7 +77,7 @@ def test_field_energy_slope_dissipation_against_dense_formulas(normalization, si
     harmonic-mean mobility, 𝒟 by autograd of the naive energy) at β = 1.7, ω = 1 per head,
     non-uniform token weights."""
     x, heads, w, om = _case()
-    ev = tp.field.evaluate(x, heads, w, normalization=normalization, sign=sign, diagnostics=True)
+    ev = tp.evaluate(x, heads, w, normalization=normalization, sign=sign, diagnostics=True)
     A = heads.score
     Vf, _ = naive_field(x, A, om, BETA, w, normalization=normalization, sign=sign)
     assert_close(ev.velocity, Vf, rtol=1e-10, atol=1e-12)

@@ -212,7 +212,7 @@ def test_import_everything_without_tomllib(tmp_path):
 
 
 def test_resources_find_the_checkout_configs():
-    from transformer_pde import resources
+    from transformer_pde.utils import resources
 
     shipped = sorted(p.stem for p in (ROOT / "experiments").glob("*.toml"))
     assert resources.config_names() == shipped
@@ -228,7 +228,7 @@ def test_resources_find_the_checkout_configs():
 @pytest.mark.parametrize("bad,err", [("no_such_config", ValueError), ("../pyproject", ValueError),
                                      ("", ValueError), (3, TypeError)])
 def test_resources_refuse_bad_names(bad, err):
-    from transformer_pde import resources
+    from transformer_pde.utils import resources
 
     with pytest.raises(err, match="config"):
         resources.config_path(bad)
@@ -352,29 +352,33 @@ def test_wheel_in_fresh_venv_runs_a_config_by_name(wheel, tmp_path):
     assert {"b_ou", "b_oscillating"} <= set(json.loads((run_dir / "metrics.json").read_text()))
 
 
-def test_old_module_paths_keep_working():
-    """The root modules moved into the layer sub-packages; their old dotted paths still import the same
-    module objects (one copy: patches and isinstance checks agree), and ``python -m`` of an old path runs."""
-    import transformer_pde as tp
-
+def test_public_functions_stay_functions_whatever_is_imported():
+    """``tp.energy``, ``tp.mobility``, ``tp.velocity`` are functions, and importing every module of the
+    package (their own modules included) leaves them so: a module must never shadow a public name of
+    the facade.  A finder that mapped old dotted paths (``transformer_pde.energy``) onto the moved
+    modules made the import system bind ``tp.energy`` to the module; this test fails on that."""
     code = (
-        "import importlib, sys\n"
+        "import importlib, pkgutil\n"
         "import transformer_pde as tp\n"
-        f"moved = {dict(tp._MOVED)!r}\n"
-        "for old, new in moved.items():\n"
-        "    a = importlib.import_module('transformer_pde.' + old)\n"
-        "    b = importlib.import_module('transformer_pde.' + new)\n"
-        "    assert a is b, (old, a.__name__, b.__name__)\n"
-        "from transformer_pde.theory.noise import critical_temperature\n"
-        "from transformer_pde.processes import WeightDriver, OrnsteinUhlenbeck\n"
-        "import transformer_pde.studies.paper as p1, transformer_pde.application.studies.paper as p2\n"
-        "assert p1 is p2 and critical_temperature is tp.theory.critical_temperature\n"
-        "assert WeightDriver.__module__ == 'transformer_pde.processes.weights'\n"
-        "copies = [m for m in sys.modules if m.startswith('transformer_pde.')]\n"
-        "assert len({id(sys.modules[m]) for m in copies}) == len({sys.modules[m].__name__ for m in copies})\n"
+        "names = [n for n in tp.__all__ if callable(getattr(tp, n)) and not isinstance(getattr(tp, n), type)]\n"
+        "before = {n: getattr(tp, n) for n in names}\n"
+        "for m in pkgutil.walk_packages(tp.__path__, 'transformer_pde.'):\n"
+        "    if m.name.endswith('__main__'):\n"
+        "        continue\n"
+        "    importlib.import_module(m.name)\n"
+        "for old in ('energy', 'mobility', 'field', 'heads'):\n"
+        "    try:\n"
+        "        importlib.import_module('transformer_pde.' + old)\n"
+        "    except ModuleNotFoundError:\n"
+        "        pass\n"
+        "    else:\n"
+        "        raise SystemExit('the old path transformer_pde.' + old + ' still imports')\n"
+        "changed = [n for n in names if getattr(tp, n) is not before[n]]\n"
+        "assert not changed, changed\n"
+        "assert callable(tp.energy) and not isinstance(tp.energy, type(tp))\n"
         "print('ok')\n")
     assert _run_python(code, ROOT).split()[-1] == "ok"  # the checkout's package
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    r = subprocess.run([sys.executable, "-m", "transformer_pde.cli", "list"], capture_output=True, text=True,
-                       cwd=ROOT, env=env, timeout=300)
+    r = subprocess.run([sys.executable, "-m", "transformer_pde.application.cli", "list"], capture_output=True,
+                       text=True, cwd=ROOT, env=env, timeout=300)
     assert r.returncode == 0 and "experiment kinds" in r.stdout, r.stderr[-2000:]

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from transformer_pde import plotting
+from transformer_pde.application import plotting
 
 RAW_KEYS = ("dE", "partial", "dissipation", "slope", "martingale", "residual", "residual_slope")
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from transformer_pde import resources
+from transformer_pde.utils import resources
 
 EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
 

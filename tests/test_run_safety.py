@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from transformer_pde import studies
+from transformer_pde.application import studies
 from transformer_pde.application.cli import main as cli_main
 from transformer_pde.application.runs import MARKER, RunLockedError, Terminated, check_run_name, execute, is_run_dir, plan
 from transformer_pde.application.studies import Option, Study, positive

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from transformer_pde import studies
+from transformer_pde.application import studies
 from transformer_pde.application.cli import main as cli_main
 from transformer_pde.application.runs import RunDir, atomic_write_text, execute, flatten_metrics, load_config, parse_override
 from transformer_pde.application.studies import Option, Study, positive

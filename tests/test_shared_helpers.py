@@ -11,7 +11,7 @@ import csv
 import numpy as np
 import pytest
 
-from transformer_pde import plotting, runs, studies
+from transformer_pde.application import plotting, runs, studies
 
 
 @pytest.mark.parametrize("module", [plotting, runs])

@@ -192,7 +192,7 @@ def test_step_loop_runs_in_a_thread_scope(monkeypatch):
 
         yield P()
 
-    monkeypatch.setattr(tp.threads if hasattr(tp, "threads") else particle.threads, "scope", scope)
+    monkeypatch.setattr(particle.threads, "scope", scope)
     x0 = tp.sphere.sample_uniform(5, 3, generator=gen(15), dtype=torch.float64)
     theta = tp.OrnsteinUhlenbeck(tp.Heads.random(2, 3, generator=gen(16), dtype=torch.float64))
     tp.simulate(x0, theta, t1=0.1, dt=0.05, paths=3)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from transformer_pde import sweep
+from transformer_pde.application import sweep
 
 # a run of a few milliseconds and no figures: 6 tokens, one head, OU only, four Euler steps (each recorded), one path
 TINY = {"kind": "causal_clustering", "name": "tiny",

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from transformer_pde import threads
+from transformer_pde.utils import threads
 
 BIG = 10 * threads.WORK_THRESHOLD
 
@@ -172,7 +172,7 @@ def test_machine_readings_are_sane():
 def test_thread_policy_call_sets_and_context_restores():
     import transformer_pde as tp
 
-    assert tp.threads is threads  # the module stays importable under its name
+    assert tp.thread_policy.__module__ == threads.__name__
     torch.set_num_threads(1)
     threads.policy(None)
     tp.thread_policy(2)  # a call sets it for the process

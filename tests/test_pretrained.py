@@ -132,6 +132,9 @@ def test_value_factors_against_the_dense_value(dtype):
     new = fac.replace(value=2 * (O @ Wv))
     assert not new.value_factored
     assert_close(new.value_matrix, 2 * (O @ Wv), **tol)
+    swapped = dense.replace(value_in=2 * Wv, value_out=O)  # new factors replace the dense value
+    assert swapped.value_factored
+    assert_close(swapped.value, 2 * (O @ Wv), **tol)
     # from_qkv keeps the value factors when k_v < d
     assert tp.Heads.from_qkv(Q, K, Wv, O).value_factored
 

@@ -46,11 +46,21 @@ _LOG = "transformer_pde"
 
 
 class _StderrHandler(logging.StreamHandler):
-    """Writes to whatever ``sys.stderr`` is at the time of the record (tests swap it)."""
+    """Writes to whatever ``sys.stderr`` is at the time of the record (tests swap it); while progress bars are
+    drawn, through ``tqdm.write``, which clears the bars, writes the line on a line of its own and draws them again
+    (a plain write would land inside a bar's line)."""
 
     def emit(self, record):
         self.stream = sys.stderr
-        super().emit(record)
+        bars = sys.modules.get("tqdm")
+        if bars is None or not any(not getattr(b, "disable", True) for b in list(getattr(bars.tqdm, "_instances", ()))):
+            super().emit(record)
+            return
+        try:
+            bars.tqdm.write(self.format(record), file=self.stream)
+            self.flush()
+        except Exception:  # pragma: no cover - logging never raises
+            self.handleError(record)
 
 
 def max_threads() -> int:

@@ -28,7 +28,7 @@ __all__ = ["Option", "Study", "study", "get_study", "available", "validate_param
 # what the study modules share (named internal API): option checks and options, run set-up, stored pieces, figures
 __internal__ = ["positive", "nonnegative", "at_least", "open_unit", "unique_nonempty", "DTYPE", "DEVICE", "dtype_of",
                 "check_whole_steps", "check_device", "device_of", "weight_process", "step_callback", "cached",
-                "fingerprint", "load_segment", "segment_bar", "check_record_every", "nonfinite_keys", "subplots",
+                "fingerprint", "load_segment", "segment_bar", "SegmentBar", "HEARTBEAT_S", "check_record_every", "nonfinite_keys", "subplots",
                 "save_captioned", "panel", "log_ticks",
                 "sphere_name"]
 
@@ -332,12 +332,113 @@ def check_record_every(p: Dict, *, t_from: float = 0.0, what: str = "") -> None:
                          f"horizon t1/dt is {K} steps; choose record_every <= {best}")
 
 
-def segment_bar(run, total: int, desc: str, unit: str):
-    """A tqdm bar over a study's segments, shown only on a terminal (never escape codes in a log file) and only when
-    the run allows progress bars; use it as a context manager."""
-    from tqdm.auto import tqdm
+#: seconds between two "[tag] step k/K" log lines while a segment runs without a visible progress bar (output
+#: redirected to a file, or --no-progress): a log never stays silent for minutes
+HEARTBEAT_S = 30.0
 
-    return tqdm(total=total, desc=desc, unit=unit, disable=None if run.progress else True)
+
+class SegmentBar:
+    """Progress over a study's segments, weighted by their work (not their count).
+
+    ``work`` gives the cost of each segment in any unit (steps · paths · H · n², say): a list (the segments'
+    keys are then 0, 1, ...) or a dict {key: cost}.  The bar's fraction and its ETA are the share of the work
+    done, so a cheap first segment does not promise a short run.  Inside a segment, :meth:`steps` gives the
+    solver callback that moves the bar step by step and, when the bar is not shown (output not a terminal, or
+    progress off), logs a "[tag] step k/K" line every :data:`HEARTBEAT_S` seconds.  ``update(n)`` marks the next
+    ``n`` unfinished segments done (skipped or run), ``update(key=k)`` the segment ``k``.  Use it as a context
+    manager.
+    """
+
+    def __init__(self, run, work, desc: str, unit: str, log=None):
+        from tqdm.auto import tqdm
+
+        self.run, self.log, self.unit = run, log, unit
+        items = work.items() if isinstance(work, dict) else enumerate(work)
+        self.work = {k: max(float(w), 0.0) for k, w in items}
+        self.done: set = set()
+        self.total = sum(self.work.values()) or 1.0
+        fmt = "{desc}: {percentage:3.0f}%|{bar}| [{elapsed}<{remaining}{postfix}]"
+        self.bar = tqdm(total=self.total, desc=desc, bar_format=fmt, smoothing=0.0,
+                        disable=None if run.progress else True)
+        self._postfix()
+
+    @property
+    def shown(self) -> bool:
+        """Whether the bar is drawn (on a terminal, progress allowed)."""
+        return not self.bar.disable
+
+    @property
+    def base(self) -> float:
+        """The work of the finished segments."""
+        return sum(self.work[k] for k in self.done)
+
+    @property
+    def fraction(self) -> float:
+        """The share of the work of the finished segments, in [0, 1]."""
+        return 1.0 if len(self.done) == len(self.work) else self.base / self.total
+
+    def _next(self):
+        return next((k for k in self.work if k not in self.done), None)
+
+    def _postfix(self) -> None:
+        if self.shown:
+            self.bar.set_postfix_str(f"{self.unit} {min(len(self.done) + 1, len(self.work))}/{len(self.work)}",
+                                     refresh=False)
+
+    def _goto(self, position: float) -> None:
+        if self.shown and position > self.bar.n:
+            self.bar.update(position - self.bar.n)
+
+    def update(self, n: int = 1, *, key=None) -> None:
+        for _ in range(n if key is None else 1):
+            k = self._next() if key is None else key
+            if k is not None:
+                self.done.add(k)
+        self._postfix()
+        self._goto(self.base)
+
+    def steps(self, tag: str, total_steps: int, *, key=None):
+        """The solver callback ``(k, t, ...)`` of the running segment ``tag`` (``total_steps`` steps; ``key``: its
+        key, default the next unfinished one): moves the bar, logs a heartbeat when the bar is hidden, and reports
+        to ``run.step_callback`` (see :func:`step_callback`)."""
+        report = step_callback(self.run, tag)
+        key = self._next() if key is None else key
+        share = self.work.get(key, 0.0)
+        K = max(int(total_steps), 1)
+        t0 = last = time.monotonic()
+        first = []
+
+        def callback(k, t, *rest):
+            nonlocal last
+            self._goto(self.base + share * min(k, K) / K)
+            if not first:
+                first.append(k - 1)  # a resumed segment starts at its checkpoint's step
+            now = time.monotonic()
+            if self.log is not None and not self.shown and now - last >= HEARTBEAT_S:
+                last = now
+                left = (now - t0) / max(k - first[0], 1) * (K - k)
+                self.log.info("[%s] step %d/%d (t = %.4g), %.0f s so far, about %.0f s left", tag, k, K, float(t),
+                              now - t0, left)
+            if report is not None:
+                report(k, t, *rest)
+
+        return callback
+
+    def close(self) -> None:
+        self.bar.close()
+
+    def __enter__(self) -> "SegmentBar":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def segment_bar(run, total: int, desc: str, unit: str, *, work=None, log=None) -> SegmentBar:
+    """A :class:`SegmentBar` over a study's ``total`` segments (each of equal work unless ``work`` gives their
+    costs, a list or a dict by segment key), shown only on a terminal (never escape codes in a log file) and only when the run allows progress
+    bars; ``log``: the logger of its heartbeat lines.  Use it as a context manager."""
+    return SegmentBar(run, [1.0] * total if work is None else work, desc, unit, log=log)
 
 
 # ---------------------------------------------------------------------------- figures

@@ -50,6 +50,7 @@ import os
 import logging
 import math
 import platform
+import re
 import secrets
 import shlex
 import shutil
@@ -65,6 +66,7 @@ import torch
 
 from ..utils import threads
 from ..utils.resources import tomllib
+from ..utils.validation import write_error
 from .studies import estimate_resources, get_study, nonfinite_keys, validate_params
 
 __all__ = ["RunDir", "load_config", "parse_override", "execute", "plan", "package_versions", "atomic_write_text",
@@ -115,9 +117,12 @@ def _atomic_file(path, mode: str = "wb"):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        err = write_error(path, e)  # a full disk: say so and how to go on, not torch's "[enforce fail at ...]"
+        if err is not None:
+            raise err from e
         raise
 
 
@@ -819,10 +824,36 @@ def _open_run_dir(cfg, run_path: Path, *, resume: bool, overwrite: bool, replace
             logger.info("overwriting run directory %s", run_path)
             _empty_run_dir(run_path)
             _write_marker(run_path, cfg)
+        else:
+            _remove_stale_temps(run_path)
         return lock, action == "resume"
     except BaseException:
         lock.release()
         raise
+
+
+# the temporary files of an atomic write: ``.<name>.<pid>.<hex>.tmp`` (:func:`_new_temp`) and a solver checkpoint's
+# ``<name>.<random>.tmp`` (``tempfile.mkstemp`` next to checkpoints/<tag>.ckpt)
+_TEMP_NAMES = (re.compile(r"^\..+\.\d+\.[0-9a-f]{8}\.tmp$"), re.compile(r"^.+\.ckpt\.[A-Za-z0-9_]+\.tmp$"))
+
+
+def _remove_stale_temps(run_path: Path) -> List[Path]:
+    """Delete the temporary files an earlier process of this run left behind when it was killed in the middle of
+    a write (kill -9, power loss).  Called under the run's lock, before the run writes anything: no live process
+    of this run is writing then, so every such file is stale.  Only regular files of the temporary-file names are
+    removed; returns them."""
+    gone = []
+    for root, _dirs, files in os.walk(run_path, followlinks=False):
+        for name in files:
+            p = Path(root) / name
+            if any(r.match(name) for r in _TEMP_NAMES) and stat.S_ISREG(os.lstat(p).st_mode):
+                with contextlib.suppress(FileNotFoundError):
+                    p.unlink()
+                    gone.append(p)
+    if gone:
+        logger.info("removed %d temporary file(s) left by an interrupted write: %s", len(gone),
+                    ", ".join(str(g.relative_to(run_path)) for g in gone[:5]))
+    return gone
 
 
 def _remove_empty(folders) -> None:
@@ -965,21 +996,28 @@ def _run_study(cfg, run_path: Path, *, resumed: bool, resume: bool, progress: bo
     logger.info("%s %s (kind %s) in %s", "resuming" if resumed else "running", cfg["name"], cfg["kind"], run_path)
     t0 = time.perf_counter()
     mark = len(threads.usage())
+    failed = False
     try:
         metrics = st.fn(cfg["params"], run)
     except BaseException as e:
+        failed = True
         status = {"state": "interrupted", "error": f"{type(e).__name__}: {e}",
                   "wall_time_s": time.perf_counter() - t0,
                   "resume_with": "transformer-pde run CONFIG --resume (same config and overrides)"}
         if isinstance(e, Terminated):
             status["signal"] = "SIGTERM"
-        run.write_json("status.json", status)
+        with contextlib.suppress(OSError):  # e.g. the disk is full: the run's own error is the one to report
+            run.write_json("status.json", status)
         with contextlib.suppress(AttributeError, TypeError):
             e.transformer_pde_run_dir = run_path  # see failed_run_dir: the run had started
         raise
     finally:  # the thread counts the solver loops (and any worker processes) really used
         env["thread_policy"], env["threads_used"] = threads.current(), env.get("threads_used", []) + threads.usage(mark)
-        run.write_json("environment.json", env)
+        try:
+            run.write_json("environment.json", env)
+        except OSError:
+            if not failed:  # only while the study's own error propagates is this one dropped
+                raise
     wall = time.perf_counter() - t0
     metrics, undefined = _nonfinite_to_null({**(metrics or {}), "wall_time_s": wall})
     if undefined:

@@ -27,7 +27,7 @@ import torch
 
 from ..utils import threads
 from ..utils.validation import (
-    check_bool, check_choice, check_every, check_int, check_limits, check_positive, check_real,
+    check_bool, check_choice, check_output_file, check_every, check_int, check_limits, check_positive, check_real,
     check_same, check_seed_generator, check_tied_all, check_token_weights, check_tokens, direction_sign,
 )
 from ..model.normalization import NORMALIZATIONS
@@ -261,6 +261,8 @@ def simulate(
     saveat = SaveAt(every=checked[6], observables=observables, path=return_path)
     ledger = LedgerOptions(diagnostics, None if adaptive else quadrature, quadratic_variation, energy_log_scale)
     ckpt = None if checkpoint is None else Checkpointing(checkpoint, checked[7])
+    if ckpt is not None:
+        check_output_file(ckpt.path)  # a missing folder is refused now, not at the first save
     show = None if adaptive else Progress(progress, callback)  # dopri5 has no steps to show (nor callback)
     limits = Limits(max_steps, max_memory, chunk_elements)
     return _run(model, x0, solver, checked, generator=generator, saveat=saveat, ledger=ledger, checkpoint=ckpt,

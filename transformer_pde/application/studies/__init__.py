@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ __internal__ = ["positive", "nonnegative", "at_least", "open_unit", "unique_none
                 "fingerprint", "load_segment", "segment_bar", "SegmentBar", "HEARTBEAT_S", "check_record_every", "nonfinite_keys", "subplots",
                 "save_captioned", "panel", "log_ticks",
                 "sphere_name"]
+
+_log = logging.getLogger(__name__)
 
 SEED_MAX = 2**32 - 1
 INT_MAX = 2**63 - 1  # integers beyond int64 cannot reach torch or numpy
@@ -291,9 +294,10 @@ def nonfinite_keys(obj, skip=("timing",), prefix: str = "") -> list:
 
 
 def load_segment(run, tag: str, kind: str, fp: str, required=()) -> Optional[Dict]:
-    """The finished segment ``data/<tag>.pt`` of a ``kind`` run, None when there is none; ValueError when the file
-    is not such a segment, was made with another configuration (fingerprint ``fp``), lacks one of the
-    ``required`` keys (dotted for nested ones: "ledger.dE") or holds NaN/inf (the file is named, with the fix)."""
+    """The finished segment ``data/<tag>.pt`` of a ``kind`` run, None when there is none or when it lacks one of the
+    ``required`` keys (dotted for nested ones: "ledger.dE"; a warning says it is computed again); ValueError when
+    the file is not such a segment, was made with another configuration (fingerprint ``fp``) or holds NaN/inf (the
+    file is named, with the fix)."""
     seg = run.load_tensors(tag)
     if seg is None:
         return None
@@ -308,8 +312,9 @@ def load_segment(run, tag: str, kind: str, fp: str, required=()) -> Optional[Dic
         node = seg
         for part in key.split("."):
             if not isinstance(node, dict) or part not in node:
-                raise ValueError(f"{path} is incomplete: it has no '{key}' (a damaged or foreign file); delete it to "
-                                 f"recompute that segment")
+                _log.warning("%s is incomplete: it has no '%s' (a damaged file, or one written by another version); "
+                             "that segment is computed again", path, key)
+                return None  # its file is replaced when the segment is done
             node = node[part]
     bad = nonfinite_keys(seg)
     if bad:

@@ -493,3 +493,43 @@ def test_layer_maps_with_noisy_weights_replay_their_path(kind):
     again = tp.simulate(X[0].expand(2, 5, 3), first.path, **kw)
     torch.testing.assert_close(again.x, first.x)
     assert torch.isfinite(first.ledger["residual"]).all()
+
+
+# ---------------------------------------------------------------------------- the normalised update at |A| → 0
+@pytest.mark.parametrize("geometry", ["peri", "ngpt"])
+def test_a_zero_update_leaves_the_tokens_where_they_are(dtype, geometry):
+    # Â = A/|A| at A = 0 is defined as 0: peri-LN and nGPT with zero value matrices do not move the tokens
+    A = torch.eye(3, dtype=dtype).unsqueeze(0)
+    x0 = tp.sphere.sample_uniform(6, 3, generator=_gen(3), dtype=dtype)
+    traj = tp.solve(tp.Model(tp.Heads(score=A, value=torch.zeros_like(A)), geometry=geometry), x0, tp.Euler(),
+                    t1=0.3, dt=0.1)
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(traj.final, x0, rtol=4 * eps, atol=4 * eps)  # the renormalisation's rounding
+    assert bool(torch.isfinite(traj.ledger["residual"]).all())
+
+
+@pytest.mark.parametrize("geometry", ["peri", "ngpt"])
+def test_tiny_weights_give_the_direction_of_unit_weights(dtype, geometry):
+    # weights c·I with c = 1e-310 (subnormal, float64) or 1e-30 (float32): |A|² underflows to 0, A/|A| does not.
+    # Scores ~ 0 make the attention uniform, and Â is scale-invariant: the flow of score 0, value I
+    c = 1e-310 if dtype == torch.float64 else 1e-30
+    I = torch.eye(3, dtype=dtype).unsqueeze(0)
+    x0 = tp.sphere.sample_uniform(6, 3, generator=_gen(4), dtype=dtype)
+    tiny = tp.solve(tp.Model(tp.Heads(score=c * I, value=c * I), geometry=geometry), x0, tp.Euler(), t1=0.3, dt=0.1)
+    unit = tp.solve(tp.Model(tp.Heads(score=0 * I, value=I), geometry=geometry), x0, tp.Euler(), t1=0.3, dt=0.1)
+    assert float((tiny.final - x0).abs().max()) > 1e-2  # it moves
+    # a subnormal float64 keeps 2^-38 of relative precision (1e-310 / 2^-1074): far coarser than eps
+    tol = 1e-9 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(tiny.final, unit.final, rtol=tol, atol=tol)
+
+
+def test_the_normalised_update_is_a_over_its_norm_plus_eps(dtype):
+    from transformer_pde.solvers.layernorm import _unit
+
+    a = torch.randn(4, 5, 3, generator=_gen(5), dtype=dtype)
+    a[0, 0] = 0.0
+    for eps in (0.0, 1e-3):
+        expected = a / (torch.linalg.vector_norm(a, dim=-1, keepdim=True) + eps)
+        if eps == 0.0:
+            expected[0, 0] = 0.0  # the zero update
+        torch.testing.assert_close(_unit(a, eps), expected)

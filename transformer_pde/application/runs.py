@@ -288,6 +288,10 @@ def parse_override(text: str):
     return key, value
 
 
+#: the largest config file read (bytes): the shipped ones are below 4 KiB
+CONFIG_MAX_BYTES = 2**20
+
+
 def _read_config_file(path: Path) -> Dict[str, Any]:
     """The TOML table in ``path``; ValueError (one line, with the fix) for anything that is not one."""
     try:
@@ -301,7 +305,25 @@ def _read_config_file(path: Path) -> Dict[str, Any]:
         raise ValueError(f"config {path} is a directory, not a TOML file; give a file such as "
                          f"experiments/ou_vs_oscillating_quick.toml or a shipped config name")
     try:
-        text = path.read_bytes().decode("utf-8")
+        st = os.stat(path)  # not opened yet: opening a FIFO would block until someone writes into it
+    except OSError as e:
+        raise ValueError(f"config file {path} cannot be read ({e.strerror or e}); check its permissions") from None
+    if not stat.S_ISREG(st.st_mode):
+        what = ("a named pipe (FIFO)" if stat.S_ISFIFO(st.st_mode) else "a device" if
+                stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode)
+                else "not a regular file")
+        raise ValueError(f"config {path} is {what}, not a TOML file; give a regular .toml file (e.g. "
+                         f"experiments/ou_vs_oscillating_quick.toml) or a shipped config name")
+    if st.st_size > CONFIG_MAX_BYTES:
+        raise ValueError(f"config file {path} is {st.st_size} bytes, more than a config can be ({CONFIG_MAX_BYTES} "
+                         f"bytes); give the .toml config itself")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(CONFIG_MAX_BYTES + 1)  # bounded, also when the file grows while it is read
+        if len(raw) > CONFIG_MAX_BYTES:
+            raise ValueError(f"config file {path} is more than {CONFIG_MAX_BYTES} bytes, more than a config can be; "
+                             f"give the .toml config itself")
+        text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise ValueError(f"config file {path} is not a text (UTF-8) TOML file; give a .toml config") from None
     except OSError as e:

@@ -51,6 +51,10 @@ def check_tensor(x, name: str, *, min_dim: int = 0) -> torch.Tensor:
             f"{name} has dtype {x.dtype}; the kernels need float32 or float64 (in half precision e^(β⟨Ax, y⟩) "
             f"overflows for β⟨Ax, y⟩ > 11); convert it with {name}.float() or {name}.double()"
         )
+    if x.device.type == "meta":
+        raise ValueError(f"{name} is on the meta device, which holds shapes but no values: nothing can be computed "
+                         f"from it; create it on a real device (e.g. {name}.to_empty(device='cpu') then fill it, or "
+                         f"build it on 'cpu' or 'cuda')")
     if x.dim() < min_dim:
         raise ValueError(f"{name} must have at least {min_dim} dimensions, got shape {tuple(x.shape)}")
     if not bool(torch.isfinite(x).all()):

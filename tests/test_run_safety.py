@@ -624,6 +624,7 @@ def test_resume_with_a_segment_missing_a_key_recomputes_it_and_names_the_file(tm
     seg = torch.load(f, weights_only=False)
     del seg["ledger"]
     torch.save(seg, f)
+    (run / "status.json").write_text('{"state": "interrupted"}')  # a complete run is not run again on --resume
     rc = _resume(run)
     err = capsys.readouterr().err
     assert rc == 0 and str(f) in err and "'ledger" in err and "computed again" in err and "Traceback" not in err, err

@@ -67,7 +67,7 @@ import torch
 from ..utils import threads
 from ..utils.resources import tomllib
 from ..utils.validation import write_error
-from .studies import estimate_resources, get_study, nonfinite_keys, validate_params
+from .studies import did_you_mean, estimate_resources, get_study, nonfinite_keys, validate_params
 
 __all__ = ["RunDir", "load_config", "parse_override", "execute", "plan", "package_versions", "atomic_write_text",
            "flatten_metrics", "check_run_name", "is_run_dir", "RunLockedError", "Terminated", "MARKER", "LOCK_FILE",
@@ -357,7 +357,8 @@ def load_config(source, overrides: Iterable[str] = ()) -> Dict[str, Any]:
     allowed_top = {"kind", "name", "description", "params"}
     extra = sorted(set(raw) - allowed_top)
     if extra:
-        raise ValueError(f"unknown top-level config key '{extra[0]}'; allowed keys: {', '.join(sorted(allowed_top))}")
+        raise ValueError(f"unknown top-level config key '{extra[0]}'{did_you_mean(extra[0], allowed_top)}; allowed "
+                         f"keys: {', '.join(sorted(allowed_top))} (parameters go under [params])")
     if "kind" not in raw:
         raise ValueError("the config needs a top-level 'kind' naming the experiment (see `transformer-pde list`)")
     kind = raw["kind"]
@@ -670,6 +671,11 @@ def _check_existing(run_path: Path, cfg, *, resume: bool, overwrite: bool, repla
     if not cfg_file.exists():
         return "fresh"  # created, then stopped before its config was written: nothing to lose
     if not resume:
+        if _is_complete(run_path):
+            raise ValueError(f"run directory {run_path} exists and is complete (results in "
+                             f"{run_path / 'metrics.json'} and {run_path / 'figures'}), so --resume has nothing to "
+                             f"continue; pass --overwrite to run it again, or --name NEW to keep it and start another "
+                             f"run")
         raise ValueError(f"run directory {run_path} exists; pass --resume to continue it, --overwrite to start it "
                          f"afresh, or --name NEW to start another run")
     try:
@@ -686,6 +692,16 @@ def _check_existing(run_path: Path, cfg, *, resume: bool, overwrite: bool, repla
     if not check_lock:
         _check_stored(run_path)
     return "resume"
+
+
+def _is_complete(run_path: Path) -> bool:
+    """Whether the run in ``run_path`` finished: status.json says "complete" and metrics.json is a JSON object."""
+    try:
+        status = json.loads((run_path / "status.json").read_text(encoding="utf-8"))
+        metrics = json.loads((run_path / "metrics.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(status, dict) and status.get("state") == "complete" and isinstance(metrics, dict)
 
 
 class _RunLock:
@@ -938,7 +954,8 @@ def execute(source, *, overrides: Iterable[str] = (), out_dir="runs", name: Opti
         one plain folder name, see :func:`check_run_name`).
     resume : bool
         continue an existing run directory (same resolved config); otherwise an
-        existing run is refused.  A resume of a directory that does not exist starts the run.
+        existing run is refused.  A resume of a directory that does not exist starts the run; a resume of
+        a complete run returns it as it is.
     overwrite : bool
         empty an existing *run directory* (one carrying the marker) and start afresh.
     replace_kind : Optional[str]
@@ -970,6 +987,9 @@ def execute(source, *, overrides: Iterable[str] = (), out_dir="runs", name: Opti
                          overwrite=overwrite, replace_kind=replace_kind, max_memory=max_memory, max_steps=max_steps)
     lock, resumed = _open_run_dir(cfg, run_path, resume=resume, overwrite=overwrite, replace_kind=replace_kind)
     try:
+        if resumed and _is_complete(run_path):  # nothing to continue: its results stand (no figure is redrawn)
+            logger.info("%s is already complete: nothing to resume (--overwrite runs it again)", run_path)
+            return run_path
         with _sigterm_as_interrupt():
             return _run_study(cfg, run_path, resumed=resumed, resume=resume, progress=progress,
                               step_callback=step_callback)

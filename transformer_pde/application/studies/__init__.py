@@ -25,7 +25,7 @@ import transformer_pde as tp
 from .. import plotting
 
 __all__ = ["Option", "Study", "study", "get_study", "available", "validate_params", "SEED_MAX", "INT_MAX",
-           "estimate_resources"]
+           "estimate_resources", "did_you_mean"]
 # what the study modules share (named internal API): option checks and options, run set-up, stored pieces, figures
 __internal__ = ["positive", "nonnegative", "at_least", "open_unit", "unique_nonempty", "DTYPE", "DEVICE", "dtype_of",
                 "check_whole_steps", "check_device", "device_of", "weight_process", "step_callback", "cached",
@@ -148,7 +148,8 @@ def get_study(kind) -> Study:
         raise ValueError(f"the experiment kind must be a string naming one of {', '.join(map(repr, sorted(_REGISTRY)))}, "
                          f"got {kind!r} ({type(kind).__name__}); write e.g. kind = \"demo\"")
     if kind not in _REGISTRY:
-        raise ValueError(f"unknown experiment kind {kind!r}; allowed values: {', '.join(map(repr, sorted(_REGISTRY)))}")
+        raise ValueError(f"unknown experiment kind {kind!r}{did_you_mean(kind, _REGISTRY)}; allowed values: "
+                         f"{', '.join(map(repr, sorted(_REGISTRY)))}")
     return _REGISTRY[kind]
 
 
@@ -158,9 +159,18 @@ def validate_params(kind: str, params: Dict[str, Any]) -> Dict[str, Any]:
     unknown = sorted(set(params) - set(st.options))
     if unknown:
         raise ValueError(
-            f"unknown config key '{unknown[0]}' for kind {kind!r}; allowed keys: {', '.join(sorted(st.options))}"
+            f"unknown config key '{unknown[0]}' for kind {kind!r}{did_you_mean(unknown[0], st.options)}; allowed "
+            f"keys: {', '.join(sorted(st.options))}"
         )
     return {key: opt.validate(key, params[key]) if key in params else opt.default for key, opt in st.options.items()}
+
+
+def did_you_mean(word: str, choices) -> str:
+    """" (did you mean 'X'?)" for the closest of ``choices`` to a misspelt ``word`` (difflib), else ""."""
+    import difflib
+
+    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 # ---------------------------------------------------------------------------- option checks and options

@@ -578,10 +578,15 @@ def _analyse(p: Dict, results: Dict, device) -> Dict:
             summary.append(line)
         for H in p["heads"]:
             r = resid[regime][str(H)]
+            one = results[(regime, H)]["paths"] == 1  # a deterministic run: no spread over paths to quote
+
+            def spread(key):
+                return " (one path: no spread)" if one else f" ± {r[key]['final_std']:.2e}"
+
             summary.append(
                 f"  {regime} H={H}: mean 𝒢² = {tavg[regime][str(H)]['mean']:.4g}; residual at T: "
-                f"𝒟-based {r['residual']['final_mean']:.3e} ± {r['residual']['final_std']:.2e}, "
-                f"𝒢²-based {r['residual_slope']['final_mean']:.3e} ± {r['residual_slope']['final_std']:.2e}")
+                f"𝒟-based {r['residual']['final_mean']:.3e}{spread('residual')}, "
+                f"𝒢²-based {r['residual_slope']['final_mean']:.3e}{spread('residual_slope')}")
     metrics = {
         "fit": fits,
         "time_average_slope": tavg,

@@ -482,9 +482,13 @@ def log_ticks(ax, values) -> None:
     a.set_minor_formatter(NullFormatter())
 
 
+_SUPERSCRIPT = str.maketrans("0123456789", "⁰¹²³⁴⁵⁶⁷⁸⁹")
+
+
 def sphere_name(d: int) -> str:
-    """S¹, S² or S^{d-1}."""
-    return {2: "S¹", 3: "S²"}.get(d, f"S^{d - 1}")
+    """The sphere S^{d-1} of R^d as plain text with a superscript digit (S¹, S², S⁷, S¹⁵): right in figures, log lines
+    and captions alike, where TeX markup would be drawn literally."""
+    return "S" + str(int(d) - 1).translate(_SUPERSCRIPT)
 
 
 # ---------------------------------------------------------------------------- resource estimates

@@ -219,17 +219,19 @@ def simulate(
         respect to x0, the head tensors, β, tensor process parameters (OU rate/sigma/mean,
         oscillating sigma) and the token weights when they require grad.
 
-    Stage weights: Runge–Kutta stages see Θ at their own stage times when the process has a
-    closed form (deterministic, scheme="exact"); on grid-sampled paths (noisy, or
-    scheme="euler") they see the linear interpolation between the bracketing grid values,
-    so a stochastic path limits every method to order 1 in dt.
-
     Raises
     ------
     TypeError, ValueError
         for bad input (before any work); NonFiniteError when the run
         produces NaN/inf (with the time, step and quantity, and the fix: for a ledger term that
         outgrew the common scale, the ``energy_log_scale=`` to pass).
+
+    Notes
+    -----
+    Stage weights: Runge–Kutta stages see Θ at their own stage times when the process has a
+    closed form (deterministic, scheme="exact"); on grid-sampled paths (noisy, or
+    scheme="euler") they see the linear interpolation between the bracketing grid values,
+    so a stochastic path limits every method to order 1 in dt.
 
     Examples
     --------

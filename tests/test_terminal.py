@@ -161,3 +161,16 @@ def test_a_segment_without_a_visible_bar_logs_a_heartbeat(tmp_path, monkeypatch,
     end = text.index(next(t for t in text if t.startswith("[ou_H2] done")))
     beats = [t for t in text[start:end] if t.startswith("[ou_H2] step ")]
     assert [int(re.match(r"\[ou_H2\] step (\d+)/5 ", t).group(1)) for t in beats] == [1, 2, 3, 4, 5]
+
+
+def test_a_one_path_segment_prints_no_spread(tmp_path):
+    # the oscillating weights are deterministic: one path, so its residual has no spread to quote ("± 0.00e+00")
+    cfg = {"kind": "ou_vs_oscillating", "name": "one", "params": {
+        "regimes": ["oscillating", "ou"], "heads": [1, 2], "n": 8, "t1": 0.1, "dt": 0.02, "t_avg": 0.04,
+        "paths": 2, "record_every": 1, "figures": False, "workers": 1, "bootstrap": 0}}
+    path = runs.execute(cfg, out_dir=tmp_path, progress=False)
+    summary = runs.RunDir(path).read_json("metrics.json")["summary"]
+    osc = [s for s in summary if s.strip().startswith("oscillating H=")]
+    ou = [s for s in summary if s.strip().startswith("ou H=")]
+    assert len(osc) == 2 and all("one path: no spread" in s and "±" not in s for s in osc), summary
+    assert len(ou) == 2 and all(s.count("±") == 2 for s in ou), summary

@@ -97,7 +97,8 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("kind", sorted(CASES))
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=[pytest.mark.slow] if k != "layer_norm_rates" else [])
+                                  for k in sorted(CASES)])  # the paper's and the demo's figures take 10-40 s
 def test_no_figure_text_overlaps_or_shows_raw_tex(tmp_path, figures, kind):
     runs.execute({"kind": kind, "name": "r", "params": CASES[kind]}, out_dir=tmp_path, progress=False)
     assert figures, "no figure was drawn"

@@ -135,7 +135,8 @@ _POWER = re.compile(r"(?<![\w\\`])([A-Za-z]\w*)\^\{([^{}|*`]+)\}")
 
 
 def _math_power(m) -> str:
-    return f":math:`{m.group(1)}^{{{m.group(2).replace('−', '-')}}}`"
+    # "\ " on both sides: an escaped, invisible space, so that the role may touch the text around it ("e^{λβ}(λβ − 1)")
+    return f"\\ :math:`{m.group(1)}^{{{m.group(2).replace('−', '-')}}}`\\ "
 
 
 def _escape_plain(segment: str) -> str:

@@ -98,7 +98,7 @@ def _conf_module():
 def test_built_simulate_page_and_index(tmp_path):
     pytest.importorskip("sphinx")
     out = tmp_path / "html"
-    r = subprocess.run([sys.executable, "-m", "sphinx", "-b", "html", "-q", "-D", "sphinx_gallery_conf.plot_gallery=0",
+    r = subprocess.run([sys.executable, "-m", "sphinx", "-b", "html", "-q", "-D", "plot_gallery=0",
                         str(ROOT / "docs"), str(out)], capture_output=True, text=True, timeout=1500, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     page = (out / "api" / "generated" / "transformer_pde.simulate.html").read_text()

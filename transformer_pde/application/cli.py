@@ -165,7 +165,9 @@ def _print_metrics(path: Path, header: Optional[str] = None) -> None:
     wall = metrics.get("wall_time_s")
     if isinstance(wall, (int, float)):
         print(f"  wall time {wall:.1f} s")
-    print(f"  every number: {path / 'metrics.json'}; figures: {path / 'figures'}")
+    figures = path / "figures"
+    drawn = figures.is_dir() and any(figures.iterdir())
+    print(f"  every number: {path / 'metrics.json'}" + (f"; figures: {figures}" if drawn else ""))
 
 
 def _config_source(text: str, find_config) -> Path:

@@ -173,8 +173,13 @@ def first_sentence(doc: str) -> str:
 
 
 def _summary(value, name: str = "") -> str:
+    """The API index's line for ``value``: its first sentence, reStructuredText-safe, TeX powers as math."""
+    import re
+
     doc = inspect.getdoc(value) if (inspect.isclass(value) or callable(value)) else _data_comment(name)
-    return first_sentence(doc).replace("|", "\\|").replace("*", "\\*")
+    text = first_sentence(doc).replace("|", "\\|").replace("*", "\\*")
+    return re.sub(r"(?<![\w\\`])([A-Za-z]\w*)\^\{([^{}|*`]+)\}",
+                  lambda m: f"\\ :math:`{m.group(1)}^{{{m.group(2).replace('−', '-')}}}`\\ ", text)
 
 
 #: the names the API index lists first: the entry points a reader looks for, then the rest in ``__all__`` order

@@ -69,6 +69,7 @@ def test_index_summaries_are_whole_sentences_and_the_entry_points_come_first():
             assert summary.rstrip().endswith((".", ":", ")", "]")) or summary == " ".join(doc.split("\n\n")[0].split()), \
                 (name, summary)
     assert "layer_norm" in apigen._summary(tp.LAYER_NORMS, "LAYER_NORMS")
+    assert ":math:`S^{d-1}`" in apigen._summary(tp.simulate, "simulate")  # not the raw "S^{d-1}"
 
 
 def test_first_sentence():

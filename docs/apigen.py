@@ -206,7 +206,7 @@ def index_page() -> str:
         lines.append(f"   * - :doc:`tp.{name} <generated/{PACKAGE}.{name}>`\n     - {_summary(getattr(pkg, name), name)}")
     lines.append("")
     lines.append(".. toctree::\n   :hidden:\n")
-    lines += [f"   generated/{PACKAGE}.{name}" for name in objects]
+    lines += [f"   generated/{PACKAGE}.{name}" for name in index_order(objects)]  # the sidebar in the same order
     lines.append("")
     lines.append(_title("Modules", "-"))
     lines.append("Sub-modules re-exported as ``tp.<name>``: "

@@ -1,4 +1,4 @@
-"""The `transformer-pde` command's interface (issue 14): help, version, output streams, logging, threads,
+"""The `transformer-pde` command's interface: help, version, output streams, logging, threads,
 several configs in one call, configs by name, `list` errors before output."""
 
 from __future__ import annotations

@@ -6,7 +6,7 @@
   ``simuxform.py: SimuXForm.step``), equal to rounding after many steps, batched, multi-head, causal;
 * the continuous-time limits: post-LN and the projected flow differ at O(Δt) (fitted order ≈ 1),
   every scheme converges to its ODE limit (solved here by torchdiffeq) at order 1;
-* the ledger along the scheme's velocity closes at order 1; "none" is today's flow.
+* the ledger along the scheme's velocity closes at order 1; "none" is the projected flow.
 """
 
 import math
@@ -28,7 +28,7 @@ def _gen(s):
 def _tol(dtype, steps):
     """Rounding of `steps` layer maps: ~ steps · eps of the dtype, with a margin for the growth of errors."""
     eps = torch.finfo(dtype).eps
-    return dict(rtol=0.0, atol=200 * steps * eps)
+    return dict(rtol=200 * steps * eps, atol=200 * steps * eps)
 
 
 def _slope(dts, errs):
@@ -145,7 +145,7 @@ def test_simuformer_modes_reproduced(dtype, norm, causal):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_simuformer_causal_unnormalized_is_prefix_sum(dtype):
     """simuformer's causal e^s attention sums over the prefix with unit weights: causal='sum', V·n;
-    today's prefix mean (causal=True) is another flow."""
+    the prefix mean (causal=True) is another flow."""
     X, BF, V = _peer_problem(dtype)
     n = X.shape[-2]
     beta, eta, steps = 0.5, 0.02, 20
@@ -179,7 +179,7 @@ def test_residual_pre_and_peri_ln_are_the_residual_stream():
         torch.testing.assert_close(traj.extras["radius"][-1], z.norm(dim=-1), **_tol(F64, steps))
 
 
-def test_none_is_todays_flow():
+def test_none_is_the_projected_flow():
     X, BF, V = _peer_problem(F64, H=2)
     heads = tp.Heads(BF, V, beta=1.0)
     kw = dict(t1=0.5, dt=0.05, method="heun")
@@ -240,7 +240,7 @@ def test_each_scheme_converges_to_its_limit_at_order_one(kind):
 
 
 def test_post_ln_and_projected_flow_differ_at_order_one():
-    """Same ODE limit, different maps: |x_post(T) − x_none(T)| ~ C Δt (the issue measured 0.91–0.99)."""
+    """Same ODE limit, different maps: |x_post(T) − x_none(T)| ~ C Δt (measured 0.91–0.99)."""
     X, BF, V = _peer_problem(F64, batch=2, n=6, H=2, seed=1)
     heads = tp.Heads(BF, V, beta=1.0)
     dts, errs = [0.04, 0.02, 0.01, 0.005], []

@@ -150,8 +150,9 @@ def _readme_blocks(after: str, count: int):
 def test_the_readme_quick_start_runs_as_written():
     # the quick start and the composable-core block after it, executed as a reader would paste them
     scope: dict = {}
-    for i, block in enumerate(_readme_blocks("## Quick start", 2)):
-        exec(compile(block, f"README.md[quick start {i}]", "exec"), scope)
+    with transformer_pde.thread_policy(None):  # the block sets the process's thread policy: restored on exit
+        for i, block in enumerate(_readme_blocks("## Quick start", 2)):
+            exec(compile(block, f"README.md[quick start {i}]", "exec"), scope)
     assert tuple(scope["traj"].x.shape[1:]) == (4, 60, 3)
     assert tuple(scope["jko"].x.shape[:2]) == (5, 4)  # t = 0, 0.05, ..., 0.2 for 4 paths
 

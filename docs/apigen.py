@@ -147,10 +147,49 @@ def object_page(name: str) -> str:
     return _title(f"tp.{name}") + f"\n.. currentmodule:: {PACKAGE}\n\n.. {kind}:: {name}\n{opts}"
 
 
-def _summary(value) -> str:
-    doc = inspect.getdoc(value) if (inspect.isclass(value) or callable(value)) else None
-    line = (doc or "").strip().split("\n")[0]
-    return line.replace("|", "\\|").replace("*", "\\*")
+def _data_comment(name: str) -> str:
+    """The ``#:`` comment above ``name = ...`` in the public module that defines it (what autodoc shows for data)."""
+    import re
+
+    pattern = re.compile(rf"((?:^[ \t]*#:.*\n)+)^{re.escape(name)}\s*[:=]", re.M)
+    for modname in public_modules():
+        try:
+            m = pattern.search(inspect.getsource(importlib.import_module(modname)))
+        except (OSError, TypeError):
+            continue
+        if m:
+            return " ".join(ln.strip()[2:].strip() for ln in m.group(1).splitlines())
+    return ""
+
+
+def first_sentence(doc: str) -> str:
+    """The first sentence of a docstring's first paragraph (the lines joined; cut after the first ". " or at the
+    end of the paragraph), never a line cut mid-sentence."""
+    para = " ".join((doc or "").strip().split("\n\n")[0].split())
+    for k in range(len(para) - 1):
+        if para[k] == "." and para[k + 1] == " " and not para[max(0, k - 3):k + 1].endswith(("e.g.", "i.e.", "etc.")):
+            return para[:k + 1]
+    return para
+
+
+def _summary(value, name: str = "") -> str:
+    """The API index's line for ``value``: its first sentence, reStructuredText-safe, TeX powers as math."""
+    import re
+
+    doc = inspect.getdoc(value) if (inspect.isclass(value) or callable(value)) else _data_comment(name)
+    text = first_sentence(doc).replace("|", "\\|").replace("*", "\\*")
+    return re.sub(r"(?<![\w\\`])([A-Za-z]\w*)\^\{([^{}|*`]+)\}",
+                  lambda m: f"\\ :math:`{m.group(1)}^{{{m.group(2).replace('−', '-')}}}`\\ ", text)
+
+
+#: the names the API index lists first: the entry points a reader looks for, then the rest in ``__all__`` order
+FIRST = ("simulate", "solve", "Model", "jko", "Trajectory", "Heads", "OrnsteinUhlenbeck", "Oscillating", "Layerwise")
+
+
+def index_order(objects: list[str]) -> list[str]:
+    """``objects`` with the entry points of :data:`FIRST` first."""
+    first = [n for n in FIRST if n in objects]
+    return first + [n for n in objects if n not in first]
 
 
 def index_page() -> str:
@@ -163,11 +202,11 @@ def index_page() -> str:
              "documenting its ``__all__``.  Conventions and formulas: :doc:`/model`.\n",
              _title("Top level: ``import transformer_pde as tp``", "-"),
              ".. list-table::\n   :widths: 30 70\n"]
-    for name in objects:
-        lines.append(f"   * - :doc:`tp.{name} <generated/{PACKAGE}.{name}>`\n     - {_summary(getattr(pkg, name))}")
+    for name in index_order(objects):
+        lines.append(f"   * - :doc:`tp.{name} <generated/{PACKAGE}.{name}>`\n     - {_summary(getattr(pkg, name), name)}")
     lines.append("")
     lines.append(".. toctree::\n   :hidden:\n")
-    lines += [f"   generated/{PACKAGE}.{name}" for name in objects]
+    lines += [f"   generated/{PACKAGE}.{name}" for name in index_order(objects)]  # the sidebar in the same order
     lines.append("")
     lines.append(_title("Modules", "-"))
     lines.append("Sub-modules re-exported as ``tp.<name>``: "

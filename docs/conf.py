@@ -70,6 +70,9 @@ autodoc_inherit_docstrings = False
 napoleon_google_docstring = False
 napoleon_numpy_docstring = True
 napoleon_use_rtype = False
+# one field list per section: "t1, dt, t0 : ..." stays one entry with its sentence once (with
+# napoleon_use_param = True it becomes three :param: fields repeating the same sentence)
+napoleon_use_param = False
 napoleon_use_ivar = True
 add_module_names = False
 python_use_unqualified_type_names = True
@@ -127,16 +130,26 @@ _LITERAL = re.compile(r"(``.+?``|:[\w:]+:`[^`]+`|`[^`]+`_?|\$[^$]+\$)")
 _EMPHASIS = re.compile(r"(?<![\w*\\])(\*\*?)(?=\S)([^*]*?\S)\1(?![\w*])")
 
 
+# a power written in TeX in a plain docstring (S^{d-1}, e^{−c}, N^{-1/2}): rendered as math, like the narrative pages
+_POWER = re.compile(r"(?<![\w\\`])([A-Za-z]\w*)\^\{([^{}|*`]+)\}")
+
+
+def _math_power(m) -> str:
+    # "\ " on both sides: an escaped, invisible space, so that the role may touch the text around it ("e^{λβ}(λβ − 1)")
+    return f"\\ :math:`{m.group(1)}^{{{m.group(2).replace('−', '-')}}}`\\ "
+
+
 def _escape_plain(segment: str) -> str:
     bullet = re.match(r"^\s*[*+-] ", segment)  # a list item's marker stays a marker
     lead, segment = (segment[:bullet.end()], segment[bullet.end():]) if bullet else ("", segment)
-    segment = re.sub(r"(?<!\\)\|", r"\\|", segment)
     kept = {}
 
-    def keep(m):
-        kept[len(kept)] = m.group(0)
+    def keep(m, text=None):
+        kept[len(kept)] = m.group(0) if text is None else text
         return f"\0{len(kept) - 1}\0"
 
+    segment = _POWER.sub(lambda m: keep(m, _math_power(m)), segment)
+    segment = re.sub(r"(?<!\\)\|", r"\\|", segment)
     segment = _EMPHASIS.sub(keep, segment)
     segment = re.sub(r"(?<!\\)\*", r"\\*", segment)
     return lead + re.sub(r"\0(\d+)\0", lambda m: kept[int(m.group(1))], segment)

@@ -1,4 +1,4 @@
-"""The `transformer-pde` command's interface (issue 14): help, version, output streams, logging, threads,
+"""The `transformer-pde` command's interface: help, version, output streams, logging, threads,
 several configs in one call, configs by name, `list` errors before output."""
 
 from __future__ import annotations
@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 
 import torch
 
@@ -190,3 +191,65 @@ def test_an_error_during_a_run_is_exit_1_and_a_refusal_before_it_is_exit_2(monke
     assert json.loads((tmp_path / "c" / "status.json").read_text())["state"] == "interrupted"
     assert cli_main(["run", str(tmp_path / "c.toml"), "--out", str(tmp_path / "o"), "-o", "n=0"]) == 2
     assert not (tmp_path / "o").exists()
+
+
+# ---------------------------------------------------------------------------- what a newcomer reads
+def test_a_misspelt_key_kind_or_config_name_gets_a_suggestion(tmp_path, capsys):
+    for argv, hint in ((["run", "ou_vs_oscillating_quick", "-o", "head=[1]"], "did you mean 'heads'?"),
+                       (["run", "ou_vs_oscilating_quick"], "did you mean 'ou_vs_oscillating_quick'?"),
+                       (["list", "dem"], "did you mean 'demo'?")):
+        assert cli_main([*argv, *(["--out", str(tmp_path)] if argv[0] == "run" else [])]) == 2
+        assert hint in capsys.readouterr().err, argv
+    assert not any(tmp_path.iterdir())
+
+
+def test_run_and_demo_print_results_alike_and_rounded(monkeypatch, tmp_path, capsys):
+    def study(params, run):
+        return {"x": 0.7676645583315466, "n": params["n"]}
+
+    _register(monkeypatch, "_t_print", study)
+    (tmp_path / "c.toml").write_text('kind = "_t_print"\n')
+    assert cli_main(["run", str(tmp_path / "c.toml"), "--out", str(tmp_path), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "x = 0.7677" in out and "0.76766455" not in out and "n = 3" in out and "{" not in out
+    assert cli_main(["demo", "-o", "t1=0.1", "-o", "dt=0.05", "-o", "n=8", "--out", str(tmp_path),
+                     "--no-progress", "-q"]) == 0
+    out = capsys.readouterr().out
+    assert "demo written to" in out and "{" not in out and "energy_final_mean = " in out
+    value = out.split("energy_final_mean = ")[1].split()[0]
+    assert len(value.replace("-", "").replace(".", "").lstrip("0")) <= 4  # 4 significant digits
+
+
+def test_list_aligns_every_name_and_shows_the_last_run_time(tmp_path, capsys):
+    from transformer_pde.utils.resources import config_names
+
+    done = tmp_path / "ou_vs_oscillating_quick"
+    done.mkdir()
+    (done / "status.json").write_text('{"state": "complete", "wall_time_s": 26.4}')
+    assert cli_main(["list", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    head = out.index(next(r for r in out if r.startswith("shipped configs")))
+    rows = [r for r in out[head + 1:] if r.strip().split(" ")[0] in config_names()]
+    assert len(rows) == len(config_names())
+    starts = {r.rindex(re.split(r"\s{2,}", r.strip())[-1]) for r in rows}  # where the descriptions start
+    assert len(starts) == 1, rows
+    assert any(r.strip().startswith("ou_vs_oscillating_quick") and "last run 26 s" in r for r in rows)
+    kinds = out[1:head]
+    assert len({len(r) - len(r[2:].split(" ", 1)[1].lstrip()) for r in kinds}) == 1, kinds
+
+
+def test_a_complete_run_is_not_run_again_on_resume_and_a_rerun_says_it_is_complete(monkeypatch, tmp_path, capsys):
+    calls = []
+
+    def study(params, run):
+        calls.append(1)
+        return {"n": params["n"]}
+
+    _register(monkeypatch, "_t_done", study)
+    (tmp_path / "c.toml").write_text('kind = "_t_done"\n')
+    argv = ["run", str(tmp_path / "c.toml"), "--out", str(tmp_path), "--no-progress"]
+    assert cli_main(argv) == 0 and calls == [1]
+    assert cli_main(argv) == 2
+    assert "is complete" in capsys.readouterr().err
+    assert cli_main([*argv, "--resume"]) == 0 and calls == [1]
+    assert "already complete" in capsys.readouterr().err

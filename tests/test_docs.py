@@ -139,3 +139,29 @@ def test_docs_build_from_clean_tree():
     for name in examples:  # one figure each
         assert (html / "_images" / f"sphx_glr_{name}_001.png").exists(), name
         assert not (html / "_images" / f"sphx_glr_{name}_002.png").exists(), f"{name} makes more than one figure"
+
+
+def _readme_blocks(after: str, count: int):
+    text = (ROOT / "README.md").read_text()
+    tail = text[text.index(after):]
+    return re.findall(r"```python\n(.*?)```", tail, re.S)[:count]
+
+
+def test_the_readme_quick_start_runs_as_written():
+    # the quick start and the composable-core block after it, executed as a reader would paste them
+    scope: dict = {}
+    with transformer_pde.thread_policy(None):  # the block sets the process's thread policy: restored on exit
+        for i, block in enumerate(_readme_blocks("## Quick start", 2)):
+            exec(compile(block, f"README.md[quick start {i}]", "exec"), scope)
+    assert tuple(scope["traj"].x.shape[1:]) == (4, 60, 3)
+    assert tuple(scope["jko"].x.shape[:2]) == (5, 4)  # t = 0, 0.05, ..., 0.2 for 4 paths
+
+
+def test_the_readme_says_how_to_install_the_cpu_build_on_each_platform():
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("### Installing PyTorch"):text.index("**Documentation:**")]
+    rows = {r.split("|")[1].strip(): r for r in section.splitlines() if r.startswith("| ") and "---" not in r}
+    assert "--index-url https://download.pytorch.org/whl/cpu" in rows["Linux"].split("|")[2]
+    for platform in ("macOS", "Windows"):
+        assert "pip install torch`" in rows[platform].split("|")[2]
+    assert "torch==" not in text  # no pin that a CPU-only user would follow into the CUDA build

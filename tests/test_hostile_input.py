@@ -1,7 +1,7 @@
-"""Hostile input to the solver entry points (issue 21): no silent wrong result, no raw traceback, no
+"""Hostile input to the solver entry points: no silent wrong result, no raw traceback, no
 allocation before the checks.
 
-Each test reproduces one failure of the issue on the code before it (the comment says what it did).
+Each test names a hostile input and what the entry point must do with it.
 """
 
 import math
@@ -369,3 +369,60 @@ def _scaled_drift_at(t, A, k=1.0):
 
 def _global_rate_drift(t, A):
     return -_RATE * A
+
+
+# ---------------------------------------------------------------------------- configs that are not files, and sizes
+_CLI = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (4 * 2**30, 4 * 2**30))  # an unbounded read fails fast instead of swapping
+from transformer_pde.application.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _cli(args, cwd, timeout=60):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-c", _CLI, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
+def test_a_fifo_or_a_device_as_config_is_refused_at_once(tmp_path):
+    os.mkfifo(tmp_path / "p.toml")  # opening it would wait for a writer for ever
+    for config, what in (("p.toml", "named pipe"), ("/dev/zero", "device")):
+        r = _cli(["run", config, "--out", str(tmp_path / "out")], tmp_path)
+        assert r.returncode == 2 and what in r.stderr and "MemoryError" not in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_config_file_larger_than_any_config_is_refused(tmp_path, capsys):
+    from transformer_pde.application import runs
+    from transformer_pde.application.cli import main
+
+    big = tmp_path / "big.toml"
+    big.write_text('kind = "demo"\n' + "# padding\n" * (runs.CONFIG_MAX_BYTES // 10 + 1))
+    assert main(["run", str(big), "--out", str(tmp_path / "out")]) == 2
+    assert "bytes" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_tokens_on_the_meta_device_are_refused_naming_the_device(dtype):
+    x0 = torch.empty(5, 3, device="meta", dtype=dtype)
+    heads = tp.Heads.random(2, 3, generator=gen(0), dtype=dtype)
+    with pytest.raises(ValueError, match="meta device"):
+        tp.simulate(x0, heads, t1=0.1, dt=0.05)
+    with pytest.raises(ValueError, match="meta device"):
+        tp.solve(tp.Model(heads), x0, tp.Euler(), t1=0.1, dt=0.05)
+
+
+def test_mode_growth_rates_refuses_a_huge_ell_max_before_allocating():
+    with pytest.raises(ValueError, match="ell_max = 1000000000 would allocate"):
+        tp.theory.mode_growth_rates(1.0, 3, T=0.1, ell_max=10**9)
+    # the largest accepted one still gives r_ℓ = ℓ(ℓ+1)(c_ℓ − T) with c_ℓ ≈ 0 far out
+    r = tp.theory.mode_growth_rates(1.0, 3, T=0.1, ell_max=10**6)
+    ell = 10**6
+    assert_close(r[-1], torch.tensor(-0.1 * ell * (ell + 1), dtype=torch.float64), rtol=1e-12, atol=0.0)

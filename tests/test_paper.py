@@ -172,6 +172,7 @@ def test_segment_lines_go_through_logging(tmp_path, caplog):
     assert any(m.startswith("[ou_H1] done in") for m in msgs), msgs
     assert all(r.levelno == logging.INFO for r in caplog.records if r.name == "transformer_pde.application.studies.paper")
     caplog.clear()
+    (tmp_path / "tiny" / "status.json").write_text('{"state": "interrupted"}')  # a complete run is not re-entered
     execute(cfg, out_dir=tmp_path, progress=False, resume=True)
     msgs = [r.getMessage() for r in caplog.records if r.name == "transformer_pde.application.studies.paper"]
     assert "[ou_H1] segment 2/2 already complete, skipped" in msgs, msgs
@@ -368,6 +369,7 @@ def test_corrupt_and_foreign_checkpoints_are_refused(tmp_path, capsys):
     with pytest.raises(ValueError, match="corrupted or unreadable"):
         execute(cfg, out_dir=tmp_path, progress=False, resume=True)
     torch.save({"kind": "transformer_pde.ou_vs_oscillating.segment", "fingerprint": "0" * 16}, seg)
+    (tmp_path / "tiny" / "status.json").write_text('{"state": "interrupted"}')  # a complete run is not re-entered
     with pytest.raises(ValueError, match="different configuration"):
         execute(cfg, out_dir=tmp_path, progress=False, resume=True)
 

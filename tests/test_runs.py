@@ -197,7 +197,9 @@ def test_cli_prints_summary_and_scalars(monkeypatch, tmp_path, capsys):
     toml.write_text('kind = "_t_ok"\nname = "cli"\n')
     assert cli_main(["run", str(toml), "--out", str(tmp_path), "-o", "n=7", "--no-progress"]) == 0
     out = capsys.readouterr().out
-    assert "line one" in out and "line two" in out and "n = 7" in out and "wall_time_s" in out
+    # the study's summary, the wall time and where every number is; the numbers are not repeated after the summary
+    assert "line one" in out and "line two" in out and "wall time" in out and "metrics.json" in out
+    assert "n = 7" not in out
     assert cli_main(["run", str(toml), "--out", str(tmp_path), "-o", "mode=z"]) == 2
     err = capsys.readouterr().err
     assert "'mode'" in err and "'a', 'b'" in err
@@ -239,7 +241,9 @@ def test_cli_reports_nonfinite_runs(monkeypatch, tmp_path, capsys):
 def test_cli_list_shows_the_paper_study(capsys):
     assert cli_main(["list", "ou_vs_oscillating"]) == 0
     out = capsys.readouterr().out
-    assert "ou_vs_oscillating" in out and "ou_vs_oscillating_quick.toml" in out
+    from transformer_pde.utils.resources import config_dir
+
+    assert "ou_vs_oscillating" in out and "  ou_vs_oscillating_quick " in out and str(config_dir()) in out
     for key in ("regimes", "heads", "phase", "direction", "scheme", "paths", "t_avg"):
         assert key in out, key
 

@@ -10,6 +10,7 @@ resumable with ``--resume``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -46,11 +47,21 @@ _LOG = "transformer_pde"
 
 
 class _StderrHandler(logging.StreamHandler):
-    """Writes to whatever ``sys.stderr`` is at the time of the record (tests swap it)."""
+    """Writes to whatever ``sys.stderr`` is at the time of the record (tests swap it); while progress bars are
+    drawn, through ``tqdm.write``, which clears the bars, writes the line on a line of its own and draws them again
+    (a plain write would land inside a bar's line)."""
 
     def emit(self, record):
         self.stream = sys.stderr
-        super().emit(record)
+        bars = sys.modules.get("tqdm")
+        if bars is None or not any(not getattr(b, "disable", True) for b in list(getattr(bars.tqdm, "_instances", ()))):
+            super().emit(record)
+            return
+        try:
+            bars.tqdm.write(self.format(record), file=self.stream)
+            self.flush()
+        except Exception:  # pragma: no cover - logging never raises
+            self.handleError(record)
 
 
 def max_threads() -> int:
@@ -134,14 +145,29 @@ def _resume_command(args, config: str, name: Optional[str]) -> str:
     return " ".join(shlex.quote(p) for p in parts)
 
 
-def _print_metrics(path: Path) -> None:
+def _fmt(v) -> str:
+    """A metric for the terminal: floats to 4 significant digits (metrics.json keeps every digit)."""
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def _print_metrics(path: Path, header: Optional[str] = None) -> None:
+    """The results of a run on stdout, the same for `run` and `demo`: its summary lines when the study writes
+    some (else its top-level numbers, rounded), the wall time, and where every number is."""
     metrics = json.loads((path / "metrics.json").read_text())
-    print(f"run directory: {path}")
-    for line in metrics.get("summary", []):
+    print(header or f"run directory: {path}")
+    summary = metrics.get("summary") or []
+    for line in summary:
         print(f"  {line}")
-    for k, v in metrics.items():
-        if isinstance(v, (int, float, str)) and not isinstance(v, bool):
-            print(f"  {k} = {v}")
+    if not summary:
+        for k, v in metrics.items():
+            if isinstance(v, (int, float, str)) and not isinstance(v, bool) and k != "wall_time_s":
+                print(f"  {k} = {_fmt(v)}")
+    wall = metrics.get("wall_time_s")
+    if isinstance(wall, (int, float)):
+        print(f"  wall time {wall:.1f} s")
+    figures = path / "figures"
+    drawn = figures.is_dir() and any(figures.iterdir())
+    print(f"  every number: {path / 'metrics.json'}" + (f"; figures: {figures}" if drawn else ""))
 
 
 def _config_source(text: str, find_config) -> Path:
@@ -223,7 +249,7 @@ def _cmd_run(args) -> int:
 
 
 def _shipped_configs():
-    """[(name, path, kind)] of the shipped configs ([] when none are found)."""
+    """[(name, path, kind, description)] of the shipped configs ([] when none are found)."""
     from ..utils.resources import config_dir, config_names, load_toml
 
     try:
@@ -236,11 +262,24 @@ def _shipped_configs():
     for n in names:
         path = cdir / f"{n}.toml"
         try:
-            kind = load_toml(path).get("kind", "?")
+            raw = load_toml(path)
+            kind, desc = raw.get("kind", "?"), str(raw.get("description", ""))
         except Exception:  # a broken shipped file is listed, not fatal for `list`
-            kind = "?"
-        out.append((n, path, kind))
+            kind, desc = "?", "(unreadable)"
+        out.append((n, path, kind, desc))
     return out
+
+
+def _last_run(run_path: Path) -> str:
+    """"last run 26 s" when ``run_path`` holds a finished run (its status.json), else ""."""
+    try:
+        status = json.loads((run_path / "status.json").read_text(encoding="utf-8"))
+        wall = float(status["wall_time_s"]) if status.get("state") == "complete" else None
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        wall = None
+    if wall is None:
+        return ""
+    return f"last run {wall:.0f} s" if wall < 120 else f"last run {wall / 60:.1f} min"
 
 
 def _cmd_list(args) -> int:
@@ -250,18 +289,27 @@ def _cmd_list(args) -> int:
     configs = _shipped_configs()
     if st_one is not None:
         print(f"parameters of {args.kind} ({st_one.description}):")
+        w = max(len(k) for k in st_one.options) + 2
         for key, opt in st_one.options.items():
             ch = f" choices={list(opt.choices)}" if opt.choices else ""
-            print(f"  {key:20s} default={opt.default!r}{ch}  {opt.help}")
+            print(f"  {key:{w}s} default={opt.default!r}{ch}  {opt.help}")
         configs = [c for c in configs if c[2] == args.kind]
     else:
         print("experiment kinds:")
-        for kind, st in available().items():
-            print(f"  {kind:28s} {st.description}")
+        kinds = available()
+        w = max(map(len, kinds)) + 2
+        for kind, st in kinds.items():
+            print(f"  {kind:{w}s} {st.description}")
+    configs = [(n, p, d) for n, p, _, d in configs]
     if configs:
-        print(f"shipped configs{f' of kind {args.kind}' if st_one else ''} (transformer-pde run NAME):")
-        for n, p, _ in configs:
-            print(f"  {n:28s} {p}")
+        last = {n: _last_run(Path(args.out) / n) for n, _, _ in configs}
+        print(f"shipped configs{f' of kind {args.kind}' if st_one else ''} (transformer-pde run NAME), in "
+              f"{configs[0][1].parent}/" + (f"; last run: the wall time of the finished run in {args.out}/"
+                                            if any(last.values()) else ""))
+        w = max(len(n) for n, _, _ in configs) + 2
+        wl = max(map(len, last.values())) + 2 if any(last.values()) else 0
+        for n, _, desc in configs:
+            print(f"  {n:{w}s} {last[n]:{wl}s}{desc}".rstrip())
     if st_one is None:
         print("`transformer-pde list KIND` shows the parameters of a kind.")
     return 0
@@ -277,8 +325,7 @@ def _cmd_demo(args) -> int:
     except KeyboardInterrupt as e:
         print("\ntransformer-pde: demo interrupted; run `transformer-pde demo` again", file=sys.stderr)
         return 128 + e.signum if isinstance(e, Terminated) else 130
-    print(f"demo written to {path}")
-    print(json.dumps(json.loads((path / "metrics.json").read_text()), indent=2))
+    _print_metrics(path, header=f"demo written to {path}")
     return 0
 
 
@@ -343,6 +390,8 @@ def build_parser() -> argparse.ArgumentParser:
     ls = sub.add_parser("list", parents=[common], help="list experiment kinds and shipped configs",
                         description="List the experiment kinds and the shipped configs, or the parameters of a kind.")
     ls.add_argument("kind", nargs="?", metavar="KIND", help="show the parameters of this kind (default, choices, help)")
+    ls.add_argument("--out", default="runs", metavar="DIR",
+                    help="where to look for finished runs of the shipped configs (their wall time; default: runs)")
     ls.set_defaults(fn=_cmd_list)
 
     d = sub.add_parser("demo", parents=[common], help="a small run (seconds) that writes runs/demo",
@@ -372,6 +421,10 @@ def main(argv=None) -> int:
     except FloatingPointError as e:  # NonFiniteError: the run blew up (time, step and quantity in the message)
         print(f"transformer-pde: the run produced NaN/inf: {e}", file=sys.stderr)
         return 3
+    except BrokenPipeError:  # stdout closed early (`transformer-pde list | head`): not an error of the command
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except ImportError as e:  # an optional dependency a command needs (e.g. dask for sweep --scheduler)
         print(f"transformer-pde: error: {e}", file=sys.stderr)
         return 2

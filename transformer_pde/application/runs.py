@@ -50,6 +50,7 @@ import os
 import logging
 import math
 import platform
+import re
 import secrets
 import shlex
 import shutil
@@ -65,7 +66,8 @@ import torch
 
 from ..utils import threads
 from ..utils.resources import tomllib
-from .studies import estimate_resources, get_study, nonfinite_keys, validate_params
+from ..utils.validation import write_error
+from .studies import did_you_mean, estimate_resources, get_study, nonfinite_keys, validate_params
 
 __all__ = ["RunDir", "load_config", "parse_override", "execute", "plan", "package_versions", "atomic_write_text",
            "flatten_metrics", "check_run_name", "is_run_dir", "RunLockedError", "Terminated", "MARKER", "LOCK_FILE",
@@ -115,9 +117,12 @@ def _atomic_file(path, mode: str = "wb"):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        err = write_error(path, e)  # a full disk: say so and how to go on, not torch's "[enforce fail at ...]"
+        if err is not None:
+            raise err from e
         raise
 
 
@@ -283,6 +288,10 @@ def parse_override(text: str):
     return key, value
 
 
+#: the largest config file read (bytes): the shipped ones are below 4 KiB
+CONFIG_MAX_BYTES = 2**20
+
+
 def _read_config_file(path: Path) -> Dict[str, Any]:
     """The TOML table in ``path``; ValueError (one line, with the fix) for anything that is not one."""
     try:
@@ -296,7 +305,25 @@ def _read_config_file(path: Path) -> Dict[str, Any]:
         raise ValueError(f"config {path} is a directory, not a TOML file; give a file such as "
                          f"experiments/ou_vs_oscillating_quick.toml or a shipped config name")
     try:
-        text = path.read_bytes().decode("utf-8")
+        st = os.stat(path)  # not opened yet: opening a FIFO would block until someone writes into it
+    except OSError as e:
+        raise ValueError(f"config file {path} cannot be read ({e.strerror or e}); check its permissions") from None
+    if not stat.S_ISREG(st.st_mode):
+        what = ("a named pipe (FIFO)" if stat.S_ISFIFO(st.st_mode) else "a device" if
+                stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode)
+                else "not a regular file")
+        raise ValueError(f"config {path} is {what}, not a TOML file; give a regular .toml file (e.g. "
+                         f"experiments/ou_vs_oscillating_quick.toml) or a shipped config name")
+    if st.st_size > CONFIG_MAX_BYTES:
+        raise ValueError(f"config file {path} is {st.st_size} bytes, more than a config can be ({CONFIG_MAX_BYTES} "
+                         f"bytes); give the .toml config itself")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(CONFIG_MAX_BYTES + 1)  # bounded, also when the file grows while it is read
+        if len(raw) > CONFIG_MAX_BYTES:
+            raise ValueError(f"config file {path} is more than {CONFIG_MAX_BYTES} bytes, more than a config can be; "
+                             f"give the .toml config itself")
+        text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise ValueError(f"config file {path} is not a text (UTF-8) TOML file; give a .toml config") from None
     except OSError as e:
@@ -330,7 +357,8 @@ def load_config(source, overrides: Iterable[str] = ()) -> Dict[str, Any]:
     allowed_top = {"kind", "name", "description", "params"}
     extra = sorted(set(raw) - allowed_top)
     if extra:
-        raise ValueError(f"unknown top-level config key '{extra[0]}'; allowed keys: {', '.join(sorted(allowed_top))}")
+        raise ValueError(f"unknown top-level config key '{extra[0]}'{did_you_mean(extra[0], allowed_top)}; allowed "
+                         f"keys: {', '.join(sorted(allowed_top))} (parameters go under [params])")
     if "kind" not in raw:
         raise ValueError("the config needs a top-level 'kind' naming the experiment (see `transformer-pde list`)")
     kind = raw["kind"]
@@ -643,6 +671,11 @@ def _check_existing(run_path: Path, cfg, *, resume: bool, overwrite: bool, repla
     if not cfg_file.exists():
         return "fresh"  # created, then stopped before its config was written: nothing to lose
     if not resume:
+        if _is_complete(run_path):
+            raise ValueError(f"run directory {run_path} exists and is complete (results in "
+                             f"{run_path / 'metrics.json'} and {run_path / 'figures'}), so --resume has nothing to "
+                             f"continue; pass --overwrite to run it again, or --name NEW to keep it and start another "
+                             f"run")
         raise ValueError(f"run directory {run_path} exists; pass --resume to continue it, --overwrite to start it "
                          f"afresh, or --name NEW to start another run")
     try:
@@ -659,6 +692,16 @@ def _check_existing(run_path: Path, cfg, *, resume: bool, overwrite: bool, repla
     if not check_lock:
         _check_stored(run_path)
     return "resume"
+
+
+def _is_complete(run_path: Path) -> bool:
+    """Whether the run in ``run_path`` finished: status.json says "complete" and metrics.json is a JSON object."""
+    try:
+        status = json.loads((run_path / "status.json").read_text(encoding="utf-8"))
+        metrics = json.loads((run_path / "metrics.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(status, dict) and status.get("state") == "complete" and isinstance(metrics, dict)
 
 
 class _RunLock:
@@ -819,10 +862,36 @@ def _open_run_dir(cfg, run_path: Path, *, resume: bool, overwrite: bool, replace
             logger.info("overwriting run directory %s", run_path)
             _empty_run_dir(run_path)
             _write_marker(run_path, cfg)
+        else:
+            _remove_stale_temps(run_path)
         return lock, action == "resume"
     except BaseException:
         lock.release()
         raise
+
+
+# the temporary files of an atomic write: ``.<name>.<pid>.<hex>.tmp`` (:func:`_new_temp`) and a solver checkpoint's
+# ``<name>.<random>.tmp`` (``tempfile.mkstemp`` next to checkpoints/<tag>.ckpt)
+_TEMP_NAMES = (re.compile(r"^\..+\.\d+\.[0-9a-f]{8}\.tmp$"), re.compile(r"^.+\.ckpt\.[A-Za-z0-9_]+\.tmp$"))
+
+
+def _remove_stale_temps(run_path: Path) -> List[Path]:
+    """Delete the temporary files an earlier process of this run left behind when it was killed in the middle of
+    a write (kill -9, power loss).  Called under the run's lock, before the run writes anything: no live process
+    of this run is writing then, so every such file is stale.  Only regular files of the temporary-file names are
+    removed; returns them."""
+    gone = []
+    for root, _dirs, files in os.walk(run_path, followlinks=False):
+        for name in files:
+            p = Path(root) / name
+            if any(r.match(name) for r in _TEMP_NAMES) and stat.S_ISREG(os.lstat(p).st_mode):
+                with contextlib.suppress(FileNotFoundError):
+                    p.unlink()
+                    gone.append(p)
+    if gone:
+        logger.info("removed %d temporary file(s) left by an interrupted write: %s", len(gone),
+                    ", ".join(str(g.relative_to(run_path)) for g in gone[:5]))
+    return gone
 
 
 def _remove_empty(folders) -> None:
@@ -885,7 +954,8 @@ def execute(source, *, overrides: Iterable[str] = (), out_dir="runs", name: Opti
         one plain folder name, see :func:`check_run_name`).
     resume : bool
         continue an existing run directory (same resolved config); otherwise an
-        existing run is refused.  A resume of a directory that does not exist starts the run.
+        existing run is refused.  A resume of a directory that does not exist starts the run; a resume of
+        a complete run returns it as it is.
     overwrite : bool
         empty an existing *run directory* (one carrying the marker) and start afresh.
     replace_kind : Optional[str]
@@ -917,6 +987,9 @@ def execute(source, *, overrides: Iterable[str] = (), out_dir="runs", name: Opti
                          overwrite=overwrite, replace_kind=replace_kind, max_memory=max_memory, max_steps=max_steps)
     lock, resumed = _open_run_dir(cfg, run_path, resume=resume, overwrite=overwrite, replace_kind=replace_kind)
     try:
+        if resumed and _is_complete(run_path):  # nothing to continue: its results stand (no figure is redrawn)
+            logger.info("%s is already complete: nothing to resume (--overwrite runs it again)", run_path)
+            return run_path
         with _sigterm_as_interrupt():
             return _run_study(cfg, run_path, resumed=resumed, resume=resume, progress=progress,
                               step_callback=step_callback)
@@ -965,21 +1038,28 @@ def _run_study(cfg, run_path: Path, *, resumed: bool, resume: bool, progress: bo
     logger.info("%s %s (kind %s) in %s", "resuming" if resumed else "running", cfg["name"], cfg["kind"], run_path)
     t0 = time.perf_counter()
     mark = len(threads.usage())
+    failed = False
     try:
         metrics = st.fn(cfg["params"], run)
     except BaseException as e:
+        failed = True
         status = {"state": "interrupted", "error": f"{type(e).__name__}: {e}",
                   "wall_time_s": time.perf_counter() - t0,
                   "resume_with": "transformer-pde run CONFIG --resume (same config and overrides)"}
         if isinstance(e, Terminated):
             status["signal"] = "SIGTERM"
-        run.write_json("status.json", status)
+        with contextlib.suppress(OSError):  # e.g. the disk is full: the run's own error is the one to report
+            run.write_json("status.json", status)
         with contextlib.suppress(AttributeError, TypeError):
             e.transformer_pde_run_dir = run_path  # see failed_run_dir: the run had started
         raise
     finally:  # the thread counts the solver loops (and any worker processes) really used
         env["thread_policy"], env["threads_used"] = threads.current(), env.get("threads_used", []) + threads.usage(mark)
-        run.write_json("environment.json", env)
+        try:
+            run.write_json("environment.json", env)
+        except OSError:
+            if not failed:  # only while the study's own error propagates is this one dropped
+                raise
     wall = time.perf_counter() - t0
     metrics, undefined = _nonfinite_to_null({**(metrics or {}), "wall_time_s": wall})
     if undefined:

@@ -23,7 +23,7 @@ per-token speed factor λ_i > 0,
  "ngpt"      x ← normalize(x + Δt·α·Â)                                   α/|A_i|
 ==========  ==========================================================  =====================
 
-"none" is today's projected flow (bit for bit); "post" is the map that both reference
+"none" is the projected flow of the other solvers (the same arithmetic); "post" is the map that both reference
 simulators iterate (borjanG/2023-transformers-rotf ``simu_xform.step_1``,
 nikitus20/simuformer ``SimuXForm.step`` with ``norm='postln'``): it has the same ODE limit as
 "none" but differs from the projected Euler step at O(Δt²) per step, O(Δt) over a run.
@@ -38,7 +38,7 @@ flow of E exactly when the projected flow is (symmetric heads, and H = 1 or
 normalization="effective"), in the metric Σ_i w_i (b_i/λ_i)|v_i|².  The ledger books the
 chain-rule rate 𝒟_λ = Σ_i w_i λ_i ⟨∇_S δE/δμ(x_i), V_i⟩ and the slope of that metric
 𝒢²_λ = Σ_i w_i λ_i b_i |V_i|² (V = s P_x Σ_h ω_h f_h, the projected field); with λ = 1 they are
-today's 𝒟 and 𝒢².  The residuals close at the order of the step (O(Δt) for these Euler-type
+the projected flow's 𝒟 and 𝒢².  The residuals close at the order of the step (O(Δt) for these Euler-type
 maps).  For "pre" and "peri" the metric depends on the radii, which evolve with the flow.
 """
 
@@ -65,9 +65,34 @@ LAYER_NORMS = ("none", "post", "pre", "peri", "ngpt")
 RULES = ("residual", "simuformer")
 
 
+def _scaled(a: torch.Tensor):
+    """(a/s, s) with s = max_k |a_k| over the last axis (s = 1 where a = 0): |a/s| lies in [1, √d], so its
+    square neither underflows nor overflows (|a|² of a = 1e-30 in float32, or of 1e-310 in float64, is 0)."""
+    s = a.detach().abs().amax(dim=-1, keepdim=True)
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    return a / s, s
+
+
+def _over_norm(v: torch.Tensor, a: torch.Tensor, eps: float) -> torch.Tensor:
+    """v/(|a| + eps) over the last axis, with |a| formed from a/max|a_k| (no underflow of |a|²); 0 where
+    a = 0 and eps = 0 (the zero update: Â = 0, the token does not move)."""
+    b, s = _scaled(a)
+    den = b.norm(dim=-1, keepdim=True)
+    if eps:  # (eps / s: torch forms eps · (1/s), which is 0 · inf = NaN for eps = 0 and a subnormal s)
+        den = den + eps / s
+    ok = den > 0
+    return torch.where(ok, (v / s) / torch.where(ok, den, torch.ones_like(den)), torch.zeros_like(v))
+
+
 def _unit(a: torch.Tensor, eps: float) -> torch.Tensor:
-    """a/(|a| + eps) over the last axis."""
-    return a / (a.norm(dim=-1, keepdim=True) + eps)
+    """Â = a/(|a| + eps) over the last axis; well defined for tiny a (no underflow) and 0 at a = 0."""
+    return _over_norm(a, a, eps)
+
+
+def _norm(a: torch.Tensor) -> torch.Tensor:
+    """|a| over the last axis (..., ) without underflow of |a|²."""
+    b, s = _scaled(a)
+    return b.norm(dim=-1) * s.squeeze(-1)
 
 
 def _check_eps(eps, name):
@@ -86,7 +111,7 @@ class LayerNorm:
     """A layer-normalisation scheme (base class; module docstring).
 
     Class attributes: ``name`` (the string of ``simulate(layer_norm=...)``), ``radius`` (the state
-    carries the token radii r (..., n)), ``projected`` (today's projected Runge–Kutta flow:
+    carries the token radii r (..., n)), ``projected`` (the projected Runge–Kutta flow:
     the solver's own tableau and retraction do the step), ``sees`` (the tokens the attention
     reads: always the normalised tokens x on the sphere)."""
 
@@ -113,11 +138,17 @@ class LayerNorm:
         """ṙ_i (..., n) of the continuous-time limit, or None (no radius)."""
         return None
 
+    def speed_times(self, x, r, update: torch.Tensor, v: torch.Tensor) -> Optional[torch.Tensor]:
+        """λ_i v_i (..., n, d) for a vector v_i of size O(|A_i|) (the projected update); None when λ = 1.  The
+        schemes whose λ has 1/|A| form it as v/|A| (finite for tiny and zero A, where λ alone overflows)."""
+        lam = self.speed(x, r, update)
+        return None if lam is None else lam.unsqueeze(-1) * v
+
     def limit(self, x: torch.Tensor, r: Optional[torch.Tensor], update: torch.Tensor):
         """The continuous-time limit (ẋ (..., n, d), ṙ (..., n) or None) at (x, r) with A = ``update``."""
-        lam = self.speed(x, r, update)
         v = tangent_projection(x, update)
-        return (v if lam is None else lam.unsqueeze(-1) * v), self.radius_rate(x, r, update)
+        lv = self.speed_times(x, r, update, v)
+        return (v if lv is None else lv), self.radius_rate(x, r, update)
 
     def step(self, x: torch.Tensor, r: Optional[torch.Tensor], update: torch.Tensor, dt: float):
         """One layer: (x_new, r_new or None, the largest |‖y‖ − 1| before normalising)."""
@@ -151,7 +182,7 @@ def _err(ny: torch.Tensor) -> float:
 
 @dataclass(frozen=True)
 class Projected(LayerNorm):
-    """"none": today's projected flow ẋ = P_x A, integrated by the solver's Runge–Kutta tableau
+    """"none": the projected flow ẋ = P_x A, integrated by the solver's Runge–Kutta tableau
     with the retraction x ↦ x/|x| after every stage.  The default."""
 
     name: ClassVar[str] = "none"
@@ -227,7 +258,10 @@ class PeriLN(LayerNorm):
         _check_eps(self.eps, "PeriLN")
 
     def speed(self, x, r, update):
-        return 1.0 / ((r + self.eps) * (update.norm(dim=-1) + self.eps))
+        return 1.0 / ((r + self.eps) * (_norm(update) + self.eps))
+
+    def speed_times(self, x, r, update, v):
+        return _over_norm(v, update, self.eps) / (r + self.eps).unsqueeze(-1)
 
     def radius_rate(self, x, r, update):
         u = _unit(update, self.eps)
@@ -259,7 +293,10 @@ class NGPT(LayerNorm):
             raise ValueError(f"NGPT: alpha must be a float > 0 (the step of the normalised update), got {self.alpha!r}")
 
     def speed(self, x, r, update):
-        return self.alpha / (update.norm(dim=-1) + self.eps)
+        return self.alpha / (_norm(update) + self.eps)
+
+    def speed_times(self, x, r, update, v):
+        return self.alpha * _over_norm(v, update, self.eps)
 
     def step(self, x, r, update, dt):
         out, ny = _normalized(x + (dt * self.alpha) * _unit(update, self.eps))
@@ -304,16 +341,16 @@ def scheme_densities(scheme: LayerNorm, e, heads, weights, r, log_scale: float =
         𝒟_λ = Σ_i w_i λ_i ⟨∇_S δE/δμ(x_i), V_i⟩,    𝒢²_λ = Σ_i w_i λ_i b_i |V_i|²
 
     times e^{−c}; (e.dissipation, e.slope) themselves when λ = 1."""
-    lam = scheme.speed(None, r, e.ambient)
-    if lam is None:
+    if type(scheme).speed is LayerNorm.speed:  # λ = 1: the field's own densities (V is not formed)
         return e.dissipation, e.slope
     V = e.velocity
+    lam_v = scheme.speed_times(None, r, e.ambient, V)  # λ_i V_i, finite also where |A_i| is tiny or 0
     b = torch.exp(-log_inverse_mobility(heads, e.stats.log_partition) - log_scale)
 
     def mean(v):
         return v.mean(-1) if weights is None else (v * weights).sum(-1)
 
-    return mean(lam * (e.grad_first_variation * V).sum(-1)), mean(lam * b * V.square().sum(-1))
+    return mean((e.grad_first_variation * lam_v).sum(-1)), mean(b * (V * lam_v).sum(-1))
 
 
 def check_layer_norm_method(scheme: LayerNorm, method: str) -> None:

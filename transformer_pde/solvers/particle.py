@@ -27,7 +27,7 @@ import torch
 
 from ..utils import threads
 from ..utils.validation import (
-    check_bool, check_choice, check_every, check_int, check_limits, check_positive, check_real,
+    check_bool, check_choice, check_output_file, check_every, check_int, check_limits, check_positive, check_real,
     check_same, check_seed_generator, check_tied_all, check_token_weights, check_tokens, direction_sign,
 )
 from ..model.normalization import NORMALIZATIONS
@@ -219,17 +219,19 @@ def simulate(
         respect to x0, the head tensors, β, tensor process parameters (OU rate/sigma/mean,
         oscillating sigma) and the token weights when they require grad.
 
-    Stage weights: Runge–Kutta stages see Θ at their own stage times when the process has a
-    closed form (deterministic, scheme="exact"); on grid-sampled paths (noisy, or
-    scheme="euler") they see the linear interpolation between the bracketing grid values,
-    so a stochastic path limits every method to order 1 in dt.
-
     Raises
     ------
     TypeError, ValueError
         for bad input (before any work); NonFiniteError when the run
         produces NaN/inf (with the time, step and quantity, and the fix: for a ledger term that
         outgrew the common scale, the ``energy_log_scale=`` to pass).
+
+    Notes
+    -----
+    Stage weights: Runge–Kutta stages see Θ at their own stage times when the process has a
+    closed form (deterministic, scheme="exact"); on grid-sampled paths (noisy, or
+    scheme="euler") they see the linear interpolation between the bracketing grid values,
+    so a stochastic path limits every method to order 1 in dt.
 
     Examples
     --------
@@ -261,6 +263,8 @@ def simulate(
     saveat = SaveAt(every=checked[6], observables=observables, path=return_path)
     ledger = LedgerOptions(diagnostics, None if adaptive else quadrature, quadratic_variation, energy_log_scale)
     ckpt = None if checkpoint is None else Checkpointing(checkpoint, checked[7])
+    if ckpt is not None:
+        check_output_file(ckpt.path)  # a missing folder is refused now, not at the first save
     show = None if adaptive else Progress(progress, callback)  # dopri5 has no steps to show (nor callback)
     limits = Limits(max_steps, max_memory, chunk_elements)
     return _run(model, x0, solver, checked, generator=generator, saveat=saveat, ledger=ledger, checkpoint=ckpt,

@@ -24,6 +24,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence
 import torch
 
 from ..model.energy import ito_correction, pairing
+from ..utils.validation import check_output_file, write_error
 from ..model.heads import Heads
 from .layernorm import check_layer_norm_method, layer_norm_scheme
 
@@ -401,7 +402,7 @@ class Checkpointer:
     KIND = "transformer_pde.simulate"
 
     def __init__(self, path, every: int, K: int, fingerprint_parts: Callable[[], Sequence]):
-        self.path = None if path is None else Path(path)
+        self.path = None if path is None else check_output_file(path)  # before any step: not at the first save
         self.every, self.K = every, K
         self.fingerprint, self.labelled = None, {}
         if self.path is not None:
@@ -460,9 +461,12 @@ class Checkpointer:
                 torch.save({"kind": self.KIND, "fingerprint": self.fingerprint, "fingerprint_parts": self.labelled,
                             "k": k, **state()}, f)
             os.replace(tmp, self.path)
-        except BaseException:
+        except BaseException as e:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)  # the temporary file this call created
+            err = write_error(self.path, e)  # a full disk: say so, not torch's "[enforce fail at ...]"
+            if err is not None:
+                raise err from e
             raise
 
 

@@ -42,6 +42,8 @@ class ButcherTableau:
         return len(self.b)
 
 
+#: the explicit Runge–Kutta tableaux by method name (``simulate(..., method=NAME)``): Butcher tableaux
+#: with their order
 TABLEAUX = {
     "euler": ButcherTableau("euler", 1, (0.0,), ((),), (1.0,)),
     "heun": ButcherTableau("heun", 2, (0.0, 1.0), ((), (1.0,)), (0.5, 0.5)),
@@ -49,4 +51,5 @@ TABLEAUX = {
         "rk4", 4, (0.0, 0.5, 0.5, 1.0), ((), (0.5,), (0.0, 0.5), (0.0, 0.0, 1.0)), (1 / 6, 1 / 3, 1 / 3, 1 / 6)
     ),
 }
+#: the token integrators ``simulate(..., method=...)`` accepts: the tableaux and "adaptive" (dopri5)
 METHODS = (*TABLEAUX, "adaptive")

@@ -129,8 +129,8 @@ def config_path(name: str) -> Path:
                          "'ou_vs_oscillating_quick' or a path to a .toml file")
     path = config_dir() / (stem + _SUFFIX)
     if not path.is_file():
-        raise ValueError(f"no shipped config named {stem!r}; available: {', '.join(config_names())} "
-                         "(or give a path to a .toml file)")
+        raise ValueError(f"no shipped config named {stem!r}{_did_you_mean(stem, config_names())}; available: "
+                         f"{', '.join(config_names())} (or give a path to a .toml file)")
     return path
 
 
@@ -159,8 +159,16 @@ def find_config(source: Union[str, Path]) -> Path:
         with contextlib.suppress(ValueError, FileNotFoundError):
             return config_path(path.name)
     try:
-        names = ", ".join(config_names())
+        known = config_names()
     except FileNotFoundError:
-        names = "(none found)"
-    raise ValueError(f"config {str(source)!r} is neither a file nor a shipped config name; shipped configs: "
-                     f"{names}")
+        known = []
+    hint = _did_you_mean(path.stem, known) if len(parts) == 1 or parts[0] == "experiments" else ""
+    raise ValueError(f"config {str(source)!r} is neither a file nor a shipped config name{hint}; shipped configs: "
+                     f"{', '.join(known) or '(none found)'}")
+
+
+def _did_you_mean(word: str, choices: List[str]) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""

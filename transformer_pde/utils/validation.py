@@ -51,6 +51,10 @@ def check_tensor(x, name: str, *, min_dim: int = 0) -> torch.Tensor:
             f"{name} has dtype {x.dtype}; the kernels need float32 or float64 (in half precision e^(β⟨Ax, y⟩) "
             f"overflows for β⟨Ax, y⟩ > 11); convert it with {name}.float() or {name}.double()"
         )
+    if x.device.type == "meta":
+        raise ValueError(f"{name} is on the meta device, which holds shapes but no values: nothing can be computed "
+                         f"from it; create it on a real device (e.g. {name}.to_empty(device='cpu') then fill it, or "
+                         f"build it on 'cpu' or 'cuda')")
     if x.dim() < min_dim:
         raise ValueError(f"{name} must have at least {min_dim} dimensions, got shape {tuple(x.shape)}")
     if not bool(torch.isfinite(x).all()):
@@ -310,6 +314,83 @@ def check_limits(what: str, *, steps: int, memory: Mapping, max_steps, max_memor
         raise ValueError(f"{what} would need about {_format_bytes(total)} ({parts}), more than {where} = "
                          f"{_format_bytes(limit)}; {fix + ', or ' if fix else ''}pass max_memory={int(total * 1.25)} "
                          f"(bytes) if the machine has it")
+
+def check_output_file(path, name: str = "checkpoint"):
+    """``path`` as a Path when a file can be written there: its folder exists, is a folder and is writable, and
+    ``path`` is not a folder itself.  ValueError (with the fix) otherwise; nothing is created.  Run before any
+    work, so that a run does not fail at its first write."""
+    import os
+    from pathlib import Path
+
+    p = Path(path)
+    folder = p.parent if str(p.parent) else Path(".")
+    try:
+        if p.is_dir():
+            raise ValueError(f"{name} {p} is a folder; give a file name inside it, e.g. {p / 'run.ckpt'}")
+        if not folder.exists():
+            raise ValueError(f"{name} {p}: the folder {folder} does not exist; create it first "
+                             f"(os.makedirs({str(folder)!r})) or choose a path in an existing folder")
+        if not folder.is_dir():
+            raise ValueError(f"{name} {p}: {folder} is not a folder; choose a path in an existing folder")
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise ValueError(f"{name} {p}: cannot write in {folder} (permission denied); choose a writable folder")
+    except OSError as e:  # e.g. a name too long for the file system
+        raise ValueError(f"{name} {str(p)[:80]} cannot be looked up ({e.strerror or e}); choose another path") from None
+    return p
+
+
+class WriteError(OSError):
+    """Writing a file failed because the disk (or the quota, or the file size limit) is full; the message names
+    the file and what to do (``errno`` and ``filename`` are set)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+_TORCH_WRITE_FAILURES = ("inline_container", "PytorchStreamWriter", "file write failed", "unexpected pos")
+
+
+def write_error(path, exc: BaseException):
+    """A :class:`WriteError` naming ``path`` when ``exc`` is the failure of a write for lack of space (ENOSPC,
+    EDQUOT), of a file size limit (EFBIG), or torch's writer failing ("[enforce fail at inline_container.cc...]",
+    which is what ``torch.save`` raises on a full disk); None for any other error."""
+    import errno
+    import os
+    import shutil
+
+    code = getattr(exc, "errno", None) if isinstance(exc, OSError) else None
+    torch_failed = isinstance(exc, RuntimeError) and any(m in str(exc) for m in _TORCH_WRITE_FAILURES)
+    if code not in (errno.ENOSPC, getattr(errno, "EDQUOT", -1), errno.EFBIG) and not torch_failed:
+        return None
+    fix = "then resume (transformer-pde: --resume; tp.simulate: the same call with the same checkpoint)"
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        free = None
+    try:
+        import resource
+
+        fsize = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        fsize = None if fsize == resource.RLIM_INFINITY else fsize
+    except (ImportError, OSError, ValueError):  # pragma: no cover - not POSIX
+        fsize = None
+    free_text = "" if free is None else f" ({_format_bytes(free)} free on that file system)"
+    if code == errno.EFBIG or (torch_failed and fsize is not None and (free is None or free > fsize)):
+        limit = "" if fsize is None else f" of {_format_bytes(fsize)}"
+        err = WriteError(f"the file size limit{limit} (ulimit -f) was reached while writing {path}; raise it, "
+                         f"{fix}")
+        err.errno = errno.EFBIG
+    elif torch_failed and free is not None and free > 64 * 2 ** 20:  # not for lack of space: say what failed
+        err = WriteError(f"writing {path} failed ({str(exc).splitlines()[0][:120]}){free_text}; check the disk, "
+                         f"{fix}")
+        err.errno = errno.EIO
+    else:
+        err = WriteError(f"disk full while writing {path}{free_text}; free space, {fix}")
+        err.errno = errno.ENOSPC
+    err.filename = str(path)
+    return err
+
 
 def broadcast_shapes(*shapes) -> torch.Size:
     """``torch.broadcast_shapes`` for plain shapes, without its first-call cost.

@@ -203,6 +203,10 @@ def mode_growth_rates(beta, d: int, T: float = 0.0, ell_max: int = 8, *, lambdas
     beta = check_positive(beta, "beta")
     T = check_positive(T, "T", allow_zero=True)
     ell_max = check_int(ell_max, "ell_max", minimum=1)
+    if ell_max > 10**6:  # checked before allocating: the coefficients hold several float64 arrays of ell_max + 1
+        raise ValueError(f"ell_max = {ell_max} would allocate about {8 * 4 * (ell_max + 1) / 2**30:.3g} GiB; the "
+                         f"rates beyond ℓ of order β·max|λ| are ≈ −T·ℓ(ℓ+d−2) (c_ℓ decays faster than any power): "
+                         f"give ell_max <= 1000000")
     s = direction_sign(direction)
     ell = np.arange(ell_max + 1)
     c = mode_coefficients(beta, d, ell, lambdas=lambdas, weights=weights, normalization=normalization)

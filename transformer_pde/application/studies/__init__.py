@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -24,13 +25,15 @@ import transformer_pde as tp
 from .. import plotting
 
 __all__ = ["Option", "Study", "study", "get_study", "available", "validate_params", "SEED_MAX", "INT_MAX",
-           "estimate_resources"]
+           "estimate_resources", "did_you_mean"]
 # what the study modules share (named internal API): option checks and options, run set-up, stored pieces, figures
 __internal__ = ["positive", "nonnegative", "at_least", "open_unit", "unique_nonempty", "DTYPE", "DEVICE", "dtype_of",
                 "check_whole_steps", "check_device", "device_of", "weight_process", "step_callback", "cached",
-                "fingerprint", "load_segment", "segment_bar", "check_record_every", "nonfinite_keys", "subplots",
+                "fingerprint", "load_segment", "segment_bar", "SegmentBar", "HEARTBEAT_S", "check_record_every", "nonfinite_keys", "subplots",
                 "save_captioned", "panel", "log_ticks",
                 "sphere_name"]
+
+_log = logging.getLogger(__name__)
 
 SEED_MAX = 2**32 - 1
 INT_MAX = 2**63 - 1  # integers beyond int64 cannot reach torch or numpy
@@ -145,7 +148,8 @@ def get_study(kind) -> Study:
         raise ValueError(f"the experiment kind must be a string naming one of {', '.join(map(repr, sorted(_REGISTRY)))}, "
                          f"got {kind!r} ({type(kind).__name__}); write e.g. kind = \"demo\"")
     if kind not in _REGISTRY:
-        raise ValueError(f"unknown experiment kind {kind!r}; allowed values: {', '.join(map(repr, sorted(_REGISTRY)))}")
+        raise ValueError(f"unknown experiment kind {kind!r}{did_you_mean(kind, _REGISTRY)}; allowed values: "
+                         f"{', '.join(map(repr, sorted(_REGISTRY)))}")
     return _REGISTRY[kind]
 
 
@@ -155,9 +159,18 @@ def validate_params(kind: str, params: Dict[str, Any]) -> Dict[str, Any]:
     unknown = sorted(set(params) - set(st.options))
     if unknown:
         raise ValueError(
-            f"unknown config key '{unknown[0]}' for kind {kind!r}; allowed keys: {', '.join(sorted(st.options))}"
+            f"unknown config key '{unknown[0]}' for kind {kind!r}{did_you_mean(unknown[0], st.options)}; allowed "
+            f"keys: {', '.join(sorted(st.options))}"
         )
     return {key: opt.validate(key, params[key]) if key in params else opt.default for key, opt in st.options.items()}
+
+
+def did_you_mean(word: str, choices) -> str:
+    """" (did you mean 'X'?)" for the closest of ``choices`` to a misspelt ``word`` (difflib), else ""."""
+    import difflib
+
+    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 # ---------------------------------------------------------------------------- option checks and options
@@ -291,9 +304,10 @@ def nonfinite_keys(obj, skip=("timing",), prefix: str = "") -> list:
 
 
 def load_segment(run, tag: str, kind: str, fp: str, required=()) -> Optional[Dict]:
-    """The finished segment ``data/<tag>.pt`` of a ``kind`` run, None when there is none; ValueError when the file
-    is not such a segment, was made with another configuration (fingerprint ``fp``), lacks one of the
-    ``required`` keys (dotted for nested ones: "ledger.dE") or holds NaN/inf (the file is named, with the fix)."""
+    """The finished segment ``data/<tag>.pt`` of a ``kind`` run, None when there is none or when it lacks one of the
+    ``required`` keys (dotted for nested ones: "ledger.dE"; a warning says it is computed again); ValueError when
+    the file is not such a segment, was made with another configuration (fingerprint ``fp``) or holds NaN/inf (the
+    file is named, with the fix)."""
     seg = run.load_tensors(tag)
     if seg is None:
         return None
@@ -308,8 +322,9 @@ def load_segment(run, tag: str, kind: str, fp: str, required=()) -> Optional[Dic
         node = seg
         for part in key.split("."):
             if not isinstance(node, dict) or part not in node:
-                raise ValueError(f"{path} is incomplete: it has no '{key}' (a damaged or foreign file); delete it to "
-                                 f"recompute that segment")
+                _log.warning("%s is incomplete: it has no '%s' (a damaged file, or one written by another version); "
+                             "that segment is computed again", path, key)
+                return None  # its file is replaced when the segment is done
             node = node[part]
     bad = nonfinite_keys(seg)
     if bad:
@@ -332,12 +347,113 @@ def check_record_every(p: Dict, *, t_from: float = 0.0, what: str = "") -> None:
                          f"horizon t1/dt is {K} steps; choose record_every <= {best}")
 
 
-def segment_bar(run, total: int, desc: str, unit: str):
-    """A tqdm bar over a study's segments, shown only on a terminal (never escape codes in a log file) and only when
-    the run allows progress bars; use it as a context manager."""
-    from tqdm.auto import tqdm
+#: seconds between two "[tag] step k/K" log lines while a segment runs without a visible progress bar (output
+#: redirected to a file, or --no-progress): a log never stays silent for minutes
+HEARTBEAT_S = 30.0
 
-    return tqdm(total=total, desc=desc, unit=unit, disable=None if run.progress else True)
+
+class SegmentBar:
+    """Progress over a study's segments, weighted by their work (not their count).
+
+    ``work`` gives the cost of each segment in any unit (steps · paths · H · n², say): a list (the segments'
+    keys are then 0, 1, ...) or a dict {key: cost}.  The bar's fraction and its ETA are the share of the work
+    done, so a cheap first segment does not promise a short run.  Inside a segment, :meth:`steps` gives the
+    solver callback that moves the bar step by step and, when the bar is not shown (output not a terminal, or
+    progress off), logs a "[tag] step k/K" line every :data:`HEARTBEAT_S` seconds.  ``update(n)`` marks the next
+    ``n`` unfinished segments done (skipped or run), ``update(key=k)`` the segment ``k``.  Use it as a context
+    manager.
+    """
+
+    def __init__(self, run, work, desc: str, unit: str, log=None):
+        from tqdm.auto import tqdm
+
+        self.run, self.log, self.unit = run, log, unit
+        items = work.items() if isinstance(work, dict) else enumerate(work)
+        self.work = {k: max(float(w), 0.0) for k, w in items}
+        self.done: set = set()
+        self.total = sum(self.work.values()) or 1.0
+        fmt = "{desc}: {percentage:3.0f}%|{bar}| [{elapsed}<{remaining}{postfix}]"
+        self.bar = tqdm(total=self.total, desc=desc, bar_format=fmt, smoothing=0.0,
+                        disable=None if run.progress else True)
+        self._postfix()
+
+    @property
+    def shown(self) -> bool:
+        """Whether the bar is drawn (on a terminal, progress allowed)."""
+        return not self.bar.disable
+
+    @property
+    def base(self) -> float:
+        """The work of the finished segments."""
+        return sum(self.work[k] for k in self.done)
+
+    @property
+    def fraction(self) -> float:
+        """The share of the work of the finished segments, in [0, 1]."""
+        return 1.0 if len(self.done) == len(self.work) else self.base / self.total
+
+    def _next(self):
+        return next((k for k in self.work if k not in self.done), None)
+
+    def _postfix(self) -> None:
+        if self.shown:
+            self.bar.set_postfix_str(f"{self.unit} {min(len(self.done) + 1, len(self.work))}/{len(self.work)}",
+                                     refresh=False)
+
+    def _goto(self, position: float) -> None:
+        if self.shown and position > self.bar.n:
+            self.bar.update(position - self.bar.n)
+
+    def update(self, n: int = 1, *, key=None) -> None:
+        for _ in range(n if key is None else 1):
+            k = self._next() if key is None else key
+            if k is not None:
+                self.done.add(k)
+        self._postfix()
+        self._goto(self.base)
+
+    def steps(self, tag: str, total_steps: int, *, key=None):
+        """The solver callback ``(k, t, ...)`` of the running segment ``tag`` (``total_steps`` steps; ``key``: its
+        key, default the next unfinished one): moves the bar, logs a heartbeat when the bar is hidden, and reports
+        to ``run.step_callback`` (see :func:`step_callback`)."""
+        report = step_callback(self.run, tag)
+        key = self._next() if key is None else key
+        share = self.work.get(key, 0.0)
+        K = max(int(total_steps), 1)
+        t0 = last = time.monotonic()
+        first = []
+
+        def callback(k, t, *rest):
+            nonlocal last
+            self._goto(self.base + share * min(k, K) / K)
+            if not first:
+                first.append(k - 1)  # a resumed segment starts at its checkpoint's step
+            now = time.monotonic()
+            if self.log is not None and not self.shown and now - last >= HEARTBEAT_S:
+                last = now
+                left = (now - t0) / max(k - first[0], 1) * (K - k)
+                self.log.info("[%s] step %d/%d (t = %.4g), %.0f s so far, about %.0f s left", tag, k, K, float(t),
+                              now - t0, left)
+            if report is not None:
+                report(k, t, *rest)
+
+        return callback
+
+    def close(self) -> None:
+        self.bar.close()
+
+    def __enter__(self) -> "SegmentBar":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def segment_bar(run, total: int, desc: str, unit: str, *, work=None, log=None) -> SegmentBar:
+    """A :class:`SegmentBar` over a study's ``total`` segments (each of equal work unless ``work`` gives their
+    costs, a list or a dict by segment key), shown only on a terminal (never escape codes in a log file) and only when the run allows progress
+    bars; ``log``: the logger of its heartbeat lines.  Use it as a context manager."""
+    return SegmentBar(run, [1.0] * total if work is None else work, desc, unit, log=log)
 
 
 # ---------------------------------------------------------------------------- figures
@@ -366,9 +482,13 @@ def log_ticks(ax, values) -> None:
     a.set_minor_formatter(NullFormatter())
 
 
+_SUPERSCRIPT = str.maketrans("0123456789", "⁰¹²³⁴⁵⁶⁷⁸⁹")
+
+
 def sphere_name(d: int) -> str:
-    """S¹, S² or S^{d-1}."""
-    return {2: "S¹", 3: "S²"}.get(d, f"S^{d - 1}")
+    """The sphere S^{d-1} of R^d as plain text with a superscript digit (S¹, S², S⁷, S¹⁵): right in figures, log lines
+    and captions alike, where TeX markup would be drawn literally."""
+    return "S" + str(int(d) - 1).translate(_SUPERSCRIPT)
 
 
 # ---------------------------------------------------------------------------- resource estimates

@@ -7,7 +7,7 @@ import torch
 import transformer_pde as tp
 
 from .. import plotting
-from . import Option, positive, step_callback, study, dtype_of
+from . import Option, check_whole_steps, dtype_of, positive, step_callback, study
 
 OPTIONS = {
     "n": Option(64, (int,), "number of tokens", check=positive),
@@ -19,7 +19,8 @@ OPTIONS = {
 }
 
 
-@study("demo", OPTIONS, "a few-second tour: OU heads on S², energy ledger, token snapshots")
+@study("demo", OPTIONS, "a few-second tour: OU heads on S², energy ledger, token snapshots",
+       validate=check_whole_steps)
 def run_demo(params, run):
     dtype = dtype_of(params)
     g = torch.Generator().manual_seed(params["seed"] + 1)

@@ -29,7 +29,8 @@ import torch
 
 import transformer_pde as tp
 
-from . import Option, at_least, cached, open_unit, panel, positive, save_captioned, study, subplots, dtype_of
+from . import (Option, at_least, cached, dtype_of, open_unit, panel, positive, save_captioned, sphere_name, study,
+               subplots)
 
 log = logging.getLogger(__name__)
 
@@ -128,16 +129,34 @@ def run_layer_norm_rates(params: Dict, run) -> Dict:
         rates = fit_late_rate(t, gap, p["fit_low"], p["fit_high"], kind)
         q = np.nanquantile(rates, [0.05, 0.5, 0.95]) if np.isfinite(rates).any() else [math.nan] * 3
         results[scheme] = (t, gap)
+        fitted = int(np.isfinite(rates).sum())
         metrics["schemes"][scheme] = {
             "law": "exponential: d log(1−ρ)/dt" if kind == "exp" else "power: d log(1−ρ)/d log t",
             "theory": theory, "rate_median": float(q[1]), "rate_q05": float(q[0]), "rate_q95": float(q[2]),
-            "fitted_draws": int(np.isfinite(rates).sum()),
+            "fitted_draws": fitted,
             "final_gap_median": float(np.median(gap[-1]))}
+        if scheme == "post":  # near consensus with V = I the map x ← normalize(x + dt·A) shrinks 1 − ρ by (1 + dt)⁻²
+            metrics["schemes"][scheme]["theory_discrete"] = -2.0 * math.log1p(p["dt"]) / p["dt"]
         band = np.quantile(gap, [0.05, 0.5, 0.95], axis=1)
         run.save_series(scheme, {"t": res["t"], "gap_q05": torch.as_tensor(band[0]),
                                  "gap_median": torch.as_tensor(band[1]), "gap_q95": torch.as_tensor(band[2])})
-        summary.append(f"{scheme}: fitted {'rate' if kind == 'exp' else 'exponent'} {q[1]:.3f} "
-                       f"(90 % band {q[0]:.3f} … {q[2]:.3f}; theory {theory if theory is not None else '—'})")
+        what = "rate" if kind == "exp" else "exponent"
+        theory_text = "—" if theory is None else f"{theory:g}"
+        if scheme == "post":
+            theory_text += (f" as dt → 0; −2·ln(1 + dt)/dt = {metrics['schemes'][scheme]['theory_discrete']:.3f} "
+                            f"for the map at dt = {p['dt']:g}")
+        spread = float(q[2] - q[0])
+        if fitted >= 2 and spread <= 1e-6 * max(1.0, abs(float(q[1]))):
+            # not a failed band: near consensus this scheme's rate does not depend on the random scores
+            summary.append(f"{scheme}: fitted {what} {q[1]:.3f}, the same in all {fitted} fitted draws (spread "
+                           f"{spread:.1e}: near consensus the {what} does not depend on the random scores; theory "
+                           f"{theory_text})")
+        else:  # enough digits that the two ends of a narrow band differ on the page
+            k = 3 if not spread > 0 else min(8, max(3, math.ceil(-math.log10(spread)) + 1))
+            narrow = (" — narrow: near consensus the rate hardly depends on the random scores"
+                      if 0 < spread < 1e-2 * abs(float(q[1])) else "")
+            summary.append(f"{scheme}: fitted {what} {q[1]:.{k}f} (90 % band over {fitted} draws {q[0]:.{k}f} … "
+                           f"{q[2]:.{k}f}{narrow}; theory {theory_text})")
     metrics["summary"] = summary
     if p["figures"]:
         _figure(p, results, metrics, run)
@@ -159,9 +178,13 @@ def _figure(p, results, metrics, run):
         ax.set_yscale("log")
         ax.set_xscale(xscale)
         ax.set_ylim(1e-16, 2)
+        if xscale == "log":  # a decade or two of t: the minor labels (2×10⁻¹, 3×10⁻¹, ...) would run into each other
+            from matplotlib.ticker import NullFormatter
+
+            ax.xaxis.set_minor_formatter(NullFormatter())
         panel(ax, "time t" + (" (log)" if xscale == "log" else ""), r"$1 - \rho(t)$", None,
               legend=dict(fontsize=7))
-    cap = (f"Average cosine ρ(t) of n = {p['n']} tokens on S^{p['d'] - 1}, {p['draws']} random weight draws "
+    cap = (f"Average cosine ρ(t) of n = {p['n']} tokens on {sphere_name(p['d'])}, {p['draws']} random weight draws "
            f"(A = I + {p['head_scale']:g}·GOE/√d, V = I, H = {p['heads']}, β = {p['beta']:g}, dt = {p['dt']:g}); "
            f"line: median over the draws, band: 5–95 %. " + "; ".join(metrics["summary"]) + ".")
     save_captioned(run, fig, "layer_norm_rates", cap, metrics)

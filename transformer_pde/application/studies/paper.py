@@ -361,11 +361,13 @@ def _merge_chunks(p: Dict, regime: str, H: int, chunks: Sequence[Dict]) -> Dict:
     }
 
 
-def _run_segment(p: Dict, regime: str, H: int, x0: torch.Tensor, run, tag: str, *, dtype, device) -> Dict:
-    """The whole segment in this process (thread policy as set: the CLI's ``--threads auto``)."""
+def _run_segment(p: Dict, regime: str, H: int, x0: torch.Tensor, run, tag: str, *, dtype, device,
+                 callback=None) -> Dict:
+    """The whole segment in this process (thread policy as set: the CLI's ``--threads auto``); ``callback``: the
+    solver's step callback (default: the run's, :func:`step_callback`)."""
     total = p["paths"] if regime == "ou" else 1
     chunk = _simulate_chunk(p, regime, H, x0, 0, total, run.checkpoint_path(tag), dtype=dtype, device=device,
-                            progress=run.progress, callback=step_callback(run, tag))
+                            progress=run.progress, callback=callback or step_callback(run, tag))
     return _merge_chunks(p, regime, H, [chunk])
 
 
@@ -461,7 +463,7 @@ def _run_in_workers(p: Dict, todo: Sequence[Tuple[str, int]], x0, run, workers: 
                 logger.info("[%s] done: %.1f core-s in %d chunk(s) (%.1f ms/step on one core)", tag,
                             tm["wall_time_s"], need[(regime, H)], tm["per_step_s"] * 1e3)
                 done[(regime, H)] = seg
-                bar.update(1)
+                bar.update(key=(regime, H))
     return done
 
 
@@ -489,7 +491,8 @@ def run_ou_vs_oscillating(params: Dict, run) -> Dict:
     todo = [(r, H) for r, H in segments if load_segment(
         run, f"{r}_H{H}", "ou_vs_oscillating", fingerprint(p, _NOT_IN_SEGMENT, regime=r, H=H)) is None]
     workers = resolve_workers(p, device, todo)
-    with segment_bar(run, len(segments), "ou_vs_oscillating", "segment") as bar:
+    work = {s: segment_work(p, [s]) for s in segments}  # the bar's ETA follows the work, not the segment count
+    with segment_bar(run, len(segments), "ou_vs_oscillating", "segment", work=work, log=logger) as bar:
         if workers > 1:
             if len(plan_chunks(p, todo, workers)) > 1:  # one job: run it here, with its progress bar
                 results.update(_run_in_workers(p, todo, x0, run, workers, bar))
@@ -502,7 +505,8 @@ def run_ou_vs_oscillating(params: Dict, run) -> Dict:
             if seg is None:
                 logger.info("[%s] segment %d/%d running: H = %d, paths = %d, %d steps", tag, i + 1, len(segments), H,
                             p["paths"] if regime == "ou" else 1, round(p["t1"] / p["dt"]))
-                seg = _run_segment(p, regime, H, x0, run, tag, dtype=dtype, device=device)
+                seg = _run_segment(p, regime, H, x0, run, tag, dtype=dtype, device=device,
+                                   callback=bar.steps(tag, round(p["t1"] / p["dt"]), key=(regime, H)))
                 run.save_series(tag, _series_columns(seg))
                 run.save_tensors(tag, seg)
                 run.checkpoint_path(tag).unlink(missing_ok=True)
@@ -512,7 +516,7 @@ def run_ou_vs_oscillating(params: Dict, run) -> Dict:
                 run.checkpoint_path(tag).unlink(missing_ok=True)  # killed between the two writes above
                 logger.info("[%s] segment %d/%d already complete, skipped", tag, i + 1, len(segments))
             results[(regime, H)] = seg
-            bar.update(1)
+            bar.update(key=(regime, H))
     metrics = _analyse(p, results, device)
     if p["figures"]:
         t0 = time.perf_counter()
@@ -574,10 +578,15 @@ def _analyse(p: Dict, results: Dict, device) -> Dict:
             summary.append(line)
         for H in p["heads"]:
             r = resid[regime][str(H)]
+            one = results[(regime, H)]["paths"] == 1  # a deterministic run: no spread over paths to quote
+
+            def spread(key):
+                return " (one path: no spread)" if one else f" ± {r[key]['final_std']:.2e}"
+
             summary.append(
                 f"  {regime} H={H}: mean 𝒢² = {tavg[regime][str(H)]['mean']:.4g}; residual at T: "
-                f"𝒟-based {r['residual']['final_mean']:.3e} ± {r['residual']['final_std']:.2e}, "
-                f"𝒢²-based {r['residual_slope']['final_mean']:.3e} ± {r['residual_slope']['final_std']:.2e}")
+                f"𝒟-based {r['residual']['final_mean']:.3e}{spread('residual')}, "
+                f"𝒢²-based {r['residual_slope']['final_mean']:.3e}{spread('residual_slope')}")
     metrics = {
         "fit": fits,
         "time_average_slope": tavg,

@@ -12,9 +12,8 @@ import importlib.util
 import math
 import re
 import sys
-from pathlib import Path
-
 import warnings
+from pathlib import Path
 
 import pytest
 import torch

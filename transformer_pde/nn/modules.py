@@ -33,6 +33,16 @@ It is the transport cost of OT-Transformer's regulariser λ∫‖v‖² dt in th
 then does the solve evaluate its diagnostics; the plain forward evaluates the field and nothing
 else (diagnostics cost 2–3× a tokens-only step).
 
+``forward(x, kinetic="displacement")`` returns instead the discrete kinetic action of the solver's
+own steps (no field evaluation, no diagnostics: the cheap one),
+
+    Σ_k Σ_i w_i |x_{k+1,i} − x_{k,i}|² / Δt  →  ∫_0^T ∫ |v|² dμ_t dt   (Δt → 0),
+
+the Benamou–Brenier action of the discrete path with the plain (unit) metric: OT-Transformer's
+∫‖v‖² dt.  For the projected Euler step x_{k+1} = (x_k + Δt v_k)/|x_k + Δt v_k| each term is
+exactly (2 − 2/√(1 + Δt²|v_k|²))/Δt = Δt|v_k|² (1 + O(Δt²|v|²)); for a layer map, the step of the
+map.  The feed-forward steps are not counted in either term.
+
 The heads are rebuilt from the parameters in every forward, so a training loop of many
 ``backward()`` calls just works; heads built once outside the loop hold a graph that the first
 ``backward()`` frees (docs/training.md).
@@ -198,6 +208,12 @@ class MeanFieldAttention(torch.nn.Module):
             return [(range(self.layers), 0.0, self.t1)]
         return [(range(l, l + 1), l * dl, (l + 1) * dl) for l in range(self.layers)]
 
+    def _displacement(self, traj, weights, dt):
+        """Σ_k Σ_i w_i |x_{k+1,i} − x_{k,i}|² / Δt over the recorded (every) steps of one solve, (...,)."""
+        step = (traj.x[1:] - traj.x[:-1]).square().sum(-1)  # (K, ..., n)
+        w = 1.0 / traj.x.shape[-2] if weights is None else weights
+        return (step * w).sum(-1).sum(0) / dt
+
     def _solve(self, x, piece, weights, *, diagnostics: bool, every: Optional[int]):
         layers, t0, t1 = piece
         dt = (t1 - t0) / (self.steps * len(layers))
@@ -228,7 +244,7 @@ class MeanFieldAttention(torch.nn.Module):
             raise ValueError(f"x is {x.dtype} on {x.device} but the module's parameters are {self.query.dtype} on "
                              f"{self.query.device}; convert one of them (module.to(x) or x.to(...))")
 
-    def forward(self, x: torch.Tensor, *, weights: Optional[torch.Tensor] = None, kinetic: bool = False):
+    def forward(self, x: torch.Tensor, *, weights: Optional[torch.Tensor] = None, kinetic=False):
         """Carry tokens x (..., n, d) on the unit sphere from depth 0 to T.
 
         Parameters
@@ -237,8 +253,10 @@ class MeanFieldAttention(torch.nn.Module):
             tokens (..., n, d), |x_i| = 1 (normalise with ``x / x.norm(dim=-1, keepdim=True)``).
         weights : torch.Tensor or None
             token weights (..., n) summing to 1, or None (uniform).
-        kinetic : bool
-            also return ∫_0^T 𝒢² dt (..., ), the solver's ledger term (module docstring).
+        kinetic : bool or str
+            also return a kinetic term (...,) (module docstring): True or "metric" for ∫_0^T 𝒢² dt,
+            the solver's ledger term; "displacement" for Σ_k Σ_i w_i |x_{k+1,i} − x_{k,i}|²/Δt,
+            the action of its steps (fixed-step solvers only).
 
         Returns
         -------
@@ -246,16 +264,32 @@ class MeanFieldAttention(torch.nn.Module):
             the tokens at depth T (..., n, d), and with ``kinetic`` the kinetic term (...,).
         """
         self._check(x, weights)
+        mode = self._kinetic_mode(kinetic)
         kin = None
         for piece in self._pieces():
-            traj = self._solve(x, piece, weights, diagnostics=bool(kinetic), every=None)
+            traj = self._solve(x, piece, weights, diagnostics=mode == "metric",
+                               every=1 if mode == "displacement" else None)
             x = traj.final
-            if kinetic:
-                k = traj.ledger["slope"][-1]
+            if mode is not None:
+                dt = (piece[2] - piece[1]) / (self.steps * len(piece[0]))
+                k = traj.ledger["slope"][-1] if mode == "metric" else self._displacement(traj, weights, dt)
                 kin = k if kin is None else kin + k
             if self.feedforward:
                 x = self._feedforward(x, piece[0][0])
         return (x, kin) if kinetic else x
+
+    def _kinetic_mode(self, kinetic):
+        if kinetic is False or kinetic is None:
+            return None
+        if kinetic is True:
+            return "metric"
+        if kinetic not in ("metric", "displacement"):
+            raise ValueError(f"kinetic must be False, True / 'metric' (∫𝒢²dt from the ledger) or 'displacement' "
+                             f"(the action of the solver's steps), got {kinetic!r}")
+        if kinetic == "displacement" and self.solver == "dopri5":
+            raise ValueError("kinetic='displacement' sums the fixed steps of the solver; with solver='dopri5' use "
+                             "kinetic='metric'")
+        return kinetic
 
     def trajectory(self, x: torch.Tensor, *, weights: Optional[torch.Tensor] = None, every: int = 1) -> dict:
         """The tokens and the diagnostics along depth (for analysis; differentiable, wrap in ``torch.no_grad``).
@@ -273,23 +307,26 @@ class MeanFieldAttention(torch.nn.Module):
         -------
         dict
             "times" (T,), "x" (T, ..., n, d), "energy", "slope" (𝒢²) and "dissipation" (𝒟), each (T, ...),
-            and "kinetic" (...,) = ∫𝒢² dt; with a feed-forward term the pieces of the layers are
+            "kinetic" (...,) = ∫𝒢² dt and "displacement" (...,), the action of the recorded steps
+            (that of the solver's steps when ``every`` = 1); with a feed-forward term the pieces of the layers are
             concatenated (each layer boundary is recorded twice: before and after the feed-forward step).
         """
         self._check(x, weights)
         every = check_int(every, "every")
-        parts, kin = [], None
+        parts, kin, act = [], None, None
         for piece in self._pieces():
             traj = self._solve(x, piece, weights, diagnostics=True, every=every)
             parts.append({"times": traj.times, "x": traj.x, "energy": traj.energy, "slope": traj.slope,
                           "dissipation": traj.dissipation})
             k = traj.ledger["slope"][-1]
             kin = k if kin is None else kin + k
+            a = self._displacement(traj, weights, every * (piece[2] - piece[1]) / (self.steps * len(piece[0])))
+            act = a if act is None else act + a
             x = traj.final
             if self.feedforward:
                 x = self._feedforward(x, piece[0][0])
         out = {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
-        out["kinetic"] = kin
+        out["kinetic"], out["displacement"] = kin, act
         return out
 
     def extra_repr(self) -> str:

@@ -12,9 +12,11 @@ mean-pooled tokens:
 * "transformer": a discrete ``torch.nn.TransformerEncoder`` (post-LN, GELU, no dropout) with the
   same d, H and L, its feed-forward width chosen so that its parameter count is the closest to
   the flow's (both counts are reported);
-* "flow_kinetic_<λ>": the flow trained with the loss + λ ∫_0^T 𝒢² dt, the solver's own kinetic
-  term (``MeanFieldAttention(..., kinetic=True)``): OT-Transformer's transport regulariser in the
-  model's metric.
+* "flow_kinetic_<λ>": the flow trained with the loss + λ·(kinetic term): with ``kinetic = "metric"``
+  ∫_0^T 𝒢² dt, the solver's own ledger term (``MeanFieldAttention(..., kinetic=True)``), the
+  transport cost in the model's mobility metric; with ``kinetic = "displacement"`` the action
+  Σ_k Σ_i |x_{k+1,i} − x_{k,i}|²/(nΔt) of the solver's steps → ∫∫|v|² dμ dt, OT-Transformer's
+  λ∫‖v‖² dt.
 
 Every model is trained from every seed with the same budget: the same epochs, batch size,
 optimiser (Adam) and learning rate; a seed fixes the initialisation and the batch order, and the
@@ -33,7 +35,6 @@ from __future__ import annotations
 import importlib.util
 import logging
 import math
-import os
 import time
 
 import torch
@@ -44,6 +45,7 @@ from . import (Option, at_least, nonnegative, panel, positive, save_captioned, s
                unique_nonempty)
 
 log = logging.getLogger(__name__)
+_KIND = "transformer_pde.train_digits.segment"  # the stored pieces (finite, checked on resume)
 
 __all__ = ["results_table", "DigitClassifier", "load_digit_tokens"]
 
@@ -63,11 +65,16 @@ OPTIONS = {
     "geometry": Option("none", (str,), "flow geometry: projected flow, or the post-LN map", choices=("none", "post")),
     "lambdas": Option([1e-4, 1e-3, 1e-2], (list,), "weights λ of the kinetic regulariser λ∫𝒢²dt (one flow each)",
                       check=lambda v: nonnegative(v) or (None if len(set(v)) == len(v) else "must not repeat")),
+    "kinetic": Option("metric", (str,), "the regulariser's kinetic term: ∫𝒢²dt from the solver's ledger (metric) "
+                      "or the action Σ|x_{k+1} − x_k|²/Δt of its steps (displacement)",
+                      choices=("metric", "displacement")),
     "tokens": Option("rows", (str,), "tokens of an image: its 8 rows or its 16 patches of 2×2",
                      choices=("rows", "patches")),
     "test_fraction": Option(0.3, (float,), "share of the images held out for testing",
                             check=lambda v: None if 0 < v < 1 else "must lie strictly between 0 and 1"),
     "split_seed": Option(0, (int,), "seed of the stratified train/test split"),
+    "train_limit": Option(0, (int,), "train on the first k training images only (0: all of them)",
+                          check=nonnegative),
     "analysis_images": Option(256, (int,), "test images of the depth statistics", check=positive),
     "radius": Option(0.5, (float,), "chordal radius of the cluster counts", check=positive),
     "figures": Option(True, (bool,), "write the figures"),
@@ -147,8 +154,9 @@ class DigitClassifier(torch.nn.Module):
         z = self.embed(images) + self.position
         return z / z.norm(dim=-1, keepdim=True) if self.flow else z
 
-    def forward(self, images: torch.Tensor, *, kinetic: bool = False):
-        """Logits (B, 10), and with ``kinetic`` (flows only) the kinetic term (B,)."""
+    def forward(self, images: torch.Tensor, *, kinetic=False):
+        """Logits (B, 10), and with ``kinetic`` (flows only: True, "metric" or "displacement") the kinetic
+        term (B,) of :class:`~transformer_pde.nn.MeanFieldAttention`."""
         z = self.tokens(images)
         kin = None
         if self.flow:
@@ -207,30 +215,28 @@ def _lambda(name: str) -> float:
 
 # ---------------------------------------------------------------------------- training with checkpoints
 def _evaluate(model, x, y, batch: int = 512):
-    """(test loss, accuracy, mean kinetic term or None) without gradients."""
-    loss, correct, kin = 0.0, 0, 0.0
+    """(test loss, accuracy, mean ∫𝒢²dt, mean action; None for a discrete model) without gradients."""
+    loss, correct, kin, act = 0.0, 0, 0.0, 0.0
     with torch.no_grad():
         for i in range(0, len(y), batch):
             xb, yb = x[i:i + batch], y[i:i + batch]
             if model.flow:
-                logits, k = model(xb, kinetic=True)
+                logits, k = model(xb, kinetic="metric")
                 kin += float(k.sum())
+                act += float(model(xb, kinetic="displacement")[1].sum())
             else:
                 logits = model(xb)
             loss += float(torch.nn.functional.cross_entropy(logits, yb, reduction="sum"))
             correct += int((logits.argmax(-1) == yb).sum())
-    return loss / len(y), correct / len(y), (kin / len(y) if model.flow else None)
-
-
-def _save_checkpoint(path, obj) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    if not model.flow:
+        return loss / len(y), correct / len(y), None, None
+    return loss / len(y), correct / len(y), kin / len(y), act / len(y)
 
 
 def train_model(p, name: str, seed: int, data: dict, run) -> dict:
-    """Train one model from one seed, epoch by epoch, checkpointing after every epoch; the finished
-    result is stored under data/ and reused on resume.  Returns {"records", "parameters", "state"}."""
+    """Train one model from one seed, epoch by epoch, checkpointing after every epoch (data/<tag>_checkpoint.pt,
+    atomic; the run directory's resume checks refuse a damaged or non-finite one); the finished result is
+    stored under data/<tag>.pt and reused on resume.  Returns {"records", "parameters", "state"}."""
     tag = f"{name}_seed{seed}"
     if run.resume:
         done = run.load_tensors(tag)
@@ -241,9 +247,9 @@ def train_model(p, name: str, seed: int, data: dict, run) -> dict:
     opt = torch.optim.Adam(model.parameters(), lr=p["lr"])
     gen = torch.Generator().manual_seed(seed)
     records, start = [], 0
-    ckpt = run.checkpoint_path(tag)
-    if run.resume and ckpt.exists():
-        st = torch.load(ckpt, map_location="cpu", weights_only=False)
+    ckpt = f"{tag}_checkpoint"
+    st = run.load_tensors(ckpt) if run.resume else None
+    if st is not None:
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["optimizer"])
         gen.set_state(st["generator"])
@@ -257,7 +263,7 @@ def train_model(p, name: str, seed: int, data: dict, run) -> dict:
         for i in range(0, len(y), p["batch_size"]):
             b = perm[i:i + p["batch_size"]]
             if lam > 0:
-                logits, kin = model(x[b], kinetic=True)
+                logits, kin = model(x[b], kinetic=p["kinetic"])
                 loss = torch.nn.functional.cross_entropy(logits, y[b])
                 total = loss + lam * kin.mean()
                 kin_tot += float(kin.detach().sum())
@@ -271,23 +277,22 @@ def train_model(p, name: str, seed: int, data: dict, run) -> dict:
             total.backward()
             opt.step()
             tot += float(loss.detach()) * len(b)
-        test_loss, test_acc, test_kin = _evaluate(model, data["x_test"], data["y_test"])
+        test_loss, test_acc, test_kin, test_act = _evaluate(model, data["x_test"], data["y_test"])
         rec = {"epoch": epoch + 1, "train_loss": tot / len(y), "test_loss": test_loss, "test_accuracy": test_acc,
                "seconds": time.perf_counter() - t0}
         if lam > 0:
             rec["train_kinetic"] = kin_tot / len(y)
         if test_kin is not None:
-            rec["test_kinetic"] = test_kin
+            rec["test_kinetic"], rec["test_action"] = test_kin, test_act
         records.append(rec)
-        _save_checkpoint(ckpt, {"model": model.state_dict(), "optimizer": opt.state_dict(),
+        run.save_tensors(ckpt, {"kind": _KIND, "model": model.state_dict(), "optimizer": opt.state_dict(),
                                 "generator": gen.get_state(), "records": records, "epoch": epoch + 1})
         report = getattr(run, "step_callback", None)
         if report is not None:
             report(tag, epoch + 1, float(epoch + 1))
-    out = {"records": records, "parameters": _count(model), "state": model.state_dict()}
+    out = {"kind": _KIND, "records": records, "parameters": _count(model), "state": model.state_dict()}
     run.save_tensors(tag, out)
-    if ckpt.exists():
-        ckpt.unlink()
+    run.data_path(ckpt).unlink(missing_ok=True)
     return out
 
 
@@ -317,6 +322,8 @@ def train_digits(p, run):
     """Train the flow, the discrete transformer and the flows at each λ from every seed (module docstring)."""
     dtype = {"float32": torch.float32, "float64": torch.float64}[p["dtype"]]
     data = load_digit_tokens(p["tokens"], test_fraction=p["test_fraction"], split_seed=p["split_seed"], dtype=dtype)
+    if p["train_limit"]:
+        data["x_train"], data["y_train"] = data["x_train"][:p["train_limit"]], data["y_train"][:p["train_limit"]]
     names, seeds = _model_names(p), p["seeds"]
     results = {}
     with segment_bar(run, len(names) * len(seeds), "train_digits", "model") as bar:
@@ -325,7 +332,8 @@ def train_digits(p, run):
                 results[name, seed] = train_model(p, name, seed, data, run)
                 bar.update(1)
     metrics = {"test_accuracy": {}, "test_loss": {}, "parameters": {}, "seconds_per_epoch": {}, "test_kinetic": {},
-               "history": {}, "split": {"train": len(data["y_train"]), "test": len(data["y_test"])}}
+               "history": {}, "split": {"train": len(data["y_train"]), "test": len(data["y_test"])},
+               "kinetic": p["kinetic"]}
     for name in names:
         recs = [results[name, s]["records"] for s in seeds]
         metrics["test_accuracy"][name] = _summary([r[-1]["test_accuracy"] for r in recs])
@@ -334,6 +342,8 @@ def train_digits(p, run):
         metrics["seconds_per_epoch"][name] = _summary([sum(e["seconds"] for e in r) / len(r) for r in recs])
         if name != "transformer":
             metrics["test_kinetic"][name] = _summary([r[-1]["test_kinetic"] for r in recs])
+            if all("test_action" in r[-1] for r in recs):
+                metrics.setdefault("test_action", {})[name] = _summary([r[-1]["test_action"] for r in recs])
         metrics["history"][name] = {str(s): r for s, r in zip(seeds, recs)}
         for s, r in zip(seeds, recs):
             run.save_series(f"{name}_seed{s}", {k: [e.get(k, float("nan")) for e in r] for k in r[-1]})
@@ -422,14 +432,18 @@ def results_table(metrics: dict) -> str:
             return f"{s['mean'] * scale:.{digits}f}"
         return f"{s['mean'] * scale:.{digits}f} ± {sem * scale:.{digits}f}"
 
-    rows = ["| model | parameters | test accuracy (%) | test loss | ∫𝒢²dt (test) | final mean cosine | final clusters "
-            "| seconds / epoch |", "|---|---|---|---|---|---|---|---|"]
+    rows = ["| model | parameters | test accuracy (%) | test loss | ∫𝒢²dt (test) | action Σ|Δx|²/Δt (test) "
+            "| final mean cosine | final clusters | seconds / epoch |", "|---|---|---|---|---|---|---|---|---|"]
     for name, acc in metrics["test_accuracy"].items():
         d = metrics.get("depth", {}).get(name)
         kin = metrics["test_kinetic"].get(name)
+        act = metrics.get("test_action", {}).get(name)
         rows.append(f"| {name} | {metrics['parameters'][name]} | {pm(acc, 100, 2)} | {pm(metrics['test_loss'][name])} | "
-                    f"{pm(kin) if kin else '—'} | {pm(d['final_mean_cosine']) if d else '—'} | "
+                    f"{pm(kin) if kin else '—'} | {pm(act) if act else '—'} | "
+                    f"{pm(d['final_mean_cosine']) if d else '—'} | "
                     f"{pm(d['final_clusters'], digits=2) if d else '—'} | "
                     f"{metrics['seconds_per_epoch'][name]['mean']:.2f} |")
     n = len(next(iter(metrics["test_accuracy"].values()))["seeds"])
-    return "\n".join(rows) + f"\n\nmean ± standard error over {n} seeds."
+    kind = metrics.get("kinetic", "metric")
+    return "\n".join(rows) + (f"\n\nmean ± standard error over {n} seeds; flow_kinetic_λ trained with λ × "
+                               f"{'∫𝒢²dt' if kind == 'metric' else 'the action Σ|Δx|²/Δt'}.")

@@ -3,7 +3,7 @@
 Parses every module of transformer_pde with ``ast`` (module-level and function-level imports
 alike, so a "lazy" import inside a function counts) and checks
 
-* the sub-package order of ARCHITECTURE.md: utils < model < processes < solvers < analysis <
+* the sub-package order of ARCHITECTURE.md: utils < model < processes < solvers < nn < analysis <
   the facade (``transformer_pde/__init__.py``) < application; a module imports only from its own
   sub-package or lower ones;
 * the finer layer order inside them (``LAYERS``): a module imports only modules of strictly

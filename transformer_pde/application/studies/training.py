@@ -49,9 +49,21 @@ _KIND = "transformer_pde.train_digits.segment"  # the stored pieces (finite, che
 
 __all__ = ["results_table", "DigitClassifier", "load_digit_tokens"]
 
+def _seeds(v):
+    if not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 2**32 for s in v):
+        return "must be a list of integer seeds in [0, 2³² − 1]"
+    return unique_nonempty(v)
+
+
+def _lambdas(v):
+    if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0 for x in v):
+        return "must be a list of numbers λ > 0 (the flow at λ = 0 is always trained), e.g. [0.001, 0.01]"
+    return None if len(set(v)) == len(v) else "must not repeat a value"
+
+
 OPTIONS = {
     "seeds": Option([0, 1, 2, 3, 4], (list,), "seeds of the ensemble (initialisation and batch order)",
-                    check=unique_nonempty),
+                    check=lambda v: _seeds(v)),
     "epochs": Option(20, (int,), "training epochs of every model", check=positive),
     "batch_size": Option(64, (int,), "minibatch size", check=positive),
     "lr": Option(5e-3, (float,), "Adam learning rate", check=positive),
@@ -64,7 +76,7 @@ OPTIONS = {
     "solver": Option("euler", (str,), "fixed-step solver of the flow", choices=("euler", "heun", "rk4")),
     "geometry": Option("none", (str,), "flow geometry: projected flow, or the post-LN map", choices=("none", "post")),
     "lambdas": Option([1e-4, 1e-3, 1e-2], (list,), "weights λ of the kinetic regulariser λ∫𝒢²dt (one flow each)",
-                      check=lambda v: nonnegative(v) or (None if len(set(v)) == len(v) else "must not repeat")),
+                      check=lambda v: _lambdas(v)),
     "kinetic": Option("metric", (str,), "the regulariser's kinetic term: ∫𝒢²dt from the solver's ledger (metric) "
                       "or the action Σ|x_{k+1} − x_k|²/Δt of its steps (displacement)",
                       choices=("metric", "displacement")),

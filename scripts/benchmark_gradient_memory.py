@@ -80,14 +80,17 @@ def build(method, K, args, device, dtype):
     return tp.nn.MeanFieldAttention(args.dim, args.heads, **kw)
 
 
-def one_step(module, x, target, saved=None):
-    """Forward (its saved tensors counted by ``saved``), loss, backward."""
+def one_step(module, x, target, saved=None, kinetic=False):
+    """Forward (its saved tensors counted by ``saved``), loss (+ the kinetic term), backward."""
     if saved is None:
-        y = module(x)
+        y = module(x, kinetic=kinetic)
     else:
         with saved:
-            y = module(x)
+            y = module(x, kinetic=kinetic)
+    y, kin = y if kinetic else (y, None)
     loss = (y.mean(-2) @ target).square().mean()
+    if kin is not None:
+        loss = loss + 1e-3 * kin.mean()
     loss.backward()
     return loss.detach()
 
@@ -175,6 +178,26 @@ def main(argv=None):
         print(f"{'':>6} {'adjoint/dopri5':>15} time {a['seconds'] / b['seconds']:.2f}×, peak memory "
               f"{max(a['peak'], 1) / max(b['peak'], 1):.3f}×, saved {max(a['saved'], 1) / max(b['saved'], 1):.3f}×")
     print("# |Δgrad|/|grad|: the gradient against dopri5-backprop's at the same K (euler: its O(Δt) error).")
+    K = args.steps[0]
+    module = build("euler", K, args, device, dtype)
+    module.load_state_dict(state)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(args.batch, args.tokens, args.dim, generator=g, dtype=dtype).to(device)
+    x = x / x.norm(dim=-1, keepdim=True)
+    target = torch.randn(args.dim, generator=g, dtype=dtype).to(device)
+    cost = {}
+    for kinetic in (False, "displacement", "metric", False, "displacement", "metric"):  # twice: the second counts
+        times = []
+        for _ in range(args.repeat + 1):
+            _sync(device)
+            t0 = time.perf_counter()
+            one_step(module, x, target, kinetic=kinetic)
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+        cost[kinetic] = statistics.median(times)
+    print(f"# euler, K = {K}: s/step without a kinetic term {cost[False]:.4f}; with kinetic='displacement' "
+          f"{cost['displacement']:.4f} ({cost['displacement'] / cost[False]:.2f}×); with kinetic='metric' (the "
+          f"ledger's diagnostics) {cost['metric']:.4f} ({cost['metric'] / cost[False]:.2f}×)")
     return rows
 
 

@@ -427,7 +427,8 @@ def _figures(run, m, p):
 # ---------------------------------------------------------------------------- the docs table
 def results_table(metrics: dict) -> str:
     """A markdown table of a ``train_digits`` metrics.json: per model its parameters, test accuracy and loss
-    (mean ± standard error over seeds), the flows' ∫𝒢²dt, final mean cosine and cluster count.
+    (mean ± standard error over seeds), the flows' kinetic terms, final mean cosine, cluster count and energy
+    change along depth (on the analysis images).
 
     Parameters
     ----------
@@ -444,16 +445,21 @@ def results_table(metrics: dict) -> str:
             return f"{s['mean'] * scale:.{digits}f}"
         return f"{s['mean'] * scale:.{digits}f} ± {sem * scale:.{digits}f}"
 
+    def pg(s):  # quantities spanning decades: significant digits
+        sem = s["sem"]
+        return f"{s['mean']:.3g}" if sem is None or sem != sem else f"{s['mean']:.3g} ± {sem:.2g}"
+
     rows = ["| model | parameters | test accuracy (%) | test loss | ∫𝒢²dt (test) | action Σ‖Δx‖²/Δt (test) "
-            "| final mean cosine | final clusters | seconds / epoch |", "|---|---|---|---|---|---|---|---|---|"]
+            "| final mean cosine | final clusters | E(T) − E(0) | seconds / epoch |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for name, acc in metrics["test_accuracy"].items():
         d = metrics.get("depth", {}).get(name)
         kin = metrics["test_kinetic"].get(name)
         act = metrics.get("test_action", {}).get(name)
         rows.append(f"| {name} | {metrics['parameters'][name]} | {pm(acc, 100, 2)} | {pm(metrics['test_loss'][name])} | "
-                    f"{pm(kin) if kin else '—'} | {pm(act) if act else '—'} | "
+                    f"{pg(kin) if kin else '—'} | {pg(act) if act else '—'} | "
                     f"{pm(d['final_mean_cosine']) if d else '—'} | "
-                    f"{pm(d['final_clusters'], digits=2) if d else '—'} | "
+                    f"{pm(d['final_clusters'], digits=2) if d else '—'} | {pg(d['energy_change']) if d else '—'} | "
                     f"{metrics['seconds_per_epoch'][name]['mean']:.2f} |")
     n = len(next(iter(metrics["test_accuracy"].values()))["seeds"])
     kind = metrics.get("kinetic", "metric")

@@ -41,6 +41,7 @@ import torch
 
 import transformer_pde as tp
 
+from ...utils import threads
 from . import (Option, at_least, nonnegative, panel, positive, save_captioned, segment_bar, study, subplots,
                unique_nonempty)
 
@@ -268,6 +269,20 @@ def train_model(p, name: str, seed: int, data: dict, run) -> dict:
         records, start = st["records"], st["epoch"]
         log.info("[%s] resumed after epoch %d", tag, start)
     lam, x, y = _lambda(name), data["x_train"], data["y_train"]
+    # the thread policy (the CLI's --threads, "auto" by default) for the whole step, backward included: these
+    # small kernels run fastest on one thread, and two threads on a busy machine can be several times slower
+    work = p["batch_size"] * p["heads"] * x.shape[1] ** 2 * p["dim"]
+    with threads.scope(work) as pool:
+        records = _epochs(p, model, opt, gen, records, start, data, run, tag, lam, pool)
+    out = {"kind": _KIND, "records": records, "parameters": _count(model), "state": model.state_dict()}
+    run.save_tensors(tag, out)
+    run.data_path(ckpt).unlink(missing_ok=True)
+    return out
+
+
+def _epochs(p, model, opt, gen, records, start, data, run, tag, lam, pool):
+    """The epochs start+1 … epochs of one model: batches, test evaluation, per-epoch record and checkpoint."""
+    x, y, ckpt = data["x_train"], data["y_train"], f"{tag}_checkpoint"
     for epoch in range(start, p["epochs"]):
         t0 = time.perf_counter()
         perm = torch.randperm(len(y), generator=gen)
@@ -288,6 +303,7 @@ def train_model(p, name: str, seed: int, data: dict, run) -> dict:
             opt.zero_grad()
             total.backward()
             opt.step()
+            pool.refresh()
             tot += float(loss.detach()) * len(b)
         test_loss, test_acc, test_kin, test_act = _evaluate(model, data["x_test"], data["y_test"])
         rec = {"epoch": epoch + 1, "train_loss": tot / len(y), "test_loss": test_loss, "test_accuracy": test_acc,
@@ -302,10 +318,7 @@ def train_model(p, name: str, seed: int, data: dict, run) -> dict:
         report = getattr(run, "step_callback", None)
         if report is not None:
             report(tag, epoch + 1, float(epoch + 1))
-    out = {"kind": _KIND, "records": records, "parameters": _count(model), "state": model.state_dict()}
-    run.save_tensors(tag, out)
-    run.data_path(ckpt).unlink(missing_ok=True)
-    return out
+    return records
 
 
 # ---------------------------------------------------------------------------- depth statistics
@@ -406,7 +419,10 @@ def _figures(run, m, p):
     twin.plot(xs, [m["test_kinetic"][n]["mean"] for n in flows], marker="s", color="C3", label="∫G² dt (test)")
     twin.set_yscale("log")
     twin.set_ylabel("∫G² dt")
-    panel(axes[1], "λ (leftmost point: λ = 0)", "test accuracy", "the kinetic regulariser", legend=True)
+    panel(axes[1], "λ (leftmost point: λ = 0)", "test accuracy", "the kinetic regulariser")
+    handles = axes[1].get_legend_handles_labels()
+    more = twin.get_legend_handles_labels()
+    axes[1].legend(handles[0] + more[0], handles[1] + more[1])
     save_captioned(run, fig, "train_digits_accuracy",
                    f"Digits, {len(p['seeds'])} seeds, {p['epochs']} epochs: test accuracy per epoch, and at the end "
                    f"against λ (error bars: standard error over seeds) with the flow's ∫G²dt.", m, tidy=True)
@@ -419,9 +435,12 @@ def _figures(run, m, p):
             ax.plot(d["times"], d[k], label=name)
     for ax, (k, label) in zip(axes, keys):
         panel(ax, "depth t", label, label, legend=(k == "mean_cosine"))
+        if k in ("energy", "slope"):  # they span decades between the models
+            ax.set_yscale("log")
     save_captioned(run, fig, "train_digits_depth",
                    f"Trained flows along depth, mean over {p['analysis_images']} test images and {len(p['seeds'])} "
-                   f"seeds: mean token cosine, cluster count, energy and G² for each λ.", m, tidy=True)
+                   f"seeds: mean token cosine, cluster count, energy and G² for each λ (a layer boundary, where the heads "
+                   f"jump and the feed-forward step acts, is recorded twice).", m, tidy=True)
 
 
 # ---------------------------------------------------------------------------- the docs table

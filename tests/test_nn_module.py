@@ -246,3 +246,27 @@ def test_converters_keep_their_names_under_tp_nn():
     x = _tokens(1, 4, 4)[0]
     assert_close(tp.nn.attention_matrix(x, tp.nn.heads_from_multihead_attention(mha)).sum(-1),
                  torch.ones(2, 4, dtype=F64))
+
+
+def test_transformer_flow_trains_a_torch_encoder_over_many_steps():
+    """The wrapped encoder's heads are read again in every forward: a loop of optimizer steps works, the
+    forward is tp.simulate on tp.layerwise_from_transformer of the current weights, gradients reach them."""
+    torch.manual_seed(9)
+    layer = torch.nn.TransformerEncoderLayer(4, 2, 8, dropout=0.0, batch_first=True, dtype=F64)
+    encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    flow = tp.nn.TransformerFlow(encoder, layer_time=0.5, steps=3, token_norm=2.0, bias="drop")
+    x = _tokens(3, 5, 4, seed=11)
+    opt = torch.optim.SGD(flow.parameters(), lr=0.5)
+    for _ in range(3):
+        y = flow(x)
+        opt.zero_grad()
+        y[..., 0].mean().backward()
+        opt.step()
+    assert encoder.layers[1].self_attn.in_proj_weight.grad.abs().sum() > 0
+    with torch.no_grad():
+        theta = tp.layerwise_from_transformer(encoder, layer_time=0.5, token_norm=2.0, bias="drop")
+        ref = tp.simulate(x, theta, t1=1.0, dt=0.5 / 3, method="euler", direction="ascent", diagnostics=False).final
+        assert_close(flow(x), ref, rtol=1e-12, atol=1e-12)
+    assert sum(p.numel() for p in flow.parameters()) == sum(p.numel() for p in encoder.parameters())
+    with pytest.raises(TypeError, match="torch modules"):
+        tp.nn.TransformerFlow([{"query": torch.ones(1, 2, 4), "key": torch.ones(1, 2, 4), "value": torch.eye(4)[None]}])

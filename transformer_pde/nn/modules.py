@@ -56,6 +56,7 @@ from typing import Optional
 import torch
 
 from ..model.heads import Heads
+from ..processes.nn import attention_modules, heads_from_multihead_attention
 from ..processes.weights import Layerwise
 from ..solvers.methods import RK4, Dopri5, Euler, Heun
 from ..solvers.model import Model
@@ -63,7 +64,7 @@ from ..solvers.options import LedgerOptions, SaveAt
 from ..solvers.solve import solve
 from ..utils.validation import check_bool, check_choice, check_int, check_positive
 
-__all__ = ["MeanFieldAttention"]
+__all__ = ["MeanFieldAttention", "TransformerFlow"]
 
 #: the fixed-step solvers of the module (gradients by backpropagation through the steps)
 _FIXED = {"euler": Euler, "heun": Heun, "rk4": RK4}
@@ -240,9 +241,13 @@ class MeanFieldAttention(torch.nn.Module):
             raise TypeError(f"x must be a tensor (..., n, d), got {type(x).__name__}")
         if x.dim() < 2 or x.shape[-1] != self.dim:
             raise ValueError(f"x must have shape (..., n, {self.dim}) (d = dim = {self.dim}), got {tuple(x.shape)}")
-        if x.dtype != self.query.dtype or x.device != self.query.device:
-            raise ValueError(f"x is {x.dtype} on {x.device} but the module's parameters are {self.query.dtype} on "
-                             f"{self.query.device}; convert one of them (module.to(x) or x.to(...))")
+        ref = self._reference()
+        if x.dtype != ref.dtype or x.device != ref.device:
+            raise ValueError(f"x is {x.dtype} on {x.device} but the module's parameters are {ref.dtype} on "
+                             f"{ref.device}; convert one of them (module.to(x) or x.to(...))")
+
+    def _reference(self) -> torch.Tensor:
+        return self.query
 
     def forward(self, x: torch.Tensor, *, weights: Optional[torch.Tensor] = None, kinetic=False):
         """Carry tokens x (..., n, d) on the unit sphere from depth 0 to T.
@@ -333,3 +338,84 @@ class MeanFieldAttention(torch.nn.Module):
         return (f"dim={self.dim}, num_heads={self.num_heads}, head_dim={self.head_dim}, layers={self.layers}, "
                 f"t1={self.t1:g}, steps={self.steps}, solver={self.solver!r}, adjoint={self.adjoint}, "
                 f"geometry={self.geometry!r}, feedforward={self.feedforward}")
+
+
+class TransformerFlow(MeanFieldAttention):
+    """The attention layers of a torch model as a flow in depth, their heads read again in every forward.
+
+    Wraps ``model`` — anything :func:`~transformer_pde.processes.nn.attention_modules` accepts: a
+    ``torch.nn.TransformerEncoder``, a list or ``ModuleList`` of ``MultiheadAttention`` modules or of
+    layers with ``self_attn`` — as a submodule (its parameters are this module's) and, in every
+    forward, converts its attention layers with
+    :func:`~transformer_pde.processes.nn.heads_from_multihead_attention` (layer l holds on
+    [l·Δ, (l+1)·Δ), Δ = ``layer_time``) and solves, like :class:`MeanFieldAttention` (same forward,
+    kinetic terms and trajectory).  So a training loop may call ``backward()`` on every step: the
+    heads are never reused across graphs.  What the conversion keeps and drops (the MLP, LayerNorm's
+    affine parameters, biases): docs/training.md.
+
+    Parameters
+    ----------
+    model : torch.nn.Module or list
+        the attention layers.
+    layer_time : float
+        Δ, the depth of one layer (T = L·Δ).
+    steps : int
+        solver steps per layer.
+    token_norm : float
+        r, the norm of the tokens the layers see (√d after a LayerNorm without affine parameters): β = r²/√k.
+    bias : str
+        "warn", "drop" or "error" for the biases the model cannot represent
+        (:func:`~transformer_pde.processes.nn.heads_from_multihead_attention`).
+    head_weights : str
+        "sum" (MHA(x) = Σ_h f_h exactly) or "mean".
+    solver, adjoint, interpolation, geometry, direction, rtol, atol
+        as for :class:`MeanFieldAttention`.
+
+    Examples
+    --------
+    >>> import torch, transformer_pde as tp
+    >>> layer = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True, dtype=torch.float64)
+    >>> flow = tp.nn.TransformerFlow(torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), steps=2)
+    >>> x = torch.nn.functional.normalize(torch.randn(3, 5, 8, dtype=torch.float64), dim=-1)
+    >>> for _ in range(2):                                    # two backward passes: the heads are rebuilt
+    ...     flow(x).sum().backward()
+    >>> tuple(flow(x).shape)
+    (3, 5, 8)
+    """
+
+    def __init__(self, model, *, layer_time: float = 1.0, steps: int = 1, token_norm: float = 1.0,
+                 bias: str = "warn", head_weights: str = "sum", solver: str = "euler", adjoint: bool = False,
+                 interpolation: str = "constant", geometry: str = "none", direction: str = "ascent",
+                 rtol: float = 1e-6, atol: float = 1e-8):
+        mods = attention_modules(model)  # refuses what holds no attention layers (TypeError / ValueError)
+        if any(not isinstance(m, torch.nn.Module) for m in mods):
+            raise TypeError("TransformerFlow needs torch modules (their parameters are trained); a dict of heads "
+                            "is fixed tensors: use tp.layerwise_from_transformer and tp.solve instead")
+        first = mods[0].self_attn if hasattr(mods[0], "self_attn") else mods[0]
+        d, H = first.embed_dim, first.num_heads
+        layers = len(mods)
+        super().__init__(d, H, layers=layers, t1=check_positive(layer_time, "layer_time") * layers, steps=steps,
+                         solver=solver, adjoint=adjoint, interpolation=interpolation, geometry=geometry,
+                         direction=direction, rtol=rtol, atol=atol, dtype=first.out_proj.weight.dtype,
+                         device=first.out_proj.weight.device)
+        for name in ("query", "key", "value", "output"):  # the wrapped model's parameters are the only ones
+            delattr(self, name)
+        self.model = model if isinstance(model, torch.nn.Module) else torch.nn.ModuleList(mods)
+        self.convert = {"token_norm": check_positive(token_norm, "token_norm"),
+                        "bias": check_choice(bias, ("warn", "drop", "error"), "bias"),
+                        "head_weights": check_choice(head_weights, ("sum", "mean"), "head_weights")}
+        self.beta = self.convert["token_norm"] ** 2 / math.sqrt(d // H)
+
+    def reset_parameters(self) -> None:
+        """Nothing to do: the parameters are the wrapped model's (its own initialisation)."""
+
+    def _reference(self) -> torch.Tensor:
+        return next(self.model.parameters())
+
+    def heads(self, layer: int) -> Heads:
+        """The heads of attention layer ``layer``, converted from the model's current parameters."""
+        return heads_from_multihead_attention(attention_modules(self.model)[layer], **self.convert)
+
+    def extra_repr(self) -> str:
+        return (f"layers={self.layers}, t1={self.t1:g}, steps={self.steps}, solver={self.solver!r}, "
+                f"adjoint={self.adjoint}, geometry={self.geometry!r}, token_norm={self.convert['token_norm']:g}")

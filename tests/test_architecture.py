@@ -3,7 +3,7 @@
 Parses every module of transformer_pde with ``ast`` (module-level and function-level imports
 alike, so a "lazy" import inside a function counts) and checks
 
-* the sub-package order of ARCHITECTURE.md: utils < model < processes < solvers < analysis <
+* the sub-package order of ARCHITECTURE.md: utils < model < processes < solvers < nn < analysis <
   the facade (``transformer_pde/__init__.py``) < application; a module imports only from its own
   sub-package or lower ones;
 * the finer layer order inside them (``LAYERS``): a module imports only modules of strictly
@@ -51,6 +51,8 @@ LAYERS = [
     {"transformer_pde.solvers.jko_lagrangian", "transformer_pde.solvers.jko_eulerian"},  # the two JKO schemes
     {"transformer_pde.solvers.jko", "transformer_pde.solvers.distributed"},
     {"transformer_pde.solvers.solve"},  # tp.solve
+    {"transformer_pde.nn.modules"},  # MeanFieldAttention: continuous-depth attention whose forward is a solve
+    {"transformer_pde.nn"},  # tp.nn: the torch.nn converters and the module
     # Lipschitz and Grönwall constants, fast-weights coefficients; linear stability of the uniform measure
     {"transformer_pde.analysis.theory.stability", "transformer_pde.analysis.theory.noise"},
     # generic diagnostics; closed forms
@@ -63,7 +65,7 @@ LAYERS = [
     {"transformer_pde.application.animation"},
     {"transformer_pde.application.studies"},
     {f"transformer_pde.application.studies.{m}" for m in ("demo", "paper", "theory", "jko", "clustering", "causal",
-                                                          "layernorm", "noisy")},
+                                                          "layernorm", "noisy", "training")},
     {"transformer_pde.application.studies.theorems"},  # composes studies.jko (the uniqueness panel)
     {"transformer_pde.application.runs"},
     {"transformer_pde.application.sweep"},
@@ -72,7 +74,7 @@ LAYERS = [
 RANK = {m: i for i, layer in enumerate(LAYERS) for m in layer}
 
 # the sub-packages, lowest first; the facade (transformer_pde/__init__.py) sits between analysis and application
-SUBPACKAGES = ["utils", "model", "processes", "solvers", "analysis", "", "application"]
+SUBPACKAGES = ["utils", "model", "processes", "solvers", "nn", "analysis", "", "application"]
 
 
 def subpackage_rank(module: str) -> int:

@@ -12,6 +12,7 @@ import importlib.util
 import math
 import re
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -137,8 +138,13 @@ def test_biases_key_bias_exact_others_dropped_or_refused():
         m.out_proj.bias.normal_()
     c = m.out_proj.weight.detach() @ m.in_proj_bias[2 * E:].detach() + m.out_proj.bias.detach()
     out = m(x, x, x, need_weights=False)[0].detach()
-    dropped = tp.heads_from_multihead_attention(m)  # bias="drop" (default)
+    with pytest.warns(UserWarning, match=r"value bias .*output bias.*bias='error'"):
+        dropped = tp.heads_from_multihead_attention(m)  # bias="warn" (default): dropped, with a warning
     assert_close(out - tp.head_outputs(x, dropped).sum(-3), c.expand_as(out))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # bias="drop": the same heads, knowingly, without a warning
+        silent = tp.Heads.from_multihead_attention(m, bias="drop")
+    assert_close(tp.head_outputs(x, silent).sum(-3), tp.head_outputs(x, dropped).sum(-3))
     with pytest.raises(ValueError, match="value bias"):
         tp.heads_from_multihead_attention(m, bias="error")
     with torch.no_grad():

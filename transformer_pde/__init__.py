@@ -37,7 +37,8 @@ from .solvers.solve import solve
 from .model import attention, transport
 from .analysis import diagnostics, theory
 from .solvers import distributed
-from .processes import nn
+from . import nn
+from .nn import MeanFieldAttention
 from .model.attention import kernel_backend
 from .utils.threads import thread_policy
 from .solvers.distributed import distributed_evaluate, simulate_sharded
@@ -120,7 +121,7 @@ __all__ = [
     "jko",
     "to_grid",
     "JKOConvergenceError",
-    "nn",
+    "nn", "MeanFieldAttention",
     "heads_from_multihead_attention",
     "layerwise_from_transformer",
     "attention_matrix",

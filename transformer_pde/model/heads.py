@@ -18,6 +18,7 @@ formed only when a caller asks for it.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Mapping, Optional, Union
 
 import torch
@@ -210,12 +211,36 @@ class Heads:
         return cls(query.transpose(-1, -2) @ key, V, weights, beta)
 
     @classmethod
-    def from_multihead_attention(cls, module, **kwargs) -> "Heads":
+    def from_multihead_attention(
+        cls,
+        module,
+        *,
+        head_weights: Union[str, torch.Tensor] = "sum",
+        beta: Optional[Union[float, torch.Tensor]] = None,
+        token_norm: float = 1.0,
+        keep_factors: Optional[bool] = None,
+        bias: str = "warn",
+        detach: bool = False,
+        dtype: Optional[torch.dtype] = None,
+        device=None,
+    ) -> "Heads":
         """Heads of a ``torch.nn.MultiheadAttention`` (or a layer's ``self_attn``, or a dict of per-head
         query/key/value/output tensors): A_h = W_{Q,h}ᵀ W_{K,h}, V_h = W_{O,h} W_{V,h}, β = r²/√k,
-        ω_h = 1, factors kept when k < d.  Options, and what the conversion keeps and drops:
-        :func:`transformer_pde.processes.nn.heads_from_multihead_attention`."""
-        return heads_from_multihead_attention(module, **kwargs)
+        ω_h = 1, factors kept when k < d.
+
+        The heads hold tensors computed from the module's parameters: in a training loop build them
+        again after every optimizer step (inside the forward), never once before the loop.  The
+        options, and what the conversion keeps and drops (``bias="warn"`` drops non-zero query,
+        value and output biases with a UserWarning; "drop" drops them silently; "error" refuses):
+        :func:`transformer_pde.processes.nn.heads_from_multihead_attention`.
+
+        Returns
+        -------
+        Heads
+            the heads of the module."""
+        return heads_from_multihead_attention(module, head_weights=head_weights, beta=beta, token_norm=token_norm,
+                                              keep_factors=keep_factors, bias=bias, detach=detach, dtype=dtype,
+                                              device=device)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -453,7 +478,7 @@ def _split_mha(mha: torch.nn.MultiheadAttention, bias: str):
     else:
         Wq, Wk, Wv = mha.q_proj_weight, mha.k_proj_weight, mha.v_proj_weight
     Wo = mha.out_proj.weight
-    if bias == "error":
+    if bias != "drop":
         found = []
         if mha.in_proj_bias is not None:
             bq, _bk, bv = mha.in_proj_bias.split(E)
@@ -467,11 +492,18 @@ def _split_mha(mha: torch.nn.MultiheadAttention, bias: str):
             found.append("add_bias_kv (bias_k, bias_v)")
         if mha.add_zero_attn:
             found.append("add_zero_attn")
-        if found:
+        if found and bias == "error":
             raise ValueError(
                 "the module has terms the model cannot represent: " + ", ".join(found)
                 + "; zero them, or pass bias='drop' to drop them (the key bias is always exact)"
             )
+        if found:
+            warnings.warn(
+                "heads_from_multihead_attention drops terms the model cannot represent: " + ", ".join(found)
+                + "; the heads then differ from the module by them.  Build the module with bias=False (or zero "
+                "them) to keep the conversion exact, pass bias='drop' to drop them knowingly without this "
+                "warning, or bias='error' to refuse such modules (the key bias is always exact)",
+                UserWarning, stacklevel=3)
     Q = Wq.reshape(H, k, E)
     K = Wk.reshape(H, k, E)
     V = Wv.reshape(H, k, E)
@@ -514,7 +546,7 @@ def heads_from_multihead_attention(
     beta: Optional[Union[float, torch.Tensor]] = None,
     token_norm: float = 1.0,
     keep_factors: Optional[bool] = None,
-    bias: str = "drop",
+    bias: str = "warn",
     detach: bool = False,
     dtype: Optional[torch.dtype] = None,
     device=None,
@@ -540,7 +572,12 @@ def heads_from_multihead_attention(
     keep_factors : Optional[bool]
         keep Q_h, K_h (k×d) instead of forming A_h; None means "when k < d".
     bias : str
-        "drop" (default) or "error" (refuse non-zero query/value/output biases, bias_k/v, zero attention).
+        what to do with non-zero query/value/output biases, ``bias_k``/``bias_v`` and
+        ``add_zero_attn``, which the model cannot represent: "warn" (default: drop them with a
+        UserWarning that names them), "drop" (drop them silently) or "error" (refuse the module).
+        The key bias is always exact (it cancels in the softmax).  A module built with
+        ``bias=False`` has none of these; the biases of a fresh module start at zero, so the warning
+        appears once training has moved them.
     detach : bool
         cut the autograd link to the module's parameters.
     dtype, device
@@ -559,7 +596,7 @@ def heads_from_multihead_attention(
         cross-attention (kdim/vdim != embed_dim), unknown/missing dict keys, bad shapes,
         non-zero biases with ``bias="error"``, unknown options.
     """
-    check_choice(bias, ("drop", "error"), "bias")
+    check_choice(bias, ("warn", "drop", "error"), "bias")
     if isinstance(module, Mapping):
         Q, K, Wv, O = _from_dict(module)
     else:

@@ -26,11 +26,12 @@ What the model keeps of a transformer block
     :func:`layerwise_from_transformer`).
 
 What it drops
-    the feed-forward (MLP) sublayer; the biases (``bias="drop"``, the default: the key bias
-    exactly, since it adds ⟨W_Q x, b_K⟩ to every score of a row and cancels in the softmax; the
-    query bias changes the scores by ⟨b_Q, W_K y⟩, a per-key offset the model has no place for;
-    the value and output biases add the constant vector Σ_h W_{O,h} b_{V,h} + b_O to every
-    output; ``bias="error"`` refuses modules in which any of these is non-zero); the LayerNorm's
+    the feed-forward (MLP) sublayer; the biases (the key bias exactly, since it adds ⟨W_Q x, b_K⟩
+    to every score of a row and cancels in the softmax; the query bias changes the scores by
+    ⟨b_Q, W_K y⟩, a per-key offset the model has no place for; the value and output biases add
+    the constant vector Σ_h W_{O,h} b_{V,h} + b_O to every output.  ``bias="warn"``, the default,
+    drops non-zero ones with a UserWarning naming them, ``bias="drop"`` drops them silently,
+    ``bias="error"`` refuses modules in which any of these is non-zero); the LayerNorm's
     mean-centring and affine γ, β (the sphere replaces it); dropout; attention masks (causal,
     padding: the model is full self-attention over the whole measure); ``add_bias_kv`` and
     ``add_zero_attn`` (extra keys); positional encodings (tokens are just points); pre- vs
@@ -38,6 +39,9 @@ What it drops
 
 Everything here is differentiable: the Heads hold tensors computed from the module's
 parameters, so gradients of a simulation flow back into the network (``detach=True`` cuts them).
+Because they are computed tensors, heads built once and reused after a ``backward()`` hold a freed
+graph (PyTorch's "backward through the graph a second time"): in a training loop build them again
+in every forward, or use :class:`transformer_pde.nn.MeanFieldAttention`, which does.
 
 Examples
 --------

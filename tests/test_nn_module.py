@@ -97,14 +97,19 @@ def test_a_training_loop_reduces_the_loss_and_survives_many_backward_passes(dtyp
 
 
 def test_heads_built_once_cannot_be_reused_after_backward():
-    """The rule the module follows: heads are tensors computed from the parameters; built once, a second
-    backward() meets the freed graph, built again in the loop it works."""
+    """The rule the module follows: heads are tensors computed from the parameters; built once with a dense
+    score, a second backward() meets the freed graph; built again in the loop (or kept as factors) it works."""
     torch.manual_seed(3)
     mha = torch.nn.MultiheadAttention(4, 2, bias=False, dtype=F64)
     x = _tokens(1, 5, 4)[0]
-    heads = tp.Heads.from_multihead_attention(mha)
+    # dense scores A_h = Q_hᵀK_h are a product formed once: its graph is freed by the first backward
+    heads = tp.Heads.from_multihead_attention(mha, keep_factors=False)
     tp.simulate(x, heads, t1=0.2, dt=0.1, direction="ascent").final.sum().backward()
     with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        tp.simulate(x, heads, t1=0.2, dt=0.1, direction="ascent").final.sum().backward()
+    # kept as factors (views of the parameters, multiplied inside every solve) they can be reused
+    heads = tp.Heads.from_multihead_attention(mha, keep_factors=True)
+    for _ in range(2):
         tp.simulate(x, heads, t1=0.2, dt=0.1, direction="ascent").final.sum().backward()
     for _ in range(2):
         heads = tp.Heads.from_multihead_attention(mha)

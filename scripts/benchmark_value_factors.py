@@ -136,7 +136,8 @@ def main():
     print(f"load average before {load0[0]:.2f} / after {load1[0]:.2f} (1 min) on {os.cpu_count()} cores, shared "
           f"with other jobs: the times are noisy, ratios within this run are what to compare")
     print(f"max |V_old − V_new| / max |V_old| = {rel:.1e}")
-    print(f"{'what':<10} {'order / backend':<24} {'median ms':>10} {'min–max ms':>18} {'/ MHA fwd':>10} {'old/new':>8}")
+    head = ("what", "order / backend", "median ms", "min–max ms", "/ MHA fwd", "old/new")
+    print(f"{head[0]:<10} {head[1]:<24} {head[2]:>10} {head[3]:>18} {head[4]:>10} {head[5]:>8}")
     for (what, tag), ts in times.items():
         med = statistics.median(ts)
         speedup = ""

@@ -55,9 +55,9 @@ from ..utils.validation import (
 from .normalization import NORMALIZATIONS
 from .attention import (
     HeadStats, causal_log_prefix_mass, head_columns, head_columns_mass, head_columns_products, head_columns_width,
-    head_moment_sums_along, mean_applied, per_head_map, relu_statistics, scaled_partition, softmax_statistics,
+    deferred_mean_stats, head_moment_sums_along, mean_applied, per_head_map, relu_statistics, scaled_partition,
+    softmax_statistics, softmax_values, values_first_applies,
 )
-from .attention_values import softmax_values, values_first_applies
 from .heads import Heads, broadcast_shapes
 from .normalization import choose as choose_normalization, names, normalization as as_normalization
 from .sphere import tangent_projection
@@ -350,7 +350,7 @@ def diagnostics_along(x, heads: Heads, weights, velocity, stats: HeadStats, *, l
 
 def _values_first(norm, heads: Heads) -> bool:
     """True when the field of this normalisation is read off the softmax averages of the values W_{V,h} y_j
-    (:func:`transformer_pde.model.attention_values.softmax_values`): softmax statistics used through V_h
+    (:func:`transformer_pde.model.attention.softmax_values`): softmax statistics used through V_h
     ("softmax", "unnormalized"), heads with query/key and value factors."""
     return norm.statistics == "softmax" and norm.uses_value and values_first_applies(heads)
 
@@ -424,9 +424,8 @@ def evaluate(
         # (d-dimensional) formed only if a caller reads stats.mean
         lse, values = softmax_values(x, heads, key_weights, keys=keys, chunk_elements=chunk_elements,
                                      backend=backend, causal=causal)
-        stats = HeadStats(lse, None, None)
-        stats.__dict__["_mean_fn"] = functools.partial(_softmax_mean, x, heads, key_weights, keys, chunk_elements,
-                                                       backend, causal)
+        stats = deferred_mean_stats(lse, functools.partial(_softmax_mean, x, heads, key_weights, keys, chunk_elements,
+                                                           backend, causal))
     else:
         # under causality the diagnostics belong to the whole measure: its own, unmasked pass
         stats = softmax_statistics(x, heads, key_weights, keys=keys, second_moment=second_moment and not

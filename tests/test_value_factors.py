@@ -219,3 +219,15 @@ def test_softmax_values_refuses_heads_without_factors():
     assert attention.values_first_applies(h) and not attention.values_first_applies(_dense(h))
     with pytest.raises(ValueError, match="query/key factors and value factors"):
         softmax_values(random_sphere(N, D), _dense(h))
+
+
+def test_a_query_shard_against_the_whole_measure(dtype):
+    """keys=: the field at a shard of the queries from the measure of all tokens, as the dense-value heads give."""
+    h = _factored(dtype, seed=20)
+    x = random_sphere(2, N, D, dtype=dtype, seed=21)
+    w = _padded_weights((2,), dtype)
+    new = evaluate(x[:, :3], h, None, diagnostics=False, keys=x, key_weights=w)
+    old = evaluate(x[:, :3], _dense(h), None, diagnostics=False, keys=x, key_weights=w)
+    _close(new.velocity, old.velocity, dtype)
+    rtol, atol = _tol(dtype)
+    assert_close(new.stats.log_partition, old.stats.log_partition, rtol=rtol, atol=10 * atol)

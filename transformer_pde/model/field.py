@@ -405,7 +405,12 @@ def evaluate(
     returned ``stats`` are then those of the whole measure (what the energy ledger pairs with),
     with the second moment when ``second_moment``.
     ``causal="sum"``: the un-normalised kernels sum over the prefix instead of averaging (module
-    docstring); ``True`` and ``"mean"`` are the prefix mean."""
+    docstring); ``True`` and ``"mean"`` are the prefix mean.
+
+    Heads with query/key factors and value factors V_h = O_h W_{V,h}, ``diagnostics=False`` and no second
+    moment: a "softmax" or "unnormalized" field is computed values first, f_h = O_h Σ_j p_ij W_{V,h} y_j
+    (:func:`transformer_pde.model.attention.softmax_values`, H·n·m·k_v work instead of H·n·m·d); the
+    returned ``stats`` then hold the log-partitions, and their ``mean`` ȳ_h is computed on first access."""
     norm = as_normalization(normalization)
     prefix_sum = isinstance(causal, str) and causal == "sum"
     causal = bool(causal)

@@ -231,3 +231,22 @@ def test_a_query_shard_against_the_whole_measure(dtype):
     _close(new.velocity, old.velocity, dtype)
     rtol, atol = _tol(dtype)
     assert_close(new.stats.log_partition, old.stats.log_partition, rtol=rtol, atol=10 * atol)
+
+
+def test_a_layer_map_solve_takes_the_values_first_path(monkeypatch):
+    """geometry="post" (the layer maps' fused pass for dense heads): value-factored heads go through the
+    values-first kernel and give the tokens of the dense-value heads."""
+    calls = _spy(monkeypatch)
+    h = _factored(torch.float64, seed=22, beta=0.5)
+    x0 = random_sphere(2, N, D, seed=23)
+    w = _padded_weights((2,), torch.float64)
+
+    def run(heads):
+        model = tp.Model(tp.Constant(heads), normalization="softmax", direction="ascent", geometry="post",
+                         weights=w)
+        return tp.solve(model, x0, tp.Euler(), t1=2.0, dt=1.0, saveat=tp.SaveAt(every=1),
+                        ledger=tp.LedgerOptions(diagnostics=False), progress=False).x
+
+    got = run(h)
+    assert calls["values"] == 3 and calls["moments"] == 0
+    assert_close(got, run(_dense(h)), rtol=1e-12, atol=1e-12)

@@ -266,11 +266,18 @@ def mean_field_loop(beta: float, d: int, ratios: Sequence[float], *, lam: float 
     up = [float(v) if (np.isfinite(v) and r <= sp["ratio"]) else 0.0 for r, v in zip(ratios, m_st)]
     down = [float(v) if (np.isfinite(v) and r < 1.0) else 0.0 for r, v in zip(ratios, m_st)]
     area_st = float(np.trapezoid(np.subtract(up, down), ratios)) if len(ratios) > 1 else 0.0
-    # continuous: ∫_1^{r_s} m_up(r) dr on the stable part of the branch (T from T_c up to T_s)
+    # continuous: ∫_1^{r_s} m_up(r) dr along the stable part of the branch (from the fold to T = T_c), with the
+    # exact fold and the point where the branch crosses T_c added (the sliver next to T_c is not negligible)
     i = int(np.argmax(br["T"]))
     r_b, m_b = br["T"][i:] / float(br["Tc"]), br["m"][i:]
-    keep = r_b >= 1.0
-    area_cont = float(np.trapezoid(m_b[keep][::-1], r_b[keep][::-1])) if keep.sum() > 1 else 0.0
+    area_cont = 0.0
+    if sp["first_order"] and r_b[-1] < 1.0:
+        k = int(np.argmax(r_b < 1.0))  # first branch point below T_c
+        m_1 = m_b[k - 1] + (1.0 - r_b[k - 1]) * (m_b[k] - m_b[k - 1]) / (r_b[k] - r_b[k - 1])
+        rr = np.concatenate([[sp["ratio"]], r_b[1:k], [1.0]])
+        mm = np.concatenate([[sp["m"]], m_b[1:k], [m_1]])
+        keep = np.concatenate([[True], mm[1:-1] > sp["m"], [True]])
+        area_cont = float(-np.trapezoid(mm[keep], rr[keep]))
     return {"ratios": ratios, "up": up, "down": down, "area_stages": area_st, "area_continuous": area_cont,
             "spinodal": sp}
 

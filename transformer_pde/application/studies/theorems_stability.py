@@ -251,10 +251,10 @@ def run_stability_data(params, run) -> Dict[str, object]:
         v, e, _ = ensemble((glog[:, -1] / math.log(10) - torch.log10(sig[:, -1])).tolist())
         claims.append(claim(f"{proc}: log10 of the global Grönwall factor over sigma_1 at T", v, e, S,
                             reference=None, holds=bool(v >= 0)))
-        v, e, _ = ensemble((rnd / sig).max(-1).values.tolist())
-        claims.append(claim(f"{proc}: max over {p['directions']} random directions / sigma_1 (max over t)", v, e, S,
+        v, e, _ = ensemble((rnd / sig)[:, -1].tolist())
+        claims.append(claim(f"{proc}: max over {p['directions']} random directions / sigma_1 at T", v, e, S,
                             reference=1.0, holds=bool(((rnd / sig) <= 1 + 1e-6).all())))
-        dev = (w2w / sig - 1).abs().max(-1).values
+        dev = (w2w[:, -1] / sig[:, -1] - 1).abs()  # the worst direction at T (not at earlier times)
         v, e, _ = ensemble((w2w[:, -1] / sig[:, -1]).tolist())
         claims.append(claim(f"{proc}: exact W2 ratio of the realised worst direction / sigma_1(T)", v, e, S,
                             reference=1.0, holds=bool(dev.max() <= 1e-3)))

@@ -52,7 +52,10 @@ LAYERS = [
     {"transformer_pde.solvers.jko", "transformer_pde.solvers.distributed"},
     {"transformer_pde.solvers.solve"},  # tp.solve
     # Lipschitz and Grönwall constants, fast-weights coefficients; linear stability of the uniform measure
-    {"transformer_pde.analysis.theory.stability", "transformer_pde.analysis.theory.noise"},
+    {"transformer_pde.analysis.theory.stability", "transformer_pde.analysis.theory.noise",
+     "transformer_pde.analysis.theory.circle"},
+    # worst-case flow sensitivity and trajectory bounds; stationary mean-field branches (continuation)
+    {"transformer_pde.analysis.theory.sensitivity", "transformer_pde.analysis.theory.continuation"},
     # generic diagnostics; closed forms
     {"transformer_pde.analysis.clustering", "transformer_pde.analysis.ensembles", "transformer_pde.analysis.theory"},
     {"transformer_pde.analysis.theory.particles"},  # the particle diagnostics of the theory
@@ -61,9 +64,12 @@ LAYERS = [
     {"transformer_pde.application.plotting"},
     {"transformer_pde.application.animation"},
     {"transformer_pde.application.studies"},
+    {"transformer_pde.application.studies.claims"},  # the claims list of metrics.json
+    {"transformer_pde.application.studies.noisy_hysteresis"},  # the hysteresis sweeps of the noisy study
     {f"transformer_pde.application.studies.{m}" for m in ("demo", "paper", "theory", "jko", "clustering", "causal",
                                                           "layernorm", "noisy")},
-    {"transformer_pde.application.studies.theorems"},  # composes studies.jko (the uniqueness panel)
+    {"transformer_pde.application.studies.theorems_stability"},  # uses studies.jko's slope fit
+    {"transformer_pde.application.studies.theorems"},  # registers the stability studies
     {"transformer_pde.application.runs"},
     {"transformer_pde.application.sweep"},
     {"transformer_pde.application.cli"},

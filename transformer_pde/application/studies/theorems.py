@@ -2,17 +2,10 @@
 
 Kinds (each a ``theorem_*`` config in experiments/, a quick and a full one):
 
-``theorem_stability_data``
-    Stability in the initial data.  Pairs (μ_0, ν_0) at W_2 distance ε (ν rotated, jittered or
-    reweighted), both evolved under the same Θ_t (constant, one shared OU path replayed for both,
-    oscillating, layerwise): W_2(μ_t, ν_t)/W_2(μ_0, ν_0) against t, W_2(μ_T, ν_T) against ε (fitted
-    slope ≈ 1), and the Grönwall bound exp(∫_0^t L(s) ds) with L = ``tp.theory.lipschitz_bound``.
-    Uniqueness: the particle and the JKO solution from the same data agree as τ → 0 (composed from
-    ``tp.jko``; the full study is the ``jko_vs_particles`` kind).
-``theorem_stability_weights``
-    Stability in the weights: Θ^ε → Θ (OU path + ε·independent path, oscillating target F(t + ε),
-    layer weights + ε·noise); sup_t |E^ε − E| and W_2(μ^ε_T, μ_T) against ε (slope ≈ 1); ε = 0 is the
-    unperturbed run.
+``theorem_stability_data``, ``theorem_stability_weights``
+    Stability in the data (worst case over perturbations against a bound along the trajectory) and in the
+    weights (W_2 between the token measures, the energy gap split into the weights' direct effect and the flow's
+    part): :mod:`.theorems_stability`, registered from here.
 ``theorem_omega_limit``
     The ω-limit: long runs for OU weights at several H, layerwise weights whose last layer holds,
     damped oscillations and the paper's oscillating weights; 𝒢²(t), the residual velocity
@@ -25,7 +18,7 @@ Kinds (each a ``theorem_*`` config in experiments/, a quick and a full one):
     rate), with the SDE simulated by :func:`common_noise_sde` on the same Brownian paths.
 
 Every number comes from the public API (``tp.simulate``, ``tp.sample_path``, ``tp.distance``,
-``tp.velocity``, ``tp.energy``, ``tp.theory.lipschitz_bound``, ``tp.clustering``), so the heads and
+``tp.velocity``, ``tp.energy``, ``tp.theory.flow_sensitivity``, ``tp.clustering``), so the heads and
 processes can be swapped.  All studies use direction "descent" (the reference code) unless the config
 says otherwise.
 """

@@ -172,7 +172,14 @@ def _check_resolution(p, eps):
                          "resolve such distances; use dtype = \"float64\" or take eps >= 1e-4")
 
 
+def _check_layers(p):
+    """Layer boundaries on the step grid: a jump inside a step is integrated differently by any two RK4 codes."""
+    if "layerwise" in p.get("processes", p.get("perturbations", ())):
+        whole_steps(p["t1"] / p["layers"], p["dt"], "t1/layers", "dt")
+
+
 def _check_data(p):
+    _check_layers(p)
     _check_resolution(p, p["eps"])
     if p["eps"] >= 0.1:
         raise ValueError(f"config key 'eps' = {p['eps']:g}: the realised perturbation must be small (< 0.1)")
@@ -411,11 +418,12 @@ def _weights_draw(p, kind, s, eps, dtype):
 @study("theorem_stability_weights", WEIGHT_OPTIONS,
        "Stability in the weights: W2 between the token measures of Θ and Θ^ε against a trajectory bound; the "
        "energy gap split into the weights' direct effect and the flow's part",
-       validate=lambda p: (_check_resolution(p, min(p["eps"])), whole_steps(p["t1"], p["dt"])))
+       validate=lambda p: (_check_resolution(p, min(p["eps"])), whole_steps(p["t1"], p["dt"]), _check_layers(p)))
 def run_stability_weights(params, run) -> Dict[str, object]:
     p = dict(params)
     _check_resolution(p, min(p["eps"]))
     whole_steps(p["t1"], p["dt"])
+    _check_layers(p)
     dtype = dtype_of(p)
     eps = sorted(p["eps"], reverse=True)
     S = p["seeds"]

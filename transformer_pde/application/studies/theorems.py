@@ -36,6 +36,7 @@ import transformer_pde as tp
 
 from . import (
     DTYPE, Option, at_least, cached, log_ticks, nonnegative, panel, positive, save_captioned, study, subplots, dtype_of)
+from .claims import bootstrap_interval, claim
 from .jko import fit_slope
 from .theorems_stability import (  # noqa: F401  (the stability studies register on import; helpers re-exported)
     DIRECTION, eps_list, random_heads, subset, tokens, whole_steps, perturbed_pair, perturbed_weights,
@@ -337,7 +338,7 @@ def run_fast_weights(params, run) -> Dict[str, object]:
                                   "sde_step": fine, "limit_mean_overlap": float(ov_ref.mean()),
                                   "limit_energy": float(en_ref.mean()),
                                   "limit_mean_overlap_mc_se": float(ov_ref.std() / math.sqrt(P))}
-    curves = {}
+    curves, claims = {}, []
     for fam in p["families"]:
         def go(fam=fam):
             xs = []
@@ -386,6 +387,19 @@ def run_fast_weights(params, run) -> Dict[str, object]:
             metrics[f"{fam}_{key}_err_rate_resolved"] = fit_slope([dl for dl, k in zip(deltas, ok) if k],
                                                                   [float(e) for e, k in zip(c[f"{key}_err"], ok) if k])
         run.save_series(f"fast_{fam}", {"delta": deltas, **{k: v for k, v in c.items()}})
+        # rates with 95 % bootstrap intervals over the coupled paths (the SDE resampled with its pre-limit)
+        diffs = {"overlap": (ov - ov_ref).T.double().numpy(), "energy": (en - en_ref).T.double().numpy(),
+                 "strong": (out["x_T"] - ref["x_T"]).square().sum(-1).mean(-1).T.double().numpy()}
+        for key, arr in diffs.items():
+            agg = (lambda a: np.sqrt(a.mean(0))) if key == "strong" else (lambda a: np.abs(a.mean(0)))
+            rate, half = bootstrap_interval(arr, lambda a, agg=agg: fit_slope(deltas, agg(a).tolist()), seed=p["seed"])
+            kind = "strong error" if key == "strong" else f"weak error of the {key}"
+            ref_rate = 0.5 if key == "strong" else 1.0
+            # an interval wider than half the expected rate does not resolve the rate: no verdict
+            verdict = None if half > 0.5 * ref_rate else bool(abs(rate - ref_rate) <= half)
+            claims.append(claim(f"{fam}: rate of the {kind} in delta", rate, half, P, reference=ref_rate,
+                                holds=verdict))
+    metrics["claims"] = claims
     if p["figures"]:
         _fast_figure(run, p, deltas, curves, metrics)
     return metrics

@@ -61,6 +61,7 @@ def render_table(claims: List[Dict], digits: int = 4) -> str:
     rows = ["| claim | value ± error | seeds | reference | holds |", "| --- | --- | --- | --- | --- |"]
     for c in claims:
         verdict = {True: "yes", False: "**no**", None: "—"}[c.get("holds")]
-        rows.append(f"| {c['name']} | {f(c['value'])} ± {f(c['error'])} | {c['seeds']} | {f(c['reference'])} | "
+        name = c["name"].replace("|", "\\|")  # a literal bar must not split the markdown row
+        rows.append(f"| {name} | {f(c['value'])} ± {f(c['error'])} | {c['seeds']} | {f(c['reference'])} | "
                     f"{verdict} |")
     return "\n".join(rows)

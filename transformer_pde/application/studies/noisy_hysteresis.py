@@ -187,10 +187,11 @@ def hysteresis_figure(p, hyst, run, metrics):
     fig, axs = subplots(1, len(betas), (5.2 * len(betas), 4.2), squeeze=False)
     for j, hb in enumerate(betas):
         ax = axs[0, j]
-        for i, ((b, n), h) in enumerate(sorted(hyst.items())):
+        ns = sorted({n for _, n in hyst})
+        for (b, n), h in sorted(hyst.items()):
             if b != hb:
                 continue
-            col = f"C{i % 10}"
+            col = f"C{ns.index(n) % 10}"  # one colour per N in every panel
             ax.errorbar(h["ratios"], h["up"], yerr=[2 * e for e in h["up_stderr"]], fmt="o-", color=col, capsize=2,
                         label=f"$N$ = {n} up")
             ax.errorbar(h["ratios"], h["down"], yerr=[2 * e for e in h["down_stderr"]], fmt="s--", color=col,

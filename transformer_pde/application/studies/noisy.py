@@ -37,6 +37,9 @@ from . import Option, at_least, cached, nonnegative, panel, positive, save_capti
 from .claims import bootstrap_interval, claim, ensemble
 from .noisy_hysteresis import hysteresis, hysteresis_claims, hysteresis_figure
 
+__all__ = ["run_noisy", "calibrated_temperature", "fokker_planck_stable_dt", "fokker_planck_circle",
+           "circle_cell_masses", "circle_turns", "circle_quantile", "circle_w2"]
+
 log = logging.getLogger(__name__)
 
 OPTIONS = {

@@ -278,6 +278,9 @@ def test_theorem_studies_run_through_the_cli(kind, tmp_path):
             assert all(t <= a + b + 1e-15 for t, a, b in zip(tot, dire, flow))
     if kind == "theorem_omega_limit":
         assert set(m["limit_weights"]) == {"ou_H1", "ou_H10", "layerwise", "damped", "oscillating"}
+        # one decay ratio and one Hessian count per token set, summarised as claims with their standard errors
+        assert all(len(m[c]["residual_decay_seeds"]) == m["seeds"] == 8 for c in m["limit_weights"])
+        assert len(m["claims"]) == 10 and all(c["seeds"] == 8 and c["error"] is not None for c in m["claims"])
         assert all("hessian_min" in m[c] and m[c]["clusters_T"] >= 1 for c in m["limit_weights"])
     if kind == "theorem_fast_weights":
         assert m["iid_strong"][1] < m["iid_strong"][0] and m["ou_strong"][1] < m["ou_strong"][0]

@@ -36,7 +36,7 @@ import transformer_pde as tp
 
 from . import (
     DTYPE, Option, at_least, cached, log_ticks, nonnegative, panel, positive, save_captioned, study, subplots, dtype_of)
-from .claims import bootstrap_interval, claim
+from .claims import bootstrap_interval, claim, ensemble
 from .jko import fit_slope
 from .theorems_stability import (  # noqa: F401  (the stability studies register on import; helpers re-exported)
     DIRECTION, eps_list, random_heads, subset, tokens, whole_steps, perturbed_pair, perturbed_weights,
@@ -78,6 +78,7 @@ OMEGA_OPTIONS = {
     "direction": DIRECTION,
     "cluster_radius": Option(0.1, (float,), "chordal radius of tp.clustering.cluster_count", check=positive),
     "hessian_max_dof": Option(400, (int,), "compute the Hessian when n(d − 1) is at most this", check=positive),
+    "seeds": Option(8, (int,), "token sets (one batch; the weight path is shared)", check=positive),
     "seed": Option(0, (int,), "heads seed (tokens seed + 1, weight noise seed + 2)"),
     "dtype": DTYPE,
     "figures": Option(True, (bool,), "write the figure"),
@@ -158,10 +159,12 @@ def run_omega_limit(params, run) -> Dict[str, object]:
     p = dict(params)
     _check_omega(p)
     dtype = dtype_of(p)
-    x0 = tokens(p, p["seed"] + 1, dtype)
+    S = p["seeds"]
+    # token sets of S seeds, one batch (the weight path is shared by the batch)
+    x0 = torch.stack([tokens(p, p["seed"] + 1 + 1000 * k, dtype) for k in range(S)])
     metrics: Dict[str, object] = {"direction": p["direction"], "normalization": p["normalization"],
-                                  "limit_weights": {}}
-    results = {}
+                                  "limit_weights": {}, "seeds": S}
+    results, claims = {}, []
     stable_sign = 1.0 if p["direction"] == "descent" else -1.0  # descent decreases E: stable limits are minima
     for name, (theta, theta_inf, what) in _omega_cases(p, dtype).items():
         metrics["limit_weights"][name] = what
@@ -171,12 +174,15 @@ def run_omega_limit(params, run) -> Dict[str, object]:
                              direction=p["direction"], record_every=p["record_every"], seed=p["seed"] + 2,
                              progress=run.progress)
             V = tp.velocity(tr.x, theta_inf, normalization=p["normalization"], direction=p["direction"])
-            resid = V.square().sum(-1).mean(-1).sqrt()  # ‖V[μ_t, Θ_∞]‖_{L²(μ_t)}
+            resid = V.square().sum(-1).mean(-1).sqrt()  # ‖V[μ_t, Θ_∞]‖_{L²(μ_t)}, (T, S)
             out = {"times": tr.times, "slope": tr.slope, "residual": resid, "x_T": tr.x[-1]}
             if p["n"] * (p["d"] - 1) <= p["hessian_max_dof"]:
-                g, Hs = riemannian_hessian(tr.x[-1].double(), theta_inf.to(torch.float64))
-                out["grad_norm"] = g.norm()
-                out["hessian_eigs"] = torch.linalg.eigvalsh(0.5 * (Hs + Hs.T))
+                gs, evs = [], []
+                for xk in tr.x[-1]:
+                    g, Hs = riemannian_hessian(xk.double(), theta_inf.to(torch.float64))
+                    gs.append(g.norm())
+                    evs.append(torch.linalg.eigvalsh(0.5 * (Hs + Hs.T)))
+                out["grad_norm"], out["hessian_eigs"] = torch.stack(gs), torch.stack(evs)
             return out
 
         out = cached(run, f"omega_{name}", go, logger)
@@ -184,21 +190,34 @@ def run_omega_limit(params, run) -> Dict[str, object]:
         T = out["times"]
         late = T >= 0.9 * T[-1]
         early = (T > 0) & (T <= 0.1 * T[-1] + 1e-12)
-        m = {"slope_T": float(out["slope"][-1]), "residual_T": float(out["residual"][-1]),
+        decay = out["residual"][late].mean(0) / out["residual"][early].mean(0)  # (S,)
+        clusters = tp.clustering.cluster_count(out["x_T"], radius=p["cluster_radius"])
+        m = {"slope_T": float(out["slope"][-1].mean()), "residual_T": float(out["residual"][-1].mean()),
              "residual_late_mean": float(out["residual"][late].mean()),
-             "residual_early_mean": float(out["residual"][early].mean()) if bool(early.any()) else float("nan"),
              "slope_late_mean": float(out["slope"][late].mean()),
-             "clusters_T": int(tp.clustering.cluster_count(out["x_T"], radius=p["cluster_radius"])),
-             "mean_overlap_T": float(tp.clustering.mean_overlap(out["x_T"])[0])}
-        m["residual_decay"] = m["residual_late_mean"] / m["residual_early_mean"]
+             "clusters_T": int(clusters[0]), "clusters_T_seeds": clusters.tolist(),
+             "mean_overlap_T": float(tp.clustering.mean_overlap(out["x_T"])[0].mean()),
+             "residual_decay_seeds": decay.tolist()}
+        v, e, _ = ensemble(decay.tolist())
+        m["residual_decay"], m["residual_decay_stderr"] = v, e
+        integrable = name in ("layerwise", "damped")
+        claims.append(claim(f"{name}: residual velocity against the limit weights, late/early ratio", v, e, S,
+                            reference=None, holds=bool(v + 2 * e < 0.5) if integrable else None))
         if "hessian_eigs" in out:
-            ev = out["hessian_eigs"] * stable_sign
-            tol = 1e-6 * float(ev.abs().max())
-            m.update({"grad_norm_T": float(out["grad_norm"]), "hessian_min": float(out["hessian_eigs"].min()),
-                      "hessian_max": float(out["hessian_eigs"].max()), "unstable_directions": int((ev < -tol).sum()),
-                      "zero_directions": int((ev.abs() <= tol).sum())})
+            ev = out["hessian_eigs"] * stable_sign  # (S, dof)
+            tol = 1e-6 * ev.abs().max(-1, keepdim=True).values
+            unstable = (ev < -tol).sum(-1)
+            m.update({"grad_norm_T": float(out["grad_norm"].max()), "hessian_min": float(out["hessian_eigs"].min()),
+                      "hessian_max": float(out["hessian_eigs"].max()), "unstable_directions": int(unstable[0]),
+                      "unstable_directions_seeds": unstable.tolist(),
+                      "zero_directions": int((ev[0].abs() <= tol[0]).sum())})
+            v, e, _ = ensemble(unstable.double().tolist())
+            claims.append(claim(f"{name}: Hessian directions of the wrong sign at the final state", v, e, S,
+                                reference=0.0 if integrable else None,
+                                holds=bool((unstable == 0).all()) if integrable else None))
         metrics[name] = m
-        run.save_series(f"omega_{name}", {"t": T, "slope": out["slope"], "residual": out["residual"]})
+        run.save_series(f"omega_{name}", {"t": T, "slope": out["slope"].mean(-1), "residual": out["residual"].mean(-1)})
+    metrics["claims"] = claims
     if p["figures"]:
         _omega_figure(run, p, results, metrics)
     return metrics
@@ -208,26 +227,27 @@ def _omega_figure(run, p, results, metrics):
     fig, axes = subplots(1, 3, figsize=(13.5, 4.8))
     for j, (name, out) in enumerate(results.items()):
         c = f"C{j}"
-        axes[0].semilogy(out["times"], out["slope"].clamp_min(1e-300), color=c, label=name)
-        axes[1].semilogy(out["times"], out["residual"].clamp_min(1e-300), color=c, label=name)
+        axes[0].semilogy(out["times"], out["slope"].mean(-1).clamp_min(1e-300), color=c, label=name)
+        axes[1].semilogy(out["times"], out["residual"].mean(-1).clamp_min(1e-300), color=c, label=name)
         if "hessian_eigs" in out:
-            ev = out["hessian_eigs"]
+            ev = out["hessian_eigs"][0]
             axes[2].plot(np.arange(len(ev)), ev / ev.abs().max(), ".-", color=c, ms=3, lw=0.6,
-                         label=f"{name}: {metrics[name]['clusters_T']} cl., "
+                         label=f"{name} (draw 0): {metrics[name]['clusters_T']} cl., "
                                f"{metrics[name]['unstable_directions']} unst.")
     panel(axes[0], "t", "G²(t) (metric slope, current Θ_t)", "(a) metric slope", legend=True)
     panel(axes[1], "t", "‖V[μ_t, Θ_∞]‖_{L²(μ_t)}", "(b) residual velocity against the limit weights",
           legend=True)
     panel(axes[2], "index", "eigenvalue / max |eigenvalue|", "(c) Hessian of E(·, Θ_∞) at μ_T", legend=True)
-    dec = ", ".join(f"{k} {v['residual_decay']:.1e}" for k, v in metrics.items() if isinstance(v, dict) and
-                    "residual_decay" in v)
+    dec = ", ".join(f"{k} {v['residual_decay']:.2g} ± {v['residual_decay_stderr']:.1g}" for k, v in metrics.items()
+                    if isinstance(v, dict) and "residual_decay" in v)
     cap = (f"The ω-limit ({p['normalization']} field, direction {p['direction']}, n = {p['n']}, d = {p['d']}, "
            f"T = {p['t1']:g}). (a) the metric slope G² against the current weights; (b) the residual velocity "
            f"of μ_t against the "
            f"limiting weights Θ_∞ (OU: samples of the stationary law — the theorem speaks of laws, or H → ∞; "
            f"a pathwise Θ_t never converges at finite H; oscillating: the period mean, no limit exists); late/early "
-           f"ratio: {dec}. (c) Hessian spectrum of E(·, Θ_∞) at the final state (legend: clusters, directions of "
-           f"the wrong sign for a stable critical point).")
+           f"ratio (mean ± standard error over {p['seeds']} token sets): {dec}. (c) Hessian spectrum of E(·, Θ_∞) "
+           f"at the final state of draw 0 (legend: clusters, directions of the wrong sign for a stable critical "
+           f"point).")
     save_captioned(run, fig, "omega_limit", cap, metrics, tidy=True)
 
 

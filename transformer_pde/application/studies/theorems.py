@@ -234,10 +234,11 @@ def _omega_figure(run, p, results, metrics):
             axes[2].plot(np.arange(len(ev)), ev / ev.abs().max(), ".-", color=c, ms=3, lw=0.6,
                          label=f"{name} (draw 0): {metrics[name]['clusters_T']} cl., "
                                f"{metrics[name]['unstable_directions']} unst.")
-    panel(axes[0], "t", "G²(t) (metric slope, current Θ_t)", "(a) metric slope", legend=True)
-    panel(axes[1], "t", "‖V[μ_t, Θ_∞]‖_{L²(μ_t)}", "(b) residual velocity against the limit weights",
+    panel(axes[0], "$t$", r"$\mathcal{G}^2(t)$ (current $\Theta_t$)", "(a) metric slope", legend=True)
+    panel(axes[1], "$t$", r"$\|V[\mu_t, \Theta_\infty]\|_{L^2(\mu_t)}$", "(b) residual against the limit weights",
           legend=True)
-    panel(axes[2], "index", "eigenvalue / max |eigenvalue|", "(c) Hessian of E(·, Θ_∞) at μ_T", legend=True)
+    panel(axes[2], "index", "eigenvalue / max |eigenvalue|", r"(c) Hessian of $E(\cdot, \Theta_\infty)$ at $\mu_T$",
+          legend=True)
     dec = ", ".join(f"{k} {v['residual_decay']:.2g} ± {v['residual_decay_stderr']:.1g}" for k, v in metrics.items()
                     if isinstance(v, dict) and "residual_decay" in v)
     cap = (f"The ω-limit ({p['normalization']} field, direction {p['direction']}, n = {p['n']}, d = {p['d']}, "
@@ -437,10 +438,13 @@ def _fast_figure(run, p, deltas, curves, metrics):
         ax.set_xscale("log")
         ax.set_yscale("log")
         log_ticks(ax, deltas)
-    panel(axes[0], "δ (layer length / correlation time)", "|E⟨x_i, x_j⟩_δ − E⟨x_i, x_j⟩_SDE|",
+    panel(axes[0], r"$\delta$ (layer length / correlation time)",
+          r"$|\mathbb{E}\langle x_i, x_j\rangle_\delta - \mathbb{E}\langle x_i, x_j\rangle_{\mathrm{SDE}}|$",
           "(a) weak error, overlap", legend=True)
-    panel(axes[1], "δ", "|E E_δ − E E_SDE|", "(b) weak error, energy", legend=True)
-    panel(axes[2], "δ", "E[|x_δ − x_SDE|²]^{1/2}", "(c) strong error (same Brownian)", legend=True)
+    panel(axes[1], r"$\delta$", r"$|\mathbb{E} E_\delta - \mathbb{E} E_{\mathrm{SDE}}|$", "(b) weak error, energy",
+          legend=True)
+    panel(axes[2], r"$\delta$", r"$\mathbb{E}[|x_\delta - x_{\mathrm{SDE}}|^2]^{1/2}$", "(c) strong error (same Brownian)",
+          legend=True)
     cap = (f"The fast-weights limit ({p['normalization']}, direction {p['direction']}, n = {p['n']}, H = {p['heads']}, "
            f"d = {p['d']}, T = {p['t1']:g}, {p['paths']} paths): values V = V̄ + ΔW/δ resampled per layer (iid) or "
            f"OU with correlation time δ, against the common-noise Stratonovich SDE (stochastic Heun, step "

@@ -414,6 +414,7 @@ def run_fast_weights(params, run) -> Dict[str, object]:
         for key, arr in diffs.items():
             agg = (lambda a: np.sqrt(a.mean(0))) if key == "strong" else (lambda a: np.abs(a.mean(0)))
             rate, half = bootstrap_interval(arr, lambda a, agg=agg: fit_slope(deltas, agg(a).tolist()), seed=p["seed"])
+            metrics[f"{fam}_{key}_rate_ci95_half_width"] = half
             kind = "strong error" if key == "strong" else f"weak error of the {key}"
             ref_rate = 0.5 if key == "strong" else 1.0
             # an interval wider than half the expected rate does not resolve the rate: no verdict
@@ -431,9 +432,11 @@ def _fast_figure(run, p, deltas, curves, metrics):
     for j, (fam, c) in enumerate(curves.items()):
         for ax, key, lab in ((axes[0], "overlap", "mean overlap"), (axes[1], "energy", "energy")):
             ax.errorbar(deltas, c[f"{key}_err"], yerr=c[f"{key}_se"], marker="o", color=f"C{j}", capsize=2,
-                        label=f"{fam}: rate {metrics[f'{fam}_{key}_err_rate']:.2f}")
+                        label=f"{fam}: rate {metrics[f'{fam}_{key}_err_rate']:.2f} ± "
+                              f"{metrics[f'{fam}_{key}_rate_ci95_half_width']:.2f}")
         axes[2].loglog(deltas, c["strong"], "s-", color=f"C{j}",
-                       label=f"{fam}: rate {metrics[f'{fam}_strong_rate']:.2f}")
+                       label=f"{fam}: rate {metrics[f'{fam}_strong_rate']:.2f} ± "
+                             f"{metrics[f'{fam}_strong_rate_ci95_half_width']:.2f}")
     for ax in axes:
         ax.set_xscale("log")
         ax.set_yscale("log")
@@ -449,5 +452,6 @@ def _fast_figure(run, p, deltas, curves, metrics):
            f"d = {p['d']}, T = {p['t1']:g}, {p['paths']} paths): values V = V̄ + ΔW/δ resampled per layer (iid) or "
            f"OU with correlation time δ, against the common-noise Stratonovich SDE (stochastic Heun, step "
            f"{metrics['sde_step']:g}) on the same Brownian paths. Error bars: Monte-Carlo standard errors of the "
-           f"coupled differences; a weak error below 2 of them is not resolved (metrics *_resolved).")
+           f"coupled differences; a weak error below 2 of them is not resolved (metrics *_resolved). Rates: ± the "
+           f"half-width of the 95 % bootstrap interval over the paths.")
     save_captioned(run, fig, "fast_weights", cap, metrics, tidy=True)

@@ -135,3 +135,5 @@ def test_flow_sensitivity_dtype_and_refusals(dtype):
         tp.theory.flow_sensitivity(x, heads, t1=0.25, dt=0.1)
     with pytest.raises(ValueError, match="unit sphere"):
         tp.theory.flow_sensitivity(2 * x, heads, t1=0.2, dt=0.1)
+    with pytest.raises(ValueError, match="unbatched"):
+        tp.theory.flow_sensitivity(x, tp.Heads.scalar(torch.ones(2, 1, dtype=F64), 3), t1=0.2, dt=0.1)

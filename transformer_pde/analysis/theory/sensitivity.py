@@ -197,6 +197,10 @@ def flow_sensitivity(x0: torch.Tensor, theta, *, t1: float, dt: float, weights=N
     top = check_int(top, "top")
     direction_sign(direction)
     n, d = x0.shape
+    h0 = _heads_at(theta, 0.0)
+    if not isinstance(h0, Heads) or len(h0.batch_shape):
+        raise ValueError("theta must be unbatched Heads or a process whose heads_at(t) gives unbatched Heads; got "
+                         f"batch shape {tuple(getattr(h0, 'batch_shape', ()))}: loop over the batch")
     w = _masses(x0, weights)
     kw = dict(normalization=normalization, direction=direction)
     C = n * (d - 1)

@@ -120,6 +120,13 @@ def test_duhamel_bound_closed_forms(dtype):
     assert_close(out, (torch.exp(a * t) - 1) / a, rtol=tol, atol=tol)
     assert_close(tp.theory.duhamel_bound(t, torch.zeros_like(t), t.clone()), t ** 2 / 2, rtol=tol, atol=tol)
     assert out.dtype == dtype
+    # the log form agrees, and stays finite where the bound itself overflows (∫μ = 800 > 709)
+    assert_close(tp.theory.duhamel_bound(t, torch.full_like(t, a), torch.ones_like(t), log=True)[1:],
+                 torch.log(out[1:]), rtol=tol, atol=tol)
+    if dtype == F64:
+        fine = torch.linspace(0, 2, 20001, dtype=F64)  # μ h = 0.04: the trapezoid of e^{−μs} to 1.3e-4
+        big = tp.theory.duhamel_bound(fine, torch.full_like(fine, 400.0), torch.ones_like(fine), log=True)
+        assert torch.isfinite(big[-1]) and abs(float(big[-1]) - (800 - math.log(400))) < 1e-3
     with pytest.raises(ValueError, match="forcing must be >= 0"):
         tp.theory.duhamel_bound(t, t, -t)
 

@@ -260,7 +260,8 @@ def flow_sensitivity(x0: torch.Tensor, theta, *, t1: float, dt: float, weights=N
     return res
 
 
-def duhamel_bound(times: torch.Tensor, log_norm: torch.Tensor, forcing: torch.Tensor) -> torch.Tensor:
+def duhamel_bound(times: torch.Tensor, log_norm: torch.Tensor, forcing: torch.Tensor, *,
+                  log: bool = False) -> torch.Tensor:
     """∫_0^t exp(∫_s^t μ(u) du) g(s) ds on a grid (trapezoid rule in both integrals), shape (T, ...).
 
     The bound ‖δ_t‖ ≤ this for δ' = DV δ + forcing, ‖forcing(s)‖ ≤ g(s), log-norm μ (module docstring).
@@ -273,11 +274,13 @@ def duhamel_bound(times: torch.Tensor, log_norm: torch.Tensor, forcing: torch.Te
         (T, ...) μ at the times.
     forcing : torch.Tensor
         (T, ...) g ≥ 0 at the times.
+    log : bool
+        return the logarithm of the bound (−inf at t_0), safe where exp(∫μ) overflows float64.
 
     Returns
     -------
     torch.Tensor
-        (T, ...) the bound (0 at t_0).
+        (T, ...) the bound (0 at t_0), or its logarithm.
 
     Examples
     --------
@@ -297,5 +300,5 @@ def duhamel_bound(times: torch.Tensor, log_norm: torch.Tensor, forcing: torch.Te
     lam = torch.cat([torch.zeros_like(log_norm[:1]), torch.cumsum(0.5 * (log_norm[1:] + log_norm[:-1]) * h, 0)])
     integrand = torch.exp(-lam) * forcing
     inner = torch.cat([torch.zeros_like(forcing[:1]), torch.cumsum(0.5 * (integrand[1:] + integrand[:-1]) * h, 0)])
-    return torch.exp(lam) * inner
+    return lam + torch.log(inner) if log else torch.exp(lam) * inner
 

@@ -54,7 +54,10 @@ LAYERS = [
     {"transformer_pde.nn.modules"},  # MeanFieldAttention: continuous-depth attention whose forward is a solve
     {"transformer_pde.nn"},  # tp.nn: the torch.nn converters and the module
     # Lipschitz and Grönwall constants, fast-weights coefficients; linear stability of the uniform measure
-    {"transformer_pde.analysis.theory.stability", "transformer_pde.analysis.theory.noise"},
+    {"transformer_pde.analysis.theory.stability", "transformer_pde.analysis.theory.noise",
+     "transformer_pde.analysis.theory.circle"},
+    # worst-case flow sensitivity and trajectory bounds; stationary mean-field branches (continuation)
+    {"transformer_pde.analysis.theory.sensitivity", "transformer_pde.analysis.theory.continuation"},
     # generic diagnostics; closed forms
     {"transformer_pde.analysis.clustering", "transformer_pde.analysis.ensembles", "transformer_pde.analysis.theory",
      "transformer_pde.analysis.pretrained"},
@@ -64,9 +67,12 @@ LAYERS = [
     {"transformer_pde.application.plotting"},
     {"transformer_pde.application.animation"},
     {"transformer_pde.application.studies"},
+    {"transformer_pde.application.studies.claims"},  # the claims list of metrics.json
+    {"transformer_pde.application.studies.noisy_hysteresis"},  # the hysteresis sweeps of the noisy study
     {f"transformer_pde.application.studies.{m}" for m in ("demo", "paper", "theory", "jko", "clustering", "causal",
                                                           "layernorm", "noisy", "training")},
-    {"transformer_pde.application.studies.theorems"},  # composes studies.jko (the uniqueness panel)
+    {"transformer_pde.application.studies.theorems_stability"},  # uses studies.jko's slope fit
+    {"transformer_pde.application.studies.theorems"},  # registers the stability studies; composes studies.jko
     {"transformer_pde.application.runs"},
     {"transformer_pde.application.sweep"},
     {"transformer_pde.application.cli"},

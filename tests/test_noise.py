@@ -162,9 +162,11 @@ def test_streams_checkpoint_and_options(tmp_path):
     quiet = tp.simulate(x0, theta, return_path=True, **{**kw, "temperature": 0.0})
     torch.testing.assert_close(full.path.scores, quiet.path.scores)
     assert not torch.allclose(full.x[-1], quiet.x[-1])
-    # T = 0 is today's model, bit for bit
+    # T = 0 is the noiseless model to rounding (a few ulp): a T = 0 run that still took a different step (an
+    # Euler–Maruyama step in place of the solver's, an extra retraction) differs by O(dt²) ≈ 1e-3 here
     plain = tp.simulate(x0, theta, **{k: v for k, v in kw.items() if k != "temperature"})
-    torch.testing.assert_close(plain.x, quiet.x)
+    eps = torch.finfo(plain.x.dtype).eps
+    torch.testing.assert_close(plain.x, quiet.x, rtol=8 * eps, atol=8 * eps)
     # reproducible, and a TokenNoise with a seed of its own changes only the token stream
     again = tp.simulate(x0, theta, **kw)
     torch.testing.assert_close(again.x, full.x)
@@ -261,35 +263,6 @@ def test_jko_temperature_validation():
     with pytest.raises(ValueError, match="temperature"):
         tp.jko(None, h, tau=0.1, steps=1, scheme="eulerian", grid=20, temperature=-1.0,
                grid_weights=torch.full((20,), 0.05, dtype=F64))
-
-
-@pytest.mark.slow
-def test_noisy_transition_study_runs(tmp_path):
-    """The study end to end on a tiny configuration: metrics with the closed forms, figures with captions."""
-    import json
-
-    from transformer_pde.application.cli import main as cli_main
-
-    small = ["ns=[60]", "ns_high_d=[40]", "dims=[2, 3]", "ratios=[0.5, 2.0]", "t1=2.0", "sus_n=60",
-             "sus_ratios=[2.0]", "sus_t1=2.0", "sus_paths=2", "rate_n=200", "rate_t1=0.5", "rate_paths=2",
-             "hyst_ratios=[0.8, 1.3]", "hyst_n=50", "hyst_paths=2", "hyst_stage_min=0.5", "hyst_stage_max=0.5",
-             "hyst_dt=0.1", "weights_n=50",
-             "weights_t1=2.0", "eulerian=true", "grid=24", "jko_steps=2", "jko_eps=0.08"]
-    args = ["run", "experiments/noisy_transition_quick.toml", "--out", str(tmp_path), "--name", "n", "--no-progress"]
-    for o in small:
-        args += ["--override", o]
-    assert cli_main(args) == 0
-    m = json.loads((tmp_path / "n" / "metrics.json").read_text())
-    assert m["closed_forms"]["Tc_d2"] == pytest.approx(tp.theory.critical_temperature(1.0, 2), rel=1e-12)
-    assert set(m["weights"]) == {"constant", "ou", "oscillating"} and len(m["summary"]) >= 6
-    assert m["susceptibility_d2"][0]["closed_form"] == pytest.approx(2.0, rel=1e-12)
-    assert set(m["abs_m_eulerian_d2"]) == {"0.5", "2"}
-    h = m["hysteresis_beta4"]
-    assert h["first_order"] and not m["hysteresis_beta1"]["first_order"] and len(h["up"]) == 2
-    assert h["area"] == pytest.approx(np.trapezoid(np.subtract(h["up"], h["down"]), h["ratios"]), rel=1e-9, abs=1e-12)
-    assert "area_difference" in m["hysteresis_contrast"]
-    for name in ("abs_m", "susceptibility_rates", "hysteresis", "weights"):
-        assert (tmp_path / "n" / "figures" / f"{name}.png").exists() and name in m["figure_captions"]
 
 
 def test_token_noise_with_a_layer_map_is_refused():

@@ -152,7 +152,8 @@ def test_first_order_threshold():
     for d in (2, 3, 4):
         b = tn.first_order_beta(d)
         np.testing.assert_allclose(iv(d / 2 + 1, b) / iv(d / 2, b), 1 / d, rtol=1e-10)
-        assert tn.landau_coefficient(0.95 * b, d) > 0 > tn.landau_coefficient(1.05 * b, d)
+        # the sign change of landau_coefficient is checked against the computed stationary branch (an
+        # independent oracle) in tests/test_continuation.py
         # r = c_2/c_1 of the unnormalised coefficients
         c = tn.mode_coefficients(b, d, [1, 2], normalization="unnormalized")
         np.testing.assert_allclose(c[1] / c[0], 1 / d, rtol=1e-10)

@@ -568,3 +568,9 @@ from .noise import critical_temperature, first_order_beta, mode_growth_rates, mo
 
 __all__ += ["noise", "critical_temperature", "mode_growth_rates", "most_unstable_mode", "susceptibility",
             "first_order_beta"]
+
+# worst-case flow sensitivity and trajectory bounds (docs/theorems.md); stationary mean-field branches
+from .sensitivity import duhamel_bound, field_jacobian_rates, flow_sensitivity, tangent_frames  # noqa: E402
+from . import continuation  # noqa: E402  (docs/noisy_tokens.md: stationary Fokker–Planck branches)
+
+__all__ += ["flow_sensitivity", "field_jacobian_rates", "duhamel_bound", "tangent_frames", "continuation"]

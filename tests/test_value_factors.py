@@ -1,7 +1,9 @@
 """The values-first softmax field of value-factored heads (transformer_pde.model.attention.softmax_values): the field,
 per-head outputs and log-partitions equal those of the moments-first order (the same heads with dense score and
 value matrices, and the dense einsum of tests/problems.py), torch.nn.MultiheadAttention's output, autograd
-gradients of the moments-first path; and the order is taken only for the field without diagnostics."""
+gradients of the moments-first path; and the order is taken only for the field without diagnostics.  The kernel
+itself (every backend, the fused CPU kernel on its own, broadcast batch axes, gradients in each input) is checked
+against the all-pairs products written out below."""
 
 import math
 
@@ -250,3 +252,132 @@ def test_a_layer_map_solve_takes_the_values_first_path(monkeypatch):
     got = run(h)
     assert calls["values"] == 3 and calls["moments"] == 0
     assert_close(got, run(_dense(h)), rtol=1e-12, atol=1e-12)
+
+
+def _all_pairs(x, y, h, w):
+    """(log-partition, ū) by the all-pairs products: s_hij = β⟨Q_h x_i, K_h y_j⟩, log m = logsumexp_j(s + log w_j)
+    (w_j = 1/m without weights), ū_h(x_i) = Σ_j e^{s_ij + log w_j − log m} W_{V,h} y_j."""
+    q = h.beta * (x.unsqueeze(-3) @ h.query.transpose(-1, -2))  # (..., H, n, k)
+    k = y.unsqueeze(-3) @ h.key.transpose(-1, -2)  # (..., H, m, k)
+    u = y.unsqueeze(-3) @ h.value_in.transpose(-1, -2)  # (..., H, m, k_v)
+    logw = -math.log(y.shape[-2]) if w is None else torch.log(w).unsqueeze(-2).unsqueeze(-2)
+    s = q @ k.transpose(-1, -2) + logw
+    lse = torch.logsumexp(s, -1)
+    out = torch.exp(s - lse.unsqueeze(-1)) @ u
+    return lse.expand(out.shape[:-1]), out  # batch axes of value_in only: the same log-partitions
+
+
+def _weights(shape, m, dtype, seed):
+    w = torch.rand(*shape, m, generator=gen(seed), dtype=torch.float64) + 0.1
+    return (w / w.sum(-1, keepdim=True)).to(dtype)
+
+
+def _broadcast_cases(dtype):
+    """(x, keys or None, heads, weights): batch axes carried by the queries only, the keys only, the weights
+    only, one head factor only (key, value_in), every factor; a value width equal to d (the widest map)."""
+    x3 = random_sphere(3, N, D, dtype=dtype, seed=11)
+    x1 = random_sphere(N, D, dtype=dtype, seed=12)
+    y1 = random_sphere(N - 2, D, dtype=dtype, seed=13)
+    y3 = random_sphere(3, N - 2, D, dtype=dtype, seed=14)
+    h = _factored(dtype, seed=15)
+    hb = _factored(dtype, seed=16, batch=(3,))
+    key_only = tp.Heads(None, None, h.weights, h.beta, query=h.query, key=hb.key, value_in=h.value_in,
+                        value_out=h.value_out)
+    value_only = tp.Heads(None, None, h.weights, h.beta, query=h.query, key=h.key, value_in=hb.value_in,
+                          value_out=hb.value_out)
+    return [(x3, y1, h, None), (x1, y3, h, None), (x1, y1, h, _weights((3,), N - 2, dtype, 17)),
+            (x1, None, key_only, None), (x1, None, value_only, None), (x1, y3, hb, _weights((), N - 2, dtype, 18)),
+            (x3, None, _factored(dtype, seed=19, kv=D), _weights((), N, dtype, 20))]
+
+
+def _check_against_all_pairs(dtype, cases=None, **kw):
+    for x, y, h, w in _broadcast_cases(dtype) if cases is None else cases:
+        lse, u = softmax_values(x, h, w, keys=y, **kw)
+        ref_lse, ref_u = _all_pairs(x, x if y is None else y, h, w)
+        assert lse.shape == ref_lse.shape and u.shape == ref_u.shape
+        rtol, atol = _tol(dtype)
+        assert_close(lse, ref_lse, rtol=rtol, atol=10 * atol)
+        _close(u, ref_u, dtype)
+
+
+@pytest.mark.parametrize("backend,chunk", [("chunked", None), ("chunked", 5), ("dense", None), ("sdpa", None)])
+def test_softmax_values_over_broadcast_batch_axes_equal_the_all_pairs_products(dtype, backend, chunk):
+    """Every backend, and the plain path in blocks of a few query rows, against the all-pairs products when the
+    batch axes sit on the queries, the keys, the weights or a single head factor."""
+    cases = _broadcast_cases(dtype)
+    if backend != "sdpa":  # weights with batch axes of their own: test_the_plain_path_with_weights_...
+        del cases[2]
+    _check_against_all_pairs(dtype, cases, backend=backend, chunk_elements=chunk)
+
+
+@pytest.mark.xfail(raises=RuntimeError, strict=True,
+                   reason="the plain path adds the log-weights in place (S.add_), which cannot broadcast the "
+                          "scores up to batch axes that only the weights carry")
+def test_the_plain_path_with_weights_carrying_their_own_batch_axes():
+    """Weights (3, m) for unbatched queries, keys and heads: the plain path's values against the all-pairs ones."""
+    _check_against_all_pairs(torch.float64, [_broadcast_cases(torch.float64)[2]], backend="chunked")
+
+
+def test_the_fused_kernel_alone_gives_the_values(dtype, monkeypatch):
+    """With the plain path switched off, the CPU fused kernel (backend "auto" and "sdpa" without autograd) gives
+    the all-pairs values itself over the same broadcast batch axes (it never needs the plain fallback)."""
+    def refuse(*args):
+        raise AssertionError("the plain path ran where the fused kernel applies")
+
+    monkeypatch.setattr(attention, "_plain", refuse)
+    for backend in ("auto", "sdpa"):
+        _check_against_all_pairs(dtype, backend=backend)
+
+
+@pytest.mark.parametrize("leaf", ["x", "keys", "query", "key", "value_in", "beta", "weights"])
+def test_softmax_values_gradient_in_each_input_equals_autograd_of_the_all_pairs_products(leaf):
+    """Only one input requires grad (backend "auto"): the gradient of a random linear functional of (log m, ū)
+    equals autograd through the all-pairs products, float64."""
+    dt = torch.float64
+    h = _factored(dt, seed=21)
+    leaves = {"x": random_sphere(N, D, dtype=dt, seed=22), "keys": random_sphere(N - 1, D, dtype=dt, seed=23),
+              "query": h.query, "key": h.key, "value_in": h.value_in, "beta": torch.tensor(1.3, dtype=dt),
+              "weights": _weights((), N - 1, dt, 24)}
+    r1 = torch.randn(H, N, generator=gen(25), dtype=dt)
+    r2 = torch.randn(H, N, KV, generator=gen(26), dtype=dt)
+
+    def grad(fn):
+        t = {name: v.detach().clone().requires_grad_(name == leaf) for name, v in leaves.items()}
+        hh = tp.Heads(None, None, h.weights, t["beta"], query=t["query"], key=t["key"], value_in=t["value_in"],
+                      value_out=h.value_out)
+        lse, u = fn(t["x"], t["keys"], hh, t["weights"])
+        return torch.autograd.grad((lse * r1).sum() + (u * r2).sum(), t[leaf])[0]
+
+    got = grad(lambda x, y, hh, w: softmax_values(x, hh, w, keys=y))
+    assert_close(got, grad(_all_pairs), rtol=1e-10, atol=1e-10 * float(got.abs().max()))
+
+
+def _relu_field(x, y, h, w, causal):
+    """Σ_h ω_h O_h W_{V,h} Σ_j w_j ReLU(β⟨Q_h x_i, K_h y_j⟩) y_j, causal: over j ≤ i with the weights of the prefix
+    renormalised to mass one (uniform: 1/(i+1))."""
+    m = y.shape[-2]
+    w = torch.full((m,), 1.0 / m, dtype=x.dtype) if w is None else w
+    s = h.beta * (x.unsqueeze(-3) @ h.query.transpose(-1, -2)) @ (y.unsqueeze(-3) @ h.key.transpose(-1, -2)).transpose(-1, -2)
+    K = torch.relu(s) * w
+    if causal:
+        K = torch.tril(K) / torch.cumsum(w, -1).unsqueeze(-1)
+    f = (K @ y.unsqueeze(-3)) @ (h.value_out @ h.value_in).transpose(-1, -2)  # (..., H, n, d)
+    return (h.weights.unsqueeze(-1).unsqueeze(-1) * f).sum(-3)
+
+
+def test_fields_with_separate_keys_and_causal_relu_fields_equal_the_all_pairs_sums(dtype):
+    """The values-first field's deferred means ȳ_h with keys= (the measure of the keys, not of the queries), and
+    the ReLU field of factored heads with keys= and causal (prefix mean), against the all-pairs sums."""
+    h = _factored(dtype, seed=27)
+    x = random_sphere(N, D, dtype=dtype, seed=28)
+    y = random_sphere(N - 2, D, dtype=dtype, seed=29)
+    wy = _weights((), N - 2, dtype, 30)
+    got = evaluate(x, h, None, keys=y, key_weights=wy, diagnostics=False)
+    q = h.beta * (x.unsqueeze(-3) @ h.query.transpose(-1, -2))
+    p = torch.softmax(q @ (y.unsqueeze(-3) @ h.key.transpose(-1, -2)).transpose(-1, -2) + torch.log(wy), -1)
+    _close(got.stats.mean, p @ y, dtype)
+    relu = evaluate(x, h, None, keys=y, key_weights=wy, normalization="relu", diagnostics=False)
+    _close(relu.ambient, _relu_field(x, y, h, wy, False), dtype)
+    for w in (None, _weights((), N, dtype, 31)):
+        relu = evaluate(x, h, w, normalization="relu", diagnostics=False, causal=True)
+        _close(relu.ambient, _relu_field(x, x, h, w, True), dtype)

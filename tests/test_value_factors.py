@@ -310,9 +310,6 @@ def test_softmax_values_over_broadcast_batch_axes_equal_the_all_pairs_products(d
     _check_against_all_pairs(dtype, cases, backend=backend, chunk_elements=chunk)
 
 
-@pytest.mark.xfail(raises=RuntimeError, strict=True,
-                   reason="the plain path adds the log-weights in place (S.add_), which cannot broadcast the "
-                          "scores up to batch axes that only the weights carry")
 def test_the_plain_path_with_weights_carrying_their_own_batch_axes():
     """Weights (3, m) for unbatched queries, keys and heads: the plain path's values against the all-pairs ones."""
     _check_against_all_pairs(torch.float64, [_broadcast_cases(torch.float64)[2]], backend="chunked")

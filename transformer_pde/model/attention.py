@@ -1102,7 +1102,9 @@ def _plain(q, k, u, logw, causal, rows, grad):
     for i0 in range(0, n, rows):
         S = q[..., i0:i0 + rows, :] @ kT  # (..., H, r, m)
         if logw is not None:
-            S = S + logw if grad else S.add_(logw)
+            # in place only when the sum keeps S's shape (the weights may carry batch axes S lacks)
+            inplace = not grad and torch.broadcast_shapes(S.shape, logw.shape) == S.shape
+            S = S.add_(logw) if inplace else S + logw
         if causal:
             cmask = _causal_block_mask(torch.arange(i0, min(n, i0 + rows), device=q.device), m)
             S = S.masked_fill(cmask, float("-inf")) if grad else S.masked_fill_(cmask, float("-inf"))

@@ -64,6 +64,9 @@ LAYERS = [
     {f"transformer_pde.application.studies.{m}" for m in ("demo", "paper", "theory", "jko", "clustering", "causal",
                                                           "layernorm", "noisy")},
     {"transformer_pde.application.studies.theorems"},  # composes studies.jko (the uniqueness panel)
+    # the pretrained-network probe: its measurements and figures, then the study
+    {"transformer_pde.application.studies.probe", "transformer_pde.application.studies.pretrained_figures"},
+    {"transformer_pde.application.studies.pretrained"},
     {"transformer_pde.application.runs"},
     {"transformer_pde.application.sweep"},
     {"transformer_pde.application.cli"},

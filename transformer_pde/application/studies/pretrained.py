@@ -277,6 +277,8 @@ def run_pretrained_probe(params, run):
                     seg = _bucket(net, heads_layers, sub, p, pca_at)
                 seg.update({"kind": "transformer_pde.pretrained_probe.segment", "fingerprint": fp, "index": idx})
                 run.save_tensors(tag, seg)
+                if run.step_callback is not None:  # monitoring (tests interrupt a run here)
+                    run.step_callback(tag, k, float(k))
                 log.info("[%s] %d sentences, %s", tag, len(idx),
                          ", ".join(f"{k} {v:.2f} s" for k, v in seg["timing"].items()))
             else:
@@ -290,6 +292,8 @@ def run_pretrained_probe(params, run):
         lip.update({"kind": "transformer_pde.pretrained_probe.segment", "fingerprint": fp,
                     "wall": time.perf_counter() - t0})
         run.save_tensors("lipschitz", lip)
+        if run.step_callback is not None:
+            run.step_callback("lipschitz", 0, 0.0)
     metrics = _metrics(p, net, parts, lip, texts, time.perf_counter() - t_start)
     if p["figures"]:
         pca = next(part for part in parts if "pca" in part)

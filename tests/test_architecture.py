@@ -35,7 +35,7 @@ LAYERS = [
     {"transformer_pde.model.energy"},
     {"transformer_pde.model.mobility"},
     {"transformer_pde.processes.weights"},  # weight processes and the Θ_t grid driver
-    {"transformer_pde.processes.nn"},
+    {"transformer_pde.processes.nn", "transformer_pde.processes.pretrained"},
     {"transformer_pde.processes"},  # the package re-exports the weight processes
     # the layer-normalisation schemes (the step's geometry); Butcher tableaux; Trajectory and the errors
     {"transformer_pde.solvers.layernorm", "transformer_pde.solvers.tableaux", "transformer_pde.solvers.trajectory"},
@@ -54,7 +54,8 @@ LAYERS = [
     # Lipschitz and Grönwall constants, fast-weights coefficients; linear stability of the uniform measure
     {"transformer_pde.analysis.theory.stability", "transformer_pde.analysis.theory.noise"},
     # generic diagnostics; closed forms
-    {"transformer_pde.analysis.clustering", "transformer_pde.analysis.ensembles", "transformer_pde.analysis.theory"},
+    {"transformer_pde.analysis.clustering", "transformer_pde.analysis.ensembles", "transformer_pde.analysis.theory",
+     "transformer_pde.analysis.pretrained"},
     {"transformer_pde.analysis.theory.particles"},  # the particle diagnostics of the theory
     {"transformer_pde.analysis.diagnostics"},  # tp.diagnostics = theory.particles
     {"transformer_pde"},  # the public facade (import transformer_pde as tp)

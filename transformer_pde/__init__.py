@@ -49,6 +49,8 @@ from .model.transport import distance, transport_plan
 from .analysis import clustering, ensembles
 from .analysis.clustering import Staircase, cluster_statistics, detect_plateaus, gram_rank_count, pair_fraction
 from .analysis.ensembles import random_heads
+from .analysis import pretrained
+from .processes.pretrained import layerwise_from_pretrained
 
 
 def __getattr__(name):
@@ -210,4 +212,6 @@ __all__ = [
     "detect_plateaus",
     "Staircase",
     "random_heads",
+    "pretrained",
+    "layerwise_from_pretrained",
 ]

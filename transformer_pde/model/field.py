@@ -134,11 +134,6 @@ def head_token_mean(values: torch.Tensor, weights: Optional[torch.Tensor]) -> to
     return values.mean(-1) if weights is None else (values * weights.unsqueeze(-2)).sum(-1)
 
 
-def _apply(M: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """M_h v_hi for M (..., H, d, d) and v (..., H, n, d) -> (..., H, n, d)."""
-    return v @ M.transpose(-1, -2)
-
-
 def log_inverse_mobility(heads: Heads, lse: torch.Tensor) -> torch.Tensor:
     """log b^{-1}(x_i) = log Σ_h ω̄_h e^{-log m_h(x_i)}, (..., n)."""
     logw = torch.log(heads.normalized_weights).unsqueeze(-1)  # (..., H, 1)
@@ -192,7 +187,10 @@ class _KernelPass:
     def value_mean(self):
         """V_h ȳ_h, (..., H, n, d)."""
         if self._value_mean is None:
-            self._value_mean = mean_applied(self.stats, self.heads.value_matrix)
+            if self.heads.value_factored:  # O_h (W_{V,h} ȳ_h): no d×d matrix is formed
+                self._value_mean = self.heads.apply_value(self.stats.mean)
+            else:
+                self._value_mean = mean_applied(self.stats, self.heads.value_matrix)
         return self._value_mean
 
     def value_field(self, mass: bool = False):
@@ -201,7 +199,7 @@ class _KernelPass:
         From the merged fused kernel (:func:`transformer_pde.model.attention.head_columns`) this is one
         product of its (..., n, H·E) output block with a (H·E, d) matrix, and the per-head V_h ȳ_h are
         never formed; otherwise the head sum of :meth:`value_mean` (times the mass)."""
-        if not (mass and self.prefix_sum) and head_columns(self.stats) is not None:
+        if not (mass and self.prefix_sum) and head_columns(self.stats) is not None and not self.heads.value_factored:
             W = per_head_map(self.heads.weights, self.heads.value_matrix, head_columns_width(self.stats))
             if mass:
                 return head_columns_products(self.stats, 0.0, W)
@@ -225,7 +223,7 @@ class _KernelPass:
                                    backend=self.backend, causal=self.causal)
         if self.prefix_sum:
             first = first * torch.exp(self._log_prefix_mass()).unsqueeze(-1).unsqueeze(-3)
-        return _apply(self.heads.value_matrix, first)
+        return self.heads.apply_value(first)
 
     def head_sum(self, f):
         """Σ_h ω_h f_h, (..., n, d)."""

@@ -9,7 +9,10 @@ Conventions (docs/model.md#heads): ``value=None`` ties V_h to A_h (the gradient-
 reference code's single matrix D_h); ``weights=None`` is the mean ω_h = 1/H; Pendharkar's
 sum convention is ``weights=torch.ones(H)``.  When heads come as low-rank factors
 (Q_h, K_h of shape (k, d), A_h = Q_hᵀ K_h) the factors are kept so that the kernels can
-compute scores as ⟨Q_h x, K_h y⟩ at cost O(k) instead of O(d²).
+compute scores as ⟨Q_h x, K_h y⟩ at cost O(k) instead of O(d²).  Likewise a value map given as
+factors V_h = O_h W_{V,h} (W_{V,h}: (k, d), O_h: (d, k)) is kept as ``value_in`` / ``value_out``
+and applied as O_h (W_{V,h} y) at cost O(k d); the dense V_h (``value`` / ``value_matrix``) is
+formed only when a caller asks for it.
 """
 
 from __future__ import annotations
@@ -46,6 +49,9 @@ class Heads:
         β > 0, float or tensor broadcasting against the batch shape.
     query, key
         optional factors Q, K of shape ``(..., H, k, d)`` with A = QᵀK.
+    value_in, value_out
+        optional value factors W_V ``(..., H, k_v, d)`` and O ``(..., H, d, k_v)`` with V = O W_V
+        (instead of ``value``); ``value`` then forms V on access, the fields apply the factors.
 
     Raises
     ------
@@ -62,9 +68,10 @@ class Heads:
     (2, 3)
     """
 
-    __slots__ = ("score", "value", "weights", "beta", "query", "key", "_symmetric")
+    __slots__ = ("score", "_value", "weights", "beta", "query", "key", "value_in", "value_out", "_symmetric")
 
-    def __init__(self, score=None, value=None, weights=None, beta: Beta = 1.0, *, query=None, key=None):
+    def __init__(self, score=None, value=None, weights=None, beta: Beta = 1.0, *, query=None, key=None,
+                 value_in=None, value_out=None):
         if score is None and (query is None or key is None):
             raise ValueError("give the score matrices A (..., H, d, d), or both query and key factors (..., H, k, d)")
         if score is not None and (query is not None or key is not None):
@@ -92,6 +99,7 @@ class Heads:
             check_same(ref, value, "score", "value")
             if value.shape[-3:] != (H, d, d):
                 raise ValueError(f"value must have shape (..., {H}, {d}, {d}) like the scores, got {tuple(value.shape)}")
+        _check_value_factors(ref, value, value_in, value_out, H, d)
         if weights is None:
             weights = torch.full((H,), 1.0 / H, dtype=ref.dtype, device=ref.device)
         else:
@@ -115,11 +123,13 @@ class Heads:
         else:
             beta = check_positive(beta, "beta")
         self.score = score
-        self.value = value
+        self._value = value
         self.weights = weights
         self.beta = beta
         self.query = query
         self.key = key
+        self.value_in = value_in
+        self.value_out = value_out
         self._symmetric = None
         try:
             self.batch_shape
@@ -178,7 +188,7 @@ class Heads:
         """Heads from per-head projections: query, key (..., H, k, d); value (..., H, k_v, d);
         output (..., H, d, k_v) or None.  A_h = Q_hᵀ K_h, V_h = O_h W_{V,h} (V_h = W_{V,h}
         when output is None and k_v = d).  With keep_factors the scores are computed from the
-        factors (cheaper when k < d)."""
+        factors (cheaper when k < d), and so is the value map O_h (W_{V,h} y) when k_v < d."""
         check_tensor(value, "value", min_dim=3)
         if output is None:
             if value.shape[-2] != value.shape[-1]:
@@ -190,6 +200,8 @@ class Heads:
                 raise ValueError(
                     f"output must be (..., H, d, k_v) to match value (..., H, k_v, d); got {tuple(output.shape)} and {tuple(value.shape)}"
                 )
+            if keep_factors and value.shape[-2] < value.shape[-1]:
+                return cls(None, None, weights, beta, query=query, key=key, value_in=value, value_out=output)
             V = output @ value
         if keep_factors:
             return cls(None, V, weights, beta, query=query, key=key)
@@ -227,12 +239,16 @@ class Heads:
     def replace(self, *, symmetric: Optional[bool] = None, **fields) -> "Heads":
         """The heads with some of score, value, weights, beta, query, key replaced, unchecked (for the
         solvers' reshapes); ``symmetric`` declares the symmetry of the new A_h (None: unknown)."""
-        unknown = set(fields) - {"score", "value", "weights", "beta", "query", "key"}
+        unknown = set(fields) - {"score", "value", "weights", "beta", "query", "key", "value_in", "value_out"}
         if unknown:
             raise TypeError(f"Heads.replace got unknown fields {sorted(unknown)}")
         new = self.map(lambda t: t)
+        for k, v in fields.items():  # a dense value first: it drops the factors, which may come next
+            if k == "value":
+                new.value = v
         for k, v in fields.items():
-            setattr(new, k, v)
+            if k != "value":
+                setattr(new, k, v)
         new._symmetric = symmetric
         return new
 
@@ -253,10 +269,38 @@ class Heads:
         return self.reference.device
 
     @property
+    def value(self) -> Optional[torch.Tensor]:
+        """V, ``(..., H, d, d)``, or None for tied heads (V = A); formed from the value factors when
+        the heads hold them (each access forms it: prefer :meth:`apply_value`)."""
+        if self._value is None and self.value_in is not None:
+            return self.value_out @ self.value_in
+        return self._value
+
+    @value.setter
+    def value(self, value: Optional[torch.Tensor]) -> None:
+        # a new dense value replaces the factors (they would no longer describe it)
+        self._value = value
+        self.value_in = self.value_out = None
+
+    @property
+    def value_factored(self) -> bool:
+        """True when V_h is held as factors O_h W_{V,h} (``value_in``, ``value_out``)."""
+        return self.value_in is not None
+
+    def apply_value(self, v: torch.Tensor) -> torch.Tensor:
+        """V_h v_hi for per-head vectors v ``(..., H, n, d)`` -> ``(..., H, n, d)``: O_h (W_{V,h} v) from
+        the factors when held (cost O(k d) per vector, no d×d matrix), else v V_hᵀ."""
+        if self.value_in is not None:
+            return (v @ self.value_in.transpose(-1, -2)) @ self.value_out.transpose(-1, -2)
+        return v @ self.value_matrix.transpose(-1, -2)
+
+    @property
     def batch_shape(self) -> torch.Size:
         shapes = [self.reference.shape[:-3], self.weights.shape[:-1]]
-        if self.value is not None:
-            shapes.append(self.value.shape[:-3])
+        if self._value is not None:
+            shapes.append(self._value.shape[:-3])
+        if self.value_in is not None:
+            shapes += [self.value_in.shape[:-3], self.value_out.shape[:-3]]
         if self.key is not None:
             shapes.append(self.key.shape[:-3])
         if isinstance(self.beta, torch.Tensor):
@@ -265,8 +309,8 @@ class Heads:
 
     @property
     def tied(self) -> bool:
-        """True when V_h = A_h (value=None)."""
-        return self.value is None
+        """True when V_h = A_h (no value matrix and no value factors)."""
+        return self._value is None and self.value_in is None
 
     @property
     def score_matrix(self) -> torch.Tensor:
@@ -304,7 +348,8 @@ class Heads:
         """Same heads with new score matrices (values stay tied if they were).  No checks:
         used by the processes in the hot loop."""
         new = object.__new__(Heads)
-        new.score, new.value, new.weights, new.beta = score, self.value, self.weights, self.beta
+        new.score, new._value, new.weights, new.beta = score, self._value, self.weights, self.beta
+        new.value_in, new.value_out = self.value_in, self.value_out
         new.query = new.key = None
         new._symmetric = symmetric
         return new
@@ -313,8 +358,9 @@ class Heads:
         """Apply fn to every tensor (e.g. ``lambda t: t.to(device)``)."""
         new = object.__new__(Heads)
         g = lambda t: None if t is None else fn(t)  # noqa: E731
-        new.score, new.value, new.weights = g(self.score), g(self.value), g(self.weights)
+        new.score, new._value, new.weights = g(self.score), g(self._value), g(self.weights)
         new.query, new.key = g(self.query), g(self.key)
+        new.value_in, new.value_out = g(self.value_in), g(self.value_out)
         new.beta = fn(self.beta) if isinstance(self.beta, torch.Tensor) else self.beta
         new._symmetric = self._symmetric
         return new
@@ -329,8 +375,27 @@ class Heads:
         beta = f"{self.beta:.4g}" if isinstance(self.beta, float) else f"tensor{tuple(self.beta.shape)}"
         return (
             f"Heads(H={self.num_heads}, d={self.dim}, batch_shape={tuple(self.batch_shape)}, beta={beta}, "
-            f"tied={self.tied}, factors={self.query is not None}, dtype={self.dtype}, device={self.device})"
+            f"tied={self.tied}, factors={self.query is not None}, value_factors={self.value_in is not None}, dtype={self.dtype}, device={self.device})"
         )
+
+
+def _check_value_factors(ref, value, value_in, value_out, H, d):
+    """The value factors W_V (..., H, k_v, d) and O (..., H, d, k_v): both or neither, not with ``value``."""
+    if value_in is None and value_out is None:
+        return
+    if value_in is None or value_out is None:
+        raise ValueError("give both value factors value_in = W_V (..., H, k_v, d) and value_out = O (..., H, d, k_v), "
+                         "or neither")
+    if value is not None:
+        raise ValueError("give either value (..., H, d, d) or the factors (value_in, value_out), not both")
+    check_tensor(value_in, "value_in", min_dim=3)
+    check_tensor(value_out, "value_out", min_dim=3)
+    check_same(ref, value_in, "score", "value_in")
+    check_same(ref, value_out, "score", "value_out")
+    kv = value_in.shape[-2]
+    if value_in.shape[-3:] != (H, kv, d) or value_out.shape[-3:] != (H, d, kv):
+        raise ValueError(f"value factors must be value_in (..., {H}, k_v, {d}) and value_out (..., {H}, {d}, k_v); "
+                         f"got {tuple(value_in.shape)} and {tuple(value_out.shape)}")
 
 
 # ---------------------------------------------------------------------------- torch.nn.MultiheadAttention → Heads

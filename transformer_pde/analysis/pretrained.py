@@ -1,0 +1,399 @@
+"""Real pretrained transformers through the mean-field lens: the network's own block as a map, and the
+ladder that removes one ingredient at a time on the way to the PDE (docs/pretrained.md).
+
+    import transformer_pde as tp
+    net = tp.pretrained.load(tp.pretrained.packaged_minilm("~/.cache/transformer_pde"))
+    states, mask = tp.pretrained.hidden_states(net, ["a sentence", "another one"])
+    preds = tp.pretrained.ladder(net, states, mask, mode="rollout")
+    tp.pretrained.cloud_distances(preds["continuous"], states, mask)
+
+The rungs, each a map of the tokens through the L layers (``mode="rollout"``: from the embeddings
+hidden_states[0]; ``mode="local"``: one layer from the network's own input hidden_states[l]):
+
+* "network": the network's block, exact to rounding.  Post-LN (BERT family):
+  h = LN₁(x + MHA(x)), x ← LN₂(h + FF(h)); pre-LN (GPT-2, ViT): h = x + MHA(LN₁(x)),
+  x ← h + FF(LN₂(h)) (GPT-2's last hidden state also passes its final LayerNorm).
+* "no_feedforward": the same without FF.
+* "sphere": every LayerNorm (mean-centring, variance, gain γ, bias b) replaced by the projection
+  x ↦ √d·x/|x| onto the sphere of radius √d; attention biases kept.  Post-LN: the map the
+  reference simulators iterate, x ← √d·normalise(x̂ + MHA(x̂)), x̂ = √d·normalise(x); pre-LN:
+  z ← z + MHA(√d·normalise(z)) (the residual stream keeps its radius).
+* "no_bias": "sphere" with the query, key, value and output biases dropped.  For post-LN this is
+  one step of :class:`~transformer_pde.PostLN` with :class:`~transformer_pde.Euler`, Δt = 1, on the
+  heads of :func:`~transformer_pde.layerwise_from_pretrained` (run through :func:`~transformer_pde.solve`).
+* "continuous": Δt → 0 with Θ_t piecewise constant per layer (layer time 1): the projected
+  mean-field flow ẋ_i = P_{x_i} Σ_h f_h(x_i) on S^{d−1} with softmax heads, token weights = the
+  padding mask, causal for GPT-2, one batched :func:`~transformer_pde.solve` (Euler, step ``dt``).
+  For pre-LN networks it also drops the per-token speed 1/r of the residual stream.
+
+Distances (:func:`cloud_distances`): per layer, the tokens of each sentence normalised to the unit
+sphere, the exact W₂ between the predicted and the real clouds (POT ``ot.emd2``, uniform weights,
+cost |x − y|²), and the mean angle between matched tokens (same position); means over sentences.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping, Sequence
+
+import torch
+
+from ..model.attention import softmax_statistics
+from ..model.sphere import normalize
+from ..processes.pretrained import (
+    FAMILIES, MINILM_PIP, MINILM_SHA256, LayerWeights, Norm, PretrainedNetwork, layer_heads, layerwise_from_pretrained,
+    load, packaged_minilm,
+)
+from ..processes.weights import Constant, Layerwise
+from ..solvers.methods import Euler
+from ..solvers.model import Model
+from ..solvers.options import LedgerOptions, SaveAt
+from ..solvers.solve import solve
+
+__all__ = ["RUNGS", "MODES", "FAMILIES", "MINILM_SHA256", "MINILM_PIP", "Norm", "LayerWeights", "PretrainedNetwork",
+           "load", "packaged_minilm", "layer_heads", "layerwise_from_pretrained", "hidden_states",
+           "attention_probabilities", "attention_block", "layer_map", "ladder", "cloud_distances"]
+
+#: the ladder from the network to the PDE, one ingredient removed per rung (module docstring)
+RUNGS = ("network", "no_feedforward", "sphere", "no_bias", "continuous")
+MODES = ("rollout", "local")
+
+
+def _check_net(net):
+    if not isinstance(net, PretrainedNetwork):
+        raise TypeError(f"net must be a PretrainedNetwork from tp.pretrained.load(...), got {type(net).__name__}")
+
+
+def hidden_states(net: PretrainedNetwork, texts_or_batch, *, max_length: int = 64):
+    """The network's own hidden states, by its forward pass (no gradients).
+
+    Parameters
+    ----------
+    net : PretrainedNetwork
+        from :func:`load`.
+    texts_or_batch
+        a string or a list of strings (tokenised with ``net.tokenizer``, padded on the right, truncated to
+        ``max_length``), a mapping of model inputs (``input_ids``/``attention_mask``, or ``pixel_values``
+        for ViT), or a tensor of input ids (pixel values for ViT).
+    max_length : int
+        the longest token sequence kept.
+
+    Returns
+    -------
+    tuple
+        states ``(L+1, B, n, d)`` (index 0: the embeddings; GPT-2's last includes its final LayerNorm) and
+        mask ``(B, n)`` bool (True for real tokens).
+
+    Raises
+    ------
+    TypeError, ValueError
+        an unknown input type; texts without a tokenizer; an empty list.
+    """
+    _check_net(net)
+    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
+        raise ValueError(f"max_length must be an int >= 1, got {max_length!r}")
+    if isinstance(texts_or_batch, str):
+        texts_or_batch = [texts_or_batch]
+    if isinstance(texts_or_batch, (list, tuple)):
+        if not texts_or_batch or not all(isinstance(t, str) for t in texts_or_batch):
+            raise ValueError("give a non-empty list of strings (or a mapping of model inputs)")
+        if net.tokenizer is None:
+            raise ValueError("this network has no tokenizer (the folder had no tokenizer.json); pass token ids or "
+                             "load(model, tokenizer=...)")
+        tok = net.tokenizer
+        if tok.pad_token is None:  # GPT-2's tokenizer has none: pad with end-of-text, masked out anyway
+            tok.pad_token = tok.eos_token
+        tok.padding_side = "right"
+        batch = dict(tok(list(texts_or_batch), padding=True, truncation=True, max_length=max_length,
+                         return_tensors="pt"))
+    elif isinstance(texts_or_batch, Mapping):
+        batch = dict(texts_or_batch)
+    elif isinstance(texts_or_batch, torch.Tensor):
+        batch = {"pixel_values" if net.family == "vit" else "input_ids": texts_or_batch}
+    else:
+        raise TypeError(f"texts_or_batch must be text(s), a mapping of model inputs or a tensor, got "
+                        f"{type(texts_or_batch).__name__}")
+    device = next(net.model.parameters()).device
+    batch = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+    if net.family == "vit" and "pixel_values" in batch:
+        batch["pixel_values"] = batch["pixel_values"].to(net.dtype)
+    with torch.no_grad():
+        out = net.model(**batch, output_hidden_states=True)
+    states = torch.stack(tuple(out.hidden_states))
+    mask = batch.get("attention_mask")
+    mask = (torch.ones(states.shape[1:3], dtype=torch.bool, device=states.device) if mask is None
+            else mask.to(device=states.device, dtype=torch.bool))
+    return states, mask
+
+
+def _check_layer_inputs(net, layer, x, mask):
+    _check_net(net)
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < net.num_layers:
+        raise ValueError(f"layer must be an int in [0, {net.num_layers}), got {layer!r}")
+    if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != net.dim:
+        raise ValueError(f"x must be a tensor (B, n, {net.dim}), got "
+                         f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    if x.dtype != net.dtype:
+        raise TypeError(f"x is {x.dtype} but the network is {net.dtype}; load(..., dtype={x.dtype}) or convert x")
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.shape != x.shape[:2]:
+        raise ValueError(f"mask must be a bool tensor (B, n) = {tuple(x.shape[:2])}, got "
+                         f"{tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__}")
+    if not bool(mask.any(-1).all()):
+        raise ValueError("every sequence needs at least one real token (a mask row is all False)")
+
+
+def _key_weights(mask: torch.Tensor, dtype) -> torch.Tensor:
+    w = mask.to(dtype)
+    return w / w.sum(-1, keepdim=True)
+
+
+def _attention(net, layer, z, mask, bias: bool, r: float = 1.0):
+    """MHA(z) (B, n, d) of block ``layer`` on the tokens z it reads, from the heads (tp's softmax kernel and
+    the heads' value factors); r: the token norm the heads are built for (z/r is what they see)."""
+    heads = layer_heads(net.layers[layer], bias="keep" if bias else "drop", token_norm=r)
+    u = z / r
+    if bias:
+        u = torch.cat([u, torch.ones_like(u[..., :1])], -1)
+    stats = softmax_statistics(u, heads, _key_weights(mask, z.dtype), causal=net.causal)
+    f = heads.apply_value(stats.mean)  # (B, H', n, d')
+    out = (heads.weights.unsqueeze(-1).unsqueeze(-1) * f).sum(-3)
+    return r * out[..., :net.dim]
+
+
+def _reads(net, layer, x):
+    """The tokens the attention of block ``layer`` reads from its input x (pre-LN: LN₁(x))."""
+    return net.layers[layer].norm1(x) if net.norm == "pre" else x
+
+
+def attention_block(net: PretrainedNetwork, layer: int, x: torch.Tensor, mask: torch.Tensor, *,
+                    bias: bool = True) -> torch.Tensor:
+    """The attention sublayer of block ``layer`` incl. the output projection, before the residual and the
+    LayerNorm: MHA(x) (post-LN) or MHA(LN₁(x)) (pre-LN), computed from the heads (module docstring of
+    :mod:`transformer_pde.processes.pretrained`), not by the transformers module.
+
+    Parameters
+    ----------
+    net : PretrainedNetwork
+        from :func:`load`.
+    layer : int
+        the block, 0 ≤ layer < L.
+    x : torch.Tensor
+        the block's input (B, n, d), e.g. ``hidden_states(net, ...)[0][layer]``.
+    mask : torch.Tensor
+        (B, n) bool, True for real tokens (padding gets zero attention).
+    bias : bool
+        keep the query, key, value and output biases (exact) or drop them.
+
+    Returns
+    -------
+    torch.Tensor
+        (B, n, d).
+    """
+    _check_layer_inputs(net, layer, x, mask)
+    return _attention(net, layer, _reads(net, layer, x), mask, bias)
+
+
+def attention_probabilities(net: PretrainedNetwork, layer: int, x: torch.Tensor, mask: torch.Tensor, *,
+                            bias: bool = True) -> torch.Tensor:
+    """p^h_ij = w_j e^{s^h_ij} / Σ_l w_l e^{s^h_il}, s^h_ij = β⟨Q̃_h x̃_i, K̃_h x̃_j⟩ from the heads of block
+    ``layer`` (bias: homogeneous coordinates x̃ = (x, 1)), w the padding mask, causal for GPT-2.
+
+    Parameters
+    ----------
+    net, layer, x, mask, bias
+        as :func:`attention_block`.
+
+    Returns
+    -------
+    torch.Tensor
+        (B, H, n, n), rows summing to 1; compare with ``output_attentions=True`` of the eager network.
+    """
+    _check_layer_inputs(net, layer, x, mask)
+    heads = layer_heads(net.layers[layer], bias="keep" if bias else "drop", token_norm=1.0)
+    u = _reads(net, layer, x)
+    if bias:
+        u = torch.cat([u, torch.ones_like(u[..., :1])], -1)
+    H = net.num_heads
+    qf = u.unsqueeze(-3) @ heads.query[:H].transpose(-1, -2)  # (B, H, n, k)
+    kf = u.unsqueeze(-3) @ heads.key[:H].transpose(-1, -2)
+    s = heads.beta * (qf @ kf.transpose(-1, -2))
+    blocked = ~mask[:, None, None, :]
+    if net.causal:
+        n = x.shape[-2]
+        blocked = blocked | torch.ones(n, n, dtype=torch.bool, device=x.device).triu(1)
+    return torch.softmax(s.masked_fill(blocked, -math.inf), dim=-1)
+
+
+def _sphere(x: torch.Tensor) -> torch.Tensor:
+    return math.sqrt(x.shape[-1]) * normalize(x)
+
+
+def layer_map(net: PretrainedNetwork, layer: int, x: torch.Tensor, mask: torch.Tensor, *,
+              rung: str = "network") -> torch.Tensor:
+    """One block of a discrete rung ("network", "no_feedforward", "sphere", "no_bias"; module docstring)
+    applied to x (B, n, d); returns (B, n, d)."""
+    _check_layer_inputs(net, layer, x, mask)
+    if rung not in RUNGS[:4]:
+        raise ValueError(f"rung must be one of {RUNGS[:4]} for one block (the continuous rung is a flow: ladder), "
+                         f"got {rung!r}")
+    lw = net.layers[layer]
+    last = layer == net.num_layers - 1
+    if rung in ("network", "no_feedforward"):
+        ff = rung == "network"
+        a = _attention(net, layer, _reads(net, layer, x), mask, True)
+        if net.norm == "post":
+            h = lw.norm1(x + a)
+            y = lw.norm2(h + lw.feed_forward(h)) if ff else lw.norm2(h)
+        else:
+            h = x + a
+            y = h + lw.feed_forward(lw.norm2(h)) if ff else h
+        return net.final_norm(y) if (last and net.final_norm is not None) else y
+    bias = rung == "sphere"
+    r = math.sqrt(net.dim)
+    if net.norm == "post":
+        z = _sphere(x)
+        return _sphere(z + _attention(net, layer, z, mask, bias, r))
+    y = x + _attention(net, layer, _sphere(x), mask, bias, r)
+    return _sphere(y) if (last and net.final_norm is not None) else y
+
+
+def _check_states(net, states, mask):
+    _check_net(net)
+    L = net.num_layers
+    if not isinstance(states, torch.Tensor) or states.dim() != 4 or states.shape[0] != L + 1 \
+            or states.shape[-1] != net.dim:
+        raise ValueError(f"states must be (L+1, B, n, d) = ({L + 1}, B, n, {net.dim}) from hidden_states, got "
+                         f"{tuple(states.shape) if isinstance(states, torch.Tensor) else type(states).__name__}")
+    _check_layer_inputs(net, 0, states[0], mask)
+
+
+def _continuous(net, states, mask, dt: float, mode: str):
+    """The projected mean-field flow with Θ_t piecewise constant per layer (Euler, step dt), (L+1, B, n, d)."""
+    L = net.num_layers
+    r = math.sqrt(net.dim)
+    steps = round(1.0 / dt)
+    w = _key_weights(mask, states.dtype)
+    layers = [layer_heads(lw, bias="drop", token_norm=r) for lw in net.layers]
+    opts = dict(normalization="softmax", direction="ascent", geometry="none", weights=w, causal=net.causal)
+    run = dict(dt=1.0 / steps, saveat=SaveAt(every=steps), ledger=LedgerOptions(diagnostics=False), progress=False)
+    if mode == "rollout":
+        traj = solve(Model(Layerwise(layers, layer_time=1.0), **opts), normalize(states[0]), Euler(),
+                     t1=float(L), **run)
+        return r * traj.x
+    outs = [states[0]]
+    for l in range(L):
+        traj = solve(Model(Constant(layers[l]), **opts), normalize(states[l]), Euler(), t1=1.0, **run)
+        outs.append(r * traj.x[-1])
+    return torch.stack(outs)
+
+
+def _post_no_bias_rollout(net, states, mask):
+    """The post-LN "no_bias" rollout through tp.solve: PostLN geometry, Euler, Δt = 1 (one step per layer)."""
+    r = math.sqrt(net.dim)
+    layers = [layer_heads(lw, bias="drop", token_norm=r) for lw in net.layers]
+    model = Model(Layerwise(layers, layer_time=1.0), normalization="softmax", direction="ascent", geometry="post",
+                  weights=_key_weights(mask, states.dtype), causal=net.causal)
+    traj = solve(model, normalize(states[0]), Euler(), t1=float(net.num_layers), dt=1.0, saveat=SaveAt(every=1),
+                 ledger=LedgerOptions(diagnostics=False), progress=False)
+    out = r * traj.x
+    return torch.cat([states[:1], out[1:]])
+
+
+def ladder(net: PretrainedNetwork, states: torch.Tensor, mask: torch.Tensor, *, rungs: Sequence[str] = RUNGS,
+           dt: float = 0.05, mode: str = "rollout") -> dict:
+    """The tokens of each rung of the ladder from the network to the PDE (module docstring).
+
+    Parameters
+    ----------
+    net : PretrainedNetwork
+        from :func:`load`.
+    states : torch.Tensor
+        the real hidden states (L+1, B, n, d) and mask (B, n) bool, from :func:`hidden_states`.
+    mask : torch.Tensor
+        (B, n) bool.
+    rungs : Sequence[str]
+        a subset of :data:`RUNGS`.
+    dt : float
+        the Euler step of the continuous rung (1/dt an integer number of steps per layer).
+    mode : str
+        "rollout" (from hidden_states[0] through all layers) or "local" (entry l+1 is one layer from
+        the real hidden_states[l]).
+
+    Returns
+    -------
+    dict
+        rung -> tensor (L+1, B, n, d); entry 0 is hidden_states[0].  The discrete rungs live at the
+        network's scale; "sphere", "no_bias" and "continuous" on the sphere of radius √d.
+
+    Raises
+    ------
+    ValueError
+        an unknown rung or mode, dt not of the form 1/integer, states/mask of the wrong shape.
+    """
+    _check_states(net, states, mask)
+    unknown = [r for r in rungs if r not in RUNGS] if not isinstance(rungs, str) else [rungs]
+    if unknown:
+        raise ValueError(f"unknown rungs {unknown}: choose from {RUNGS} (a list)")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if isinstance(dt, bool) or not isinstance(dt, (int, float)) or not 0 < dt <= 1 \
+            or abs(1.0 / dt - round(1.0 / dt)) > 1e-9 * (1.0 / dt):
+        raise ValueError(f"dt must be 1/N for an integer N >= 1 (steps per layer), got {dt!r}")
+    L = net.num_layers
+    out = {}
+    with torch.no_grad():
+        for rung in rungs:
+            if rung == "continuous":
+                out[rung] = _continuous(net, states, mask, dt, mode)
+            elif rung == "no_bias" and mode == "rollout" and net.norm == "post":
+                out[rung] = _post_no_bias_rollout(net, states, mask)
+            else:
+                xs = [states[0]]
+                for l in range(L):
+                    xs.append(layer_map(net, l, xs[-1] if mode == "rollout" else states[l], mask, rung=rung))
+                out[rung] = torch.stack(xs)
+    return out
+
+
+def cloud_distances(pred: torch.Tensor, real: torch.Tensor, mask: torch.Tensor) -> dict:
+    """Per layer, the distance between predicted and real token clouds, each token normalised to the unit sphere.
+
+    W₂(μ̂, μ)² = min over couplings of Σ π_ij |x̂_i − x_j|² (exact, POT ``ot.emd2``, uniform weights on the
+    real tokens of each sentence); mean angle = mean_i arccos⟨x̂_i, x_i⟩ over matched tokens (same position).
+    Both averaged over the sentences.
+
+    Parameters
+    ----------
+    pred, real : torch.Tensor
+        (L+1, B, n, d).
+    mask : torch.Tensor
+        (B, n) bool.
+
+    Returns
+    -------
+    dict
+        ``w2`` and ``mean_angle`` (radians): lists of L+1 floats, index 0 = embeddings.
+    """
+    import ot
+
+    if not (isinstance(pred, torch.Tensor) and isinstance(real, torch.Tensor)) or pred.shape != real.shape \
+            or pred.dim() != 4:
+        raise ValueError(f"pred and real must be tensors of one shape (L+1, B, n, d), got "
+                         f"{getattr(pred, 'shape', type(pred).__name__)} and {getattr(real, 'shape', type(real).__name__)}")
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.shape != pred.shape[1:3]:
+        raise ValueError(f"mask must be a bool tensor (B, n) = {tuple(pred.shape[1:3])}")
+    p = normalize(pred.detach().to(torch.float64))
+    q = normalize(real.detach().to(torch.float64))
+    w2, ang = [], []
+    for l in range(p.shape[0]):
+        d_l, a_l = [], []
+        for b in range(p.shape[1]):
+            m = mask[b]
+            x, y = p[l, b][m], q[l, b][m]
+            cost = torch.cdist(x, y).pow(2).cpu().numpy()
+            u = torch.full((x.shape[0],), 1.0 / x.shape[0], dtype=torch.float64).numpy()
+            d_l.append(math.sqrt(max(float(ot.emd2(u, u, cost)), 0.0)))
+            a_l.append(float(torch.arccos((x * y).sum(-1).clamp(-1.0, 1.0)).mean()))
+        w2.append(sum(d_l) / len(d_l))
+        ang.append(sum(a_l) / len(a_l))
+    return {"w2": w2, "mean_angle": ang}

@@ -1,0 +1,95 @@
+"""Render the results of a ``pretrained_probe`` run (its metrics.json) as Markdown tables.
+
+    python scripts/pretrained_probe_table.py runs/pretrained_probe/metrics.json            # print
+    python scripts/pretrained_probe_table.py runs/pretrained_probe/metrics.json --write docs/pretrained.md
+
+``--write`` replaces the text between the markers ``<!-- probe-results:start -->`` and
+``<!-- probe-results:end -->`` of the page, so the numbers quoted in docs/pretrained.md are the
+run's, never typed by hand.  Every mean carries ± one standard error over sentences.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+START, END = "<!-- probe-results:start -->", "<!-- probe-results:end -->"
+_RUNG_NAMES = {"network": "exact network map", "no_feedforward": "− feed-forward",
+               "sphere": "− LayerNorm (sphere of radius √d)", "no_bias": "− attention biases",
+               "continuous": "continuous time (projected mean-field flow)"}
+
+
+def _pm(mean, se, digits=3):
+    return f"{mean:.{digits}f} ± {se:.{digits}f}"
+
+
+def render(m: dict) -> str:
+    """The Markdown of the results section for the metrics ``m`` of one run."""
+    mo, tx, real, lay, lad = m["model"], m["text"], m["real"], m["layers"], m["ladder"]
+    L = mo["layers"]
+    out = [f"Run: `{mo['source']}` ({mo['family']}, {mo['norm']}-LN, L = {L}, d = {mo['dim']}, H = {mo['heads']}), "
+           f"{tx['sentences']} sentences ({tx['tokens']} tokens) of `pydoc_data.topics` under Python {tx['python']} "
+           f"(sha256 of sentences.txt's lines {tx['sha256'][:12]}…), ladder mode `{m['ladder_mode']}`, "
+           f"probe wall time {m['probe_wall_s']:.0f} s. Error bars: {m['error_bars']}.", "",
+           "**The real hidden states** (normalised tokens; pair fraction and clusters at the run's radius):", "",
+           "| ℓ | mean cosine | pair fraction | clusters | RMS token norm |", "|---|---|---|---|---|"]
+    for i in range(L + 1):
+        out.append(f"| {i} | {_pm(real['mean_cosine'][i], real['mean_cosine_se'][i])} | "
+                   f"{_pm(real['pair_fraction'][i], real['pair_fraction_se'][i])} | "
+                   f"{_pm(real['clusters'][i], real['clusters_se'][i], 2)} | "
+                   f"{_pm(real['token_norm'][i], real['token_norm_se'][i], 2)} |")
+    out += ["", f"**Per layer** (map x_ℓ → x_ℓ₊₁; Lipschitz constants over {lay['lipschitz_sentences']} sentences):",
+            "", "| layer ℓ | β_eff (mean) | β_eff (median) | KL at β_eff / KL uniform | Δ log E_β across the layer "
+            "| share of sentences with E_β up | ‖∂x_ℓ₊₁/∂x_ℓ‖₂ (mean) | max |", "|---|---|---|---|---|---|---|---|"]
+    for i in range(L):
+        out.append(f"| {i} | {_pm(lay['beta_eff'][i], lay['beta_eff_se'][i], 2)} | {lay['beta_eff_median'][i]:.2f} | "
+                   f"{lay['kl_fit'][i] / lay['kl_uniform'][i]:.3f} | "
+                   f"{_pm(lay['log_energy_change'][i], lay['log_energy_change_se'][i], 3)} | "
+                   f"{lay['energy_increase_fraction'][i]:.3f} | {_pm(lay['lipschitz'][i], lay['lipschitz_se'][i], 2)} | "
+                   f"{lay['lipschitz_max'][i]:.2f} |")
+    rungs = m["ladder_rungs"]
+    out += ["", "**The ladder**: W₂ between each rung's normalised token cloud and the real one, per hidden-state "
+            "index (mean over sentences ± s.e.):", "",
+            "| rung | " + " | ".join(f"ℓ = {i}" for i in range(1, L + 1)) + " |", "|---" * (L + 1) + "|"]
+    for r in rungs:
+        e = lad[r]
+        out.append(f"| {_RUNG_NAMES.get(r, r)} | " + " | ".join(_pm(e["w2"][i], e["w2_se"][i]) for i in range(1, L + 1))
+                   + " |")
+    out += ["", f"At the last layer (ℓ = {L}): mean angle to the real token, and the mean cosine of the rung's "
+            f"tokens (real network: {_pm(real['mean_cosine'][L], real['mean_cosine_se'][L])}):", "",
+            "| rung | W₂ | mean angle (rad) | mean cosine | step from the rung above: ΔW₂ |", "|---|---|---|---|---|"]
+    for k, r in enumerate(rungs):
+        e = lad[r]
+        step = "" if k == 0 else f"{e['w2'][L] - lad[rungs[k - 1]]['w2'][L]:+.3f}"
+        out.append(f"| {_RUNG_NAMES.get(r, r)} | {_pm(e['w2'][L], e['w2_se'][L])} | "
+                   f"{_pm(e['mean_angle'][L], e['mean_angle_se'][L])} | "
+                   f"{_pm(e['mean_cosine'][L], e['mean_cosine_se'][L])} | {step} |")
+    return "\n".join(out) + "\n"
+
+
+def write(page: Path, text: str) -> None:
+    """Replace the marked section of ``page`` with ``text`` (ValueError when the markers are missing)."""
+    doc = page.read_text(encoding="utf-8")
+    if START not in doc or END not in doc:
+        raise ValueError(f"{page} has no '{START}' … '{END}' section to replace")
+    head, rest = doc.split(START, 1)
+    _, tail = rest.split(END, 1)
+    page.write_text(f"{head}{START}\n{text}{END}{tail}", encoding="utf-8")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("metrics", type=Path, help="metrics.json of a pretrained_probe run")
+    ap.add_argument("--write", type=Path, default=None, help="the Markdown page whose marked section to replace")
+    args = ap.parse_args(argv)
+    text = render(json.loads(args.metrics.read_text()))
+    if args.write is None:
+        print(text)
+    else:
+        write(args.write, text)
+        print(f"wrote the results of {args.metrics} into {args.write}")
+
+
+if __name__ == "__main__":
+    main()

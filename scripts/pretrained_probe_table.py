@@ -21,6 +21,8 @@ _RUNG_NAMES = {"network": "exact network map", "no_feedforward": "− feed-forwa
 
 
 def _pm(mean, se, digits=3):
+    if 0 < abs(mean) < 10 ** -digits:  # rounding-level values (the exact map's distance) in scientific notation
+        return f"{mean:.1e} ± {se:.1e}"
     return f"{mean:.{digits}f} ± {se:.{digits}f}"
 
 

@@ -152,6 +152,41 @@ def test_power_iteration_of_a_nonlinear_map_against_the_dense_jacobian():
         top_singular_value(f, x, iterations=0)
 
 
+@pytest.mark.parametrize("family", ["bert", "gpt2"])
+def test_power_iteration_through_a_real_block_against_its_dense_jacobian(family):
+    """A tiny seeded BERT (post-LN) and GPT-2 (pre-LN, causal) block: the estimate through
+    tp.pretrained.layer_map (double backward through the attention) is the top singular value of the
+    block's Jacobian restricted to each sentence's valid tokens, formed densely by torch.autograd."""
+    transformers = pytest.importorskip("transformers", reason="pip install transformers")
+    torch.manual_seed(0)
+    if family == "bert":
+        cfg = transformers.BertConfig(num_hidden_layers=2, num_attention_heads=2, hidden_size=8, intermediate_size=16,
+                                      vocab_size=50, initializer_range=0.3)
+        model = transformers.BertModel(cfg)
+    else:
+        cfg = transformers.GPT2Config(n_embd=8, n_layer=2, n_head=2, vocab_size=50, bos_token_id=0, eos_token_id=0,
+                                      initializer_range=0.3)
+        model = transformers.GPT2Model(cfg)
+    net = tp.pretrained.load(model.eval(), dtype=torch.float64)
+    ids = torch.randint(3, 50, (2, 5), generator=gen(13))
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], dtype=torch.bool)
+    states, mask = tp.pretrained.hidden_states(net, {"input_ids": ids, "attention_mask": mask})
+    x = states[1]
+
+    def f(z):
+        return tp.pretrained.layer_map(net, 1, z, mask)
+
+    J = torch.autograd.functional.jacobian(f, x, vectorize=True)  # (B, n, d, B, n, d)
+    want = []
+    for b in range(2):
+        v = mask[b].nonzero().flatten()
+        Jb = J[b][v][:, :, b][:, :, v]  # (n_b, d, n_b, d)
+        m = len(v) * x.shape[-1]
+        want.append(torch.linalg.matrix_norm(Jb.reshape(m, m), ord=2))
+    got = top_singular_value(f, x, mask=mask, iterations=300, generator=gen(14))
+    torch.testing.assert_close(got, torch.stack(want), rtol=1e-6, atol=1e-9)
+
+
 # ---------------------------------------------------------------------------- energy
 def test_factored_log_energy_equals_the_library_energy(dtype):
     H, k, d = 3, 2, 5

@@ -81,11 +81,11 @@ OPTIONS = {
     "mode": Option("rollout", (str,), "rollout: each rung runs from the real embeddings x_0 through every layer; "
                    "local: each rung maps the real x_l one layer", choices=("rollout", "local")),
     "dt": Option(0.25, (float,), "time step of the continuous rung (1/dt steps per layer)", check=_unit_divisor),
-    "radius": Option(0.5, (float,), "chordal radius r of the pair fraction and cluster count (cos > 1 − r²/2)",
+    "radius": Option(1.0, (float,), "chordal radius r of the pair fraction and cluster count (cos > 1 − r²/2)",
                      check=lambda v: None if 0 < v <= 2 else "must lie in (0, 2]"),
-    "lipschitz_sentences": Option(32, (int,), "sentences of the Lipschitz estimate (the first of the selection)",
+    "lipschitz_sentences": Option(16, (int,), "sentences of the Lipschitz estimate (the first of the selection)",
                                   check=positive),
-    "lipschitz_iterations": Option(12, (int,), "power-iteration steps of the Lipschitz estimate", check=positive),
+    "lipschitz_iterations": Option(10, (int,), "power-iteration steps of the Lipschitz estimate", check=positive),
     "pca_sentence": Option(0, (int,), "index (in the selection) of the sentence drawn as a token cloud",
                            check=lambda v: None if v >= 0 else "must be >= 0"),
     "figures": Option(True, (bool,), "write the figures"),
@@ -297,7 +297,7 @@ def run_pretrained_probe(params, run):
     metrics = _metrics(p, net, parts, lip, texts, time.perf_counter() - t_start)
     if p["figures"]:
         pca = next(part for part in parts if "pca" in part)
-        figures(run, p, metrics, pca["pca"], pca["pca_tokens"])
+        figures(run, p, metrics, pca["pca"], pca["pca_tokens"], texts[p["pca_sentence"]])
     return metrics
 
 

@@ -114,7 +114,7 @@ def _layer_probes(run, p, m):
     save_captioned(run, fig, "layer_probes", cap, m, tidy=True)
 
 
-def _token_clouds(run, p, m, clouds: Dict[str, torch.Tensor], tokens: Sequence[str]):
+def _token_clouds(run, p, m, clouds: Dict[str, torch.Tensor], tokens: Sequence[str], sentence: str):
     rows = ["real"] + [r for r in m["ladder_rungs"] if r != "network"][-1:]
     real = clouds["real"].double()
     L1 = real.shape[0]
@@ -122,34 +122,37 @@ def _token_clouds(run, p, m, clouds: Dict[str, torch.Tensor], tokens: Sequence[s
     for l in range(L1):
         xr = real[l] / real[l].norm(dim=-1, keepdim=True)
         centre = xr.mean(0)
-        _, _, vh = torch.linalg.svd(xr - centre, full_matrices=False)
-        basis = vh[:2].T
-        for r, name in enumerate(rows):
-            x = clouds[name][l].double()
-            x = x / x.norm(dim=-1, keepdim=True)
-            z = ((x - centre) @ basis).numpy()
+        basis = torch.linalg.svd(xr - centre, full_matrices=False)[2][:2].T
+        zs = [((clouds[name][l].double() / clouds[name][l].double().norm(dim=-1, keepdim=True) - centre) @ basis).numpy()
+              for name in rows]
+        allz = np.concatenate(zs)
+        pad = 0.08 * (allz.max(0) - allz.min(0)) + 1e-9
+        lo, hi = allz.min(0) - pad, allz.max(0) + pad
+        for r, (name, z) in enumerate(zip(rows, zs)):
             ax = axes[r, l]
             ax.scatter(z[:, 0], z[:, 1], s=14, c=np.arange(len(z)), cmap="viridis")
             for i in (0, len(z) - 1):
                 ax.annotate(tokens[i] if i < len(tokens) else str(i), z[i], fontsize=6)
+            ax.set_xlim(lo[0], hi[0])
+            ax.set_ylim(lo[1], hi[1])
             ax.set_xticks([])
             ax.set_yticks([])
             if r == 0:
                 ax.set_title(rf"$\ell = {l}$", fontsize=9)
             if l == 0:
                 ax.set_ylabel("real" if name == "real" else RUNG_LABELS.get(name, name), fontsize=8)
-    words = " ".join(tokens[1:-1])[:90]
-    cap = (f"One sentence ({len(tokens)} tokens: “{words}…”), normalised tokens x̂ projected per column on the "
-           f"top two principal directions of the real tokens of that layer (same axes in a column); colour = "
-           f"position, first and last token labelled. Top: the real network; bottom: the last rung "
-           f"({m['ladder_mode']}).")
+    text = sentence if len(sentence) <= 100 else sentence[:97] + "..."
+    cap = (f"One sentence, {len(tokens)} tokens with [CLS] and [SEP]: \"{text}\". Normalised tokens x̂ projected per "
+           f"column on the top two principal directions of the real tokens of that layer (same axes and limits in a "
+           f"column); colour = position, first and last token labelled. Top: the real network; bottom: the last "
+           f"rung ({m['ladder_mode']}).")
     fig.suptitle("token cloud of one sentence across depth", fontsize=11)
     save_captioned(run, fig, "token_clouds", cap, m, tidy=True)
 
 
-def figures(run, p: Dict, metrics: Dict, clouds: Dict[str, torch.Tensor], tokens: List[str]) -> None:
+def figures(run, p: Dict, metrics: Dict, clouds: Dict[str, torch.Tensor], tokens: List[str], sentence: str) -> None:
     """Write the four figures of the probe into the run's figures/ and their captions into ``metrics``."""
     _depth_curves(run, p, metrics)
     _ladder_distances(run, p, metrics)
     _layer_probes(run, p, metrics)
-    _token_clouds(run, p, metrics, clouds, tokens)
+    _token_clouds(run, p, metrics, clouds, tokens, sentence)

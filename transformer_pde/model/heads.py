@@ -246,6 +246,8 @@ class Heads:
         for k, v in fields.items():  # a dense value first: it drops the factors, which may come next
             if k == "value":
                 new.value = v
+        if "value_in" in fields and "value" not in fields:  # new factors replace a dense value
+            new._value = None
         for k, v in fields.items():
             if k != "value":
                 setattr(new, k, v)

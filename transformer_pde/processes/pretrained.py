@@ -318,12 +318,20 @@ def _split(W, b, H, k):
     return W.reshape(H, k, W.shape[-1]), b.reshape(H, k)
 
 
-def _scale(attn, k: int) -> float:
+def _scale(attn, k: int, config=None, layer: int = 0) -> float:
+    """c of the scores: the module's own ``scaling`` where it has one, else GPT-2's config rule, else 1/√k."""
     s = getattr(attn, "scaling", None)
-    return float(s) if isinstance(s, (int, float)) else 1.0 / math.sqrt(k)
+    if isinstance(s, (int, float)):
+        return float(s)
+    c = 1.0 / math.sqrt(k)
+    if config is not None and getattr(config, "model_type", "") == "gpt2":
+        c = c if getattr(config, "scale_attn_weights", True) else 1.0
+        if getattr(config, "scale_attn_by_inverse_layer_idx", False):
+            c /= float(layer + 1)
+    return c
 
 
-def _read_block(block, family: str, H: int, k: int) -> LayerWeights:
+def _read_block(block, family: str, H: int, k: int, config=None, index: int = 0) -> LayerWeights:
     if family == "bert":
         sa = block.attention.self
         q, k_, v = _linear(sa.query), _linear(sa.key), _linear(sa.value)
@@ -356,7 +364,8 @@ def _read_block(block, family: str, H: int, k: int) -> LayerWeights:
     (Q, bq), (K, bk), (V, bv) = _split(*q, H, k), _split(*k_, H, k), _split(*v, H, k)
     Wo, bo = o
     O = Wo.reshape(Wo.shape[0], H, k).permute(1, 0, 2)  # (H, d, k): columns h·k … (h+1)·k − 1 of W_O
-    return LayerWeights(Q, K, V, bq, bk, bv, O, bo, _scale(attn, k), n1, n2, f1[0], f1[1], f2[0], f2[1], act)
+    return LayerWeights(Q, K, V, bq, bk, bv, O, bo, _scale(attn, k, config, index), n1, n2, f1[0], f1[1], f2[0], f2[1],
+                        act)
 
 
 def _check_config(config, family: str):
@@ -434,7 +443,7 @@ def load(model_or_folder, *, dtype: Optional[torch.dtype] = None, hidden_size: O
     if d % H:
         raise ValueError(f"hidden size {d} is not a multiple of the {H} heads")
     k = d // H
-    layers = [_read_block(b, family, H, k) for b in blocks]
+    layers = [_read_block(b, family, H, k, config, i) for i, b in enumerate(blocks)]
     final = _norm(base.ln_f) if family == "gpt2" else None
     return PretrainedNetwork(model=model, tokenizer=tokenizer, family=family, norm="post" if family == "bert" else "pre",
                              causal=family == "gpt2", num_layers=len(layers), dim=d, num_heads=H, head_dim=k,

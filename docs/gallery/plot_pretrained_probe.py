@@ -1,7 +1,7 @@
 """A real network's token dynamics: MiniLM against the mean-field flow
 =====================================================================
 
-Eight English sentences from Python's own help topics go through the packaged all-MiniLM-L6-v2
+Six English sentences from Python's own help topics go through the packaged all-MiniLM-L6-v2
 (6 post-LN BERT blocks).  Left: the mean cosine of a sentence's normalised hidden states across depth,
 for the real network and for three rungs of the ladder rolled out from the same embeddings — the
 exact block, the block without its feed-forward sublayer, and the continuous-time mean-field flow of
@@ -19,8 +19,8 @@ import transformer_pde as tp
 from transformer_pde.application.studies.probe import mean_cosine, select_sentences
 
 net = tp.pretrained.load(tp.pretrained.packaged_minilm(Path("~/.cache/transformer_pde").expanduser()))
-texts = select_sentences(8, seed=0)
-states, mask = tp.pretrained.hidden_states(net, texts, max_length=32)
+texts = select_sentences(6, seed=0)
+states, mask = tp.pretrained.hidden_states(net, texts, max_length=24)
 rungs = ("network", "no_feedforward", "continuous")
 preds = tp.pretrained.ladder(net, states, mask, rungs=rungs, dt=0.5, mode="rollout")
 
@@ -35,7 +35,7 @@ for k, rung in enumerate(rungs):
     w2 = tp.pretrained.cloud_distances(preds[rung], states, mask)["w2"]
     bx.plot(depth, [max(v, 1e-8) for v in w2], "o-", color=f"C{k + 1}", ms=4, label=rung)
 ax.set(xlabel=r"hidden-state index $\ell$ (depth)", ylabel=r"mean cosine $\rho_\ell$",
-       title="clustering across depth (± s.e. over 8 sentences)")
+       title="clustering across depth (± s.e. over 6 sentences)")
 bx.set(xlabel=r"hidden-state index $\ell$", ylabel=r"$W_2$ to the real token cloud", yscale="log",
        title="distance of each rung to the network")
 ax.legend(fontsize=8)

@@ -34,10 +34,11 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import os
 import platform
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import List
 
 import torch
 
@@ -120,6 +121,13 @@ def _resources(p):
     return {"memory": memory, "steps": L * len(p["rungs"]) * round(1 / p["dt"]),
             "detail": f"{p['sentences']} sentences × ≤ {n} tokens in {p['buckets']} buckets, {len(p['rungs'])} rungs "
                       f"(estimate for a 6-layer, d = 384 network)"}
+
+
+def _write_text(path: Path, text: str) -> None:
+    """Write ``text`` atomically (a temporary file in the same folder, then os.replace)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def _folder(p, run) -> Path:
@@ -256,12 +264,11 @@ def run_pretrained_probe(params, run):
     dtype = dtype_of(p)
     t_start = time.perf_counter()
     texts = select_sentences(p["sentences"], p["seed"])
-    (run.path / "sentences.txt").write_text("\n".join(texts) + "\n", encoding="utf-8")
+    _write_text(run.path / "sentences.txt", "\n".join(texts) + "\n")  # one input per line, as fed to the tokenizer
     folder = _folder(p, run)
     net = tp.pretrained.load(folder, dtype=dtype)
     # the heads of the continuous rung: biases dropped, ω_h = 1, β = d/√k (tokens of norm √d)
     heads_layers = [tp.pretrained.layer_heads(lw, bias="drop", token_norm=math.sqrt(net.dim)) for lw in net.layers]
-    L = net.num_layers
     fp = fingerprint(p, {"figures", "cache_dir"}, texts=hashlib.sha256("\n".join(texts).encode()).hexdigest())
     groups = _buckets(net, texts, p)
     parts = []

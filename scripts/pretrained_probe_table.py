@@ -26,6 +26,36 @@ def _pm(mean, se, digits=3):
     return f"{mean:.{digits}f} ± {se:.{digits}f}"
 
 
+def _findings(m: dict) -> list:
+    """Three sentences read off the numbers: clustering across depth, the rung that opens the gap, the fit of
+    one temperature."""
+    real, lay, lad, rungs = m["real"], m["layers"], m["ladder"], m["ladder_rungs"]
+    L = m["model"]["layers"]
+    rise = (f"* **Clustering across depth.** The mean cosine of a sentence's real tokens goes from "
+            f"{_pm(real['mean_cosine'][0], real['mean_cosine_se'][0])} (embeddings) to "
+            f"{_pm(real['mean_cosine'][L], real['mean_cosine_se'][L])} after block {L}; the last rung "
+            f"({rungs[-1]}) reaches {_pm(lad[rungs[-1]]['mean_cosine'][L], lad[rungs[-1]]['mean_cosine_se'][L])}.")
+    steps = [(st["w2_final_change"], st["w2_final_change_se"], st["to"]) for st in m["ladder_steps"]]
+    out = ["", rise]
+    if steps:
+        total = lad[rungs[-1]]["w2"][L] - lad[rungs[0]]["w2"][L]
+        big, big_se, name = max(steps)
+        out.append(f"* **Which ingredient accounts for the gap.** Of the W₂ = "
+                   f"{_pm(lad[rungs[-1]]['w2'][L], lad[rungs[-1]]['w2_se'][L])} between the last rung and the real "
+                   f"tokens at ℓ = {L}, the step to `{name}` ({_RUNG_NAMES.get(name, name)}) adds "
+                   f"{_pm(big, big_se)} ({100 * big / total:.0f} %); every step (paired over sentences): "
+                   + ", ".join(f"`{n}` {d:+.3f} ± {e:.3f}" for d, e, n in steps) + ".")
+    explained = [1 - f / u for f, u in zip(lay["kl_fit"], lay["kl_uniform"])]
+    verdict = ("cosine similarity alone says little about where the heads attend" if max(explained) < 0.5 else
+               "cosine similarity accounts for much of where the heads attend")
+    out.append(f"* **One temperature per layer.** β_eff runs from "
+               f"{_pm(lay['beta_eff'][0], lay['beta_eff_se'][0], 2)} (layer 0) to "
+               f"{_pm(lay['beta_eff'][-1], lay['beta_eff_se'][-1], 2)} (layer {L - 1}); the kernel "
+               f"softmax(β_eff⟨x̂_i, x̂_j⟩) removes {100 * min(explained):.1f} % to {100 * max(explained):.1f} % of the "
+               f"mean KL divergence of the head-averaged attention from uniform attention: {verdict}.")
+    return out + [""]
+
+
 def render(m: dict) -> str:
     """The Markdown of the results section for the metrics ``m`` of one run."""
     mo, tx, real, lay, lad = m["model"], m["text"], m["real"], m["layers"], m["ladder"]
@@ -51,6 +81,7 @@ def render(m: dict) -> str:
                    f"{lay['energy_increase_fraction'][i]:.3f} | {_pm(lay['lipschitz'][i], lay['lipschitz_se'][i], 2)} | "
                    f"{lay['lipschitz_max'][i]:.2f} |")
     rungs = m["ladder_rungs"]
+    out = _findings(m) + out
     out += ["", "**The ladder**: W₂ between each rung's normalised token cloud and the real one, per hidden-state "
             "index (mean over sentences ± s.e.):", "",
             "| rung | " + " | ".join(f"ℓ = {i}" for i in range(1, L + 1)) + " |", "|---" * (L + 1) + "|"]
@@ -63,7 +94,8 @@ def render(m: dict) -> str:
             "| rung | W₂ | mean angle (rad) | mean cosine | step from the rung above: ΔW₂ |", "|---|---|---|---|---|"]
     for k, r in enumerate(rungs):
         e = lad[r]
-        step = "" if k == 0 else f"{e['w2'][L] - lad[rungs[k - 1]]['w2'][L]:+.3f}"
+        st = m["ladder_steps"][k - 1] if k else None
+        step = "" if k == 0 else f"{st['w2_final_change']:+.3f} ± {st['w2_final_change_se']:.3f}"
         out.append(f"| {_RUNG_NAMES.get(r, r)} | {_pm(e['w2'][L], e['w2_se'][L])} | "
                    f"{_pm(e['mean_angle'][L], e['mean_angle_se'][L])} | "
                    f"{_pm(e['mean_cosine'][L], e['mean_cosine_se'][L])} | {step} |")

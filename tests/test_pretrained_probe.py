@@ -277,6 +277,19 @@ def test_quick_study_writes_what_a_checker_needs_and_resumes(tmp_path, minilm):
     assert len(lay["beta_eff"]) == len(lay["lipschitz"]) == L
     assert all(v > 0 for v in lay["lipschitz"]) and all(0 <= v <= 1 for v in lay["energy_increase_fraction"])
     assert all(a >= b - 1e-12 for a, b in zip(lay["kl_uniform"], lay["kl_fit"]))  # β = 0 is one candidate
+    # the docs' tables are rendered from these numbers, into the marked section only
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import pretrained_probe_table as table
+
+    text = table.render(m)
+    assert f"| 0 | {m['real']['mean_cosine'][0]:.3f} ± {m['real']['mean_cosine_se'][0]:.3f} |" in text
+    page = tmp_path / "page.md"
+    page.write_text(f"intro\n{table.START}\nold\n{table.END}\noutro\n", encoding="utf-8")
+    table.write(page, text)
+    assert page.read_text(encoding="utf-8") == f"intro\n{table.START}\n{text}{table.END}\noutro\n"
     # an uninterrupted run gives the same numbers
     fresh = json.loads((execute(cfg, out_dir=tmp_path, name="fresh", progress=False) / "metrics.json").read_text())
     for key in ("mean_cosine", "pair_fraction", "clusters"):

@@ -340,8 +340,10 @@ def _metrics(p, net, parts, lip, texts, wall):
     timing["lipschitz"] = float(lip["wall"])
     last = ladder[p["rungs"][0]]["w2"][-1]
     steps = []
-    for prev, rung in zip(p["rungs"], p["rungs"][1:]):
-        steps.append({"from": prev, "to": rung, "w2_final_change": ladder[rung]["w2"][-1] - ladder[prev]["w2"][-1]})
+    for prev, rung in zip(p["rungs"], p["rungs"][1:]):  # paired over sentences: the change one ingredient makes
+        diff = _merge(parts, ("rungs", rung, "w2"))[-1] - _merge(parts, ("rungs", prev, "w2"))[-1]
+        steps.append({"from": prev, "to": rung, "w2_final_change": float(diff.mean()),
+                      "w2_final_change_se": float(standard_error(diff))})
     summary = [f"{len(texts)} sentences, {int(_merge(parts, ('tokens',)).sum())} tokens; mean cosine of the real "
                f"tokens {real['mean_cosine'][0]:.3f} ± {real['mean_cosine_se'][0]:.3f} (embeddings) → "
                f"{real['mean_cosine'][-1]:.3f} ± {real['mean_cosine_se'][-1]:.3f} (layer {L}), ± one standard "

@@ -291,7 +291,11 @@ def test_quick_study_writes_what_a_checker_needs_and_resumes(tmp_path, minilm):
     table.write(page, text)
     assert page.read_text(encoding="utf-8") == f"intro\n{table.START}\n{text}{table.END}\noutro\n"
     # an uninterrupted run gives the same numbers
-    fresh = json.loads((execute(cfg, out_dir=tmp_path, name="fresh", progress=False) / "metrics.json").read_text())
+    fresh_cfg = {**cfg, "params": {**cfg["params"], "figures": True}}
+    fresh_path = execute(fresh_cfg, out_dir=tmp_path, name="fresh", progress=False)
+    fresh = json.loads((fresh_path / "metrics.json").read_text())
+    for name in ("depth_curves", "ladder_distances", "layer_probes", "token_clouds"):
+        assert (fresh_path / "figures" / f"{name}.png").stat().st_size > 10_000 and name in fresh["figure_captions"]
     for key in ("mean_cosine", "pair_fraction", "clusters"):
         torch.testing.assert_close(torch.tensor(fresh["real"][key]), torch.tensor(m["real"][key]))
     torch.testing.assert_close(torch.tensor(fresh["ladder"]["continuous"]["w2"]),

@@ -69,18 +69,18 @@ def _ladder_distances(run, p, m):
     for k, rung in enumerate(m["ladder_rungs"]):
         e = m["ladder"][rung]
         st = _rung_style(k, rung)
-        axes[0, 0].plot(idx, np.maximum(e["w2"], 1e-8), **st)
+        _error_line(axes[0, 0], idx, e["w2"], e["w2_se"], **st)
         _error_line(axes[0, 1], idx, e["mean_angle"], e["mean_angle_se"], **st)
-    axes[0, 0].set_yscale("log")
     for ax in axes[0]:
         ax.set_xticks(idx)
     panel(axes[0, 0], r"hidden-state index $\ell$", r"$W_2(\hat\mu^{\mathrm{rung}}_\ell, \hat\mu_\ell)$", None)
     panel(axes[0, 1], r"hidden-state index $\ell$", "mean angle to the real token (rad)", None,
           legend={"fontsize": 8})
     cap = (f"Distance of each rung's tokens to the real hidden states of {_net(m)}, mean over "
-           f"{m['text']['sentences']} sentences; W2 between the normalised token clouds of a sentence (floored at "
-           f"1e-8 on the log axis), mean angle between a token and its real counterpart (band: ± one standard "
-           f"error). The exact map's distance is rounding error.")
+           f"{m['text']['sentences']} sentences; W2 between the normalised token clouds of a sentence, mean angle "
+           f"between a token and its real counterpart (bands: ± one standard error). "
+           + (f"The exact map's W2 stays below {max(m['ladder']['network']['w2']):.1e} (rounding)."
+              if "network" in m["ladder"] else ""))
     fig.suptitle("how far each rung of the ladder is from the real network", fontsize=11)
     save_captioned(run, fig, "ladder_distances", cap, m, tidy=True)
 

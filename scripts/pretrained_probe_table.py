@@ -63,7 +63,8 @@ def render(m: dict) -> str:
     out = [f"Run: `{mo['source']}` ({mo['family']}, {mo['norm']}-LN, L = {L}, d = {mo['dim']}, H = {mo['heads']}), "
            f"{tx['sentences']} sentences ({tx['tokens']} tokens) of `pydoc_data.topics` under Python {tx['python']} "
            f"(sha256 of sentences.txt's lines {tx['sha256'][:12]}…), ladder mode `{m['ladder_mode']}`, "
-           f"probe wall time {m['probe_wall_s']:.0f} s. Error bars: {m['error_bars']}.", "",
+           f"compute time of its parts {sum(m['timing'].values()):.0f} s (the run's `timing` block). Error bars: "
+           f"{m['error_bars']}.", "",
            "**The real hidden states** (normalised tokens; pair fraction and clusters at the run's radius):", "",
            "| ℓ | mean cosine | pair fraction | clusters | RMS token norm |", "|---|---|---|---|---|"]
     for i in range(L + 1):

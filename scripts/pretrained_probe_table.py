@@ -34,7 +34,11 @@ def _findings(m: dict) -> list:
     rise = (f"* **Clustering across depth.** The mean cosine of a sentence's real tokens goes from "
             f"{_pm(real['mean_cosine'][0], real['mean_cosine_se'][0])} (embeddings) to "
             f"{_pm(real['mean_cosine'][L], real['mean_cosine_se'][L])} after block {L}; the last rung "
-            f"({rungs[-1]}) reaches {_pm(lad[rungs[-1]]['mean_cosine'][L], lad[rungs[-1]]['mean_cosine_se'][L])}.")
+            f"({rungs[-1]}) reaches {_pm(lad[rungs[-1]]['mean_cosine'][L], lad[rungs[-1]]['mean_cosine_se'][L])}. "
+            f"Single-linkage clusters at chordal radius {m.get('clustering_radius', '(the run’s)')}: "
+            f"{_pm(real['clusters'][0], real['clusters_se'][0], 2)} → {_pm(real['clusters'][L], real['clusters_se'][L], 2)} "
+            f"in the network, {_pm(lad[rungs[-1]]['clusters'][L], lad[rungs[-1]]['clusters_se'][L], 2)} at the last "
+            f"rung.")
     steps = [(st["w2_final_change"], st["w2_final_change_se"], st["to"]) for st in m["ladder_steps"]]
     out = ["", rise]
     if steps:

@@ -357,6 +357,7 @@ def _metrics(p, net, parts, lip, texts, wall):
                      "tokens": int(_merge(parts, ("tokens",)).sum()), "buckets": len(parts)},
             "error_bars": "± one standard error over sentences (s/√S); the Lipschitz constants over the "
                           f"{int(sigma.shape[-1])} sentences of their estimate",
-            "real": real, "layers": layers, "ladder": ladder, "ladder_rungs": list(p["rungs"]),
+            "clustering_radius": p["radius"], "real": real, "layers": layers, "ladder": ladder,
+            "ladder_rungs": list(p["rungs"]),
             "ladder_mode": p["mode"], "ladder_steps": steps, "timing": timing, "probe_wall_s": wall,
             "summary": summary}

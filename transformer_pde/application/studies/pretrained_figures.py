@@ -71,14 +71,16 @@ def _ladder_distances(run, p, m):
         st = _rung_style(k, rung)
         _error_line(axes[0, 0], idx, e["w2"], e["w2_se"], **st)
         _error_line(axes[0, 1], idx, e["mean_angle"], e["mean_angle_se"], **st)
-    for ax in axes[0]:
+    for ax, level in zip(axes[0], (np.sqrt(2.0), np.pi / 2)):
         ax.set_xticks(idx)
+        ax.axhline(level, color="0.6", lw=0.9, ls=":", label="orthogonal clouds")
     panel(axes[0, 0], r"hidden-state index $\ell$", r"$W_2(\hat\mu^{\mathrm{rung}}_\ell, \hat\mu_\ell)$", None)
     panel(axes[0, 1], r"hidden-state index $\ell$", "mean angle to the real token (rad)", None,
           legend={"fontsize": 8})
     cap = (f"Distance of each rung's tokens to the real hidden states of {_net(m)}, mean over "
            f"{m['text']['sentences']} sentences; W2 between the normalised token clouds of a sentence, mean angle "
-           f"between a token and its real counterpart (bands: ± one standard error). "
+           f"between a token and its real counterpart (bands: ± one standard error); dotted: the values of two clouds of "
+           f"mutually orthogonal vectors (W2 = √2, angle π/2). "
            + (f"The exact map's W2 stays below {max(m['ladder']['network']['w2']):.1e} (rounding)."
               if "network" in m["ladder"] else ""))
     fig.suptitle("how far each rung of the ladder is from the real network", fontsize=11)

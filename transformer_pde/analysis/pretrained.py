@@ -38,7 +38,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from ..model.attention import kernel_backend, softmax_statistics
+from ..model.attention import kernel_backend
 from ..model.sphere import normalize
 from ..processes.pretrained import (
     FAMILIES, MINILM_PIP, MINILM_SHA256, LayerWeights, Norm, PretrainedNetwork, layer_heads, layerwise_from_pretrained,
@@ -57,8 +57,8 @@ __all__ = ["RUNGS", "MODES", "FAMILIES", "MINILM_SHA256", "MINILM_PIP", "Norm", 
 #: the ladder from the network to the PDE, one ingredient removed per rung (module docstring)
 RUNGS = ("network", "no_feedforward", "sphere", "no_bias", "continuous")
 MODES = ("rollout", "local")
-# the plain-torch kernel: with rank-k factors (k = 32 ≪ d = 384) it is ~20× faster on CPU than the fused
-# "sdpa" kernel, which pads the query and key features to the width d of the values
+# tp.solve's kernel for the continuous rung: with rank-k factors (k = 32 ≪ d = 384) the plain-torch kernel is
+# ~20× faster on CPU than the fused "sdpa" one, which pads the query and key features to the width d of the values
 _BACKEND = "chunked"
 
 
@@ -150,16 +150,34 @@ def _key_weights(mask: torch.Tensor, dtype) -> torch.Tensor:
     return w / w.sum(-1, keepdim=True)
 
 
+def _attention_mask(net, mask: torch.Tensor) -> torch.Tensor:
+    """(B, 1, n|1, n) bool: key j is seen by query i (a real token; j <= i for a causal network)."""
+    allowed = mask[:, None, None, :]
+    if net.causal:
+        n = mask.shape[-1]
+        allowed = allowed & torch.ones(n, n, dtype=torch.bool, device=mask.device).tril()
+    return allowed
+
+
 def _attention(net, layer, z, mask, bias: bool, r: float = 1.0):
-    """MHA(z) (B, n, d) of block ``layer`` on the tokens z it reads, from the heads (tp's softmax kernel and
-    the heads' value factors); r: the token norm the heads are built for (z/r is what they see)."""
+    """MHA(z) (B, n, d) of block ``layer`` on the tokens z it reads, from the heads' factors: per head the
+    query, key and value features at width k (Q̃_h ũ, K̃_h ũ, W̃_{V,h} ũ; ũ = z/r, or (z/r, 1) with the
+    biases), one fused softmax-attention over the real (and, causal, earlier) keys, and the output factors
+    of all heads as one product; r: the token norm the heads are built for."""
     heads = layer_heads(net.layers[layer], bias="keep" if bias else "drop", token_norm=r)
     u = z / r
     if bias:
         u = torch.cat([u, torch.ones_like(u[..., :1])], -1)
-    stats = softmax_statistics(u, heads, _key_weights(mask, z.dtype), causal=net.causal, backend=_BACKEND)
-    f = heads.apply_value(stats.mean)  # (B, H', n, d')
-    out = (heads.weights.unsqueeze(-1).unsqueeze(-1) * f).sum(-3)
+    u = u.unsqueeze(-3)  # (B, 1, n, d')
+    q = u @ heads.query.transpose(-1, -2)  # (B, H', n, k)
+    k = u @ heads.key.transpose(-1, -2)
+    v = u @ heads.value_in.transpose(-1, -2)
+    o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=_attention_mask(net, mask),
+                                                         scale=float(heads.beta))
+    # Σ_h ω_h O_h o_h: the heads' output factors stacked into one (H'·k, d') matrix
+    Hp, kk = o.shape[-3], o.shape[-1]
+    W = (heads.weights[:, None, None] * heads.value_out).transpose(-1, -2).reshape(Hp * kk, -1)
+    out = o.transpose(-2, -3).reshape(*o.shape[:-3], o.shape[-2], Hp * kk) @ W
     return r * out[..., :net.dim]
 
 
@@ -220,11 +238,7 @@ def attention_probabilities(net: PretrainedNetwork, layer: int, x: torch.Tensor,
     qf = u.unsqueeze(-3) @ heads.query[:H].transpose(-1, -2)  # (B, H, n, k)
     kf = u.unsqueeze(-3) @ heads.key[:H].transpose(-1, -2)
     s = heads.beta * (qf @ kf.transpose(-1, -2))
-    blocked = ~mask[:, None, None, :]
-    if net.causal:
-        n = x.shape[-2]
-        blocked = blocked | torch.ones(n, n, dtype=torch.bool, device=x.device).triu(1)
-    return torch.softmax(s.masked_fill(blocked, -math.inf), dim=-1)
+    return torch.softmax(s.masked_fill(~_attention_mask(net, mask), -math.inf), dim=-1)
 
 
 def _sphere(x: torch.Tensor) -> torch.Tensor:
@@ -305,7 +319,7 @@ def _post_no_bias_rollout(net, states, mask):
 
 
 def ladder(net: PretrainedNetwork, states: torch.Tensor, mask: torch.Tensor, *, rungs: Sequence[str] = RUNGS,
-           dt: float = 0.05, mode: str = "rollout") -> dict:
+           dt: float = 0.1, mode: str = "rollout") -> dict:
     """The tokens of each rung of the ladder from the network to the PDE (module docstring).
 
     Parameters
@@ -319,7 +333,7 @@ def ladder(net: PretrainedNetwork, states: torch.Tensor, mask: torch.Tensor, *, 
     rungs : Sequence[str]
         a subset of :data:`RUNGS`.
     dt : float
-        the Euler step of the continuous rung (1/dt an integer number of steps per layer).  The default 1/20
+        the Euler step of the continuous rung (1/dt an integer number of steps per layer).  The default 1/10
         is converged for the distances: on all-MiniLM-L6-v2 (eight sentences) halving it moves every
         layer's W₂ by < 0.4 % (rollout) and < 0.3 % (local); tests/test_pretrained.py checks < 1 %.
     mode : str

@@ -249,7 +249,8 @@ def top_singular_value(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tens
     ``fn`` maps ``x`` (*batch, *item) to a tensor of the same shape, each batch item independently (the
     Jacobian is block diagonal over the ``batch_dims`` leading axes).  Each step computes J v by the
     double-backward trick (J v = ∂/∂u ⟨Jᵀu, v⟩) and Jᵀ(Jv) by one vector–Jacobian product, so ``fn`` needs
-    only ordinary autograd.  The estimate √⟨v, JᵀJ v⟩ (unit v) increases to σ_max; the error after k steps
+    only ordinary autograd (``torch.nn.functional.scaled_dot_product_attention`` inside ``fn`` runs on
+    PyTorch's math backend here).  The estimate √⟨v, JᵀJ v⟩ (unit v) increases to σ_max; the error after k steps
     is of order (σ₂/σ₁)^{2k}.  With ``mask`` (*batch, n) the map is restricted to the valid tokens
     (rows of the item's second-to-last axis): the direction and the output are zero at invalid ones.
 
@@ -284,7 +285,10 @@ def top_singular_value(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tens
     def unit(v):
         return v / v.pow(2).sum(item, keepdim=True).sqrt().clamp_min(torch.finfo(x.dtype).tiny)
 
-    with torch.enable_grad():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    # scaled-dot-product attention inside fn on PyTorch's math backend: the fused kernels have no double backward
+    with torch.enable_grad(), sdpa_kernel(SDPBackend.MATH):
         xg = x.detach().requires_grad_(True)
         y = restrict(fn(xg))
         if y.shape != x.shape:

@@ -9,7 +9,8 @@ import torch
 
 import transformer_pde as tp
 from transformer_pde.application.studies.probe import (
-    factored_log_energy, fit_effective_beta, mean_cosine, select_sentences, split_sentences, standard_error,
+    factored_log_energy, fit_effective_beta, mean_cosine, select_sentences, sentence_w2, split_sentences,
+    standard_error,
     top_singular_value, topic_sentences)
 from conftest import gen
 
@@ -66,6 +67,26 @@ def test_standard_error_formula():
     m = v.mean()
     s = math.sqrt(float(((v - m) ** 2).sum()) / 3)
     torch.testing.assert_close(standard_error(v), torch.tensor([s / 2], dtype=torch.float64))
+
+
+def test_sentence_w2_against_the_library_and_a_permutation(dtype):
+    """Its mean over sentences is tp.pretrained.cloud_distances' W2 (an independent loop); a cloud against a
+    permutation of itself is at distance 0; one token against one token, at their chord."""
+    pytest.importorskip("ot", reason="exact optimal transport: pip install pot")
+    g = gen(15)
+    real = torch.randn(3, 4, 6, 5, generator=g, dtype=torch.float64)
+    pred = real + 0.4 * torch.randn(3, 4, 6, 5, generator=g, dtype=torch.float64)
+    mask = torch.tensor([[1] * 6, [1] * 4 + [0] * 2, [1] * 2 + [0] * 4, [1] * 5 + [0]], dtype=torch.bool)
+    got = sentence_w2(pred.to(dtype), real.to(dtype), mask)
+    want = tp.pretrained.cloud_distances(pred.to(dtype), real.to(dtype), mask)["w2"]
+    torch.testing.assert_close(got.mean(-1), torch.tensor(want, dtype=torch.float64), **_tol(dtype))
+    perm = real[:, :, [1, 0, 2, 3, 4, 5]]
+    full = torch.ones(4, 6, dtype=torch.bool)
+    torch.testing.assert_close(sentence_w2(perm, real, full), torch.zeros(3, 4, dtype=torch.float64), atol=1e-7, rtol=0)
+    one = torch.zeros(4, 6, dtype=torch.bool)
+    one[:, 0] = True  # one token per sentence: W2 is the chord between the two unit vectors
+    chord = (torch.nn.functional.normalize(pred[:, :, 0], dim=-1) - torch.nn.functional.normalize(real[:, :, 0], dim=-1))
+    torch.testing.assert_close(sentence_w2(pred, real, one), chord.norm(dim=-1))
 
 
 # ---------------------------------------------------------------------------- effective β

@@ -45,8 +45,8 @@ import torch
 import transformer_pde as tp
 
 from . import Option, at_least, dtype_of, fingerprint, load_segment, positive, segment_bar, study, unique_nonempty
-from .probe import factored_log_energy, fit_effective_beta, mean_cosine, select_sentences, standard_error, top_singular_value, \
-    topic_sentences
+from .probe import factored_log_energy, fit_effective_beta, mean_cosine, select_sentences, sentence_w2, standard_error, \
+    top_singular_value, topic_sentences
 from .pretrained_figures import figures
 
 log = logging.getLogger(__name__)
@@ -163,16 +163,6 @@ def _energies(heads_layers, states, mask):
     return before, after
 
 
-def _per_sentence_w2(pred, states, mask):
-    """W2 of each sentence's normalised token clouds per hidden-state index, (L+1, B)
-    (:func:`tp.pretrained.cloud_distances` on one sentence at a time; its mean over sentences is the same)."""
-    cols = []
-    for b in range(states.shape[1]):
-        n = int(mask[b].sum())
-        cols.append(tp.pretrained.cloud_distances(pred[:, b:b + 1, :n], states[:, b:b + 1, :n], mask[b:b + 1, :n])["w2"])
-    return torch.tensor(cols, dtype=torch.float64).T
-
-
 def _bucket(net, heads_layers, texts, p, pca_at):
     """Everything the probe measures on one bucket of sentences (per-sentence tensors, (…, B))."""
     timing = {}
@@ -207,7 +197,7 @@ def _bucket(net, heads_layers, texts, p, pca_at):
         a = pred / pred.norm(dim=-1, keepdim=True)
         b = states / states.norm(dim=-1, keepdim=True)
         angle = torch.acos((a * b).sum(-1).clamp(-1.0, 1.0))  # (L+1, B, n): matched tokens
-        out["rungs"][rung] = {**_cloud_stats(pred, mask, p["radius"]), "w2": _per_sentence_w2(pred, states, mask),
+        out["rungs"][rung] = {**_cloud_stats(pred, mask, p["radius"]), "w2": sentence_w2(pred, states, mask),
                               "mean_angle": (angle * mask).sum(-1) / mask.sum(-1)}
         timing["distances"] = timing.get("distances", 0.0) + time.perf_counter() - t0
         if pca_at is not None:

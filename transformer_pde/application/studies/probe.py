@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 __all__ = ["split_sentences", "topic_sentences", "select_sentences", "mean_cosine", "fit_effective_beta",
-           "top_singular_value", "standard_error", "factored_log_energy"]
+           "top_singular_value", "standard_error", "factored_log_energy", "sentence_w2"]
 
 _BOUNDARY = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"(])")
 _PARAGRAPH = re.compile(r"\n\s*\n")
@@ -115,6 +115,40 @@ def mean_cosine(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     n = m.sum(-1)
     s = u.sum(-2)
     return ((s * s).sum(-1) - (u * u).sum((-1, -2))) / (n * (n - 1))
+
+
+def sentence_w2(pred: torch.Tensor, real: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """W₂ between the normalised token clouds of each sentence, per leading index: (K, B) float64.
+
+    W₂(μ̂, μ)² = min over couplings π of Σ π_ij |x̂_i − ŷ_j|² with uniform weights on the valid tokens of the
+    sentence, solved exactly (POT ``ot.emd2``) — the per-sentence values whose mean over sentences
+    :func:`transformer_pde.pretrained.cloud_distances` reports.  The cost matrices of all indices and
+    sentences are formed in one batched product; only the transport solves loop.
+
+    Parameters
+    ----------
+    pred, real
+        (K, B, n, d) token clouds (any norms; normalised here).
+    mask
+        (B, n) bool: the valid tokens of each sentence (the first ones: right padding).
+
+    Returns
+    -------
+    torch.Tensor
+        (K, B) float64 distances."""
+    import ot
+
+    a = pred.detach().to(torch.float64)
+    b = real.detach().to(torch.float64)
+    a = a / a.norm(dim=-1, keepdim=True)
+    b = b / b.norm(dim=-1, keepdim=True)
+    cost = (2.0 - 2.0 * a @ b.transpose(-1, -2)).clamp_min(0.0).cpu().numpy()  # |x − y|² of unit vectors
+    out = torch.zeros(cost.shape[:2], dtype=torch.float64)
+    for s, n in enumerate(mask.sum(-1).tolist()):
+        u = np.full(n, 1.0 / n)
+        for k in range(cost.shape[0]):
+            out[k, s] = math.sqrt(max(float(ot.emd2(u, u, cost[k, s, :n, :n])), 0.0))
+    return out
 
 
 def standard_error(v: torch.Tensor, dim: int = -1) -> torch.Tensor:

@@ -34,6 +34,7 @@ cost |x − y|²), and the mean angle between matched tokens (same position); me
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Mapping, Sequence
 
 import torch
@@ -159,12 +160,29 @@ def _attention_mask(net, mask: torch.Tensor) -> torch.Tensor:
     return allowed
 
 
+_HEADS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _layer_heads(lw, bias: str, r: float):
+    """layer_heads(lw, bias=bias, token_norm=r), built (and validated) once per block, bias and r: the block's
+    weights are frozen, and the ladder, the probabilities and the Lipschitz estimate ask for the same heads
+    at every call."""
+    try:
+        cache = _HEADS.setdefault(lw, {})
+    except TypeError:  # a block that cannot be referenced weakly: build every time
+        return layer_heads(lw, bias=bias, token_norm=r)
+    key = (bias, float(r))
+    if key not in cache:
+        cache[key] = layer_heads(lw, bias=bias, token_norm=r)
+    return cache[key]
+
+
 def _attention(net, layer, z, mask, bias: bool, r: float = 1.0):
     """MHA(z) (B, n, d) of block ``layer`` on the tokens z it reads, from the heads' factors: per head the
     query, key and value features at width k (Q̃_h ũ, K̃_h ũ, W̃_{V,h} ũ; ũ = z/r, or (z/r, 1) with the
     biases), one fused softmax-attention over the real (and, causal, earlier) keys, and the output factors
     of all heads as one product; r: the token norm the heads are built for."""
-    heads = layer_heads(net.layers[layer], bias="keep" if bias else "drop", token_norm=r)
+    heads = _layer_heads(net.layers[layer], "keep" if bias else "drop", r)
     u = z / r
     if bias:
         u = torch.cat([u, torch.ones_like(u[..., :1])], -1)
@@ -230,7 +248,7 @@ def attention_probabilities(net: PretrainedNetwork, layer: int, x: torch.Tensor,
         (B, H, n, n), rows summing to 1; compare with ``output_attentions=True`` of the eager network.
     """
     _check_layer_inputs(net, layer, x, mask)
-    heads = layer_heads(net.layers[layer], bias="keep" if bias else "drop", token_norm=1.0)
+    heads = _layer_heads(net.layers[layer], "keep" if bias else "drop", 1.0)
     u = _reads(net, layer, x)
     if bias:
         u = torch.cat([u, torch.ones_like(u[..., :1])], -1)
@@ -290,7 +308,7 @@ def _continuous(net, states, mask, dt: float, mode: str):
     r = math.sqrt(net.dim)
     steps = round(1.0 / dt)
     w = _key_weights(mask, states.dtype)
-    layers = [layer_heads(lw, bias="drop", token_norm=r) for lw in net.layers]
+    layers = [_layer_heads(lw, "drop", r) for lw in net.layers]
     opts = dict(normalization="softmax", direction="ascent", geometry="none", weights=w, causal=net.causal)
     run = dict(dt=1.0 / steps, saveat=SaveAt(every=steps), ledger=LedgerOptions(diagnostics=False), progress=False)
     with kernel_backend(_BACKEND):
@@ -308,7 +326,7 @@ def _continuous(net, states, mask, dt: float, mode: str):
 def _post_no_bias_rollout(net, states, mask):
     """The post-LN "no_bias" rollout through tp.solve: PostLN geometry, Euler, Δt = 1 (one step per layer)."""
     r = math.sqrt(net.dim)
-    layers = [layer_heads(lw, bias="drop", token_norm=r) for lw in net.layers]
+    layers = [_layer_heads(lw, "drop", r) for lw in net.layers]
     model = Model(Layerwise(layers, layer_time=1.0), normalization="softmax", direction="ascent", geometry="post",
                   weights=_key_weights(mask, states.dtype), causal=net.causal)
     with kernel_backend(_BACKEND):

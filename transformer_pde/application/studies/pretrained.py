@@ -14,8 +14,9 @@ Per layer l (the map x_l → x_{l+1}):
   to the layer's head-averaged attention probabilities, fitted per sentence (:func:`probe.fit_effective_beta`);
 * log E_β of the layer's own heads (biases dropped, ω_h = 1, β = r²/√k with r the sentence's RMS
   token norm at that layer) on the normalised tokens before (x̂_l) and after (x̂_{l+1}) the layer;
-* the local Lipschitz constant ‖∂x_{l+1}/∂x_l‖₂ of the exact layer map at the real tokens of the first
-  ``lipschitz_sentences`` sentences (power iteration, :func:`probe.top_singular_value`).
+* the local Lipschitz constant ‖∂x_{l+1}/∂x_l‖₂ of the exact layer map at the real tokens of a seeded
+  subset of ``lipschitz_sentences`` sentences (:func:`_lipschitz_subset`; power iteration with a stopping
+  rule, :func:`probe.top_singular_value`), with its standard error over the subset.
 
 The ladder: each rung of :data:`transformer_pde.pretrained.RUNGS` (the exact network map, then one
 ingredient of the mean-field picture more per rung) is rolled out from the real embeddings x_0
@@ -84,9 +85,12 @@ OPTIONS = {
     "dt": Option(0.25, (float,), "time step of the continuous rung (1/dt steps per layer)", check=_unit_divisor),
     "radius": Option(1.0, (float,), "chordal radius r of the pair fraction and cluster count (cos > 1 − r²/2)",
                      check=lambda v: None if 0 < v <= 2 else "must lie in (0, 2]"),
-    "lipschitz_sentences": Option(16, (int,), "sentences of the Lipschitz estimate (the first of the selection)",
-                                  check=positive),
-    "lipschitz_iterations": Option(10, (int,), "power-iteration steps of the Lipschitz estimate", check=positive),
+    "lipschitz_sentences": Option(16, (int,), "sentences of the Lipschitz estimate (a subset of the selection drawn "
+                                  "by a permutation seeded with seed; min(this, sentences) of them)", check=positive),
+    "lipschitz_iterations": Option(30, (int,), "power-iteration steps of the Lipschitz estimate, at most",
+                                   check=positive),
+    "lipschitz_rtol": Option(1e-3, (float,), "the power iteration stops once every estimate σ̂² changes by less "
+                             "than this, relative", check=lambda v: None if v > 0 else "must be > 0"),
     "pca_sentence": Option(0, (int,), "index (in the selection) of the sentence drawn as a token cloud",
                            check=lambda v: None if v >= 0 else "must be >= 0"),
     "figures": Option(True, (bool,), "write the figures"),
@@ -218,12 +222,20 @@ def _layer_map(net, mask):
     return fn
 
 
+def _lipschitz_subset(p) -> List[int]:
+    """The indices (in the selection, increasing) of the sentences of the Lipschitz estimate: the first
+    min(lipschitz_sentences, sentences) of a permutation seeded with ``seed``."""
+    count = min(p["lipschitz_sentences"], p["sentences"])
+    gen = torch.Generator().manual_seed(p["seed"])
+    return sorted(torch.randperm(p["sentences"], generator=gen)[:count].tolist())
+
+
 def _lipschitz(net, texts, p):
     states, mask = tp.pretrained.hidden_states(net, texts, max_length=p["max_length"])
     gen = torch.Generator().manual_seed(p["seed"])
     x = states[:-1]
     sigma = top_singular_value(_layer_map(net, mask), x, batch_dims=2, mask=mask.expand(x.shape[:-1]),
-                               iterations=p["lipschitz_iterations"], generator=gen)
+                               iterations=p["lipschitz_iterations"], generator=gen, rtol=p["lipschitz_rtol"])
     return {"sigma": sigma.double()}  # (L, S)
 
 
@@ -285,7 +297,7 @@ def run_pretrained_probe(params, run):
     lip = load_segment(run, "lipschitz", "pretrained_probe", fp, required=("sigma",))
     if lip is None:
         t0 = time.perf_counter()
-        lip = _lipschitz(net, texts[: p["lipschitz_sentences"]], p)
+        lip = _lipschitz(net, [texts[i] for i in _lipschitz_subset(p)], p)
         lip.update({"kind": "transformer_pde.pretrained_probe.segment", "fingerprint": fp,
                     "wall": time.perf_counter() - t0})
         run.save_tensors("lipschitz", lip)

@@ -120,10 +120,12 @@ def mean_cosine(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def sentence_w2(pred: torch.Tensor, real: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """W₂ between the normalised token clouds of each sentence, per leading index: (K, B) float64.
 
-    W₂(μ̂, μ)² = min over couplings π of Σ π_ij |x̂_i − ŷ_j|² with uniform weights on the valid tokens of the
-    sentence, solved exactly (POT ``ot.emd2``) — the per-sentence values whose mean over sentences
-    :func:`transformer_pde.pretrained.cloud_distances` reports.  The cost matrices of all indices and
-    sentences are formed in one batched product; only the transport solves loop.
+    W₂(μ̂, μ)² = min over couplings π of Σ π_ij |x̂_i − ŷ_j|² with uniform weights on the n valid tokens of the
+    sentence — the per-sentence values whose mean over sentences :func:`transformer_pde.pretrained.cloud_distances`
+    reports.  Between two uniform clouds of equal size an optimal coupling is a permutation (Birkhoff), so
+    W₂² = (1/n) min_σ Σ_i |x̂_i − ŷ_σ(i)|², solved exactly as an assignment problem
+    (:func:`scipy.optimize.linear_sum_assignment`).  The cost matrices of all indices and sentences are formed
+    in one batched product; only the assignments loop.
 
     Parameters
     ----------
@@ -136,19 +138,20 @@ def sentence_w2(pred: torch.Tensor, real: torch.Tensor, mask: torch.Tensor) -> t
     -------
     torch.Tensor
         (K, B) float64 distances."""
-    import ot
+    from scipy.optimize import linear_sum_assignment
 
     a = pred.detach().to(torch.float64)
     b = real.detach().to(torch.float64)
     a = a / a.norm(dim=-1, keepdim=True)
     b = b / b.norm(dim=-1, keepdim=True)
     cost = (2.0 - 2.0 * a @ b.transpose(-1, -2)).clamp_min(0.0).cpu().numpy()  # |x − y|² of unit vectors
-    out = torch.zeros(cost.shape[:2], dtype=torch.float64)
+    out = np.zeros(cost.shape[:2])
     for s, n in enumerate(mask.sum(-1).tolist()):
-        u = np.full(n, 1.0 / n)
         for k in range(cost.shape[0]):
-            out[k, s] = math.sqrt(max(float(ot.emd2(u, u, cost[k, s, :n, :n])), 0.0))
-    return out
+            c = cost[k, s, :n, :n]
+            rows, cols = linear_sum_assignment(c)
+            out[k, s] = c[rows, cols].sum() / n
+    return torch.from_numpy(np.sqrt(out))
 
 
 def standard_error(v: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -277,15 +280,16 @@ def fit_effective_beta(probs: torch.Tensor, cos: torch.Tensor, mask: torch.Tenso
 
 def top_singular_value(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, *, batch_dims: int = 1,
                        mask: Optional[torch.Tensor] = None, iterations: int = 20,
-                       generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    """σ̂ ≈ ‖J_f(x)‖₂ per batch item, by ``iterations`` steps of power iteration on JᵀJ.
+                       generator: Optional[torch.Generator] = None, rtol: Optional[float] = None) -> torch.Tensor:
+    """σ̂ ≈ ‖J_f(x)‖₂ per batch item, by at most ``iterations`` steps of power iteration on JᵀJ.
 
     ``fn`` maps ``x`` (*batch, *item) to a tensor of the same shape, each batch item independently (the
     Jacobian is block diagonal over the ``batch_dims`` leading axes).  Each step computes J v by the
     double-backward trick (J v = ∂/∂u ⟨Jᵀu, v⟩) and Jᵀ(Jv) by one vector–Jacobian product, so ``fn`` needs
     only ordinary autograd (``torch.nn.functional.scaled_dot_product_attention`` inside ``fn`` runs on
     PyTorch's math backend here).  The estimate √⟨v, JᵀJ v⟩ (unit v) increases to σ_max; the error after k steps
-    is of order (σ₂/σ₁)^{2k}.  With ``mask`` (*batch, n) the map is restricted to the valid tokens
+    is of order (σ₂/σ₁)^{2k}.  With ``rtol`` the iteration stops early, after the first step at which the
+    estimate σ̂² of every item changed by less than ``rtol`` relative to its previous value.  With ``mask`` (*batch, n) the map is restricted to the valid tokens
     (rows of the item's second-to-last axis): the direction and the output are zero at invalid ones.
 
     Parameters
@@ -295,9 +299,11 @@ def top_singular_value(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tens
     mask
         optional (*batch, n) validity of the tokens of an item (n, d).
     iterations : int
-        power steps (>= 1).
+        power steps (>= 1), at most.
     generator
         the random start v₀ ~ N(0, I) (restricted, normalised).
+    rtol : float, optional
+        the stopping rule's relative change (> 0); None runs all ``iterations`` steps.
 
     Returns
     -------
@@ -307,9 +313,11 @@ def top_singular_value(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tens
     Raises
     ------
     ValueError
-        iterations < 1, or fn changes the shape."""
+        iterations < 1, rtol <= 0, or fn changes the shape."""
     if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
         raise ValueError(f"iterations must be an integer >= 1, got {iterations!r}")
+    if rtol is not None and (isinstance(rtol, bool) or not isinstance(rtol, (int, float)) or not rtol > 0):
+        raise ValueError(f"rtol must be a number > 0 (or None: no early stop), got {rtol!r}")
     item = tuple(range(batch_dims, x.dim()))
     keep = None if mask is None else mask.to(x.dtype).unsqueeze(-1)
 
@@ -335,6 +343,8 @@ def top_singular_value(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tens
             (jv,) = torch.autograd.grad(jt_u, u, v, retain_graph=True)
             (jtjv,) = torch.autograd.grad(y, xg, jv, retain_graph=True)
             jtjv = restrict(jtjv)
-            sigma2 = (v * jtjv).sum(item)
+            prev, sigma2 = sigma2, (v * jtjv).sum(item)
             v = unit(jtjv)
+            if rtol is not None and bool(((sigma2 - prev).abs() <= rtol * sigma2.abs()).all()):
+                break
     return sigma2.clamp_min(0.0).sqrt().detach()

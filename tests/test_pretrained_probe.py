@@ -9,7 +9,7 @@ import torch
 
 import transformer_pde as tp
 from transformer_pde.application.studies.probe import (
-    factored_log_energy, fit_effective_beta, mean_cosine, select_sentences, sentence_w2, split_sentences,
+    cloud_statistics, factored_log_energy, fit_effective_beta, mean_cosine, select_sentences, sentence_w2, split_sentences,
     standard_error,
     top_singular_value, topic_sentences)
 from conftest import gen
@@ -67,6 +67,30 @@ def test_standard_error_formula():
     m = v.mean()
     s = math.sqrt(float(((v - m) ** 2).sum()) / 3)
     torch.testing.assert_close(standard_error(v), torch.tensor([s / 2], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("radius", [0.3, 1.0])
+def test_cloud_statistics_against_the_clustering_module(dtype, radius):
+    """Clustered sentences of different lengths: the Gram-based statistics equal tp.clustering.cluster_statistics
+    (uniform weights on the valid tokens) and mean_cosine; k well-separated tight groups give k clusters."""
+    g = gen(17)
+    B, n, d = 5, 12, 6
+    centres = torch.nn.functional.normalize(torch.randn(B, 4, d, generator=g, dtype=torch.float64), dim=-1)
+    pick = torch.randint(0, 4, (B, n), generator=g)
+    x = centres[torch.arange(B)[:, None], pick] + 0.15 * torch.randn(B, n, d, generator=g, dtype=torch.float64)
+    x = (x * torch.rand(B, n, 1, generator=g, dtype=torch.float64).add(0.5)).to(dtype)  # any norms
+    mask = torch.arange(n) < torch.tensor([12, 7, 3, 10, 2])[:, None]
+    got = cloud_statistics(x, mask, radius)
+    xn = torch.nn.functional.normalize(x, dim=-1)
+    w = mask.to(dtype) / mask.sum(-1, keepdim=True)
+    want = tp.clustering.cluster_statistics(xn, w, radius=radius, gram_rank=False)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got["pair_fraction"], want["pair_fraction"].to(dtype), **tol)
+    torch.testing.assert_close(got["clusters"], want["clusters"].to(dtype), **tol)
+    torch.testing.assert_close(got["mean_cosine"], mean_cosine(x, mask), **tol)
+    tight = centres[:, :3].repeat_interleave(4, 1) + 1e-3 * torch.randn(B, 12, d, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(cloud_statistics(tight.to(dtype), torch.ones(B, 12, dtype=torch.bool), 0.1)["clusters"],
+                               torch.full((B,), 3.0, dtype=dtype), **tol)
 
 
 def test_sentence_w2_against_the_library_and_a_permutation(dtype):

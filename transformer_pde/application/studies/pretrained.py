@@ -46,8 +46,8 @@ import torch
 import transformer_pde as tp
 
 from . import Option, at_least, dtype_of, fingerprint, load_segment, positive, segment_bar, study, unique_nonempty
-from .probe import factored_log_energy, fit_effective_beta, mean_cosine, select_sentences, sentence_w2, standard_error, \
-    top_singular_value, topic_sentences
+from .probe import cloud_statistics, factored_log_energy, fit_effective_beta, select_sentences, sentence_w2, \
+    standard_error, top_singular_value, topic_sentences
 from .pretrained_figures import figures
 
 log = logging.getLogger(__name__)
@@ -85,9 +85,9 @@ OPTIONS = {
     "dt": Option(0.25, (float,), "time step of the continuous rung (1/dt steps per layer)", check=_unit_divisor),
     "radius": Option(1.0, (float,), "chordal radius r of the pair fraction and cluster count (cos > 1 − r²/2)",
                      check=lambda v: None if 0 < v <= 2 else "must lie in (0, 2]"),
-    "lipschitz_sentences": Option(16, (int,), "sentences of the Lipschitz estimate (a subset of the selection drawn "
+    "lipschitz_sentences": Option(8, (int,), "sentences of the Lipschitz estimate (a subset of the selection drawn "
                                   "by a permutation seeded with seed; min(this, sentences) of them)", check=positive),
-    "lipschitz_iterations": Option(30, (int,), "power-iteration steps of the Lipschitz estimate, at most",
+    "lipschitz_iterations": Option(20, (int,), "power-iteration steps of the Lipschitz estimate, at most",
                                    check=positive),
     "lipschitz_rtol": Option(1e-3, (float,), "the power iteration stops once every estimate σ̂² changes by less "
                              "than this, relative", check=lambda v: None if v > 0 else "must be > 0"),
@@ -151,11 +151,7 @@ def _buckets(net, texts: List[str], p) -> List[torch.Tensor]:
 
 def _cloud_stats(x, mask, radius):
     """mean cosine, pair fraction, cluster count per (index, sentence) of the normalised tokens."""
-    xn = x / x.norm(dim=-1, keepdim=True)
-    w = mask.to(x.dtype) / mask.sum(-1, keepdim=True)
-    st = tp.clustering.cluster_statistics(xn, w.expand(xn.shape[:-1]), radius=radius, gram_rank=False)
-    return {"mean_cosine": mean_cosine(x, mask), "pair_fraction": st["pair_fraction"],
-            "clusters": st["clusters"].to(x.dtype)}
+    return cloud_statistics(x, mask, radius)
 
 
 def _energies(heads_layers, states, mask):
@@ -234,9 +230,11 @@ def _lipschitz(net, texts, p):
     states, mask = tp.pretrained.hidden_states(net, texts, max_length=p["max_length"])
     gen = torch.Generator().manual_seed(p["seed"])
     x = states[:-1]
-    sigma = top_singular_value(_layer_map(net, mask), x, batch_dims=2, mask=mask.expand(x.shape[:-1]),
-                               iterations=p["lipschitz_iterations"], generator=gen, rtol=p["lipschitz_rtol"])
-    return {"sigma": sigma.double()}  # (L, S)
+    sigma, info = top_singular_value(_layer_map(net, mask), x, batch_dims=2, mask=mask.expand(x.shape[:-1]),
+                                     iterations=p["lipschitz_iterations"], generator=gen, rtol=p["lipschitz_rtol"],
+                                     full_output=True)
+    return {"sigma": sigma.double(), "steps": torch.tensor(info["steps"]),  # sigma: (L, S)
+            "converged": info["converged"]}
 
 
 def _mean_se(v):
@@ -294,7 +292,7 @@ def run_pretrained_probe(params, run):
                 log.info("[%s] already complete, reused from data/", tag)
             parts.append(seg)
             bar.update(1)
-    lip = load_segment(run, "lipschitz", "pretrained_probe", fp, required=("sigma",))
+    lip = load_segment(run, "lipschitz", "pretrained_probe", fp, required=("sigma", "steps", "converged"))
     if lip is None:
         t0 = time.perf_counter()
         lip = _lipschitz(net, [texts[i] for i in _lipschitz_subset(p)], p)
@@ -328,7 +326,9 @@ def _metrics(p, net, parts, lip, texts, wall):
               "log_energy_change_se": standard_error(le_next - le, -1).tolist(),
               "energy_increase_fraction": (le_next > le).double().mean(-1).tolist(),
               "lipschitz": sigma.mean(-1).tolist(), "lipschitz_se": standard_error(sigma, -1).tolist(),
-              "lipschitz_max": sigma.amax(-1).tolist(), "lipschitz_sentences": int(sigma.shape[-1])}
+              "lipschitz_max": sigma.amax(-1).tolist(), "lipschitz_sentences": int(sigma.shape[-1]),
+              "lipschitz_steps": int(lip["steps"]),
+              "lipschitz_unconverged": int((~lip["converged"]).sum())}
     ladder = {}
     for rung in p["rungs"]:
         entry = {}

@@ -23,7 +23,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
-__all__ = ["split_sentences", "topic_sentences", "select_sentences", "mean_cosine", "fit_effective_beta",
+__all__ = ["split_sentences", "topic_sentences", "select_sentences", "mean_cosine", "cloud_statistics",
+           "fit_effective_beta",
            "top_singular_value", "standard_error", "factored_log_energy", "sentence_w2"]
 
 _BOUNDARY = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"(])")
@@ -115,6 +116,54 @@ def mean_cosine(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     n = m.sum(-1)
     s = u.sum(-2)
     return ((s * s).sum(-1) - (u * u).sum((-1, -2))) / (n * (n - 1))
+
+
+def cloud_statistics(x: torch.Tensor, mask: torch.Tensor, radius: float) -> Dict[str, torch.Tensor]:
+    """Mean cosine, pair fraction and single-linkage cluster count of the normalised tokens of each sentence,
+    from one Gram matrix per sentence, (...,) each.
+
+    With x̂ = x/|x| and the valid tokens (n of them) of a sentence: ``mean_cosine`` as :func:`mean_cosine`;
+    ``pair_fraction`` the fraction of ordered distinct pairs with |x̂_i − x̂_j| < r (⟨x̂_i, x̂_j⟩ > 1 − r²/2);
+    ``clusters`` the number of connected components of that graph (minimum-label propagation with pointer
+    jumping, batched over sentences) — the statistics of :func:`transformer_pde.clustering.cluster_statistics`
+    with uniform weights on the valid tokens, read off the overlaps instead of the differences (they differ
+    only for pairs within rounding of the threshold).
+
+    Parameters
+    ----------
+    x
+        (..., n, d) vectors (non-zero at valid positions).
+    mask
+        (..., n) bool, broadcastable: the valid tokens (at least two per sentence).
+    radius : float
+        the chordal radius r in (0, 2].
+
+    Returns
+    -------
+    dict
+        ``mean_cosine``, ``pair_fraction``, ``clusters`` (dtype of x)."""
+    m = mask.bool().expand(x.shape[:-1])
+    u = x / x.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(x.dtype).tiny)
+    u = u * m.unsqueeze(-1).to(x.dtype)
+    gram = u @ u.transpose(-1, -2)
+    n = m.sum(-1).to(x.dtype)
+    pairs = n * (n - 1)
+    eye = torch.eye(x.shape[-2], dtype=torch.bool, device=x.device)
+    both = m.unsqueeze(-1) & m.unsqueeze(-2)
+    adj = (gram > 1.0 - 0.5 * radius * radius) & both
+    linked = (adj & ~eye).sum((-1, -2)).to(x.dtype)
+    idx = torch.arange(x.shape[-2], device=x.device)
+    labels = idx.expand(m.shape).clone()
+    adj = adj | eye
+    big = torch.tensor(x.shape[-2], device=x.device)
+    for _ in range(x.shape[-2]):  # rounds of label propagation over all sentences at once, not a loop over tokens
+        new = torch.minimum(torch.where(adj, labels.unsqueeze(-2), big).amin(-1), labels)
+        new = torch.gather(new, -1, new)
+        if bool((new == labels).all()):
+            break
+        labels = new
+    clusters = ((labels == idx) & m).sum(-1).to(x.dtype)
+    return {"mean_cosine": (gram.sum((-1, -2)) - n) / pairs, "pair_fraction": linked / pairs, "clusters": clusters}
 
 
 def sentence_w2(pred: torch.Tensor, real: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -280,7 +329,8 @@ def fit_effective_beta(probs: torch.Tensor, cos: torch.Tensor, mask: torch.Tenso
 
 def top_singular_value(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, *, batch_dims: int = 1,
                        mask: Optional[torch.Tensor] = None, iterations: int = 20,
-                       generator: Optional[torch.Generator] = None, rtol: Optional[float] = None) -> torch.Tensor:
+                       generator: Optional[torch.Generator] = None, rtol: Optional[float] = None,
+                       full_output: bool = False):
     """σ̂ ≈ ‖J_f(x)‖₂ per batch item, by at most ``iterations`` steps of power iteration on JᵀJ.
 
     ``fn`` maps ``x`` (*batch, *item) to a tensor of the same shape, each batch item independently (the
@@ -304,11 +354,14 @@ def top_singular_value(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tens
         the random start v₀ ~ N(0, I) (restricted, normalised).
     rtol : float, optional
         the stopping rule's relative change (> 0); None runs all ``iterations`` steps.
+    full_output : bool
+        also return a dict ``steps`` (the steps taken) and ``converged`` ((*batch,) bool: the item's last
+        relative change was below ``rtol``; all False without ``rtol``).
 
     Returns
     -------
-    torch.Tensor
-        (*batch,) the estimates, dtype of x.
+    torch.Tensor or (torch.Tensor, dict)
+        (*batch,) the estimates, dtype of x; with ``full_output`` also the dict.
 
     Raises
     ------
@@ -339,12 +392,17 @@ def top_singular_value(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tens
         (jt_u,) = torch.autograd.grad(y, xg, u, create_graph=True)  # Jᵀu, linear in u
         v = unit(restrict(torch.randn(x.shape, generator=generator, dtype=x.dtype).to(x.device)))
         sigma2 = torch.zeros(x.shape[:batch_dims], dtype=x.dtype, device=x.device)
-        for _ in range(iterations):
+        converged = torch.zeros(x.shape[:batch_dims], dtype=torch.bool, device=x.device)
+        steps = 0
+        for steps in range(1, iterations + 1):
             (jv,) = torch.autograd.grad(jt_u, u, v, retain_graph=True)
             (jtjv,) = torch.autograd.grad(y, xg, jv, retain_graph=True)
             jtjv = restrict(jtjv)
             prev, sigma2 = sigma2, (v * jtjv).sum(item)
             v = unit(jtjv)
-            if rtol is not None and bool(((sigma2 - prev).abs() <= rtol * sigma2.abs()).all()):
-                break
-    return sigma2.clamp_min(0.0).sqrt().detach()
+            if rtol is not None:
+                converged = (sigma2 - prev).abs() <= rtol * sigma2.abs()
+                if bool(converged.all()):
+                    break
+    sigma = sigma2.clamp_min(0.0).sqrt().detach()
+    return (sigma, {"steps": steps, "converged": converged}) if full_output else sigma

@@ -43,6 +43,7 @@ V_h scaled by n.
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -54,7 +55,8 @@ from ..utils.validation import (
 from .normalization import NORMALIZATIONS
 from .attention import (
     HeadStats, causal_log_prefix_mass, head_columns, head_columns_mass, head_columns_products, head_columns_width,
-    head_moment_sums_along, mean_applied, per_head_map, relu_statistics, scaled_partition, softmax_statistics,
+    deferred_mean_stats, head_moment_sums_along, mean_applied, per_head_map, relu_statistics, scaled_partition,
+    softmax_statistics, softmax_values, values_first_applies,
 )
 from .heads import Heads, broadcast_shapes
 from .normalization import choose as choose_normalization, names, normalization as as_normalization
@@ -183,11 +185,14 @@ class _KernelPass:
         self.causal, self.prefix_sum, self.chunk, self.backend = causal, prefix_sum, chunk_elements, backend
         self.measure = measure  # callable: the (non-causal) statistics of the whole measure
         self._value_mean = self._terms = None
+        self.values = None  # ū_h = Σ_j p_ij W_{V,h} y_j (..., H, n, k_v) of the values-first kernel, or None
 
     def value_mean(self):
         """V_h ȳ_h, (..., H, n, d)."""
         if self._value_mean is None:
-            if self.heads.value_factored:  # O_h (W_{V,h} ȳ_h): no d×d matrix is formed
+            if self.values is not None:  # O_h ū_h: the averages of the values W_{V,h} y_j
+                self._value_mean = self.values @ self.heads.value_out.transpose(-1, -2)
+            elif self.heads.value_factored:  # O_h (W_{V,h} ȳ_h): no d×d matrix is formed
                 self._value_mean = self.heads.apply_value(self.stats.mean)
             else:
                 self._value_mean = mean_applied(self.stats, self.heads.value_matrix)
@@ -198,7 +203,16 @@ class _KernelPass:
 
         From the merged fused kernel (:func:`transformer_pde.model.attention.head_columns`) this is one
         product of its (..., n, H·E) output block with a (H·E, d) matrix, and the per-head V_h ȳ_h are
-        never formed; otherwise the head sum of :meth:`value_mean` (times the mass)."""
+        never formed; from the values-first kernel one product of the (..., n, H·k_v) averages ū_h with the
+        stacked ω_h O_h; otherwise the head sum of :meth:`value_mean` (times the mass)."""
+        if self.values is not None:
+            u, out = self.values, self.heads.value_out  # (..., H, n, k_v), (..., H, d, k_v)
+            if mass:
+                u = u * self.mass().unsqueeze(-1)
+            H, d, kv = out.shape[-3:]
+            W = (self.heads.weights.unsqueeze(-1).unsqueeze(-1) * out).transpose(-1, -2)  # (..., H, k_v, d)
+            block = u.transpose(-3, -2)
+            return block.reshape(*block.shape[:-2], H * kv) @ W.reshape(*W.shape[:-3], H * kv, d)
         if not (mass and self.prefix_sum) and head_columns(self.stats) is not None and not self.heads.value_factored:
             W = per_head_map(self.heads.weights, self.heads.value_matrix, head_columns_width(self.stats))
             if mass:
@@ -210,12 +224,16 @@ class _KernelPass:
     def _log_prefix_mass(self):
         return causal_log_prefix_mass(self.w, self.x.shape[-2], dtype=self.x.dtype, device=self.x.device)
 
-    def times_mass(self, f):
-        """m_h f, with m_h the kernel mass of the pass (Σ_{j≤i} under causal="sum")."""
+    def mass(self):
+        """m_h, the kernel mass of the pass (Σ_{j≤i} under causal="sum"), (..., H, n)."""
         lp = self.stats.log_partition
         if self.prefix_sum:  # Σ_{j≤i} w_j e^{s_ij} = W_i × the prefix mean
             lp = lp + self._log_prefix_mass().unsqueeze(-2)
-        return torch.exp(lp).unsqueeze(-1) * f
+        return torch.exp(lp)
+
+    def times_mass(self, f):
+        """m_h f, with m_h the kernel mass of the pass (Σ_{j≤i} under causal="sum")."""
+        return self.mass().unsqueeze(-1) * f
 
     def relu_values(self):
         """V_h ∫ ReLU(β⟨x, A_h y⟩) y dμ (prefix sum under causal="sum")."""
@@ -330,6 +348,19 @@ def diagnostics_along(x, heads: Heads, weights, velocity, stats: HeadStats, *, l
     return energy, slope, dissipation, g
 
 
+def _values_first(norm, heads: Heads) -> bool:
+    """True when the field of this normalisation is read off the softmax averages of the values W_{V,h} y_j
+    (:func:`transformer_pde.model.attention.softmax_values`): softmax statistics used through V_h
+    ("softmax", "unnormalized"), heads with query/key and value factors."""
+    return norm.statistics == "softmax" and norm.uses_value and values_first_applies(heads)
+
+
+def _softmax_mean(x, heads, weights, keys, chunk_elements, backend, causal):
+    """ȳ_h of :func:`softmax_statistics` (the deferred mean of a values-first evaluation)."""
+    return softmax_statistics(x, heads, weights, keys=keys, chunk_elements=chunk_elements, backend=backend,
+                              causal=causal).mean
+
+
 def evaluate(
     x: torch.Tensor,
     heads: Heads,
@@ -374,7 +405,12 @@ def evaluate(
     returned ``stats`` are then those of the whole measure (what the energy ledger pairs with),
     with the second moment when ``second_moment``.
     ``causal="sum"``: the un-normalised kernels sum over the prefix instead of averaging (module
-    docstring); ``True`` and ``"mean"`` are the prefix mean."""
+    docstring); ``True`` and ``"mean"`` are the prefix mean.
+
+    Heads with query/key factors and value factors V_h = O_h W_{V,h}, ``diagnostics=False`` and no second
+    moment: a "softmax" or "unnormalized" field is computed values first, f_h = O_h Σ_j p_ij W_{V,h} y_j
+    (:func:`transformer_pde.model.attention.softmax_values`, H·n·m·k_v work instead of H·n·m·d); the
+    returned ``stats`` then hold the log-partitions, and their ``mean`` ȳ_h is computed on first access."""
     norm = as_normalization(normalization)
     prefix_sum = isinstance(causal, str) and causal == "sum"
     causal = bool(causal)
@@ -387,9 +423,19 @@ def evaluate(
                              f"∇ δE/δμ); use one of {names(lambda n: n.causal)} with causal=True")
     if keys is None:
         key_weights = weights
-    # under causality the diagnostics belong to the whole measure: its own, unmasked pass
-    stats = softmax_statistics(x, heads, key_weights, keys=keys, second_moment=second_moment and not
-                               (causal and diagnostics), chunk_elements=chunk_elements, backend=backend, causal=causal)
+    values = None
+    if not diagnostics and not second_moment and _values_first(norm, heads):
+        # the field only: softmax averages of the k_v-dimensional values W_{V,h} y_j, the moments ȳ_h
+        # (d-dimensional) formed only if a caller reads stats.mean
+        lse, values = softmax_values(x, heads, key_weights, keys=keys, chunk_elements=chunk_elements,
+                                     backend=backend, causal=causal)
+        stats = deferred_mean_stats(lse, functools.partial(_softmax_mean, x, heads, key_weights, keys, chunk_elements,
+                                                           backend, causal))
+    else:
+        # under causality the diagnostics belong to the whole measure: its own, unmasked pass
+        stats = softmax_statistics(x, heads, key_weights, keys=keys, second_moment=second_moment and not
+                                   (causal and diagnostics), chunk_elements=chunk_elements, backend=backend,
+                                   causal=causal)
     measure = [None if causal else stats]
 
     def whole():
@@ -399,6 +445,7 @@ def evaluate(
         return measure[0]
 
     kern = _KernelPass(x, heads, key_weights, stats, keys, causal, prefix_sum, chunk_elements, backend, whole)
+    kern.values = values
     field, outputs = norm.field(kern)
     V = sign * tangent_projection(x, field)
     if not diagnostics:

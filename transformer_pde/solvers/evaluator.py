@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 
+from ..model.attention import values_first_applies
 from ..model.energy import choose_log_scale
 from ..model.field import evaluate
 
@@ -33,7 +34,8 @@ class Evaluator:
         self.fused = None  # a layernorm.FusedUpdate for the tokens-only evaluations of a layer map
 
     def __call__(self, xk, heads, diag):
-        if not diag and self.fused is not None:
+        # value-factored heads: evaluate's values-first kernel (the fused pass would form every d×d A_h and V_h)
+        if not diag and self.fused is not None and not values_first_applies(heads):
             fe = self.fused(xk, heads)
             if fe is not None:
                 return fe

@@ -161,6 +161,8 @@ def _attention_mask(net, mask: torch.Tensor) -> torch.Tensor:
 
 
 _HEADS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+#: padded tokens per batch of the discrete rungs (larger batches are split over sentences)
+_CHUNK_TOKENS = 2048
 
 
 def _layer_heads(lw, bias: str, r: float):
@@ -386,11 +388,16 @@ def ladder(net: PretrainedNetwork, states: torch.Tensor, mask: torch.Tensor, *, 
                 out[rung] = _continuous(net, states, mask, dt, mode)
             elif rung == "no_bias" and mode == "rollout" and net.norm == "post":
                 out[rung] = _post_no_bias_rollout(net, states, mask)
-            else:
-                xs = [states[0]]
-                for l in range(L):
-                    xs.append(layer_map(net, l, xs[-1] if mode == "rollout" else states[l], mask, rung=rung))
-                out[rung] = torch.stack(xs)
+            else:  # sentences in chunks of about _CHUNK_TOKENS padded tokens: the blocks' tensors stay cache-sized
+                step = max(1, _CHUNK_TOKENS // states.shape[-2])
+                parts = []
+                for s in range(0, states.shape[1], step):
+                    st, m = states[:, s:s + step], mask[s:s + step]
+                    xs = [st[0]]
+                    for l in range(L):
+                        xs.append(layer_map(net, l, xs[-1] if mode == "rollout" else st[l], m, rung=rung))
+                    parts.append(torch.stack(xs))
+                out[rung] = torch.cat(parts, 1)
     return out
 
 

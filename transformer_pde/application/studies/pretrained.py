@@ -149,9 +149,25 @@ def _buckets(net, texts: List[str], p) -> List[torch.Tensor]:
     return [chunk for chunk in torch.tensor_split(order, p["buckets"]) if len(chunk)]
 
 
+#: padded tokens per chunk of sentences in the distances (the (L+1, chunk, n, n) tensors stay cache-sized)
+_CHUNK_TOKENS = 2048
+
+
+def _chunks(x):
+    """Slices of the sentence axis (1) of x (L+1, B, n, d) of about _CHUNK_TOKENS padded tokens."""
+    step = max(1, _CHUNK_TOKENS // x.shape[-2])
+    return [slice(s, s + step) for s in range(0, x.shape[1], step)]
+
+
 def _cloud_stats(x, mask, radius):
     """mean cosine, pair fraction, cluster count per (index, sentence) of the normalised tokens."""
-    return cloud_statistics(x, mask, radius)
+    parts = [cloud_statistics(x[:, c], mask[c], radius) for c in _chunks(x)]
+    return {k: torch.cat([part[k] for part in parts], -1) for k in parts[0]}
+
+
+def _w2(pred, real, mask):
+    """sentence_w2 per chunk of sentences, (L+1, B)."""
+    return torch.cat([sentence_w2(pred[:, c], real[:, c], mask[c]) for c in _chunks(pred)], -1)
 
 
 def _energies(heads_layers, states, mask):
@@ -197,7 +213,7 @@ def _bucket(net, heads_layers, texts, p, pca_at):
         a = pred / pred.norm(dim=-1, keepdim=True)
         b = states / states.norm(dim=-1, keepdim=True)
         angle = torch.acos((a * b).sum(-1).clamp(-1.0, 1.0))  # (L+1, B, n): matched tokens
-        out["rungs"][rung] = {**_cloud_stats(pred, mask, p["radius"]), "w2": sentence_w2(pred, states, mask),
+        out["rungs"][rung] = {**_cloud_stats(pred, mask, p["radius"]), "w2": _w2(pred, states, mask),
                               "mean_angle": (angle * mask).sum(-1) / mask.sum(-1)}
         timing["distances"] = timing.get("distances", 0.0) + time.perf_counter() - t0
         if pca_at is not None:

@@ -93,6 +93,22 @@ def test_cloud_statistics_against_the_clustering_module(dtype, radius):
                                torch.full((B,), 3.0, dtype=dtype), **tol)
 
 
+def test_probe_distances_in_chunks_of_sentences(monkeypatch):
+    """The study's clustering statistics and W2 over chunks of sentences equal one call on all of them."""
+    from transformer_pde.application.studies import pretrained as study
+
+    g = gen(18)
+    real = torch.randn(3, 5, 6, 4, generator=g, dtype=torch.float64)
+    pred = real + 0.5 * torch.randn(3, 5, 6, 4, generator=g, dtype=torch.float64)
+    mask = torch.arange(6) < torch.tensor([6, 3, 5, 2, 4])[:, None]
+    monkeypatch.setattr(study, "_CHUNK_TOKENS", 12)  # two sentences per chunk, the last one alone
+    assert len(study._chunks(pred)) == 3
+    got, want = study._cloud_stats(pred, mask, 1.0), cloud_statistics(pred, mask, 1.0)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k])
+    torch.testing.assert_close(study._w2(pred, real, mask), sentence_w2(pred, real, mask))
+
+
 def test_sentence_w2_against_the_library_and_a_permutation(dtype):
     """Its mean over sentences is tp.pretrained.cloud_distances' W2 (an independent loop); a cloud against a
     permutation of itself is at distance 0; one token against one token, at their chord."""

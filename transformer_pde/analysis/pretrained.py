@@ -179,6 +179,12 @@ def _layer_heads(lw, bias: str, r: float):
     return cache[key]
 
 
+def _features(u, factors):
+    """(F_h u_i) of all heads as one product: u (B, n, d'), factors (H', k, d') → (B, H', n, k)."""
+    Hp, k, dp = factors.shape
+    return torch.nn.functional.linear(u, factors.reshape(Hp * k, dp)).unflatten(-1, (Hp, k)).transpose(-2, -3)
+
+
 def _attention(net, layer, z, mask, bias: bool, r: float = 1.0):
     """MHA(z) (B, n, d) of block ``layer`` on the tokens z it reads, from the heads' factors: per head the
     query, key and value features at width k (Q̃_h ũ, K̃_h ũ, W̃_{V,h} ũ; ũ = z/r, or (z/r, 1) with the
@@ -188,10 +194,7 @@ def _attention(net, layer, z, mask, bias: bool, r: float = 1.0):
     u = z / r
     if bias:
         u = torch.cat([u, torch.ones_like(u[..., :1])], -1)
-    u = u.unsqueeze(-3)  # (B, 1, n, d')
-    q = u @ heads.query.transpose(-1, -2)  # (B, H', n, k)
-    k = u @ heads.key.transpose(-1, -2)
-    v = u @ heads.value_in.transpose(-1, -2)
+    q, k, v = (_features(u, f) for f in (heads.query, heads.key, heads.value_in))  # (B, H', n, k) each
     o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=_attention_mask(net, mask),
                                                          scale=float(heads.beta))
     # Σ_h ω_h O_h o_h: the heads' output factors stacked into one (H'·k, d') matrix
@@ -255,8 +258,7 @@ def attention_probabilities(net: PretrainedNetwork, layer: int, x: torch.Tensor,
     if bias:
         u = torch.cat([u, torch.ones_like(u[..., :1])], -1)
     H = net.num_heads
-    qf = u.unsqueeze(-3) @ heads.query[:H].transpose(-1, -2)  # (B, H, n, k)
-    kf = u.unsqueeze(-3) @ heads.key[:H].transpose(-1, -2)
+    qf, kf = _features(u, heads.query[:H]), _features(u, heads.key[:H])  # (B, H, n, k)
     s = heads.beta * (qf @ kf.transpose(-1, -2))
     return torch.softmax(s.masked_fill(~_attention_mask(net, mask), -math.inf), dim=-1)
 

@@ -188,16 +188,19 @@ def _bucket(net, heads_layers, texts, p, pca_at):
     out = {"real": _cloud_stats(states, mask, p["radius"]), "tokens": mask.sum(-1),
            "token_norm": ((states.pow(2).sum(-1) * mask).sum(-1) / mask.sum(-1)).sqrt()}
     t0 = time.perf_counter()
-    probs, cos = [], []
-    for l in range(net.num_layers):
-        probs.append(tp.pretrained.attention_probabilities(net, l, states[l], mask).mean(1))
-        xn = states[l] / states[l].norm(dim=-1, keepdim=True)
-        cos.append(xn @ xn.transpose(-1, -2))
-    fit = fit_effective_beta(torch.stack(probs), torch.stack(cos), mask)
-    out["beta"] = {k: fit[k] for k in ("beta", "kl", "kl_uniform")}
+    fits = []
+    for c in _chunks(states):
+        probs, cos = [], []
+        for l in range(net.num_layers):
+            probs.append(tp.pretrained.attention_probabilities(net, l, states[l, c], mask[c]).mean(1))
+            xn = states[l, c] / states[l, c].norm(dim=-1, keepdim=True)
+            cos.append(xn @ xn.transpose(-1, -2))
+        fits.append(fit_effective_beta(torch.stack(probs), torch.stack(cos), mask[c]))
+    out["beta"] = {k: torch.cat([f[k] for f in fits], -1) for k in ("beta", "kl", "kl_uniform")}
     timing["beta"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    out["log_energy"], out["log_energy_next"] = _energies(heads_layers, states, mask)
+    energies = [_energies(heads_layers, states[:, c], mask[c]) for c in _chunks(states)]
+    out["log_energy"], out["log_energy_next"] = (torch.cat([e[i] for e in energies], -1) for i in (0, 1))
     timing["energy"] = time.perf_counter() - t0
     out["rungs"] = {}
     for rung in p["rungs"]:

@@ -386,20 +386,21 @@ def ladder(net: PretrainedNetwork, states: torch.Tensor, mask: torch.Tensor, *, 
     out = {}
     with torch.no_grad():
         for rung in rungs:
-            if rung == "continuous":
-                out[rung] = _continuous(net, states, mask, dt, mode)
-            elif rung == "no_bias" and mode == "rollout" and net.norm == "post":
-                out[rung] = _post_no_bias_rollout(net, states, mask)
-            else:  # sentences in chunks of about _CHUNK_TOKENS padded tokens: the blocks' tensors stay cache-sized
-                step = max(1, _CHUNK_TOKENS // states.shape[-2])
-                parts = []
-                for s in range(0, states.shape[1], step):
-                    st, m = states[:, s:s + step], mask[s:s + step]
+            # sentences in chunks of about _CHUNK_TOKENS padded tokens: the tensors stay cache-sized
+            step = max(1, _CHUNK_TOKENS // states.shape[-2])
+            parts = []
+            for s in range(0, states.shape[1], step):
+                st, m = states[:, s:s + step], mask[s:s + step]
+                if rung == "continuous":
+                    parts.append(_continuous(net, st, m, dt, mode))
+                elif rung == "no_bias" and mode == "rollout" and net.norm == "post":
+                    parts.append(_post_no_bias_rollout(net, st, m))
+                else:
                     xs = [st[0]]
                     for l in range(L):
                         xs.append(layer_map(net, l, xs[-1] if mode == "rollout" else st[l], m, rung=rung))
                     parts.append(torch.stack(xs))
-                out[rung] = torch.cat(parts, 1)
+            out[rung] = torch.cat(parts, 1)
     return out
 
 

@@ -73,6 +73,9 @@ LAYERS = [
                                                           "layernorm", "noisy", "training")},
     {"transformer_pde.application.studies.theorems_stability"},  # uses studies.jko's slope fit
     {"transformer_pde.application.studies.theorems"},  # registers the stability studies; composes studies.jko
+    # the pretrained-network probe: its measurements and figures, then the study
+    {"transformer_pde.application.studies.probe", "transformer_pde.application.studies.pretrained_figures"},
+    {"transformer_pde.application.studies.pretrained"},
     {"transformer_pde.application.runs"},
     {"transformer_pde.application.sweep"},
     {"transformer_pde.application.cli"},

@@ -254,6 +254,23 @@ def test_ladder_network_rung_and_the_solver_routes():
 
 
 @needs_transformers
+@pytest.mark.parametrize("mode", ["rollout", "local"])
+def test_ladder_in_chunks_of_sentences_equals_one_batch(monkeypatch, mode):
+    """Every rung runs over chunks of sentences when a batch holds more padded tokens than the chunk size:
+    one sentence per chunk gives the one-batch result (each sentence's tokens attend only to its own)."""
+    import transformer_pde.analysis.pretrained as ap
+
+    net = tp.pretrained.load(_tiny("bert"), dtype=torch.float64)
+    states, mask = tp.pretrained.hidden_states(net, _inputs("bert", torch.float64))
+    rungs = ("network", "no_feedforward", "sphere", "no_bias", "continuous")
+    whole = tp.pretrained.ladder(net, states, mask, rungs=rungs, mode=mode, dt=0.25)
+    monkeypatch.setattr(ap, "_CHUNK_TOKENS", states.shape[-2])  # one sentence per chunk
+    split = tp.pretrained.ladder(net, states, mask, rungs=rungs, mode=mode, dt=0.25)
+    for r in rungs:
+        assert_close(split[r], whole[r], **_tol(states))
+
+
+@needs_transformers
 def test_ladder_local_mode_gpt2_causal():
     net = tp.pretrained.load(_tiny("gpt2"))
     states, mask = tp.pretrained.hidden_states(net, _inputs("gpt2"))

@@ -34,6 +34,7 @@ cost |x − y|²), and the mean angle between matched tokens (same position); me
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Mapping, Sequence
 
 import torch
@@ -159,19 +160,41 @@ def _attention_mask(net, mask: torch.Tensor) -> torch.Tensor:
     return allowed
 
 
+_HEADS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+#: padded tokens per batch of the discrete rungs (larger batches are split over sentences)
+_CHUNK_TOKENS = 2048
+
+
+def _layer_heads(lw, bias: str, r: float):
+    """layer_heads(lw, bias=bias, token_norm=r), built (and validated) once per block, bias and r: the block's
+    weights are frozen, and the ladder, the probabilities and the Lipschitz estimate ask for the same heads
+    at every call."""
+    try:
+        cache = _HEADS.setdefault(lw, {})
+    except TypeError:  # a block that cannot be referenced weakly: build every time
+        return layer_heads(lw, bias=bias, token_norm=r)
+    key = (bias, float(r))
+    if key not in cache:
+        cache[key] = layer_heads(lw, bias=bias, token_norm=r)
+    return cache[key]
+
+
+def _features(u, factors):
+    """(F_h u_i) of all heads as one product: u (B, n, d'), factors (H', k, d') → (B, H', n, k)."""
+    Hp, k, dp = factors.shape
+    return torch.nn.functional.linear(u, factors.reshape(Hp * k, dp)).unflatten(-1, (Hp, k)).transpose(-2, -3)
+
+
 def _attention(net, layer, z, mask, bias: bool, r: float = 1.0):
     """MHA(z) (B, n, d) of block ``layer`` on the tokens z it reads, from the heads' factors: per head the
     query, key and value features at width k (Q̃_h ũ, K̃_h ũ, W̃_{V,h} ũ; ũ = z/r, or (z/r, 1) with the
     biases), one fused softmax-attention over the real (and, causal, earlier) keys, and the output factors
     of all heads as one product; r: the token norm the heads are built for."""
-    heads = layer_heads(net.layers[layer], bias="keep" if bias else "drop", token_norm=r)
+    heads = _layer_heads(net.layers[layer], "keep" if bias else "drop", r)
     u = z / r
     if bias:
         u = torch.cat([u, torch.ones_like(u[..., :1])], -1)
-    u = u.unsqueeze(-3)  # (B, 1, n, d')
-    q = u @ heads.query.transpose(-1, -2)  # (B, H', n, k)
-    k = u @ heads.key.transpose(-1, -2)
-    v = u @ heads.value_in.transpose(-1, -2)
+    q, k, v = (_features(u, f) for f in (heads.query, heads.key, heads.value_in))  # (B, H', n, k) each
     o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=_attention_mask(net, mask),
                                                          scale=float(heads.beta))
     # Σ_h ω_h O_h o_h: the heads' output factors stacked into one (H'·k, d') matrix
@@ -230,13 +253,12 @@ def attention_probabilities(net: PretrainedNetwork, layer: int, x: torch.Tensor,
         (B, H, n, n), rows summing to 1; compare with ``output_attentions=True`` of the eager network.
     """
     _check_layer_inputs(net, layer, x, mask)
-    heads = layer_heads(net.layers[layer], bias="keep" if bias else "drop", token_norm=1.0)
+    heads = _layer_heads(net.layers[layer], "keep" if bias else "drop", 1.0)
     u = _reads(net, layer, x)
     if bias:
         u = torch.cat([u, torch.ones_like(u[..., :1])], -1)
     H = net.num_heads
-    qf = u.unsqueeze(-3) @ heads.query[:H].transpose(-1, -2)  # (B, H, n, k)
-    kf = u.unsqueeze(-3) @ heads.key[:H].transpose(-1, -2)
+    qf, kf = _features(u, heads.query[:H]), _features(u, heads.key[:H])  # (B, H, n, k)
     s = heads.beta * (qf @ kf.transpose(-1, -2))
     return torch.softmax(s.masked_fill(~_attention_mask(net, mask), -math.inf), dim=-1)
 
@@ -290,7 +312,7 @@ def _continuous(net, states, mask, dt: float, mode: str):
     r = math.sqrt(net.dim)
     steps = round(1.0 / dt)
     w = _key_weights(mask, states.dtype)
-    layers = [layer_heads(lw, bias="drop", token_norm=r) for lw in net.layers]
+    layers = [_layer_heads(lw, "drop", r) for lw in net.layers]
     opts = dict(normalization="softmax", direction="ascent", geometry="none", weights=w, causal=net.causal)
     run = dict(dt=1.0 / steps, saveat=SaveAt(every=steps), ledger=LedgerOptions(diagnostics=False), progress=False)
     with kernel_backend(_BACKEND):
@@ -308,7 +330,7 @@ def _continuous(net, states, mask, dt: float, mode: str):
 def _post_no_bias_rollout(net, states, mask):
     """The post-LN "no_bias" rollout through tp.solve: PostLN geometry, Euler, Δt = 1 (one step per layer)."""
     r = math.sqrt(net.dim)
-    layers = [layer_heads(lw, bias="drop", token_norm=r) for lw in net.layers]
+    layers = [_layer_heads(lw, "drop", r) for lw in net.layers]
     model = Model(Layerwise(layers, layer_time=1.0), normalization="softmax", direction="ascent", geometry="post",
                   weights=_key_weights(mask, states.dtype), causal=net.causal)
     with kernel_backend(_BACKEND):
@@ -364,15 +386,21 @@ def ladder(net: PretrainedNetwork, states: torch.Tensor, mask: torch.Tensor, *, 
     out = {}
     with torch.no_grad():
         for rung in rungs:
-            if rung == "continuous":
-                out[rung] = _continuous(net, states, mask, dt, mode)
-            elif rung == "no_bias" and mode == "rollout" and net.norm == "post":
-                out[rung] = _post_no_bias_rollout(net, states, mask)
-            else:
-                xs = [states[0]]
-                for l in range(L):
-                    xs.append(layer_map(net, l, xs[-1] if mode == "rollout" else states[l], mask, rung=rung))
-                out[rung] = torch.stack(xs)
+            # sentences in chunks of about _CHUNK_TOKENS padded tokens: the tensors stay cache-sized
+            step = max(1, _CHUNK_TOKENS // states.shape[-2])
+            parts = []
+            for s in range(0, states.shape[1], step):
+                st, m = states[:, s:s + step], mask[s:s + step]
+                if rung == "continuous":
+                    parts.append(_continuous(net, st, m, dt, mode))
+                elif rung == "no_bias" and mode == "rollout" and net.norm == "post":
+                    parts.append(_post_no_bias_rollout(net, st, m))
+                else:
+                    xs = [st[0]]
+                    for l in range(L):
+                        xs.append(layer_map(net, l, xs[-1] if mode == "rollout" else st[l], m, rung=rung))
+                    parts.append(torch.stack(xs))
+            out[rung] = torch.cat(parts, 1)
     return out
 
 

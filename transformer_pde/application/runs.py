@@ -232,11 +232,13 @@ class RunDir:
             raise ValueError(f"{p} is corrupted or unreadable ({type(e).__name__}: {e}); delete it to recompute "
                              f"that part of the run") from None
 
-    def write_json(self, name: str, obj) -> Path:
+    def write_json(self, name: str, obj, *, sort_keys: bool = True) -> Path:
         """Write ``obj`` as JSON atomically; ValueError if it holds NaN/inf (``allow_nan=False``: a JSON file
-        never carries the non-standard NaN/Infinity tokens)."""
+        never carries the non-standard NaN/Infinity tokens).  ``sort_keys=False`` keeps the objects' own key
+        order (metrics.json: a study's entries in the order it lists them)."""
         p = self.path / name
-        atomic_write_text(p, json.dumps(obj, indent=2, sort_keys=True, default=_json_default, allow_nan=False) + "\n")
+        atomic_write_text(p, json.dumps(obj, indent=2, sort_keys=sort_keys, default=_json_default, allow_nan=False)
+                          + "\n")
         return p
 
     def read_json(self, name: str):
@@ -1068,7 +1070,7 @@ def _run_study(cfg, run_path: Path, *, resumed: bool, resume: bool, progress: bo
                                          "e.g. a correlation of constant values); written as null"}
         logger.warning("%s: %d metric(s) undefined for this run, written as null: %s", cfg["name"], len(undefined),
                        ", ".join(undefined[:5]))
-    run.write_json("metrics.json", metrics)
+    run.write_json("metrics.json", metrics, sort_keys=False)  # the study's own order (e.g. a ladder's rungs)
     flat = flatten_metrics(json.loads(json.dumps(metrics, default=_json_default)))
     write_csv(run.path / "metrics.csv", [["key", "value"], *flat.items()])
     run.write_json("status.json", {"state": "complete", "wall_time_s": wall})

@@ -363,7 +363,7 @@ def _read_block(block, family: str, H: int, k: int, config=None, index: int = 0)
         n1, n2 = _norm(block.layernorm_before), _norm(block.layernorm_after)
     (Q, bq), (K, bk), (V, bv) = _split(*q, H, k), _split(*k_, H, k), _split(*v, H, k)
     Wo, bo = o
-    O = Wo.reshape(Wo.shape[0], H, k).permute(1, 0, 2)  # (H, d, k): columns h·k … (h+1)·k − 1 of W_O
+    O = Wo.reshape(Wo.shape[0], H, k).permute(1, 0, 2).contiguous()  # (H, d, k): columns h·k … (h+1)·k − 1 of W_O
     return LayerWeights(Q, K, V, bq, bk, bv, O, bo, _scale(attn, k, config, index), n1, n2, f1[0], f1[1], f2[0], f2[1],
                         act)
 

@@ -106,7 +106,7 @@ class Study:
 _REGISTRY: Dict[str, Study] = {}
 # modules that register studies; imported lazily so `import transformer_pde` stays light
 _MODULES = [f"{__name__}.{m}" for m in ("demo", "paper", "theory", "jko", "clustering",
-                                       "causal", "layernorm", "noisy", "theorems", "training")]
+                                       "causal", "layernorm", "noisy", "theorems", "training", "pretrained")]
 
 
 def study(kind: str, options: Dict[str, Option], description: str = "", *, validate: Optional[Callable] = None,

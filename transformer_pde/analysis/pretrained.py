@@ -58,9 +58,10 @@ __all__ = ["RUNGS", "MODES", "FAMILIES", "MINILM_SHA256", "MINILM_PIP", "Norm", 
 #: the ladder from the network to the PDE, one ingredient removed per rung (module docstring)
 RUNGS = ("network", "no_feedforward", "sphere", "no_bias", "continuous")
 MODES = ("rollout", "local")
-# tp.solve's kernel for the continuous rung: with rank-k factors (k = 32 ≪ d = 384) the plain-torch kernel is
-# ~20× faster on CPU than the fused "sdpa" one, which pads the query and key features to the width d of the values
-_BACKEND = "chunked"
+# tp.solve's kernel for the continuous and post-LN rungs: value-factored heads take the values-first kernel
+# (model.attention.softmax_values, width k = 32 instead of d = 384); "auto" runs it on torch's fused CPU
+# flash-attention op where that applies, else on plain torch
+_BACKEND = "auto"
 
 
 def _check_net(net):

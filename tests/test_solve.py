@@ -256,10 +256,11 @@ class _LoopEuler(tp.Solver):
     accepts = frozenset({"saveat"})
     calls: list = dataclasses.field(default_factory=list, compare=False)
 
-    def run(self, model, x0, *, t1, dt, t0, paths, seed, generator, saveat, ledger, checkpoint, progress, limits):
-        self.calls.append((saveat.every, ledger, checkpoint))
+    def run(self, model, x0, options):
+        self.calls.append((options.saveat.every, options.ledger, options.checkpoint))
+        t0, dt, saveat = options.t0, options.dt, options.saveat
         heads = model.theta.heads_at(t0)
-        K = round((t1 - t0) / dt)
+        K = options.steps
         xs, x = [x0], x0
         for _ in range(K):
             v = tp.velocity(x, heads, model.weights, normalization=model.normalization.name,

@@ -32,7 +32,7 @@ from .solvers.methods import (
     EMD, RK4, Dopri5, Euler, EulerianJKO, FixedStep, Heun, Identity, LagrangianJKO, RiemannianLBFGS, ShardedEuler,
     Sinkhorn, Solver, Transport,
 )
-from .solvers.options import Checkpointing, LedgerOptions, Limits, Progress, SaveAt
+from .solvers.options import Checkpointing, LedgerOptions, Limits, Progress, SaveAt, SolveOptions
 from .solvers.solve import solve
 from .model import attention, transport
 from .analysis import diagnostics, theory
@@ -100,7 +100,7 @@ __all__ = [
     "solve", "Model", "Normalization", "Softmax", "Unnormalized", "ReLU", "Effective",
     "Solver", "FixedStep", "Euler", "Heun", "RK4", "Dopri5", "ShardedEuler", "LagrangianJKO", "EulerianJKO",
     "Transport", "EMD", "Sinkhorn", "Identity", "RiemannianLBFGS",
-    "SaveAt", "LedgerOptions", "Checkpointing", "Progress", "Limits",
+    "SaveAt", "SolveOptions", "LedgerOptions", "Checkpointing", "Progress", "Limits",
     "TokenNoise",
     "Trajectory",
     "ButcherTableau",

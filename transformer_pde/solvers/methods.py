@@ -34,14 +34,16 @@ _ALL = frozenset({"saveat", "ledger", "checkpoint", "progress", "limits"})
 
 
 class Solver:
-    """Base class.  ``accepts``: the options objects it takes; ``name``: for messages and records.
+    """Base class of the solver objects.  ``accepts``: the options objects it takes; ``unsupported``:
+    per options object, the fields it does not implement.
 
-    A new solver is a subclass that defines ``run(self, model, x0, *, t1, dt, t0, paths, seed,
-    generator, saveat, ledger, checkpoint, progress, limits)`` returning a
-    :class:`~transformer_pde.Trajectory`: :func:`transformer_pde.solve` checks the options against
-    ``accepts`` / ``unsupported`` and calls it with every options object (those not given at their
-    defaults; ``checkpoint`` None).  Compose it from the solver parts
-    (:mod:`transformer_pde.solvers.parts`); ARCHITECTURE.md, "Where to add"."""
+    A solver implements ``run(self, model, x0, options)`` returning a
+    :class:`~transformer_pde.Trajectory`, where ``options`` is a
+    :class:`~transformer_pde.SolveOptions` (the grid t0, t1, dt; paths, seed, generator; the options
+    objects ``saveat``, ``ledger``, ``checkpoint`` (None unless given), ``progress``, ``limits``).
+    :func:`transformer_pde.solve` checks the options against ``accepts`` / ``unsupported``, fills in
+    the defaults and calls it.  Compose it from the solver parts (:mod:`transformer_pde.solvers.parts`);
+    ARCHITECTURE.md, "Where to add"."""
 
     accepts: ClassVar[FrozenSet[str]] = _ALL
     #: options object -> its fields this solver does not implement (they must keep their defaults)
@@ -49,6 +51,25 @@ class Solver:
     name: ClassVar[str] = ""
     #: the ``method=`` / ``scheme=`` string of the keyword front ends
     kind: ClassVar[str] = ""
+
+    def run(self, model, x0: Optional[torch.Tensor], options) -> Any:
+        """Solve ``model`` from ``x0`` with ``options`` (a :class:`~transformer_pde.SolveOptions`).
+
+        Parameters
+        ----------
+        model : Model
+            the dynamics.
+        x0 : torch.Tensor or None
+            the initial tokens.
+        options : SolveOptions
+            the grid, the random stream and the options objects, checked against ``accepts``.
+
+        Returns
+        -------
+        Trajectory
+            the solution.
+        """
+        raise NotImplementedError(f"{type(self).__name__} must define run(model, x0, options)")
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Union
 
-from ..utils.validation import check_bool, check_choice, check_int
+import torch
 
-__all__ = ["SaveAt", "LedgerOptions", "Checkpointing", "Progress", "Limits", "QUADRATURES",
+from ..utils.validation import check_bool, check_choice, check_int, check_positive, check_real, check_seed_generator
+from ..processes.weights import grid_steps
+
+__all__ = ["SaveAt", "LedgerOptions", "Checkpointing", "Progress", "Limits", "SolveOptions", "QUADRATURES",
            "QUADRATIC_VARIATIONS"]
 
 #: the ledger's quadratures of the time integrals
@@ -138,3 +141,52 @@ class Limits:
         if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float)) or not m > 0):
             raise ValueError(f"Limits.max_memory must be a positive number of bytes (or inf), got {m!r}")
 
+
+
+@dataclass(frozen=True)
+class SolveOptions:
+    """Everything of a solve besides the model, the solver and x0: the time grid, the weights'
+    random stream and the options objects.  :func:`transformer_pde.solve` builds it (filling in the
+    defaults) and passes it to ``solver.run(model, x0, options)``.
+
+    t1, dt, t0 : float
+        final time, step (fixed step; Dopri5: the weights' sampling grid; JKO: τ) and start;
+        (t1 − t0)/dt must be a whole number.
+    paths : int or None
+        Monte-Carlo paths of the weights (a leading axis of the results; None: no axis).
+    seed, generator
+        the weights' random stream (seed xor generator; None and None: seed 0).
+    saveat, ledger, checkpoint, progress, limits
+        the options objects (:class:`SaveAt`, :class:`LedgerOptions`, :class:`Checkpointing` or None,
+        :class:`Progress`, :class:`Limits`).
+    """
+
+    t1: float
+    dt: float
+    t0: float = 0.0
+    paths: Optional[int] = None
+    seed: Optional[int] = None
+    generator: Optional[torch.Generator] = None
+    saveat: SaveAt = SaveAt()
+    ledger: LedgerOptions = LedgerOptions()
+    checkpoint: Optional[Checkpointing] = None
+    progress: Progress = Progress()
+    limits: Limits = Limits()
+
+    def __post_init__(self):
+        object.__setattr__(self, "t0", check_real(self.t0, "t0"))
+        object.__setattr__(self, "t1", check_real(self.t1, "t1"))
+        object.__setattr__(self, "dt", check_positive(self.dt, "dt"))
+        if self.paths is not None:
+            object.__setattr__(self, "paths", check_int(self.paths, "paths"))
+        check_seed_generator(self.seed, self.generator)
+        for key, cls in (("saveat", SaveAt), ("ledger", LedgerOptions), ("progress", Progress), ("limits", Limits)):
+            if not isinstance(getattr(self, key), cls):
+                raise TypeError(f"{key}= must be a {cls.__name__}, got {type(getattr(self, key)).__name__}")
+        if self.checkpoint is not None and not isinstance(self.checkpoint, Checkpointing):
+            raise TypeError(f"checkpoint= must be a Checkpointing or None, got {type(self.checkpoint).__name__}")
+
+    @property
+    def steps(self) -> int:
+        """The number of steps K = (t1 − t0)/dt of the grid (ValueError when it is not whole)."""
+        return grid_steps(self.t0, self.t1, self.dt)

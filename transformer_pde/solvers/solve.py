@@ -18,7 +18,7 @@ import torch
 
 from .methods import Dopri5, EulerianJKO, FixedStep, LagrangianJKO, ShardedEuler, Solver
 from .model import Model
-from .options import Checkpointing, LedgerOptions, Limits, Progress, SaveAt
+from .options import Checkpointing, LedgerOptions, Limits, Progress, SaveAt, SolveOptions
 from .particle import solve_particles
 from .sharded import solve_sharded
 
@@ -96,17 +96,18 @@ def solve(model: Model, x0: Optional[torch.Tensor], solver: Solver, *, t1: float
                         f"tp.ShardedEuler(), tp.LagrangianJKO(), tp.EulerianJKO()), got {type(solver).__name__}")
     o = _check_options(solver, dict(saveat=saveat, ledger=ledger, checkpoint=checkpoint, progress=progress,
                                     limits=limits))
-    run = getattr(solver, "run", None)
-    if callable(run):  # a solver that brings its own composition of the parts (Solver docstring)
-        return run(model, x0, t1=t1, dt=dt, t0=t0, paths=paths, seed=seed, generator=generator, **o)
+    options = SolveOptions(t1=t1, dt=dt, t0=t0, paths=paths, seed=seed, generator=generator, **o)
+    if type(solver).run is not Solver.run:
+        return solver.run(model, x0, options)
+    # the built-in solvers whose solves still live outside their classes
+    kw = dict(t1=t1, dt=dt, t0=t0, paths=paths, seed=seed, generator=generator)
     if isinstance(solver, (FixedStep, Dopri5)):
-        return solve_particles(model, x0, solver, t1=t1, dt=dt, t0=t0, paths=paths, seed=seed, generator=generator,
-                                **o)
+        return solve_particles(model, x0, solver, **kw, **o)
     if isinstance(solver, ShardedEuler):
-        return solve_sharded(model, x0, solver, t1=t1, dt=dt, t0=t0, paths=paths, seed=seed, generator=generator,
-                             saveat=o["saveat"], ledger=o["ledger"], progress=o["progress"], limits=o["limits"])
+        return solve_sharded(model, x0, solver, **kw, saveat=o["saveat"], ledger=o["ledger"], progress=o["progress"],
+                             limits=o["limits"])
     if isinstance(solver, (LagrangianJKO, EulerianJKO)):
         from .jko import solve_jko  # the JKO schemes' front end for solver objects
 
-        return solve_jko(model, x0, solver, t1=t1, dt=dt, t0=t0, paths=paths, seed=seed, generator=generator, **o)
-    raise TypeError(f"no solve for the solver {type(solver).__name__}")  # a Solver subclass of a new kind
+        return solve_jko(model, x0, solver, **kw, **o)
+    raise TypeError(f"{type(solver).__name__} does not define run(model, x0, options); a Solver subclass must")

@@ -241,3 +241,86 @@ def test_checker_sees_a_cycle_and_a_private_import(tmp_path, monkeypatch):
         test_no_private_attribute_crosses_modules()
     with pytest.raises(AssertionError, match="stray.py"):
         test_every_module_lives_in_a_subpackage()
+
+
+# ---------------------------------------------------------------------------- module size and parameter lists
+#: the most lines a module may have (one concern per module)
+MAX_MODULE_LINES = 700
+#: the most parameters an internal function may take: more means a keyword list re-threaded through the
+#: layers, where an object (Model, solver, SolveOptions, a checked-problem dataclass) should travel instead
+MAX_PARAMETERS = 12
+#: the public entry points whose keywords are the user's interface (each builds the objects and calls tp.solve,
+#: or is a constructor whose settings are its fields)
+KEYWORD_FRONT_ENDS = {
+    "transformer_pde.solvers.particle.simulate", "transformer_pde.solvers.sharded.simulate_sharded",
+    "transformer_pde.solvers.solve.solve", "transformer_pde.analysis.ensembles.simulate",
+    "transformer_pde.model.field.evaluate", "transformer_pde.application.sweep.run_sweep",
+    "transformer_pde.application.animation.animate_tokens",
+    "transformer_pde.nn.modules.MeanFieldAttention.__init__", "transformer_pde.nn.modules.TransformerFlow.__init__",
+}
+
+
+def _parameter_count(fn) -> int:
+    a = fn.args
+    names = [p.arg for p in a.posonlyargs + a.args + a.kwonlyargs]
+    if names and names[0] in ("self", "cls"):
+        names = names[1:]
+    return len(names) + (a.vararg is not None) + (a.kwarg is not None)
+
+
+def long_parameter_lists(pkg: Path = None):
+    """(qualified name, count) of every function of the package over MAX_PARAMETERS parameters."""
+    pkg = PKG if pkg is None else pkg
+    out = []
+    for path in sorted(pkg.rglob("*.py")):
+        parts = list(path.relative_to(pkg.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        module = ".".join(parts)
+
+        def visit(node, prefix):
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, ast.ClassDef):
+                    visit(child, f"{prefix}.{child.name}")
+                elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    name = f"{prefix}.{child.name}"
+                    if _parameter_count(child) > MAX_PARAMETERS and name not in KEYWORD_FRONT_ENDS:
+                        out.append((name, _parameter_count(child)))
+                    visit(child, name)
+
+        visit(ast.parse(path.read_text(encoding="utf-8")), module)
+    return out
+
+
+def long_modules(pkg: Path = None):
+    """(file relative to the package's parent, lines) of every module over MAX_MODULE_LINES lines."""
+    pkg = PKG if pkg is None else pkg
+    sizes = {str(p.relative_to(pkg.parent)): len(p.read_text(encoding="utf-8").splitlines())
+             for p in sorted(pkg.rglob("*.py"))}
+    return [(name, n) for name, n in sizes.items() if n > MAX_MODULE_LINES]
+
+
+def test_no_module_over_the_line_limit():
+    bad = [f"{name}: {n} lines" for name, n in long_modules()]
+    assert not bad, f"split these modules (one concern each, at most {MAX_MODULE_LINES} lines):\n" + "\n".join(bad)
+
+
+def test_no_keyword_rethreading():
+    bad = [f"{name}: {n} parameters" for name, n in long_parameter_lists()]
+    assert not bad, (f"internal functions take at most {MAX_PARAMETERS} parameters; pass the objects "
+                     f"(Model, solver, SolveOptions, a checked problem) instead:\n" + "\n".join(bad))
+
+
+def test_the_size_checks_can_fail(tmp_path):
+    """A fake package with a 13-parameter internal function and a 701-line module is caught; a keyword
+    front end of the allow-list is not."""
+    fake = tmp_path / "transformer_pde"
+    (fake / "solvers").mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    params = ", ".join(f"a{i}" for i in range(13))
+    (fake / "solvers" / "particle.py").write_text(
+        f"def _inner({params}):\n    pass\n\n\ndef simulate({params}):\n    pass\n\n\n"
+        f"class C:\n    def method(self, {', '.join(f'b{i}' for i in range(12))}):\n        pass\n"
+        + "\n" * 700)
+    assert long_parameter_lists(fake) == [("transformer_pde.solvers.particle._inner", 13)]
+    assert long_modules(fake) == [(str(Path("transformer_pde", "solvers", "particle.py")), 711)]

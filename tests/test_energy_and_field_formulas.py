@@ -26,6 +26,7 @@ from problems import (
     naive_ito,
     naive_pairing,
     naive_slope,
+    tolerances,
 )
 
 BETA = 1.7
@@ -41,8 +42,7 @@ def _case(H=3, n=7, d=3, seed=0, omega="ones", dtype=torch.float64):
     return x.to(dtype), heads.to(dtype), w.to(dtype), om.to(dtype)
 
 
-def _tol(dtype):
-    return dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=2e-4, atol=1e-5)
+_tol = tolerances(f64=(1e-10, 1e-12), f32=(2e-4, 1e-5))
 
 
 def test_multihead_attention_heads_have_unit_weights():

@@ -10,6 +10,7 @@ from torch.testing import assert_close
 import transformer_pde as tp
 from transformer_pde import sphere
 from conftest import gen
+from problems import tolerances
 
 NORMS = ["softmax", "unnormalized", "relu", "effective"]
 
@@ -375,9 +376,7 @@ from transformer_pde.model.energy import ito_correction, pairing  # noqa: E402
 _HAS_SDPA = _attention.sdpa_available("cpu", torch.float64)
 
 
-def _tol(dtype, k=50.0):
-    eps = torch.finfo(dtype).eps
-    return {"rtol": k * eps, "atol": k * eps}
+_tol = tolerances(ulps=50.0)
 
 
 @pytest.mark.skipif(not _HAS_SDPA, reason="no fused CPU kernel in this torch")

@@ -14,10 +14,10 @@ import torch
 import transformer_pde as tp
 from transformer_pde import transport
 from conftest import gen
+from problems import tolerances
 
 
-def tol(dtype):
-    return dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=2e-5, atol=2e-6)
+tol = tolerances(f64=(1e-10, 1e-12), f32=(2e-5, 2e-6))
 
 
 def rand_sphere(n, d, seed, dtype=torch.float64):

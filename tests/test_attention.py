@@ -492,8 +492,8 @@ def test_pairing_and_ito_correction_agree_across_backends(dtype):
 # ==================================================================================================
 # Causal and chunked kernels against dense prefix formulas, the chunk sizing at small memory caps,
 # dtypes, and gradients through the differentiable path.
-# The tests below pin behaviour that the mutation pass of the formula modules (docs/MUTATION_REPORT.md)
-# showed untested; each checks the library against a closed form or an independent computation.
+# The tests below kill mutants of the formula modules that the tests above let survive
+# (docs/MUTATION_REPORT.md); each checks the library against a closed form or an independent computation.
 from torch.testing import assert_close  # noqa: E402
 
 F64 = torch.float64

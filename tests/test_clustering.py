@@ -352,7 +352,7 @@ def test_metastability_study_with_figures(tmp_path):
     assert "β*" in m["figure_captions"]["phase_diagram"]
 
 
-# ---------------------------------------------------------------------------- edge cases (issue 21)
+# ---------------------------------------------------------------------------- edge cases
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_one_point_measure_statistics_equal_their_docstrings(dtype):
     """A one-point measure — one token, or weights putting all the mass on one token — is one

@@ -323,8 +323,8 @@ def test_broadcast_shapes_matches_torch():
 # ==================================================================================================
 # Causal fields against the prefix measure, the causal run's diagnostics against the whole measure, and
 # the unnormalized field's overflow error.
-# The tests below pin behaviour that the mutation pass of the formula modules (docs/MUTATION_REPORT.md)
-# showed untested; each checks the library against a closed form or an independent computation.
+# The tests below kill mutants of the formula modules that the tests above let survive
+# (docs/MUTATION_REPORT.md); each checks the library against a closed form or an independent computation.
 F64 = torch.float64
 
 
@@ -364,7 +364,7 @@ def test_unnormalized_velocity_that_overflows_raises_with_the_fix():
         tp.velocity(x, heads, normalization="unnormalized")
 
 
-# ---------------------------------------------------------------------------- the merged fused kernel (issue 27)
+# ---------------------------------------------------------------------------- the merged fused kernel
 # With keys shared by the heads the fused CPU kernel runs with the heads folded into the query axis: its output
 # comes back (..., n, H, E), the field, E, b, 𝒟 and the ledger's sums are products of that block, and the per-head
 # arrays (ȳ_h, V_h ȳ_h, ∇δE/δμ) are formed only on request.  Each check is against the dense backend, whose

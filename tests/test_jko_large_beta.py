@@ -1,4 +1,4 @@
-"""JKO at large β‖A‖ (issue 12): the inner solve must move the tokens or say that it did not.
+"""JKO at large β‖A‖: the inner solve must move the tokens or say that it did not.
 
 The reproduction of the issue: 48 tokens on S², 3 random symmetric heads, β‖A‖ = 500, τ = 0.01.
 There the log-mobilities of the tokens span 54..278 and the per-head log-partitions 53..588, so the

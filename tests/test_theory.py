@@ -729,8 +729,8 @@ def test_radial_dominance_threshold_stops_at_overflow_and_respects_beta_max():
 # ==================================================================================================
 # Closed forms of tp.theory against high-precision quadrature (mpmath), scipy's Lambert W and the
 # partial-fraction integrals written here.
-# The tests below pin behaviour that the mutation pass of the formula modules (docs/MUTATION_REPORT.md)
-# showed untested; each checks the library against a closed form or an independent computation.
+# The tests below kill mutants of the formula modules that the tests above let survive
+# (docs/MUTATION_REPORT.md); each checks the library against a closed form or an independent computation.
 import warnings  # noqa: E402
 
 import mpmath  # noqa: E402

@@ -1,6 +1,6 @@
 """CPU time of ``tp.simulate(..., layer_norm="post")`` against the two reference simulators' step functions.
 
-Workload of the reference simulators (issue #24): 256 systems × 32 tokens × d = 16, 100 steps of
+Workload of the reference simulators: 256 systems × 32 tokens × d = 16, 100 steps of
 Δt = 0.1, softmax, β = 1, random Gaussian score and value matrices per system, post-LN, and the
 statistic they record at every step (the fraction of distinct pairs with overlap > 0.999).
 Heads: 8 for simuformer (ω_h = 1/H), 1 for rotf (that code has one head).

@@ -1,6 +1,6 @@
 """Time one solver step of the paper's reference configuration against a straightforward dense code.
 
-Reference configuration (issue #4, docs/reproducing.md): n = 200 tokens on S² started near the octahedral
+Reference configuration (docs/reproducing.md): n = 200 tokens on S² started near the octahedral
 vertices, H = 100 symmetric heads D_h(0) = Z + Zᵀ, β = 1, ω = 1/H, direction "descent",
 Ornstein–Uhlenbeck weights (mean I, rate 1, σ² = 2) with 10 Monte-Carlo paths, float64,
 dt = 5·10⁻³, Euler, every diagnostic on (energy, 𝒢², 𝒟, ∂_tE with the Itô correction, the
@@ -21,7 +21,7 @@ oscillating weights with H = 1, 10, 100 and one path) from per-step times measur
     python scripts/benchmark_reference_step.py                 # H = 100, 10 steps
     python scripts/benchmark_reference_step.py --heads 1 10 100 --steps 20 --backend chunked
 
-Then, for the first ``--heads`` value, the hot step itself (issue 27):
+Then, for the first ``--heads`` value, the hot step itself:
 
 * ours with every diagnostic and with ``diagnostics=False`` (the bare field), interleaved
   repeats, and their ratio (goal ≤ 1.15): of the best of each, and the median of the per-repeat
@@ -152,7 +152,7 @@ def ours(x0, theta, steps, dt, paths, backend):
                            seed=0, record_every=steps, return_path=True)
 
 
-# ---------------------------------------------------------------------------- the hot step (issue 27)
+# ---------------------------------------------------------------------------- the hot step
 def ours_step(x0, theta, steps, dt, paths, diagnostics):
     return tp.simulate(x0, theta, t1=steps * dt, dt=dt, method="euler", direction="descent", paths=paths, seed=0,
                        record_every=steps, diagnostics=diagnostics, progress=False)

@@ -9,7 +9,7 @@ Configurations (float64, Euler, every diagnostic on):
 * ``quick`` — the largest segment of experiments/ou_vs_oscillating_quick.toml: n = 64, H = 16,
   4 OU paths, dt = 0.01, record_every = 5.
 
-The old tree is extracted with ``git -C MAIN archive COMMIT transformer_pde`` into a temporary folder
+The tree of COMMIT ("old") is extracted with ``git -C MAIN archive COMMIT transformer_pde`` into a temporary folder
 and imported through PYTHONPATH in its own child process; each child times ``--inner`` solves
 after one warm-up and reports the best per-step time.  The script prints, per configuration, the
 per-step seconds of each side and the ratios new/old (median over the interleaved repeats).

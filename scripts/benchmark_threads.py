@@ -1,7 +1,7 @@
 """Wall time of the README's first workload with 1 thread, 2 threads and the "auto" policy, on
 the machine as it is and with a busy-loop process on every core.
 
-Goal (issue 14): the README's first command (`transformer-pde run
+Goal: the README's first command (`transformer-pde run
 experiments/ou_vs_oscillating_quick.toml`) in ≤ 60 s on 2 idle cores, and with the default
 ``--threads auto`` never more than 2× the 1-thread time when the cores are busy.
 

@@ -5,9 +5,9 @@ derived from the dtype and the number of steps of the case (:data:`STEPS`; the d
 that test's docstring); with ``TP_BIT_IDENTICAL=1`` it compares bit for bit (same machine, one
 thread).
 
-The stored file was produced by commit 7d805a9 (before the issue-16 redesign), on CPU with
+The stored file was produced by commit 7d805a9, on CPU with
 OMP_NUM_THREADS=1; the two long cases ``long_euler_f64`` / ``long_euler_f32`` (256 steps, for the
-test that a one-ulp-per-step change is caught) were added for issue 21 with ``--add-missing``,
+test that a one-ulp-per-step change is caught) were added with ``--add-missing``,
 which computes only the cases the file lacks and leaves the stored ones untouched.  Regenerate
 everything only when a change of the arithmetic is intended:
 

@@ -2,14 +2,14 @@
 of the package and run the named tests against it (the checkout is never touched).
 
     python scripts/mutant_kill_check.py cases.json [more.json ...]
-    python scripts/mutant_kill_check.py docs/mutation/verdicts/*.json     # every "killed" verdict
+    python scripts/mutant_kill_check.py docs/mutation/verdicts/*.json     # every "killed" verdict (one file per module)
 
 cases.json: a list of [file, old text, new text, "pytest arguments"], e.g.
-    [["transformer_pde/model/energy.py", "/ (2 * beta)", "/ (2 / beta)", "tests/test_oracles.py -k energy"]]
+    [["transformer_pde/model/energy.py", "/ (2 * beta)", "/ (2 / beta)", "tests/test_energy_and_field_formulas.py -k energy"]]
 or a verdict file of scripts/mutation_summary.py (objects whose "case" is such a list; only the
 "killed" ones are checked).  ``old`` must occur exactly once in the file.  Prints KILLED or SURVIVED
-per case and exits 1 if any survived or was skipped.  Used for the survivors of the mutmut pass whose
-killing tests were written after it (docs/MUTATION_REPORT.md).
+per case and exits 1 if any survived or was skipped.  Used for the survivors of a mutmut run whose
+killing tests are not in the run's tree (docs/MUTATION_REPORT.md).
 """
 
 import json

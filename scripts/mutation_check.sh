@@ -5,7 +5,7 @@
 #   scripts/mutation_check.sh                      # every formula module, a seeded 5 % sample of each
 #                                                  # (the default; timed in docs/MUTATION_REPORT.md)
 #   scripts/mutation_check.sh model.energy model.mobility   # some modules (dotted paths under transformer_pde/)
-#   TESTS="tests/test_oracles.py tests/test_field.py" scripts/mutation_check.sh model.mobility   # narrower tests
+#   TESTS="tests/test_energy_and_field_formulas.py tests/test_field.py" scripts/mutation_check.sh model.mobility   # narrower tests
 #   SAMPLE=0.3 SEED=0 scripts/mutation_check.sh model.attention  # a seeded random 30 % of the module's mutants
 #   SAMPLE=0.25 FULL="model.energy" scripts/mutation_check.sh model.energy model.field  # all of energy
 #   REF=HEAD scripts/mutation_check.sh model.energy               # the committed tree, not the working copy
@@ -45,7 +45,7 @@ else
 fi
 cd "$WORKDIR"
 # mutate only the modules asked for (mutmut generates every configured module before it runs
-# any), and optionally a narrower test selection, e.g. TESTS="tests/test_oracles.py"
+# any), and optionally a narrower test selection, e.g. TESTS="tests/test_energy_and_field_formulas.py"
 python - "${TESTS:-}" "$@" <<'PY'
 import re, sys
 tests, mods = sys.argv[1], sys.argv[2:]

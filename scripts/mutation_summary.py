@@ -14,7 +14,7 @@ per mutant: {"mutant", "verdict", "reason", "case", "diff"}; a verdict whose rec
 from the mutant's is not applied; a non-"killed" verdict of a function that has since moved to
 another module applies when the function name and the diff match) or else from the automatic
 CLASSES below:
-* killed      a test written after the run kills it; "case" is the textual mutation, checked with
+* killed      a test that the run's tree did not have kills it; "case" is the textual mutation, checked with
               `python scripts/mutant_kill_check.py docs/mutation/verdicts/<file>.json`;
 * equivalent  it cannot change any result for any valid input (the reason says why);
 * error-path  it changes only the wording or a reported value of an error raised for invalid or

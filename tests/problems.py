@@ -107,6 +107,34 @@ def fit_slope(xs, ys):
     return float(np.polyfit(lx, ly, 1)[0])
 
 
+def tokens_and_heads(dtype=torch.float64, n=6, d=3, H=2, seed=0):
+    """A small problem: n uniform tokens on S^{d-1} (generator seeded ``seed``) and H random heads
+    (generator seeded ``seed + 1``), both in ``dtype``."""
+    import transformer_pde as tp
+
+    x0 = tp.sphere.sample_uniform(n, d, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+    heads = tp.Heads.random(H, d, generator=torch.Generator().manual_seed(seed + 1), dtype=dtype)
+    return x0, heads
+
+
+def tolerances(f64=None, f32=None, *, ulps=None):
+    """The ``assert_close`` tolerances of a comparison, as a function ``tol(dtype, scale=1.0)`` that
+    returns ``dict(rtol=..., atol=...)``: the (rtol, atol) pair ``f64`` for float64 and ``f32`` for
+    float32, or ``rtol = atol = ulps · eps(dtype)``; both times ``scale`` (a comparison whose
+    rounding grows, e.g. with the number of steps)."""
+    if (ulps is None) == (f64 is None or f32 is None):
+        raise ValueError("tolerances: give either the pairs f64 and f32 or ulps")
+
+    def tol(dtype, scale=1.0):
+        if ulps is not None:
+            rtol = atol = ulps * torch.finfo(dtype).eps
+        else:
+            rtol, atol = f64 if dtype == torch.float64 else f32
+        return dict(rtol=rtol * scale, atol=atol * scale)
+
+    return tol
+
+
 # ---------------------------------------------------------------------------- dense naive formulas
 # Written from docs/model.md with explicit einsums over all pairs (i, j) and heads h: no log-sum-exp,
 # no shared kernel pass, no library helper.  Shapes: x (..., n, d), A and V (..., H, d, d),

@@ -15,7 +15,7 @@ from transformer_pde import attention
 from transformer_pde.model.energy import ito_correction, pairing
 from transformer_pde.model.field import evaluate
 from conftest import gen
-from problems import random_sphere
+from problems import random_sphere, tolerances
 
 NO_GRAD_BACKENDS = ["dense", "chunked", "sdpa"]
 
@@ -40,8 +40,7 @@ def oracle(x, A, weights=None, keys=None, beta=1.0):
     return lse, mean, second
 
 
-def _tol(dtype, scale=1.0):
-    return dict(rtol=1e-11 * scale, atol=1e-11 * scale) if dtype == torch.float64 else dict(rtol=2e-5 * scale, atol=2e-5 * scale)
+_tol = tolerances(f64=(1e-11, 1e-11), f32=(2e-5, 2e-5))
 
 
 def _assert_stats(st, ref, dtype, scale=1.0):
@@ -493,8 +492,8 @@ def test_pairing_and_ito_correction_agree_across_backends(dtype):
 # ==================================================================================================
 # Causal and chunked kernels against dense prefix formulas, the chunk sizing at small memory caps,
 # dtypes, and gradients through the differentiable path.
-# The tests below pin behaviour that the mutation pass of the formula modules (docs/MUTATION_REPORT.md)
-# showed untested; each checks the library against a closed form or an independent computation.
+# The tests below kill mutants of the formula modules that the tests above let survive
+# (docs/MUTATION_REPORT.md); each checks the library against a closed form or an independent computation.
 from torch.testing import assert_close  # noqa: E402
 
 F64 = torch.float64

@@ -14,7 +14,7 @@ import torch
 import transformer_pde as tp
 from transformer_pde.model.field import evaluate
 from conftest import gen
-from problems import random_sphere
+from problems import random_sphere, tolerances
 
 BACKENDS = ["dense", "chunked", "sdpa"]
 
@@ -42,9 +42,7 @@ def causal_oracle(x, A, weights=None, beta=1.0):
     return lse, mean, second, R.sum(-1), R @ x.unsqueeze(-3)
 
 
-def _tol(dtype, scale=1.0):
-    return dict(rtol=1e-11 * scale, atol=1e-11 * scale) if dtype == torch.float64 else dict(rtol=3e-5 * scale,
-                                                                                             atol=3e-5 * scale)
+_tol = tolerances(f64=(1e-11, 1e-11), f32=(3e-5, 3e-5))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -352,12 +352,12 @@ def test_metastability_study_with_figures(tmp_path):
     assert "β*" in m["figure_captions"]["phase_diagram"]
 
 
-# ---------------------------------------------------------------------------- edge cases (issue 21)
+# ---------------------------------------------------------------------------- edge cases
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_one_point_measure_statistics_equal_their_docstrings(dtype):
     """A one-point measure — one token, or weights putting all the mass on one token — is one
     cluster of mass 1 and radius 0 with pair fraction 1 and mean overlap 1 (the docstrings), the
-    values of any number of coincident tokens.  The old code gave pair fraction 0 (0/tiny)."""
+    values of any number of coincident tokens (not pair fraction 0 from 0/tiny)."""
     e = torch.eye(3, dtype=dtype)
     x = torch.stack([e[0], e[1], e[2]])
     coincident = e[0].expand(4, 3)
@@ -433,7 +433,7 @@ def test_plateaus_and_crossings_refuse_non_finite_times(bad):
 def test_crossing_time_refuses_decreasing_times_and_allows_repeated_ones():
     y = torch.tensor([0.0, 1.0, 2.0], dtype=torch.float64)
     with pytest.raises(ValueError, match="increasing"):
-        cl.crossing_time([2.0, 1.0, 0.0], y, 0.5)  # the old code answered 1.5
+        cl.crossing_time([2.0, 1.0, 0.0], y, 0.5)  # not 1.5 read off the unsorted times
     with pytest.raises(ValueError, match="increasing"):
         cl.crossing_time([0.0, 2.0, 1.0], y, 1.5)
     # a repeated time (a left-limit record at a knot) is a jump of the series at that time

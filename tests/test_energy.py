@@ -9,8 +9,8 @@ dense energy or by finite differences, never from the code under test:
     ⟨∂_A E, M⟩ by autograd,
     ½ ∂²_A E[N, N] = Σ_h ω_h (β/4) Σ_ij w_i w_j e^{β⟨x_i,A_h x_j⟩} ⟨x_i, N_h x_j⟩².
 
-The parameters are chosen so that slips hide nowhere (several of these tests guard survivors of the
-mutation pass, docs/MUTATION_REPORT.md): β ≠ 1, a batch of β with TWO batch axes (2, 3) next to H = 2
+The parameters are chosen so that slips hide nowhere (several of these tests kill mutants of the
+module, docs/MUTATION_REPORT.md): β ≠ 1, a batch of β with TWO batch axes (2, 3) next to H = 2
 heads and n = 5 tokens (no two axes of the same length), ω not summing to one and no ω_h equal to 1,
 non-uniform token weights, non-symmetric scores and rates."""
 

@@ -122,7 +122,7 @@ def test_noisy_ensemble_members_are_independent():
         torch.testing.assert_close(one.x[-1], xs[b])
 
 
-# ---------------------------------------------------------------------------- the law across members (issue 21)
+# ---------------------------------------------------------------------------- the law across members
 # The tests above check shapes, the law of the matrix sampler pooled over all entries, and that a
 # batched run equals separate runs *of the same heads*.  None of them sees an ensemble whose members
 # all share one draw: these check the law across members — members pairwise different, every entry's
@@ -205,7 +205,7 @@ def test_members_are_independent_draws_of_the_law(law, values):
 
 
 def test_the_law_check_catches_a_sampler_that_reuses_one_draw(monkeypatch):
-    """The checks above fail when random_heads gives every member the same draw (the gap of issue 21),
+    """The checks above fail when random_heads gives every member the same draw,
     and when neighbouring members share a draw."""
     B, H, d, s = ENSEMBLE["B"], ENSEMBLE["H"], ENSEMBLE["d"], ENSEMBLE["scale"]
     real = ens.random_matrices
@@ -266,7 +266,8 @@ def test_random_tokens_members_are_independent_uniform_draws(monkeypatch):
 
 
 def test_sampler_arguments_refused_before_drawing():
-    """Issue 21: these reached torch and came back as raw RuntimeError / NotImplementedError / TypeError."""
+    """Refused with ValueError before torch sees them (torch would raise a raw RuntimeError /
+    NotImplementedError / TypeError)."""
     with pytest.raises(ValueError, match="shape"):
         ens.random_matrices((-1,), 3)
     with pytest.raises(ValueError, match="shape"):

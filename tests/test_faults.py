@@ -1,4 +1,4 @@
-"""Faults on real `transformer-pde run` processes (issue 12): SIGKILL, SIGTERM, two live runs on one name.
+"""Faults on real `transformer-pde run` processes: SIGKILL, SIGTERM, two live runs on one name.
 
 A small harness runs the CLI in a subprocess with a step callback that, at a chosen
 (segment, step) of the study, either kills its own process with SIGKILL (no chance to clean up)

@@ -10,6 +10,7 @@ from torch.testing import assert_close
 import transformer_pde as tp
 from transformer_pde import sphere
 from conftest import gen
+from problems import tolerances
 
 NORMS = ["softmax", "unnormalized", "relu", "effective"]
 
@@ -322,8 +323,8 @@ def test_broadcast_shapes_matches_torch():
 # ==================================================================================================
 # Causal fields against the prefix measure, the causal run's diagnostics against the whole measure, and
 # the unnormalized field's overflow error.
-# The tests below pin behaviour that the mutation pass of the formula modules (docs/MUTATION_REPORT.md)
-# showed untested; each checks the library against a closed form or an independent computation.
+# The tests below kill mutants of the formula modules that the tests above let survive
+# (docs/MUTATION_REPORT.md); each checks the library against a closed form or an independent computation.
 F64 = torch.float64
 
 
@@ -363,7 +364,7 @@ def test_unnormalized_velocity_that_overflows_raises_with_the_fix():
         tp.velocity(x, heads, normalization="unnormalized")
 
 
-# ---------------------------------------------------------------------------- the merged fused kernel (issue 27)
+# ---------------------------------------------------------------------------- the merged fused kernel
 # With keys shared by the heads the fused CPU kernel runs with the heads folded into the query axis: its output
 # comes back (..., n, H, E), the field, E, b, 𝒟 and the ledger's sums are products of that block, and the per-head
 # arrays (ȳ_h, V_h ȳ_h, ∇δE/δμ) are formed only on request.  Each check is against the dense backend, whose
@@ -375,9 +376,7 @@ from transformer_pde.model.energy import ito_correction, pairing  # noqa: E402
 _HAS_SDPA = _attention.sdpa_available("cpu", torch.float64)
 
 
-def _tol(dtype, k=50.0):
-    eps = torch.finfo(dtype).eps
-    return {"rtol": k * eps, "atol": k * eps}
+_tol = tolerances(ulps=50.0)
 
 
 @pytest.mark.skipif(not _HAS_SDPA, reason="no fused CPU kernel in this torch")

@@ -1,4 +1,4 @@
-"""Property-based fuzz of the input boundaries (issue 21 "fresh machine, hostile input"), with hypothesis.
+"""Property-based fuzz of the input boundaries ("fresh machine, hostile input"), with hypothesis.
 
 The contract, for every input the strategies below generate:
 
@@ -685,8 +685,8 @@ def test_cli_writes_only_its_run_directory_slow(pairs):
 # ---------------------------------------------------------------------------- what the fuzz found, pinned
 @pytest.mark.parametrize("kind", [["demo"], {"a": 1}, 3, None])
 def test_a_kind_that_is_not_a_string_is_refused(kind, tmp_path):
-    """Found by test_config_dict_contract (and issue 21): a TOML kind that is a list gave TypeError
-    "unhashable type: 'list'" from the registry lookup."""
+    """A TOML kind that is not a string (found by test_config_dict_contract) is refused with a
+    ValueError, not the registry lookup's TypeError "unhashable type: 'list'"."""
     from transformer_pde.application.runs import load_config
 
     with pytest.raises(ValueError, match="kind.? must be a string"):
@@ -717,7 +717,7 @@ def test_jko_flags_must_be_bools():
 
 
 def test_zz_report_counts(capsys):
-    """Prints how many inputs each entry point was given in this session and how they ended."""
+    """Prints how many inputs each entry point was given in this test run and how they ended."""
     with capsys.disabled():
         for name in sorted(TRIED):
             c = TRIED[name]

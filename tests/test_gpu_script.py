@@ -1,4 +1,4 @@
-"""scripts/gpu_check.py: the plan covers what issue 15 asks for, and the script runs end to end
+"""scripts/gpu_check.py: the plan covers the GPU measurements of docs/clustering.md, and the script runs end to end
 on the CPU with --device cpu --small (slow: four subprocesses that each import torch)."""
 
 import importlib.util

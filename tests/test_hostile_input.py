@@ -13,6 +13,7 @@ from torch.testing import assert_close
 
 import transformer_pde as tp
 from conftest import gen
+from problems import tokens_and_heads
 from transformer_pde.processes import weights as processes
 from transformer_pde.solvers import parts, particle
 
@@ -31,9 +32,7 @@ def _kill_at(k_stop):
 
 
 def _problem(dtype=F64, n=5):
-    x0 = tp.sphere.sample_uniform(n, 3, generator=gen(10), dtype=dtype)
-    heads = tp.Heads.random(2, 3, generator=gen(11), dtype=dtype)
-    return x0, heads
+    return tokens_and_heads(dtype, n=n, seed=10)
 
 
 def _checkpointed(tmp_path, x0, theta, stop=5, **kw):

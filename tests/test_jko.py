@@ -354,7 +354,7 @@ def test_unconverged_step_warns_and_strict_raises():
 def test_overflow_stops_with_time_step_and_quantity():
     x = tokens(6, 3, 33)
     heads = tp.Heads.scalar([900.0], 3).to(F64)
-    # E ~ e^{900} overflows float64: energies and ledger are reported times e^{−c} (issue 12)
+    # E ~ e^{900} overflows float64: energies and ledger are reported times e^{−c}
     traj = tp.jko(x, heads, tau=0.1, steps=2)
     c = traj.energy_log_scale
     assert c > 0 and bool(torch.isfinite(traj.energy).all())
@@ -423,8 +423,8 @@ def test_study_refuses_inconsistent_steps(tmp_path):
 # Batched runs against separate runs, closed forms (von Mises–Fisher deposit, entropic proximal value,
 # optimal assignment, the velocity error of the implicit Euler step), the documented rules of the inner
 # solver and the settings a run reports.
-# The tests below pin behaviour that the mutation pass of the formula modules (docs/MUTATION_REPORT.md)
-# showed untested; each checks the library against a closed form or an independent computation.
+# The tests below kill mutants of the formula modules that the tests above let survive
+# (docs/MUTATION_REPORT.md); each checks the library against a closed form or an independent computation.
 import itertools  # noqa: E402
 import warnings  # noqa: E402
 

@@ -1,10 +1,10 @@
-"""JKO at large β‖A‖ (issue 12): the inner solve must move the tokens or say that it did not.
+"""JKO at large β‖A‖: the inner solve must move the tokens or say that it did not.
 
-The reproduction of the issue: 48 tokens on S², 3 random symmetric heads, β‖A‖ = 500, τ = 0.01.
+The hard case: 48 tokens on S², 3 random symmetric heads, β‖A‖ = 500, τ = 0.01.
 There the log-mobilities of the tokens span 54..278 and the per-head log-partitions 53..588, so the
-objective F = E + W²/2τ is ~e^{300} and the effective velocity ~e^{490}: the old solver squared
-gradients into inf, took the infinite residual as converged (inf ≤ inf) and returned the tokens
-unmoved — 0 iterations, no warning, strict=True silent — while particles move by ~2.
+objective F = E + W²/2τ is ~e^{300} and the effective velocity ~e^{490}: a solver that squares
+gradients there gets inf, and one that took the infinite residual as converged (inf ≤ inf) would
+return the tokens unmoved — 0 iterations, no warning, strict=True silent — while particles move by ~2.
 
 Oracles do not use the solver's own residual: a local-minimum test of F evaluated with the public
 tp.energy (log-scaled) and tp.log_mobility, the discrete energy inequality, and the particles.

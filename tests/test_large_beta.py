@@ -1,4 +1,4 @@
-"""Large β‖A‖: energies and ledgers on a common scale e^{c} (issue 12).
+"""Large β‖A‖: energies and ledgers on a common scale e^{c}.
 
 E, 𝒢², 𝒟, ∂_tE, the Itô term and the martingale are linear in the kernel e^{β⟨x,Ay⟩}, which
 overflows at β‖A‖ ≈ 88 (float32) / 709 (float64) while the softmax field stays finite.  The

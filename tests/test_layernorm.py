@@ -15,20 +15,15 @@ import pytest
 import torch
 
 import transformer_pde as tp
-from problems import interrupt_and_resume
+from conftest import gen as _gen
+from problems import interrupt_and_resume, tolerances
 from transformer_pde.solvers.layernorm import NGPT, PeriLN, PostLN, PreLN, Projected, simuformer_scheme
 
 F64 = torch.float64
 
 
-def _gen(s):
-    return torch.Generator().manual_seed(s)
-
-
-def _tol(dtype, steps):
-    """Rounding of `steps` layer maps: ~ steps · eps of the dtype, with a margin for the growth of errors."""
-    eps = torch.finfo(dtype).eps
-    return dict(rtol=200 * steps * eps, atol=200 * steps * eps)
+# rounding of `steps` layer maps: ~ steps · eps of the dtype, with a margin for the growth of errors
+_tol = tolerances(ulps=200)
 
 
 def _slope(dts, errs):

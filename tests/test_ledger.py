@@ -1,4 +1,4 @@
-"""Energy–dissipation identity along the particle flow (docs/model.md, issue 3)."""
+"""Energy–dissipation identity along the particle flow (docs/model.md)."""
 
 import pytest
 import torch

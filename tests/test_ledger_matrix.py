@@ -1,4 +1,4 @@
-"""Ledger-closure matrix (issue 13): {euler, heun, rk4, adaptive} × {softmax, effective,
+"""Ledger-closure matrix: {euler, heun, rk4, adaptive} × {softmax, effective,
 unnormalized} × {descent, ascent} × {uniform, weighted tokens} × {constant, OU (σ > 0),
 oscillating (σ > 0), layerwise constant, layerwise linear}.
 
@@ -164,8 +164,8 @@ def test_adaptive_ledger_with_layer_boundaries_off_the_record_grid(interpolation
 @pytest.mark.parametrize("offset", [0.0, 3e-10, -3e-10, 3e-9])
 def test_adaptive_ledger_books_the_jump_of_a_layer_start_a_rounding_away_from_a_record_time(offset):
     """A layer start within rounding of a record time (|offset| ≤ 1e-9 of the span, but more than
-    Layerwise's own 1e-12 snap) used to be merged into the record time and sampled there, where both
-    sides fall in the same layer: the jump was lost (partial 0, residual 0.15).  The booked ∂_tE and
+    Layerwise's own 1e-12 snap) is a knot of the solver grid: merged into the record time and sampled
+    there, both sides would fall in the same layer and the jump would be lost (partial 0, residual 0.15).  The booked ∂_tE and
     the residual must not depend on such an offset: the jump ΔE is ~0.15 here, so 1e-7 is far below
     it and far above the O(offset) change of the solution."""
     x0 = tp.sphere.sample_uniform(6, 3, generator=gen(60), dtype=torch.float64)

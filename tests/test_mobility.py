@@ -1,6 +1,6 @@
 """transformer_pde.model.mobility: the mobilities m_h, b, the metric slope 𝒢², the dissipation 𝒟 and
 scaled_diagnostics against the dense formulas of docs/model.md#mobility, and their overflow errors
-(several of these tests guard survivors of the mutation pass, docs/MUTATION_REPORT.md):
+(several of these tests kill mutants of the module, docs/MUTATION_REPORT.md):
 
     m_h(x_i) = Σ_j w_j e^{β⟨x_i, A_h x_j⟩},      b(x_i) = (Σ_h ω̄_h / m_h(x_i))^{-1},  ω̄ = ω/Σω,
     𝒢² = Σ_i w_i b(x_i) |v_i|²,                  𝒟 = Σ_i ⟨∂E/∂x_i, v_i⟩ = Σ_i w_i ⟨∇_S δE/δμ(x_i), v_i⟩,

@@ -8,16 +8,14 @@ import torch
 from torch.testing import assert_close
 
 import transformer_pde as tp
-from conftest import gen
+from problems import tokens_and_heads
 
 EPS = torch.finfo(torch.float64).eps  # the problems are float64 unit vectors (scale 1)
 
 
 @pytest.fixture
 def problem():
-    x0 = tp.sphere.sample_uniform(5, 3, generator=gen(0), dtype=torch.float64)
-    heads = tp.Heads.random(2, 3, generator=gen(1), dtype=torch.float64)
-    return x0, heads
+    return tokens_and_heads(n=5)
 
 
 @pytest.mark.parametrize("make,err,msg", [

@@ -1,4 +1,4 @@
-"""Pathwise energy ledger: quadratic_variation="realised" books ½ ∂²_A E[ΔN, ΔN] per step (issue 13).
+"""Pathwise energy ledger: quadratic_variation="realised" books ½ ∂²_A E[ΔN, ΔN] per step.
 
 Why the orders differ.  Over one step the energy changes by ∂_A E[ΔA] + ½ ∂²_A E[ΔA, ΔA] + O(|ΔA|³)
 (plus the token part).  The "expected" ledger books the Itô correction E[½ ∂²E[ΔN, ΔN]] = ito·dt

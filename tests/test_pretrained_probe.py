@@ -13,12 +13,9 @@ from transformer_pde.application.studies.probe import (
     standard_error,
     top_singular_value, topic_sentences)
 from conftest import gen
+from problems import tolerances
 
-
-def _tol(dtype, scale=1.0):
-    eps = torch.finfo(dtype).eps
-    return dict(rtol=scale * 100 * eps ** 0.5 if dtype == torch.float32 else scale * 1e-9,
-                atol=scale * 100 * eps ** 0.5 if dtype == torch.float32 else scale * 1e-9)
+_tol = tolerances(f64=(1e-9, 1e-9), f32=(100 * torch.finfo(torch.float32).eps ** 0.5,) * 2)
 
 
 # ---------------------------------------------------------------------------- sentences

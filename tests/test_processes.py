@@ -235,8 +235,8 @@ def test_layerwise_knots_and_left_limits_against_the_layers():
 # ==================================================================================================
 # Defaults, generators, callable diffusions, interpolation of layers and weight paths, moments at κ ≠ 1,
 # against the formulas of docs/model.md#processes.
-# The tests below pin behaviour that the mutation pass of the formula modules (docs/MUTATION_REPORT.md)
-# showed untested; each checks the library against a closed form or an independent computation.
+# The tests below kill mutants of the formula modules that the tests above let survive
+# (docs/MUTATION_REPORT.md); each checks the library against a closed form or an independent computation.
 F64 = torch.float64
 EPS = torch.finfo(F64).eps
 

@@ -1,4 +1,4 @@
-"""Property-based contract of the public entry points (issue 12), with hypothesis.
+"""Property-based contract of the public entry points, with hypothesis.
 
 The contract: for any input — random shapes, dtypes (float16 / bfloat16 / int / complex among them),
 β up to 10⁴ (and 0, negative, inf, NaN), head and token weights with zeros and negatives, process
@@ -311,7 +311,7 @@ def test_config_override_contract_slow(pairs):
 
 
 def test_zz_report_counts(capsys):
-    """Prints how many inputs each entry point was given in this session and how they ended."""
+    """Prints how many inputs each entry point was given in this test run and how they ended."""
     with capsys.disabled():
         for name in sorted(TRIED):
             c = TRIED[name]

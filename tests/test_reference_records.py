@@ -4,8 +4,8 @@ tests/data/reference_records.bin holds seed-fixed runs of every solver path (sim
 heun, rk4, adaptive, OU with paths and a stored path, realised quadratic variation, float32,
 oscillating, layerwise with jumps, effective/unnormalized/relu, causal, observables and token
 weights; jko; flat_flow; simulate_sharded on one rank; clustering_hitting_time; two long euler
-runs of 256 steps), written by scripts/make_reference_records.py (the short cases from the code
-before the issue-16 redesign).  Each case is rerun here and every tensor compared.
+runs of 256 steps), written by scripts/make_reference_records.py (the short cases at commit
+7d805a9).  Each case is rerun here and every tensor compared.
 
 The tolerance.  Bit identity across CPUs is no property anyone can promise: the same formulas
 rounded through other vector widths, FMA contractions or BLAS blockings differ by an ulp here and

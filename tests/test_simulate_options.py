@@ -1,5 +1,5 @@
 """simulate's keywords: causal, observables, quadratic_variation, energy_log_scale, progress, the thread
-scope, and the Trajectory repr (PLAN interface 2; issues 12–14)."""
+scope, and the Trajectory repr."""
 
 import numpy as np
 import pytest

@@ -12,18 +12,13 @@ from torch.testing import assert_close
 
 import transformer_pde as tp
 from conftest import gen
+from problems import tokens_and_heads as problem
 from transformer_pde.processes import weights as processes
 
 
 def tol(dtype, scale=1.0):
     """Two runs of the same arithmetic in a different call order: a few ulps per step, summed."""
     return dict(rtol=0, atol=200 * torch.finfo(dtype).eps * scale)
-
-
-def problem(dtype, n=6, d=3, H=2, seed=0):
-    x0 = tp.sphere.sample_uniform(n, d, generator=gen(seed), dtype=dtype)
-    heads = tp.Heads.random(H, d, generator=gen(seed + 1), dtype=dtype)
-    return x0, heads
 
 
 def same_run(a, b, dtype, scale=1.0):

@@ -158,8 +158,8 @@ def test_checkpoint_resume_is_bit_identical(tmp_path):
 # ==================================================================================================
 # The adaptive solver against fine RK4 and the adjoint, layer knots met up to rounding, energy scales at
 # large β, tableaux, stats, paths, progress and the error messages of the particle solver.
-# The tests below pin behaviour that the mutation pass of the formula modules (docs/MUTATION_REPORT.md)
-# showed untested; each checks the library against a closed form or an independent computation.
+# The tests below kill mutants of the formula modules that the tests above let survive
+# (docs/MUTATION_REPORT.md); each checks the library against a closed form or an independent computation.
 import math  # noqa: E402
 
 from problems import naive_energy  # noqa: E402

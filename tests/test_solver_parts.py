@@ -128,8 +128,8 @@ def test_progress_bar_off_is_a_no_op():
 
 # ==================================================================================================
 # Observables of a batch, the checkpoint fingerprint of a process, the stepper's sphere error.
-# The tests below pin behaviour that the mutation pass of the formula modules (docs/MUTATION_REPORT.md)
-# showed untested; each checks the library against a closed form or an independent computation.
+# The tests below kill mutants of the formula modules that the tests above let survive
+# (docs/MUTATION_REPORT.md); each checks the library against a closed form or an independent computation.
 from torch.testing import assert_close  # noqa: E402
 
 import transformer_pde as tp  # noqa: E402

@@ -160,7 +160,7 @@ def test_dask_missing_is_a_clear_error(tmp_path, monkeypatch):
         sweep.run_sweep(TINY, ["seed=[0]"], out_dir=tmp_path, scheduler="tcp://127.0.0.1:1")
 
 
-# ============================================================================ issue 21: hostile sweeps
+# ============================================================================ hostile sweeps
 import os
 import signal
 import subprocess
@@ -254,8 +254,8 @@ import contextlib  # noqa: E402
 
 @pytest.mark.slow
 def test_sigterm_stops_the_workers_prints_the_resume_hint_and_frees_the_locks(tmp_path):
-    """Issue 21: SIGTERM of a `sweep --workers 2` parent left the workers alive holding the point locks (an
-    immediate --resume then failed), and printed no resume hint."""
+    """SIGTERM of a `sweep --workers 2` parent stops the workers and frees the point locks (so that an
+    immediate --resume works), and prints the resume hint."""
     with _Sweep(tmp_path) as sw:
         pids = sw.workers()
         sw.proc.send_signal(signal.SIGTERM)
@@ -283,7 +283,8 @@ def test_sigkill_of_the_sweep_ends_its_workers(tmp_path):
 
 @pytest.mark.slow
 def test_a_killed_worker_is_a_failed_point_and_results_csv_is_written(tmp_path):
-    """Issue 21: kill -9 of one worker ended the sweep with a traceback and no results.csv."""
+    """kill -9 of one worker ends the sweep without a traceback, with the resume hint and a results.csv
+    that marks the points failed."""
     with _Sweep(tmp_path) as sw:
         pids = sw.workers()
         os.kill(pids[0], signal.SIGKILL)
@@ -297,7 +298,8 @@ def test_a_killed_worker_is_a_failed_point_and_results_csv_is_written(tmp_path):
 
 
 def test_a_sweep_directory_is_locked_like_a_run_directory(tmp_path):
-    """Issue 21: two sweeps of one folder ran at once and marked a completed point failed."""
+    """A second sweep of one folder is refused while the first runs (two at once would mark a completed
+    point failed)."""
     from transformer_pde.application.runs import DirLock, RunLockedError
 
     res = sweep.run_sweep(TINY, ["seed=[0]"], out_dir=tmp_path, name="sw", figure=False)

@@ -1,4 +1,4 @@
-"""Pendharkar's multi-head theory (issue #6): closed forms (tp.theory) against the full particle system
+"""Pendharkar's multi-head theory: closed forms (tp.theory) against the full particle system
 and finite differences (tp.diagnostics), identities on random configurations, and their failure when
 the hypotheses are broken."""
 
@@ -7,6 +7,7 @@ import math
 import pytest
 import scipy.special
 import torch
+from conftest import gen
 from problems import equiangular_gamma_rate, fit_slope
 
 import transformer_pde as tp
@@ -14,10 +15,6 @@ from transformer_pde import diagnostics as dg
 from transformer_pde import theory as th
 
 F64 = torch.float64
-
-
-def gen(seed):
-    return torch.Generator().manual_seed(seed)
 
 
 def ones(H, dtype=F64):
@@ -732,8 +729,8 @@ def test_radial_dominance_threshold_stops_at_overflow_and_respects_beta_max():
 # ==================================================================================================
 # Closed forms of tp.theory against high-precision quadrature (mpmath), scipy's Lambert W and the
 # partial-fraction integrals written here.
-# The tests below pin behaviour that the mutation pass of the formula modules (docs/MUTATION_REPORT.md)
-# showed untested; each checks the library against a closed form or an independent computation.
+# The tests below kill mutants of the formula modules that the tests above let survive
+# (docs/MUTATION_REPORT.md); each checks the library against a closed form or an independent computation.
 import warnings  # noqa: E402
 
 import mpmath  # noqa: E402

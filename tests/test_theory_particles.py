@@ -2,8 +2,8 @@
 independent computations: dense per-batch-element sums, autograd of the naive energy, numpy norms, the
 closed form of critical_beta, a Runge–Kutta loop written here and a reference tp.simulate run.
 Parameters avoid the values at which a slip hides (β ≠ 1, ω not summing to 1, non-uniform token
-weights, batched inputs, unbatched inputs where a negative axis matters); several of these tests guard
-survivors of the mutation pass (docs/MUTATION_REPORT.md)."""
+weights, batched inputs, unbatched inputs where a negative axis matters); several of these tests kill
+mutants of the module (docs/MUTATION_REPORT.md)."""
 
 import math
 
@@ -133,8 +133,8 @@ def test_radial_decomposition_on_a_batch_against_dense_per_element_formulas():
     omega = torch.tensor([0.45, 1.6], dtype=F64)
     heads, A, V = _heads_AV(H, d, 50, beta, omega)
     x = tp.sphere.sample_uniform(n, d, batch_shape=(B,), generator=gen(51), dtype=F64)
-    # one weight vector (n,) shared by the batch: batched token weights (B, n) are broadcast against
-    # the head axes by radial_decomposition (a bug reported with issue 13, not tested here)
+    # one weight vector (n,) shared by the batch (batched token weights (B, n): tests/test_theory.py::
+    # test_per_head_diagnostics_take_a_batch_of_token_weights_on_the_batch_axis)
     w = random_weights((n,), 52, 0.2)
     rd = dg.radial_decomposition(x, heads, w)
     one = torch.ones(1, dtype=F64)

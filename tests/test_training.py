@@ -1,4 +1,4 @@
-"""Use in training research (issue #8): heads from torch.nn attention, differentiable solves, examples.
+"""Use in training research: heads from torch.nn attention, differentiable solves, examples.
 
 Oracles: the torch module itself (attention weights and outputs are exact where the model is),
 weights read independently from in_proj_weight/out_proj.weight, dense vs factorised kernels,

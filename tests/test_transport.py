@@ -14,10 +14,10 @@ import torch
 import transformer_pde as tp
 from transformer_pde import transport
 from conftest import gen
+from problems import tolerances
 
 
-def tol(dtype):
-    return dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=2e-5, atol=2e-6)
+tol = tolerances(f64=(1e-10, 1e-12), f32=(2e-5, 2e-6))
 
 
 def rand_sphere(n, d, seed, dtype=torch.float64):
@@ -262,7 +262,8 @@ def test_bad_input_raises_clear_errors():
 
 @pytest.mark.parametrize("kind", transport.KINDS)
 def test_empty_batches_and_empty_measures_are_refused(kind):
-    """Issue 21: an empty batch gave torch's "max(): Expected reduction dim" from the sphere check."""
+    """An empty batch or measure is refused with a ValueError, not torch's "max(): Expected reduction
+    dim" from the sphere check."""
     x, y = rand_sphere(4, 3, 35), rand_sphere(5, 3, 36)
     empty_batch = torch.zeros(0, 4, 3, dtype=torch.float64)
     with pytest.raises(ValueError, match=r"mu tokens holds no token sets \(an empty batch\)"):
@@ -313,8 +314,8 @@ def test_cuda_tensors():
 # ==================================================================================================
 # What the Sinkhorn divergence hands to geomloss (the backend for a user cost, the diameter of the geodesic
 # cost), observed by a spy on geomloss.SamplesLoss.
-# The tests below pin behaviour that the mutation pass of the formula modules (docs/MUTATION_REPORT.md)
-# showed untested; each checks the library against a closed form or an independent computation.
+# The tests below kill mutants of the formula modules that the tests above let survive
+# (docs/MUTATION_REPORT.md); each checks the library against a closed form or an independent computation.
 from torch.testing import assert_close  # noqa: E402
 
 

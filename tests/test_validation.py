@@ -145,7 +145,7 @@ def test_validation_happens_before_work(x, heads, monkeypatch):
     assert calls == [1]
 
 
-# ---------------------------------------------------------------------------- issue 12: input bugs
+# ---------------------------------------------------------------------------- input checks
 @pytest.mark.parametrize("bad", [torch.float16, torch.bfloat16])
 def test_half_precision_is_refused_with_a_hint(x, heads, bad):
     with pytest.raises(TypeError, match=r"x has dtype torch\.(b?float16); the kernels need float32 or float64.*x\.float\(\)"):

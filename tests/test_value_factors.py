@@ -13,7 +13,7 @@ from torch.testing import assert_close
 
 import transformer_pde as tp
 from conftest import gen
-from problems import naive_field, random_sphere
+from problems import naive_field, random_sphere, tolerances
 from transformer_pde.model import attention, field
 from transformer_pde.model.attention import softmax_values
 from transformer_pde.model.field import evaluate
@@ -21,14 +21,13 @@ from transformer_pde.model.field import evaluate
 H, D, K, KV, N = 3, 6, 2, 4, 7
 
 
-def _tol(dtype):
-    """(rtol, atol factor): sums of ≤ N·H products of O(1) terms, several roundings each."""
-    return (2e-5, 2e-5) if dtype == torch.float32 else (1e-12, 1e-12)
+# (rtol, atol factor): sums of ≤ N·H products of O(1) terms, several roundings each
+_tol = tolerances(f64=(1e-12, 1e-12), f32=(2e-5, 2e-5))
 
 
 def _close(a, b, dtype):
-    rtol, atol = _tol(dtype)
-    assert_close(a, b, rtol=rtol, atol=atol * float(b.abs().max()))
+    t = _tol(dtype)
+    assert_close(a, b, rtol=t["rtol"], atol=t["atol"] * float(b.abs().max()))
 
 
 def _factored(dtype, seed=0, batch=(), kv=KV, beta=1.3):
@@ -70,7 +69,7 @@ def test_values_first_field_equals_the_moments_first_field(dtype, backend, causa
         _close(new.velocity, old.velocity, dtype)
         _close(new.ambient, old.ambient, dtype)
         _close(new.outputs, old.outputs, dtype)
-        rtol, atol = _tol(dtype)
+        rtol, atol = _tol(dtype).values()
         assert_close(new.stats.log_partition, old.stats.log_partition, rtol=rtol, atol=10 * atol)
         _close(new.stats.mean, old.stats.mean, dtype)
 
@@ -231,7 +230,7 @@ def test_a_query_shard_against_the_whole_measure(dtype):
     new = evaluate(x[:, :3], h, None, diagnostics=False, keys=x, key_weights=w)
     old = evaluate(x[:, :3], _dense(h), None, diagnostics=False, keys=x, key_weights=w)
     _close(new.velocity, old.velocity, dtype)
-    rtol, atol = _tol(dtype)
+    rtol, atol = _tol(dtype).values()
     assert_close(new.stats.log_partition, old.stats.log_partition, rtol=rtol, atol=10 * atol)
 
 
@@ -295,7 +294,7 @@ def _check_against_all_pairs(dtype, cases=None, **kw):
         lse, u = softmax_values(x, h, w, keys=y, **kw)
         ref_lse, ref_u = _all_pairs(x, x if y is None else y, h, w)
         assert lse.shape == ref_lse.shape and u.shape == ref_u.shape
-        rtol, atol = _tol(dtype)
+        rtol, atol = _tol(dtype).values()
         assert_close(lse, ref_lse, rtol=rtol, atol=10 * atol)
         _close(u, ref_u, dtype)
 

@@ -9,7 +9,7 @@
 * ``normalization`` — a :class:`~transformer_pde.model.normalization.Normalization` (or its name);
 * ``direction`` — "descent" or "ascent";
 * ``geometry`` — how tokens stay on the sphere: a :class:`~transformer_pde.solvers.layernorm.LayerNorm`
-  (``Projected()`` = today's projected flow with retraction, ``PostLN()``, ``PreLN()``, …) or its name;
+  (``Projected()`` = the projected flow with retraction, ``PostLN()``, ``PreLN()``, …) or its name;
 * ``noise`` — an optional token-noise term (:class:`~transformer_pde.solvers.noise.TokenNoise`, or a
   temperature T ≥ 0; T = 0 is no noise);
 * ``weights`` — token weights (..., n) or None (uniform);

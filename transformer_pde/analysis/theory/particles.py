@@ -1,4 +1,4 @@
-"""Pendharkar's quantities measured on the full particle system (docs/model.md#theory, issue #6).
+"""Pendharkar's quantities measured on the full particle system (docs/model.md#theory).
 
 The particle side of :mod:`transformer_pde.analysis.theory` (whose closed forms they are checked against);
 re-exported as :mod:`transformer_pde.analysis.diagnostics`.  Generic cluster statistics used by every study

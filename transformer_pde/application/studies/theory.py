@@ -1,4 +1,4 @@
-"""Studies checking Pendharkar's multi-head theory on the full particle system (issue #6).
+"""Studies checking Pendharkar's multi-head theory on the full particle system.
 
 One kind per result; every kind writes a figure (PNG + PDF), CSV series and metrics.json.
 All runs use Pendharkar's conventions: symmetric heads with V_h = A_h, head weights ω_h = 1,

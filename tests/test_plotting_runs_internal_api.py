@@ -1,4 +1,4 @@
-"""The helpers the figures and run-directory modules share (their named internal APIs).
+"""The functions the figure and run-directory modules share (their named internal APIs).
 
 * ``plotting.__internal__`` and ``runs.__internal__`` name public attributes that exist;
 * the studies use plotting's figure helpers (one definition, no private copy);

@@ -1,4 +1,4 @@
-"""The paper's headline as a regression test (issue 13), at reduced size.
+"""The paper's headline as a regression test, at reduced size.
 
 Section 6 of Massucco et al. (2026): the time-averaged metric slope ḡ(H) = ⟨𝒢²⟩_t of the token
 flow falls like H^b with b ≈ −1 for Ornstein–Uhlenbeck heads, and does not fall (b ≈ 0) for the

@@ -234,12 +234,26 @@ class RecordedDiagnostics:
         self.sign = direction_sign(model.direction)
         self.calls = 0  # evaluations of the whole series (0 or 1)
         self._series: Optional[Dict[str, torch.Tensor]] = None
-        with torch.no_grad():  # the scale at the first record, as the eager solve fixes it at t0
-            lp0 = softmax_statistics(x[0], heads.chunk(0, 1, x.dim() - 3) if heads.constant is not None
-                                     else heads.items[0], model.weights, chunk_elements=chunk_elements).log_partition
-        self.start_max = float(lp0.max()) if lp0.numel() else 0.0
         self.given = log_scale is not None
-        self.log_scale = float(log_scale) if log_scale is not None else choose_log_scale(lp0)
+        self._start_max: Optional[float] = None
+        # None: c from the log-partitions at the first record (one kernel pass), as the eager solve fixes it at t0
+        self.log_scale = float(log_scale) if self.given else choose_log_scale(self._first_log_partition())
+
+    def _first_log_partition(self) -> torch.Tensor:
+        """log m_h at the first record (no autograd); also fixes :attr:`start_max`."""
+        heads = self.heads.chunk(0, 1, self.x.dim() - 3) if self.heads.constant is not None else self.heads.items[0]
+        with torch.no_grad():
+            lp0 = softmax_statistics(self.x[0], heads, self.model.weights,
+                                     chunk_elements=self.chunk_elements).log_partition
+        self._start_max = float(lp0.max()) if lp0.numel() else 0.0
+        return lp0
+
+    @property
+    def start_max(self) -> float:
+        """The largest log-partition at the first record (for the messages of a non-finite value)."""
+        if self._start_max is None:
+            self._first_log_partition()
+        return self._start_max
 
     def __call__(self) -> Dict[str, torch.Tensor]:
         """{"energy", "slope", "dissipation"}, each (T, *S) times e^{−c}; computed on the first call."""

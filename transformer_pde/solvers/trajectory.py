@@ -95,9 +95,10 @@ def lazy_series(source) -> tuple:
     return tuple(LazySeries(once, name) for name in ("energy", "slope", "dissipation"))
 
 
-_NO_LEDGER = ("this trajectory was solved without the energy ledger (it needs E, 𝒟, ∂_tE and the Itô terms at every "
-              "step, which costs a diagnostics evaluation per step: 2-5x the tokens-only solve). Pass ledger=True to "
-              "tp.simulate, or ledger=tp.LedgerOptions(ledger=True) to tp.solve. The recorded energy, slope and "
+_NO_LEDGER = ("this trajectory was solved without the energy ledger: it integrates E, 𝒟, ∂_tE and the Itô terms over "
+              "every step, which costs a diagnostics evaluation (its own kernel passes) at every step, several times "
+              "the tokens-only solve (scripts/benchmark_lazy_diagnostics.py). Pass ledger=True to tp.simulate, or "
+              "ledger=tp.LedgerOptions(ledger=True) to tp.solve. The recorded energy, slope and "
               "dissipation are there without it (computed on first read)")
 
 

@@ -340,3 +340,14 @@ def test_recorded_heads_state_round_trips(dtype):
     b = RecordedDiagnostics(tp.Model(theta), traj.x, back)()
     for key in SERIES:
         close(a[key], b[key], dtype)
+
+
+def test_pickles_of_the_plain_attribute_layout_load(dtype):
+    """A Trajectory pickled before the series were properties (attributes energy, ..., ledger) loads."""
+    eager, _, _ = lazy_trajectory(dtype)
+    old = {k.lstrip("_"): v for k, v in eager.__getstate__().items()}
+    assert "energy" in old and "ledger" in old
+    back = object.__new__(Trajectory)
+    back.__setstate__(old)
+    close(back.energy, eager.energy, dtype)
+    close(back.ledger["dE"], eager.ledger["dE"], dtype)

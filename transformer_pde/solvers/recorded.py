@@ -26,7 +26,8 @@ Interface (a named internal API, for the particle solvers):
   each (T, *batch), computed on the first call and kept.  The records are folded into the batch and
   evaluated by :func:`~transformer_pde.model.field.evaluate` in chunks of records whose score blocks
   hold at most ``chunk_elements`` entries together (the solve's memory cap); differentiable with
-  respect to x (and the heads' tensors) when they require grad.  A non-finite value raises
+  respect to x (and the heads' tensors) when they require grad, also when first read under
+  ``torch.no_grad()`` (as the values the solve would have recorded).  A non-finite value raises
   :class:`~transformer_pde.solvers.trajectory.NonFiniteError` naming the record's time and step.
 * the trajectory side: ``Trajectory(times, x, *lazy_series(source), ledger=None, ...)``
   (:func:`~transformer_pde.solvers.trajectory.lazy_series`) defers the three series to the first
@@ -46,6 +47,7 @@ and for "adaptive": ``RecordedHeads.at_times(path or process, times)``.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Dict, List, Optional, Sequence, Union
 
@@ -258,7 +260,10 @@ class RecordedDiagnostics:
     def __call__(self) -> Dict[str, torch.Tensor]:
         """{"energy", "slope", "dissipation"}, each (T, *S) times e^{−c}; computed on the first call."""
         if self._series is None:
-            self._series = self._compute()
+            # the eager solve built the graph of its records when it ran with autograd (then x requires grad):
+            # so do these values, whatever the grad mode at their first read
+            with torch.enable_grad() if self.x.requires_grad else contextlib.nullcontext():
+                self._series = self._compute()
             self.calls += 1
         return self._series
 

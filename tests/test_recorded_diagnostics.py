@@ -49,7 +49,8 @@ def heads_at_records(theta, traj):
     """Θ at the recorded times: the constant heads, the closed form, or the realised path (return_path=True)."""
     if isinstance(theta, tp.Heads):
         return RecordedHeads(theta)
-    return RecordedHeads.at_times(traj.path if traj.path is not None else theta, traj.times)
+    # a closed form at the times themselves (a stored path keeps the first heads' values, head weights and β)
+    return RecordedHeads.at_times(theta if theta.closed_form else traj.path, traj.times)
 
 
 def per_record(model, traj, rec, c):
@@ -80,12 +81,20 @@ def _layerwise(h):
     return tp.Layerwise([h, tp.Heads(2 * h.score_matrix)], layer_time=0.2)
 
 
+def _layerwise_beta(h):
+    """Layers whose β (floats), head weights and untied values differ: every field of the heads is stacked."""
+    A = h.score_matrix
+    second = tp.Heads(A.flip(-1), 0.5 * A, weights=torch.tensor([0.7, 0.3], dtype=A.dtype), beta=1.7)
+    return tp.Layerwise([h, second, tp.Heads(A, beta=0.6)], layer_time=0.2, interpolation="linear")
+
+
 CASES = {  # name: (theta builder, simulate keywords)
     "constant": (None, {}),
     "ou_paths": (_ou, {"paths": 3, "seed": 4}),
     "ou_no_paths": (_ou, {"seed": 5}),
     "oscillating": (_osc, {}),
     "layerwise_jumps": (_layerwise, {"method": "heun"}),
+    "layerwise_beta": (_layerwise_beta, {"normalization": "unnormalized"}),
     "causal": (None, {"causal": True, "normalization": "unnormalized"}),
     "causal_sum": (_osc, {"causal": "sum", "normalization": "relu"}),
     "post_ln": (None, {"layer_norm": "post"}),

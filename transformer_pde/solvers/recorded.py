@@ -84,18 +84,13 @@ def _stack(values: Sequence, batch_rank: int, tail: int):
     return torch.stack(padded)
 
 
-def _stack_beta(betas: Sequence, batch_rank: int):
-    """β of the records: the float when all agree, else a tensor (t, 1|b, ...) padded like the other fields."""
+def _stack_beta(betas: Sequence, batch_rank: int, like: torch.Tensor):
+    """β of the records: the float when all agree, else a tensor (t, 1|b, ...) padded like the other fields
+    (floats become tensors of the heads' dtype and device, ``like``)."""
     first = betas[0]
-    if all(isinstance(b, float) for b in betas) and all(b == first for b in betas):
+    if all(b is first for b in betas) or all(isinstance(b, float) for b in betas) and all(b == first for b in betas):
         return first
-    if all(b is first for b in betas):
-        return first
-    ref = next(b for b in betas if isinstance(b, torch.Tensor)) if any(isinstance(b, torch.Tensor) for b in betas) \
-        else None
-    ts = [b if isinstance(b, torch.Tensor) else torch.tensor(b, dtype=None if ref is None else ref.dtype,
-                                                               device=None if ref is None else ref.device)
-          for b in betas]
+    ts = [b if isinstance(b, torch.Tensor) else torch.tensor(b, dtype=like.dtype, device=like.device) for b in betas]
     return _stack(ts, batch_rank, 0)
 
 
@@ -122,7 +117,7 @@ def stack_heads(items: Sequence[Heads], batch_rank: int) -> Heads:
     else:  # dense values (formed for the records that hold factors or are tied)
         fields.update(value=_stack([h.value_matrix for h in items], batch_rank, 3), value_in=None, value_out=None)
     fields["weights"] = _stack([h.weights for h in items], batch_rank, 1)
-    fields["beta"] = _stack_beta([h.beta for h in items], batch_rank)
+    fields["beta"] = _stack_beta([h.beta for h in items], batch_rank, first.reference)
     symmetric = True if all(h.known_symmetric is True for h in items) else None
     return first.replace(symmetric=symmetric, **fields)
 

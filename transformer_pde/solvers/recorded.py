@@ -35,14 +35,17 @@ Interface (a named internal API, for the particle solvers):
 
 Wiring a fixed-step run in a few lines::
 
-    heads_rec = RecordedHeads()                       # at each record: heads_rec.append(drv.current)
-    ...
-    src = RecordedDiagnostics(model, out_x, heads_rec, log_scale=ev.scale["c"] if ev.scale["given"] else None,
-                              radius=radii_or_None, times=times, steps=rec.steps, chunk_elements=chunk)
+    run.heads_rec = RecordedHeads()                   # at each record: run.heads_rec.append(drv.current)
+    ...                                               # checkpoint: state["heads"] = run.heads_rec.state()
+    src = RecordedDiagnostics(model, out_x, run.heads_rec, log_scale=energy_log_scale,  # the user's c or None
+                              radius=torch.stack(run.radii) if scheme.radius else None, times=times,
+                              steps=run.rec.steps, chunk_elements=chunk)
     stats["energy_log_scale"] = src.log_scale
-    Trajectory(times, out_x, *lazy_series(src), None, stats, ...)
+    Trajectory(times, out_x, *lazy_series(src), None, stats, ...)   # out_x with the paths axis; axis.finish
 
-and for "adaptive": ``RecordedHeads.at_times(path or process, times)``.
+``log_scale=None`` re-chooses c from the first record, so a resumed run needs no saved scale.  For
+"adaptive": ``RecordedHeads.at_times(path if path is not None else process, grid[rows])`` (the record
+times as its grid has them) and ``xs[rows]``.
 """
 
 from __future__ import annotations

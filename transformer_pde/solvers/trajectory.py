@@ -4,7 +4,17 @@
   the step statistics and the batch-axis convention (``paths``, :meth:`Trajectory.with_paths`);
 * :class:`NonFiniteError` and :func:`nonfinite_error` / :func:`ledger_nonfinite` — the message
   names the time, the step, the quantity and the fix;
-* :func:`check_finite`, :func:`check_ledger` — the solvers' finiteness checks.
+* :func:`check_finite`, :func:`check_ledger` — the solvers' finiteness checks;
+* :class:`LazySeries` and :func:`lazy_series` — energy, 𝒢², 𝒟 computed on their first read from a
+  source (the records of a solve, :mod:`~transformer_pde.solvers.recorded`), once.
+
+Lazy diagnostics.  A solver may give, instead of the three tensors energy, slope, dissipation, the
+:class:`LazySeries` of :func:`lazy_series` ``(source)``: ``source()`` returns the mapping
+{"energy", "slope", "dissipation"} of (T, [paths,] ...) tensors and is called at most once, on the
+first read of any of them (then kept).  :meth:`Trajectory.with_paths`, the paths-axis drop and the
+other copies share the source, so no copy computes it again; pickling (``torch.save``) computes it
+first and stores the tensors.  ``ledger=None`` marks a run solved without the energy ledger: reading
+``traj.ledger`` then raises a ValueError that says how to ask for it (``has_ledger`` tells without raising).
 
 Batch axes (docs/solve.md#batch-axes).  Every series is (T, [paths,] *batch, ...): the solvers
 always carry a paths axis internally (P = 1 when ``paths=None``) and drop it once, at the end,
@@ -15,10 +25,9 @@ case, so a consumer indexes ``[:, p]`` without branching on ``paths is None``.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Dict, Mapping, Optional
+from typing import Dict, Mapping, Optional, Union
 
 import torch
 
@@ -30,10 +39,67 @@ from ..processes.weights import WeightPath
 __all__ = ["Trajectory", "NonFiniteError"]
 #: named internal API (not public), used by the solvers
 __internal__ = ["nonfinite_error", "ledger_nonfinite", "check_finite", "check_ledger", "drop_paths",
-                "PathsAxis", "SERIES_EXTRAS"]
+                "PathsAxis", "SERIES_EXTRAS", "LazySeries", "lazy_series"]
 
 #: the entries of ``Trajectory.extras`` that are time series (T, [paths,] ..., n) with the batch axes
 SERIES_EXTRAS = ("radius",)
+
+
+class LazySeries:
+    """One of energy, slope, dissipation of a :class:`Trajectory`, computed on first read from a shared
+    source (module docstring): ``source()[name]`` with the trajectory's axis changes (``transforms``,
+    e.g. the paths axis added by :meth:`Trajectory.with_paths`) applied in order."""
+
+    __slots__ = ("source", "name", "transforms")
+
+    def __init__(self, source, name: str, transforms: tuple = ()):
+        self.source, self.name, self.transforms = source, name, tuple(transforms)
+
+    def map(self, fn) -> "LazySeries":
+        """The same series with ``fn`` applied after the others (nothing is computed)."""
+        return LazySeries(self.source, self.name, self.transforms + (fn,))
+
+    def resolve(self) -> Optional[torch.Tensor]:
+        """The tensor (the source is computed at most once: it is wrapped by :func:`lazy_series`)."""
+        v = self.source()[self.name]
+        for fn in self.transforms:
+            v = None if v is None else fn(v)
+        return v
+
+    def __repr__(self) -> str:
+        return f"LazySeries({self.name!r})"
+
+
+class _Once:
+    """A zero-argument callable called at most once; later calls return the first result."""
+
+    def __init__(self, fn):
+        self.fn, self.value, self.done = fn, None, False
+
+    def __call__(self):
+        if not self.done:
+            self.value, self.done = self.fn(), True
+            self.fn = None  # the source (records, heads) is released once the series are computed
+        return self.value
+
+
+def lazy_series(source) -> tuple:
+    """(energy, slope, dissipation) as :class:`LazySeries` of one source, for ``Trajectory(times, x, *these, ...)``.
+
+    ``source``: a zero-argument callable returning {"energy", "slope", "dissipation"} of (T, ...) tensors
+    (:class:`~transformer_pde.solvers.recorded.RecordedDiagnostics`); it is called at most once, on the
+    first read of any of the three from the trajectory or any of its copies."""
+    if not callable(source):
+        raise TypeError(f"lazy_series needs a zero-argument callable source, got {type(source).__name__}")
+    once = _Once(source)
+    return tuple(LazySeries(once, name) for name in ("energy", "slope", "dissipation"))
+
+
+_NO_LEDGER = ("this trajectory was solved without the energy ledger: it integrates E, 𝒟, ∂_tE and the Itô terms over "
+              "every step, which costs a diagnostics evaluation (its own kernel passes) at every step, several times "
+              "the tokens-only solve (scripts/benchmark_lazy_diagnostics.py). Pass ledger=True to tp.simulate, or "
+              "ledger=tp.LedgerOptions(ledger=True) to tp.solve. The recorded energy, slope and "
+              "dissipation are there without it (computed on first read)")
 
 
 class NonFiniteError(FloatingPointError):
@@ -45,12 +111,16 @@ class Trajectory:
     """Result of :func:`simulate` (and :func:`transformer_pde.jko`).
 
     times: (T,) recorded times.   x: (T, [paths,] ..., n, d) tokens.
-    energy, slope (𝒢²), dissipation (𝒟): (T, [paths,] ...).
+    energy, slope (𝒢²), dissipation (𝒟): (T, [paths,] ...); a solver may give them lazily
+      (:func:`lazy_series`): they are then computed from the records on the first read of any of them,
+      once, with the values the per-step evaluation would have recorded.
     ledger: running terms, each (T, [paths,] ...): "dE" = E(t) − E(0), "partial" = ∫∂_sE (with
       the Itô correction for noisy weights, and the jumps of piecewise-constant weights),
       "dissipation" = ∫𝒟, "slope" = ∫𝒢², "martingale" = M_t,
       "residual" = dE − partial − dissipation − martingale,
       "residual_slope" = dE − partial − s·slope − martingale (the reference code's check).
+      None for a run solved without the ledger: reading ``ledger`` then raises a ValueError naming the
+      option (``ledger=True``); :attr:`has_ledger` tells without raising.
     stats: step statistics (steps, field evaluations, max pre-retraction sphere error, wall time,
       order); from :func:`simulate` also "energy_log_scale" (below) and "gradient_flow" (False for
       causal attention: then the ledger has no "residual"/"residual_slope").
@@ -67,10 +137,10 @@ class Trajectory:
 
     times: torch.Tensor
     x: torch.Tensor
-    energy: Optional[torch.Tensor]
-    slope: Optional[torch.Tensor]
-    dissipation: Optional[torch.Tensor]
-    ledger: Dict[str, torch.Tensor]
+    energy: Union[torch.Tensor, LazySeries, None]
+    slope: Union[torch.Tensor, LazySeries, None]
+    dissipation: Union[torch.Tensor, LazySeries, None]
+    ledger: Optional[Dict[str, torch.Tensor]]
     stats: Dict[str, float]
     method: str
     normalization: str
@@ -85,6 +155,28 @@ class Trajectory:
     def energy_log_scale(self) -> float:
         """c with energy, slope, dissipation and ledger reported times e^{−c} (0: unscaled)."""
         return float(self.stats.get("energy_log_scale", 0.0)) if isinstance(self.stats, dict) else 0.0
+
+    @property
+    def has_ledger(self) -> bool:
+        """True when the run booked the energy ledger (``traj.ledger`` can be read)."""
+        return self.__dict__.get("_ledger") is not None
+
+    @property
+    def lazy(self) -> bool:
+        """True while energy, slope or dissipation are still to be computed (on their first read)."""
+        return any(isinstance(self.__dict__.get(f"_{k}"), LazySeries) for k in ("energy", "slope", "dissipation"))
+
+    def __getstate__(self) -> dict:
+        """Pickling (``torch.save``) stores the tensors: lazy series are computed first."""
+        for k in ("energy", "slope", "dissipation"):
+            getattr(self, k)
+        return dict(self.__dict__)
+
+    def __setstate__(self, state: dict) -> None:
+        for k in ("energy", "slope", "dissipation", "ledger"):  # pickles of the plain-attribute layout
+            if k in state:
+                state[f"_{k}"] = state.pop(k)
+        self.__dict__.update(state)
 
     def log_energy(self) -> torch.Tensor:
         """log E(t) = log(energy) + c, (T, ...): finite even where E itself overflows the dtype."""
@@ -108,10 +200,16 @@ class Trajectory:
             parts.append(f"times={shape(t)}")
         x = self.x
         parts.append(f"x={shape(x)}" + (f" {str(x.dtype).replace('torch.', '')}" if isinstance(x, torch.Tensor) else ""))
-        if self.energy is not None:
-            parts.append(f"energy={shape(self.energy)}")
-        if self.ledger:
-            parts.append(f"ledger=[{', '.join(self.ledger)}]")
+        energy = self.__dict__.get("_energy")
+        if isinstance(energy, LazySeries):
+            parts.append("energy=lazy")
+        elif energy is not None:
+            parts.append(f"energy={shape(energy)}")
+        ledger = self.__dict__.get("_ledger")
+        if ledger:
+            parts.append(f"ledger=[{', '.join(ledger)}]")
+        elif ledger is None:
+            parts.append("ledger=None")
         if self.observables:
             parts.append(f"observables=[{', '.join(self.observables)}]")
         if self.weights is not None:
@@ -160,16 +258,69 @@ class Trajectory:
         return (w.reshape(-1, *([1] * (v.dim() - 1))) * v).sum(0)
 
 
+def _series_property(name: str) -> property:
+    """energy / slope / dissipation: a tensor, None, or a :class:`LazySeries` resolved (and kept) on first read."""
+    key = f"_{name}"
+
+    def get(self):
+        v = self.__dict__.get(key)
+        if isinstance(v, LazySeries):
+            v = v.resolve()
+            self.__dict__[key] = v
+        return v
+
+    def set(self, value):
+        self.__dict__[key] = value
+
+    return property(get, set, doc=f"{name} (T, [paths,] ...) times e^(−c); computed on first read when lazy.")
+
+
+def _ledger_get(self):
+    v = self.__dict__.get("_ledger")
+    if v is None:
+        raise ValueError(_NO_LEDGER)
+    return v
+
+
+def _ledger_set(self, value):
+    self.__dict__["_ledger"] = value
+
+
+Trajectory.energy = _series_property("energy")
+Trajectory.slope = _series_property("slope")
+Trajectory.dissipation = _series_property("dissipation")
+Trajectory.ledger = property(_ledger_get, _ledger_set, doc="the energy ledger: name -> (T, [paths,] ...) "
+                             "(ValueError for a run solved without it: pass ledger=True).")
+_LAZY_FIELDS = ("energy", "slope", "dissipation")
+
+
+def _raw(traj: Trajectory, name: str):
+    """The stored value of a series field (a LazySeries is not resolved)."""
+    return traj.__dict__.get(f"_{name}")
+
+
+def _copy(traj: Trajectory, **changes) -> Trajectory:
+    """A shallow copy with some fields changed, resolving no lazy series (unlike dataclasses.replace)."""
+    new = object.__new__(type(traj))
+    new.__dict__.update(traj.__dict__)
+    for k, v in changes.items():
+        setattr(new, k, v)
+    return new
+
+
 def _map_series(traj: Trajectory, fn, *, paths) -> Trajectory:
-    """A copy of ``traj`` with fn applied to every recorded series (T, ...) and ``paths`` set."""
+    """A copy of ``traj`` with fn applied to every recorded series (T, ...) and ``paths`` set (lazy series
+    stay lazy: fn is applied when they are computed)."""
     def opt(v):
+        if isinstance(v, LazySeries):
+            return v.map(fn)
         return None if v is None else fn(v)
 
     extras = {k: (fn(v) if k in SERIES_EXTRAS and isinstance(v, torch.Tensor) else v) for k, v in traj.extras.items()}
-    return dataclasses.replace(traj, x=fn(traj.x), energy=opt(traj.energy), slope=opt(traj.slope),
-                               dissipation=opt(traj.dissipation), ledger={k: fn(v) for k, v in traj.ledger.items()},
-                               observables={k: fn(v) for k, v in traj.observables.items()}, extras=extras,
-                               paths=paths)
+    ledger = _raw(traj, "ledger")
+    return _copy(traj, x=fn(traj.x), **{k: opt(_raw(traj, k)) for k in _LAZY_FIELDS},
+                 ledger=None if ledger is None else {k: fn(v) for k, v in ledger.items()},
+                 observables={k: fn(v) for k, v in traj.observables.items()}, extras=extras, paths=paths)
 
 
 def drop_paths(traj: Trajectory, paths: Optional[int]) -> Trajectory:
@@ -178,7 +329,7 @@ def drop_paths(traj: Trajectory, paths: Optional[int]) -> Trajectory:
     if paths is None and traj.x.shape[1] != 1:  # a replayed WeightPath broadcast the axis to its own paths
         paths = int(traj.x.shape[1])
     if paths is not None:
-        return dataclasses.replace(traj, paths=paths)
+        return _copy(traj, paths=paths)
     return _map_series(traj, lambda v: v.squeeze(1), paths=None)
 
 

@@ -16,7 +16,6 @@ import pytest
 import torch
 
 import transformer_pde as tp
-from transformer_pde.solvers.jko import solve_jko
 from conftest import gen
 
 F64 = torch.float64
@@ -115,8 +114,8 @@ def test_options_a_jko_scheme_does_not_take_are_refused_before_any_step(tmp_path
     for kw in bad:
         with pytest.raises(TypeError):
             tp.solve(model, x, solver, t1=0.1, dt=0.05, progress=progress, **kw)
-        with pytest.raises(TypeError):  # and called directly
-            solve_jko(model, x, solver, t1=0.1, dt=0.05, progress=progress, **kw)
+        with pytest.raises(TypeError):  # and by the solver's run called directly
+            solver.run(model, x, tp.SolveOptions(t1=0.1, dt=0.05, progress=progress, **kw))
     for m, s in [(tp.Model(heads, normalization="relu"), solver),
                  (tp.Model(heads, normalization="unnormalized", causal=True), solver),
                  (tp.Model(heads, normalization="effective", geometry="post"), solver),
@@ -126,10 +125,10 @@ def test_options_a_jko_scheme_does_not_take_are_refused_before_any_step(tmp_path
         with pytest.raises(ValueError):
             tp.solve(m, x, s, t1=0.1, dt=0.05, progress=progress)
     assert calls == []
-    with pytest.raises(TypeError, match="LagrangianJKO or EulerianJKO"):
-        solve_jko(model, x, tp.Euler(), t1=0.1, dt=0.05)
     with pytest.raises(TypeError, match="tp.Model"):
-        solve_jko(heads, x, solver, t1=0.1, dt=0.05)
+        solver.run(heads, x, tp.SolveOptions(t1=0.1, dt=0.05))
+    with pytest.raises(TypeError, match="tp.SolveOptions"):
+        solver.run(model, x, dict(t1=0.1, dt=0.05))
 
 
 def test_jko_keyword_errors_are_worded_in_its_keywords():

@@ -110,10 +110,10 @@ def _check_grid(tau, steps, t0, record_every) -> tuple:
     return tau, steps, t0, check_every(record_every, "record_every", steps, f"steps = {steps} of tau = {tau:.6g}")
 
 
-def _transport_term(scheme: str, transport, cost, eps, sinkhorn_scaling) -> tuple:
-    """The transport keywords, checked, with their defaults: (transport term or None (Eulerian), cost, ε)."""
-    check_choice(scheme, SCHEMES, "scheme")
-    lagrangian = scheme == "lagrangian"
+def _transport_term(variant: str, transport, cost, eps, sinkhorn_scaling) -> tuple:
+    """The transport keywords of the variant (``scheme=``, checked), checked, with their defaults: (transport term
+    or None (Eulerian), cost, ε)."""
+    lagrangian = variant == "lagrangian"
     if transport is None:
         transport = "emd" if lagrangian else "sinkhorn"
     check_choice(transport, TRANSPORTS, "transport")
@@ -162,7 +162,7 @@ def _check_run(seed, generator, paths, diagnostics, max_steps, max_memory) -> Li
     return Limits(max_steps, max_memory)
 
 
-def _model(theta, scheme: str, direction: str, mobility: str, weights, temperature) -> Model:
+def _model(theta, variant: str, direction: str, mobility: str, weights, temperature) -> Model:
     """The :class:`Model` of the keywords (theta, direction, mobility, token weights, temperature), checked in their
     names first."""
     if not isinstance(theta, (Heads, Process)):
@@ -171,11 +171,11 @@ def _model(theta, scheme: str, direction: str, mobility: str, weights, temperatu
     check_choice(direction, DIRECTIONS, "direction")
     check_choice(mobility, MOBILITIES, "mobility")
     T = TokenNoise(temperature).temperature  # the same check as simulate(temperature=...)
-    if T > 0 and scheme != "eulerian":
+    if T > 0 and variant != "eulerian":
         raise ValueError(f"temperature={T} > 0 needs scheme='eulerian' (the entropy T∫ρ log ρ of a density on a grid); "
                          "for noisy particles use tp.simulate(..., temperature=T)")
     if weights is not None:
-        if scheme == "eulerian":
+        if variant == "eulerian":
             raise ValueError("weights= are token weights of the Lagrangian scheme; for the Eulerian scheme give "
                              "grid_weights= (or tokens x0, deposited with to_grid)")
         check_tensor(weights, "weights", min_dim=1)
@@ -320,11 +320,12 @@ def jko(
     """
     check_bool(progress, "progress", allow_none=True)
     tau, steps, t0, record_every = _check_grid(tau, steps, t0, record_every)
-    term, cost, eps = _transport_term(scheme, transport, cost, eps, sinkhorn_scaling)
+    variant = check_choice(scheme, SCHEMES, "scheme")
+    term, cost, eps = _transport_term(variant, transport, cost, eps, sinkhorn_scaling)
     tol, max_iter, max_plan_updates = _check_inner(tol, max_iter, max_plan_updates, strict)
     limits = _check_run(seed, generator, paths, diagnostics, max_steps, max_memory)
-    model = _model(theta, scheme, direction, mobility, weights, temperature)
-    if scheme == "eulerian":
+    model = _model(theta, variant, direction, mobility, weights, temperature)
+    if variant == "eulerian":
         check_grid_type(grid)
     for name, value in (("path_dt", path_dt), ("bandwidth", bandwidth)):
         if value is not None:

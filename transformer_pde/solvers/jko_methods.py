@@ -11,7 +11,7 @@ any work) and solves it (:func:`~transformer_pde.solvers.jko_run.run_jko`); the 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar, FrozenSet, Optional, Union
+from typing import ClassVar, FrozenSet, Mapping, Optional, Tuple, Union
 
 import torch
 
@@ -24,6 +24,11 @@ from .options import SolveOptions
 from .trajectory import Trajectory
 
 __all__ = ["LagrangianJKO", "EulerianJKO"]
+
+#: the options fields the JKO solvers do not implement: the ledger is their own (diagnostics only), they record
+#: no observables and always return a sampled noisy path, and their kernel is not chunked
+_UNSUPPORTED = {"saveat": ("observables", "path"), "ledger": ("quadrature", "quadratic_variation", "energy_log_scale"),
+                "limits": ("chunk_elements",)}
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,7 @@ class LagrangianJKO(Solver):
     path_dt: Optional[float] = None
     strict: bool = False
     accepts: ClassVar[FrozenSet[str]] = frozenset({"saveat", "ledger", "progress", "limits"})
+    unsupported: ClassVar[Mapping[str, Tuple[str, ...]]] = _UNSUPPORTED
     kind: ClassVar[str] = "jko"
     #: the JKO variant (tp.jko's ``scheme=``)
     variant: ClassVar[str] = "lagrangian"
@@ -94,6 +100,7 @@ class EulerianJKO(Solver):
     path_dt: Optional[float] = None
     strict: bool = False
     accepts: ClassVar[FrozenSet[str]] = frozenset({"saveat", "ledger", "progress", "limits"})
+    unsupported: ClassVar[Mapping[str, Tuple[str, ...]]] = _UNSUPPORTED
     kind: ClassVar[str] = "jko"
     #: the JKO variant (tp.jko's ``scheme=``)
     variant: ClassVar[str] = "eulerian"

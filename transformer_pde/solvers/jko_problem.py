@@ -25,7 +25,7 @@ from ..utils.validation import (
     check_token_weights, check_tokens, direction_sign,
 )
 from ..model.heads import Heads
-from ..model.normalization import Normalization, normalization as as_normalization
+from ..model.normalization import Effective, Normalization, Unnormalized
 from ..processes.weights import Process, WeightPath, path_bytes
 from .jko_eulerian import EulerianStep, resolve_grid, to_grid
 from .jko_lagrangian import LagrangianStep
@@ -256,7 +256,7 @@ def check_problem(model: Model, x0: Optional[torch.Tensor], solver, options: Sol
                                f"steps = {steps} of tau = {tau:.6g}")
     initial, z = _check_measure(model, x0, solver)
     transport, cost, step = _step_settings(model, solver, initial, -sign, tau)
-    metric = as_normalization("unnormalized" if model.normalization.jko_mobility == "unit" else "effective")
+    metric = Unnormalized() if model.normalization.jko_mobility == "unit" else Effective()
     p = JKOProblem(model, options, solver.variant, transport, cost, step, metric, steps, record_every, seed,
                    solver.path_dt, solver.strict, initial, z, _measure_batch(initial, model, solver.variant ==
                                                                             "lagrangian"))

@@ -49,7 +49,8 @@ LAYERS = [
     {"transformer_pde.solvers.particle"},  # tp.simulate (keyword front end) and the argument checks
     {"transformer_pde.solvers.sharded"},  # the sharded (multi-device) projected Euler
     # the two JKO steps; Θ_t at the JKO times
-    {"transformer_pde.solvers.jko_lagrangian", "transformer_pde.solvers.jko_eulerian", "transformer_pde.solvers.jko_theta"},
+    {"transformer_pde.solvers.jko_lagrangian", "transformer_pde.solvers.jko_eulerian",
+     "transformer_pde.solvers.jko_theta"},
     {"transformer_pde.solvers.jko_problem"},  # the checked JKO problem
     {"transformer_pde.solvers.jko_run"},  # the run shared by the JKO variants: layout, ledger, records
     {"transformer_pde.solvers.jko_methods", "transformer_pde.solvers.distributed"},  # LagrangianJKO, EulerianJKO

@@ -102,7 +102,7 @@ COSTS = ("source", "symmetric")
 
 
 # ---------------------------------------------------------------------------- the keywords, in their own names
-def _check_grid(tau, steps, t0, record_every) -> tuple:
+def _check_steps(tau, steps, t0, record_every) -> tuple:
     """(τ, steps, t0, record_every), checked."""
     tau = check_positive(tau, "tau")
     steps = check_int(steps, "steps")
@@ -319,7 +319,7 @@ def jko(
     (torch.Size([4, 12, 3]), True)
     """
     check_bool(progress, "progress", allow_none=True)
-    tau, steps, t0, record_every = _check_grid(tau, steps, t0, record_every)
+    tau, steps, t0, record_every = _check_steps(tau, steps, t0, record_every)
     variant = check_choice(scheme, SCHEMES, "scheme")
     term, cost, eps = _transport_term(variant, transport, cost, eps, sinkhorn_scaling)
     tol, max_iter, max_plan_updates = _check_inner(tol, max_iter, max_plan_updates, strict)

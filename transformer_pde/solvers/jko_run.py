@@ -271,5 +271,5 @@ class JKORun:
         else:
             weights = torch.stack([v.reshape(*batch, self.n) for v in self.rec.records["w"]])
         return Trajectory(times, xs, series["energy"], series["slope"], series["dissipation"], ledger, stats,
-                          f"jko-{p.variant}-{p.transport}", self.norm.name, p.model.direction, weights, self.theta.path(),
-                          extras, paths=p.paths)
+                          f"jko-{p.variant}-{p.transport}", self.norm.name, p.model.direction, weights,
+                          self.theta.path(), extras, paths=p.paths)

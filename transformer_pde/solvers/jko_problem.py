@@ -40,7 +40,7 @@ __internal__ = ["JKOProblem", "check_problem", "VARIANTS"]
 VARIANTS = ("lagrangian", "eulerian")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class JKOProblem:
     """A JKO solve, checked (module docstring).
 

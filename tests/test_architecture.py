@@ -48,9 +48,14 @@ LAYERS = [
     {"transformer_pde.solvers.fixed_step", "transformer_pde.solvers.adaptive"},  # the particle solves
     {"transformer_pde.solvers.particle"},  # tp.simulate (keyword front end) and the argument checks
     {"transformer_pde.solvers.sharded"},  # the sharded (multi-device) projected Euler
-    {"transformer_pde.solvers.jko_lagrangian", "transformer_pde.solvers.jko_eulerian"},  # the two JKO schemes
-    {"transformer_pde.solvers.jko", "transformer_pde.solvers.distributed"},
+    # the two JKO steps; Θ_t at the JKO times
+    {"transformer_pde.solvers.jko_lagrangian", "transformer_pde.solvers.jko_eulerian",
+     "transformer_pde.solvers.jko_theta"},
+    {"transformer_pde.solvers.jko_problem"},  # the checked JKO problem
+    {"transformer_pde.solvers.jko_run"},  # the run shared by the JKO variants: layout, ledger, records
+    {"transformer_pde.solvers.jko_methods", "transformer_pde.solvers.distributed"},  # LagrangianJKO, EulerianJKO
     {"transformer_pde.solvers.solve"},  # tp.solve
+    {"transformer_pde.solvers.jko"},  # tp.jko: the keyword front end over tp.solve
     {"transformer_pde.nn.modules"},  # MeanFieldAttention: continuous-depth attention whose forward is a solve
     {"transformer_pde.nn"},  # tp.nn: the torch.nn converters and the module
     # Lipschitz and Grönwall constants, fast-weights coefficients; linear stability of the uniform measure

@@ -16,7 +16,6 @@ import pytest
 import torch
 
 import transformer_pde as tp
-from transformer_pde.solvers.jko import solve_jko
 from conftest import gen
 
 F64 = torch.float64
@@ -115,8 +114,8 @@ def test_options_a_jko_scheme_does_not_take_are_refused_before_any_step(tmp_path
     for kw in bad:
         with pytest.raises(TypeError):
             tp.solve(model, x, solver, t1=0.1, dt=0.05, progress=progress, **kw)
-        with pytest.raises(TypeError):  # and called directly
-            solve_jko(model, x, solver, t1=0.1, dt=0.05, progress=progress, **kw)
+        with pytest.raises(TypeError):  # and by the solver's run called directly
+            solver.run(model, x, tp.SolveOptions(t1=0.1, dt=0.05, progress=progress, **kw))
     for m, s in [(tp.Model(heads, normalization="relu"), solver),
                  (tp.Model(heads, normalization="unnormalized", causal=True), solver),
                  (tp.Model(heads, normalization="effective", geometry="post"), solver),
@@ -126,10 +125,10 @@ def test_options_a_jko_scheme_does_not_take_are_refused_before_any_step(tmp_path
         with pytest.raises(ValueError):
             tp.solve(m, x, s, t1=0.1, dt=0.05, progress=progress)
     assert calls == []
-    with pytest.raises(TypeError, match="LagrangianJKO or EulerianJKO"):
-        solve_jko(model, x, tp.Euler(), t1=0.1, dt=0.05)
     with pytest.raises(TypeError, match="tp.Model"):
-        solve_jko(heads, x, solver, t1=0.1, dt=0.05)
+        solver.run(heads, x, tp.SolveOptions(t1=0.1, dt=0.05))
+    with pytest.raises(TypeError, match="tp.SolveOptions"):
+        solver.run(model, x, dict(t1=0.1, dt=0.05))
 
 
 def test_jko_keyword_errors_are_worded_in_its_keywords():
@@ -223,3 +222,50 @@ def test_the_paths_axis_stands_in_front_of_the_measures_batch():
         one = tp.jko(x[i], both.path, tau=0.05, steps=2, transport="identity")
         close(one.x[:, :, 0], both.x[:, :, i], F64)
     assert float((both.x[-1, 0] - both.x[-1, 1]).abs().max()) > 1e-6
+
+
+# ---------------------------------------------------------------------------- the solver objects run themselves
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_run_called_directly_equals_tp_solve_and_the_keywords(dtype):
+    """LagrangianJKO.run(model, x0, SolveOptions) is the solve: tp.solve only checks the options and calls it, and
+    tp.jko builds the same objects."""
+    x, heads = tokens(7, 3, 21, dtype), rand_heads(2, 3, 22, dtype)
+    model = tp.Model(heads, normalization="effective", direction="ascent")
+    solver = tp.LagrangianJKO(tp.EMD("symmetric"), tp.RiemannianLBFGS(max_iter=120))
+    opts = dict(t1=0.2, dt=0.05, t0=0.05, saveat=tp.SaveAt(every=3))
+    a = solver.run(model, x, tp.SolveOptions(**opts))
+    b = tp.solve(model, x, solver, **opts)
+    c = tp.jko(x, heads, tau=0.05, steps=3, t0=0.05, transport="emd", cost="symmetric", direction="ascent",
+               max_iter=120, record_every=3)
+    same_run(a, b, dtype)
+    same_run(a, c, dtype)
+    assert a.x.shape == (2, 7, 3) and a.x.dtype == dtype
+    close(a.times, torch.tensor([0.05, 0.2], dtype=a.times.dtype), dtype)
+
+
+def test_eulerian_run_called_directly_equals_tp_solve():
+    z = tp.sphere.circle_grid(20, dtype=F64)
+    heads = tp.Heads.scalar([1.5], 2).to(F64)
+    q0 = torch.softmax(torch.randn(20, generator=gen(23), dtype=F64), -1)
+    solver = tp.EulerianJKO(grid=z, grid_weights=q0, eps=0.03)
+    model = tp.Model(heads, normalization="unnormalized")
+    a = solver.run(model, None, tp.SolveOptions(t1=0.2, dt=0.1))
+    b = tp.solve(model, None, solver, t1=0.2, dt=0.1)
+    same_run(a, b, F64)
+    close(a.weights.sum(-1), torch.ones(3, dtype=F64), F64)  # the mass stays one
+    assert a.extras["mobility"] == "unit" and a.normalization == "unnormalized"
+
+
+def test_the_transport_term_base_class_is_distinct_from_the_transport_module():
+    """tp.transport is the distances module; tp.TransportTerm the base class of the JKO transport terms, which
+    LagrangianJKO refuses on its own (it is no transport)."""
+    import types
+
+    assert isinstance(tp.transport, types.ModuleType) and hasattr(tp.transport, "sinkhorn_divergence")
+    for term in (tp.EMD(), tp.Sinkhorn(), tp.Identity()):
+        assert isinstance(term, tp.TransportTerm)
+        assert tp.LagrangianJKO(term).transport is term
+    with pytest.raises(TypeError, match="EMD\\(\\), Sinkhorn\\(eps\\) or Identity\\(\\)"):
+        tp.LagrangianJKO(tp.TransportTerm())
+    with pytest.raises(TypeError, match="got module"):
+        tp.LagrangianJKO(tp.transport)

@@ -29,9 +29,9 @@ from .solvers.noise import TokenNoise
 from .model.normalization import Effective, Normalization, ReLU, Softmax, Unnormalized
 from .solvers.model import Model
 from .solvers.methods import (
-    EMD, RK4, Dopri5, Euler, EulerianJKO, FixedStep, Heun, Identity, LagrangianJKO, RiemannianLBFGS, ShardedEuler,
-    Sinkhorn, Solver, Transport,
+    EMD, RK4, Dopri5, Euler, FixedStep, Heun, Identity, RiemannianLBFGS, ShardedEuler, Sinkhorn, Solver, TransportTerm,
 )
+from .solvers.jko_methods import EulerianJKO, LagrangianJKO
 from .solvers.options import Checkpointing, LedgerOptions, Limits, Progress, SaveAt, SolveOptions
 from .solvers.solve import solve
 from .model import attention, transport
@@ -99,7 +99,7 @@ __all__ = [
     "simulate",
     "solve", "Model", "Normalization", "Softmax", "Unnormalized", "ReLU", "Effective",
     "Solver", "FixedStep", "Euler", "Heun", "RK4", "Dopri5", "ShardedEuler", "LagrangianJKO", "EulerianJKO",
-    "Transport", "EMD", "Sinkhorn", "Identity", "RiemannianLBFGS",
+    "TransportTerm", "EMD", "Sinkhorn", "Identity", "RiemannianLBFGS",
     "SaveAt", "SolveOptions", "LedgerOptions", "Checkpointing", "Progress", "Limits",
     "TokenNoise",
     "Trajectory",

@@ -27,6 +27,7 @@ gives one from tokens).  Resolution needs ε ≳ (grid spacing)²; the recorded 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -38,7 +39,23 @@ from ..model.sphere import circle_grid, fibonacci_sphere
 from ..model.transport import sq_chordal
 
 __all__ = ["to_grid", "self_potential", "entropy"]
-__internal__ = ["check_grid_type", "resolve_grid", "grid_spacing", "first_variation", "eulerian_step"]
+__internal__ = ["EulerianStep", "check_grid_type", "resolve_grid", "grid_spacing", "first_variation", "eulerian_step"]
+
+
+@dataclass(frozen=True)
+class EulerianStep:
+    """The settings of an Eulerian JKO step, checked (:mod:`transformer_pde.solvers.jko_problem`).
+
+    tau : the step τ;  sgn : s' = +1 (descent) or −1 (ascent);  eps : the blur ε;  tol, max_iter : the fixed-point
+    iteration's;  temperature : T ≥ 0 of the entropy T Σ_b p_b log(m p_b) (0: none)."""
+
+    tau: float
+    sgn: float
+    eps: float
+    tol: float
+    max_iter: int
+    temperature: float = 0.0
+
 
 def first_variation(z: torch.Tensor, heads: Heads, p: torch.Tensor) -> torch.Tensor:
     """δE/δμ at the grid points for μ = Σ p_a δ_{z_a}: Σ_h ω_h (m_h + m̃_h)/(2β), (B, m)."""
@@ -168,12 +185,16 @@ def self_potential(q: torch.Tensor, C: torch.Tensor, eps: float, *, init: Option
     return f, it, err
 
 
-def eulerian_step(z, q, h_old, h_new, lb_old, *, tau, sgn, eps, tol, max_iter, warm, temperature=0.0):
-    """One entropic JKO step of the grid weights q (B, m). Returns p, info, warm-start state.
+def eulerian_step(z, q, h_old, h_new, lb_old, settings: EulerianStep, warm: Optional[torch.Tensor] = None):
+    """One entropic JKO step of the grid weights q (B, m) on the grid z (m, d), from Θ_{t_k} = h_old (log-mobility
+    lb_old (B, m) on the grid) to Θ_{t_{k+1}} = h_new.  Returns p, info, warm-start state (the self-potential,
+    ``warm`` of the next step).
 
     ``temperature`` T > 0 adds the entropy T Σ_b p_b log(m p_b) (the Fokker–Planck JKO): the first-order
     condition gains T log(m p_b) next to s'δE/δμ, and the iteration mixes geometrically,
     log p ← (log T(p) + κ log p)/(1 + κ) with κ = 2τT/ε, the exact solve of its log p dependence."""
+    tau, sgn, eps, tol, max_iter, temperature = (settings.tau, settings.sgn, settings.eps, settings.tol,
+                                                   settings.max_iter, settings.temperature)
     B, m = q.shape
     c2 = sq_chordal(z, z)  # (m, m)
     bz = torch.exp(lb_old)  # (B, m)

@@ -32,6 +32,7 @@ unconverged.  Massless tokens (w_i = 0) do not enter F and stay where they are.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -44,7 +45,30 @@ from ..model.transport import emd_plans, sinkhorn_divergence, sq_chordal
 from .lbfgs import minimize
 
 __all__ = []  # the scheme's parts; users call tp.jko / tp.solve(..., tp.LagrangianJKO(...))
-__internal__ = ["lagrangian_step", "plan_descent", "scaled_energy"]
+__internal__ = ["LagrangianStep", "lagrangian_step", "plan_descent", "scaled_energy"]
+
+
+@dataclass(frozen=True)
+class LagrangianStep:
+    """The settings of a Lagrangian JKO step, checked (:mod:`transformer_pde.solvers.jko_problem`).
+
+    tau : the step τ;  sgn : s' = +1 (descent) or −1 (ascent);  transport : "emd", "sinkhorn" or "identity";
+    symmetric : the cost ½(b_k(x) + b_k(y))|x − y|² (else b_k(x)|x − y|²);  unit : b ≡ 1;  eps, scaling : the
+    blur and ε-scaling ratio of "sinkhorn";  tol, max_iter : the inner solve's;  max_plan_updates : the emd plan
+    recomputations per step;  retract : the model's retraction (``model.geometry.retract``)."""
+
+    tau: float
+    sgn: float
+    transport: str
+    symmetric: bool
+    unit: bool
+    eps: float
+    scaling: float
+    tol: float
+    max_iter: int
+    max_plan_updates: int
+    retract: Callable = normalize
+
 
 def scaled_energy(y: torch.Tensor, heads: Heads, w: Optional[torch.Tensor], logc: torch.Tensor) -> torch.Tensor:
     """The scaled energy E(μ, Θ) / e^{logc} = Σ_h ω_h/(2β) Σ_i w_i e^{log m_h(y_i) − logc}, (B,), from the
@@ -53,14 +77,16 @@ def scaled_energy(y: torch.Tensor, heads: Heads, w: Optional[torch.Tensor], logc
     return (heads.weights * head_token_mean(torch.exp(lse), w)).sum(-1) / (2 * heads.beta)
 
 
-def lagrangian_step(x, w, wt, h_old, h_new, lb_old, *, tau, sgn, transport, symmetric, unit, eps, scaling,
-                     tol, max_iter, max_plan_updates, out_log_scale=0.0, retract: Callable = normalize):
-    """One JKO step for tokens x (B, n, d): (y, info) with the proximal value, residual, iterations, ...;
-    (None, None) when the objective is not finite at the start.
+def lagrangian_step(x, w, wt, h_old, h_new, lb_old, settings: LagrangianStep, out_log_scale: float = 0.0):
+    """One JKO step for tokens x (B, n, d) with token weights w (None: uniform; wt the weights used, (B, n)),
+    from Θ_{t_k} = h_old (log-mobility lb_old (B, n) at x) to Θ_{t_{k+1}} = h_new: (y, info) with the proximal
+    value, residual, iterations, ...; (None, None) when the objective is not finite at the start.
 
     F is minimised divided by c = 2^k ≈ max_i b_k(x_i) per batch item (module docstring; k an integer, so the
     division is exact where nothing underflows); with transport="sinkhorn" ε is divided by c as well
     (OT_ε(c·C) = c·OT_{ε/c}(C)).  The returned ``prox`` is W² · e^{−out_log_scale} (the run's common scale)."""
+    st = settings
+    tau, sgn, transport, symmetric, unit = st.tau, st.sgn, st.transport, st.symmetric, st.unit
     B = x.shape[0]
     ln2 = math.log(2.0)
     logc = torch.round(lb_old.max(-1).values / ln2) * ln2  # (B,) ("unit": c = 1)
@@ -78,8 +104,8 @@ def lagrangian_step(x, w, wt, h_old, h_new, lb_old, *, tau, sgn, transport, symm
         return torch.exp(-log_inverse_mobility(h_old, lse) - logc.unsqueeze(-1))
 
     def solve(objective, y0):
-        return minimize(objective, y0, preconditioner=pre, weights=wt, tau=tau, tol=tol, max_iter=max_iter,
-                        retract=retract)
+        return minimize(objective, y0, preconditioner=pre, weights=wt, tau=tau, tol=st.tol, max_iter=st.max_iter,
+                        retract=st.retract)
 
     def energy(y):
         return sgn * scaled_energy(y, h_new, w, logc)
@@ -105,7 +131,7 @@ def lagrangian_step(x, w, wt, h_old, h_new, lb_old, *, tau, sgn, transport, symm
         def solve_at(P, y0):
             return solve(lambda y: energy(y) + (P * cost_rows(y)).sum((-1, -2)) / (2 * tau), y0)
 
-        y, info, P = plan_descent(solve_at, cost_rows, x, wt, max_plan_updates)
+        y, info, P = plan_descent(solve_at, cost_rows, x, wt, st.max_plan_updates)
 
         def prox_fn(y):
             return (P * cost_rows(y)).sum((-1, -2))
@@ -114,11 +140,11 @@ def lagrangian_step(x, w, wt, h_old, h_new, lb_old, *, tau, sgn, transport, symm
             c2 = sq_chordal(X, Y)
             return 0.5 * (b_field(X).unsqueeze(-1) + b_field(Y).unsqueeze(-2)) * c2
 
-        eps_s = eps * (float(torch.exp(-logc[0])) if B > 0 else 1.0)
+        eps_s = st.eps * (float(torch.exp(-logc[0])) if B > 0 else 1.0)
         diameter = 2.0 * math.sqrt(max(float(b_old.max()), 1e-300)) * 1.5
 
         def prox_fn(y):
-            return sinkhorn_divergence(y, wt, x, wt, eps=eps_s, cost=sym_cost, diameter=diameter, scaling=scaling)
+            return sinkhorn_divergence(y, wt, x, wt, eps=eps_s, cost=sym_cost, diameter=diameter, scaling=st.scaling)
 
         y, info = solve(lambda y: energy(y) + prox_fn(y) / (2 * tau), x)
     if info is None:

@@ -27,8 +27,8 @@ from ..utils.validation import check_bool, check_choice, check_int, check_positi
 from ..model.attention import BACKENDS
 from .tableaux import TABLEAUX
 
-__all__ = ["Solver", "FixedStep", "Euler", "Heun", "RK4", "Dopri5", "ShardedEuler", "Transport", "EMD", "Sinkhorn", "Identity",
-           "RiemannianLBFGS", "LagrangianJKO", "EulerianJKO"]
+__all__ = ["Solver", "FixedStep", "Euler", "Heun", "RK4", "Dopri5", "ShardedEuler", "TransportTerm", "EMD", "Sinkhorn",
+           "Identity", "RiemannianLBFGS"]
 
 _ALL = frozenset({"saveat", "ledger", "checkpoint", "progress", "limits"})
 
@@ -152,14 +152,15 @@ class ShardedEuler(Solver):
 
 
 # ---------------------------------------------------------------------------- JKO
-class Transport:
-    """The transport term W_b(μ, μ_k)² of a Lagrangian JKO step (base class)."""
+class TransportTerm:
+    """The transport term W_b(μ, μ_k)² of a Lagrangian JKO step (base class of :class:`EMD`,
+    :class:`Sinkhorn`, :class:`Identity`; :class:`~transformer_pde.LagrangianJKO` takes one)."""
 
     name: ClassVar[str] = ""
 
 
 @dataclass(frozen=True)
-class EMD(Transport):
+class EMD(TransportTerm):
     """The exact plan (POT's emd); ``cost`` "source" (b_k(x)|x − y|²) or "symmetric"."""
 
     cost: str = "source"
@@ -170,7 +171,7 @@ class EMD(Transport):
 
 
 @dataclass(frozen=True)
-class Sinkhorn(Transport):
+class Sinkhorn(TransportTerm):
     """The debiased Sinkhorn divergence (geomloss) at blur ε (cost units), ε-scaling ratio ``scaling``."""
 
     eps: float = 1e-3
@@ -185,7 +186,7 @@ class Sinkhorn(Transport):
 
 
 @dataclass(frozen=True)
-class Identity(Transport):
+class Identity(TransportTerm):
     """The identity plan: the implicit Euler step of the particles."""
 
     cost: str = "source"
@@ -212,67 +213,3 @@ class RiemannianLBFGS:
         object.__setattr__(self, "max_iter", check_int(self.max_iter, "RiemannianLBFGS.max_iter"))
         object.__setattr__(self, "max_plan_updates",
                            check_int(self.max_plan_updates, "RiemannianLBFGS.max_plan_updates"))
-
-
-@dataclass(frozen=True)
-class LagrangianJKO(Solver):
-    """Minimizing movement of the tokens with step τ = ``dt``:
-    μ_{k+1} ∈ argmin s'E(μ, Θ_{t_{k+1}}) + W_{b_k}(μ, μ_k)²/(2τ).
-
-    The mobility follows the model's normalisation ("effective": b_k; "unnormalized": b ≡ 1).
-    ``path_dt``: the grid of sampled noisy weights (None: τ).  ``strict``: raise on a step that does
-    not converge.  No checkpoints."""
-
-    transport: Transport = field(default_factory=EMD)
-    inner: RiemannianLBFGS = field(default_factory=RiemannianLBFGS)
-    path_dt: Optional[float] = None
-    strict: bool = False
-    accepts: ClassVar[FrozenSet[str]] = frozenset({"saveat", "ledger", "progress", "limits"})
-    kind: ClassVar[str] = "jko"
-    scheme: ClassVar[str] = "lagrangian"
-
-    def __post_init__(self):
-        if not isinstance(self.transport, Transport) or type(self.transport) is Transport:
-            raise TypeError(f"LagrangianJKO.transport must be EMD(), Sinkhorn(eps) or Identity(), got "
-                            f"{type(self.transport).__name__}")
-        if not isinstance(self.inner, RiemannianLBFGS):
-            raise TypeError(f"LagrangianJKO.inner must be a RiemannianLBFGS, got {type(self.inner).__name__}")
-        if self.path_dt is not None:
-            object.__setattr__(self, "path_dt", check_positive(self.path_dt, "LagrangianJKO.path_dt"))
-        check_bool(self.strict, "LagrangianJKO.strict")
-
-
-@dataclass(frozen=True)
-class EulerianJKO(Solver):
-    """Minimizing movement of weights on a fixed grid of the sphere (S¹ or S²), step τ = ``dt``, with
-    the entropic transport at blur ``eps`` (ε ≳ grid spacing²).  ``grid``: a tensor (m, d) on the
-    sphere or a number of points; ``grid_weights``: the initial weights (..., m) (None: x0
-    deposited on the grid with ``bandwidth``).  The model's token noise adds T∫ρ log ρ (the
-    Fokker–Planck JKO).  No checkpoints."""
-
-    grid: Union[int, torch.Tensor, None] = None
-    grid_weights: Optional[torch.Tensor] = None
-    bandwidth: Optional[float] = None
-    eps: float = 1e-3
-    tol: Optional[float] = None
-    max_iter: int = 200
-    path_dt: Optional[float] = None
-    strict: bool = False
-    accepts: ClassVar[FrozenSet[str]] = frozenset({"saveat", "ledger", "progress", "limits"})
-    kind: ClassVar[str] = "jko"
-    scheme: ClassVar[str] = "eulerian"
-
-    def __post_init__(self):
-        object.__setattr__(self, "eps", check_positive(self.eps, "EulerianJKO.eps"))
-        if self.tol is not None:
-            object.__setattr__(self, "tol", check_positive(self.tol, "EulerianJKO.tol"))
-        object.__setattr__(self, "max_iter", check_int(self.max_iter, "EulerianJKO.max_iter"))
-        if self.path_dt is not None:
-            object.__setattr__(self, "path_dt", check_positive(self.path_dt, "EulerianJKO.path_dt"))
-        if self.bandwidth is not None:
-            object.__setattr__(self, "bandwidth", check_positive(self.bandwidth, "EulerianJKO.bandwidth"))
-        check_bool(self.strict, "EulerianJKO.strict")
-        if self.grid is not None and not isinstance(self.grid, (int, torch.Tensor)) or isinstance(self.grid, bool):
-            raise TypeError(f"EulerianJKO.grid must be a tensor (m, d) on the sphere or a number of points, got "
-                            f"{type(self.grid).__name__}")
-

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from .methods import Dopri5, EulerianJKO, FixedStep, LagrangianJKO, ShardedEuler, Solver
+from .methods import Dopri5, FixedStep, ShardedEuler, Solver
 from .model import Model
 from .options import Checkpointing, LedgerOptions, Limits, Progress, SaveAt, SolveOptions
 from .particle import solve_particles
@@ -106,8 +106,4 @@ def solve(model: Model, x0: Optional[torch.Tensor], solver: Solver, *, t1: float
     if isinstance(solver, ShardedEuler):
         return solve_sharded(model, x0, solver, **kw, saveat=o["saveat"], ledger=o["ledger"], progress=o["progress"],
                              limits=o["limits"])
-    if isinstance(solver, (LagrangianJKO, EulerianJKO)):
-        from .jko import solve_jko  # the JKO schemes' front end for solver objects
-
-        return solve_jko(model, x0, solver, **kw, **o)
     raise TypeError(f"{type(solver).__name__} does not define run(model, x0, options); a Solver subclass must")

@@ -12,7 +12,9 @@ time (depth).  See docs/model.md for the conventions.
 """
 
 from .model import sphere
-from .model.attention import HeadStats, relu_statistics, softmax_statistics
+from .model.moments import HeadStats
+from .model.plans import relu_statistics
+from .model.softmax import softmax_statistics
 from .model.energy import energy, energy_time_derivative, first_variation, head_energies, log_energy
 from .model.field import FieldEval, evaluate, head_outputs, radial_shadows, velocity
 from .model.heads import Heads
@@ -34,12 +36,12 @@ from .solvers.methods import (
 )
 from .solvers.options import Checkpointing, LedgerOptions, Limits, Progress, SaveAt, SolveOptions
 from .solvers.solve import solve
-from .model import attention, transport
+from .model import backends, transport
 from .analysis import diagnostics, theory
 from .solvers import distributed
 from . import nn
 from .nn import MeanFieldAttention
-from .model.attention import kernel_backend
+from .model.backends import kernel_backend
 from .utils.threads import thread_policy
 from .solvers.distributed import distributed_evaluate, simulate_sharded
 from .processes.nn import (
@@ -107,7 +109,7 @@ __all__ = [
     "TABLEAUX",
     "METHODS",
     "NonFiniteError",
-    "attention",
+    "backends",
     "kernel_backend",
     "thread_policy",
     "distributed",

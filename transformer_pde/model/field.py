@@ -19,7 +19,7 @@ per stage.
 
 Causal attention (``causal=True``): token i sees only the tokens j ≤ i in the stored order, so
 its field is that of the prefix measure μ_i = Σ_{j≤i} w_j δ_{x_j} / Σ_{j≤i} w_j
-(:mod:`transformer_pde.model.attention`).  The causal field is NOT a gradient flow of E: it is not
+(:mod:`transformer_pde.model.softmax`).  The causal field is NOT a gradient flow of E: it is not
 b^{-1} ∇_S δE/δμ of any interaction energy, so "effective" (the gradient of E) has no causal
 version and is refused.  The diagnostics keep their definitions for the whole measure μ,
 from a second, non-causal kernel pass: E(μ), ∇_S δE/δμ, b, the dissipation
@@ -53,11 +53,14 @@ from ..utils.validation import (
     check_same, check_tensor, check_tied, check_token_weights, check_tokens, direction_sign,
 )
 from .normalization import NORMALIZATIONS
-from .attention import (
-    HeadStats, causal_log_prefix_mass, head_columns, head_columns_mass, head_columns_products, head_columns_width,
-    deferred_mean_stats, head_moment_sums_along, mean_applied, per_head_map, relu_statistics, scaled_partition,
-    softmax_statistics, softmax_values, values_first_applies,
+from .backends import causal_log_prefix_mass
+from .moments import (
+    HeadStats, deferred_mean_stats, head_columns, head_columns_mass, head_columns_products, head_columns_width,
+    head_moment_sums_along, mean_applied, per_head_map, scaled_partition,
 )
+from .plans import relu_statistics
+from .softmax import softmax_statistics
+from .values import softmax_values, values_first_applies
 from .heads import Heads, broadcast_shapes
 from .normalization import choose as choose_normalization, names, normalization as as_normalization
 from .sphere import tangent_projection
@@ -201,7 +204,7 @@ class _KernelPass:
     def value_field(self, mass: bool = False):
         """Σ_h ω_h V_h ȳ_h (mass=True: Σ_h ω_h m_h V_h ȳ_h, the un-normalised kernel), (..., n, d).
 
-        From the merged fused kernel (:func:`transformer_pde.model.attention.head_columns`) this is one
+        From the merged fused kernel (:func:`transformer_pde.model.moments.head_columns`) this is one
         product of its (..., n, H·E) output block with a (H·E, d) matrix, and the per-head V_h ȳ_h are
         never formed; from the values-first kernel one product of the (..., n, H·k_v) averages ū_h with the
         stacked ω_h O_h; otherwise the head sum of :meth:`value_mean` (times the mass)."""
@@ -274,7 +277,7 @@ def _fused_diagnostics(x, heads, weights, velocity, stats, c, R, lazy_gradient):
 
     With R_h = Σ_i w_i m_h(x_i) e^{−c} P_x V(x_i) ȳ_h(x_i)ᵀ, 𝒟 = Σ_h ω_h ⟨A_h, R_h⟩_F (A_h symmetric);
     E = Σ_h ω_h/(2β) Σ_i w_i m_h e^{−c}; b from the (..., n, H) masses, contiguous in the heads; ∇_S δE/δμ
-    = P_x (Y @ W) (:func:`transformer_pde.model.attention.per_head_map`), formed on first use when
+    = P_x (Y @ W) (:func:`transformer_pde.model.moments.per_head_map`), formed on first use when
     ``lazy_gradient`` (the solvers' step reads it only with token noise or a layer map)."""
     m = head_columns_mass(stats, c)  # (..., n, H)
     mean_m = m.mean(-2) if weights is None else (weights.unsqueeze(-2) @ m).squeeze(-2)  # (..., H)
@@ -350,7 +353,7 @@ def diagnostics_along(x, heads: Heads, weights, velocity, stats: HeadStats, *, l
 
 def _values_first(norm, heads: Heads) -> bool:
     """True when the field of this normalisation is read off the softmax averages of the values W_{V,h} y_j
-    (:func:`transformer_pde.model.attention.softmax_values`): softmax statistics used through V_h
+    (:func:`transformer_pde.model.values.softmax_values`): softmax statistics used through V_h
     ("softmax", "unnormalized"), heads with query/key and value factors."""
     return norm.statistics == "softmax" and norm.uses_value and values_first_applies(heads)
 
@@ -388,7 +391,7 @@ def evaluate(
     β‖A‖); c = 0 gives the values themselves.  The field never is rescaled.
 
     ``backend`` and ``chunk_elements`` select the attention kernel
-    (:func:`transformer_pde.model.attention.softmax_statistics`: "auto" | "dense" | "chunked" |
+    (:func:`transformer_pde.model.softmax.softmax_statistics`: "auto" | "dense" | "chunked" |
     "sdpa" | "keops"); every backend gives the same numbers to rounding.
 
     ``keys`` (..., m, d) and ``key_weights`` (..., m) or None: evaluate at the queries ``x`` the
@@ -409,7 +412,7 @@ def evaluate(
 
     Heads with query/key factors and value factors V_h = O_h W_{V,h}, ``diagnostics=False`` and no second
     moment: a "softmax" or "unnormalized" field is computed values first, f_h = O_h Σ_j p_ij W_{V,h} y_j
-    (:func:`transformer_pde.model.attention.softmax_values`, H·n·m·k_v work instead of H·n·m·d); the
+    (:func:`transformer_pde.model.values.softmax_values`, H·n·m·k_v work instead of H·n·m·d); the
     returned ``stats`` then hold the log-partitions, and their ``mean`` ȳ_h is computed on first access."""
     norm = as_normalization(normalization)
     prefix_sum = isinstance(causal, str) and causal == "sum"

@@ -22,7 +22,8 @@ import torch
 
 from ..utils.validation import check_tied, direction_sign
 from .normalization import NORMALIZATIONS
-from .attention import HeadStats, softmax_statistics
+from .moments import HeadStats
+from .softmax import softmax_statistics
 from .energy import check_log_scale, overflow_check
 from .field import check_inputs, diagnostics_along, evaluate, log_inverse_mobility
 from .heads import Heads

@@ -81,7 +81,7 @@ from ..utils.validation import (
     check_same, check_seed_generator, check_tensor, check_tied_all, check_token_weights, check_tokens,
     direction_sign,
 )
-from ..model.attention import softmax_statistics
+from ..model.softmax import softmax_statistics
 from ..model.energy import choose_log_scale
 from ..model.field import FieldEval, evaluate, log_inverse_mobility, token_mean
 from ..model.heads import Heads

@@ -28,7 +28,7 @@ from .solvers.tableaux import METHODS, TABLEAUX, ButcherTableau
 from .solvers.trajectory import NonFiniteError, Trajectory
 from .solvers.layernorm import LAYER_NORMS, NGPT, LayerNorm, PeriLN, PostLN, PreLN, Projected, simuformer_scheme
 from .solvers.noise import TokenNoise
-from .model.normalization import Effective, Normalization, ReLU, Softmax, Unnormalized
+from .model.normalization import Effective, Hardmax, Normalization, ReLU, SinkhornAttention, Softmax, Unnormalized
 from .solvers.model import Model
 from .solvers.methods import (
     EMD, RK4, Dopri5, Euler, EulerianJKO, FixedStep, Heun, Identity, LagrangianJKO, RiemannianLBFGS, ShardedEuler,
@@ -99,7 +99,7 @@ __all__ = [
     "sample_path",
     "oscillating_target",
     "simulate",
-    "solve", "Model", "Normalization", "Softmax", "Unnormalized", "ReLU", "Effective",
+    "solve", "Model", "Normalization", "Softmax", "Unnormalized", "ReLU", "Effective", "SinkhornAttention", "Hardmax",
     "Solver", "FixedStep", "Euler", "Heun", "RK4", "Dopri5", "ShardedEuler", "LagrangianJKO", "EulerianJKO",
     "Transport", "EMD", "Sinkhorn", "Identity", "RiemannianLBFGS",
     "SaveAt", "SolveOptions", "LedgerOptions", "Checkpointing", "Progress", "Limits",

@@ -52,17 +52,16 @@ import torch
 from ..utils.validation import (
     check_same, check_tensor, check_tied, check_token_weights, check_tokens, direction_sign,
 )
-from .normalization import NORMALIZATIONS
 from .backends import causal_log_prefix_mass
 from .moments import (
     HeadStats, deferred_mean_stats, head_columns, head_columns_mass, head_columns_products, head_columns_width,
     head_moment_sums_along, mean_applied, per_head_map, scaled_partition,
 )
-from .plans import relu_statistics
+from .plans import plan_average, relu_statistics
 from .softmax import softmax_statistics
 from .values import softmax_values, values_first_applies
 from .heads import Heads, broadcast_shapes
-from .normalization import choose as choose_normalization, names, normalization as as_normalization
+from .normalization import names, resolve
 from .sphere import tangent_projection
 
 __all__ = ["FieldEval", "evaluate", "velocity", "head_outputs", "radial_shadows"]
@@ -246,6 +245,12 @@ class _KernelPass:
             first = first * torch.exp(self._log_prefix_mass()).unsqueeze(-1).unsqueeze(-3)
         return self.heads.apply_value(first)
 
+    def plan_mean(self, plan, **params):
+        """V_h Σ_j P_ij y_j for a plan of :func:`transformer_pde.model.plans.plan_average` (a name of its
+        ``PLANS`` or a callable), (..., H, n, d)."""
+        return self.heads.apply_value(plan_average(self.x, self.heads, self.w, plan, keys=self.keys,
+                                                   causal=self.causal, **params))
+
     def head_sum(self, f):
         """Σ_h ω_h f_h, (..., n, d)."""
         return (self.heads.weights.unsqueeze(-1).unsqueeze(-1) * f).sum(-3)
@@ -414,7 +419,7 @@ def evaluate(
     moment: a "softmax" or "unnormalized" field is computed values first, f_h = O_h Σ_j p_ij W_{V,h} y_j
     (:func:`transformer_pde.model.values.softmax_values`, H·n·m·k_v work instead of H·n·m·d); the
     returned ``stats`` then hold the log-partitions, and their ``mean`` ȳ_h is computed on first access."""
-    norm = as_normalization(normalization)
+    norm = resolve(normalization)
     prefix_sum = isinstance(causal, str) and causal == "sum"
     causal = bool(causal)
     if causal:
@@ -543,7 +548,7 @@ def velocity(x, heads, weights=None, normalization="softmax", direction="ascent"
     >>> tp.velocity(x, tp.Heads.scalar([1.0], 3).to(torch.float64)).shape
     torch.Size([5, 3])
     """
-    norm = choose_normalization(normalization, NORMALIZATIONS)
+    norm = resolve(normalization)
     sign = direction_sign(direction)
     _check_causal_flag(causal, norm)
     check_inputs(x, heads, weights)
@@ -562,7 +567,7 @@ def head_outputs(x, heads, weights=None, normalization="softmax", *, causal=Fals
 
     Defined for "softmax", "unnormalized" and "relu"; the "effective" field has no per-head split.
     causal: token i attends only to tokens j ≤ i (see :func:`velocity`)."""
-    norm = choose_normalization(normalization, names(lambda n: n.head_outputs))
+    norm = resolve(normalization, lambda n: n.head_outputs, what="no per-head split")
     _check_causal_flag(causal, norm)
     check_inputs(x, heads, weights)
     return evaluate(x, heads, weights, normalization=norm, diagnostics=False, causal=causal).outputs

@@ -160,9 +160,9 @@ def ours_step(x0, theta, steps, dt, paths, diagnostics):
 
 def kernel_widths(x0, theta, dt, paths):
     """The (q, k, v) widths the fused CPU kernel receives in one step, with and without diagnostics."""
-    from transformer_pde import attention
+    from transformer_pde.model import backends
 
-    real = attention._flash_cpu_op()
+    real = backends.flash_cpu_op()
     if real is None:
         return {"diagnostics": None, "bare": None}
     out = {}
@@ -173,11 +173,11 @@ def kernel_widths(x0, theta, dt, paths):
             seen.append((q.shape[-1], k.shape[-1], v.shape[-1]))
             return real(q, k, v, **kw)
 
-        attention._FLASH_CPU = spy
+        backends._FLASH_CPU = spy
         try:
             ours_step(x0, theta, 1, dt, paths, diag)
         finally:
-            attention._FLASH_CPU = real
+            backends._FLASH_CPU = real
         out["diagnostics" if diag else "bare"] = sorted(set(seen))
     return out
 

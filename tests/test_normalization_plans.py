@@ -255,3 +255,19 @@ def test_plans_run_through_solve(norm):
         y = x + dt * tp.velocity(x, heads, w, normalization=norm)
         x = y / y.norm(dim=-1, keepdim=True)
     assert_close(traj.x[-1], x, rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.xfail(strict=True, reason="the fixed-step solver passes model.normalization.name to the field, which "
+                                       "resolves the name again: parameters and unregistered subclasses are lost")
+@pytest.mark.parametrize("norm", [tp.SinkhornAttention(iterations=0), TemperedSoftmax(2.0)], ids=["sinkhorn0", "user"])
+def test_solve_uses_the_models_object_itself(norm):
+    x0 = _tokens(6, seed=18)
+    heads = tp.Heads(_sym(2, seed=19), beta=1.5)
+    dt, steps = 0.02, 5
+    traj = tp.solve(tp.Model(heads, normalization=norm, direction="ascent"), x0, tp.Euler(), t1=dt * steps, dt=dt,
+                    progress=False)
+    x = x0
+    for _ in range(steps):
+        y = x + dt * tp.velocity(x, heads, normalization=norm)
+        x = y / y.norm(dim=-1, keepdim=True)
+    assert_close(traj.x[-1], x, rtol=1e-12, atol=1e-13)

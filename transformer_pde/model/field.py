@@ -5,6 +5,8 @@ Per-head outputs at a query x (docs/model.md#fields), with s = +1 ("ascent") or 
     softmax:       f_h(x) = V_h ȳ_h(x),           ȳ_h = ∫ e^{β⟨x,A_h y⟩} y dμ / m_h(x)
     unnormalized:  f_h(x) = m_h(x) V_h ȳ_h(x)   = ∫ e^{β⟨x,A_h y⟩} V_h y dμ
     relu:          f_h(x) = ∫ ReLU(β⟨x,A_h y⟩) V_h y dμ
+    sinkhorn:      f_h(x_i) = V_h Σ_j P_ij y_j,   P the Sinkhorn (doubly stochastic) plan of the kernel
+    hardmax:       f_h(x_i) = V_h (weighted average of the keys maximising ⟨x_i, A_h y⟩)
     V[μ,Θ](x) = s · P_x Σ_h ω_h f_h(x)
 
     effective:     V(x) = s · b(x)^{-1} ∇_S δE/δμ(x),  b^{-1} = Σ_h ω̄_h / m_h
@@ -389,7 +391,8 @@ def evaluate(
     call :func:`velocity` / :func:`transformer_pde.model.energy` for checked entry points.
 
     ``normalization``: a name of :data:`transformer_pde.model.normalization.NORMALIZATIONS` or a
-    :class:`~transformer_pde.model.normalization.Normalization`; its output rule gives the field.
+    :class:`~transformer_pde.model.normalization.Normalization` (used as it is, resolved once by
+    :func:`~transformer_pde.model.normalization.resolve`); its output rule gives the field.
 
     ``log_scale=c``: the diagnostics (energy, slope, dissipation, grad_first_variation) are
     returned times e^{−c} (:func:`diagnostics_along`, the common scale of the solvers at large
@@ -521,7 +524,9 @@ def velocity(x, heads, weights=None, normalization="softmax", direction="ascent"
     weights
         token weights (..., n) or None (uniform).
     normalization
-        "softmax" | "unnormalized" | "relu" | "effective" (module docstring).
+        "softmax" | "unnormalized" | "relu" | "effective" | "sinkhorn" | "hardmax" (module docstring), or a
+        :class:`~transformer_pde.model.normalization.Normalization` object, used as it is (parameters such as
+        ``tp.SinkhornAttention(iterations=50)``, or a subclass of your own).
     direction
         "ascent" (s = +1, x + attention(x)) or "descent" (s = −1, reference code).
     causal

@@ -271,3 +271,16 @@ def test_solve_uses_the_models_object_itself(norm):
         y = x + dt * tp.velocity(x, heads, normalization=norm)
         x = y / y.norm(dim=-1, keepdim=True)
     assert_close(traj.x[-1], x, rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("norm", [tp.SinkhornAttention(iterations=5), tp.Hardmax()], ids=["sinkhorn", "hardmax"])
+def test_plans_broadcast_over_batch_axes(norm):
+    """Tokens (3, n, d) with their own weights (3, n) and heads with a batch axis of 3: each batch entry is
+    the field of its own configuration."""
+    x = torch.stack([_tokens(6, seed=20 + b) for b in range(3)])
+    w = torch.stack([_weights(6, seed=30 + b) for b in range(3)])
+    A = torch.stack([_sym(2, seed=40 + b) for b in range(3)])
+    got = tp.velocity(x, tp.Heads(A, beta=1.2), w, normalization=norm)
+    for b in range(3):
+        assert_close(got[b], tp.velocity(x[b], tp.Heads(A[b], beta=1.2), w[b], normalization=norm),
+                     rtol=1e-12, atol=1e-14)

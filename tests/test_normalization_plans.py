@@ -284,3 +284,26 @@ def test_plans_broadcast_over_batch_axes(norm):
     for b in range(3):
         assert_close(got[b], tp.velocity(x[b], tp.Heads(A[b], beta=1.2), w[b], normalization=norm),
                      rtol=1e-12, atol=1e-14)
+
+
+def test_choose_compares_classes_not_names():
+    """Entry points with closed forms per registered class (tp.theory) refuse a subclass even when it borrows a
+    registered name: its output rule is not the registered one."""
+
+    @dataclass(frozen=True)
+    class Impostor(N.Softmax):
+        name: ClassVar[str] = "softmax"
+
+        def outputs(self, kernel):
+            return 2 * kernel.value_mean()
+
+        def field(self, kernel):
+            return N.Normalization.field(self, kernel)
+
+    assert N.choose(N.Softmax(), ("softmax",)) == N.Softmax()
+    with pytest.raises(ValueError, match="'softmax' is not covered here"):
+        N.choose(Impostor(), ("softmax",))
+    with pytest.raises(ValueError, match="not covered here"):
+        tp.theory.gamma_velocity(0.3, [1.0], beta=1.0, n=4, normalization=Impostor())
+    x, heads = _tokens(), tp.Heads(_sym())
+    assert_close(tp.velocity(x, heads, normalization=Impostor()), 2 * tp.velocity(x, heads), rtol=1e-12, atol=1e-14)

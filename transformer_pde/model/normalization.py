@@ -312,7 +312,8 @@ def names(where=None) -> tuple:
 
 
 def choose(value, allowed: tuple, name: str = "normalization") -> Normalization:
-    """The object for ``value`` (a name or an object), refused unless its name is in ``allowed``.
+    """The object for ``value`` (a name or an object), refused unless it is one of the registered classes named
+    in ``allowed`` (entry points with closed forms per class: a subclass of a registered class is refused).
 
     Parameters
     ----------
@@ -340,6 +341,8 @@ def choose(value, allowed: tuple, name: str = "normalization") -> Normalization:
             raise ValueError(f"unknown {name} {value!r}; choose one of {', '.join(map(repr, allowed))}")
         return obj
     obj = normalization(value, name)
-    if obj.name not in allowed:
-        raise ValueError(f"{name}={obj.name!r} is not covered here; choose one of {', '.join(map(repr, allowed))}")
+    # the object's class, not its name: a subclass of a registered class carries its own rule
+    if not any(type(obj) is type(_INSTANCES[k]) for k in allowed if k in _INSTANCES):
+        label = obj.name or type(obj).__name__
+        raise ValueError(f"{name}={label!r} is not covered here; choose one of {', '.join(map(repr, allowed))}")
     return obj

@@ -307,3 +307,14 @@ def test_choose_compares_classes_not_names():
         tp.theory.gamma_velocity(0.3, [1.0], beta=1.0, n=4, normalization=Impostor())
     x, heads = _tokens(), tp.Heads(_sym())
     assert_close(tp.velocity(x, heads, normalization=Impostor()), 2 * tp.velocity(x, heads), rtol=1e-12, atol=1e-14)
+
+
+def test_hardmax_in_row_blocks_is_the_one_block_plan():
+    """Row blocks of 2·m scores (causal and not) give the plan of one block: every row is independent."""
+    x, w = _tokens(9, seed=21), _weights(9, seed=22)
+    heads = tp.Heads(torch.randn(2, 3, 3, generator=gen(23), dtype=F64))
+    for causal in (False, True):
+        one = evaluate(x, heads, w, normalization="hardmax", diagnostics=False, causal=causal).velocity
+        blocks = evaluate(x, heads, w, normalization="hardmax", diagnostics=False, causal=causal,
+                          chunk_elements=2 * 2 * 9).velocity
+        assert_close(blocks, one, rtol=1e-13, atol=1e-15)

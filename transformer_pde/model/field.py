@@ -251,7 +251,7 @@ class _KernelPass:
         """V_h Σ_j P_ij y_j for a plan of :func:`transformer_pde.model.plans.plan_average` (a name of its
         ``PLANS`` or a callable), (..., H, n, d)."""
         return self.heads.apply_value(plan_average(self.x, self.heads, self.w, plan, keys=self.keys,
-                                                   causal=self.causal, **params))
+                                                   causal=self.causal, chunk_elements=self.chunk, **params))
 
     def head_sum(self, f):
         """Σ_h ω_h f_h, (..., n, d)."""

@@ -9,8 +9,9 @@ f_h = V_h Σ_j P_ij^h y_j (:mod:`transformer_pde.model.normalization`):
     hardmax   P_ij = w_j 1[s_ij = max_k s_ik] / Σ_{k: s_ik = max} w_k   (β → ∞ of softmax; :func:`hardmax_plan`)
 
 :func:`plan_average` forms the scores of every head at once, (..., H, n, m) (memory H·n·m per batch
-entry: the Sinkhorn plan couples all rows), masks the keys above the diagonal when causal, applies a
-plan of :data:`PLANS` (or a callable with the same signature) and returns Σ_j P_ij y_j.
+entry: the Sinkhorn plan couples all rows; the plans of :data:`ROWWISE` in blocks of query rows of at most
+``chunk_elements`` scores), masks the keys above the diagonal when causal, applies a plan of :data:`PLANS`
+(or a callable with the same signature) and returns Σ_j P_ij y_j.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from .backends import (
 from .heads import Heads
 from .softmax import score_features
 
-__all__ = ["relu_statistics", "plan_average", "sinkhorn_plan", "hardmax_plan", "PLANS"]
+__all__ = ["relu_statistics", "plan_average", "sinkhorn_plan", "hardmax_plan", "PLANS", "ROWWISE"]
 
 
 
@@ -156,9 +157,13 @@ def hardmax_plan(scores: torch.Tensor, log_key_weights: torch.Tensor, log_query_
 #: the plans :func:`plan_average` applies by name (the ``statistics`` of their normalisations)
 PLANS = {"sinkhorn": sinkhorn_plan, "hardmax": hardmax_plan}
 
+#: the plans whose rows are independent of each other: :func:`plan_average` forms their scores in row blocks
+ROWWISE = frozenset({"hardmax"})
+
 
 def plan_average(x: torch.Tensor, heads: Heads, weights: Optional[torch.Tensor], plan, *,
-                 keys: Optional[torch.Tensor] = None, causal: bool = False, **params) -> torch.Tensor:
+                 keys: Optional[torch.Tensor] = None, causal: bool = False, chunk_elements: Optional[int] = None,
+                 **params) -> torch.Tensor:
     """Σ_j P_ij^h y_j for the plan P^h of the scores s_ij^h = β⟨x_i, A_h y_j⟩ of every head, (..., H, n, d).
 
     Parameters
@@ -176,6 +181,8 @@ def plan_average(x: torch.Tensor, heads: Heads, weights: Optional[torch.Tensor],
         keys (..., m, d), default x.
     causal : bool
         scores of keys j > i are −∞ (needs keys=None).
+    chunk_elements : int or None
+        cap on the scores of one block for the plans of :data:`ROWWISE` (the others need every row at once).
     **params
         passed to the plan (e.g. ``iterations``).
 
@@ -189,6 +196,7 @@ def plan_average(x: torch.Tensor, heads: Heads, weights: Optional[torch.Tensor],
     ValueError
         an unknown plan name, or causal=True with keys=."""
     check_causal(causal, keys)
+    check_chunk(chunk_elements)
     fn = PLANS.get(plan) if isinstance(plan, str) else plan
     if fn is None or not callable(fn):
         raise ValueError(f"unknown plan {plan!r}; choose one of {', '.join(map(repr, PLANS))} or pass a callable")
@@ -196,14 +204,24 @@ def plan_average(x: torch.Tensor, heads: Heads, weights: Optional[torch.Tensor],
     left, right = score_features(heads)
     qf = x.unsqueeze(-3) @ left
     kf = y.unsqueeze(-3) if right is None else y.unsqueeze(-3) @ right
-    S = qf @ kf.transpose(-1, -2)  # (..., H, n, m)
+    kT = kf.transpose(-1, -2)
     n, m = x.shape[-2], y.shape[-2]
-    if causal:
-        S = S.masked_fill(causal_block_mask(torch.arange(n, device=x.device), m), float("-inf"))
     if weights is None:
         logw = torch.full((m,), -math.log(m), dtype=x.dtype, device=x.device)
     else:
         logw = torch.log(weights)
+    logk = logw.unsqueeze(-2).unsqueeze(-2)  # (..., 1, 1, m)
     logq = None if keys is not None else logw.unsqueeze(-1).unsqueeze(-3)  # (..., 1, n, 1)
-    P = fn(S, logw.unsqueeze(-2).unsqueeze(-2), logq, **params)
-    return P @ y.unsqueeze(-3)
+    rows = n
+    if isinstance(plan, str) and plan in ROWWISE:
+        rows = rows_per_chunk(math.prod(bshape(qf.shape[:-2], kT.shape[:-2])), n, m, chunk_elements)
+    yv = y.unsqueeze(-3)
+    outs = []
+    for i0 in range(0, n, rows):
+        S = qf[..., i0:i0 + rows, :] @ kT  # (..., H, r, m)
+        if causal:
+            S = S.masked_fill(causal_block_mask(torch.arange(i0, min(n, i0 + rows), device=x.device), m),
+                              float("-inf"))
+        lq = None if logq is None else logq[..., i0:i0 + rows, :]
+        outs.append(fn(S, logk, lq, **params) @ yv)
+    return outs[0] if len(outs) == 1 else torch.cat(outs, -2)

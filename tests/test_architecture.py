@@ -208,7 +208,8 @@ def test_no_private_name_crosses_modules():
     assert not bad, "\n".join(bad)
 
 
-@pytest.mark.parametrize("module", ["model.field", "model.transport", "model.heads", "solvers.particle",
+@pytest.mark.parametrize("module", ["model.field", "model.transport", "model.heads", "model.backends", "model.moments",
+                                    "model.softmax", "solvers.particle",
                                     "solvers.parts", "solvers.layernorm", "solvers.lbfgs", "solvers.jko_lagrangian",
                                     "solvers.jko_eulerian"])
 def test_internal_api_is_named_and_exists(module):

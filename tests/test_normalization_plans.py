@@ -318,3 +318,17 @@ def test_hardmax_in_row_blocks_is_the_one_block_plan():
         blocks = evaluate(x, heads, w, normalization="hardmax", diagnostics=False, causal=causal,
                           chunk_elements=2 * 2 * 9).velocity
         assert_close(blocks, one, rtol=1e-13, atol=1e-15)
+
+
+def test_sinkhorn_field_is_differentiable():
+    """gradcheck (float64 finite differences) of the Sinkhorn field in the tokens, the scores and β."""
+    x = _tokens(5, seed=24).requires_grad_(True)
+    A = _sym(2, seed=25).requires_grad_(True)
+    beta = torch.tensor(1.1, dtype=F64, requires_grad=True)
+    w = _weights(5, seed=26)
+
+    def field(x, A, beta):
+        return evaluate(x, tp.Heads(A, beta=beta), w, normalization=tp.SinkhornAttention(iterations=3),
+                        diagnostics=False).velocity
+
+    assert torch.autograd.gradcheck(field, (x, A, beta), eps=1e-6, atol=1e-7, rtol=1e-5)

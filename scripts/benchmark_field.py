@@ -2,7 +2,7 @@
 
 Measured side by side in one run on this machine (d = 3, H = 4 symmetric heads, tokens uniform
 on S², β = 1): ``tp.evaluate(x, heads, diagnostics=False)`` (velocity and log-partitions) for
-each backend of :mod:`transformer_pde.model.attention`, against a straightforward dense
+each backend of :mod:`transformer_pde.model.backends`, against a straightforward dense
 implementation written below (``naive_field``: per head the (N, N) score matrix, softmax,
 product; then the projection) which is skipped where its tensors would exceed
 ``--max-dense-gb`` (4 GB).  For every
@@ -41,7 +41,7 @@ if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None and __name__ == "__main__":
 import torch  # noqa: E402
 
 import transformer_pde as tp  # noqa: E402
-from transformer_pde.model.attention import BACKENDS, keops_available, select_backend  # noqa: E402
+from transformer_pde.model.backends import BACKENDS, keops_available, select_backend  # noqa: E402
 from transformer_pde.model.field import evaluate  # noqa: E402
 
 

@@ -147,7 +147,7 @@ def _time(fn, repeat):
 
 
 def ours(x0, theta, steps, dt, paths, backend):
-    with tp.attention.kernel_backend(backend):
+    with tp.kernel_backend(backend):
         return tp.simulate(x0, theta, t1=steps * dt, dt=dt, method="euler", direction="descent", paths=paths,
                            seed=0, record_every=steps, return_path=True)
 
@@ -160,9 +160,9 @@ def ours_step(x0, theta, steps, dt, paths, diagnostics):
 
 def kernel_widths(x0, theta, dt, paths):
     """The (q, k, v) widths the fused CPU kernel receives in one step, with and without diagnostics."""
-    from transformer_pde import attention
+    from transformer_pde.model import backends
 
-    real = attention._flash_cpu_op()
+    real = backends.flash_cpu_op()
     if real is None:
         return {"diagnostics": None, "bare": None}
     out = {}
@@ -173,11 +173,11 @@ def kernel_widths(x0, theta, dt, paths):
             seen.append((q.shape[-1], k.shape[-1], v.shape[-1]))
             return real(q, k, v, **kw)
 
-        attention._FLASH_CPU = spy
+        backends._FLASH_CPU = spy
         try:
             ours_step(x0, theta, 1, dt, paths, diag)
         finally:
-            attention._FLASH_CPU = real
+            backends._FLASH_CPU = real
         out["diagnostics" if diag else "bare"] = sorted(set(seen))
     return out
 
@@ -283,7 +283,7 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--repeat", type=int, default=2, help="take the best of this many timed runs")
     ap.add_argument("--dt", type=float, default=5e-3)
-    ap.add_argument("--backend", default="auto", choices=tp.attention.BACKENDS)
+    ap.add_argument("--backend", default="auto", choices=tp.backends.BACKENDS)
     ap.add_argument("--float32", action="store_true", help="time float32 instead of float64")
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     ap.add_argument("--no-projection", action="store_true", help="skip the projected full-experiment time")
@@ -299,7 +299,7 @@ def main(argv=None):
     print(f"transformer_pde from {Path(tp.__file__).parent}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average {load:.2f}, {dtype}, "
           f"backend {args.backend} -> "
-          f"{tp.attention.select_backend(args.backend, args.device, dtype, 10**6)} on {args.device}")
+          f"{tp.backends.select_backend(args.backend, args.device, dtype, 10**6)} on {args.device}")
     if args.device == "cpu":
         hot_step(args, dtype)
     if args.no_dense:

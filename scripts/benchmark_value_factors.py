@@ -12,7 +12,7 @@ one run, each case repeated ``--reps`` times interleaved (median, and min–max 
 for the moments-first order ("old": ȳ_h = Σ_j p_ij y_j, d-dimensional, then O_h W_{V,h}; forced here by
 switching the values-first routing of :mod:`transformer_pde.model.field` off) and the values-first order
 ("new": averages of W_{V,h} y_j, k_v-dimensional, then O_h), each under the kernel backends "chunked" and
-"sdpa" (:func:`transformer_pde.model.attention.kernel_backend`); and ``torch.nn.MultiheadAttention``'s
+"sdpa" (:func:`transformer_pde.model.backends.kernel_backend`); and ``torch.nn.MultiheadAttention``'s
 forward on the same shapes (bias-free, ``key_padding_mask``, ``need_weights=False``) as the cost of a real
 attention layer.  Ratios are to the MultiheadAttention forward.
 
@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 
 import transformer_pde as tp
 from transformer_pde.model import field as field_module
-from transformer_pde.model.attention import kernel_backend
+from transformer_pde.model.backends import kernel_backend
 from transformer_pde.processes.weights import Constant
 from transformer_pde.solvers.methods import Euler
 from transformer_pde.solvers.model import Model

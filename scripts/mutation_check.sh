@@ -6,10 +6,10 @@
 #                                                  # (the default; timed in docs/MUTATION_REPORT.md)
 #   scripts/mutation_check.sh model.energy model.mobility   # some modules (dotted paths under transformer_pde/)
 #   TESTS="tests/test_energy_and_field_formulas.py tests/test_field.py" scripts/mutation_check.sh model.mobility   # narrower tests
-#   SAMPLE=0.3 SEED=0 scripts/mutation_check.sh model.attention  # a seeded random 30 % of the module's mutants
+#   SAMPLE=0.3 SEED=0 scripts/mutation_check.sh model.softmax  # a seeded random 30 % of the module's mutants
 #   SAMPLE=0.25 FULL="model.energy" scripts/mutation_check.sh model.energy model.field  # all of energy
 #   REF=HEAD scripts/mutation_check.sh model.energy               # the committed tree, not the working copy
-#   FUNCS="head_columns _fused_diagnostics" SAMPLE=1 scripts/mutation_check.sh model.attention model.field
+#   FUNCS="head_columns _fused_diagnostics" SAMPLE=1 scripts/mutation_check.sh model.moments model.field
 #                                                  # only the mutants of these functions (a change's new code)
 #   REUSE=$HOME/old_workdir scripts/mutation_check.sh       # keep an earlier run's kills of unchanged functions
 #                                                  # (REUSE_SURVIVORS=1: and its survivors; run only the unchecked)
@@ -29,7 +29,7 @@ MAX_CHILDREN=${MAX_CHILDREN:-2}
 TIMEOUT=${TIMEOUT:-3300}
 WORKDIR=${WORKDIR:-$(mktemp -d -t transformer_pde_mutation.XXXXXX)}
 if [ "$#" -eq 0 ]; then
-  set -- model.mobility model.energy model.field model.attention model.normalization model.transport processes.weights analysis.theory.__init__ analysis.theory.particles solvers.parts solvers.evaluator solvers.fixed_step solvers.adaptive solvers.particle solvers.trajectory solvers.jko solvers.jko_theta solvers.jko_problem solvers.jko_run solvers.jko_methods solvers.jko_lagrangian solvers.jko_eulerian solvers.lbfgs
+  set -- model.mobility model.energy model.field model.backends model.moments model.softmax model.plans model.values model.normalization model.transport processes.weights analysis.theory.__init__ analysis.theory.particles solvers.parts solvers.evaluator solvers.fixed_step solvers.adaptive solvers.particle solvers.trajectory solvers.jko solvers.jko_theta solvers.jko_problem solvers.jko_run solvers.jko_methods solvers.jko_lagrangian solvers.jko_eulerian solvers.lbfgs
 fi
 python -c "import mutmut" 2>/dev/null || { echo "mutmut is not installed: pip install -e '.[mutation]'" >&2; exit 2; }
 

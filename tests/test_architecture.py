@@ -30,7 +30,10 @@ LAYERS = [
      "transformer_pde.utils", "transformer_pde.model", "transformer_pde.analysis", "transformer_pde.application"},
     {"transformer_pde.model.sphere"},
     {"transformer_pde.model.heads"},
-    {"transformer_pde.model.attention", "transformer_pde.model.transport"},  # kernels; optimal transport
+    {"transformer_pde.model.backends"},  # the kernel backends (policy, availability) and the block plumbing
+    {"transformer_pde.model.moments"},  # HeadStats and the moment algebra of the kernel statistics
+    {"transformer_pde.model.softmax", "transformer_pde.model.transport"},  # softmax kernels; optimal transport
+    {"transformer_pde.model.plans", "transformer_pde.model.values"},  # ReLU/Sinkhorn/hardmax plans; the values-first kernel
     {"transformer_pde.model.field"},
     {"transformer_pde.model.energy"},
     {"transformer_pde.model.mobility"},
@@ -210,7 +213,8 @@ def test_no_private_name_crosses_modules():
     assert not bad, "\n".join(bad)
 
 
-@pytest.mark.parametrize("module", ["model.field", "model.transport", "model.heads", "solvers.particle",
+@pytest.mark.parametrize("module", ["model.field", "model.transport", "model.heads", "model.backends", "model.moments",
+                                    "model.softmax", "solvers.particle",
                                     "solvers.parts", "solvers.layernorm", "solvers.lbfgs", "solvers.jko_lagrangian",
                                     "solvers.jko_eulerian"])
 def test_internal_api_is_named_and_exists(module):

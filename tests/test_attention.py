@@ -1,7 +1,7 @@
 """Attention kernels: every backend against an independent dense oracle, memory, backend choice.
 
 The oracle below forms the full (..., H, n, m) score tensor and uses torch.logsumexp /
-torch.softmax — the textbook formulas, sharing no code with transformer_pde.model.attention.
+torch.softmax — the textbook formulas, sharing no code with the kernels of transformer_pde.model.
 """
 
 import itertools
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import transformer_pde as tp
-from transformer_pde import attention
+from transformer_pde.model import backends, moments, softmax
 from transformer_pde.model.energy import ito_correction, pairing
 from transformer_pde.model.field import evaluate
 from conftest import gen
@@ -146,7 +146,7 @@ def test_shift_free_and_shifted_paths_agree(monkeypatch):
     """Force the row-max fallback everywhere and compare with the shift-free exp."""
     x, heads, A, kw, _ = _case("zero_weight", torch.float64)
     fast = tp.softmax_statistics(x, heads, kw["weights"], second_moment=True, backend="chunked")
-    monkeypatch.setattr(attention, "_exp_safe_limit", lambda dtype, m: -1.0)
+    monkeypatch.setattr(softmax, "_exp_safe_limit", lambda dtype, m: -1.0)
     slow = tp.softmax_statistics(x, heads, kw["weights"], second_moment=True, backend="chunked")
     for a, b in zip((fast.log_partition, fast.mean, fast.second), (slow.log_partition, slow.mean, slow.second)):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
@@ -156,7 +156,7 @@ def test_shift_free_limit_is_safe():
     """At the bound itself, e^{±B} summed over m keys is finite and normal in both dtypes."""
     for dtype in (torch.float32, torch.float64):
         for m in (1, 200, 10**6):
-            B = attention._exp_safe_limit(dtype, m)
+            B = softmax._exp_safe_limit(dtype, m)
             fi = torch.finfo(dtype)
             assert B > 0
             assert math.exp(B) * m < fi.max
@@ -229,10 +229,10 @@ def test_unknown_backend_and_bad_chunk_are_refused():
     with pytest.raises(ValueError, match="chunk_elements must be a positive int"):
         tp.softmax_statistics(x, heads, chunk_elements=0)
     with pytest.raises(ValueError, match="unknown kernel backend"):
-        attention.kernel_backend("fast")
+        backends.kernel_backend("fast")
 
 
-@pytest.mark.skipif(attention.keops_available(), reason="pykeops is installed here")
+@pytest.mark.skipif(backends.keops_available(), reason="pykeops is installed here")
 def test_keops_missing_raises_install_hint():
     x, heads, _, _, _ = _case("plain", torch.float64)
     with pytest.raises(ImportError, match="pip install pykeops"):
@@ -242,28 +242,28 @@ def test_keops_missing_raises_install_hint():
 
 
 def test_auto_never_picks_keops_on_cpu(monkeypatch):
-    monkeypatch.setattr(attention, "keops_available", lambda: True)
+    monkeypatch.setattr(backends, "keops_available", lambda: True)
     for dtype in (torch.float32, torch.float64):
-        assert attention.select_backend("auto", "cpu", dtype, 10**12) != "keops"
+        assert backends.select_backend("auto", "cpu", dtype, 10**12) != "keops"
 
 
 def test_auto_on_cpu_and_sdpa_fallback(monkeypatch):
-    if attention.sdpa_available("cpu", torch.float64):
-        assert attention.select_backend("auto", "cpu", torch.float64, 100) == "sdpa"
-    monkeypatch.setattr(attention, "_FLASH_CPU", False)
-    assert not attention.sdpa_available("cpu", torch.float64)
-    assert attention.select_backend("auto", "cpu", torch.float64, 100) == "chunked"
-    assert attention.select_backend("sdpa", "cpu", torch.float64, 100) == "chunked"
+    if backends.sdpa_available("cpu", torch.float64):
+        assert backends.select_backend("auto", "cpu", torch.float64, 100) == "sdpa"
+    monkeypatch.setattr(backends, "_FLASH_CPU", False)
+    assert not backends.sdpa_available("cpu", torch.float64)
+    assert backends.select_backend("auto", "cpu", torch.float64, 100) == "chunked"
+    assert backends.select_backend("sdpa", "cpu", torch.float64, 100) == "chunked"
     x, heads, A, _, _ = _case("plain", torch.float64)
     _assert_stats(tp.softmax_statistics(x, heads, second_moment=True, backend="sdpa"), oracle(x, A), torch.float64)
 
 
-@pytest.mark.skipif(not attention.sdpa_available("cpu", torch.float64), reason="no fused CPU kernel in this torch")
+@pytest.mark.skipif(not backends.sdpa_available("cpu", torch.float64), reason="no fused CPU kernel in this torch")
 def test_sdpa_runtime_refusal_falls_back_to_chunked(monkeypatch):
     def refuse(*a, **k):
         raise RuntimeError("layout not supported")
 
-    monkeypatch.setattr(attention, "_FLASH_CPU", refuse)
+    monkeypatch.setattr(backends, "_FLASH_CPU", refuse)
     x, heads, A, _, _ = _case("plain", torch.float64)
     _assert_stats(tp.softmax_statistics(x, heads, second_moment=True, backend="sdpa"), oracle(x, A), torch.float64)
 
@@ -271,17 +271,17 @@ def test_sdpa_runtime_refusal_falls_back_to_chunked(monkeypatch):
 def _spy_flash_widths(monkeypatch):
     """Record the (q, k, v) widths every call of the fused CPU kernel receives."""
     widths = []
-    real = attention._flash_cpu_op()
+    real = backends.flash_cpu_op()
 
     def spy(q, k, v, **kw):
         widths.append((q.shape[-1], k.shape[-1], v.shape[-1]))
         return real(q, k, v, **kw)
 
-    monkeypatch.setattr(attention, "_FLASH_CPU", spy)
+    monkeypatch.setattr(backends, "_FLASH_CPU", spy)
     return widths
 
 
-@pytest.mark.skipif(not attention.sdpa_available("cpu", torch.float64), reason="no fused CPU kernel in this torch")
+@pytest.mark.skipif(not backends.sdpa_available("cpu", torch.float64), reason="no fused CPU kernel in this torch")
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("d", [2, 3, 4])
 def test_sdpa_second_moment_on_the_sphere_drops_the_last_diagonal_column(monkeypatch, dtype, d):
@@ -304,7 +304,7 @@ def test_sdpa_second_moment_on_the_sphere_drops_the_last_diagonal_column(monkeyp
     _assert_stats(st, (ref.log_partition.double(), ref.mean.double(), ref.second.double()), dtype)
 
 
-@pytest.mark.skipif(not attention.sdpa_available("cpu", torch.float64), reason="no fused CPU kernel in this torch")
+@pytest.mark.skipif(not backends.sdpa_available("cpu", torch.float64), reason="no fused CPU kernel in this torch")
 @pytest.mark.parametrize("radius", [1.0 + 1e-9, 0.5, 3.0])
 def test_sdpa_second_moment_off_the_sphere_keeps_every_column(monkeypatch, radius):
     """Keys off the sphere (flat dynamics, |y| ≠ 1 beyond rounding): Σ_j p_ij |y_j|² ≠ 1, so the
@@ -322,19 +322,19 @@ def test_sdpa_second_moment_off_the_sphere_keeps_every_column(monkeypatch, radiu
 
 def test_kernel_backend_context_sets_and_restores(monkeypatch):
     calls = []
-    real = attention._softmax_chunked
+    real = softmax._softmax_chunked
 
     def spy(*a, **k):
         calls.append(k.get("dense", False))
         return real(*a, **k)
 
-    monkeypatch.setattr(attention, "_softmax_chunked", spy)
+    monkeypatch.setattr(softmax, "_softmax_chunked", spy)
     x, heads, _, _, _ = _case("plain", torch.float64)
-    with attention.kernel_backend("dense"):
-        assert attention.select_backend("auto", "cpu", torch.float64, 1) == "dense"
+    with backends.kernel_backend("dense"):
+        assert backends.select_backend("auto", "cpu", torch.float64, 1) == "dense"
         tp.energy(x, heads)
     assert calls == [True]
-    assert attention._DEFAULT_BACKEND[0] == "auto"
+    assert backends._DEFAULT_BACKEND[0] == "auto"
 
 
 # ---------------------------------------------------------------------------- memory ~ N
@@ -414,7 +414,7 @@ def _dense_head_sums(x, A, key_weights, query_weights, keys, log_scale):
     return T, ito
 
 
-@pytest.mark.skipif(not attention.sdpa_available("cpu", torch.float64), reason="no fused CPU kernel in this torch")
+@pytest.mark.skipif(not backends.sdpa_available("cpu", torch.float64), reason="no fused CPU kernel in this torch")
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("d", [2, 3, 4])
 @pytest.mark.parametrize("case", ["uniform", "weighted", "off_sphere_keys", "scaled"])
@@ -438,7 +438,7 @@ def test_head_moment_sums_match_the_dense_double_sums(dtype, d, case):
         A = A * 30.0
         c = 25.0
     st = tp.softmax_statistics(x, tp.Heads(A), key_w, keys=keys, second_moment=True, backend="sdpa")
-    sums = attention.head_moment_sums(st, query_w, c, x)
+    sums = moments.head_moment_sums(st, query_w, c, x)
     assert sums is not None
     assert st.__dict__.get("_second") is None  # the per-token quadratic form was not formed
     T_ref, ito_ref = _dense_head_sums(x, A, key_w, query_w, keys, c)
@@ -450,12 +450,12 @@ def test_head_moment_sums_match_the_dense_double_sums(dtype, d, case):
     torch.testing.assert_close(st.second.double(), oracle(x, A, key_w, keys)[2], **_tol(dtype))
     # without the second moment: T alone
     st1 = tp.softmax_statistics(x, tp.Heads(A), key_w, keys=keys, backend="sdpa")
-    T1, ito1 = attention.head_moment_sums(st1, query_w, c, x)
+    T1, ito1 = moments.head_moment_sums(st1, query_w, c, x)
     assert ito1 is None
     torch.testing.assert_close(T1.double(), T_ref, rtol=tol["rtol"], atol=tol["atol"] * scale_T)
 
 
-@pytest.mark.skipif(not attention.sdpa_available("cpu", torch.float64), reason="no fused CPU kernel in this torch")
+@pytest.mark.skipif(not backends.sdpa_available("cpu", torch.float64), reason="no fused CPU kernel in this torch")
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_pairing_and_ito_correction_agree_across_backends(dtype):
     """energy.pairing and energy.ito_correction read the fused kernel's per-head sums ("sdpa") or form
@@ -533,7 +533,7 @@ def test_causal_chunked_statistics_over_several_blocks(scale, weighted):
         w = None
     scores = beta * torch.einsum("bid,hde,bje->bhij", x, A, x)
     want_lse, want_mean = _naive_causal_stats(x, scores, torch.full((2, 6), 1 / 6, dtype=F64) if w is None else w)
-    got = tp.attention.softmax_statistics(x, heads, w, backend="chunked", chunk_elements=2 * 6, causal=True)
+    got = tp.softmax_statistics(x, heads, w, backend="chunked", chunk_elements=2 * 6, causal=True)
     # float64 sums of ≤ 6 positive terms: relative error ~1e-15 of log m (≤ 700 in the max-shift case)
     assert_close(got.log_partition, want_lse, rtol=1e-12, atol=1e-12)
     assert_close(got.mean, want_mean, rtol=1e-10, atol=1e-12)
@@ -558,7 +558,7 @@ def test_causal_relu_statistics_differentiate_to_the_key_factor_alone():
 
     K = K0.clone().requires_grad_(True)
     heads = tp.Heads(None, Vv, beta=beta, query=Q, key=K)
-    mass, first = tp.attention.relu_statistics(x, heads, w, causal=True)
+    mass, first = tp.relu_statistics(x, heads, w, causal=True)
     (gK,) = torch.autograd.grad(loss(mass, first), K)
 
     Kr = K0.clone().requires_grad_(True)
@@ -584,7 +584,7 @@ def test_differentiable_second_moment_over_several_row_chunks_against_the_dense_
     heads = tp.Heads.random(2, 3, generator=g, dtype=torch.float64, beta=1.7)
     w = torch.rand(2, 7, generator=g, dtype=torch.float64) + 0.2
     w = w / w.sum(-1, keepdim=True)
-    st = tp.attention.softmax_statistics(x, heads, w, second_moment=True, chunk_elements=2 * 7)
+    st = tp.softmax_statistics(x, heads, w, second_moment=True, chunk_elements=2 * 7)
     xd = x.detach()
     S = heads.beta * torch.einsum("bid,hde,bje->bhij", xd, heads.score_matrix, xd)
     P = torch.softmax(S + torch.log(w)[:, None, None, :], -1)
@@ -608,7 +608,7 @@ def test_chunked_bound_uses_each_key_norm_so_large_scores_take_the_shifted_path(
     base = torch.ones(d, dtype=torch.float64) / math.sqrt(d)
     x = tp.sphere.normalize(base + 1e-3 * torch.randn(2, d, generator=gen(92), dtype=torch.float64))
     heads = tp.Heads(torch.eye(d, dtype=torch.float64)[None], beta=800.0)
-    st = tp.attention.softmax_statistics(x, heads, backend="chunked")
+    st = tp.softmax_statistics(x, heads, backend="chunked")
     assert bool(torch.isfinite(st.log_partition).all())
     assert_close(st.log_partition, _dense_lse(x, heads), rtol=1e-13, atol=0)
 
@@ -617,7 +617,7 @@ def test_chunked_second_moment_keeps_float32():
     """The (y ⊗ y) pair weights follow the input dtype: a float32 run stays float32."""
     x = tp.sphere.sample_uniform(6, 3, generator=gen(93), dtype=torch.float32)
     heads = tp.Heads.random(2, 3, generator=gen(94), dtype=torch.float32, beta=1.3)
-    st = tp.attention.softmax_statistics(x, heads, second_moment=True, backend="chunked")
+    st = tp.softmax_statistics(x, heads, second_moment=True, backend="chunked")
     assert st.second.dtype == torch.float32
     xd = x.double()
     S = 1.3 * torch.einsum("id,hde,je->hij", xd, heads.score_matrix.double(), xd)
@@ -630,8 +630,8 @@ def test_relu_statistics_over_two_row_chunks_against_the_dense_formula():
     Σ_j w_j relu(β⟨x_i, A_h x_j⟩) (1, x_j), the ReLU kernel's mass and first moment."""
     x = tp.sphere.sample_uniform(6, 3, generator=gen(95), dtype=torch.float64)
     heads = tp.Heads.random(2, 3, generator=gen(96), dtype=torch.float64, beta=1.3)
-    full = tp.attention.relu_statistics(x, heads, backend="dense")
-    two = tp.attention.relu_statistics(x, heads, chunk_elements=3 * 6 * 2, backend="chunked")
+    full = tp.relu_statistics(x, heads, backend="dense")
+    two = tp.relu_statistics(x, heads, chunk_elements=3 * 6 * 2, backend="chunked")
     R = torch.relu(1.3 * torch.einsum("id,hde,je->hij", x, heads.score_matrix, x)) / 6
     for mass, first in (full, two):
         assert_close(mass, R.sum(-1), rtol=1e-13, atol=1e-15)
@@ -645,11 +645,11 @@ def test_one_row_per_chunk_at_the_smallest_memory_cap():
     x = tp.sphere.sample_uniform(5, 3, batch_shape=(4,), generator=gen(99), dtype=torch.float64)
     heads = tp.Heads.random(2, 3, generator=gen(100), dtype=torch.float64, beta=1.3)
     R = torch.relu(1.3 * torch.einsum("bid,hde,bje->bhij", x, heads.score_matrix, x)) / 5
-    mass, first = tp.attention.relu_statistics(x, heads, chunk_elements=4, backend="chunked")
+    mass, first = tp.relu_statistics(x, heads, chunk_elements=4, backend="chunked")
     assert_close(mass, R.sum(-1), rtol=1e-13, atol=1e-15)
     assert_close(first, R @ x.unsqueeze(-3), rtol=1e-13, atol=1e-15)
     xg = x.clone().requires_grad_(True)
-    st = tp.attention.softmax_statistics(xg, heads, chunk_elements=4)
+    st = tp.softmax_statistics(xg, heads, chunk_elements=4)
     assert_close(st.log_partition.detach(), _dense_lse(x, heads), rtol=1e-13, atol=1e-15)
 
 
@@ -660,7 +660,7 @@ def test_gradient_reaches_the_keys_when_only_the_keys_require_it():
     y = tp.sphere.sample_uniform(6, 3, generator=gen(105), dtype=torch.float64)
     heads = tp.Heads.random(2, 3, generator=gen(106), dtype=torch.float64, beta=1.3)
     yg, yd = y.clone().requires_grad_(True), y.clone().requires_grad_(True)
-    tp.attention.softmax_statistics(x, heads, keys=yg).log_partition.sum().backward()
+    tp.softmax_statistics(x, heads, keys=yg).log_partition.sum().backward()
     S = 1.3 * torch.einsum("id,hde,je->hij", x, heads.score_matrix, yd)
     (torch.logsumexp(S, -1) - math.log(6)).sum().backward()
     assert yg.grad is not None

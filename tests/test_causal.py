@@ -2,7 +2,7 @@
 
 The oracle below forms the full (..., H, n, n) score tensor, masks it with -inf above the
 diagonal and renormalises the token weights over the prefix with torch.logsumexp /
-torch.softmax — loop-free, sharing no code with transformer_pde.model.attention.
+torch.softmax — loop-free, sharing no code with the kernels of transformer_pde.model.
 """
 
 import json

@@ -80,7 +80,7 @@ def test_public_helpers_default_to_no_rescaling():
     beta = 1.3
     heads = tp.Heads(A, weights=om, beta=beta)
     w = random_weights((5,), 3, 0.1)
-    stats = tp.attention.softmax_statistics(x, heads, w, second_moment=True)
+    stats = tp.softmax_statistics(x, heads, w, second_moment=True)
     M = torch.randn(2, 3, 3, generator=gen(4), dtype=F64)
     # float64 dense sums over 25 pairs agree to ~1e-14 relative; a wrong default scale is off by a factor e
     assert_close(en.pairing(x, heads, w, stats, M), naive_pairing(x, A, om, beta, w, M), rtol=1e-11, atol=1e-14)
@@ -149,7 +149,7 @@ def test_ito_and_quadratic_variation_with_a_two_axis_batch_of_beta():
     ref = torch.stack([torch.stack([naive_ito(x[a, b], A, om, float(beta[a, b]), w[a, b], sigma) for b in range(3)])
                        for a in range(2)])
     assert_close(ito, ref, rtol=1e-11, atol=0)
-    stats = tp.attention.softmax_statistics(x, heads, w, second_moment=True)
+    stats = tp.softmax_statistics(x, heads, w, second_moment=True)
     assert_close(en.ito_correction(heads, w, stats, sigma, log_scale=0.5), ref * math.exp(-0.5), rtol=1e-11, atol=0)
     N = tp.processes.symmetric_noise((2, 3, 2, 3, 3), generator=gen(14), dtype=F64)
     got = en.quadratic_variation(x, heads, w, stats, N)
@@ -162,7 +162,7 @@ def test_ito_and_quadratic_variation_with_a_two_axis_batch_of_beta():
     b1 = torch.tensor([0.7, 1.9], dtype=F64)
     h1 = tp.Heads(A3, weights=om3, beta=b1)
     N1 = tp.processes.symmetric_noise((2, 3, 3, 3), generator=gen(16), dtype=F64)
-    st1 = tp.attention.softmax_statistics(x1, h1, None)
+    st1 = tp.softmax_statistics(x1, h1, None)
     u = torch.full((2, 5), 0.2, dtype=F64)
     assert_close(en.quadratic_variation(x1, h1, None, st1, N1), dense_qv(x1, A3, om3, b1, u, N1), rtol=1e-11, atol=0)
 

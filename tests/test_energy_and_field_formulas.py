@@ -119,7 +119,7 @@ def test_scaled_diagnostics_against_dense_formulas(symmetric, c):
     w = w / w.sum(-1, keepdim=True)
     V = torch.randn(2, 7, 3, generator=gen(23), dtype=torch.float64)
     V = V - (V * x).sum(-1, keepdim=True) * x
-    stats = tp.attention.softmax_statistics(x, heads, w)
+    stats = tp.softmax_statistics(x, heads, w)
     kw = {} if c is None else {"log_scale": c}
     E, G, D, g = scaled_diagnostics(x, heads, w, V, stats, **kw)
     scale = math.exp(0.0 if c is None else c)
@@ -178,7 +178,7 @@ def test_realised_quadratic_variation_is_half_the_second_derivative(batched):
         x, A, dN = torch.stack([x, x.flip(0)]), A.expand(2, *A.shape).clone(), torch.stack([dN, -0.5 * dN])
         beta = torch.tensor([0.7, 1.7], dtype=torch.float64)
         heads = tp.Heads(A, weights=om, beta=beta)
-    stats = tp.attention.softmax_statistics(x, heads, w)
+    stats = tp.softmax_statistics(x, heads, w)
     got = quadratic_variation(x, heads, w, stats, dN)
 
     def second(k):

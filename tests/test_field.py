@@ -369,11 +369,11 @@ def test_unnormalized_velocity_that_overflows_raises_with_the_fix():
 # comes back (..., n, H, E), the field, E, b, 𝒟 and the ledger's sums are products of that block, and the per-head
 # arrays (ȳ_h, V_h ȳ_h, ∇δE/δμ) are formed only on request.  Each check is against the dense backend, whose
 # numbers come from explicit (..., H, n, n) score tensors.
-from transformer_pde.model import attention as _attention  # noqa: E402
+from transformer_pde.model import backends as _backends, moments as _moments, softmax as _softmax  # noqa: E402
 from transformer_pde.model import field as _field  # noqa: E402
 from transformer_pde.model.energy import ito_correction, pairing  # noqa: E402
 
-_HAS_SDPA = _attention.sdpa_available("cpu", torch.float64)
+_HAS_SDPA = _backends.sdpa_available("cpu", torch.float64)
 
 
 _tol = tolerances(ulps=50.0)
@@ -427,12 +427,12 @@ def test_block_products_do_not_depend_on_the_block_size(monkeypatch):
     Y = (out * mc.unsqueeze(-1)).reshape(2, 3, 17, 32)
     want_l, want_r = left @ Y, Y @ right
     for block in (1, 5 * 32 * 8 * 6, 1 << 30):
-        monkeypatch.setattr(_attention, "_BLOCK_BYTES", block)
-        got_l, got_r = _attention._weighted_block_products(out, mc, left, right)
+        monkeypatch.setattr(_moments, "_BLOCK_BYTES", block)
+        got_l, got_r = _moments._weighted_block_products(out, mc, left, right)
         assert_close(got_l, want_l, rtol=1e-13, atol=1e-13)
         assert_close(got_r, want_r, rtol=1e-13, atol=1e-13)
-        assert_close(_attention._weighted_block_products(out, mc, left=left), want_l, rtol=1e-13, atol=1e-13)
-        assert_close(_attention._weighted_block_products(out, mc, right=right), want_r, rtol=1e-13, atol=1e-13)
+        assert_close(_moments._weighted_block_products(out, mc, left=left), want_l, rtol=1e-13, atol=1e-13)
+        assert_close(_moments._weighted_block_products(out, mc, right=right), want_r, rtol=1e-13, atol=1e-13)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -474,15 +474,15 @@ def test_query_workspace_is_reused_per_thread_and_shape():
     the same buffer for the same shape and dtype, a new one when either changes, another in another thread —
     and consecutive calls on different tokens still give their own statistics."""
     import threading
-    a = _attention._workspace("t", (2, 3), torch.zeros(1, dtype=torch.float64))
-    assert _attention._workspace("t", (2, 3), torch.zeros(1, dtype=torch.float64)) is a
-    assert _attention._workspace("t", (2, 4), torch.zeros(1, dtype=torch.float64)) is not a
-    assert _attention._workspace("t", (2, 4), torch.zeros(1, dtype=torch.float32)).dtype == torch.float32
+    a = _softmax._workspace("t", (2, 3), torch.zeros(1, dtype=torch.float64))
+    assert _softmax._workspace("t", (2, 3), torch.zeros(1, dtype=torch.float64)) is a
+    assert _softmax._workspace("t", (2, 4), torch.zeros(1, dtype=torch.float64)) is not a
+    assert _softmax._workspace("t", (2, 4), torch.zeros(1, dtype=torch.float32)).dtype == torch.float32
     other = []
-    th = threading.Thread(target=lambda: other.append(_attention._workspace("t", (2, 4), torch.zeros(1))))
+    th = threading.Thread(target=lambda: other.append(_softmax._workspace("t", (2, 4), torch.zeros(1))))
     th.start()
     th.join()
-    assert other[0] is not _attention._workspace("t", (2, 4), torch.zeros(1))
+    assert other[0] is not _softmax._workspace("t", (2, 4), torch.zeros(1))
     heads = tp.Heads.random(4, 3, generator=gen(70), dtype=torch.float64)
     x1 = sphere.sample_uniform(9, 3, generator=gen(71), dtype=torch.float64).expand(2, 9, 3).contiguous()
     x2 = sphere.sample_uniform(9, 3, generator=gen(72), dtype=torch.float64).expand(2, 9, 3).contiguous()
@@ -513,14 +513,14 @@ def test_scaled_partition_is_kept_per_scale():
     the pairing and the Itô sums share it), another one for another c or after the log-partition changed."""
     x = sphere.sample_uniform(6, 3, generator=gen(82), dtype=torch.float64)
     stats = tp.softmax_statistics(x, tp.Heads.random(2, 3, generator=gen(83), dtype=torch.float64))
-    a = _attention.scaled_partition(stats, 1.5)
+    a = _moments.scaled_partition(stats, 1.5)
     assert_close(a, torch.exp(stats.log_partition - 1.5), rtol=4 * torch.finfo(torch.float64).eps, atol=0.0)
-    assert _attention.scaled_partition(stats, 1.5) is a
-    b = _attention.scaled_partition(stats, 0.0)
-    assert b is not a and _attention.scaled_partition(stats, 0.0) is b
+    assert _moments.scaled_partition(stats, 1.5) is a
+    b = _moments.scaled_partition(stats, 0.0)
+    assert b is not a and _moments.scaled_partition(stats, 0.0) is b
     assert_close(b, torch.exp(stats.log_partition), rtol=4 * torch.finfo(torch.float64).eps, atol=0.0)
     stats.log_partition.add_(1.0)  # an in-place change: not the kept value any more
-    assert_close(_attention.scaled_partition(stats, 0.0), torch.exp(stats.log_partition),
+    assert_close(_moments.scaled_partition(stats, 0.0), torch.exp(stats.log_partition),
                  rtol=4 * torch.finfo(torch.float64).eps, atol=0.0)
 
 
@@ -562,11 +562,11 @@ def test_per_head_keys_keep_the_per_head_layout(dtype):
             assert_close(getattr(fast, key), getattr(slow, key), **_tol(dtype))
         stats = tp.softmax_statistics(x, heads, second_moment=True, backend="sdpa")
         assert stats.__dict__.get("_mean") is None
-        applied = _attention.mean_applied(stats, V)  # from the wide output, the mean not formed
+        applied = _moments.mean_applied(stats, V)  # from the wide output, the mean not formed
         assert stats.__dict__.get("_mean") is None
         ref = tp.softmax_statistics(x, heads, second_moment=True, backend="dense")
         assert_close(applied, ref.mean @ V.transpose(-1, -2), **_tol(dtype))
-        assert_close(_attention.mean_applied(ref, V), ref.mean @ V.transpose(-1, -2), **_tol(dtype))
+        assert_close(_moments.mean_applied(ref, V), ref.mean @ V.transpose(-1, -2), **_tol(dtype))
 
 
 @pytest.mark.skipif(not _HAS_SDPA, reason="no fused CPU kernel in this torch")

@@ -40,7 +40,7 @@ def test_scaled_diagnostics_with_two_batch_axes():
     w = w / w.sum(-1, keepdim=True)
     V = torch.randn(2, 2, 5, 3, generator=gen(83), dtype=F64)
     V = V - (V * x).sum(-1, keepdim=True) * x
-    stats = tp.attention.softmax_statistics(x, heads, w)
+    stats = tp.softmax_statistics(x, heads, w)
     E, G, D, g = scaled_diagnostics(x, heads, w, V, stats)
     for a in range(2):
         for b in range(2):

@@ -1,4 +1,4 @@
-"""The values-first softmax field of value-factored heads (transformer_pde.model.attention.softmax_values): the field,
+"""The values-first softmax field of value-factored heads (transformer_pde.model.values.softmax_values): the field,
 per-head outputs and log-partitions equal those of the moments-first order (the same heads with dense score and
 value matrices, and the dense einsum of tests/problems.py), torch.nn.MultiheadAttention's output, autograd
 gradients of the moments-first path; and the order is taken only for the field without diagnostics.  The kernel
@@ -14,8 +14,8 @@ from torch.testing import assert_close
 import transformer_pde as tp
 from conftest import gen
 from problems import naive_field, random_sphere, tolerances
-from transformer_pde.model import attention, field
-from transformer_pde.model.attention import softmax_values
+from transformer_pde.model import field, values
+from transformer_pde.model.values import softmax_values
 from transformer_pde.model.field import evaluate
 
 H, D, K, KV, N = 3, 6, 2, 4, 7
@@ -217,7 +217,7 @@ def test_a_solve_without_diagnostics_takes_the_values_first_path(monkeypatch):
 
 def test_softmax_values_refuses_heads_without_factors():
     h = _factored(torch.float64)
-    assert attention.values_first_applies(h) and not attention.values_first_applies(_dense(h))
+    assert values.values_first_applies(h) and not values.values_first_applies(_dense(h))
     with pytest.raises(ValueError, match="query/key factors and value factors"):
         softmax_values(random_sphere(N, D), _dense(h))
 
@@ -320,7 +320,7 @@ def test_the_fused_kernel_alone_gives_the_values(dtype, monkeypatch):
     def refuse(*args):
         raise AssertionError("the plain path ran where the fused kernel applies")
 
-    monkeypatch.setattr(attention, "_plain", refuse)
+    monkeypatch.setattr(values, "_plain", refuse)
     for backend in ("auto", "sdpa"):
         _check_against_all_pairs(dtype, backend=backend)
 

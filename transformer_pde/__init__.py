@@ -12,7 +12,9 @@ time (depth).  See docs/model.md for the conventions.
 """
 
 from .model import sphere
-from .model.attention import HeadStats, relu_statistics, softmax_statistics
+from .model.moments import HeadStats
+from .model.plans import relu_statistics
+from .model.softmax import softmax_statistics
 from .model.energy import energy, energy_time_derivative, first_variation, head_energies, log_energy
 from .model.field import FieldEval, evaluate, head_outputs, radial_shadows, velocity
 from .model.heads import Heads
@@ -26,7 +28,7 @@ from .solvers.tableaux import METHODS, TABLEAUX, ButcherTableau
 from .solvers.trajectory import NonFiniteError, Trajectory
 from .solvers.layernorm import LAYER_NORMS, NGPT, LayerNorm, PeriLN, PostLN, PreLN, Projected, simuformer_scheme
 from .solvers.noise import TokenNoise
-from .model.normalization import Effective, Normalization, ReLU, Softmax, Unnormalized
+from .model.normalization import Effective, Hardmax, Normalization, ReLU, SinkhornAttention, Softmax, Unnormalized
 from .solvers.model import Model
 from .solvers.methods import (
     EMD, RK4, Dopri5, Euler, FixedStep, Heun, Identity, RiemannianLBFGS, ShardedEuler, Sinkhorn, Solver, TransportTerm,
@@ -34,12 +36,12 @@ from .solvers.methods import (
 from .solvers.jko_methods import EulerianJKO, LagrangianJKO
 from .solvers.options import Checkpointing, LedgerOptions, Limits, Progress, SaveAt, SolveOptions
 from .solvers.solve import solve
-from .model import attention, transport
+from .model import backends, transport
 from .analysis import diagnostics, theory
 from .solvers import distributed
 from . import nn
 from .nn import MeanFieldAttention
-from .model.attention import kernel_backend
+from .model.backends import kernel_backend
 from .utils.threads import thread_policy
 from .solvers.distributed import distributed_evaluate, simulate_sharded
 from .processes.nn import (
@@ -97,7 +99,7 @@ __all__ = [
     "sample_path",
     "oscillating_target",
     "simulate",
-    "solve", "Model", "Normalization", "Softmax", "Unnormalized", "ReLU", "Effective",
+    "solve", "Model", "Normalization", "Softmax", "Unnormalized", "ReLU", "Effective", "SinkhornAttention", "Hardmax",
     "Solver", "FixedStep", "Euler", "Heun", "RK4", "Dopri5", "ShardedEuler", "LagrangianJKO", "EulerianJKO",
     "TransportTerm", "EMD", "Sinkhorn", "Identity", "RiemannianLBFGS",
     "SaveAt", "SolveOptions", "LedgerOptions", "Checkpointing", "Progress", "Limits",
@@ -107,7 +109,7 @@ __all__ = [
     "TABLEAUX",
     "METHODS",
     "NonFiniteError",
-    "attention",
+    "backends",
     "kernel_backend",
     "thread_policy",
     "distributed",

@@ -39,7 +39,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from ..model.attention import kernel_backend
+from ..model.backends import kernel_backend
 from ..model.sphere import normalize
 from ..processes.pretrained import (
     FAMILIES, MINILM_PIP, MINILM_SHA256, LayerWeights, Norm, PretrainedNetwork, layer_heads, layerwise_from_pretrained,

@@ -27,7 +27,8 @@ import math
 
 import torch
 
-from .attention import HeadStats, head_moment_sums, softmax_statistics
+from .moments import HeadStats, head_moment_sums
+from .softmax import softmax_statistics
 from .field import check_inputs, head_token_mean, scaled_exp
 from .heads import Heads
 

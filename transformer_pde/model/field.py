@@ -5,6 +5,8 @@ Per-head outputs at a query x (docs/model.md#fields), with s = +1 ("ascent") or 
     softmax:       f_h(x) = V_h ȳ_h(x),           ȳ_h = ∫ e^{β⟨x,A_h y⟩} y dμ / m_h(x)
     unnormalized:  f_h(x) = m_h(x) V_h ȳ_h(x)   = ∫ e^{β⟨x,A_h y⟩} V_h y dμ
     relu:          f_h(x) = ∫ ReLU(β⟨x,A_h y⟩) V_h y dμ
+    sinkhorn:      f_h(x_i) = V_h Σ_j P_ij y_j,   P the Sinkhorn (doubly stochastic) plan of the kernel
+    hardmax:       f_h(x_i) = V_h (weighted average of the keys maximising ⟨x_i, A_h y⟩)
     V[μ,Θ](x) = s · P_x Σ_h ω_h f_h(x)
 
     effective:     V(x) = s · b(x)^{-1} ∇_S δE/δμ(x),  b^{-1} = Σ_h ω̄_h / m_h
@@ -19,7 +21,7 @@ per stage.
 
 Causal attention (``causal=True``): token i sees only the tokens j ≤ i in the stored order, so
 its field is that of the prefix measure μ_i = Σ_{j≤i} w_j δ_{x_j} / Σ_{j≤i} w_j
-(:mod:`transformer_pde.model.attention`).  The causal field is NOT a gradient flow of E: it is not
+(:mod:`transformer_pde.model.softmax`).  The causal field is NOT a gradient flow of E: it is not
 b^{-1} ∇_S δE/δμ of any interaction energy, so "effective" (the gradient of E) has no causal
 version and is refused.  The diagnostics keep their definitions for the whole measure μ,
 from a second, non-causal kernel pass: E(μ), ∇_S δE/δμ, b, the dissipation
@@ -52,14 +54,16 @@ import torch
 from ..utils.validation import (
     check_same, check_tensor, check_tied, check_token_weights, check_tokens, direction_sign,
 )
-from .normalization import NORMALIZATIONS
-from .attention import (
-    HeadStats, causal_log_prefix_mass, head_columns, head_columns_mass, head_columns_products, head_columns_width,
-    deferred_mean_stats, head_moment_sums_along, mean_applied, per_head_map, relu_statistics, scaled_partition,
-    softmax_statistics, softmax_values, values_first_applies,
+from .backends import causal_log_prefix_mass
+from .moments import (
+    HeadStats, deferred_mean_stats, head_columns, head_columns_mass, head_columns_products, head_columns_width,
+    head_moment_sums_along, mean_applied, per_head_map, scaled_partition,
 )
+from .plans import plan_average, relu_statistics
+from .softmax import softmax_statistics
+from .values import softmax_values, values_first_applies
 from .heads import Heads, broadcast_shapes
-from .normalization import choose as choose_normalization, names, normalization as as_normalization
+from .normalization import names, resolve
 from .sphere import tangent_projection
 
 __all__ = ["FieldEval", "evaluate", "velocity", "head_outputs", "radial_shadows"]
@@ -201,7 +205,7 @@ class _KernelPass:
     def value_field(self, mass: bool = False):
         """Σ_h ω_h V_h ȳ_h (mass=True: Σ_h ω_h m_h V_h ȳ_h, the un-normalised kernel), (..., n, d).
 
-        From the merged fused kernel (:func:`transformer_pde.model.attention.head_columns`) this is one
+        From the merged fused kernel (:func:`transformer_pde.model.moments.head_columns`) this is one
         product of its (..., n, H·E) output block with a (H·E, d) matrix, and the per-head V_h ȳ_h are
         never formed; from the values-first kernel one product of the (..., n, H·k_v) averages ū_h with the
         stacked ω_h O_h; otherwise the head sum of :meth:`value_mean` (times the mass)."""
@@ -243,6 +247,12 @@ class _KernelPass:
             first = first * torch.exp(self._log_prefix_mass()).unsqueeze(-1).unsqueeze(-3)
         return self.heads.apply_value(first)
 
+    def plan_mean(self, plan, **params):
+        """V_h Σ_j P_ij y_j for a plan of :func:`transformer_pde.model.plans.plan_average` (a name of its
+        ``PLANS`` or a callable), (..., H, n, d)."""
+        return self.heads.apply_value(plan_average(self.x, self.heads, self.w, plan, keys=self.keys,
+                                                   causal=self.causal, chunk_elements=self.chunk, **params))
+
     def head_sum(self, f):
         """Σ_h ω_h f_h, (..., n, d)."""
         return (self.heads.weights.unsqueeze(-1).unsqueeze(-1) * f).sum(-3)
@@ -274,7 +284,7 @@ def _fused_diagnostics(x, heads, weights, velocity, stats, c, R, lazy_gradient):
 
     With R_h = Σ_i w_i m_h(x_i) e^{−c} P_x V(x_i) ȳ_h(x_i)ᵀ, 𝒟 = Σ_h ω_h ⟨A_h, R_h⟩_F (A_h symmetric);
     E = Σ_h ω_h/(2β) Σ_i w_i m_h e^{−c}; b from the (..., n, H) masses, contiguous in the heads; ∇_S δE/δμ
-    = P_x (Y @ W) (:func:`transformer_pde.model.attention.per_head_map`), formed on first use when
+    = P_x (Y @ W) (:func:`transformer_pde.model.moments.per_head_map`), formed on first use when
     ``lazy_gradient`` (the solvers' step reads it only with token noise or a layer map)."""
     m = head_columns_mass(stats, c)  # (..., n, H)
     mean_m = m.mean(-2) if weights is None else (weights.unsqueeze(-2) @ m).squeeze(-2)  # (..., H)
@@ -350,7 +360,7 @@ def diagnostics_along(x, heads: Heads, weights, velocity, stats: HeadStats, *, l
 
 def _values_first(norm, heads: Heads) -> bool:
     """True when the field of this normalisation is read off the softmax averages of the values W_{V,h} y_j
-    (:func:`transformer_pde.model.attention.softmax_values`): softmax statistics used through V_h
+    (:func:`transformer_pde.model.values.softmax_values`): softmax statistics used through V_h
     ("softmax", "unnormalized"), heads with query/key and value factors."""
     return norm.statistics == "softmax" and norm.uses_value and values_first_applies(heads)
 
@@ -381,14 +391,15 @@ def evaluate(
     call :func:`velocity` / :func:`transformer_pde.model.energy` for checked entry points.
 
     ``normalization``: a name of :data:`transformer_pde.model.normalization.NORMALIZATIONS` or a
-    :class:`~transformer_pde.model.normalization.Normalization`; its output rule gives the field.
+    :class:`~transformer_pde.model.normalization.Normalization` (used as it is, resolved once by
+    :func:`~transformer_pde.model.normalization.resolve`); its output rule gives the field.
 
     ``log_scale=c``: the diagnostics (energy, slope, dissipation, grad_first_variation) are
     returned times e^{−c} (:func:`diagnostics_along`, the common scale of the solvers at large
     β‖A‖); c = 0 gives the values themselves.  The field never is rescaled.
 
     ``backend`` and ``chunk_elements`` select the attention kernel
-    (:func:`transformer_pde.model.attention.softmax_statistics`: "auto" | "dense" | "chunked" |
+    (:func:`transformer_pde.model.softmax.softmax_statistics`: "auto" | "dense" | "chunked" |
     "sdpa" | "keops"); every backend gives the same numbers to rounding.
 
     ``keys`` (..., m, d) and ``key_weights`` (..., m) or None: evaluate at the queries ``x`` the
@@ -409,9 +420,9 @@ def evaluate(
 
     Heads with query/key factors and value factors V_h = O_h W_{V,h}, ``diagnostics=False`` and no second
     moment: a "softmax" or "unnormalized" field is computed values first, f_h = O_h Σ_j p_ij W_{V,h} y_j
-    (:func:`transformer_pde.model.attention.softmax_values`, H·n·m·k_v work instead of H·n·m·d); the
+    (:func:`transformer_pde.model.values.softmax_values`, H·n·m·k_v work instead of H·n·m·d); the
     returned ``stats`` then hold the log-partitions, and their ``mean`` ȳ_h is computed on first access."""
-    norm = as_normalization(normalization)
+    norm = resolve(normalization)
     prefix_sum = isinstance(causal, str) and causal == "sum"
     causal = bool(causal)
     if causal:
@@ -513,7 +524,9 @@ def velocity(x, heads, weights=None, normalization="softmax", direction="ascent"
     weights
         token weights (..., n) or None (uniform).
     normalization
-        "softmax" | "unnormalized" | "relu" | "effective" (module docstring).
+        "softmax" | "unnormalized" | "relu" | "effective" | "sinkhorn" | "hardmax" (module docstring), or a
+        :class:`~transformer_pde.model.normalization.Normalization` object, used as it is (parameters such as
+        ``tp.SinkhornAttention(iterations=50)``, or a subclass of your own).
     direction
         "ascent" (s = +1, x + attention(x)) or "descent" (s = −1, reference code).
     causal
@@ -540,7 +553,7 @@ def velocity(x, heads, weights=None, normalization="softmax", direction="ascent"
     >>> tp.velocity(x, tp.Heads.scalar([1.0], 3).to(torch.float64)).shape
     torch.Size([5, 3])
     """
-    norm = choose_normalization(normalization, NORMALIZATIONS)
+    norm = resolve(normalization)
     sign = direction_sign(direction)
     _check_causal_flag(causal, norm)
     check_inputs(x, heads, weights)
@@ -559,7 +572,7 @@ def head_outputs(x, heads, weights=None, normalization="softmax", *, causal=Fals
 
     Defined for "softmax", "unnormalized" and "relu"; the "effective" field has no per-head split.
     causal: token i attends only to tokens j ≤ i (see :func:`velocity`)."""
-    norm = choose_normalization(normalization, names(lambda n: n.head_outputs))
+    norm = resolve(normalization, lambda n: n.head_outputs, what="no per-head split")
     _check_causal_flag(causal, norm)
     check_inputs(x, heads, weights)
     return evaluate(x, heads, weights, normalization=norm, diagnostics=False, causal=causal).outputs

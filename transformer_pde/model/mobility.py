@@ -21,12 +21,12 @@ from typing import Optional, Tuple
 import torch
 
 from ..utils.validation import check_tied, direction_sign
-from .normalization import NORMALIZATIONS
-from .attention import HeadStats, softmax_statistics
+from .moments import HeadStats
+from .softmax import softmax_statistics
 from .energy import check_log_scale, overflow_check
 from .field import check_inputs, diagnostics_along, evaluate, log_inverse_mobility
 from .heads import Heads
-from .normalization import choose as choose_normalization
+from .normalization import resolve
 
 __all__ = ["mobility", "log_mobility", "slope", "dissipation", "scaled_diagnostics"]
 
@@ -75,7 +75,7 @@ def mobility(x, heads: Heads, weights=None):
 
 def _scaled(x, heads, weights, normalization, direction, log_scale, which):
     c = check_log_scale(log_scale)
-    norm = choose_normalization(normalization, NORMALIZATIONS)
+    norm = resolve(normalization)
     sign = direction_sign(direction)
     check_inputs(x, heads, weights)
     if not norm.uses_value:

@@ -34,9 +34,14 @@ its methods, so this module stays free of tensors:
     ``kernel.value_field(mass)``   Σ_h ω_h V_h ȳ_h (times m_h when mass): one product of the fused
                                    kernel's output block, the per-head V_h ȳ_h never formed
     ``kernel.gradient_field()``    b^{-1} ∇ δE/δμ, un-projected (the gradient terms of the kernel)
+    ``kernel.plan_mean(plan, **p)`` V_h Σ_j P_ij y_j for the plan P of the scores: ``plan`` a name of
+                                   :data:`transformer_pde.model.plans.PLANS` ("sinkhorn", "hardmax") or a
+                                   callable (scores, log key weights, log query weights) -> P
 
-:func:`normalization` turns a name (or an object) into the object; :data:`NORMALIZATIONS` is the
-tuple of names.
+:func:`resolve` turns a name into the object once, at a public entry point (an object is returned
+as it is: no registry lookup, no round trip through its name, so a user's own subclass works in
+every function of the model layer); :func:`normalization` is the same without a predicate;
+:data:`NORMALIZATIONS` is the tuple of the registered names.
 """
 
 from __future__ import annotations
@@ -45,8 +50,8 @@ import functools
 from dataclasses import dataclass
 from typing import ClassVar, Optional, Union
 
-__all__ = ["Normalization", "Softmax", "Unnormalized", "ReLU", "Effective", "normalization", "NORMALIZATIONS",
-           "names", "choose"]
+__all__ = ["Normalization", "Softmax", "Unnormalized", "ReLU", "Effective", "SinkhornAttention", "Hardmax",
+           "normalization", "resolve", "NORMALIZATIONS", "names", "choose"]
 
 
 @dataclass(frozen=True)
@@ -168,7 +173,55 @@ class Effective(Normalization):
         return kernel.gradient_field(), None
 
 
-_BY_NAME = {cls.name: cls for cls in (Softmax, Unnormalized, ReLU, Effective)}
+@dataclass(frozen=True)
+class SinkhornAttention(Normalization):
+    """f_h(x_i) = V_h Σ_j P_ij y_j with P the Sinkhorn (doubly stochastic) plan of the kernel (Sinkformers).
+
+    In the log domain, with scores s_ij = β⟨x_i, A_h y_j⟩ and token weights w as both marginals:
+    f_i ← −log Σ_j w_j e^{s_ij + g_j} (g = 0: the softmax rows), then ``iterations`` rounds of
+    g_j ← −log Σ_i w_i e^{s_ij + f_i} and the row update again; P_ij = e^{s_ij + f_i + g_j} w_j.  Every
+    row sums to one (Σ_j P_ij = 1); the columns reach Σ_i w_i P_ij = w_j as ``iterations`` grows.
+    ``iterations=0`` is softmax; Sinkformers' ``n_it`` (normalisations counted singly) is 2·iterations + 1.
+    With symmetric heads (V_h = A_h = A_hᵀ) the converged field is the W2 gradient flow of
+    Σ_h ω_h ½ OT_{1/β}(μ, μ), the entropic transport cost of μ to itself with cost −⟨x, A_h y⟩
+    (docs/model.md#sinkhorn-and-hardmax-attention).  Queries must be the tokens of μ (no ``keys=``);
+    memory H·n·m per batch entry (the whole plan)."""
+
+    name: ClassVar[str] = "sinkhorn"
+    statistics: ClassVar[str] = "sinkhorn"
+    causal: ClassVar[bool] = False
+    gradient_flow: ClassVar[str] = ("with symmetric heads (V_h = A_h = A_hᵀ) at convergence: the W2 gradient flow of "
+                                    "Σ_h ω_h ½ OT_{1/β}(μ, μ) with cost −⟨x, A_h y⟩ (not of E)")
+    reduced: ClassVar[bool] = False
+    iterations: int = 10
+
+    def __post_init__(self):
+        if isinstance(self.iterations, bool) or not isinstance(self.iterations, int) or self.iterations < 0:
+            raise ValueError(f"SinkhornAttention(iterations=...) must be an int >= 0 (column-and-row rounds after "
+                             f"the first row normalisation), got {self.iterations!r}")
+
+    def outputs(self, kernel):
+        """f_h = V_h Σ_j P_ij y_j, P the Sinkhorn plan (see :meth:`Normalization.outputs`)."""
+        return kernel.plan_mean("sinkhorn", iterations=self.iterations)
+
+
+@dataclass(frozen=True)
+class Hardmax(Normalization):
+    """f_h(x_i) = V_h of the weighted average of the keys that maximise ⟨x_i, A_h y⟩ (ties split by weight).
+
+    The limit β → ∞ of softmax (for β > 0): with a unique maximiser j* and the gap δ_i = s_ij* − s_ij' to the
+    second-best score (s = ⟨x, A y⟩), the softmax average differs from it by O(e^{−β δ_i})."""
+
+    name: ClassVar[str] = "hardmax"
+    statistics: ClassVar[str] = "hardmax"
+    reduced: ClassVar[bool] = False
+
+    def outputs(self, kernel):
+        """f_h = V_h Σ_{j ∈ argmax} w_j y_j / Σ_{j ∈ argmax} w_j (see :meth:`Normalization.outputs`)."""
+        return kernel.plan_mean("hardmax")
+
+
+_BY_NAME = {cls.name: cls for cls in (Softmax, Unnormalized, ReLU, Effective, SinkhornAttention, Hardmax)}
 
 #: the names users pass as ``normalization=``
 NORMALIZATIONS = tuple(_BY_NAME)
@@ -200,6 +253,48 @@ def normalization(value: Union[str, Normalization], name: str = "normalization")
 _INSTANCES = {k: cls() for k, cls in _BY_NAME.items()}
 
 
+def resolve(value: Union[str, Normalization], where=None, *, name: str = "normalization",
+            what: str = "") -> Normalization:
+    """The strategy object for ``value``, resolved once at a public entry point.
+
+    A :class:`Normalization` object is returned as it is (no registry lookup, no round trip through
+    its ``name``: a user's own subclass works); a string is looked up among :data:`NORMALIZATIONS`.
+
+    Parameters
+    ----------
+    value : str or Normalization
+        what the user passed.
+    where : callable or None
+        a predicate on the object that this entry point needs (e.g. ``lambda n: n.head_outputs``).
+    name : str
+        the argument's name, for the messages.
+    what : str
+        what the predicate asks for, in words (for the message).
+
+    Returns
+    -------
+    Normalization
+        the strategy object.
+
+    Raises
+    ------
+    TypeError
+        neither a string nor a :class:`Normalization` (or the abstract base).
+    ValueError
+        an unknown name, or an object (or name) that fails ``where``."""
+    if isinstance(value, str):
+        obj = _INSTANCES.get(value)
+        if obj is None or (where is not None and not where(obj)):
+            raise ValueError(f"unknown {name} {value!r}; choose one of {', '.join(map(repr, names(where)))}")
+        return obj
+    obj = normalization(value, name)
+    if where is not None and not where(obj):
+        label = obj.name or type(obj).__name__
+        raise ValueError(f"{name}={label!r} is not covered here{' (' + what + ')' if what else ''}; choose one of "
+                         f"{', '.join(map(repr, names(where)))} or an object that has it")
+    return obj
+
+
 def names(where=None) -> tuple:
     """The names of the normalisations whose object satisfies ``where`` (all when None), in
     :data:`NORMALIZATIONS` order: ``names(lambda n: n.reduced)`` are those the reduced ODE covers.
@@ -217,7 +312,8 @@ def names(where=None) -> tuple:
 
 
 def choose(value, allowed: tuple, name: str = "normalization") -> Normalization:
-    """The object for ``value`` (a name or an object), refused unless its name is in ``allowed``.
+    """The object for ``value`` (a name or an object), refused unless it is one of the registered classes named
+    in ``allowed`` (entry points with closed forms per class: a subclass of a registered class is refused).
 
     Parameters
     ----------
@@ -245,6 +341,8 @@ def choose(value, allowed: tuple, name: str = "normalization") -> Normalization:
             raise ValueError(f"unknown {name} {value!r}; choose one of {', '.join(map(repr, allowed))}")
         return obj
     obj = normalization(value, name)
-    if obj.name not in allowed:
-        raise ValueError(f"{name}={obj.name!r} is not covered here; choose one of {', '.join(map(repr, allowed))}")
+    # the object's class, not its name: a subclass of a registered class carries its own rule
+    if not any(type(obj) is type(_INSTANCES[k]) for k in allowed if k in _INSTANCES):
+        label = obj.name or type(obj).__name__
+        raise ValueError(f"{name}={label!r} is not covered here; choose one of {', '.join(map(repr, allowed))}")
     return obj

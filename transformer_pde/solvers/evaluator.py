@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 
-from ..model.attention import values_first_applies
+from ..model.values import values_first_applies
 from ..model.energy import choose_log_scale
 from ..model.field import evaluate
 

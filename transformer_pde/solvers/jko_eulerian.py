@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 
 from ..utils.validation import check_positive, check_same, check_token_weights, check_tokens
-from ..model.attention import softmax_statistics
+from ..model.softmax import softmax_statistics
 from ..model.heads import Heads
 from ..model.sphere import circle_grid, fibonacci_sphere
 from ..model.transport import sq_chordal

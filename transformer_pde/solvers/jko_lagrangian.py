@@ -37,7 +37,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..model.attention import softmax_statistics
+from ..model.softmax import softmax_statistics
 from ..model.field import head_token_mean, log_inverse_mobility
 from ..model.heads import Heads
 from ..model.sphere import normalize

@@ -24,7 +24,7 @@ from typing import Any, ClassVar, FrozenSet, Mapping, Optional, Tuple, Union
 import torch
 
 from ..utils.validation import check_bool, check_choice, check_int, check_positive
-from ..model.attention import BACKENDS
+from ..model.backends import BACKENDS
 from .tableaux import TABLEAUX
 
 __all__ = ["Solver", "FixedStep", "Euler", "Heun", "RK4", "Dopri5", "ShardedEuler", "TransportTerm", "EMD", "Sinkhorn",

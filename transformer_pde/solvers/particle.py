@@ -31,7 +31,8 @@ from ..utils.validation import (
     check_same, check_seed_generator, check_tied_all, check_token_weights, check_tokens, direction_sign,
 )
 from ..model.normalization import NORMALIZATIONS
-from ..model.attention import DEFAULT_CHUNK_ELEMENTS, softmax_statistics
+from ..model.backends import DEFAULT_CHUNK_ELEMENTS
+from ..model.softmax import softmax_statistics
 from ..model.energy import check_scale_fits
 from ..model.normalization import choose as choose_normalization, names
 from ..model.field import check_causal_mode, evaluate  # noqa: F401  (evaluate: the name tests patch to see no work ran)

@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 
 from ...utils.validation import check_choice, check_int, check_positive, check_same, check_tensor, direction_sign
-from ...model.attention import softmax_statistics
+from ...model.softmax import softmax_statistics
 from ...model.field import check_inputs, grad_first_variation_terms, head_token_mean, token_mean, evaluate
 from ...model.heads import Heads
 from ...model.normalization import NORMALIZATIONS, Softmax, Unnormalized, choose as choose_normalization, names

@@ -34,7 +34,9 @@ LAYERS = [
     {"transformer_pde.model.field"},
     {"transformer_pde.model.energy"},
     {"transformer_pde.model.mobility"},
-    {"transformer_pde.processes.weights"},  # weight processes and the Θ_t grid driver
+    {"transformer_pde.processes.weights"},  # the weight processes
+    {"transformer_pde.processes.paths"},  # a stored weight path (replay)
+    {"transformer_pde.processes.driver"},  # the Θ_t grid driver of every solver; sample_path
     {"transformer_pde.processes.nn", "transformer_pde.processes.pretrained"},
     {"transformer_pde.processes"},  # the package re-exports the weight processes
     # the layer-normalisation schemes (the step's geometry); Butcher tableaux; Trajectory and the errors
@@ -76,7 +78,9 @@ LAYERS = [
     # the pretrained-network probe: its measurements and figures, then the study
     {"transformer_pde.application.studies.probe", "transformer_pde.application.studies.pretrained_figures"},
     {"transformer_pde.application.studies.pretrained"},
-    {"transformer_pde.application.runs"},
+    # a run's config and limits; the run directory's files; its lock
+    {"transformer_pde.application.config", "transformer_pde.application.rundir", "transformer_pde.application.locks"},
+    {"transformer_pde.application.runs"},  # plan and execute a study in its run directory
     {"transformer_pde.application.sweep"},
     {"transformer_pde.application.cli"},
 ]

@@ -85,7 +85,9 @@ from ..model.attention import softmax_statistics
 from ..model.energy import choose_log_scale
 from ..model.field import FieldEval, evaluate, log_inverse_mobility, token_mean
 from ..model.heads import Heads
-from ..processes.weights import Process, WeightDriver, WeightPath, grid_steps, path_bytes
+from ..processes.driver import WeightDriver, grid_steps, path_bytes
+from ..processes.paths import WeightPath
+from ..processes.weights import Process
 from .jko_eulerian import check_grid_type, entropy, eulerian_step, resolve_grid, self_potential, to_grid
 from .jko_lagrangian import lagrangian_step, scaled_energy
 from .methods import EMD, EulerianJKO, Identity, LagrangianJKO, RiemannianLBFGS, Sinkhorn

@@ -36,7 +36,9 @@ from ..model.energy import check_scale_fits
 from ..model.normalization import choose as choose_normalization, names
 from ..model.field import check_causal_mode, evaluate  # noqa: F401  (evaluate: the name tests patch to see no work ran)
 from ..model.heads import Heads, broadcast_shapes
-from ..processes.weights import Constant, Process, WeightDriver, WeightPath, grid_steps, path_bytes
+from ..processes.driver import WeightDriver, grid_steps, path_bytes
+from ..processes.paths import WeightPath
+from ..processes.weights import Constant, Process
 from .adaptive import dopri5, solve_adaptive
 from .evaluator import Evaluator
 from .fixed_step import solve_fixed_step

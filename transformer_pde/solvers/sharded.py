@@ -54,7 +54,9 @@ from ..model.normalization import NORMALIZATIONS
 from ..model.energy import pairing
 from ..model.field import FieldEval, evaluate
 from ..model.heads import Heads
-from ..processes.weights import Constant, Process, WeightDriver, WeightPath, grid_steps
+from ..processes.driver import WeightDriver, grid_steps
+from ..processes.paths import WeightPath
+from ..processes.weights import Constant, Process
 from .methods import ShardedEuler
 from .model import Model
 from .options import LedgerOptions, Progress, SaveAt

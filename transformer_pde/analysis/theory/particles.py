@@ -691,7 +691,7 @@ def flat_flow(x0, heads: Heads, *, t1: float, dt: float, weights=None, normaliza
         for bad input; ``tp.NonFiniteError`` with the time, step and quantity
         when the tokens or energies overflow.
     """
-    from ...processes.weights import grid_steps
+    from ...processes.driver import grid_steps
     from ...solvers.particle import TABLEAUX, NonFiniteError
     from ...solvers.parts import Recorder, Stepper
 

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 import transformer_pde as tp
-from transformer_pde.application.studies.theorems import (common_noise_sde, perturbed_pair, perturbed_weights,
-                                              riemannian_hessian)
+from transformer_pde.analysis.theory.limits import common_noise_sde, riemannian_hessian
+from transformer_pde.application.studies.theorems import perturbed_pair, perturbed_weights
 
 ROOT = Path(__file__).resolve().parent.parent / "experiments"
 F64 = torch.float64

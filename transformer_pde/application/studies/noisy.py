@@ -114,9 +114,10 @@ def _stationary(p, d, n, T, dtype, *, heads, t1, paths, tag, run, x0=None, norma
     """time series of |m| (T, paths) and N·|m|² for one (d, N, T) ensemble, cached."""
     def compute():
         x = _uniform(n, d, dtype, p["seed"] + 1) if x0 is None else x0
-        tr = tp.simulate(x, heads, t1=t1, dt=dt or p["dt"], temperature=T, paths=paths, seed=p["seed"],
-                         direction="ascent", normalization=normalization, diagnostics=False,
-                         observables={"m": _m}, record_every=max(1, round(0.25 / (dt or p["dt"]))))
+        tr = tp.solve(tp.Model(heads, normalization=normalization, direction="ascent", noise=T), x, tp.Euler(), t1=t1,
+                      dt=dt or p["dt"], paths=paths, seed=p["seed"],
+                      saveat=tp.SaveAt(every=max(1, round(0.25 / (dt or p["dt"]))), observables={"m": _m}),
+                      ledger=tp.LedgerOptions(diagnostics=False))
         m = tr.observables["m"].double()
         return {"t": tr.times.double(), "m": m, "x_final": tr.final}
 

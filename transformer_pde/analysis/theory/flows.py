@@ -18,6 +18,14 @@ from ...model.attention import softmax_statistics
 from ...model.field import head_token_mean, token_mean
 from ...model.heads import Heads
 from ...model.normalization import choose as choose_normalization
+from ...processes.driver import grid_steps
+from ...solvers.methods import FixedStep
+from ...solvers.model import Model
+from ...solvers.options import LedgerOptions, Progress, SaveAt
+from ...solvers.parts import Recorder, Stepper
+from ...solvers.solve import solve
+from ...solvers.tableaux import TABLEAUX
+from ...solvers.trajectory import NonFiniteError
 from ..clustering import mean_overlap
 from .particles import OUTPUT_NORMALIZATIONS, beta_factor, check_any, head_outputs_of
 
@@ -59,10 +67,6 @@ def flat_flow(x0, heads: Heads, *, t1: float, dt: float, weights=None, normaliza
         for bad input; ``tp.NonFiniteError`` with the time, step and quantity
         when the tokens or energies overflow.
     """
-    from ...processes.driver import grid_steps
-    from ...solvers.particle import TABLEAUX, NonFiniteError
-    from ...solvers.parts import Recorder, Stepper
-
     normalization = choose_normalization(normalization, OUTPUT_NORMALIZATIONS)
     s = direction_sign(direction)
     check_choice(method, tuple(TABLEAUX), "method")
@@ -119,11 +123,6 @@ def clustering_hitting_time(x0, heads: Heads, *, target: float, t_max: float, dt
     Runs ``tp.solve`` with the fixed-step solver ``method`` ("euler", "heun", "rk4"; constant heads) and
     stops early through its progress callback once every ensemble member has crossed; the crossing time is
     interpolated linearly between the two steps that bracket it (error O(dt²) on top of the solver's)."""
-    from ...solvers.methods import FixedStep
-    from ...solvers.model import Model
-    from ...solvers.options import LedgerOptions, Progress, SaveAt
-    from ...solvers.solve import solve
-
     if isinstance(target, bool) or not isinstance(target, (int, float)) or not (-1 < float(target) < 1):
         raise ValueError(f"target must be a number in (-1, 1), got {target!r}")
     t_max = check_positive(t_max, "t_max")

@@ -37,7 +37,9 @@ LAYERS = [
     {"transformer_pde.model.field"},
     {"transformer_pde.model.energy"},
     {"transformer_pde.model.mobility"},
-    {"transformer_pde.processes.weights"},  # weight processes and the Θ_t grid driver
+    {"transformer_pde.processes.weights"},  # the weight processes
+    {"transformer_pde.processes.paths"},  # a stored weight path (replay)
+    {"transformer_pde.processes.driver"},  # the Θ_t grid driver of every solver; sample_path
     {"transformer_pde.processes.nn", "transformer_pde.processes.pretrained"},
     {"transformer_pde.processes"},  # the package re-exports the weight processes
     # the layer-normalisation schemes (the step's geometry); Butcher tableaux; Trajectory and the errors
@@ -65,11 +67,15 @@ LAYERS = [
     {"transformer_pde.analysis.theory.stability", "transformer_pde.analysis.theory.noise",
      "transformer_pde.analysis.theory.circle"},
     # worst-case flow sensitivity and trajectory bounds; stationary mean-field branches (continuation)
-    {"transformer_pde.analysis.theory.sensitivity", "transformer_pde.analysis.theory.continuation"},
+    # the theorems' limit objects (ω-limit Hessian, fast-weights SDE)
+    {"transformer_pde.analysis.theory.sensitivity", "transformer_pde.analysis.theory.continuation",
+     "transformer_pde.analysis.theory.limits"},
     # generic diagnostics; closed forms
     {"transformer_pde.analysis.clustering", "transformer_pde.analysis.ensembles", "transformer_pde.analysis.theory",
      "transformer_pde.analysis.pretrained"},
     {"transformer_pde.analysis.theory.particles"},  # the particle diagnostics of the theory
+    # attention entropy and orthogonal heads; the flat flow and clustering hitting times
+    {"transformer_pde.analysis.theory.attention_geometry", "transformer_pde.analysis.theory.flows"},
     {"transformer_pde.analysis.diagnostics"},  # tp.diagnostics = theory.particles
     {"transformer_pde"},  # the public facade (import transformer_pde as tp)
     {"transformer_pde.application.plotting"},
@@ -79,12 +85,16 @@ LAYERS = [
     {"transformer_pde.application.studies.noisy_hysteresis"},  # the hysteresis sweeps of the noisy study
     {f"transformer_pde.application.studies.{m}" for m in ("demo", "paper", "theory", "jko", "clustering", "causal",
                                                           "layernorm", "noisy", "training")},
+    {"transformer_pde.application.studies.theory_energy",  # the theory studies on the parts of studies.theory
+     "transformer_pde.application.studies.theory_clustering"},
     {"transformer_pde.application.studies.theorems_stability"},  # uses studies.jko's slope fit
     {"transformer_pde.application.studies.theorems"},  # registers the stability studies; composes studies.jko
     # the pretrained-network probe: its measurements and figures, then the study
     {"transformer_pde.application.studies.probe", "transformer_pde.application.studies.pretrained_figures"},
     {"transformer_pde.application.studies.pretrained"},
-    {"transformer_pde.application.runs"},
+    # a run's config and limits; the run directory's files; its lock
+    {"transformer_pde.application.config", "transformer_pde.application.rundir", "transformer_pde.application.locks"},
+    {"transformer_pde.application.runs"},  # plan and execute a study in its run directory
     {"transformer_pde.application.sweep"},
     {"transformer_pde.application.cli"},
 ]

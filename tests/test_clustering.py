@@ -5,6 +5,7 @@ import inspect
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -94,15 +95,40 @@ def test_chain_single_linkage_vs_rank():
     torch.testing.assert_close(cl.pair_fraction(x, radius=r), torch.tensor(4 / 6, dtype=torch.float64))
 
 
-def test_matches_independent_label_propagation_of_diagnostics():
-    """cluster_count at chordal r = 2 sin(ρ/2) equals diagnostics.cluster_count at geodesic ρ."""
+@pytest.mark.parametrize("metric", ["chordal", "geodesic"])
+def test_matches_scipy_connected_components(metric):
+    """cluster_count against scipy's connected components of the graph built here from the angles
+    (geodesic: arccos⟨x_i, x_j⟩ < ρ) or the distances (chordal: |x_i − x_j| < r)."""
+    from scipy.sparse.csgraph import connected_components
+
     gen = torch.Generator().manual_seed(3)
     x = tp.sphere.sample_uniform(40, 3, batch_shape=(4, 5), generator=gen, dtype=torch.float64)
-    for rho in (0.2, 0.4, 0.8):
-        ours = cl.cluster_count(x, radius=2 * math.sin(rho / 2))
-        ref = tp.diagnostics.cluster_count(x, radius=rho)
-        assert torch.equal(ours, ref)
+    xs = x.reshape(-1, 40, 3).numpy()
+    for r in (0.2, 0.4, 0.8):
+        ours = cl.cluster_count(x, radius=r, metric=metric)
+        ref = []
+        for c in xs:
+            dist = (np.arccos(np.clip(c @ c.T, -1.0, 1.0)) if metric == "geodesic"
+                    else np.linalg.norm(c[:, None] - c[None], axis=-1))
+            ref.append(connected_components(dist < r, directed=False)[0])
+        assert ours.reshape(-1).tolist() == ref, (metric, r)
     assert len(set(ours.flatten().tolist())) > 1  # the configurations are not all alike
+
+
+def test_geodesic_radius_is_the_chordal_radius_of_the_same_angle():
+    """Two tokens at angle θ: one cluster iff θ < ρ (geodesic) iff |x − y| = 2 sin(θ/2) < r (chordal)."""
+    for rho in (0.5, 1.2, 3.0):
+        for theta, count in ((0.98 * rho, 1), (1.02 * rho, 2)):
+            theta = min(theta, math.pi)
+            x = torch.tensor([[1.0, 0.0, 0.0], [math.cos(theta), math.sin(theta), 0.0]], dtype=torch.float64)
+            want = 1 if theta < min(rho, math.pi) else 2
+            if theta < math.pi:
+                assert want == count
+            assert int(cl.cluster_count(x, radius=rho, metric="geodesic")) == want, (rho, theta)
+    with pytest.raises(ValueError, match="metric"):
+        cl.cluster_count(torch.eye(3, dtype=torch.float64), radius=0.1, metric="euclidean")
+    with pytest.raises(ValueError, match="radius"):
+        cl.cluster_count(torch.eye(3, dtype=torch.float64), radius=-1.0, metric="geodesic")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

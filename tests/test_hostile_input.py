@@ -14,7 +14,7 @@ from torch.testing import assert_close
 import transformer_pde as tp
 from conftest import gen
 from problems import tokens_and_heads
-from transformer_pde.processes import weights as processes
+from transformer_pde import processes
 from transformer_pde.solvers import parts, particle
 
 F64 = torch.float64

@@ -13,7 +13,7 @@ from torch.testing import assert_close
 import transformer_pde as tp
 from conftest import gen
 from problems import tokens_and_heads as problem
-from transformer_pde.processes import weights as processes
+from transformer_pde import processes
 
 
 def tol(dtype, scale=1.0):

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 import transformer_pde as tp
-from transformer_pde.application.studies.theorems import (common_noise_sde, perturbed_pair, perturbed_weights,
-                                              riemannian_hessian)
+from transformer_pde.analysis.theory.limits import common_noise_sde, riemannian_hessian
+from transformer_pde.application.studies.theorems import perturbed_pair, perturbed_weights
 
 ROOT = Path(__file__).resolve().parent.parent / "experiments"
 F64 = torch.float64
@@ -227,6 +227,24 @@ def test_common_noise_sde_without_noise_is_heun():
     xs = common_noise_sde(x[None], heads, torch.zeros(K, 1, 2, 3, 3, dtype=F64), dt)
     tr = tp.simulate(x, heads, t1=K * dt, dt=dt, method="heun", direction="descent", diagnostics=False)
     torch.testing.assert_close(xs[:, 0], tr.x, rtol=1e-12, atol=1e-13)
+
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_limit_objects_refuse_bad_input_before_any_work(dtype):
+    heads = tp.Heads.scalar([1.0], 3).to(dtype)
+    x = _tetrahedron().to(dtype)
+    with pytest.raises(ValueError, match=r"shape \(n, d\)"):
+        riemannian_hessian(x.expand(2, 4, 3), heads)
+    with pytest.raises(ValueError, match="unit sphere|normalise"):
+        riemannian_hessian(2 * x, heads)
+    inc = torch.zeros(3, 1, 1, 3, 3, dtype=dtype)
+    with pytest.raises(ValueError, match="dt"):
+        common_noise_sde(x[None], heads, inc, 0.0)
+    with pytest.raises(TypeError, match="increments"):
+        common_noise_sde(x[None], heads, [0.0], 0.1)
+    xs = common_noise_sde(x[None], heads, inc, 0.1)  # dtype follows the input
+    assert xs.dtype == dtype and xs.shape == (4, 1, 4, 3)
 
 
 # ---------------------------------------------------------------------------- the studies through the CLI

@@ -497,8 +497,8 @@ def test_mean_overlap_cluster_count_and_hitting_time():
     g = gen(17)
     centres = tp.sphere.normalize(torch.randn(4, 5, generator=g, dtype=F64))
     x = tp.sphere.normalize(centres.repeat_interleave(6, 0) + 1e-4 * torch.randn(24, 5, generator=g, dtype=F64))
-    assert int(dg.cluster_count(x, radius=1e-2)) == 4
-    assert dg.cluster_count(x.expand(2, 24, 5)).tolist() == [4, 4]
+    assert int(tp.clustering.cluster_count(x, radius=1e-2, metric="geodesic")) == 4
+    assert tp.clustering.cluster_count(x.expand(2, 24, 5), radius=1e-2, metric="geodesic").tolist() == [4, 4]
     gbar, gap = dg.mean_overlap(x)
     Gm = x @ x.T
     assert abs(float(gbar) - float(Gm[offdiag(24)].mean())) < 1e-14
@@ -555,7 +555,7 @@ def test_bad_input_is_refused():
         (ValueError, lambda: dg.approximately_orthogonal_heads(2, 2, 100.0)),
         (ValueError, lambda: dg.principal_angles(torch.eye(3, dtype=F64), torch.eye(4, dtype=F64))),
         (TypeError, lambda: dg.orthogonality_defect(torch.eye(3))),
-        (ValueError, lambda: dg.cluster_count(x, radius=0.0)),
+        (ValueError, lambda: tp.clustering.cluster_count(x, radius=0.0, metric="geodesic")),
         (ValueError, lambda: dg.mean_overlap(x[:1])),
         (ValueError, lambda: dg.flat_flow(x, heads, t1=1.0, dt=0.0)),
         (ValueError, lambda: dg.flat_flow(x, heads, t1=1.0, dt=0.3)),

@@ -232,7 +232,7 @@ def test_cluster_count_links_tokens_closer_than_the_geodesic_radius():
     for radius in (0.5, 1.2):
         for theta, count in ((0.98 * radius, 1), (1.02 * radius, 2)):
             x = torch.tensor([[1.0, 0.0, 0.0], [math.cos(theta), math.sin(theta), 0.0]], dtype=F64)
-            assert int(dg.cluster_count(x, radius=radius)) == count, (radius, theta)
+            assert int(tp.clustering.cluster_count(x, radius=radius, metric="geodesic")) == count, (radius, theta)
 
 
 def test_principal_angle_errors_name_the_argument():

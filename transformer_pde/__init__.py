@@ -19,10 +19,9 @@ from .model.energy import energy, energy_time_derivative, first_variation, head_
 from .model.field import FieldEval, evaluate, head_outputs, radial_shadows, velocity
 from .model.heads import Heads
 from .model.mobility import dissipation, log_mobility, mobility, slope
-from .processes.weights import (
-    Constant, Custom, Layerwise, OrnsteinUhlenbeck, Oscillating, Process, WeightPath, oscillating_target,
-    sample_path,
-)
+from .processes.driver import sample_path
+from .processes.paths import WeightPath
+from .processes.weights import Constant, Custom, Layerwise, OrnsteinUhlenbeck, Oscillating, Process, oscillating_target
 from .solvers.particle import simulate
 from .solvers.tableaux import METHODS, TABLEAUX, ButcherTableau
 from .solvers.trajectory import NonFiniteError, Trajectory

@@ -22,7 +22,7 @@ radius r, equivalently when their overlap exceeds 1 − ε with ε = r²/2:
 * :func:`cluster_radius` — max over clusters C and members i ∈ C of the geodesic distance from
   x_i to the normalised weighted mean of C (differentiable in x, through the means);
 * :func:`cluster_statistics` — all of them (and the mean overlap) as a dict, the form that
-  ``tp.simulate(..., observables=...)`` and the studies record over time.
+  ``tp.solve(..., saveat=tp.SaveAt(observables=...))`` and the studies record over time.
 
 :func:`crossing_time` gives the first time a recorded series reaches a level (clustering times).
 Metastability: :func:`detect_plateaus` finds the flat steps of a staircase (energy, cluster
@@ -45,7 +45,8 @@ from typing import Dict, Optional
 
 import torch
 
-from ..utils.validation import broadcast_shapes, check_positive, check_tensor, check_token_weights, check_tokens
+from ..utils.validation import (broadcast_shapes, check_choice, check_positive, check_tensor, check_token_weights,
+                                check_tokens)
 
 __all__ = [
     "linked",
@@ -164,11 +165,32 @@ def cluster_masses(x, *, radius: float = 0.1, weights=None) -> torch.Tensor:
     return (w.unsqueeze(-1) * onehot).sum(-2)
 
 
-def cluster_count(x, *, radius: float = 0.1, weights=None) -> torch.Tensor:
-    """Number of single-linkage clusters at chordal radius r that carry positive mass, (...,) int64.
+def cluster_count(x, *, radius: float = 0.1, weights=None, metric: str = "chordal") -> torch.Tensor:
+    """Number of single-linkage clusters at radius r that carry positive mass, (...,) int64.
 
     k groups of tokens whose within-group links chain together at radius r and whose groups are
-    more than r apart give exactly k.  See :func:`cluster_labels`."""
+    more than r apart give exactly k.  See :func:`cluster_labels`.
+
+    Parameters
+    ----------
+    x
+        (..., n, d) unit vectors.
+    radius : float
+        the linking radius r: a chordal distance |x_i − x_j| in (0, 2] (``metric="chordal"``), or a
+        geodesic angle θ > 0 (``metric="geodesic"``), linked when the angle is below θ: the same graph
+        as the chordal radius 2 sin(min(θ, π)/2).
+    weights
+        (..., n) token weights or None (uniform).
+    metric : str
+        "chordal" or "geodesic": how ``radius`` is measured.
+
+    Raises
+    ------
+    TypeError, ValueError
+        bad x, weights, radius or metric (before any work)."""
+    check_choice(metric, ("chordal", "geodesic"), "metric")
+    if metric == "geodesic":
+        radius = 2 * math.sin(min(check_positive(radius, "radius"), math.pi) / 2)
     labels = cluster_labels(x, radius=radius, weights=weights)  # validates x and weights first
     w = _weights(x, weights)
     roots = labels == torch.arange(x.shape[-2], device=x.device)
@@ -249,7 +271,7 @@ def pair_fraction(x, *, radius: Optional[float] = None, eps: Optional[float] = N
 
 def pair_fraction_observable(*, eps: float = 1e-3):
     """The reference simulators' pair statistic as an observable ``fn(x, weights) -> (...,)`` for
-    ``tp.simulate(..., observables={"pairs": fn})``: the fraction of distinct pairs whose overlap,
+    ``tp.solve(..., saveat=tp.SaveAt(observables={"pairs": fn}))``: the fraction of distinct pairs whose overlap,
     read off the Gram matrix, exceeds 1 − ε (rotf and simuformer record it at every step with
     ε = 1e-3, the default),
 
@@ -388,7 +410,7 @@ def cluster_statistics(x, weights=None, *, radius: float = 0.1, eps: Optional[fl
     counts ("clusters", "gram_rank", "largest_mass", "radius": overlap > 1 − count_eps), the pair
     fraction and mean overlap keeping ε (rotf: ε = 1e-3 for the pairs, count_eps = 1e-4 for the
     rank).  The signature ``(x, weights)`` is the observable
-    form of ``tp.simulate(..., observables={"clusters": tp.clustering.cluster_statistics})``;
+    form of ``tp.solve(..., saveat=tp.SaveAt(observables={"clusters": tp.clustering.cluster_statistics}))``;
     :func:`statistics_observables` makes one entry per statistic with other settings.
     """
     if eps is not None:
@@ -420,7 +442,7 @@ def cluster_statistics(x, weights=None, *, radius: float = 0.1, eps: Optional[fl
 
 def statistics_observables(*, radius: float = 0.1, eps: Optional[float] = None, keys=None,
                            stacked: bool = False, count_eps: Optional[float] = None) -> Dict[str, object]:
-    """Observables for ``tp.simulate(..., observables=...)`` from :func:`cluster_statistics`.
+    """Observables for ``tp.SaveAt(observables=...)`` (``tp.solve``) from :func:`cluster_statistics`.
 
     stacked=False: one entry per statistic in ``keys`` (default: all), each a callable(x, weights)
     returning (...,); every entry recomputes the statistics.  stacked=True: one entry

@@ -59,7 +59,7 @@ __all__ = ["RUNGS", "MODES", "FAMILIES", "MINILM_SHA256", "MINILM_PIP", "Norm", 
 RUNGS = ("network", "no_feedforward", "sphere", "no_bias", "continuous")
 MODES = ("rollout", "local")
 # tp.solve's kernel for the continuous and post-LN rungs: value-factored heads take the values-first kernel
-# (model.attention.softmax_values, width k = 32 instead of d = 384); "auto" runs it on torch's fused CPU
+# (model.values.softmax_values, width k = 32 instead of d = 384); "auto" runs it on torch's fused CPU
 # flash-attention op where that applies, else on plain torch
 _BACKEND = "auto"
 

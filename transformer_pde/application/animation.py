@@ -14,8 +14,9 @@ defaults (≤ 60 frames, ≤ 150 tokens, 96 dpi, two 3.2-inch panels) give a GIF
 
 Example::
 
-    traj_a = tp.simulate(x0, tp.OrnsteinUhlenbeck(heads), t1=6.0, dt=0.01, paths=2)
-    traj_b = tp.simulate(x0, tp.Oscillating(heads), t1=6.0, dt=0.01)
+    traj_a = tp.solve(tp.Model(tp.OrnsteinUhlenbeck(heads), direction="descent"), x0, tp.Euler(), t1=6.0, dt=0.01,
+                      paths=2)
+    traj_b = tp.solve(tp.Model(tp.Oscillating(heads), direction="descent"), x0, tp.Euler(), t1=6.0, dt=0.01)
     from transformer_pde.application.animation import animate_tokens
     animate_tokens([traj_a, traj_b], ["OU (path 0)", "oscillating"], "flows.gif")
 """

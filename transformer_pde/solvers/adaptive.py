@@ -19,7 +19,8 @@ from ..model.energy import pairing
 from ..model.energy import quadratic_variation as realised_qv_term
 from ..model.field import evaluate
 from ..model.heads import Heads
-from ..processes.weights import Process, WeightPath
+from ..processes.paths import WeightPath
+from ..processes.weights import Process
 from .parts import Recorder, ledger_from_series, partial_density
 from .trajectory import Trajectory, check_finite, check_ledger, nonfinite_error
 

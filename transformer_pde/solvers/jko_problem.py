@@ -26,7 +26,9 @@ from ..utils.validation import (
 )
 from ..model.heads import Heads
 from ..model.normalization import Effective, Normalization, Unnormalized
-from ..processes.weights import Process, WeightPath, path_bytes
+from ..processes.driver import path_bytes
+from ..processes.paths import WeightPath
+from ..processes.weights import Process
 from .jko_eulerian import EulerianStep, resolve_grid, to_grid
 from .jko_lagrangian import LagrangianStep
 from .jko_theta import check_theta_grid

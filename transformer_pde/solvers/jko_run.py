@@ -22,7 +22,7 @@ import warnings
 import torch
 
 from ..utils import threads
-from ..model.attention import softmax_statistics
+from ..model.softmax import softmax_statistics
 from ..model.energy import choose_log_scale
 from ..model.field import FieldEval, evaluate, log_inverse_mobility, token_mean
 from ..model.heads import Heads

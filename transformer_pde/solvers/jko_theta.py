@@ -19,7 +19,9 @@ import torch
 
 from ..utils.validation import check_limits
 from ..model.heads import Heads
-from ..processes.weights import Process, WeightDriver, WeightPath, path_bytes
+from ..processes.driver import WeightDriver, path_bytes
+from ..processes.paths import WeightPath
+from ..processes.weights import Process
 from .options import Limits
 
 __all__ = []  # the JKO solve's parts; users call tp.jko / tp.solve(..., tp.LagrangianJKO(...))

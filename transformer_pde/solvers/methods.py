@@ -130,7 +130,7 @@ class ShardedEuler(Solver):
     process group; None: the world, or one rank without an initialised group).  x0 of
     :func:`~transformer_pde.solve` is this rank's shard (``tp.distributed.shard_tokens``), the model's
     token weights this rank's share of the global weights.  ``backend``: the kernel
-    (:mod:`transformer_pde.model.attention`); ``gather_x``: record all N tokens instead of the shard.
+    (:mod:`transformer_pde.model.backends`); ``gather_x``: record all N tokens instead of the shard.
 
     The ledger is the left-point one of ``Euler()``; no observables, stored paths, checkpoints,
     callbacks, realised quadratic variation or given energy scale; no layer maps, token noise or

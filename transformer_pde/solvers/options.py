@@ -16,7 +16,7 @@ from typing import Callable, Mapping, Optional, Union
 import torch
 
 from ..utils.validation import check_bool, check_choice, check_int, check_positive, check_real, check_seed_generator
-from ..processes.weights import grid_steps
+from ..processes.driver import grid_steps
 
 __all__ = ["SaveAt", "LedgerOptions", "Checkpointing", "Progress", "Limits", "SolveOptions", "QUADRATURES",
            "QUADRATIC_VARIATIONS"]

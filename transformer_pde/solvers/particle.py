@@ -37,7 +37,9 @@ from ..model.energy import check_scale_fits
 from ..model.normalization import choose as choose_normalization, names
 from ..model.field import check_causal_mode, evaluate  # noqa: F401  (evaluate: the name tests patch to see no work ran)
 from ..model.heads import Heads, broadcast_shapes
-from ..processes.weights import Constant, Process, WeightDriver, WeightPath, grid_steps, path_bytes
+from ..processes.driver import WeightDriver, grid_steps, path_bytes
+from ..processes.paths import WeightPath
+from ..processes.weights import Constant, Process
 from .adaptive import dopri5, solve_adaptive
 from .evaluator import Evaluator
 from .fixed_step import solve_fixed_step
@@ -155,7 +157,7 @@ def simulate(
         ``disable=None``).  None (default): show it for long fixed-step solves, when
         steps · stages · paths · H · n² ≥ :data:`PROGRESS_MIN_WORK`.
     chunk_elements : Optional[int]
-        memory cap of one score block (see :mod:`transformer_pde.model.attention`).
+        memory cap of one score block (see :mod:`transformer_pde.model.backends`).
     checkpoint : Optional[Union[str, Path]]
         file to checkpoint to (atomically, every ``checkpoint_every`` steps) and to
         resume from if it exists and matches this run; a foreign, corrupt or non-finite file

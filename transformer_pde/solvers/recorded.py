@@ -56,7 +56,8 @@ from typing import Dict, List, Optional, Sequence, Union
 
 import torch
 
-from ..model.attention import DEFAULT_CHUNK_ELEMENTS, softmax_statistics
+from ..model.backends import DEFAULT_CHUNK_ELEMENTS
+from ..model.softmax import softmax_statistics
 from ..model.energy import choose_log_scale
 from ..model.field import evaluate
 from ..model.heads import Heads

@@ -54,7 +54,9 @@ from ..model.normalization import NORMALIZATIONS
 from ..model.energy import pairing
 from ..model.field import FieldEval, evaluate
 from ..model.heads import Heads
-from ..processes.weights import Constant, Process, WeightDriver, WeightPath, grid_steps
+from ..processes.driver import WeightDriver, grid_steps
+from ..processes.paths import WeightPath
+from ..processes.weights import Constant, Process
 from .methods import ShardedEuler
 from .model import Model
 from .options import LedgerOptions, Progress, SaveAt
@@ -298,7 +300,7 @@ def simulate_sharded(
     weights : Optional[torch.Tensor]
         this rank's share of the global token weights, or None (uniform 1/N).
     backend, chunk_elements
-        kernel choice (:mod:`transformer_pde.model.attention`).
+        kernel choice (:mod:`transformer_pde.model.backends`).
     gather_x : bool
         record all N tokens (the gathered keys) instead of the local shard.
     progress : bool

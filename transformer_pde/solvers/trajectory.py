@@ -34,7 +34,7 @@ import torch
 from ..model.field import FieldEval
 from ..model.heads import Heads
 from ..model.normalization import normalization as as_normalization
-from ..processes.weights import WeightPath
+from ..processes.paths import WeightPath
 
 __all__ = ["Trajectory", "NonFiniteError"]
 #: named internal API (not public), used by the solvers

@@ -10,7 +10,7 @@ after a plain ``pip install .`` a config can be named without a path::
     resources.config_names()                      # ['hd_ou_vs_oscillating', ..., 'theory_rates', ...]
     resources.config_path("ou_vs_oscillating_quick")   # .../transformer_pde/configs/ou_vs_oscillating_quick.toml
     resources.find_config("ou_vs_oscillating_quick")   # a name, a path, or experiments/<name>.toml
-    resources.load_toml(path)                     # dict; tomllib on 3.11+, tomli on 3.10
+    resources.load_toml(path)                     # dict; tomllib on 3.11+, tomli on 3.10; ValueError
 
 Lookup order for the directory: the installed package data (``transformer_pde/configs``),
 then the source checkout's ``experiments/`` (editable installs and running from a clone).
@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
+import stat
 from importlib.resources import files
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
@@ -29,9 +31,13 @@ try:
 except ImportError:  # Python 3.10: the same parser from PyPI (a dependency there); tested by hiding tomllib
     import tomli as tomllib
 
-__all__ = ["tomllib", "load_toml", "loads_toml", "config_dir", "config_names", "config_path", "find_config"]
+__all__ = ["tomllib", "CONFIG_MAX_BYTES", "load_toml", "loads_toml", "config_dir", "config_names", "config_path",
+           "find_config"]
 
 _SUFFIX = ".toml"
+
+#: the largest config file read (bytes): the shipped ones are below 4 KiB
+CONFIG_MAX_BYTES = 2**20
 
 
 def loads_toml(text: str) -> Dict[str, Any]:
@@ -47,17 +53,60 @@ def loads_toml(text: str) -> Dict[str, Any]:
 
 
 def load_toml(path: Union[str, Path]) -> Dict[str, Any]:
-    """Read a TOML file into a dict (``tomllib.load``; ``tomli`` on Python 3.10).
+    """Read a TOML config file into a dict (``tomllib``; ``tomli`` on Python 3.10): the one config reader.
+
+    The file must be a regular file (a FIFO is never opened), at most :data:`CONFIG_MAX_BYTES` bytes
+    (read bounded, also when it grows meanwhile), UTF-8 text (a byte-order mark is dropped) and valid TOML.
 
     Raises
     ------
-    FileNotFoundError
-        no such file.
-    tomllib.TOMLDecodeError
-        the file is not valid TOML.
+    ValueError
+        a missing path, a directory, a pipe, device or socket, an unreadable, oversized, binary or
+        non-UTF-8 file, or invalid TOML; one sentence naming the file and the fix.
     """
-    with open(path, "rb") as f:
-        return tomllib.load(f)
+    path = Path(path)
+    try:
+        exists, is_dir = path.exists(), path.is_dir()
+    except OSError as e:  # e.g. a file name too long for the file system
+        raise ValueError(f"config file {str(path)[:80]}... cannot be looked up ({e.strerror or e}); give a shorter "
+                         f"path or a shipped config name") from None
+    if not exists:
+        raise ValueError(f"config file {path} does not exist; `transformer-pde list` shows the shipped configs")
+    if is_dir:
+        raise ValueError(f"config {path} is a directory, not a TOML file; give a file such as "
+                         f"experiments/ou_vs_oscillating_quick.toml or a shipped config name")
+    try:
+        st = os.stat(path)  # not opened yet: opening a FIFO would block until someone writes into it
+    except OSError as e:
+        raise ValueError(f"config file {path} cannot be read ({e.strerror or e}); check its permissions") from None
+    if not stat.S_ISREG(st.st_mode):
+        what = ("a named pipe (FIFO)" if stat.S_ISFIFO(st.st_mode) else "a device" if
+                stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode)
+                else "not a regular file")
+        raise ValueError(f"config {path} is {what}, not a TOML file; give a regular .toml file (e.g. "
+                         f"experiments/ou_vs_oscillating_quick.toml) or a shipped config name")
+    if st.st_size > CONFIG_MAX_BYTES:
+        raise ValueError(f"config file {path} is {st.st_size} bytes, more than a config can be ({CONFIG_MAX_BYTES} "
+                         f"bytes); give the .toml config itself")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(CONFIG_MAX_BYTES + 1)  # bounded, also when the file grows while it is read
+        if len(raw) > CONFIG_MAX_BYTES:
+            raise ValueError(f"config file {path} is more than {CONFIG_MAX_BYTES} bytes, more than a config can be; "
+                             f"give the .toml config itself")
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"config file {path} is not a text (UTF-8) TOML file; give a .toml config") from None
+    except OSError as e:
+        raise ValueError(f"config file {path} cannot be read ({e.strerror or e}); check its permissions") from None
+    if text.startswith("\ufeff"):  # a UTF-8 byte-order mark (some Windows editors write one): not part of the TOML
+        text = text[1:]
+    if "\x00" in text:
+        raise ValueError(f"config file {path} is a binary file, not a TOML config; give a .toml config")
+    try:
+        return loads_toml(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"config file {path} is not valid TOML: {e}") from None
 
 
 def _package_configs() -> Optional[Path]:

@@ -1,8 +1,9 @@
 """Pendharkar's quantities measured on the full particle system (docs/model.md#theory).
 
 The particle side of :mod:`transformer_pde.analysis.theory` (whose closed forms they are checked against);
-re-exported as :mod:`transformer_pde.analysis.diagnostics`.  Generic cluster statistics used by every study
-(:func:`~transformer_pde.analysis.clustering.mean_overlap`, cluster counts and masses) live in
+re-exported, with :mod:`.attention_geometry` (attention entropy, orthogonal heads) and :mod:`.flows` (the flat
+flow, clustering hitting times), as :mod:`transformer_pde.analysis.diagnostics`.  Generic cluster statistics used by
+every study (:func:`~transformer_pde.analysis.clustering.mean_overlap`, cluster counts and masses) live in
 :mod:`transformer_pde.analysis.clustering`.
 
 Notation.  Tokens x_i (..., n, d) with weights w_i (uniform by default); heads (A_h, V_h, ω_h, β);
@@ -37,14 +38,13 @@ from ...utils.validation import check_choice, check_int, check_positive, check_s
 from ...model.softmax import softmax_statistics
 from ...model.field import check_inputs, grad_first_variation_terms, head_token_mean, token_mean, evaluate
 from ...model.heads import Heads
-from ...model.normalization import NORMALIZATIONS, Softmax, Unnormalized, choose as choose_normalization, names
+from ...model.normalization import choose as choose_normalization, names
 from ..clustering import mean_overlap
 from ...model.sphere import equiangular, tangent_projection
 
 __all__ = [
     "EnergyBalance",
     "RadialDecomposition",
-    "FlatTrajectory",
     "energy_gradients",
     "flat_velocity",
     "flat_head_energies",
@@ -54,30 +54,24 @@ __all__ = [
     "radial_dominance_margin",
     "radial_dominance_threshold",
     "robust_margin",
-    "attention_probabilities",
-    "attention_entropy",
-    "entropy_rate",
     "orthogonality_defect",
-    "principal_angles",
-    "approximately_orthogonal_heads",
-    "cross_head_coupling",
     "mean_overlap",
-    "cluster_count",
-    "flat_flow",
-    "clustering_hitting_time",
 ]
 
+# shared with the other particle diagnostics (named internal API)
+__internal__ = ["OUTPUT_NORMALIZATIONS", "beta_factor", "check_any", "dense_scores", "head_outputs_of", "log_weights"]
+
 #: the normalisations with per-head outputs f_h (all but "effective")
-_OUTPUT_NORMALIZATIONS = names(lambda n: n.head_outputs)
+OUTPUT_NORMALIZATIONS = names(lambda n: n.head_outputs)
 
 
 # ---------------------------------------------------------------------------- checks and kernels
-def _check_any(x, heads, weights, *, on_sphere: bool):
+def check_any(x, heads, weights, *, on_sphere: bool):
     """The library's checks; with on_sphere=False the tokens may have any non-zero norm (flat dynamics)."""
     check_inputs(x, heads, weights, on_sphere=on_sphere)
 
 
-def _beta(heads: Heads, extra: int):
+def beta_factor(heads: Heads, extra: int):
     """β shaped to broadcast against (..., [extra trailing dims])."""
     b = heads.beta
     if isinstance(b, torch.Tensor) and b.dim() > 0:
@@ -85,7 +79,7 @@ def _beta(heads: Heads, extra: int):
     return b
 
 
-def _outputs(x, heads, weights, normalization):
+def head_outputs_of(x, heads, weights, normalization):
     """Unprojected per-head outputs f_h(x_i), (..., H, n, d)."""
     return evaluate(x, heads, weights, normalization=normalization, diagnostics=False).outputs
 
@@ -98,14 +92,14 @@ def _gradients(x, heads, weights):
     return G, stats
 
 
-def _dense_scores(x, heads):
+def dense_scores(x, heads):
     """s_ij^h = β⟨x_i, A_h x_j⟩, (..., H, n, n), for any x (dense; diagnostics only)."""
     A = heads.score_matrix
     xs = x.unsqueeze(-3)
-    return _beta(heads, 3) * (xs @ A @ xs.transpose(-1, -2))
+    return beta_factor(heads, 3) * (xs @ A @ xs.transpose(-1, -2))
 
 
-def _log_weights(x, weights):
+def log_weights(x, weights):
     n = x.shape[-2]
     if weights is None:
         return torch.full(x.shape[:-1], -math.log(n), dtype=x.dtype, device=x.device)
@@ -124,7 +118,7 @@ def energy_gradients(x, heads: Heads, weights=None, *, flat: bool = False):
     TypeError, ValueError
         for bad tokens, heads or weights.
     """
-    _check_any(x, heads, weights, on_sphere=not flat)
+    check_any(x, heads, weights, on_sphere=not flat)
     return _gradients(x, heads, weights)[0]
 
 
@@ -133,24 +127,24 @@ def flat_velocity(x, heads: Heads, weights=None, *, normalization: str = "unnorm
 
     With uniform weights, ω_h = 1 and normalization="unnormalized" this is Pendharkar's
     v_i = (1/n) Σ_h f_i^h."""
-    normalization = choose_normalization(normalization, _OUTPUT_NORMALIZATIONS)
+    normalization = choose_normalization(normalization, OUTPUT_NORMALIZATIONS)
     s = direction_sign(direction)
-    _check_any(x, heads, weights, on_sphere=False)
-    return s * (heads.weights[..., None, None] * _outputs(x, heads, weights, normalization)).sum(-3)
+    check_any(x, heads, weights, on_sphere=False)
+    return s * (heads.weights[..., None, None] * head_outputs_of(x, heads, weights, normalization)).sum(-3)
 
 
 def flat_head_energies(x, heads: Heads, weights=None):
     """E_h = (1/(2β)) Σ_ij w_i w_j e^{β⟨x_i, A_h x_j⟩}, (..., H), for tokens anywhere in R^d
     (``tp.head_energies`` requires unit tokens)."""
-    _check_any(x, heads, weights, on_sphere=False)
+    check_any(x, heads, weights, on_sphere=False)
     lse = softmax_statistics(x, heads, weights).log_partition
-    return head_token_mean(torch.exp(lse), weights) / (2 * _beta(heads, 1))
+    return head_token_mean(torch.exp(lse), weights) / (2 * beta_factor(heads, 1))
 
 
 def _token_velocity(x, heads, weights, normalization, direction, flat):
     if flat:
         s = direction_sign(direction)
-        return s * (heads.weights[..., None, None] * _outputs(x, heads, weights, normalization)).sum(-3)
+        return s * (heads.weights[..., None, None] * head_outputs_of(x, heads, weights, normalization)).sum(-3)
     s = direction_sign(direction)
     return evaluate(x, heads, weights, normalization=normalization, sign=s, diagnostics=False).velocity
 
@@ -168,9 +162,9 @@ def head_energy_rates(x, heads: Heads, weights=None, *, normalization: str = "un
     result
         (..., H); Σ_h ω_h dE_h/dt = dE/dt.
     """
-    normalization = choose_normalization(normalization, _OUTPUT_NORMALIZATIONS)
+    normalization = choose_normalization(normalization, OUTPUT_NORMALIZATIONS)
     direction_sign(direction)
-    _check_any(x, heads, weights, on_sphere=not flat)
+    check_any(x, heads, weights, on_sphere=not flat)
     G, _ = _gradients(x, heads, weights)
     if velocity is None:
         velocity = _token_velocity(x, heads, weights, normalization, direction, flat)
@@ -234,9 +228,9 @@ def energy_balance(x, heads: Heads, weights=None, *, flat: bool = False, directi
     (True, True)
     """
     s = direction_sign(direction)
-    _check_any(x, heads, weights, on_sphere=not flat)
+    check_any(x, heads, weights, on_sphere=not flat)
     G, _ = _gradients(x, heads, weights)
-    f = _outputs(x, heads, weights, "unnormalized")
+    f = head_outputs_of(x, heads, weights, "unnormalized")
     omega = heads.weights[..., None, None]
     v = (omega * f).sum(-3)
     xdot = s * (v if flat else tangent_projection(x, v))
@@ -248,8 +242,8 @@ def energy_balance(x, heads: Heads, weights=None, *, flat: bool = False, directi
     normA = torch.linalg.matrix_norm(A, ord=2)
     asym = torch.linalg.matrix_norm(A - A.transpose(-1, -2), ord=2)
     mis = torch.linalg.matrix_norm(A - V, ord=2)
-    bR2 = _beta(heads, 1) * (R * R).unsqueeze(-1)
-    smax = _dense_scores(x, heads).amax((-1, -2))  # max_ij s_ij^h ≤ βR²‖A_h‖, (..., H)
+    bR2 = beta_factor(heads, 1) * (R * R).unsqueeze(-1)
+    smax = dense_scores(x, heads).amax((-1, -2))  # max_ij s_ij^h ≤ βR²‖A_h‖, (..., H)
     per_head = heads.weights * R.unsqueeze(-1) * torch.exp(smax) * (mis + 0.5 * (1 + bR2 * normA) * asym)
     bound = token_mean(speed, weights) * per_head.sum(-1)
     return EnergyBalance(rate, kinetic, rate - s * kinetic, bound)
@@ -302,10 +296,10 @@ def radial_decomposition(x, heads: Heads, weights=None, *, normalization: str = 
     RadialDecomposition
         :class:`RadialDecomposition`.
     """
-    normalization = choose_normalization(normalization, _OUTPUT_NORMALIZATIONS)
-    _check_any(x, heads, weights, on_sphere=True)
+    normalization = choose_normalization(normalization, OUTPUT_NORMALIZATIONS)
+    check_any(x, heads, weights, on_sphere=True)
     G, _ = _gradients(x, heads, weights)
-    f = _outputs(x, heads, weights, normalization)
+    f = head_outputs_of(x, heads, weights, normalization)
     xs = x.unsqueeze(-3)
     a = (f * xs).sum(-1)  # (..., H, n)
     aG = (G * xs).sum(-1)
@@ -331,8 +325,8 @@ def robust_margin(x, heads: Heads, weights=None, *, flat: bool = False):
 
     (|⟨f_h, f_k⟩| ≤ δ_hk m_h m_k, :func:`cross_head_coupling`).  A positive bound for every token
     certifies that E_h increases; δ = 0 recovers the exact orthogonal case (pairwise margin)."""
-    _check_any(x, heads, weights, on_sphere=True)
-    f = _outputs(x, heads, weights, "unnormalized")
+    check_any(x, heads, weights, on_sphere=True)
+    f = head_outputs_of(x, heads, weights, "unnormalized")
     m = torch.exp(softmax_statistics(x, heads, weights).log_partition)  # (..., H, n)
     a = (f * x.unsqueeze(-3)).sum(-1)
     delta = orthogonality_defect(heads)  # (..., H, H)
@@ -376,10 +370,10 @@ def radial_dominance_margin(x, heads: Heads, weights=None, *, normalization: str
     >>> bool((tp.diagnostics.radial_dominance_margin(x, heads(1.01 * b)) < 0).all())
     True
     """
-    normalization = choose_normalization(normalization, _OUTPUT_NORMALIZATIONS)
+    normalization = choose_normalization(normalization, OUTPUT_NORMALIZATIONS)
     check_choice(form, ("token", "pairwise"), "form")
-    _check_any(x, heads, weights, on_sphere=True)
-    f = _outputs(x, heads, weights, normalization)
+    check_any(x, heads, weights, on_sphere=True)
+    f = head_outputs_of(x, heads, weights, normalization)
     xs = x.unsqueeze(-3)
     a = (f * xs).sum(-1)
     Pf2 = (f.square().sum(-1) - a.square()).clamp_min(0)
@@ -467,83 +461,12 @@ def radial_dominance_threshold(n: int, lambdas, *, gamma: float = 0.0, form: str
     return out
 
 
-# ---------------------------------------------------------------------------- attention entropy
-def attention_probabilities(x, heads: Heads, weights=None):
-    """p_ij^h = w_j e^{s_ij^h} / Σ_l w_l e^{s_il^h} (softmax by log-sum-exp), (..., H, n, n), dense."""
-    _check_any(x, heads, weights, on_sphere=True)
-    L = _dense_scores(x, heads) + _log_weights(x, weights).unsqueeze(-2).unsqueeze(-2)
-    return torch.softmax(L, dim=-1)
-
-
-def attention_entropy(x, heads: Heads, weights=None):
-    """Attention entropy H_i^h = −Σ_j p_ij^h ln p_ij^h of every head and query, (..., H, n).
-
-    Softmax heads; 0 ≤ H_i^h ≤ ln(#tokens of positive weight) (= ln n, uniform attention)."""
-    _check_any(x, heads, weights, on_sphere=True)
-    L = _dense_scores(x, heads) + _log_weights(x, weights).unsqueeze(-2).unsqueeze(-2)
-    logp = L - torch.logsumexp(L, -1, keepdim=True)
-    p = torch.exp(logp)
-    # zero-weight tokens: p = 0, ln p = −inf; mask before multiplying (finite values and gradients)
-    return -(p * torch.where(p > 0, logp, torch.zeros_like(logp))).sum(-1)
-
-
-def entropy_rate(x, heads: Heads, weights=None, *, velocity: Optional[torch.Tensor] = None,
-                 normalization: str = "softmax", direction: str = "ascent",
-                 score_rate: Optional[torch.Tensor] = None):
-    """Entropy production dH_i^h/dt = −Cov_{p_i^h}(s_i·^h, ṡ_i·^h), (..., H, n).
-
-    ṡ_ij^h = β(⟨ẋ_i, A_h x_j⟩ + ⟨x_i, A_h ẋ_j⟩ + ⟨x_i, Ȧ_h x_j⟩) and Cov_p(a, b) = Σ_j p_j a_j b_j −
-    (Σ_j p_j a_j)(Σ_j p_j b_j).  (With non-uniform token weights the first argument is
-    s_ij + ln w_j; both follow from H = −Σ p ln p and ṗ_j = p_j(ṡ_j − Σ_l p_l ṡ_l).)  The identity
-    holds for any heads and any motion: ẋ is ``velocity`` when given, else the library's field
-    of ``normalization``/``direction``; ``score_rate`` Ȧ_h (..., H, d, d) for moving heads.
-
-    Returns
-    -------
-    result
-        (..., H, n); dtype and device follow x.
-
-    Raises
-    ------
-    TypeError, ValueError
-        for bad tokens, heads, weights, velocity or score_rate shapes.
-    """
-    normalization = choose_normalization(normalization, NORMALIZATIONS)
-    direction_sign(direction)
-    _check_any(x, heads, weights, on_sphere=True)
-    if velocity is None:
-        velocity = evaluate(x, heads, weights, normalization=normalization, sign=direction_sign(direction),
-                            diagnostics=False).velocity
-    else:
-        check_tensor(velocity, "velocity")
-        check_same(x, velocity, "x", "velocity")
-        if velocity.shape[-2:] != x.shape[-2:]:
-            raise ValueError(f"velocity must have the shape (..., n, d) of x, got {tuple(velocity.shape)}")
-    A = heads.score_matrix
-    xs, vs = x.unsqueeze(-3), velocity.unsqueeze(-3)
-    sdot = vs @ A @ xs.transpose(-1, -2) + xs @ A @ vs.transpose(-1, -2)
-    if score_rate is not None:
-        check_tensor(score_rate, "score_rate", min_dim=3)
-        if score_rate.shape[-3:] != A.shape[-3:]:
-            raise ValueError(f"score_rate must have shape (..., H, d, d) = (..., {A.shape[-3]}, {A.shape[-1]}, "
-                             f"{A.shape[-1]}), got {tuple(score_rate.shape)}")
-        sdot = sdot + xs @ score_rate @ xs.transpose(-1, -2)
-    sdot = _beta(heads, 3) * sdot
-    L = _dense_scores(x, heads) + _log_weights(x, weights).unsqueeze(-2).unsqueeze(-2)
-    p = torch.softmax(L, dim=-1)
-    Lm = torch.where(p > 0, L, torch.zeros_like(L))  # zero-weight tokens (L = −inf) carry p = 0
-    Lc = Lm - (p * Lm).sum(-1, keepdim=True)
-    sc = sdot - (p * sdot).sum(-1, keepdim=True)
-    return -(p * Lc * sc).sum(-1)
-
-
-# ---------------------------------------------------------------------------- orthogonality
 def orthogonality_defect(heads: Heads) -> torch.Tensor:
     """δ_hk = ‖V_hᵀ V_k‖₂ for h ≠ k (0 on the diagonal), (..., H, H).
 
     For symmetric heads with tied values this is ‖A_h A_k‖₂; heads are exactly orthogonal when
     δ = max_{h≠k} δ_hk = 0 and approximately orthogonal when δ is small.  It bounds the cross-head
-    coupling |⟨f_h(x), f_k(x)⟩| ≤ δ_hk·mass_h(x)·mass_k(x) (:func:`cross_head_coupling`)."""
+    coupling |⟨f_h(x), f_k(x)⟩| ≤ δ_hk·mass_h(x)·mass_k(x) (:func:`~transformer_pde.analysis.theory.attention_geometry.cross_head_coupling`)."""
     if not isinstance(heads, Heads):
         raise TypeError(f"heads must be a transformer_pde.Heads, got {type(heads).__name__}")
     V = heads.value_matrix
@@ -552,233 +475,3 @@ def orthogonality_defect(heads: Heads) -> torch.Tensor:
     H = V.shape[-3]
     eye = torch.eye(H, dtype=torch.bool, device=V.device)
     return delta.masked_fill(eye, 0.0)
-
-
-def principal_angles(A: torch.Tensor, B: torch.Tensor, *, rank_tol: float = 1e-8) -> torch.Tensor:
-    """Principal angles (radians, ascending) between the column spaces of A (d, p) and B (d, q).
-
-    Orthonormal bases from the SVD (singular values above rank_tol·σ_max), then
-    cos θ_k = the singular values of U_Aᵀ U_B.  For symmetric heads pass A_h and A_k: the angles
-    between their ranges; ‖P_A P_B‖₂ = cos θ_min."""
-    for t, nm in ((A, "A"), (B, "B")):
-        check_tensor(t, nm, min_dim=2)
-        if t.dim() != 2:
-            raise ValueError(f"{nm} must be a matrix (d, p), got shape {tuple(t.shape)}")
-    check_same(A, B, "A", "B")
-    if A.shape[0] != B.shape[0]:
-        raise ValueError(f"A and B must have the same number of rows d, got {A.shape[0]} and {B.shape[0]}")
-
-    def basis(M):
-        U, S, _ = torch.linalg.svd(M, full_matrices=False)
-        r = int((S > rank_tol * S.max().clamp_min(torch.finfo(M.dtype).tiny)).sum())
-        if r == 0:
-            raise ValueError("a matrix with zero column space has no principal angles")
-        return U[:, :r]
-
-    c = torch.linalg.svdvals(basis(A).T @ basis(B)).clamp(-1.0, 1.0)
-    return torch.sort(torch.arccos(c)).values
-
-
-def approximately_orthogonal_heads(H: int, k: int, angle: float, *, alpha: float = 1.0, beta: float = 1.0,
-                                   weights=None, dtype=None, device=None) -> Heads:
-    """H symmetric heads A_h = V_h = α U_h U_hᵀ on k-dimensional subspaces with all pairwise
-    principal angles equal to ``angle`` (degrees, in (0, 90]); d = (H + 1) k.
-
-    U_h = cos θ B_h + sin θ C with disjoint coordinate blocks B_h, a shared block C and
-    sin²θ = cos(angle), so U_hᵀ U_k = cos(angle) I (h ≠ k) and δ = ‖A_h A_k‖₂ = α² cos(angle)
-    (angle = 90°: exactly orthogonal heads).  Head weights default to ω_h = 1 (Pendharkar)."""
-    H = check_int(H, "H")
-    k = check_int(k, "k")
-    angle = check_positive(angle, "angle")
-    if angle > 90:
-        raise ValueError(f"angle must be in (0, 90] degrees, got {angle}")
-    alpha = check_positive(alpha, "alpha")
-    dtype = dtype or torch.get_default_dtype()
-    d = (H + 1) * k
-    c = math.cos(math.radians(angle))
-    theta = math.asin(math.sqrt(max(c, 0.0)))
-    U = torch.zeros(H, d, k, dtype=dtype, device=device)
-    eye = torch.eye(k, dtype=dtype, device=device)
-    for h in range(H):  # builder, not hot code
-        U[h, h * k:(h + 1) * k] = math.cos(theta) * eye
-        U[h, H * k:] = math.sin(theta) * eye
-    A = alpha * (U @ U.transpose(-1, -2))
-    A = 0.5 * (A + A.transpose(-1, -2))
-    if weights is None:
-        weights = torch.ones(H, dtype=dtype, device=device)
-    return Heads.symmetric(A, beta=beta, weights=weights)
-
-
-def cross_head_coupling(x, heads: Heads, weights=None, *, normalization: str = "unnormalized"):
-    """Cross-head coupling ⟨f_h(x_i), f_k(x_i)⟩ and its orthogonality bound, each (..., H, H, n).
-
-        |⟨f_h, f_k⟩| ≤ δ_hk · mass_h(x_i) · mass_k(x_i),   δ_hk = ‖V_hᵀ V_k‖₂,
-
-    with mass = m_h (unnormalized), 1 (softmax) or Σ_j w_j ReLU(s_ij) (relu), because
-    f_h = Σ_j w_j κ_ij V_h x_j with κ ≥ 0 and unit x_j.  The diagonal h = k is ‖f_h‖² (bound
-    set to inf there).  Returns (coupling, bound)."""
-    normalization = choose_normalization(normalization, _OUTPUT_NORMALIZATIONS)
-    _check_any(x, heads, weights, on_sphere=True)
-    f = _outputs(x, heads, weights, normalization)
-    inner = (f.unsqueeze(-3) * f.unsqueeze(-4)).sum(-1)
-    if isinstance(normalization, Unnormalized):
-        mass = torch.exp(softmax_statistics(x, heads, weights).log_partition)
-    elif isinstance(normalization, Softmax):
-        mass = torch.ones(f.shape[:-1], dtype=x.dtype, device=x.device)
-    else:
-        S = _dense_scores(x, heads)
-        w = torch.exp(_log_weights(x, weights)).unsqueeze(-2).unsqueeze(-2)
-        mass = (torch.relu(S) * w).sum(-1)
-    delta = orthogonality_defect(heads)
-    bound = delta.unsqueeze(-1) * mass.unsqueeze(-2) * mass.unsqueeze(-3)
-    H = f.shape[-3]
-    eye = torch.eye(H, dtype=torch.bool, device=x.device).unsqueeze(-1)
-    return inner, bound.masked_fill(eye, math.inf)
-
-
-# ---------------------------------------------------------------------------- flat dynamics
-# ---------------------------------------------------------------------------- clustering
-def cluster_count(x, *, radius: float = 1e-2):
-    """Number of clusters: connected components of the graph linking tokens at geodesic distance
-    < ``radius`` (single linkage), (...,) int64.  Label propagation, vectorised over the batch."""
-    check_tensor(x, "x", min_dim=2)
-    radius = check_positive(radius, "radius")
-    n = x.shape[-2]
-    chord = 2 * math.sin(min(radius, math.pi) / 2)
-    adj = torch.cdist(x, x, compute_mode="donot_use_mm_for_euclid_dist") < chord
-    labels = torch.arange(n, device=x.device).expand(*x.shape[:-2], n).clone()
-    big = torch.full_like(labels, n).unsqueeze(-2).expand(*labels.shape[:-1], n, n)
-    for _ in range(n):
-        new = torch.where(adj, labels.unsqueeze(-2).expand_as(big), big).amin(-1)
-        if torch.equal(new, labels):
-            break
-        labels = new
-    return (labels == torch.arange(n, device=x.device)).sum(-1)
-
-
-@dataclass
-class FlatTrajectory:
-    """Result of :func:`flat_flow`.
-
-    times (T,), x (T, ..., n, d) (off the sphere), energy (T, ...) E = Σ_h ω_h E_h,
-    head_energies (T, ..., H), kinetic (T, ...) Σ_i w_i ‖ẋ_i‖², norms (T, ...) max_i ‖x_i‖.
-    """
-
-    times: torch.Tensor
-    x: torch.Tensor
-    energy: torch.Tensor
-    head_energies: torch.Tensor
-    kinetic: torch.Tensor
-    norms: torch.Tensor
-    method: str
-
-
-def flat_flow(x0, heads: Heads, *, t1: float, dt: float, weights=None, normalization: str = "unnormalized",
-              direction: str = "ascent", method: str = "rk4", record_every: int = 1) -> FlatTrajectory:
-    """Integrate the flat (unprojected) dynamics ẋ_i = s Σ_h ω_h f_h(x_i) in R^d from x0 (..., n, d).
-
-    Explicit Runge–Kutta (``tp.TABLEAUX``: "euler", "heun", "rk4") without retraction; heads
-    constant.  The scores grow like β‖A‖‖x‖², so flat runs blow up in finite time: keep t1 short.
-
-    Returns
-    -------
-    FlatTrajectory
-        :class:`FlatTrajectory`.
-
-    Raises
-    ------
-    TypeError, ValueError
-        for bad input; ``tp.NonFiniteError`` with the time, step and quantity
-        when the tokens or energies overflow.
-    """
-    from ...processes.weights import grid_steps
-    from ...solvers.particle import TABLEAUX, NonFiniteError
-    from ...solvers.parts import Recorder, Stepper
-
-    normalization = choose_normalization(normalization, _OUTPUT_NORMALIZATIONS)
-    s = direction_sign(direction)
-    check_choice(method, tuple(TABLEAUX), "method")
-    _check_any(x0, heads, weights, on_sphere=False)
-    dt = check_positive(dt, "dt")
-    record_every = check_int(record_every, "record_every")
-    K = grid_steps(0.0, float(t1), dt)
-    omega = heads.weights[..., None, None]
-
-    def field(x):
-        return s * (omega * _outputs(x, heads, weights, normalization)).sum(-3)
-
-    def energies(x):
-        lse = softmax_statistics(x, heads, weights).log_partition
-        return head_token_mean(torch.exp(lse), weights) / (2 * _beta(heads, 1))
-
-    state = {}
-    rec = Recorder(K, record_every, diagnostics=False, weights=weights, observables={
-        "head_energies": lambda xk, w: energies(xk),
-        "kinetic": lambda xk, w: token_mean(state["v"].square().sum(-1), w),
-        "norms": lambda xk, w: xk.norm(dim=-1).amax(-1)})
-    stepper = Stepper(TABLEAUX[method], retract=False)
-    x = x0
-    state["v"] = field(x)
-    rec.record(x)
-    for k in range(K):
-        x, _ = stepper.step(x, state["v"], dt, lambda xi, c: field(xi))
-        state["v"] = field(x)
-        if not (bool(torch.isfinite(x).all()) and bool(torch.isfinite(state["v"]).all())):
-            raise NonFiniteError(
-                f"the flat dynamics overflowed at t = {(k + 1) * dt:.6g} (step {k + 1}): token norms grow and the "
-                f"scores β⟨x, A x⟩ with them; use a shorter t1, smaller heads or a smaller beta")
-        if rec.keeps(k + 1):
-            rec.record(x)
-            if not bool(torch.isfinite(rec.records["obs.head_energies"][-1]).all()):
-                raise NonFiniteError(f"the flat energy became inf at t = {(k + 1) * dt:.6g} (step {k + 1}); "
-                                     f"use a shorter t1")
-    times, xs, _, _, obs = rec.stacked(0.0, dt)
-    H = obs["head_energies"]
-    E = (heads.weights * H).sum(-1)
-    return FlatTrajectory(times, xs, E, H, obs["kinetic"], obs["norms"], method)
-
-
-class _Reached(Exception):
-    pass
-
-
-def clustering_hitting_time(x0, heads: Heads, *, target: float, t_max: float, dt: float,
-                            normalization: str = "softmax", direction: str = "ascent", method: str = "rk4",
-                            weights=None, progress: bool = False) -> torch.Tensor:
-    """First time the mean pairwise overlap γ̄(t) (:func:`mean_overlap`) of the particle system reaches
-    ``target``, (...,) float64 (``inf`` if not reached by t_max).
-
-    Runs ``tp.simulate`` (the library's solver, constant heads) and stops early through its
-    callback once every ensemble member has crossed; the crossing time is interpolated linearly
-    between the two steps that bracket it (error O(dt²) on top of the solver's)."""
-    from ...solvers.particle import simulate
-
-    if isinstance(target, bool) or not isinstance(target, (int, float)) or not (-1 < float(target) < 1):
-        raise ValueError(f"target must be a number in (-1, 1), got {target!r}")
-    t_max = check_positive(t_max, "t_max")
-    dt = check_positive(dt, "dt")
-    _check_any(x0, heads, weights, on_sphere=True)
-    target = float(target)
-    g0 = mean_overlap(x0)[0].to(torch.float64)
-    hit = torch.where(g0 >= target, torch.zeros_like(g0), torch.full_like(g0, math.inf))
-    if bool(torch.isfinite(hit).all()):
-        return hit
-    state = {"t": 0.0, "g": g0, "hit": hit}
-
-    def cb(k, t, x):
-        g = mean_overlap(x.detach())[0].to(torch.float64)
-        new = (~torch.isfinite(state["hit"])) & (g >= target)
-        if bool(new.any()):
-            frac = (target - state["g"]) / (g - state["g"]).clamp_min(1e-300)
-            state["hit"] = torch.where(new, state["t"] + frac * (t - state["t"]), state["hit"])
-        state["t"], state["g"] = t, g
-        if bool(torch.isfinite(state["hit"]).all()):
-            raise _Reached
-
-    K = max(1, math.ceil(t_max / dt))
-    try:
-        simulate(x0, heads, t1=K * dt, dt=dt, method=method, normalization=normalization, direction=direction,
-                 weights=weights, diagnostics=False, record_every=K, callback=cb, progress=progress)
-    except _Reached:
-        pass
-    return state["hit"]

@@ -105,7 +105,7 @@ class Study:
 
 _REGISTRY: Dict[str, Study] = {}
 # modules that register studies; imported lazily so `import transformer_pde` stays light
-_MODULES = [f"{__name__}.{m}" for m in ("demo", "paper", "theory", "jko", "clustering",
+_MODULES = [f"{__name__}.{m}" for m in ("demo", "paper", "theory_energy", "theory_clustering", "jko", "clustering",
                                        "causal", "layernorm", "noisy", "theorems", "training", "pretrained")]
 
 

@@ -192,11 +192,12 @@ def _run_segment(kind: str, p: Dict, regime: str, betas, run, tag: str, *, dtype
     x0, heads0 = _initial(p, betas, dtype=dtype, device=device)
     theta = weight_process(regime, heads0, rate=p["ou_rate"], sigma=math.sqrt(p["ou_sigma2"]), phase=p["phase"])
     t0 = time.perf_counter()
-    traj = tp.simulate(x0, theta, t1=p["t1"], dt=p["dt"], method="euler", normalization="softmax",
-                       direction=p["direction"], seed=p["seed"] + 2, record_every=p["record_every"],
-                       diagnostics=False, progress=run.progress, checkpoint=run.checkpoint_path(tag),
-                       checkpoint_every=p["checkpoint_every"], callback=step_callback(run, tag),
-                       observables=_observables(p), layer_norm=p.get("layer_norm", "none"))
+    model = tp.Model(theta, normalization="softmax", direction=p["direction"], geometry=p.get("layer_norm", "none"))
+    traj = tp.solve(model, x0, tp.Euler(), t1=p["t1"], dt=p["dt"], seed=p["seed"] + 2,
+                    saveat=tp.SaveAt(every=p["record_every"], observables=_observables(p)),
+                    ledger=tp.LedgerOptions(diagnostics=False),
+                    checkpoint=tp.Checkpointing(run.checkpoint_path(tag), p["checkpoint_every"]),
+                    progress=tp.Progress(show=run.progress, callback=step_callback(run, tag)))
     wall = time.perf_counter() - t0
     x = traj.x.detach()
     st = traj.observables["cluster_statistics"].detach().cpu()  # (T, nβ, B, k), the statistics in order

@@ -26,9 +26,9 @@ def run_demo(params, run):
     g = torch.Generator().manual_seed(params["seed"] + 1)
     x0 = tp.sphere.sample_uniform(params["n"], 3, generator=g, dtype=dtype)
     heads = tp.Heads.random(params["heads"], 3, generator=torch.Generator().manual_seed(params["seed"]), dtype=dtype)
-    traj = tp.simulate(x0, tp.OrnsteinUhlenbeck(heads), t1=params["t1"], dt=params["dt"], paths=params["paths"],
-                       seed=params["seed"], direction="descent", progress=run.progress,
-                       callback=step_callback(run, "demo"))
+    traj = tp.solve(tp.Model(tp.OrnsteinUhlenbeck(heads), normalization="softmax", direction="descent"), x0,
+                    tp.Euler(), t1=params["t1"], dt=params["dt"], paths=params["paths"], seed=params["seed"],
+                    progress=tp.Progress(show=run.progress, callback=step_callback(run, "demo")))
     led = traj.ledger
     metrics = {
         "energy_final_mean": float(traj.energy[-1].mean()),

@@ -175,8 +175,8 @@ def run_jko_vs_particles(params, run) -> Dict[str, object]:
     path = tp.sample_path(weight_process(p["process"], heads, sigma=p["sigma"]), t1=t1, dt=dt, seed=p["seed"] + 2)
 
     def particle_reference():
-        tr = tp.simulate(x0, path, t1=t1, dt=dt, method="rk4", normalization="effective", direction=p["direction"],
-                         record_every=_whole(taus[-1], dt, "tau"), progress=run.progress)
+        tr = tp.solve(tp.Model(path, normalization="effective", direction=p["direction"]), x0, tp.RK4(), t1=t1, dt=dt,
+                      saveat=tp.SaveAt(every=_whole(taus[-1], dt, "tau")), progress=run.progress)
         return {"times": tr.times, "x": tr.x, "energy": tr.energy}
 
     ref = cached(run, "particles", particle_reference, logger, timed=True)
@@ -278,8 +278,8 @@ def _n_convergence(run, p, dtype, metrics, walls) -> Dict:
             t = time.perf_counter()
             lag = tp.jko(xN, path2, tau=nt, steps=steps2, transport="identity", direction=p["direction"]).x[-1]
             t_l = time.perf_counter() - t
-            part = tp.simulate(xN, path2, t1=p["n_t1"], dt=dt, method="rk4", normalization="effective",
-                               direction=p["direction"], diagnostics=False).x[-1]
+            part = tp.solve(tp.Model(path2, normalization="effective", direction=p["direction"]), xN, tp.RK4(),
+                            t1=p["n_t1"], dt=dt, ledger=tp.LedgerOptions(diagnostics=False)).x[-1]
             return {"jko": lag, "particles": part, "wall": t_l}
         res = cached(run, f"n_sweep_N{N}", piece, logger)
         walls[f"n_sweep_N{N}"] = res["wall"]

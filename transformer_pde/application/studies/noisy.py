@@ -110,13 +110,19 @@ def _uniform(n, d, dtype, seed):
     return tp.sphere.sample_uniform(n, d, generator=torch.Generator().manual_seed(seed), dtype=dtype)
 
 
-def _stationary(p, d, n, T, dtype, *, heads, t1, paths, tag, run, x0=None, normalization="softmax", dt=None):
-    """time series of |m| (T, paths) and N·|m|² for one (d, N, T) ensemble, cached."""
+def _ascent(theta, T) -> tp.Model:
+    """The noisy ascent flow of the study: softmax heads ``theta`` at temperature T."""
+    return tp.Model(theta, normalization="softmax", direction="ascent", noise=T)
+
+
+def _stationary(p, model, shape, *, t1, paths, tag, run, x0=None, dt=None):
+    """time series of |m| (T, paths) and N·|m|² for one (d, N, T) ensemble, cached; ``shape`` = (N, d, dtype) of
+    the uniform initial tokens (unless ``x0`` is given)."""
     def compute():
-        x = _uniform(n, d, dtype, p["seed"] + 1) if x0 is None else x0
-        tr = tp.simulate(x, heads, t1=t1, dt=dt or p["dt"], temperature=T, paths=paths, seed=p["seed"],
-                         direction="ascent", normalization=normalization, diagnostics=False,
-                         observables={"m": _m}, record_every=max(1, round(0.25 / (dt or p["dt"]))))
+        x = _uniform(*shape, p["seed"] + 1) if x0 is None else x0
+        tr = tp.solve(model, x, tp.Euler(), t1=t1, dt=dt or p["dt"], paths=paths, seed=p["seed"],
+                      saveat=tp.SaveAt(every=max(1, round(0.25 / (dt or p["dt"]))), observables={"m": _m}),
+                      ledger=tp.LedgerOptions(diagnostics=False))
         m = tr.observables["m"].double()
         return {"t": tr.times.double(), "m": m, "x_final": tr.final}
 
@@ -144,7 +150,7 @@ def run_noisy(params, run):
         for n in (p["ns"] if d == 2 else p["ns_high_d"]):
             row = []
             for r in p["ratios"]:
-                res = _stationary(p, d, n, r * Tc, dtype, heads=heads, t1=p["t1"], paths=p["paths"],
+                res = _stationary(p, _ascent(heads, r * Tc), (n, d, dtype), t1=p["t1"], paths=p["paths"],
                                   tag=f"m_d{d}_n{n}_r{r:g}", run=run)
                 am = _time_mean(res["t"], res["m"].norm(dim=-1), p["t1"] / 2)
                 row.append(float(am.mean()))
@@ -164,7 +170,7 @@ def run_noisy(params, run):
         rows = []
         for r in p["sus_ratios"]:
             sdt = p["sus_dt"] or p["dt"]
-            res = _stationary(p, d, p["sus_n"], r * Tc, dtype, heads=heads, t1=p["sus_t1"], paths=p["sus_paths"],
+            res = _stationary(p, _ascent(heads, r * Tc), (p["sus_n"], d, dtype), t1=p["sus_t1"], paths=p["sus_paths"],
                               tag=f"sus_d{d}_r{r:g}" + (f"_dt{sdt:g}" if p["sus_dt"] else ""), run=run, dt=sdt)
             m2 = p["sus_n"] * (res["m"] ** 2).sum(-1)  # (T, paths)
             per_path = _time_mean(res["t"], m2, p["sus_t1"] / 4)
@@ -188,7 +194,7 @@ def run_noisy(params, run):
         rows = []
         for r in p["rate_ratios"]:
             T = r * Tc
-            res = _stationary(p, d, p["rate_n"], T, dtype, heads=heads, t1=p["rate_t1"], paths=p["rate_paths"],
+            res = _stationary(p, _ascent(heads, T), (p["rate_n"], d, dtype), t1=p["rate_t1"], paths=p["rate_paths"],
                               tag=f"rate_d{d}_r{r:g}", run=run, x0=x0, dt=min(p["dt"], 0.02))
             tt = res["t"].numpy()
             proj = res["m"][..., 0].T.numpy()  # (paths, times): m·e per path
@@ -282,7 +288,7 @@ def _weights(p, dtype, run):
     for name, b in series.items():
         layers = [tp.Heads.scalar(torch.ones(1, dtype=dtype), d, beta=float(bk)) for bk in b]
         proc = tp.Layerwise(layers, interpolation="linear", layer_time=dt)
-        res = _stationary(p, d, n, T, dtype, heads=proc, t1=t1, paths=p["weights_paths"], tag=f"weights_{name}",
+        res = _stationary(p, _ascent(proc, T), (n, d, dtype), t1=t1, paths=p["weights_paths"], tag=f"weights_{name}",
                           run=run)
         per_path = _time_mean(res["t"], res["m"].norm(dim=-1), t1 / 2)
         am, am_se, _ = ensemble(per_path.tolist()) if per_path.numel() > 1 else (float(per_path), float("nan"), 1)

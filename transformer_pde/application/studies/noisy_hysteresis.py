@@ -112,10 +112,12 @@ def hysteresis(p, hb, n, dtype, run):
             order = range(len(ratios)) if direction == "up" else range(len(ratios) - 1, -1, -1)
             vals = {}
             for k in order:
-                tr = tp.simulate(x, heads, t1=lengths[k], dt=dt, temperature=calibrated_temperature(ratios[k] * Tc, dt),
-                                 seed=p["seed"] + 1000 * (jd + 1) + k + 7 * n, method="heun", direction="ascent",
-                                 normalization="unnormalized", diagnostics=False,
-                                 observables={"m": lambda x, w: x.mean(-2)}, record_every=max(1, round(0.5 / Tc / dt)))
+                model = tp.Model(heads, normalization="unnormalized", direction="ascent",
+                                 noise=calibrated_temperature(ratios[k] * Tc, dt))
+                tr = tp.solve(model, x, tp.Heun(), t1=lengths[k], dt=dt, seed=p["seed"] + 1000 * (jd + 1) + k + 7 * n,
+                              saveat=tp.SaveAt(every=max(1, round(0.5 / Tc / dt)),
+                                               observables={"m": lambda x, w: x.mean(-2)}),
+                              ledger=tp.LedgerOptions(diagnostics=False))
                 x = tr.final
                 am = tr.observables["m"].double().norm(dim=-1)  # (times, P)
                 keep = tr.times.double() >= lengths[k] / 2 - 1e-12

@@ -15,9 +15,10 @@ Kinds (each a ``theorem_*`` config in experiments/, a quick and a full one):
     The fast-weights limit: value matrices resampled i.i.d. at every layer of length δ with diffusive
     scale (V = V̄ + ΔW/δ, ΔW a Brownian increment) converge, as δ → 0, to the Stratonovich SDE with a
     noise shared by all tokens; weak errors of the mean overlap and of the energy against δ (fitted
-    rate), with the SDE simulated by :func:`common_noise_sde` on the same Brownian paths.
+    rate), with the SDE simulated by :func:`transformer_pde.analysis.theory.limits.common_noise_sde` on
+    the same Brownian paths.
 
-Every number comes from the public API (``tp.simulate``, ``tp.sample_path``, ``tp.distance``,
+Every number comes from the public API (``tp.solve``, ``tp.sample_path``, ``tp.distance``,
 ``tp.velocity``, ``tp.energy``, ``tp.theory.flow_sensitivity``, ``tp.clustering``), so the heads and
 processes can be swapped.  All studies use direction "descent" (the reference code) unless the config
 says otherwise.
@@ -33,6 +34,7 @@ import numpy as np
 import torch
 
 import transformer_pde as tp
+from transformer_pde.analysis.theory.limits import common_noise_sde, riemannian_hessian
 
 from . import (
     DTYPE, Option, at_least, cached, log_ticks, nonnegative, panel, positive, save_captioned, study, subplots, dtype_of)
@@ -42,8 +44,7 @@ from .theorems_stability import (  # noqa: F401  (the stability studies register
     DIRECTION, eps_list, random_heads, subset, tokens, whole_steps, perturbed_pair, perturbed_weights,
     run_stability_data, run_stability_weights)
 
-__all__ = ["perturbed_pair", "riemannian_hessian", "common_noise_sde", "run_stability_data",
-           "run_stability_weights", "run_omega_limit", "run_fast_weights"]
+__all__ = ["perturbed_pair", "run_stability_data", "run_stability_weights", "run_omega_limit", "run_fast_weights"]
 
 logger = logging.getLogger(__name__)
 
@@ -83,29 +84,6 @@ OMEGA_OPTIONS = {
     "dtype": DTYPE,
     "figures": Option(True, (bool,), "write the figure"),
 }
-
-
-def riemannian_hessian(x, heads, weights=None):
-    """The Hessian of E(·, Θ) on (S^{d-1})^n at the tokens x (n, d), in orthonormal tangent frames.
-
-    u ↦ E(x(u)) with x_i(u) = (x_i + B_i u_i)/|x_i + B_i u_i|, B_i (d, d−1) an orthonormal basis of
-    T_{x_i}S^{d-1}; the derivatives at u = 0 are taken by automatic differentiation of ``tp.energy``.
-    At a critical point (zero Riemannian gradient) this is the Riemannian Hessian.
-
-    Returns (gradient (n(d−1),), Hessian (n(d−1), n(d−1)))."""
-    n, d = x.shape
-    P = torch.eye(d, dtype=x.dtype, device=x.device) - x[:, :, None] * x[:, None, :]
-    _, vecs = torch.linalg.eigh(P)
-    B = vecs[..., 1:]  # eigenvalue 1 eigenvectors: the tangent space (the 0 one is x)
-
-    def E(u):
-        y = x + (B @ u.reshape(n, d - 1, 1)).squeeze(-1)
-        return tp.energy(y / y.norm(dim=-1, keepdim=True), heads, weights)
-
-    u0 = torch.zeros(n * (d - 1), dtype=x.dtype, device=x.device)
-    grad = torch.autograd.functional.jacobian(E, u0)
-    hess = torch.autograd.functional.hessian(E, u0)
-    return grad, hess
 
 
 def _stationary_ou(p, H_inf: int, dtype) -> tp.Heads:
@@ -170,9 +148,9 @@ def run_omega_limit(params, run) -> Dict[str, object]:
         metrics["limit_weights"][name] = what
 
         def go(theta=theta, theta_inf=theta_inf):
-            tr = tp.simulate(x0, theta, t1=p["t1"], dt=p["dt"], method="rk4", normalization=p["normalization"],
-                             direction=p["direction"], record_every=p["record_every"], seed=p["seed"] + 2,
-                             progress=run.progress)
+            tr = tp.solve(tp.Model(theta, normalization=p["normalization"], direction=p["direction"]), x0, tp.RK4(),
+                          t1=p["t1"], dt=p["dt"], seed=p["seed"] + 2, saveat=tp.SaveAt(every=p["record_every"]),
+                          progress=run.progress)
             V = tp.velocity(tr.x, theta_inf, normalization=p["normalization"], direction=p["direction"])
             resid = V.square().sum(-1).mean(-1).sqrt()  # ‖V[μ_t, Θ_∞]‖_{L²(μ_t)}, (T, S)
             out = {"times": tr.times, "slope": tr.slope, "residual": resid, "x_T": tr.x[-1]}
@@ -277,42 +255,6 @@ FAST_OPTIONS = {
 }
 
 
-def common_noise_sde(x0, heads: tp.Heads, increments, dt: float, *, normalization: str = "softmax",
-                     direction: str = "descent"):
-    """The fast-weights limit SDE dx_i = V[μ, (A, V̄)](x_i) dt + Σ_h ω_h P_{x_i} (∘dW_h) ȳ_h(x_i), by the
-    projected stochastic Heun scheme (Stratonovich, weak order 1), with one noise shared by all tokens.
-
-    The field is linear in the value matrices, so one step with Brownian increments ΔW_h (d×d per head) is
-    the velocity of the heads (A_h, V̄_h dt + ΔW_h): k1 = tp.velocity(x, ·), x̃ = (x + k1)/|·|,
-    k2 = tp.velocity(x̃, ·), x ← (x + (k1 + k2)/2)/|·|.
-
-    Parameters
-    ----------
-    x0
-        tokens (P, n, d) (P paths).  heads: mean heads (A_h, V̄_h, ω_h, β), unbatched.
-    increments
-        (K, P, H, d, d) Brownian increments of the value noise (variance s² dt per entry).
-    dt : float
-        the step of the increments.
-
-    Returns
-    -------
-    result
-        tokens (K + 1, P, n, d) at the grid times.
-    """
-    A, Vbar = heads.score_matrix, heads.value_matrix
-    x = x0
-    out = [x0]
-    for dW in increments:
-        h = tp.Heads(A, Vbar * dt + dW, heads.weights, heads.beta)
-        k1 = tp.velocity(x, h, normalization=normalization, direction=direction)
-        xt = tp.sphere.normalize(x + k1)
-        k2 = tp.velocity(xt, h, normalization=normalization, direction=direction)
-        x = tp.sphere.normalize(x + 0.5 * (k1 + k2))
-        out.append(x)
-    return torch.stack(out)
-
-
 def _check_fast(p):
     deltas = sorted(p["deltas"])
     fine = deltas[0] / p["refine"]
@@ -370,8 +312,9 @@ def run_fast_weights(params, run) -> Dict[str, object]:
                     inc = dW.reshape(L, r, P, H, d, d).sum(1)  # the Brownian increment of each layer
                     layers = [tp.Heads(A, mean.value_matrix + inc[l] / dl, mean.weights, mean.beta) for l in range(L)]
                     theta = tp.Layerwise(layers, layer_time=dl)
-                    tr = tp.simulate(x0, theta, t1=p["t1"], dt=dl / p["substeps"], method="rk4", diagnostics=False,
-                                     record_every=L * p["substeps"], progress=False, **kw)
+                    tr = tp.solve(tp.Model(theta, **kw), x0, tp.RK4(), t1=p["t1"], dt=dl / p["substeps"],
+                                  saveat=tp.SaveAt(every=L * p["substeps"]), ledger=tp.LedgerOptions(diagnostics=False),
+                                  progress=False)
                 else:
                     # OU values V = V̄ + U, dU = −U/τ dt + (s/τ) dW (stationary variance s²/(2τ),
                     # ∫U dt → s W),
@@ -382,8 +325,8 @@ def run_fast_weights(params, run) -> Dict[str, object]:
                         U.append(a * U[-1] + (1 - a) * dW[k] / fine)
                     layers = [tp.Heads(A, mean.value_matrix + u, mean.weights, mean.beta) for u in U]
                     theta = tp.Layerwise(layers, layer_time=fine, interpolation="linear")
-                    tr = tp.simulate(x0, theta, t1=p["t1"], dt=fine, method="rk4", diagnostics=False,
-                                     record_every=Kf, progress=False, **kw)
+                    tr = tp.solve(tp.Model(theta, **kw), x0, tp.RK4(), t1=p["t1"], dt=fine,
+                                  saveat=tp.SaveAt(every=Kf), ledger=tp.LedgerOptions(diagnostics=False), progress=False)
                 xs.append(tr.x[-1])
             return {"x_T": torch.stack(xs)}
 

@@ -46,11 +46,13 @@ LAYERS = [
     {"transformer_pde.solvers.methods"},  # the solver objects
     {"transformer_pde.solvers.evaluator"},  # the field evaluation and common scale of a particle solve
     {"transformer_pde.solvers.fixed_step", "transformer_pde.solvers.adaptive"},  # the particle solves
-    {"transformer_pde.solvers.particle"},  # tp.simulate (keyword front end) and the argument checks
-    {"transformer_pde.solvers.sharded"},  # the sharded (multi-device) projected Euler
     {"transformer_pde.solvers.jko_lagrangian", "transformer_pde.solvers.jko_eulerian"},  # the two JKO schemes
-    {"transformer_pde.solvers.jko", "transformer_pde.solvers.distributed"},
+    {"transformer_pde.solvers.jko"},
     {"transformer_pde.solvers.solve"},  # tp.solve
+    # the solver objects that run themselves, each with its keyword front end (which calls tp.solve):
+    # FixedStep/Euler/Heun/RK4/Dopri5 and tp.simulate; ShardedEuler and simulate_sharded
+    {"transformer_pde.solvers.particle", "transformer_pde.solvers.sharded"},
+    {"transformer_pde.solvers.distributed"},
     {"transformer_pde.nn.modules"},  # MeanFieldAttention: continuous-depth attention whose forward is a solve
     {"transformer_pde.nn"},  # tp.nn: the torch.nn converters and the module
     # Lipschitz and Grönwall constants, fast-weights coefficients; linear stability of the uniform measure

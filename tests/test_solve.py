@@ -129,7 +129,7 @@ def test_solver_settings_live_on_the_solver_that_has_them(no_work):
         tp.FixedStep("euler", rtol=1e-3)
     with pytest.raises(ValueError, match="Dopri5.rtol"):
         tp.Dopri5(rtol=-1.0)
-    with pytest.raises(ValueError, match="FixedStep.method"):
+    with pytest.raises(ValueError, match="FixedStep.tableau"):
         tp.FixedStep("adaptive")
     x0, heads = problem(torch.float64)
     with pytest.raises(ValueError, match="rtol and atol are the tolerances"):  # the keyword front end as before

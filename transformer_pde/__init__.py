@@ -28,10 +28,9 @@ from .solvers.layernorm import LAYER_NORMS, NGPT, LayerNorm, PeriLN, PostLN, Pre
 from .solvers.noise import TokenNoise
 from .model.normalization import Effective, Normalization, ReLU, Softmax, Unnormalized
 from .solvers.model import Model
-from .solvers.methods import (
-    EMD, RK4, Dopri5, Euler, EulerianJKO, FixedStep, Heun, Identity, LagrangianJKO, RiemannianLBFGS, ShardedEuler,
-    Sinkhorn, Solver, Transport,
-)
+from .solvers.methods import EMD, EulerianJKO, Identity, LagrangianJKO, RiemannianLBFGS, Sinkhorn, Solver, Transport
+from .solvers.particle import RK4, Dopri5, Euler, FixedStep, Heun
+from .solvers.sharded import ShardedEuler
 from .solvers.options import Checkpointing, LedgerOptions, Limits, Progress, SaveAt, SolveOptions
 from .solvers.solve import solve
 from .model import attention, transport

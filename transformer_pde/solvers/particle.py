@@ -40,10 +40,10 @@ from ..processes.weights import Process, WeightDriver, WeightPath, path_bytes
 from .adaptive import dopri5, solve_adaptive
 from .evaluator import Evaluator, RunParts
 from .fixed_step import solve_fixed_step
-from .layernorm import FusedUpdate, LayerNorm, check_layer_norm_method, layer_norm_scheme
+from .layernorm import FusedUpdate, LayerNorm, check_layer_norm_method
 from .methods import Solver
 from .model import Model
-from .noise import TokenNoise, token_noise
+from .noise import TokenNoise
 from .options import (
     QUADRATIC_VARIATIONS, QUADRATURES, Checkpointing, LedgerOptions, Limits, Progress, SaveAt, SolveOptions,
     keyword_names,
@@ -80,6 +80,8 @@ SIMULATE_KEYWORDS = {
     "Checkpointing.path": "checkpoint", "Checkpointing.every": "checkpoint_every", "Progress.show": "progress",
     "Progress.callback": "callback", "Limits.max_steps": "max_steps", "Limits.max_memory": "max_memory",
     "Limits.chunk_elements": "chunk_elements", "Dopri5.rtol": "rtol", "Dopri5.atol": "atol",
+    "Model.geometry": "layer_norm", "geometry=": "layer_norm=", "Model.noise": "temperature",
+    "TokenNoise.temperature": "temperature",
 }
 
 
@@ -584,11 +586,8 @@ def simulate(
     if quadrature is not None:
         check_choice(quadrature, QUADRATURES, "quadrature")
     check_int(checkpoint_every, "checkpoint_every")
-    scheme = layer_norm_scheme(layer_norm)
-    check_layer_norm_method(scheme, method)
-    noise = _check_temperature(temperature, method, adjoint, scheme)
     with keyword_names(SIMULATE_KEYWORDS):  # the objects' messages name simulate's keywords
-        model = Model(theta, normalization, direction, geometry=scheme, noise=noise, weights=weights, causal=causal)
+        model = Model(theta, normalization, direction, layer_norm, temperature, weights, causal)
         solver = Dopri5(1e-7 if rtol is None else rtol, 1e-9 if atol is None else atol, adjoint) if adaptive \
             else FixedStep(method)
         saveat = SaveAt(every=record_every, observables=observables, path=return_path)
@@ -600,17 +599,3 @@ def simulate(
         return solve(model, x0, solver, t1=t1, dt=dt, t0=t0, paths=paths, seed=seed, generator=generator,
                      saveat=saveat, ledger=ledger, checkpoint=ckpt, progress=show,
                      limits=Limits(max_steps, max_memory, chunk_elements))
-
-
-def _check_temperature(temperature, method: str, adjoint: bool, scheme) -> Optional[TokenNoise]:
-    """``temperature=`` as a TokenNoise (None for T = 0); the solvers that cannot take noise refuse it."""
-    noise = token_noise(temperature)
-    if noise is not None and (method == "adaptive" or adjoint):
-        raise ValueError(f"temperature={noise.temperature} > 0 needs a fixed-step method (euler, heun or rk4): "
-                         f"method='adaptive' (dopri5) and the adjoint integrate an ODE and cannot take token noise")
-    if noise is not None and not scheme.projected:
-        raise ValueError(f"temperature={noise.temperature} > 0 is defined for the projected flow only; "
-                         f"layer_norm={scheme.name!r} with token noise is not implemented: use layer_norm='none'")
-    return noise
-
-

@@ -1,0 +1,178 @@
+"""The particle solver objects run themselves: Euler/Heun/RK4 are FixedStep classes, FixedStep takes a
+user's ButcherTableau, ``solver.run(model, x0, options)`` is what tp.solve calls, user-defined
+normalisations and geometries outside the registries go through a solve, and the keyword front ends
+name the keyword the user typed (docs/solve.md)."""
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import transformer_pde as tp
+from conftest import gen
+
+F64 = torch.float64
+
+#: Ralston's second-order method (c2 = 2/3, the minimum-error two-stage tableau): not built in
+RALSTON = tp.ButcherTableau("ralston", 2, (0.0, 2 / 3), ((), (2 / 3,)), (0.25, 0.75))
+
+
+def problem(dtype, n=6, d=3, H=2, seed=0):
+    x0 = tp.sphere.sample_uniform(n, d, generator=gen(seed), dtype=dtype)
+    heads = tp.Heads.random(H, d, generator=gen(seed + 1), dtype=dtype)
+    return x0, heads
+
+
+def ulps(dtype, k):
+    """k rounding units of the dtype: two evaluations of the same arithmetic in another order."""
+    return dict(rtol=k * torch.finfo(dtype).eps, atol=k * torch.finfo(dtype).eps)
+
+
+# ---------------------------------------------------------------------------- the classes
+def test_euler_heun_rk4_are_fixed_step_classes_equal_to_their_tableaux():
+    for cls, name, order in ((tp.Euler, "euler", 1), (tp.Heun, "heun", 2), (tp.RK4, "rk4", 4)):
+        s = cls()
+        assert isinstance(s, tp.FixedStep) and isinstance(s, cls) and isinstance(s, tp.Solver)
+        assert s == cls() == tp.FixedStep(name) == tp.FixedStep(tp.TABLEAUX[name])
+        assert hash(s) == hash(tp.FixedStep(name)) and len({s, cls(), tp.FixedStep(name)}) == 1
+        assert s.tableau is tp.TABLEAUX[name] and s.order == order and s.method == name
+        assert repr(s) == f"{cls.__name__}()"
+    assert tp.Euler() != tp.Heun() and not isinstance(tp.Heun(), tp.Euler)
+    assert tp.FixedStep(RALSTON).order == 2 and tp.FixedStep(RALSTON) != tp.Heun()
+    with pytest.raises(TypeError, match="FixedStep.tableau must be a ButcherTableau"):
+        tp.FixedStep(2)
+    with pytest.raises(ValueError, match="unknown FixedStep.tableau 'midpoint'"):
+        tp.FixedStep("midpoint")
+
+
+def test_a_users_tableau_is_one_hand_written_step(dtype):
+    """One step of FixedStep(Ralston) is x1 = R(x0 + dt(¼k1 + ¾k2)), k2 = v(R(x0 + ⅔dt·k1)), R = x/|x|,
+    with v the projected field of tp.evaluate (descent: sign −1)."""
+    x0, heads = problem(dtype, seed=3)
+    dt = 0.1
+
+    def v(x):
+        return tp.evaluate(x, heads, sign=-1.0, diagnostics=False).velocity
+
+    def unit(y):
+        return y / y.norm(dim=-1, keepdim=True)
+
+    k1 = v(x0)
+    k2 = v(unit(x0 + (2 / 3) * dt * k1))
+    x1 = unit(x0 + dt * (0.25 * k1 + 0.75 * k2))
+    tr = tp.solve(tp.Model(heads), x0, tp.FixedStep(RALSTON), t1=dt, dt=dt)
+    assert tr.method == "ralston" and tr.stats["order"] == 2 and tr.stats["field_evaluations"] == 3
+    assert_close(tr.x[-1], x1, **ulps(dtype, 64))
+
+
+def test_a_users_tableau_converges_at_its_order():
+    """Ralston's error against a fine RK4 solution falls like dt² (measured order in [1.8, 2.2])."""
+    x0, heads = problem(F64, seed=5)
+    model = tp.Model(heads)
+    t1 = 0.8
+    ref = tp.solve(model, x0, tp.RK4(), t1=t1, dt=t1 / 800, saveat=tp.SaveAt(ends=True)).x[-1]
+    errs = [float((tp.solve(model, x0, tp.FixedStep(RALSTON), t1=t1, dt=t1 / k,
+                            saveat=tp.SaveAt(ends=True)).x[-1] - ref).norm()) for k in (10, 20, 40)]
+    orders = [math.log2(errs[i] / errs[i + 1]) for i in range(2)]
+    assert all(1.8 < p < 2.2 for p in orders), (errs, orders)
+
+
+def test_run_is_the_solve(dtype):
+    """tp.solve fills in the options and calls solver.run; calling run with the same SolveOptions is the
+    same solve, for the fixed-step, adaptive and sharded solvers."""
+    x0, heads = problem(dtype, seed=7)
+    model = tp.Model(tp.OrnsteinUhlenbeck(heads, sigma=0.3))
+    for solver, accepted in ((tp.Heun(), {}), (tp.Dopri5(rtol=1e-6, atol=1e-8), {}), (tp.ShardedEuler(), {})):
+        a = tp.solve(model, x0, solver, t1=0.3, dt=0.05, paths=2, seed=4, saveat=tp.SaveAt(every=2))
+        b = solver.run(model, x0, tp.SolveOptions(t1=0.3, dt=0.05, paths=2, seed=4, saveat=tp.SaveAt(every=2),
+                                                  **accepted))
+        assert a.method == b.method == solver.method
+        assert_close(a.x, b.x, **ulps(dtype, 16))
+        assert_close(a.ledger["residual"], b.ledger["residual"], **ulps(dtype, 16))
+
+
+# ---------------------------------------------------------------------------- objects outside the registries
+@dataclass(frozen=True)
+class DoubledSoftmax(tp.Normalization):
+    """A user's normalisation (not in the registry): twice the softmax output."""
+
+    name: ClassVar[str] = "doubled-softmax"
+
+    def outputs(self, kernel):
+        return 2 * kernel.value_mean()
+
+
+@pytest.mark.parametrize("solver", [tp.Euler(), tp.Dopri5(rtol=1e-9, atol=1e-11)])
+def test_a_users_normalization_goes_through_solve(solver, dtype):
+    """Twice the softmax field is the softmax flow at twice the speed: Euler with dt/2 on 2v is Euler
+    with dt on v step for step (the tokens to rounding), dopri5 the same ODE (to its tolerance); the
+    energy depends on the tokens only, so it matches too."""
+    x0, heads = problem(dtype, seed=11)
+    if solver == tp.Euler():
+        a = tp.solve(tp.Model(heads, normalization=DoubledSoftmax()), x0, solver, t1=0.5, dt=0.05)
+        b = tp.solve(tp.Model(heads), x0, solver, t1=1.0, dt=0.1)
+        k = 256
+    else:
+        if dtype == torch.float32:
+            pytest.skip("dopri5 at rtol 1e-9 is a float64 check")
+        a = tp.solve(tp.Model(heads, normalization=DoubledSoftmax()), x0, solver, t1=0.5, dt=0.05)
+        b = tp.solve(tp.Model(heads), x0, solver, t1=1.0, dt=0.1)
+        k = 1e6
+    assert a.normalization == "doubled-softmax"
+    assert_close(a.x, b.x, **ulps(dtype, k))
+    assert_close(a.energy, b.energy, **ulps(dtype, 4 * k))
+
+
+@dataclass(frozen=True)
+class HalfPostLN(tp.PostLN):
+    """A user's layer map (not in the registry): post-LN of half the update, x ← (x + ½dt·A)/|x + ½dt·A|."""
+
+    name: ClassVar[str] = "half-post"
+
+    def step(self, x, r, update, dt):
+        return super().step(x, r, 0.5 * update, dt)
+
+
+def test_a_users_layer_norm_goes_through_solve(dtype):
+    """The layer map of a user's LayerNorm subclass is the step: a hand loop of
+    x ← normalize(x + ½dt·A(x)), A the signed un-projected update of tp.evaluate."""
+    x0, heads = problem(dtype, seed=13)
+    tr = tp.solve(tp.Model(heads, geometry=HalfPostLN()), x0, tp.Euler(), t1=0.4, dt=0.1,
+                  ledger=tp.LedgerOptions(diagnostics=False))
+    x = x0
+    for _ in range(4):
+        a = tp.evaluate(x, heads, sign=-1.0, diagnostics=False).ambient
+        y = x + 0.05 * a
+        x = y / y.norm(dim=-1, keepdim=True)
+    assert tr.stats["layer_norm"] == "half-post"
+    assert_close(tr.x[-1], x, **ulps(dtype, 64))
+
+
+# ---------------------------------------------------------------------------- the keyword front ends
+def test_the_front_ends_name_the_keyword_the_user_typed():
+    x0, heads = problem(F64, seed=17)
+    kw = dict(t1=0.5, dt=0.1)
+    cases = [
+        (dict(record_every=20), ValueError, r"^record_every = 20 is larger than the number of steps"),
+        (dict(record_every=0), ValueError, r"^record_every must be"),
+        (dict(checkpoint_every=1.5), TypeError, r"^checkpoint_every must be an int"),
+        (dict(chunk_elements=0), ValueError, r"^chunk_elements must be"),
+        (dict(direction="up"), ValueError, r"^unknown direction 'up'"),
+        (dict(quadratic_variation="both"), ValueError, r"^unknown quadratic_variation 'both'"),
+        (dict(method="adaptive", rtol=-1.0), ValueError, r"^rtol must be"),
+        (dict(temperature=0.5, layer_norm="post"), ValueError, r"layer_norm='post' with token noise"),
+    ]
+    for extra, err, msg in cases:
+        with pytest.raises(err, match=msg) as info:
+            tp.simulate(x0, heads, **kw, **extra)
+        assert "SaveAt" not in str(info.value) and "Model." not in str(info.value), str(info.value)
+    with pytest.raises(ValueError, match=r"^record_every = 20 is larger"):
+        tp.ensembles.simulate(x0.expand(2, *x0.shape), heads, **kw, record_every=20)
+    with pytest.raises(ValueError, match=r"^record_every = 20 is larger"):
+        tp.distributed.simulate_sharded(x0, heads, **kw, record_every=20)
+    # the composable API names the objects' fields
+    with pytest.raises(ValueError, match=r"^SaveAt.every = 20 is larger"):
+        tp.solve(tp.Model(heads), x0, tp.Euler(), **kw, saveat=tp.SaveAt(every=20))

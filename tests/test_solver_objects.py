@@ -176,3 +176,70 @@ def test_the_front_ends_name_the_keyword_the_user_typed():
     # the composable API names the objects' fields
     with pytest.raises(ValueError, match=r"^SaveAt.every = 20 is larger"):
         tp.solve(tp.Model(heads), x0, tp.Euler(), **kw, saveat=tp.SaveAt(every=20))
+
+
+# ---------------------------------------------------------------------------- a solver from the public parts
+from transformer_pde.processes.weights import WeightDriver  # noqa: E402
+from transformer_pde.solvers.evaluator import Evaluator  # noqa: E402
+from transformer_pde.solvers.parts import Ledger, Recorder, Stepper, partial_density, progress_bar  # noqa: E402
+
+
+@dataclass(frozen=True)
+class PartsEuler(tp.Solver):
+    """Projected Euler with the left-point ledger, composed of the public parts (docs/solve.md):
+    deterministic weights, no token noise, the projected flow."""
+
+    accepts: ClassVar[frozenset] = frozenset({"saveat", "ledger", "progress"})
+    unsupported: ClassVar[dict] = {"saveat": ("observables", "path"),
+                                   "ledger": ("quadrature", "quadratic_variation", "energy_log_scale"),
+                                   "progress": ("callback",)}
+
+    def run(self, model, x0, options):
+        o, K = options, options.steps
+        if model.process.noisy or model.noise is not None or not model.geometry.projected:
+            raise ValueError("PartsEuler takes deterministic weights, no token noise and the projected flow")
+        drv = WeightDriver(model.process, paths=None, generator=o.generator, seed=o.weight_seed, t0=o.t0, dt=o.dt)
+        ev = Evaluator(model.weights, normalization=model.normalization, sign=model.sign, noisy=False,
+                       causal=model.causal, chunk_elements=None, energy_log_scale=None)
+        stepper = Stepper(tp.TABLEAUX["euler"], layer_norm=model.geometry)
+        rec = Recorder(K, o.saveat.record_every(K), diagnostics=True, weights=model.weights)
+
+        def densities(x, e):
+            return {"partial": partial_density(x, drv.current, model.weights, e.stats, drv.rate, drv.sigma,
+                                               ito=False),
+                    "dissipation": e.dissipation, "slope": e.slope}
+
+        x, e = x0, ev(x0, drv.current, True)
+        ledger = Ledger(e.energy, sign=model.sign, quadrature="left")
+        rec.record(x, e.energy, e.slope, e.dissipation, ledger.terms(e.energy))
+        with progress_bar(bool(o.progress.show), K, "parts-euler") as bar:
+            for k in range(1, K + 1):
+                dens = densities(x, e)
+                x, _ = stepper.step(x, e.velocity, o.dt, None)
+                drv.advance()
+                e = ev(x, drv.current, True)
+                ledger.integrate(dens, None, o.dt)
+                if rec.keeps(k):
+                    rec.record(x, e.energy, e.slope, e.dissipation, ledger.terms(e.energy))
+                bar.update(1)
+        times, xs, series, led, _ = rec.stacked(o.t0, o.dt)
+        return tp.Trajectory(times, xs, series["energy"], series["slope"], series["dissipation"], led,
+                             {"steps": K}, "parts-euler", model.normalization.name, model.direction,
+                             model.weights)
+
+
+def test_a_solver_composed_of_the_public_parts_is_euler(dtype):
+    """The docs' parts-built solver gives tp.Euler()'s tokens, energy and ledger (closed-form
+    time-dependent weights: the ledger's ∂_tE term is exercised)."""
+    x0, heads = problem(dtype, seed=23)
+    model = tp.Model(tp.Oscillating(heads))
+    kw = dict(t1=0.4, dt=0.05, saveat=tp.SaveAt(every=2))
+    mine = tp.solve(model, x0, PartsEuler(), **kw)
+    ref = tp.solve(model, x0, tp.Euler(), **kw)
+    assert_close(mine.times, ref.times, rtol=1e-15, atol=1e-15)
+    assert_close(mine.x, ref.x, **ulps(dtype, 64))
+    assert_close(mine.energy, ref.energy, **ulps(dtype, 64))
+    for key in ("partial", "dissipation", "residual"):
+        assert_close(mine.ledger[key], ref.ledger[key], **ulps(dtype, 256))
+    with pytest.raises(ValueError, match="deterministic weights"):
+        tp.solve(tp.Model(tp.OrnsteinUhlenbeck(heads, sigma=0.1)), x0, PartsEuler(), t1=0.1, dt=0.05)

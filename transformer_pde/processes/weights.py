@@ -36,10 +36,10 @@ from ..utils.validation import (
 from ..model.heads import Heads
 
 #: named internal API (not public), used by the solvers' resource guards
-__internal__ = ["path_bytes", "grid_steps", "WeightDriver", "lift_paths"]
+__internal__ = ["path_bytes", "grid_steps", "lift_paths"]
 
 __all__ = ["Process", "Constant", "OrnsteinUhlenbeck", "Oscillating", "Layerwise", "Custom", "WeightPath", "sample_path",
-           "symmetric_noise", "oscillating_target"]
+           "symmetric_noise", "oscillating_target", "WeightDriver"]
 
 SCHEMES = ("exact", "euler")
 

@@ -17,8 +17,8 @@ from ..model.attention import values_first_applies
 from ..model.energy import choose_log_scale
 from ..model.field import evaluate
 
-__all__: list = []
-__internal__ = ["Evaluator", "RunParts"]
+__all__ = ["Evaluator"]
+__internal__ = ["RunParts"]
 
 logger = logging.getLogger("transformer_pde.solvers.particle")  # the solvers' logger of old
 

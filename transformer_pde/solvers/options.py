@@ -180,12 +180,20 @@ class SolveOptions:
         object.__setattr__(self, "dt", check_positive(self.dt, "dt"))
         if self.paths is not None:
             object.__setattr__(self, "paths", check_int(self.paths, "paths"))
-        check_seed_generator(self.seed, self.generator)
+        seed = check_seed_generator(self.seed, self.generator)
+        if self.seed is not None:
+            object.__setattr__(self, "seed", seed)
         for key, cls in (("saveat", SaveAt), ("ledger", LedgerOptions), ("progress", Progress), ("limits", Limits)):
             if not isinstance(getattr(self, key), cls):
                 raise TypeError(f"{key}= must be a {cls.__name__}, got {type(getattr(self, key)).__name__}")
         if self.checkpoint is not None and not isinstance(self.checkpoint, Checkpointing):
             raise TypeError(f"checkpoint= must be a Checkpointing or None, got {type(self.checkpoint).__name__}")
+
+    @property
+    def weight_seed(self) -> int:
+        """The seed of the weights' random stream as an int (``seed``; 0 when None: a ``generator``, when
+        given, is the stream itself), what :class:`~transformer_pde.processes.weights.WeightDriver` takes."""
+        return 0 if self.seed is None else self.seed
 
     @property
     def steps(self) -> int:

@@ -29,7 +29,7 @@ import torch
 from ..utils import threads
 from ..utils.validation import (
     check_bool, check_choice, check_every, check_int, check_limits, check_output_file, check_positive, check_same,
-    check_seed_generator, check_tied_all, check_token_weights, check_tokens,
+    check_tied_all, check_token_weights, check_tokens,
 )
 from ..model.normalization import NORMALIZATIONS, Softmax, normalization as as_normalization
 from ..model.attention import DEFAULT_CHUNK_ELEMENTS, softmax_statistics
@@ -280,7 +280,7 @@ class ParticleProblem:
                      max_steps=lim.max_steps, max_memory=lim.max_memory, device=x0.device,
                      fix="record fewer steps (record_every=), use fewer paths, a larger dt or chunk_elements=")
         return cls(model, x0, solver, options, process, model.sign, K, record_every, quadrature, obs,
-                   check_seed_generator(o.seed, o.generator))
+                   o.weight_seed)
 
 
 def _prepare(problem: ParticleProblem, integrate=None):

@@ -322,7 +322,7 @@ class ShardedProblem:
         check_same(x0_local, h0.reference, "x0_local", "theta's heads")
         if h0.dim != x0_local.shape[-1]:
             raise ValueError(f"the heads act on d = {h0.dim} but x0_local has d = {x0_local.shape[-1]}")
-        return cls(model, x0_local, solver, options, K, record_every, 0 if o.seed is None else o.seed)
+        return cls(model, x0_local, solver, options, K, record_every, o.weight_seed)
 
 
 def simulate_sharded(

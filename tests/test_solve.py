@@ -263,7 +263,7 @@ class _LoopEuler(tp.Solver):
         K = options.steps
         xs, x = [x0], x0
         for _ in range(K):
-            v = tp.velocity(x, heads, model.weights, normalization=model.normalization.name,
+            v = tp.velocity(x, heads, model.weights, normalization=model.normalization,
                             direction=model.direction)
             x = tp.sphere.normalize(x + dt * v)
             xs.append(x)

@@ -40,6 +40,7 @@ def test_euler_heun_rk4_are_fixed_step_classes_equal_to_their_tableaux():
         assert hash(s) == hash(tp.FixedStep(name)) and len({s, cls(), tp.FixedStep(name)}) == 1
         assert s.tableau is tp.TABLEAUX[name] and s.order == order and s.method == name
         assert repr(s) == f"{cls.__name__}()"
+    assert repr(tp.FixedStep("heun")) == "FixedStep('heun')" and "ralston" in repr(tp.FixedStep(RALSTON))
     assert tp.Euler() != tp.Heun() and not isinstance(tp.Heun(), tp.Euler)
     assert tp.FixedStep(RALSTON).order == 2 and tp.FixedStep(RALSTON) != tp.Heun()
     with pytest.raises(TypeError, match="FixedStep.tableau must be a ButcherTableau"):

@@ -124,6 +124,10 @@ class FixedStep(Solver):
     def __hash__(self):
         return hash((FixedStep, self.tableau))
 
+    def __repr__(self):
+        t = self.tableau
+        return f"FixedStep({t.name!r})" if TABLEAUX.get(t.name) == t else f"FixedStep({t!r})"
+
     def run(self, model: Model, x0: torch.Tensor, options: SolveOptions) -> Trajectory:
         """The fixed-step solve (:meth:`transformer_pde.solvers.methods.Solver.run`).
 

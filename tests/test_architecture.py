@@ -51,16 +51,17 @@ LAYERS = [
     {"transformer_pde.solvers.methods"},  # the solver objects
     {"transformer_pde.solvers.evaluator"},  # the field evaluation and common scale of a particle solve
     {"transformer_pde.solvers.fixed_step", "transformer_pde.solvers.adaptive"},  # the particle solves
-    {"transformer_pde.solvers.particle"},  # tp.simulate (keyword front end) and the argument checks
-    {"transformer_pde.solvers.sharded"},  # the sharded (multi-device) projected Euler
     # the two JKO steps; Θ_t at the JKO times
     {"transformer_pde.solvers.jko_lagrangian", "transformer_pde.solvers.jko_eulerian",
      "transformer_pde.solvers.jko_theta"},
     {"transformer_pde.solvers.jko_problem"},  # the checked JKO problem
     {"transformer_pde.solvers.jko_run"},  # the run shared by the JKO variants: layout, ledger, records
-    {"transformer_pde.solvers.jko_methods", "transformer_pde.solvers.distributed"},  # LagrangianJKO, EulerianJKO
+    {"transformer_pde.solvers.jko_methods"},  # LagrangianJKO, EulerianJKO (they run themselves)
     {"transformer_pde.solvers.solve"},  # tp.solve
-    {"transformer_pde.solvers.jko"},  # tp.jko: the keyword front end over tp.solve
+    # the solver objects that run themselves, each with its keyword front end (which calls tp.solve):
+    # FixedStep/Euler/Heun/RK4/Dopri5 and tp.simulate; ShardedEuler and simulate_sharded; tp.jko
+    {"transformer_pde.solvers.particle", "transformer_pde.solvers.sharded", "transformer_pde.solvers.jko"},
+    {"transformer_pde.solvers.distributed"},
     {"transformer_pde.nn.modules"},  # MeanFieldAttention: continuous-depth attention whose forward is a solve
     {"transformer_pde.nn"},  # tp.nn: the torch.nn converters and the module
     # Lipschitz and Grönwall constants, fast-weights coefficients; linear stability of the uniform measure
@@ -272,6 +273,7 @@ MAX_PARAMETERS = 12
 #: or is a constructor whose settings are its fields)
 KEYWORD_FRONT_ENDS = {
     "transformer_pde.solvers.particle.simulate", "transformer_pde.solvers.sharded.simulate_sharded",
+    "transformer_pde.solvers.jko.jko",
     "transformer_pde.solvers.solve.solve", "transformer_pde.analysis.ensembles.simulate",
     "transformer_pde.model.field.evaluate", "transformer_pde.application.sweep.run_sweep",
     "transformer_pde.application.animation.animate_tokens",

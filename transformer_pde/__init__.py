@@ -29,10 +29,10 @@ from .solvers.layernorm import LAYER_NORMS, NGPT, LayerNorm, PeriLN, PostLN, Pre
 from .solvers.noise import TokenNoise
 from .model.normalization import Effective, Hardmax, Normalization, ReLU, SinkhornAttention, Softmax, Unnormalized
 from .solvers.model import Model
-from .solvers.methods import (
-    EMD, RK4, Dopri5, Euler, FixedStep, Heun, Identity, RiemannianLBFGS, ShardedEuler, Sinkhorn, Solver, TransportTerm,
-)
+from .solvers.methods import EMD, Identity, RiemannianLBFGS, Sinkhorn, Solver, TransportTerm
 from .solvers.jko_methods import EulerianJKO, LagrangianJKO
+from .solvers.particle import RK4, Dopri5, Euler, FixedStep, Heun
+from .solvers.sharded import ShardedEuler
 from .solvers.options import Checkpointing, LedgerOptions, Limits, Progress, SaveAt, SolveOptions
 from .solvers.solve import solve
 from .model import backends, transport

@@ -46,7 +46,7 @@ from ..processes.pretrained import (
     load, packaged_minilm,
 )
 from ..processes.weights import Constant, Layerwise
-from ..solvers.methods import Euler
+from ..solvers.particle import Euler
 from ..solvers.model import Model
 from ..solvers.options import LedgerOptions, SaveAt
 from ..solvers.solve import solve

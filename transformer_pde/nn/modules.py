@@ -58,7 +58,7 @@ import torch
 from ..model.heads import Heads
 from ..processes.nn import attention_modules, heads_from_multihead_attention
 from ..processes.weights import Layerwise
-from ..solvers.methods import RK4, Dopri5, Euler, Heun
+from ..solvers.particle import RK4, Dopri5, Euler, Heun
 from ..solvers.model import Model
 from ..solvers.options import LedgerOptions, SaveAt
 from ..solvers.solve import solve

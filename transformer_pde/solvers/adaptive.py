@@ -3,8 +3,8 @@ ledger by the trapezoid rule on the record grid (docs/model.md#solvers, #ledger)
 
 The tokens are pulled back to the sphere by the model's geometry (``geometry.retract``: x ↦ x/|x|
 for the projected flow), in the field and on the solution.  Entry points:
-:func:`transformer_pde.solve` with :class:`~transformer_pde.Dopri5`, and
-``transformer_pde.simulate(method="adaptive")``; this is a named internal API.
+:meth:`transformer_pde.Dopri5.run` (through :func:`transformer_pde.solve` or
+``transformer_pde.simulate(method="adaptive")``); this is a named internal API.
 """
 
 from __future__ import annotations
@@ -107,52 +107,48 @@ def _initial_step(func, t0: torch.Tensor, y0: torch.Tensor, rtol: float, atol: f
     return min(100 * h0, h1)
 
 
-def solve_adaptive(x, process, drv, ev, *, K, t0, dt, record_every, sign, diagnostics, rtol, atol, method,
-                   normalization, direction, weights, start, return_path, adjoint=False, chunk_elements=None,
-                   causal=False, obs=None, realised=False, scale=None, fix_scale=None, geometry=None,
-                   integrate=None):
+def solve_adaptive(x, problem, parts) -> Trajectory:
     """dopri5 through torchdiffeq on the projected field; ledger by the trapezoid rule on the record grid
-    (the martingale, and with ``realised`` the quadratic variation, as Itô sums over the record intervals).
-    A closed-form Θ with knots (layer starts) is solved piece by piece between them, and the ledger
-    is sampled on both sides of each knot, so it books the jumps of Θ.
+    (the martingale, and with ``quadratic_variation="realised"`` the quadratic variation, as Itô sums
+    over the record intervals).  A closed-form Θ with knots (layer starts) is solved piece by piece
+    between them, and the ledger is sampled on both sides of each knot, so it books the jumps of Θ.
 
-    With ``adjoint`` the solve goes through ``odeint_adjoint`` (gradients by the adjoint ODE).
-    ``geometry``: the model's LayerNorm (its ``retract`` pulls the tokens back to the sphere);
-    ``integrate``: the dopri5 driver (default :func:`dopri5`)."""
-    retract = geometry.retract
-    integrate = dopri5 if integrate is None else integrate
-    scale = {"c": 0.0, "start_max": float("nan"), "given": False} if scale is None else scale
+    ``problem``: the checked problem (a :class:`~transformer_pde.solvers.particle.ParticleProblem`:
+    model, Dopri5 solver (``adjoint``: gradients by the adjoint ODE), options, steps, record stride,
+    observables); ``parts``: the prepared :class:`~transformer_pde.solvers.evaluator.RunParts` (its
+    ``integrate`` is the dopri5 driver, default :func:`dopri5`).  The tokens are pulled back to the
+    sphere by the model's geometry (``geometry.retract``).  The Trajectory still carries the paths axis."""
+    model, o, ev, drv = problem.model, problem.options, parts.evaluator, parts.driver
+    K, t0, dt, process, retract = problem.steps, o.t0, o.dt, problem.process, model.geometry.retract
+    integrate = dopri5 if parts.integrate is None else parts.integrate
     # stochastic or grid-stepped weights: sample the whole path on the dt grid first
     path = drv.sample_path(K) if drv.mode != "closed" else None
     source = path if path is not None else process
-    rec = Recorder(K, record_every, diagnostics=False, observables=obs, weights=weights)
+    obs = {name: parts.axis.observable(fn) for name, fn in problem.observables.items()}
+    rec = Recorder(K, problem.record_every, diagnostics=False, observables=obs, weights=model.weights)
     times = rec.times(t0, dt)
     knots = [] if path is not None else process.knots(t0, float(times[-1]))
     grid, rows = _knot_grid(times, knots)
-    ys, nfe = integrate(x, ev, source, grid.to(x.dtype).to(x.device), knots, weights=weights, rtol=rtol, atol=atol,
-                        adjoint=adjoint, normalization=normalization, sign=sign, chunk_elements=chunk_elements,
-                        causal=causal, retract=retract)
+    ys, nfe = integrate(x, ev, source, grid.to(x.dtype).to(x.device), knots, problem)
     xs = retract(ys)
     if not check_finite(xs):
         bad = int((~torch.isfinite(xs.flatten(1)).all(-1)).nonzero()[0])
         tb = float(grid[bad])
         raise nonfinite_error("the token positions", tb, round((tb - t0) / dt), source.heads_at(tb),
-                              normalization)
+                              model.normalization)
     ledger, series = {}, {"energy": None, "slope": None, "dissipation": None}
-    if diagnostics:
-        ledger, series = _record_grid_ledger(xs, grid, rows, rec.steps, ev, path, process, knots, weights=weights,
-                                             scale=scale, fix_scale=fix_scale, realised=realised, sign=sign,
-                                             causal=causal)
+    if o.ledger.diagnostics:
+        ledger, series = _record_grid_ledger(xs, grid, rows, rec.steps, ev, path, knots, problem)
     xs, ys = xs[rows], ys[rows]
     for r in range(len(rec.steps)):
         rec.record(xs[r])
     observed = rec.stacked(t0, dt)[4]
     stats = {"steps": K, "field_evaluations": nfe, "max_sphere_error": float((ys.detach().norm(dim=-1) - 1).abs().max()),
-             "wall_time": time.perf_counter() - start, "order": 5, "energy_log_scale": scale["c"],
-             "gradient_flow": not causal}
+             "wall_time": time.perf_counter() - parts.start, "order": 5, "energy_log_scale": ev.scale["c"],
+             "gradient_flow": not model.causal}
     return Trajectory(times, xs, series["energy"], series["slope"], series["dissipation"], ledger, stats,
-                      method, normalization, direction, weights, path if return_path else None,
-                      observables=observed)
+                      problem.solver.method, model.normalization.name, model.direction, model.weights,
+                      path if o.saveat.path else None, observables=observed)
 
 
 def _knot_grid(times, knots):
@@ -194,12 +190,15 @@ def _piece_heads(source, a: float, b: float, closed: bool):
     return heads
 
 
-def dopri5(x, ev, source, grid, knots, *, weights, rtol, atol, adjoint, normalization, sign, chunk_elements,
-           causal, retract):
+def dopri5(x, ev, source, grid, knots, problem):
     """torchdiffeq's dopri5 on the projected field through the grid, one solve per piece between knots,
-    the tokens pulled back to the sphere by ``retract``; (ys, field evaluations)."""
+    the tokens pulled back to the sphere by the model's geometry; the tolerances and ``adjoint`` of the
+    problem's Dopri5 solver; (ys, field evaluations)."""
     from torchdiffeq import odeint, odeint_adjoint
 
+    model, solver = problem.model, problem.solver
+    rtol, atol, adjoint, retract = solver.rtol, solver.atol, solver.adjoint, model.geometry.retract
+    weights, causal, chunk_elements = model.weights, model.causal, problem.options.limits.chunk_elements
     nfe = [0]
     pieces = _pieces(grid, knots) if knots else [(0, len(grid) - 1)]
     if adjoint:
@@ -211,8 +210,8 @@ def dopri5(x, ev, source, grid, knots, *, weights, rtol, atol, adjoint, normaliz
         if adjoint:
             def afunc(t, y, heads_at=heads_at):
                 nfe[0] += 1
-                return evaluate(retract(y), heads_at(float(t.detach())), w_c, normalization=normalization,
-                                sign=sign, diagnostics=False, chunk_elements=chunk_elements, **causal_kw).velocity
+                return evaluate(retract(y), heads_at(float(t.detach())), w_c, normalization=model.normalization,
+                                sign=problem.sign, diagnostics=False, chunk_elements=chunk_elements, **causal_kw).velocity
 
             ys = odeint_adjoint(_AdjointField(afunc, params), y, grid[i:j + 1], method="dopri5", rtol=rtol,
                                 atol=atol, adjoint_params=params)
@@ -228,11 +227,12 @@ def dopri5(x, ev, source, grid, knots, *, weights, rtol, atol, adjoint, normaliz
     return (torch.cat(out) if len(out) > 2 else ys), nfe[0]
 
 
-def _record_grid_ledger(xs, grid, rows, rec_k, ev, path, process, knots, *, weights, scale, fix_scale, realised,
-                        sign, causal):
+def _record_grid_ledger(xs, grid, rows, rec_k, ev, path, knots, problem):
     """Energy, 𝒢², 𝒟 and the ledger (:func:`~.parts.ledger_from_series`) at the tokens xs on the grid
     (record times and knots); at a knot a left-limit sample first, and the jump E(Θ) − E(Θ−) booked."""
-    w, tol = weights, 1e-9 * float(grid[-1] - grid[0])
+    w, tol, process = problem.model.weights, 1e-9 * float(grid[-1] - grid[0]), problem.process
+    scale, fix_scale = ev.scale, ev.fix_scale
+    realised = problem.options.ledger.quadratic_variation == "realised"
     samples, step_of = [], dict(zip(rows, rec_k))  # (t, x, heads, rate, σ, record step or None)
     for g in range(len(grid)):
         t, k = float(grid[g]), step_of.get(g)
@@ -264,5 +264,5 @@ def _record_grid_ledger(xs, grid, rows, rec_k, ev, path, process, knots, *, weig
     keep = [r for r, smp in enumerate(samples) if smp[5] is not None]
     E, G, D, P = map(torch.stack, (E, G, D, P))
     times = torch.tensor([smp[0] for smp in samples], dtype=torch.float64)
-    ledger = ledger_from_series(E, G, D, P, M, Q, times, sign=sign, causal=causal)
+    ledger = ledger_from_series(E, G, D, P, M, Q, times, sign=problem.sign, causal=problem.model.causal)
     return {key: v[keep] for key, v in ledger.items()}, {"energy": E[keep], "slope": G[keep], "dissipation": D[keep]}

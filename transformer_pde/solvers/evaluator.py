@@ -3,19 +3,22 @@
 :class:`Evaluator` is shared by the fixed-step run (:mod:`~transformer_pde.solvers.fixed_step`)
 and the adaptive solve (:mod:`~transformer_pde.solvers.adaptive`): ``ev(x, heads, diag)`` is one
 :class:`~transformer_pde.FieldEval`, and with diagnostics energy, 𝒢², 𝒟 are reported times
-e^{−c} for the common scale c fixed at t0.  A named internal API, not public.
+e^{−c} for the common scale c fixed at t0.  :class:`RunParts` carries the prepared parts of one
+particle solve (weight driver, evaluator, paths axis, checkpointer, dopri5 driver) into those solves.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 from ..model.values import values_first_applies
 from ..model.energy import choose_log_scale
 from ..model.field import evaluate
 
-__all__: list = []
-__internal__ = ["Evaluator"]
+__all__ = ["Evaluator"]
+__internal__ = ["RunParts"]
 
 logger = logging.getLogger("transformer_pde.solvers.particle")  # the solvers' logger of old
 
@@ -26,6 +29,10 @@ class Evaluator:
     :meth:`fix_scale` unless given)."""
 
     def __init__(self, weights, *, normalization, sign, noisy, causal, chunk_elements, energy_log_scale):
+        """``weights``: token weights or None; ``normalization``: a Normalization object (or a name of
+        the registry); ``sign``: the direction's sign; ``noisy``: the second moment for the Itô terms;
+        ``causal``, ``chunk_elements`` as :func:`transformer_pde.evaluate`; ``energy_log_scale``: the
+        given common scale c (None: fixed at t0 by :meth:`fix_scale`)."""
         self.w, self.normalization, self.sign, self.noisy = weights, normalization, sign, noisy
         self.causal, self.chunk, self.given = causal, chunk_elements, energy_log_scale
         self.causal_kw = {"causal": causal} if causal else {}
@@ -57,3 +64,32 @@ class Evaluator:
                         self.scale["c"], self.scale["start_max"])
         return self.scale["c"] != 0.0
 
+
+
+@dataclass
+class RunParts:
+    """The prepared parts of one particle solve, passed to the fixed-step and adaptive solves.
+
+    driver : WeightDriver
+        Θ_t on the grid (:class:`~transformer_pde.processes.weights.WeightDriver`).
+    evaluator : Evaluator
+        the field and the common scale.
+    axis : PathsAxis
+        the paths axis of the state (dropped once at the end when none was asked).
+    start : float
+        ``time.perf_counter()`` at the start (the wall time of the stats).
+    work : float
+        paths · batch · H · n², the thread policy's measure of one evaluation.
+    checkpointer : Checkpointer or None
+        the fixed-step solve's checkpoints (:class:`~transformer_pde.solvers.parts.Checkpointer`).
+    integrate : callable or None
+        the adaptive solve's dopri5 driver (:func:`~transformer_pde.solvers.adaptive.dopri5`).
+    """
+
+    driver: Any
+    evaluator: Evaluator
+    axis: Any
+    start: float
+    work: float
+    checkpointer: Optional[Any] = None
+    integrate: Optional[Callable] = None

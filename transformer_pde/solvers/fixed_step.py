@@ -1,11 +1,11 @@
 """The fixed-step particle solve: explicit Runge–Kutta steps with the geometry's retraction, or the
 model's layer map, the token noise, the energy ledger, records and checkpoints (docs/model.md#solvers).
 
-:func:`solve_fixed_step` runs one solve from prepared parts (weight driver, evaluator, checkpointer)
-and a :class:`~transformer_pde.Model`: the step's geometry is ``model.geometry`` (its retraction in
+:func:`solve_fixed_step` runs one solve of a checked problem (model, solver, options) from prepared
+parts (weight driver, evaluator, checkpointer): the step's geometry is ``model.geometry`` (its retraction in
 the Runge–Kutta stages, or its layer map through :meth:`~.parts.Stepper.layer_step`) and the
 token noise is ``model.noise``.  The entry points are :func:`transformer_pde.solve` and
-:func:`transformer_pde.simulate`; this is a named internal API.
+:meth:`transformer_pde.FixedStep.run`; this is a named internal API.
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ import time
 
 import torch
 
+from ..utils import threads
 from ..model.energy import pairing
 from ..model.energy import quadratic_variation as realised_qv_term
 from .layernorm import scheme_densities
 from .noise import noise_martingale
 from .parts import LEDGER_KEYS, Ledger, Recorder, Stepper, partial_density, progress_bar
-from .tableaux import TABLEAUX
 from .trajectory import Trajectory, check_finite, check_ledger, nonfinite_error
 
 __all__: list = []
@@ -40,22 +40,25 @@ class FixedStepRun:
     geometry's retraction, or its layer map), the token noise, the ledger, the recorder and the
     checkpointer; one :meth:`step` at a time.  The state carries the paths axis (``axis``)."""
 
-    def __init__(self, x, drv, ev, fix_scale, scale, *, model, axis, K, dt, method, quadrature, record_every,
-                 diagnostics, sign, realised, obs, ckpt, seed=0):
-        self.x, self.drv, self.ev, self.fix_scale, self.scale, self.axis = x, drv, ev, fix_scale, scale, axis
-        self.K, self.dt, self.diagnostics, self.realised, self.w = K, dt, diagnostics, realised, model.weights
-        self.normalization, self.ckpt, self.noisy, self.method = model.normalization.name, ckpt, drv.noisy, method
+    def __init__(self, x, problem, parts):
+        model, o = problem.model, problem.options
+        self.x, self.drv, self.ev, self.axis = x, parts.driver, parts.evaluator, parts.axis
+        self.fix_scale, self.scale, self.ckpt = self.ev.fix_scale, self.ev.scale, parts.checkpointer
+        self.K, self.dt, self.diagnostics, self.w = problem.steps, o.dt, o.ledger.diagnostics, model.weights
+        self.realised = o.ledger.quadratic_variation == "realised"
+        self.normalization, self.noisy, self.method = model.normalization, self.drv.noisy, problem.solver.method
         causal = model.causal
-        self.stepper = Stepper(TABLEAUX[method], retract=True, layer_norm=model.geometry)
+        self.stepper = Stepper(problem.solver.tableau, retract=True, layer_norm=model.geometry)
         self.scheme = self.stepper.layer_norm
         self.r, self.radii = self.scheme.initial_radius(x), []  # token radii (pre-/peri-LN), their records
         keys = LEDGER_KEYS if not causal else tuple(k for k in LEDGER_KEYS if not k.startswith("residual"))
-        self.rec = Recorder(K, record_every, diagnostics=diagnostics,
-                            observables={k: axis.observable(f) for k, f in obs.items()}, weights=model.weights,
-                            ledger_keys=keys)
-        self.ledger = Ledger(torch.zeros(()), sign=sign, quadrature=quadrature, causal=causal)
+        self.rec = Recorder(self.K, problem.record_every, diagnostics=self.diagnostics,
+                            observables={k: self.axis.observable(f) for k, f in problem.observables.items()},
+                            weights=model.weights, ledger_keys=keys)
+        self.ledger = Ledger(torch.zeros(()), sign=problem.sign, quadrature=problem.quadrature, causal=causal)
         self.k, self.nfe, self.max_sphere = 0, 0, 0.0
         self.noise = model.noise  # token noise (TokenNoise or None) and its own random stream
+        seed = problem.seed if o.generator is None else o.generator.initial_seed()
         self.token_gen = self.noise.generator(seed, x.device) if self.noise is not None else None
 
     def state(self) -> dict:
@@ -180,20 +183,21 @@ class FixedStepRun:
 
 
 
-def solve_fixed_step(x, drv, ev, *, model, axis, method, K, t0, dt, record_every, diagnostics, sign, realised, obs,
-                     quadrature, ckpt, seed, show, callback, pool_scope, start, return_path, direction) -> Trajectory:
-    """One fixed-step solve from t0 over K steps of dt (the state x already has the paths axis);
-    the Trajectory still carries the paths axis (the caller drops it: ``axis.finish``)."""
-    run = FixedStepRun(x, drv, ev, ev.fix_scale, ev.scale, model=model, axis=axis, K=K, dt=dt, method=method,
-                       quadrature=quadrature, record_every=record_every, diagnostics=diagnostics, sign=sign,
-                       realised=realised, obs=obs, ckpt=ckpt, seed=seed)
+def solve_fixed_step(x, problem, parts, show: bool) -> Trajectory:
+    """One fixed-step solve of a checked problem (a :class:`~transformer_pde.solvers.particle.ParticleProblem`:
+    model, FixedStep solver, options, steps, record stride, quadrature, observables) from the state x
+    (with the paths axis) and the prepared ``parts`` (:class:`~transformer_pde.solvers.evaluator.RunParts`);
+    ``show``: the progress bar.  The Trajectory still carries the paths axis (the caller drops it:
+    ``parts.axis.finish``)."""
+    model, o, ev, drv = problem.model, problem.options, parts.evaluator, parts.driver
+    run = FixedStepRun(x, problem, parts)
     run.start()
-    with pool_scope() as pool:
-        run.solve(show, callback, pool)
-    times, out_x, series, ledger, observed = run.rec.stacked(t0, dt)
+    with threads.scope(parts.work) as pool:
+        run.solve(show, o.progress.callback, pool)
+    times, out_x, series, ledger, observed = run.rec.stacked(o.t0, o.dt)
     noise, scheme = model.noise, run.scheme
-    stats = {"steps": K, "field_evaluations": run.nfe, "max_sphere_error": run.max_sphere,
-             "wall_time": time.perf_counter() - start, "order": TABLEAUX[method].order,
+    stats = {"steps": problem.steps, "field_evaluations": run.nfe, "max_sphere_error": run.max_sphere,
+             "wall_time": time.perf_counter() - parts.start, "order": problem.solver.order,
              "energy_log_scale": ev.scale["c"], "gradient_flow": not model.causal,
              "temperature": 0.0 if noise is None else noise.temperature}
     extras = {}
@@ -202,5 +206,5 @@ def solve_fixed_step(x, drv, ev, *, model, axis, method, K, t0, dt, record_every
         if scheme.radius:
             extras["radius"] = torch.stack(run.radii)
     return Trajectory(times, out_x, series["energy"], series["slope"], series["dissipation"], ledger, stats,
-                      method, model.normalization.name, direction, model.weights,
-                      drv.path() if return_path else None, observables=observed, extras=extras)
+                      problem.solver.method, model.normalization.name, model.direction, model.weights,
+                      drv.path() if o.saveat.path else None, observables=observed, extras=extras)

@@ -1,34 +1,32 @@
-"""Solver objects of :func:`transformer_pde.solve`; each carries its own settings.
+"""The base class of the solver objects of :func:`transformer_pde.solve`, and the JKO's transport terms and
+inner optimiser.
 
-Fixed step (projected explicit Runge–Kutta with retraction, or the model's layer map):
-``Euler()``, ``Heun()``, ``RK4()`` (or ``FixedStep(tableau)``).  Adaptive: ``Dopri5(rtol, atol,
-adjoint)``.  Minimizing movement: ``LagrangianJKO(transport, inner)`` with a transport object
-(``EMD()``, ``Sinkhorn(eps)``, ``Identity()``) and an inner optimiser (``RiemannianLBFGS()``), and
-``EulerianJKO(grid)``.
+A solver object carries its own settings and runs itself: ``solver.run(model, x0, options)``.  The
+built-in ones: fixed step (projected explicit Runge–Kutta with retraction, or the model's layer
+map) ``Euler()``, ``Heun()``, ``RK4()`` or ``FixedStep(tableau)`` and adaptive ``Dopri5(rtol,
+atol, adjoint)`` (:mod:`transformer_pde.solvers.particle`); sharded ``ShardedEuler(group, backend,
+gather_x)``, the projected Euler step with the tokens sharded over the ranks of a
+``torch.distributed`` process group (:mod:`transformer_pde.solvers.sharded`); minimizing movement
+``LagrangianJKO(transport, inner)`` with a transport object (``EMD()``, ``Sinkhorn(eps)``,
+``Identity()``, below) and an inner optimiser (``RiemannianLBFGS()``, below), and ``EulerianJKO(grid)``
+(:mod:`transformer_pde.solvers.jko_methods`).
 
 ``Solver.accepts`` names the options objects of :func:`~transformer_pde.solve` the solver takes
 ("saveat", "ledger", "checkpoint", "progress", "limits"); the others are refused before any work.
 ``Solver.unsupported`` names, per accepted options object, the fields the solver does not implement:
 they must stay at their defaults (TypeError naming the field otherwise, before any work).
-
-Sharded: ``ShardedEuler(group, backend, gather_x)``, the projected Euler step with the tokens
-sharded over the ranks of a ``torch.distributed`` process group
-(:mod:`transformer_pde.solvers.sharded`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, FrozenSet, Mapping, Optional, Tuple, Union
+from dataclasses import dataclass
+from typing import Any, ClassVar, FrozenSet, Mapping, Optional, Tuple
 
 import torch
 
 from ..utils.validation import check_bool, check_choice, check_int, check_positive
-from ..model.backends import BACKENDS
-from .tableaux import TABLEAUX
 
-__all__ = ["Solver", "FixedStep", "Euler", "Heun", "RK4", "Dopri5", "ShardedEuler", "TransportTerm", "EMD", "Sinkhorn",
-           "Identity", "RiemannianLBFGS"]
+__all__ = ["Solver", "TransportTerm", "EMD", "Sinkhorn", "Identity", "RiemannianLBFGS"]
 
 _ALL = frozenset({"saveat", "ledger", "checkpoint", "progress", "limits"})
 
@@ -39,18 +37,15 @@ class Solver:
 
     A solver implements ``run(self, model, x0, options)`` returning a
     :class:`~transformer_pde.Trajectory`, where ``options`` is a
-    :class:`~transformer_pde.SolveOptions` (the grid t0, t1, dt; paths, seed, generator; the options
-    objects ``saveat``, ``ledger``, ``checkpoint`` (None unless given), ``progress``, ``limits``).
-    :func:`transformer_pde.solve` checks the options against ``accepts`` / ``unsupported``, fills in
-    the defaults and calls it.  Compose it from the solver parts (:mod:`transformer_pde.solvers.parts`);
-    ARCHITECTURE.md, "Where to add"."""
+    :class:`~transformer_pde.SolveOptions` (the grid t0, t1, dt and ``steps``; paths, seed, generator;
+    the options objects ``saveat``, ``ledger``, ``checkpoint`` (None unless given), ``progress``,
+    ``limits``).  :func:`transformer_pde.solve` checks the options against ``accepts`` /
+    ``unsupported``, fills in the defaults and calls it.  Compose it from the solver parts
+    (docs/solve.md, "A solver of your own"; ARCHITECTURE.md, "Where to add")."""
 
     accepts: ClassVar[FrozenSet[str]] = _ALL
     #: options object -> its fields this solver does not implement (they must keep their defaults)
     unsupported: ClassVar[Mapping[str, Tuple[str, ...]]] = {}
-    name: ClassVar[str] = ""
-    #: the ``method=`` / ``scheme=`` string of the keyword front ends
-    kind: ClassVar[str] = ""
 
     def run(self, model, x0: Optional[torch.Tensor], options) -> Any:
         """Solve ``model`` from ``x0`` with ``options`` (a :class:`~transformer_pde.SolveOptions`).
@@ -70,85 +65,6 @@ class Solver:
             the solution.
         """
         raise NotImplementedError(f"{type(self).__name__} must define run(model, x0, options)")
-
-
-@dataclass(frozen=True)
-class FixedStep(Solver):
-    """An explicit Runge–Kutta method of fixed step ``dt`` (given to :func:`~transformer_pde.solve`),
-    from a :class:`~transformer_pde.ButcherTableau` name of ``TABLEAUX``."""
-
-    method: str = "euler"
-    kind: ClassVar[str] = "particle"
-
-    def __post_init__(self):
-        check_choice(self.method, tuple(TABLEAUX), "FixedStep.method")
-
-    @property
-    def order(self) -> int:
-        return TABLEAUX[self.method].order
-
-
-def Euler() -> FixedStep:
-    """Projected Euler (order 1, the reference code's step)."""
-    return FixedStep("euler")
-
-
-def Heun() -> FixedStep:
-    """Projected Heun (order 2)."""
-    return FixedStep("heun")
-
-
-def RK4() -> FixedStep:
-    """Projected classical Runge–Kutta (order 4)."""
-    return FixedStep("rk4")
-
-
-@dataclass(frozen=True)
-class Dopri5(Solver):
-    """torchdiffeq's adaptive dopri5 on the projected field; ``dt`` of :func:`~transformer_pde.solve` is
-    the grid on which stochastic weights are sampled.  ``adjoint=True`` backpropagates by the
-    adjoint ODE (memory independent of the number of steps).  No checkpoints, no token noise."""
-
-    rtol: float = 1e-7
-    atol: float = 1e-9
-    adjoint: bool = False
-    accepts: ClassVar[FrozenSet[str]] = frozenset({"saveat", "ledger", "limits"})
-    #: the ledger is the trapezoid rule on the record grid: there is no quadrature to choose
-    unsupported: ClassVar[Mapping[str, Tuple[str, ...]]] = {"ledger": ("quadrature",)}
-    kind: ClassVar[str] = "particle"
-    method: ClassVar[str] = "adaptive"
-
-    def __post_init__(self):
-        object.__setattr__(self, "rtol", check_positive(self.rtol, "Dopri5.rtol"))
-        object.__setattr__(self, "atol", check_positive(self.atol, "Dopri5.atol"))
-        check_bool(self.adjoint, "Dopri5.adjoint")
-
-
-@dataclass(frozen=True)
-class ShardedEuler(Solver):
-    """Projected Euler with the tokens sharded over the ranks of ``group`` (a ``torch.distributed``
-    process group; None: the world, or one rank without an initialised group).  x0 of
-    :func:`~transformer_pde.solve` is this rank's shard (``tp.distributed.shard_tokens``), the model's
-    token weights this rank's share of the global weights.  ``backend``: the kernel
-    (:mod:`transformer_pde.model.backends`); ``gather_x``: record all N tokens instead of the shard.
-
-    The ledger is the left-point one of ``Euler()``; no observables, stored paths, checkpoints,
-    callbacks, realised quadratic variation or given energy scale; no layer maps, token noise or
-    causal attention in the model."""
-
-    group: Any = None
-    backend: str = "auto"
-    gather_x: bool = False
-    accepts: ClassVar[FrozenSet[str]] = frozenset({"saveat", "ledger", "progress", "limits"})
-    unsupported: ClassVar[Mapping[str, Tuple[str, ...]]] = {
-        "saveat": ("observables", "path"), "ledger": ("quadrature", "quadratic_variation", "energy_log_scale"),
-        "progress": ("callback",), "limits": ("max_steps", "max_memory")}
-    kind: ClassVar[str] = "sharded"
-    method: ClassVar[str] = "euler"
-
-    def __post_init__(self):
-        check_choice(self.backend, BACKENDS, "ShardedEuler.backend")
-        check_bool(self.gather_x, "ShardedEuler.gather_x")
 
 
 # ---------------------------------------------------------------------------- JKO

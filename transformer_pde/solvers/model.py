@@ -26,7 +26,7 @@ from typing import Optional, Union
 
 import torch
 
-from ..utils.validation import DIRECTIONS, check_choice
+from ..utils.validation import DIRECTIONS, check_choice, direction_sign
 from ..model.field import check_causal_mode
 from ..model.heads import Heads
 from ..model.normalization import Normalization, normalization as as_normalization
@@ -79,6 +79,11 @@ class Model:
     def process(self) -> Process:
         """Θ_t as a Process (a constant Heads is wrapped in :class:`~transformer_pde.Constant`)."""
         return self.theta
+
+    @property
+    def sign(self) -> float:
+        """The direction's sign s: −1 for "descent" (x ← x − Δt·f, the reference code), +1 for "ascent"."""
+        return direction_sign(self.direction)
 
     @property
     def temperature(self) -> float:

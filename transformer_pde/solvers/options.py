@@ -9,6 +9,7 @@ option fails at the line that made it.  A solver states which of them it accepts
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Union
@@ -20,6 +21,8 @@ from ..processes.driver import grid_steps
 
 __all__ = ["SaveAt", "LedgerOptions", "Checkpointing", "Progress", "Limits", "SolveOptions", "QUADRATURES",
            "QUADRATIC_VARIATIONS"]
+#: named internal API: the keyword front ends' messages
+__internal__ = ["keyword_names"]
 
 #: the ledger's quadratures of the time integrals
 QUADRATURES = ("left", "trapezoid")
@@ -141,8 +144,6 @@ class Limits:
         if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float)) or not m > 0):
             raise ValueError(f"Limits.max_memory must be a positive number of bytes (or inf), got {m!r}")
 
-
-
 @dataclass(frozen=True)
 class SolveOptions:
     """Everything of a solve besides the model, the solver and x0: the time grid, the weights'
@@ -179,7 +180,9 @@ class SolveOptions:
         object.__setattr__(self, "dt", check_positive(self.dt, "dt"))
         if self.paths is not None:
             object.__setattr__(self, "paths", check_int(self.paths, "paths"))
-        check_seed_generator(self.seed, self.generator)
+        seed = check_seed_generator(self.seed, self.generator)
+        if self.seed is not None:
+            object.__setattr__(self, "seed", seed)
         for key, cls in (("saveat", SaveAt), ("ledger", LedgerOptions), ("progress", Progress), ("limits", Limits)):
             if not isinstance(getattr(self, key), cls):
                 raise TypeError(f"{key}= must be a {cls.__name__}, got {type(getattr(self, key)).__name__}")
@@ -187,6 +190,31 @@ class SolveOptions:
             raise TypeError(f"checkpoint= must be a Checkpointing or None, got {type(self.checkpoint).__name__}")
 
     @property
+    def weight_seed(self) -> int:
+        """The seed of the weights' random stream as an int (``seed``; 0 when None: a ``generator``, when
+        given, is the stream itself), what :class:`~transformer_pde.processes.weights.WeightDriver` takes."""
+        return 0 if self.seed is None else self.seed
+
+    @property
     def steps(self) -> int:
         """The number of steps K = (t1 − t0)/dt of the grid (ValueError when it is not whole)."""
         return grid_steps(self.t0, self.t1, self.dt)
+
+
+@contextmanager
+def keyword_names(names: Mapping[str, str]):
+    """Inside: a ValueError or TypeError whose message names an object's field (``"SaveAt.every"``) is
+    raised again naming the keyword of a front end that holds it (``"record_every"``), so that a
+    keyword front end (``tp.simulate``) that builds the objects reports the keyword the user typed.
+    Other exceptions (and subclasses, e.g. NonFiniteError) pass unchanged."""
+    try:
+        yield
+    except (ValueError, TypeError) as e:
+        if type(e) not in (ValueError, TypeError) or len(e.args) != 1 or not isinstance(e.args[0], str):
+            raise
+        msg = e.args[0]
+        for field in sorted(names, key=len, reverse=True):
+            msg = msg.replace(field, names[field])
+        if msg == e.args[0]:
+            raise
+        raise type(e)(msg).with_traceback(e.__traceback__) from None

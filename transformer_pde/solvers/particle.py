@@ -1,74 +1,404 @@
-"""``tp.simulate``: the keyword front end of the particle solvers, and their argument checks.
+"""The particle solvers and ``tp.simulate``, their keyword front end.
 
     ẋ_i = V[μ_t, Θ_t](x_i),   μ_t = Σ_i w_i δ_{x_i(t)},   x_i ∈ S^{d-1}
 
-:func:`simulate` turns its keywords into the objects of the composable API — a
-:class:`~transformer_pde.Model`, a solver (:class:`~transformer_pde.FixedStep` or
-:class:`~transformer_pde.Dopri5`) and the options objects (:class:`~transformer_pde.SaveAt`,
-:class:`~transformer_pde.LedgerOptions`, :class:`~transformer_pde.Checkpointing`,
-:class:`~transformer_pde.Progress`, :class:`~transformer_pde.Limits`) — and runs the code that
-:func:`transformer_pde.solve` runs (:func:`solve_particles`).  The solves themselves live in
-:mod:`~transformer_pde.solvers.fixed_step` (explicit Runge–Kutta with the geometry's retraction,
-"euler" is the reference code's projected Euler) and :mod:`~transformer_pde.solvers.adaptive`
-(torchdiffeq's dopri5 on the projected field); the result and the errors in
-:mod:`~transformer_pde.solvers.trajectory`, the tableaux in :mod:`~transformer_pde.solvers.tableaux`
-(re-exported here for old imports).  Along the way the solver keeps the energy–dissipation ledger
-of docs/model.md#ledger (see :class:`Trajectory`).
+The solver objects :class:`FixedStep` (explicit Runge–Kutta of a :class:`ButcherTableau`, with
+the named :class:`Euler`, :class:`Heun`, :class:`RK4`) and :class:`Dopri5` (torchdiffeq's adaptive
+dopri5) run themselves: ``solver.run(model, x0, options)`` checks the problem once
+(:class:`ParticleProblem`, before any work), prepares the weight driver and the evaluator, and
+calls the solve of :mod:`~transformer_pde.solvers.fixed_step` (the geometry's retraction or layer
+map, "euler" is the reference code's projected Euler) or :mod:`~transformer_pde.solvers.adaptive`.
+:func:`transformer_pde.solve` calls ``run``; :func:`simulate` turns its keywords into a
+:class:`~transformer_pde.Model`, a solver and the options objects and calls
+:func:`transformer_pde.solve`, so a bad value names the keyword the user typed.  The result and
+the errors live in :mod:`~transformer_pde.solvers.trajectory`, the tableaux in
+:mod:`~transformer_pde.solvers.tableaux` (re-exported here for old imports).  Along the way the
+solver keeps the energy–dissipation ledger of docs/model.md#ledger (see :class:`Trajectory`).
 """
 
 from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping, Optional, Union
+from typing import Callable, ClassVar, Dict, FrozenSet, Mapping, Optional, Tuple, Union
 
 import torch
 
 from ..utils import threads
 from ..utils.validation import (
-    check_bool, check_choice, check_output_file, check_every, check_int, check_limits, check_positive, check_real,
-    check_same, check_seed_generator, check_tied_all, check_token_weights, check_tokens, direction_sign,
+    check_bool, check_choice, check_every, check_int, check_limits, check_output_file, check_positive, check_same,
+    check_tied_all, check_token_weights, check_tokens,
 )
-from ..model.normalization import NORMALIZATIONS
+from ..model.normalization import NORMALIZATIONS, Softmax, normalization as as_normalization
 from ..model.backends import DEFAULT_CHUNK_ELEMENTS
 from ..model.softmax import softmax_statistics
 from ..model.energy import check_scale_fits
-from ..model.normalization import choose as choose_normalization, names
-from ..model.field import check_causal_mode, evaluate  # noqa: F401  (evaluate: the name tests patch to see no work ran)
+from ..model.field import evaluate  # noqa: F401  (evaluate: the name tests patch to see no work ran)
 from ..model.heads import Heads, broadcast_shapes
-from ..processes.driver import WeightDriver, grid_steps, path_bytes
+from ..processes.driver import WeightDriver, path_bytes
 from ..processes.paths import WeightPath
-from ..processes.weights import Constant, Process
+from ..processes.weights import Process
 from .adaptive import dopri5, solve_adaptive
-from .evaluator import Evaluator
+from .evaluator import Evaluator, RunParts
 from .fixed_step import solve_fixed_step
-from .layernorm import FusedUpdate, LayerNorm, check_layer_norm_method, layer_norm_scheme
-from .methods import Dopri5, FixedStep
+from .layernorm import FusedUpdate, LayerNorm, check_layer_norm_method
+from .methods import Solver
 from .model import Model
-from .noise import TokenNoise, token_noise
-from .options import QUADRATIC_VARIATIONS, Checkpointing, LedgerOptions, Limits, Progress, SaveAt
+from .noise import TokenNoise
+from .options import (
+    QUADRATIC_VARIATIONS, QUADRATURES, Checkpointing, LedgerOptions, Limits, Progress, SaveAt, SolveOptions,
+    keyword_names,
+)
 from .parts import LEDGER_KEYS, Checkpointer, callable_signature, check_observables, process_parts
+from .solve import solve
 from .tableaux import METHODS, TABLEAUX, ButcherTableau
 from .trajectory import (
     NonFiniteError, PathsAxis, Trajectory, check_finite, check_ledger, ledger_nonfinite, nonfinite_error,
 )
 
-__all__ = ["simulate", "Trajectory", "ButcherTableau", "TABLEAUX", "METHODS", "NonFiniteError", "LEDGER_KEYS",
-           "QUADRATIC_VARIATIONS", "PROGRESS_MIN_WORK"]
+__all__ = ["FixedStep", "Euler", "Heun", "RK4", "Dopri5", "simulate", "Trajectory", "ButcherTableau", "TABLEAUX",
+           "METHODS", "NonFiniteError", "LEDGER_KEYS", "QUADRATIC_VARIATIONS", "PROGRESS_MIN_WORK"]
 
 #: ``progress=None`` shows a bar (on a terminal only) when steps · stages · paths · H · n² reaches this
 #: many kernel terms (a solve of several seconds on one core)
 PROGRESS_MIN_WORK = 1e9
 
-#: named internal API (not public), used by tp.solve, the sharded solver and the JKO scheme
-__internal__ = ["nonfinite_error", "solve_particles"]
+#: named internal API (not public): the checked problem of a particle solve; the non-finite error
+__internal__ = ["ParticleProblem", "nonfinite_error"]
 
 # the old private names of this module (tests and scripts import or patch them here)
 _WeightDriver = WeightDriver
 _Evaluator = Evaluator
 _ledger_nonfinite, _check_finite, _check_ledger = ledger_nonfinite, check_finite, check_ledger
 _dopri5 = dopri5  # the dopri5 driver the adaptive solve calls (read here at every call, so it can be patched)
+
+#: simulate's keywords by the object field that holds them (the messages of the objects name the keyword)
+SIMULATE_KEYWORDS = {
+    "Model.theta": "theta", "Model.normalization": "normalization", "Model.direction": "direction",
+    "Model.weights": "weights", "Model.causal": "causal", "SaveAt.every": "record_every",
+    "SaveAt.observables": "observables", "LedgerOptions.quadratic_variation": "quadratic_variation",
+    "LedgerOptions.energy_log_scale": "energy_log_scale", "LedgerOptions.quadrature": "quadrature",
+    "Checkpointing.path": "checkpoint", "Checkpointing.every": "checkpoint_every", "Progress.show": "progress",
+    "Progress.callback": "callback", "Limits.max_steps": "max_steps", "Limits.max_memory": "max_memory",
+    "Limits.chunk_elements": "chunk_elements", "Dopri5.rtol": "rtol", "Dopri5.atol": "atol",
+    "Model.geometry": "layer_norm", "geometry=": "layer_norm=", "Model.noise": "temperature",
+    "TokenNoise.temperature": "temperature",
+}
+
+
+# ---------------------------------------------------------------------------- the solver objects
+@dataclass(frozen=True, eq=False)
+class FixedStep(Solver):
+    """An explicit Runge–Kutta method of fixed step ``dt`` (given to :func:`~transformer_pde.solve`):
+    the stages of ``tableau`` (a :class:`~transformer_pde.ButcherTableau`, or a name of ``TABLEAUX``),
+    each retracted to the sphere by the model's geometry (or, Euler only, the geometry's layer map).
+
+    Two FixedStep solvers are equal when their tableaux are (``Euler() == FixedStep("euler")``)."""
+
+    tableau: Union[str, ButcherTableau] = "euler"
+
+    def __post_init__(self):
+        t = self.tableau
+        if isinstance(t, str):
+            check_choice(t, tuple(TABLEAUX), "FixedStep.tableau")
+            t = TABLEAUX[t]
+        elif not isinstance(t, ButcherTableau):
+            raise TypeError(f"FixedStep.tableau must be a ButcherTableau or one of {tuple(TABLEAUX)}, got "
+                            f"{type(t).__name__}")
+        object.__setattr__(self, "tableau", t)
+
+    @property
+    def method(self) -> str:
+        """The tableau's name (``Trajectory.method``)."""
+        return self.tableau.name
+
+    @property
+    def order(self) -> int:
+        """The tableau's order."""
+        return self.tableau.order
+
+    def __eq__(self, other):
+        if not isinstance(other, FixedStep):
+            return NotImplemented
+        return self.tableau == other.tableau
+
+    def __hash__(self):
+        return hash((FixedStep, self.tableau))
+
+    def __repr__(self):
+        t = self.tableau
+        return f"FixedStep({t.name!r})" if TABLEAUX.get(t.name) == t else f"FixedStep({t!r})"
+
+    def run(self, model: Model, x0: torch.Tensor, options: SolveOptions) -> Trajectory:
+        """The fixed-step solve (:meth:`transformer_pde.solvers.methods.Solver.run`).
+
+        Parameters
+        ----------
+        model : Model
+            the dynamics.
+        x0 : torch.Tensor
+            the initial tokens (..., n, d).
+        options : SolveOptions
+            the grid, the random stream and the options objects.
+
+        Returns
+        -------
+        Trajectory
+            the solution.
+        """
+        return _solve_fixed(ParticleProblem.check(model, x0, self, options))
+
+
+class Euler(FixedStep):
+    """Projected Euler (order 1, the reference code's step): ``FixedStep("euler")``."""
+
+    def __init__(self):
+        super().__init__("euler")
+
+    def __repr__(self):
+        return "Euler()"
+
+
+class Heun(FixedStep):
+    """Projected Heun (order 2): ``FixedStep("heun")``."""
+
+    def __init__(self):
+        super().__init__("heun")
+
+    def __repr__(self):
+        return "Heun()"
+
+
+class RK4(FixedStep):
+    """Projected classical Runge–Kutta (order 4): ``FixedStep("rk4")``."""
+
+    def __init__(self):
+        super().__init__("rk4")
+
+    def __repr__(self):
+        return "RK4()"
+
+
+@dataclass(frozen=True)
+class Dopri5(Solver):
+    """torchdiffeq's adaptive dopri5 on the projected field; ``dt`` of :func:`~transformer_pde.solve` is
+    the grid on which stochastic weights are sampled.  ``adjoint=True`` backpropagates by the
+    adjoint ODE (memory independent of the number of steps).  No checkpoints, no token noise."""
+
+    rtol: float = 1e-7
+    atol: float = 1e-9
+    adjoint: bool = False
+    accepts: ClassVar[FrozenSet[str]] = frozenset({"saveat", "ledger", "limits"})
+    #: the ledger is the trapezoid rule on the record grid: there is no quadrature to choose
+    unsupported: ClassVar[Mapping[str, Tuple[str, ...]]] = {"ledger": ("quadrature",)}
+    #: ``Trajectory.method`` and the ``method=`` of :func:`simulate`
+    method: ClassVar[str] = "adaptive"
+
+    def __post_init__(self):
+        object.__setattr__(self, "rtol", check_positive(self.rtol, "Dopri5.rtol"))
+        object.__setattr__(self, "atol", check_positive(self.atol, "Dopri5.atol"))
+        check_bool(self.adjoint, "Dopri5.adjoint")
+
+    def run(self, model: Model, x0: torch.Tensor, options: SolveOptions) -> Trajectory:
+        """The adaptive solve (:meth:`transformer_pde.solvers.methods.Solver.run`).
+
+        Parameters
+        ----------
+        model : Model
+            the dynamics (no token noise).
+        x0 : torch.Tensor
+            the initial tokens (..., n, d).
+        options : SolveOptions
+            the grid (dt: where stochastic weights are sampled), the random stream, the options.
+
+        Returns
+        -------
+        Trajectory
+            the solution on the record grid.
+        """
+        problem = ParticleProblem.check(model, x0, self, options)
+        x, parts = _prepare(problem, integrate=_dopri5)
+        with threads.scope(parts.work):
+            traj = solve_adaptive(x, problem, parts)
+        return parts.axis.finish(traj)
+
+
+# ---------------------------------------------------------------------------- the checked problem
+@dataclass(frozen=True)
+class ParticleProblem:
+    """A particle solve's inputs, checked once before any work (:meth:`check`), with what the checks
+    resolve: the weight process, the direction's sign, the number of steps, the record stride, the
+    ledger's quadrature, the observables and the seed of the weights' stream."""
+
+    model: Model
+    x0: torch.Tensor
+    solver: Solver
+    options: SolveOptions
+    process: Process
+    sign: float
+    steps: int
+    record_every: int
+    quadrature: str
+    observables: Dict[str, Callable]
+    seed: int
+
+    @classmethod
+    def check(cls, model: Model, x0: torch.Tensor, solver: Solver, options: SolveOptions) -> "ParticleProblem":
+        """Every check of a particle solve that needs x0 (the model and the options objects checked
+        themselves when built); TypeError / ValueError before any work."""
+        check_tokens(x0, "x0")
+        o, method, adaptive = options, solver.method, isinstance(solver, Dopri5)
+        K, t0, t1, dt = o.steps, o.t0, o.t1, o.dt
+        record_every = check_every(o.saveat.record_every(K), "SaveAt.every", K,
+                                   f"t0 = {t0:.6g} to t1 = {t1:.6g} in steps dt = {dt:.6g}")
+        check_layer_norm_method(model.geometry, method)
+        if adaptive and model.noise is not None:
+            raise ValueError(f"Model.noise (token noise, T = {model.noise.temperature}) needs a fixed-step solver "
+                             f"(tp.Euler(), tp.Heun(), tp.RK4()): Dopri5 integrates an ODE and cannot take token noise")
+        quadrature = o.ledger.quadrature or ("left" if method == "euler" else "trapezoid")
+        obs = check_observables(o.saveat.observables)
+        process, norm = model.process, model.normalization
+        h0 = process.heads0
+        check_same(x0, h0.reference, "x0", "theta's heads")
+        if not norm.uses_value:  # the gradient of E: defined for tied heads (V_h = A_h)
+            check_tied_all(process, f"normalization={norm.name!r}")
+        if h0.dim != x0.shape[-1]:
+            raise ValueError(f"the heads act on d = {h0.dim} but x0 has d = {x0.shape[-1]}")
+        bx, bh = tuple(x0.shape[:-2]), tuple(h0.batch_shape)
+        if isinstance(process, WeightPath):
+            process.check_covers(t0, t1)
+            bh = tuple(process.scores.shape[1:-3])
+            if o.paths is not None:
+                raise ValueError("a stored WeightPath already carries its paths axis; call simulate without paths=")
+        if o.paths is None and not isinstance(process, WeightPath) and bh and bh != bx[len(bx) - len(bh):]:
+            raise ValueError(f"the heads' batch shape {bh} must be empty or a suffix of x0's batch shape {bx}")
+        if o.paths is not None and bh and bh != bx:
+            raise ValueError(f"with paths=, the heads' batch shape {bh} must be empty or equal to x0's batch shape "
+                             f"{bx}")
+        check_token_weights(model.weights, x0, "weights", "x0")
+        lim = o.limits
+        check_limits(f"simulate from t0 = {t0:.6g} to t1 = {t1:.6g} with dt = {dt:.6g}", steps=K,
+                     memory=_estimate_memory(x0, process, K=K, record_every=record_every, paths=o.paths,
+                                             method="adaptive" if adaptive else solver.tableau,
+                                             diagnostics=o.ledger.diagnostics, return_path=o.saveat.path,
+                                             chunk_elements=lim.chunk_elements, noisy=process.noisy, obs=obs),
+                     max_steps=lim.max_steps, max_memory=lim.max_memory, device=x0.device,
+                     fix="record fewer steps (record_every=), use fewer paths, a larger dt or chunk_elements=")
+        return cls(model, x0, solver, options, process, model.sign, K, record_every, quadrature, obs,
+                   o.weight_seed)
+
+
+def _prepare(problem: ParticleProblem, integrate=None):
+    """The state (with its paths axis, expanded over the heads' batch axes) and the parts of a
+    particle solve: the weight driver, the evaluator (with the fused layer-map pass where it applies)."""
+    model, o, x0, process = problem.model, problem.options, problem.x0, problem.process
+    chunk, c, weights = o.limits.chunk_elements, o.ledger.energy_log_scale, model.weights
+    start = time.perf_counter()
+    axis = PathsAxis(o.paths)  # the state always has the paths axis (P = 1 without paths=)
+    x = axis.lift(x0)
+    drv = WeightDriver(process, paths=o.paths, generator=o.generator, seed=problem.seed, t0=o.t0, dt=o.dt,
+                       store=o.saveat.path, batch_rank=x0.dim() - 2)
+    # tokens carry every batch axis of the heads (paths, replayed paths) from the start
+    x = x.expand(*broadcast_shapes(x.shape[:-2], drv.current.batch_shape), *x.shape[-2:])
+    ev = Evaluator(weights, normalization=model.normalization, sign=problem.sign, noisy=process.noisy,
+                   causal=model.causal, chunk_elements=chunk, energy_log_scale=c)
+    if c is not None and o.ledger.diagnostics:  # the values at t0 must not underflow at the given scale
+        with torch.no_grad():
+            lp0 = softmax_statistics(x, drv.current, weights, chunk_elements=chunk).log_partition
+        check_scale_fits(lp0, c)
+    if not model.geometry.projected and type(model.normalization) is Softmax and not model.causal and chunk is None:
+        ev.fused = FusedUpdate(weights, problem.sign)  # the layer maps without diagnostics: one fused pass per step
+    work = float(math.prod(x.shape[:-2])) * process.heads0.num_heads * x.shape[-2] ** 2
+    return x, RunParts(drv, ev, axis, start, work, integrate=integrate)
+
+
+def _solve_fixed(problem: ParticleProblem) -> Trajectory:
+    """The fixed-step solve of a checked problem: the parts, the progress rule, the checkpointer."""
+    x, parts = _prepare(problem)
+    model, o, solver = problem.model, problem.options, problem.solver
+    show = o.progress.show if o.progress.show is not None else \
+        problem.steps * solver.tableau.stages * parts.work >= PROGRESS_MIN_WORK
+    noise, scheme, obs, c = model.noise, model.geometry, problem.observables, o.ledger.energy_log_scale
+    # options added later enter the checkpoint's fingerprint only when not at their default, so that
+    # checkpoints of ordinary runs written before them still resume
+    realised = o.ledger.quadratic_variation == "realised"
+    extra = ([("causal", model.causal)] if model.causal else []) \
+        + ([("quadratic_variation", "realised")] if realised else []) \
+        + ([("energy_log_scale", c)] if c is not None else []) \
+        + ([("observables", tuple(sorted(obs)))] if obs else []) \
+        + ([("layer_norm", repr(scheme))] if not scheme.projected else []) \
+        + ([("temperature", (noise.temperature, noise.seed))] if noise is not None else [])
+    ck = o.checkpoint
+    parts.checkpointer = Checkpointer(None if ck is None else ck.path, 200 if ck is None else ck.every,
+                                      problem.steps, lambda: _fingerprint_parts(problem, extra))
+    return parts.axis.finish(solve_fixed_step(x, problem, parts, show))
+
+
+def _label(obj, known) -> str:
+    """A fingerprint's label of a tableau or a normalisation: its name when it is the built-in one of
+    that name, else its class and value (a user's object never passes for a built-in one)."""
+    return obj.name if known.get(obj.name) == obj else f"{type(obj).__module__}.{type(obj).__qualname__}:{obj!r}"
+
+
+def _fingerprint_parts(problem: ParticleProblem, extra) -> list:
+    """The checkpoint fingerprint's (label, values) pairs: the values in the order of the fingerprints of
+    earlier versions (so ordinary checkpoints written before the labels still resume), then the inputs
+    covered since: the device (when not the CPU), the generator's state, the observables' callables."""
+    m, o, x0 = problem.model, problem.options, problem.x0
+    norms = {name: as_normalization(name) for name in NORMALIZATIONS}
+    parts = [("x0 (values, shape, dtype)", [x0]), *process_parts(problem.process)]
+    for label, v in (("t0", o.t0), ("t1", o.t1), ("dt", o.dt), ("method", _label(problem.solver.tableau, TABLEAUX)),
+                     ("normalization", _label(m.normalization, norms)), ("direction", m.direction),
+                     ("paths", o.paths), ("seed", problem.seed), ("record_every", problem.record_every),
+                     ("quadrature", problem.quadrature), ("diagnostics", o.ledger.diagnostics)):
+        parts.append((label, [v]))
+    parts.append(("weights", [m.weights]))
+    for key, v in extra:
+        parts.append((key, [(key, v)]))
+    if x0.device.type != "cpu":
+        parts.append(("device", [str(x0.device)]))
+    if o.generator is not None:
+        parts.append(("generator (its state at the start)", [o.generator.get_state()]))
+    for name, fn in problem.observables.items():
+        parts.append((f"observables[{name!r}]", callable_signature(fn, f"observables[{name!r}]")))
+    return parts
+
+
+def _estimate_memory(x0, process, *, K, record_every, paths, method, diagnostics, return_path, chunk_elements, noisy,
+                     obs):
+    """Estimated bytes of the large arrays of a solve (name -> bytes), before any of them exists; ``method``:
+    "adaptive", a tableau or its name."""
+    item = x0.element_size()
+    n, d = x0.shape[-2], x0.shape[-1]
+    h0 = process.heads0
+    H = h0.num_heads
+    hb = tuple(process.scores.shape[1:-3]) if isinstance(process, WeightPath) else tuple(h0.batch_shape)
+    try:
+        batch = tuple(broadcast_shapes(tuple(x0.shape[:-2]), hb))
+    except RuntimeError:
+        batch = tuple(x0.shape[:-2])
+    B = float(math.prod(batch)) * (paths or 1)
+    T = K // record_every + 2
+    out = {"the recorded tokens": T * B * n * d * item}
+    if diagnostics:
+        out["the recorded energy, 𝒢², 𝒟 and ledger"] = T * B * 10 * item
+    if obs:
+        out["the observables"] = T * B * d * len(obs) * item
+    block = B * H * n * n
+    cap = chunk_elements if chunk_elements is not None else DEFAULT_CHUNK_ELEMENTS
+    out["the kernel blocks"] = min(block, max(cap, B * H * n)) * item * 4
+    stages = 7 if method == "adaptive" else (method if isinstance(method, ButcherTableau) else TABLEAUX[method]).stages
+    out["the field and its stages"] = B * H * n * (d * d if noisy else d) * item * 2 + (stages + 2) * B * n * d * item
+    stored = return_path or (method == "adaptive" and not process.closed_form and not isinstance(process, WeightPath))
+    if stored or not process.closed_form and not isinstance(process, WeightPath):
+        b_heads = float(math.prod(batch)) if hb else 1.0
+        out["the weight path"] = path_bytes(h0, K if stored else 1, paths, noisy, batch=b_heads)
+    if method == "adaptive":
+        out["the adaptive solution on the record grid"] = T * B * n * d * item * 2
+    return out
+
 
 
 # ---------------------------------------------------------------------------- simulate
@@ -244,290 +574,35 @@ def simulate(
     >>> traj.x.shape
     torch.Size([11, 20, 3])
     """
-    for flag, flag_name in ((diagnostics, "diagnostics"), (adjoint, "adjoint"), (return_path, "return_path")):
-        check_bool(flag, flag_name)
-    checked = _check_simulate_args(
-        x0, theta, t1=t1, dt=dt, t0=t0, method=method, normalization=normalization, direction=direction,
-        weights=weights, paths=paths, seed=seed, generator=generator, record_every=record_every,
-        quadrature=quadrature, adjoint=adjoint, progress=progress, checkpoint=checkpoint,
-        checkpoint_every=checkpoint_every, causal=causal, observables=observables,
-        quadratic_variation=quadratic_variation, energy_log_scale=energy_log_scale, rtol=rtol, atol=atol,
-        diagnostics=diagnostics, return_path=return_path, chunk_elements=chunk_elements, max_steps=max_steps,
-        max_memory=max_memory)
-    scheme = layer_norm_scheme(layer_norm)
-    check_layer_norm_method(scheme, method)
-    noise = _check_temperature(temperature, method, adjoint, scheme)
-    # the objects of tp.solve (every value is checked above, with the keyword's name in the message)
-    process = checked[0]
-    model = Model(process, normalization, direction, geometry=scheme, noise=noise, weights=weights, causal=causal)
-    adaptive = method == "adaptive"
-    solver = (Dopri5(1e-7 if rtol is None else rtol, 1e-9 if atol is None else atol, adjoint) if adaptive
-              else FixedStep(method))
-    saveat = SaveAt(every=checked[6], observables=observables, path=return_path)
-    ledger = LedgerOptions(diagnostics, None if adaptive else quadrature, quadratic_variation, energy_log_scale)
-    ckpt = None if checkpoint is None else Checkpointing(checkpoint, checked[7])
-    if ckpt is not None:
-        check_output_file(ckpt.path)  # a missing folder is refused now, not at the first save
-    show = None if adaptive else Progress(progress, callback)  # dopri5 has no steps to show (nor callback)
-    limits = Limits(max_steps, max_memory, chunk_elements)
-    return _run(model, x0, solver, checked, generator=generator, saveat=saveat, ledger=ledger, checkpoint=ckpt,
-                progress=show, limits=limits)
-
-
-def solve_particles(model: Model, x0: torch.Tensor, solver, *, t1, dt, t0, paths, seed, generator, saveat: SaveAt,
-                    ledger: LedgerOptions, checkpoint: Optional[Checkpointing], progress: Optional[Progress],
-                    limits: Limits) -> Trajectory:
-    """:func:`transformer_pde.solve` for a FixedStep or Dopri5 solver (the options already type-checked
-    against the solver): the checks of :func:`simulate`, then the same solve.
-
-    Returns
-    -------
-    Trajectory
-        as :func:`simulate` with the equivalent keywords.
-
-    Raises
-    ------
-    TypeError, ValueError
-        bad input, before any work (as :func:`simulate`).
-    """
-    adaptive = isinstance(solver, Dopri5)
-    method = solver.method
-    check_tokens(x0, "x0")
-    steps = grid_steps(check_real(t0, "t0"), check_real(t1, "t1"), check_positive(dt, "dt"))
-    check_layer_norm_method(model.geometry, method)
-    if adaptive and model.noise is not None:
-        raise ValueError(f"Model.noise (token noise, T = {model.noise.temperature}) needs a fixed-step solver "
-                         f"(tp.Euler(), tp.Heun(), tp.RK4()): Dopri5 integrates an ODE and cannot take token noise")
-    checked = _check_simulate_args(
-        x0, model.theta, t1=t1, dt=dt, t0=t0, method=method, normalization=model.normalization.name,
-        direction=model.direction, weights=model.weights, paths=paths, seed=seed, generator=generator,
-        record_every=saveat.record_every(steps), quadrature=ledger.quadrature,
-        adjoint=solver.adjoint if adaptive else False, progress=None if progress is None else progress.show,
-        checkpoint=None if checkpoint is None else checkpoint.path,
-        checkpoint_every=200 if checkpoint is None else checkpoint.every, causal=model.causal,
-        observables=saveat.observables, quadratic_variation=ledger.quadratic_variation,
-        energy_log_scale=ledger.energy_log_scale, rtol=solver.rtol if adaptive else None,
-        atol=solver.atol if adaptive else None, diagnostics=ledger.diagnostics, return_path=saveat.path,
-        chunk_elements=limits.chunk_elements, max_steps=limits.max_steps, max_memory=limits.max_memory,
-        every_name="SaveAt.every")
-    return _run(model, x0, solver, checked, generator=generator, saveat=saveat, ledger=ledger, checkpoint=checkpoint,
-                progress=progress, limits=limits)
-
-
-def _run(model: Model, x0, solver, checked, *, generator, saveat, ledger, checkpoint, progress, limits) -> Trajectory:
-    """The particle solve of checked arguments: the state with its paths axis, the weight driver, the
-    evaluator, then the fixed-step run or dopri5; the paths axis dropped once at the end."""
-    (process, sign, t0, t1, dt, K, record_every, checkpoint_every, paths, seed, quadrature, obs,
-     energy_log_scale) = checked
-    method, adaptive = solver.method, isinstance(solver, Dopri5)
-    diagnostics, return_path, chunk = ledger.diagnostics, saveat.path, limits.chunk_elements
-    normalization, weights, causal, scheme = model.normalization.name, model.weights, model.causal, model.geometry
-    realised = ledger.quadratic_variation == "realised"
-    start = time.perf_counter()
-    axis = PathsAxis(paths)  # the state always has the paths axis (P = 1 without paths=)
-    x = axis.lift(x0)
-    drv = WeightDriver(process, paths=paths, generator=generator, seed=seed, t0=t0, dt=dt,
-                       store=return_path, batch_rank=x0.dim() - 2)
-    # tokens carry every batch axis of the heads (paths, replayed paths) from the start
-    x = x.expand(*broadcast_shapes(x.shape[:-2], drv.current.batch_shape), *x.shape[-2:])
-    ev = Evaluator(weights, normalization=normalization, sign=sign, noisy=process.noisy, causal=causal,
-                   chunk_elements=chunk, energy_log_scale=energy_log_scale)
-    if energy_log_scale is not None and diagnostics:  # the values at t0 must not underflow at the given scale
-        with torch.no_grad():
-            lp0 = softmax_statistics(x, drv.current, weights, chunk_elements=chunk).log_partition
-        check_scale_fits(lp0, energy_log_scale)
-    if not scheme.projected and normalization == "softmax" and not causal and chunk is None:
-        ev.fused = FusedUpdate(weights, sign)  # the layer maps without diagnostics: one fused pass per step
-    work = float(math.prod(x.shape[:-2])) * process.heads0.num_heads * x.shape[-2] ** 2
-    observed = {name: axis.observable(fn) for name, fn in obs.items()}
-    if adaptive:
-        with threads.scope(work):
-            traj = solve_adaptive(x, process, drv, ev, K=K, t0=t0, dt=dt, record_every=record_every, sign=sign,
-                                  diagnostics=diagnostics, rtol=solver.rtol, atol=solver.atol, method=method,
-                                  normalization=normalization, direction=model.direction, weights=weights,
-                                  start=start, return_path=return_path, adjoint=solver.adjoint,
-                                  chunk_elements=chunk, causal=causal, obs=observed, realised=realised,
-                                  scale=ev.scale, fix_scale=ev.fix_scale, geometry=scheme, integrate=_dopri5)
-        return axis.finish(traj)
-
-    progress = Progress() if progress is None else progress
-    show = progress.show if progress.show is not None else \
-        K * TABLEAUX[method].stages * work >= PROGRESS_MIN_WORK
-    noise = model.noise
-    # options added later enter the checkpoint's fingerprint only when not at their default, so that
-    # checkpoints of ordinary runs written before them still resume
-    extra = ([("causal", causal)] if causal else []) + ([("quadratic_variation", "realised")] if realised else []) \
-        + ([("energy_log_scale", energy_log_scale)] if energy_log_scale is not None else []) \
-        + ([("observables", tuple(sorted(obs)))] if obs else []) \
-        + ([("layer_norm", repr(scheme))] if not scheme.projected else []) \
-        + ([("temperature", (noise.temperature, noise.seed))] if noise is not None else [])
-    ckpt = Checkpointer(None if checkpoint is None else checkpoint.path, checkpoint_every, K,
-                        lambda: _fingerprint_parts(x0, process, generator, obs, t0, t1, dt, method, normalization,
-                                                   model.direction, paths, seed, record_every, quadrature,
-                                                   diagnostics, weights, extra))
-    traj = solve_fixed_step(x, drv, ev, model=model, axis=axis, method=method, K=K, t0=t0, dt=dt,
-                            record_every=record_every, diagnostics=diagnostics, sign=sign, realised=realised,
-                            obs=obs, quadrature=quadrature, ckpt=ckpt,
-                            seed=seed if generator is None else generator.initial_seed(), show=show,
-                            callback=progress.callback, pool_scope=lambda: threads.scope(work), start=start,
-                            return_path=return_path, direction=model.direction)
-    return axis.finish(traj)
-
-
-def _fingerprint_parts(x0, process, generator, obs, t0, t1, dt, method, normalization, direction, paths, seed,
-                       record_every, quadrature, diagnostics, weights, extra):
-    """The checkpoint fingerprint's (label, values) pairs: the values in the order of the fingerprints of
-    earlier versions (so ordinary checkpoints written before the labels still resume), then the inputs
-    covered since: the device (when not the CPU), the generator's state, the observables' callables."""
-    parts = [("x0 (values, shape, dtype)", [x0]), *process_parts(process)]
-    for label, v in (("t0", t0), ("t1", t1), ("dt", dt), ("method", method), ("normalization", normalization),
-                     ("direction", direction), ("paths", paths), ("seed", seed), ("record_every", record_every),
-                     ("quadrature", quadrature), ("diagnostics", diagnostics)):
-        parts.append((label, [v]))
-    parts.append(("weights", [weights]))
-    for key, v in extra:
-        parts.append((key, [(key, v)]))
-    if x0.device.type != "cpu":
-        parts.append(("device", [str(x0.device)]))
-    if generator is not None:
-        parts.append(("generator (its state at the start)", [generator.get_state()]))
-    for name, fn in obs.items():
-        parts.append((f"observables[{name!r}]", callable_signature(fn, f"observables[{name!r}]")))
-    return parts
-
-
-def _estimate_memory(x0, process, *, K, record_every, paths, method, diagnostics, return_path, chunk_elements, noisy,
-                     obs):
-    """Estimated bytes of the large arrays of a solve (name -> bytes), before any of them exists."""
-    item = x0.element_size()
-    n, d = x0.shape[-2], x0.shape[-1]
-    h0 = process.heads0
-    H = h0.num_heads
-    hb = tuple(process.scores.shape[1:-3]) if isinstance(process, WeightPath) else tuple(h0.batch_shape)
-    try:
-        batch = tuple(broadcast_shapes(tuple(x0.shape[:-2]), hb))
-    except RuntimeError:
-        batch = tuple(x0.shape[:-2])
-    B = float(math.prod(batch)) * (paths or 1)
-    T = K // record_every + 2
-    out = {"the recorded tokens": T * B * n * d * item}
-    if diagnostics:
-        out["the recorded energy, 𝒢², 𝒟 and ledger"] = T * B * 10 * item
-    if obs:
-        out["the observables"] = T * B * d * len(obs) * item
-    block = B * H * n * n
-    cap = chunk_elements if chunk_elements is not None else DEFAULT_CHUNK_ELEMENTS
-    out["the kernel blocks"] = min(block, max(cap, B * H * n)) * item * 4
-    stages = 7 if method == "adaptive" else TABLEAUX[method].stages
-    out["the field and its stages"] = B * H * n * (d * d if noisy else d) * item * 2 + (stages + 2) * B * n * d * item
-    stored = return_path or (method == "adaptive" and not process.closed_form and not isinstance(process, WeightPath))
-    if stored or not process.closed_form and not isinstance(process, WeightPath):
-        b_heads = float(math.prod(batch)) if hb else 1.0
-        out["the weight path"] = path_bytes(h0, K if stored else 1, paths, noisy, batch=b_heads)
-    if method == "adaptive":
-        out["the adaptive solution on the record grid"] = T * B * n * d * item * 2
-    return out
-
-
-def _check_simulate_args(x0, theta, *, t1, dt, t0, method, normalization, direction, weights, paths, seed, generator,
-                         record_every, quadrature, adjoint, progress, checkpoint, checkpoint_every, causal,
-                         observables, quadratic_variation, energy_log_scale, rtol=None, atol=None, diagnostics=True,
-                         return_path=False, chunk_elements=None, max_steps=None, max_memory=None,
-                         every_name="record_every"):
-    """Every check of :func:`simulate`, before any work; returns the arguments it normalises."""
     check_tokens(x0, "x0")
     check_choice(method, METHODS, "method")
-    norm = choose_normalization(normalization, NORMALIZATIONS)  # a name or a Normalization object
-    sign = direction_sign(direction)
-    dt = check_positive(dt, "dt")
-    t1 = check_real(t1, "t1")
-    t0 = check_real(t0, "t0")
-    K = grid_steps(t0, t1, dt)
-    record_every = check_every(record_every, every_name, K,
-                               f"t0 = {t0:.6g} to t1 = {t1:.6g} in steps dt = {dt:.6g}")
-    checkpoint_every = check_int(checkpoint_every, "checkpoint_every")
-    if paths is not None:
-        paths = check_int(paths, "paths")
-    seed = check_seed_generator(seed, generator)
-    if method == "adaptive":
-        rtol = 1e-7 if rtol is None else check_positive(rtol, "rtol")
-        atol = 1e-9 if atol is None else check_positive(atol, "atol")
-    elif rtol is not None or atol is not None:
+    for flag, flag_name in ((diagnostics, "diagnostics"), (adjoint, "adjoint"), (return_path, "return_path")):
+        check_bool(flag, flag_name)
+    adaptive = method == "adaptive"
+    if not adaptive and (rtol is not None or atol is not None):
         given = ", ".join(f"{k}={v!r}" for k, v in (("rtol", rtol), ("atol", atol)) if v is not None)
         raise ValueError(f"{given}: rtol and atol are the tolerances of method='adaptive'; the fixed-step method "
                          f"{method!r} has none (its error is set by dt): drop them, or use method='adaptive'")
-    if quadrature is None:
-        quadrature = "left" if method == "euler" else "trapezoid"
-    check_choice(quadrature, ("left", "trapezoid"), "quadrature")
-    check_causal_mode(causal)
-    if causal and not norm.causal:
-        raise ValueError(f"normalization={norm.name!r} has no causal version ({norm.gradient_flow}); use one of "
-                         f"{names(lambda n: n.causal)} with causal=True")
-    check_choice(quadratic_variation, QUADRATIC_VARIATIONS, "quadratic_variation")
-    obs = check_observables(observables)
-    if progress is not None and not isinstance(progress, bool):
-        raise TypeError(f"progress must be True, False or None (automatic), got {type(progress).__name__}")
-    if energy_log_scale is not None:
-        if isinstance(energy_log_scale, bool) or not isinstance(energy_log_scale, (int, float)):
-            raise TypeError(f"energy_log_scale must be None (automatic) or a float, got "
-                            f"{type(energy_log_scale).__name__}")
-        energy_log_scale = float(energy_log_scale)
-        if not math.isfinite(energy_log_scale):
-            raise ValueError(f"energy_log_scale must be finite (the ledger is reported times e^(-c)), got "
-                             f"{energy_log_scale!r}")
-    if isinstance(theta, Heads):
-        process: Process = Constant(theta)
-    elif isinstance(theta, Process):
-        process = theta
-    else:
-        raise TypeError(
-            f"theta must be a Heads, a Process (OrnsteinUhlenbeck, Oscillating, Layerwise, Custom) or a WeightPath, "
-            f"got {type(theta).__name__}"
-        )
-    h0 = process.heads0
-    check_same(x0, h0.reference, "x0", "theta's heads")
-    if not norm.uses_value:  # the gradient of E: defined for tied heads (V_h = A_h)
-        check_tied_all(process, f"normalization={norm.name!r}")
-    if h0.dim != x0.shape[-1]:
-        raise ValueError(f"the heads act on d = {h0.dim} but x0 has d = {x0.shape[-1]}")
-    bx, bh = tuple(x0.shape[:-2]), tuple(h0.batch_shape)
-    if isinstance(process, WeightPath):
-        process.check_covers(t0, t1)
-        bh = tuple(process.scores.shape[1:-3])
-        if paths is not None:
-            raise ValueError("a stored WeightPath already carries its paths axis; call simulate without paths=")
-    if paths is None and not isinstance(process, WeightPath) and bh and bh != bx[len(bx) - len(bh):]:
-        raise ValueError(f"the heads' batch shape {bh} must be empty or a suffix of x0's batch shape {bx}")
-    if paths is not None and bh and bh != bx:
-        raise ValueError(f"with paths=, the heads' batch shape {bh} must be empty or equal to x0's batch shape {bx}")
-    check_token_weights(weights, x0, "weights", "x0")
-    if not isinstance(adjoint, bool):
-        raise TypeError(f"adjoint must be True or False, got {type(adjoint).__name__}")
-    if adjoint and method != "adaptive":
+    if adjoint and not adaptive:
         raise ValueError(f"adjoint=True needs method='adaptive' (torchdiffeq's adjoint ODE); got method={method!r}. "
                          f"The fixed-step methods backpropagate through their steps: use adjoint=False")
-    if method == "adaptive" and checkpoint is not None:
+    if adaptive and checkpoint is not None:
         raise ValueError("checkpointing is supported for the fixed-step methods; use euler, heun or rk4")
-    check_limits(f"simulate from t0 = {t0:.6g} to t1 = {t1:.6g} with dt = {dt:.6g}", steps=K,
-                 memory=_estimate_memory(x0, process, K=K, record_every=record_every, paths=paths, method=method,
-                                         diagnostics=diagnostics, return_path=return_path,
-                                         chunk_elements=chunk_elements, noisy=process.noisy, obs=obs),
-                 max_steps=max_steps, max_memory=max_memory, device=x0.device,
-                 fix="record fewer steps (record_every=), use fewer paths, a larger dt or chunk_elements=")
-
-    return (process, sign, t0, t1, dt, K, record_every, checkpoint_every, paths, seed, quadrature, obs,
-            energy_log_scale)
-
-
-def _check_temperature(temperature, method: str, adjoint: bool, scheme) -> Optional[TokenNoise]:
-    """``temperature=`` as a TokenNoise (None for T = 0); the solvers that cannot take noise refuse it."""
-    noise = token_noise(temperature)
-    if noise is not None and (method == "adaptive" or adjoint):
-        raise ValueError(f"temperature={noise.temperature} > 0 needs a fixed-step method (euler, heun or rk4): "
-                         f"method='adaptive' (dopri5) and the adjoint integrate an ODE and cannot take token noise")
-    if noise is not None and not scheme.projected:
-        raise ValueError(f"temperature={noise.temperature} > 0 is defined for the projected flow only; "
-                         f"layer_norm={scheme.name!r} with token noise is not implemented: use layer_norm='none'")
-    return noise
-
-
+    if progress is not None and not isinstance(progress, bool):
+        raise TypeError(f"progress must be True, False or None (automatic), got {type(progress).__name__}")
+    if quadrature is not None:
+        check_choice(quadrature, QUADRATURES, "quadrature")
+    check_int(checkpoint_every, "checkpoint_every")
+    with keyword_names(SIMULATE_KEYWORDS):  # the objects' messages name simulate's keywords
+        model = Model(theta, normalization, direction, layer_norm, temperature, weights, causal)
+        solver = Dopri5(1e-7 if rtol is None else rtol, 1e-9 if atol is None else atol, adjoint) if adaptive \
+            else FixedStep(method)
+        saveat = SaveAt(every=record_every, observables=observables, path=return_path)
+        ledger = LedgerOptions(diagnostics, None if adaptive else quadrature, quadratic_variation, energy_log_scale)
+        ckpt = None if checkpoint is None else Checkpointing(checkpoint, checkpoint_every)
+        if ckpt is not None:
+            check_output_file(ckpt.path)  # a missing folder is refused now, not at the first save
+        show = None if adaptive else Progress(progress, callback)  # dopri5 has no steps to show (nor callback)
+        return solve(model, x0, solver, t1=t1, dt=dt, t0=t0, paths=paths, seed=seed, generator=generator,
+                     saveat=saveat, ledger=ledger, checkpoint=ckpt, progress=show,
+                     limits=Limits(max_steps, max_memory, chunk_elements))

@@ -28,10 +28,10 @@ from ..utils.validation import check_output_file, write_error
 from ..model.heads import Heads
 from .layernorm import check_layer_norm_method, layer_norm_scheme
 
-__all__: List[str] = []
-__internal__ = ["Stepper", "Ledger", "ledger_terms", "ledger_from_series", "partial_density", "Recorder",
-                "check_observables", "observe", "Checkpointer", "process_signature", "process_parts",
-                "callable_signature", "progress_bar", "LEDGER_KEYS"]
+#: the parts a solver is composed of (docs/solve.md, "A solver of your own")
+__all__: List[str] = ["Stepper", "Ledger", "Recorder", "Checkpointer", "progress_bar", "partial_density", "ledger_terms",
+                      "ledger_from_series", "LEDGER_KEYS"]
+__internal__ = ["check_observables", "observe", "process_signature", "process_parts", "callable_signature"]
 
 LEDGER_KEYS = ("dE", "partial", "dissipation", "slope", "martingale", "residual", "residual_slope")
 

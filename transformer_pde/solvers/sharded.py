@@ -40,32 +40,86 @@ redundantly on each rank (it is tiny), so all ranks see the same Θ_t without co
 from __future__ import annotations
 
 import time
-from typing import List, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from ..model.normalization import choose as choose_normalization
 from ..utils.validation import (
-    broadcast_shapes, check_every, check_int, check_positive, check_same, check_tokens,
-    direction_sign,
+    broadcast_shapes, check_bool, check_choice, check_every, check_same, check_tokens, direction_sign,
 )
-from ..model.normalization import NORMALIZATIONS
+from ..model.normalization import normalization as as_normalization
+from ..model.backends import BACKENDS
 from ..model.energy import pairing
 from ..model.field import FieldEval, evaluate
 from ..model.heads import Heads
-from ..processes.driver import WeightDriver, grid_steps
+from ..processes.driver import WeightDriver
 from ..processes.paths import WeightPath
-from ..processes.weights import Constant, Process
-from .methods import ShardedEuler
+from ..processes.weights import Process
+from .methods import Solver
 from .model import Model
-from .options import LedgerOptions, Progress, SaveAt
+from .options import LedgerOptions, Limits, Progress, SaveAt, SolveOptions, keyword_names
 from .parts import Ledger, Recorder, Stepper, partial_density, progress_bar
+from .solve import solve
 from .tableaux import TABLEAUX
 from .trajectory import PathsAxis, Trajectory, nonfinite_error
 
-__all__ = ["rank_and_world", "shard_tokens", "gather_tokens", "distributed_evaluate", "simulate_sharded"]
-__internal__ = ["solve_sharded"]
+__all__ = ["ShardedEuler", "rank_and_world", "shard_tokens", "gather_tokens", "distributed_evaluate",
+           "simulate_sharded"]
+
+#: simulate_sharded's keywords by the object field that holds them
+SHARDED_KEYWORDS = {"Model.normalization": "normalization", "Model.direction": "direction",
+                    "Model.weights": "weights", "SaveAt.every": "record_every", "LedgerOptions.diagnostics": "diagnostics",
+                    "Progress.show": "progress", "Limits.chunk_elements": "chunk_elements",
+                    "ShardedEuler.backend": "backend", "ShardedEuler.gather_x": "gather_x"}
+
+
+@dataclass(frozen=True)
+class ShardedEuler(Solver):
+    """Projected Euler with the tokens sharded over the ranks of ``group`` (a ``torch.distributed``
+    process group; None: the world, or one rank without an initialised group).  x0 of
+    :func:`~transformer_pde.solve` is this rank's shard (``tp.distributed.shard_tokens``), the model's
+    token weights this rank's share of the global weights.  ``backend``: the kernel
+    (:mod:`transformer_pde.model.attention`); ``gather_x``: record all N tokens instead of the shard.
+
+    The ledger is the left-point one of ``Euler()``; no observables, stored paths, checkpoints,
+    callbacks, realised quadratic variation or given energy scale; no layer maps, token noise or
+    causal attention in the model; the weights are drawn from ``seed=`` on every rank (no generator)."""
+
+    group: Any = None
+    backend: str = "auto"
+    gather_x: bool = False
+    accepts: ClassVar[FrozenSet[str]] = frozenset({"saveat", "ledger", "progress", "limits"})
+    unsupported: ClassVar[Mapping[str, Tuple[str, ...]]] = {
+        "saveat": ("observables", "path"), "ledger": ("quadrature", "quadratic_variation", "energy_log_scale"),
+        "progress": ("callback",), "limits": ("max_steps", "max_memory")}
+    #: ``Trajectory.method``
+    method: ClassVar[str] = "euler"
+
+    def __post_init__(self):
+        check_choice(self.backend, BACKENDS, "ShardedEuler.backend")
+        check_bool(self.gather_x, "ShardedEuler.gather_x")
+
+    def run(self, model: Model, x0: torch.Tensor, options: SolveOptions) -> Trajectory:
+        """The sharded solve (:meth:`transformer_pde.solvers.methods.Solver.run`).
+
+        Parameters
+        ----------
+        model : Model
+            the dynamics (projected flow, no token noise, not causal); its token weights are this
+            rank's share.
+        x0 : torch.Tensor
+            this rank's shard of the initial tokens (..., n_r, d).
+        options : SolveOptions
+            the grid, ``seed`` (the same on every rank; no generator), the options objects.
+
+        Returns
+        -------
+        Trajectory
+            as :func:`simulate_sharded`.
+        """
+        return _run(ShardedProblem.check(model, x0, self, options))
 
 
 def rank_and_world(group=None):
@@ -201,7 +255,7 @@ def distributed_evaluate(
     TypeError, ValueError
         for bad input, as the single-process entry points.
     """
-    choose_normalization(normalization, NORMALIZATIONS)  # a name or a Normalization object
+    norm = as_normalization(normalization)  # a name or a Normalization object, resolved once here
     sign = direction_sign(direction)
     check_tokens(x_local, "x_local")
     if not isinstance(heads, Heads):
@@ -209,7 +263,7 @@ def distributed_evaluate(
     check_same(x_local, heads.reference, "x_local", "heads")
     shard = _Shard(x_local, weights, group)
     keys = shard.gather(x_local)
-    out = evaluate(x_local, heads, shard.query, keys=keys, key_weights=shard.keys, normalization=normalization,
+    out = evaluate(x_local, heads, shard.query, keys=keys, key_weights=shard.keys, normalization=norm,
                    sign=sign, diagnostics=diagnostics, second_moment=second_moment, backend=backend,
                    chunk_elements=chunk_elements)
     if diagnostics:
@@ -233,31 +287,44 @@ def _reduce_with_flag(entries, bad: float, zero: torch.Tensor, group):
     return vec[:-1], float(vec[-1].max()) > 0
 
 
-def _check_sharded_args(x0_local, theta, *, t1, dt, t0, paths, normalization, direction, record_every):
-    """The checks of :func:`simulate_sharded`, before any work; returns the arguments it normalises."""
-    check_tokens(x0_local, "x0_local")
-    choose_normalization(normalization, NORMALIZATIONS)  # a name or a Normalization object
-    sign = direction_sign(direction)
-    dt = check_positive(dt, "dt")
-    t0, t1 = float(t0), float(t1)
-    K = grid_steps(t0, t1, dt)
-    record_every = check_every(record_every, "record_every", K,
-                               f"t0 = {t0:.6g} to t1 = {t1:.6g} in steps dt = {dt:.6g}")
-    if paths is not None:
-        paths = check_int(paths, "paths")
-    if isinstance(theta, Heads):
-        process: Process = Constant(theta)
-    elif isinstance(theta, Process):
-        process = theta
-    else:
-        raise TypeError(f"theta must be a Heads or a Process, got {type(theta).__name__}")
-    if isinstance(process, WeightPath) and paths is not None:
-        raise ValueError("a stored WeightPath already carries its paths axis; call without paths=")
-    h0 = process.heads0
-    check_same(x0_local, h0.reference, "x0_local", "theta's heads")
-    if h0.dim != x0_local.shape[-1]:
-        raise ValueError(f"the heads act on d = {h0.dim} but x0_local has d = {x0_local.shape[-1]}")
-    return process, sign, dt, t0, t1, K, record_every, paths
+@dataclass(frozen=True)
+class ShardedProblem:
+    """A sharded solve's inputs, checked before any work (:meth:`check`): the weight process, the
+    direction's sign, the number of steps, the record stride and the seed."""
+
+    model: Model
+    x0: torch.Tensor
+    solver: ShardedEuler
+    options: SolveOptions
+    steps: int
+    record_every: int
+    seed: int
+
+    @classmethod
+    def check(cls, model: Model, x0_local: torch.Tensor, solver: ShardedEuler, options: SolveOptions):
+        """The checks that need x0 and the model parts the sharded solver does not implement."""
+        o = options
+        if o.generator is not None:
+            raise TypeError("ShardedEuler samples the weights redundantly on every rank from seed=: give seed=, "
+                            "not generator=")
+        for part, bad in (("geometry", not model.geometry.projected), ("noise", model.noise is not None),
+                          ("causal", bool(model.causal))):
+            if bad:
+                raise ValueError(f"ShardedEuler implements the projected flow of non-causal attention without "
+                                 f"token noise; Model.{part} = {getattr(model, part)!r} is not supported: drop it "
+                                 f"or use tp.Euler()")
+        check_tokens(x0_local, "x0_local")
+        K = o.steps
+        record_every = check_every(o.saveat.record_every(K), "SaveAt.every", K,
+                                   f"t0 = {o.t0:.6g} to t1 = {o.t1:.6g} in steps dt = {o.dt:.6g}")
+        process = model.process
+        if isinstance(process, WeightPath) and o.paths is not None:
+            raise ValueError("a stored WeightPath already carries its paths axis; call without paths=")
+        h0 = process.heads0
+        check_same(x0_local, h0.reference, "x0_local", "theta's heads")
+        if h0.dim != x0_local.shape[-1]:
+            raise ValueError(f"the heads act on d = {h0.dim} but x0_local has d = {x0_local.shape[-1]}")
+        return cls(model, x0_local, solver, options, K, record_every, o.weight_seed)
 
 
 def simulate_sharded(
@@ -318,64 +385,33 @@ def simulate_sharded(
         for bad input; NonFiniteError on every rank when any rank
         produces NaN/inf (the ranks agree through the all-reduced flag, so none hangs).
     """
+    check_tokens(x0_local, "x0_local")
     if weights is not None and not isinstance(weights, torch.Tensor):
         raise TypeError(f"weights must be a torch.Tensor or None, got {type(weights).__name__}")
-    if not isinstance(gather_x, bool):
-        raise TypeError(f"gather_x must be True or False, got {type(gather_x).__name__}")
-    checked = _check_sharded_args(x0_local, theta, t1=t1, dt=dt, t0=t0, paths=paths, normalization=normalization,
-                                  direction=direction, record_every=record_every)
-    model = Model(checked[0], normalization, direction, weights=weights)
-    return _run(model, x0_local, ShardedEuler(group=group, backend=backend, gather_x=gather_x), checked, seed=seed,
-                diagnostics=diagnostics, chunk_elements=chunk_elements, progress=progress)
+    if not isinstance(theta, (Heads, Process)):
+        raise TypeError(f"theta must be a Heads or a Process, got {type(theta).__name__}")
+    with keyword_names(SHARDED_KEYWORDS):  # the objects' messages name simulate_sharded's keywords
+        model = Model(theta, normalization, direction, weights=weights)
+        return solve(model, x0_local, ShardedEuler(group=group, backend=backend, gather_x=gather_x), t1=t1, dt=dt,
+                     t0=t0, paths=paths, seed=seed, saveat=SaveAt(every=record_every),
+                     ledger=LedgerOptions(diagnostics), progress=Progress(progress),
+                     limits=Limits(chunk_elements=chunk_elements))
 
 
-def solve_sharded(model: Model, x0_local: torch.Tensor, solver: ShardedEuler, *, t1, dt, t0, paths, seed, generator,
-                  saveat: SaveAt, ledger: LedgerOptions, progress: Progress, limits) -> Trajectory:
-    """:func:`transformer_pde.solve` for :class:`~transformer_pde.ShardedEuler` (the options already checked
-    against the solver's ``fixed`` fields): the checks of :func:`simulate_sharded`, then the same solve.
-
-    Returns
-    -------
-    Trajectory
-        as :func:`simulate_sharded`.
-
-    Raises
-    ------
-    TypeError, ValueError
-        bad input, or a model part the sharded solver does not implement (layer maps, token noise,
-        causal attention, a generator: every rank must draw the weights from the same ``seed``).
-    """
-    if generator is not None:
-        raise TypeError("ShardedEuler samples the weights redundantly on every rank from seed=: give seed=, "
-                        "not generator=")
-    for part, bad in (("geometry", not model.geometry.projected), ("noise", model.noise is not None),
-                      ("causal", bool(model.causal))):
-        if bad:
-            raise ValueError(f"ShardedEuler implements the projected flow of non-causal attention without token "
-                             f"noise; Model.{part} = {getattr(model, part)!r} is not supported: drop it or use "
-                             f"tp.Euler()")
-    steps = grid_steps(float(t0), float(t1), check_positive(dt, "dt"))
-    checked = _check_sharded_args(x0_local, model.theta, t1=t1, dt=dt, t0=t0, paths=paths,
-                                  normalization=model.normalization.name, direction=model.direction,
-                                  record_every=saveat.record_every(steps))
-    return _run(model, x0_local, solver, checked, seed=0 if seed is None else seed, diagnostics=ledger.diagnostics,
-                chunk_elements=limits.chunk_elements, progress=bool(progress.show))
-
-
-def _run(model, x0_local, solver, checked, *, seed, diagnostics, chunk_elements, progress) -> Trajectory:
-    process, sign, dt, t0, t1, K, record_every, paths = checked
-    group, normalization, weights = solver.group, model.normalization.name, model.weights
+def _run(problem: ShardedProblem) -> Trajectory:
+    """The sharded projected Euler solve of a checked problem."""
+    model, o, solver, x0_local = problem.model, problem.options, problem.solver, problem.x0
+    group, weights, K, t0, dt = solver.group, model.weights, problem.steps, o.t0, o.dt
     start = time.perf_counter()
     shard = _Shard(x0_local, weights, group)
-    drv = WeightDriver(process, paths=paths, generator=None, seed=seed, t0=t0, dt=dt,
+    drv = WeightDriver(model.process, paths=o.paths, generator=None, seed=problem.seed, t0=t0, dt=dt,
                        batch_rank=x0_local.dim() - 2)
-    axis = PathsAxis(paths)  # the state always has the paths axis (P = 1 without paths=)
+    axis = PathsAxis(o.paths)  # the state always has the paths axis (P = 1 without paths=)
     x = axis.lift(x0_local)
     x = x.expand(*broadcast_shapes(x.shape[:-2], drv.current.batch_shape), *x.shape[-2:])
-    run = _ShardedRun(x, drv, shard, K=K, dt=dt, sign=sign, record_every=record_every, diagnostics=diagnostics,
-                      gather_x=solver.gather_x, kw=dict(normalization=normalization, backend=solver.backend,
-                                                        chunk_elements=chunk_elements))
-    with progress_bar(progress and rank_and_world(group)[0] == 0, K, "simulate_sharded (euler)") as bar:
+    run = _ShardedRun(x, drv, shard, problem, kw=dict(normalization=model.normalization, backend=solver.backend,
+                                                      chunk_elements=o.limits.chunk_elements))
+    with progress_bar(bool(o.progress.show) and rank_and_world(group)[0] == 0, K, "simulate_sharded (euler)") as bar:
         for _ in range(K):
             run.step()
             bar.update(1)
@@ -383,7 +419,7 @@ def _run(model, x0_local, solver, checked, *, seed, diagnostics, chunk_elements,
     stats = {"steps": K, "field_evaluations": K + 1, "wall_time": time.perf_counter() - start, "order": 1,
              "ranks": rank_and_world(group)[1], "tokens": shard.N}
     return axis.finish(Trajectory(times, out_x, series["energy"], series["slope"], series["dissipation"], led, stats,
-                                  "euler", normalization, model.direction, weights))
+                                  solver.method, model.normalization.name, model.direction, weights))
 
 
 class _ShardedRun:
@@ -391,11 +427,12 @@ class _ShardedRun:
     driver, stepper, left-point ledger, recorder); each evaluation's partial sums (E, 𝒢², 𝒟,
     ∂_tE + Itô, martingale, jump) and the NaN flag are summed over the ranks in one all-reduce."""
 
-    def __init__(self, x, drv, shard, *, K, dt, sign, record_every, diagnostics, gather_x, kw):
-        self.x, self.drv, self.shard, self.dt, self.sign, self.gather_x = x, drv, shard, dt, sign, gather_x
-        self.diagnostics, self.noisy, self.kw = diagnostics, drv.noisy, kw
+    def __init__(self, x, drv, shard, problem: ShardedProblem, kw):
+        diagnostics, sign = problem.options.ledger.diagnostics, problem.model.sign
+        self.x, self.drv, self.shard, self.dt, self.sign = x, drv, shard, problem.options.dt, sign
+        self.gather_x, self.diagnostics, self.noisy, self.kw = problem.solver.gather_x, diagnostics, drv.noisy, kw
         self.stepper = Stepper(TABLEAUX["euler"], retract=True)  # the projected flow's retraction
-        self.rec = Recorder(K, record_every, diagnostics=diagnostics)
+        self.rec = Recorder(problem.steps, problem.record_every, diagnostics=diagnostics)
         self.keys = shard.gather(x)
         self.cur = self._evaluate(x, self.keys, drv.current, diagnostics)
         self.zero = torch.zeros(self.cur.velocity.shape[:-2], dtype=x.dtype, device=x.device)

@@ -16,11 +16,9 @@ from typing import Optional
 
 import torch
 
-from .methods import Dopri5, FixedStep, ShardedEuler, Solver
+from .methods import Solver
 from .model import Model
 from .options import Checkpointing, LedgerOptions, Limits, Progress, SaveAt, SolveOptions
-from .particle import solve_particles
-from .sharded import solve_sharded
 
 __all__ = ["solve"]
 
@@ -97,13 +95,6 @@ def solve(model: Model, x0: Optional[torch.Tensor], solver: Solver, *, t1: float
     o = _check_options(solver, dict(saveat=saveat, ledger=ledger, checkpoint=checkpoint, progress=progress,
                                     limits=limits))
     options = SolveOptions(t1=t1, dt=dt, t0=t0, paths=paths, seed=seed, generator=generator, **o)
-    if type(solver).run is not Solver.run:
-        return solver.run(model, x0, options)
-    # the built-in solvers whose solves still live outside their classes
-    kw = dict(t1=t1, dt=dt, t0=t0, paths=paths, seed=seed, generator=generator)
-    if isinstance(solver, (FixedStep, Dopri5)):
-        return solve_particles(model, x0, solver, **kw, **o)
-    if isinstance(solver, ShardedEuler):
-        return solve_sharded(model, x0, solver, **kw, saveat=o["saveat"], ledger=o["ledger"], progress=o["progress"],
-                             limits=o["limits"])
-    raise TypeError(f"{type(solver).__name__} does not define run(model, x0, options); a Solver subclass must")
+    if type(solver).run is Solver.run:
+        raise TypeError(f"{type(solver).__name__} does not define run(model, x0, options); a Solver subclass must")
+    return solver.run(model, x0, options)

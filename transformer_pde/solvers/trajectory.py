@@ -36,10 +36,11 @@ from ..model.heads import Heads
 from ..model.normalization import normalization as as_normalization
 from ..processes.paths import WeightPath
 
-__all__ = ["Trajectory", "NonFiniteError"]
+#: the result, its errors, and what a solver of one's own needs (the paths-axis convention, the
+#: non-finite check and its error with time, step and fix)
+__all__ = ["Trajectory", "NonFiniteError", "PathsAxis", "nonfinite_error", "check_finite"]
 #: named internal API (not public), used by the solvers
-__internal__ = ["nonfinite_error", "ledger_nonfinite", "check_finite", "check_ledger", "drop_paths",
-                "PathsAxis", "SERIES_EXTRAS", "LazySeries", "lazy_series"]
+__internal__ = ["ledger_nonfinite", "check_ledger", "drop_paths", "SERIES_EXTRAS", "LazySeries", "lazy_series"]
 
 #: the entries of ``Trajectory.extras`` that are time series (T, [paths,] ..., n) with the batch axes
 SERIES_EXTRAS = ("radius",)

@@ -19,7 +19,7 @@ from ...model.field import head_token_mean, token_mean
 from ...model.heads import Heads
 from ...model.normalization import choose as choose_normalization
 from ...processes.driver import grid_steps
-from ...solvers.methods import FixedStep
+from ...solvers.particle import FixedStep
 from ...solvers.model import Model
 from ...solvers.options import LedgerOptions, Progress, SaveAt
 from ...solvers.parts import Recorder, Stepper

@@ -1,0 +1,247 @@
+"""The particle solver objects run themselves: Euler/Heun/RK4 are FixedStep classes, FixedStep takes a
+user's ButcherTableau, ``solver.run(model, x0, options)`` is what tp.solve calls, user-defined
+normalisations and geometries outside the registries go through a solve, and the keyword front ends
+name the keyword the user typed (docs/solve.md)."""
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import transformer_pde as tp
+from conftest import gen
+
+F64 = torch.float64
+
+#: Ralston's second-order method (c2 = 2/3, the minimum-error two-stage tableau): not built in
+RALSTON = tp.ButcherTableau("ralston", 2, (0.0, 2 / 3), ((), (2 / 3,)), (0.25, 0.75))
+
+
+def problem(dtype, n=6, d=3, H=2, seed=0):
+    x0 = tp.sphere.sample_uniform(n, d, generator=gen(seed), dtype=dtype)
+    heads = tp.Heads.random(H, d, generator=gen(seed + 1), dtype=dtype)
+    return x0, heads
+
+
+def ulps(dtype, k):
+    """k rounding units of the dtype: two evaluations of the same arithmetic in another order."""
+    return dict(rtol=k * torch.finfo(dtype).eps, atol=k * torch.finfo(dtype).eps)
+
+
+# ---------------------------------------------------------------------------- the classes
+def test_euler_heun_rk4_are_fixed_step_classes_equal_to_their_tableaux():
+    for cls, name, order in ((tp.Euler, "euler", 1), (tp.Heun, "heun", 2), (tp.RK4, "rk4", 4)):
+        s = cls()
+        assert isinstance(s, tp.FixedStep) and isinstance(s, cls) and isinstance(s, tp.Solver)
+        assert s == cls() == tp.FixedStep(name) == tp.FixedStep(tp.TABLEAUX[name])
+        assert hash(s) == hash(tp.FixedStep(name)) and len({s, cls(), tp.FixedStep(name)}) == 1
+        assert s.tableau is tp.TABLEAUX[name] and s.order == order and s.method == name
+        assert repr(s) == f"{cls.__name__}()"
+    assert repr(tp.FixedStep("heun")) == "FixedStep('heun')" and "ralston" in repr(tp.FixedStep(RALSTON))
+    assert tp.Euler() != tp.Heun() and not isinstance(tp.Heun(), tp.Euler)
+    assert tp.FixedStep(RALSTON).order == 2 and tp.FixedStep(RALSTON) != tp.Heun()
+    with pytest.raises(TypeError, match="FixedStep.tableau must be a ButcherTableau"):
+        tp.FixedStep(2)
+    with pytest.raises(ValueError, match="unknown FixedStep.tableau 'midpoint'"):
+        tp.FixedStep("midpoint")
+
+
+def test_a_users_tableau_is_one_hand_written_step(dtype):
+    """One step of FixedStep(Ralston) is x1 = R(x0 + dt(¼k1 + ¾k2)), k2 = v(R(x0 + ⅔dt·k1)), R = x/|x|,
+    with v the projected field of tp.evaluate (descent: sign −1)."""
+    x0, heads = problem(dtype, seed=3)
+    dt = 0.1
+
+    def v(x):
+        return tp.evaluate(x, heads, sign=-1.0, diagnostics=False).velocity
+
+    def unit(y):
+        return y / y.norm(dim=-1, keepdim=True)
+
+    k1 = v(x0)
+    k2 = v(unit(x0 + (2 / 3) * dt * k1))
+    x1 = unit(x0 + dt * (0.25 * k1 + 0.75 * k2))
+    tr = tp.solve(tp.Model(heads), x0, tp.FixedStep(RALSTON), t1=dt, dt=dt)
+    assert tr.method == "ralston" and tr.stats["order"] == 2 and tr.stats["field_evaluations"] == 3
+    assert_close(tr.x[-1], x1, **ulps(dtype, 64))
+
+
+def test_a_users_tableau_converges_at_its_order():
+    """Ralston's error against a fine RK4 solution falls like dt² (measured order in [1.8, 2.2])."""
+    x0, heads = problem(F64, seed=5)
+    model = tp.Model(heads)
+    t1 = 0.8
+    ref = tp.solve(model, x0, tp.RK4(), t1=t1, dt=t1 / 800, saveat=tp.SaveAt(ends=True)).x[-1]
+    errs = [float((tp.solve(model, x0, tp.FixedStep(RALSTON), t1=t1, dt=t1 / k,
+                            saveat=tp.SaveAt(ends=True)).x[-1] - ref).norm()) for k in (10, 20, 40)]
+    orders = [math.log2(errs[i] / errs[i + 1]) for i in range(2)]
+    assert all(1.8 < p < 2.2 for p in orders), (errs, orders)
+
+
+def test_run_is_the_solve(dtype):
+    """tp.solve fills in the options and calls solver.run; calling run with the same SolveOptions is the
+    same solve, for the fixed-step, adaptive and sharded solvers."""
+    x0, heads = problem(dtype, seed=7)
+    model = tp.Model(tp.OrnsteinUhlenbeck(heads, sigma=0.3))
+    for solver, accepted in ((tp.Heun(), {}), (tp.Dopri5(rtol=1e-6, atol=1e-8), {}), (tp.ShardedEuler(), {})):
+        a = tp.solve(model, x0, solver, t1=0.3, dt=0.05, paths=2, seed=4, saveat=tp.SaveAt(every=2))
+        b = solver.run(model, x0, tp.SolveOptions(t1=0.3, dt=0.05, paths=2, seed=4, saveat=tp.SaveAt(every=2),
+                                                  **accepted))
+        assert a.method == b.method == solver.method
+        assert_close(a.x, b.x, **ulps(dtype, 16))
+        assert_close(a.ledger["residual"], b.ledger["residual"], **ulps(dtype, 16))
+
+
+# ---------------------------------------------------------------------------- objects outside the registries
+@dataclass(frozen=True)
+class DoubledSoftmax(tp.Normalization):
+    """A user's normalisation (not in the registry): twice the softmax output."""
+
+    name: ClassVar[str] = "doubled-softmax"
+
+    def outputs(self, kernel):
+        return 2 * kernel.value_mean()
+
+
+def test_a_users_normalization_goes_through_solve(dtype):
+    """Twice the softmax field is the softmax flow at twice the speed: Euler with dt/2 on 2v is Euler
+    with dt on v step for step (the tokens to rounding); the energy depends on the tokens only, so it
+    matches too."""
+    x0, heads = problem(dtype, seed=11)
+    a = tp.solve(tp.Model(heads, normalization=DoubledSoftmax()), x0, tp.Euler(), t1=0.5, dt=0.05)
+    b = tp.solve(tp.Model(heads), x0, tp.Euler(), t1=1.0, dt=0.1)
+    assert a.normalization == "doubled-softmax"
+    assert_close(a.x, b.x, **ulps(dtype, 256))
+    assert_close(a.energy, b.energy, **ulps(dtype, 1024))
+
+
+def test_a_users_normalization_goes_through_dopri5():
+    """The same ODE through dopri5 (float64, rtol 1e-9): the two solutions agree to the tolerance."""
+    x0, heads = problem(F64, seed=11)
+    solver = tp.Dopri5(rtol=1e-9, atol=1e-11)
+    a = tp.solve(tp.Model(heads, normalization=DoubledSoftmax()), x0, solver, t1=0.5, dt=0.05)
+    b = tp.solve(tp.Model(heads), x0, solver, t1=1.0, dt=0.1)
+    assert_close(a.x, b.x, rtol=1e-7, atol=1e-7)
+    assert_close(a.energy, b.energy, rtol=1e-7, atol=1e-7)
+
+
+@dataclass(frozen=True)
+class HalfPostLN(tp.PostLN):
+    """A user's layer map (not in the registry): post-LN of half the update, x ← (x + ½dt·A)/|x + ½dt·A|."""
+
+    name: ClassVar[str] = "half-post"
+
+    def step(self, x, r, update, dt):
+        return super().step(x, r, 0.5 * update, dt)
+
+
+def test_a_users_layer_norm_goes_through_solve(dtype):
+    """The layer map of a user's LayerNorm subclass is the step: a hand loop of
+    x ← normalize(x + ½dt·A(x)), A the signed un-projected update of tp.evaluate."""
+    x0, heads = problem(dtype, seed=13)
+    tr = tp.solve(tp.Model(heads, geometry=HalfPostLN()), x0, tp.Euler(), t1=0.4, dt=0.1,
+                  ledger=tp.LedgerOptions(diagnostics=False))
+    x = x0
+    for _ in range(4):
+        a = tp.evaluate(x, heads, sign=-1.0, diagnostics=False).ambient
+        y = x + 0.05 * a
+        x = y / y.norm(dim=-1, keepdim=True)
+    assert tr.stats["layer_norm"] == "half-post"
+    assert_close(tr.x[-1], x, **ulps(dtype, 64))
+
+
+# ---------------------------------------------------------------------------- the keyword front ends
+def test_the_front_ends_name_the_keyword_the_user_typed():
+    x0, heads = problem(F64, seed=17)
+    kw = dict(t1=0.5, dt=0.1)
+    cases = [
+        (dict(record_every=20), ValueError, r"^record_every = 20 is larger than the number of steps"),
+        (dict(record_every=0), ValueError, r"^record_every must be"),
+        (dict(checkpoint_every=1.5), TypeError, r"^checkpoint_every must be an int"),
+        (dict(chunk_elements=0), ValueError, r"^chunk_elements must be"),
+        (dict(direction="up"), ValueError, r"^unknown direction 'up'"),
+        (dict(quadratic_variation="both"), ValueError, r"^unknown quadratic_variation 'both'"),
+        (dict(method="adaptive", rtol=-1.0), ValueError, r"^rtol must be"),
+        (dict(temperature=0.5, layer_norm="post"), ValueError, r"layer_norm='post' with token noise"),
+    ]
+    for extra, err, msg in cases:
+        with pytest.raises(err, match=msg) as info:
+            tp.simulate(x0, heads, **kw, **extra)
+        assert "SaveAt" not in str(info.value) and "Model." not in str(info.value), str(info.value)
+    with pytest.raises(ValueError, match=r"^record_every = 20 is larger"):
+        tp.ensembles.simulate(x0.expand(2, *x0.shape), heads, **kw, record_every=20)
+    with pytest.raises(ValueError, match=r"^record_every = 20 is larger"):
+        tp.distributed.simulate_sharded(x0, heads, **kw, record_every=20)
+    # the composable API names the objects' fields
+    with pytest.raises(ValueError, match=r"^SaveAt.every = 20 is larger"):
+        tp.solve(tp.Model(heads), x0, tp.Euler(), **kw, saveat=tp.SaveAt(every=20))
+
+
+# ---------------------------------------------------------------------------- a solver from the public parts
+from transformer_pde.processes.driver import WeightDriver  # noqa: E402
+from transformer_pde.solvers.evaluator import Evaluator  # noqa: E402
+from transformer_pde.solvers.parts import Ledger, Recorder, Stepper, partial_density, progress_bar  # noqa: E402
+
+
+@dataclass(frozen=True)
+class PartsEuler(tp.Solver):
+    """Projected Euler with the left-point ledger, composed of the public parts (docs/solve.md):
+    deterministic weights, no token noise, the projected flow."""
+
+    accepts: ClassVar[frozenset] = frozenset({"saveat", "ledger", "progress"})
+    unsupported: ClassVar[dict] = {"saveat": ("observables", "path"),
+                                   "ledger": ("quadrature", "quadratic_variation", "energy_log_scale"),
+                                   "progress": ("callback",)}
+
+    def run(self, model, x0, options):
+        o, K = options, options.steps
+        if model.process.noisy or model.noise is not None or not model.geometry.projected:
+            raise ValueError("PartsEuler takes deterministic weights, no token noise and the projected flow")
+        drv = WeightDriver(model.process, paths=None, generator=o.generator, seed=o.weight_seed, t0=o.t0, dt=o.dt)
+        ev = Evaluator(model.weights, normalization=model.normalization, sign=model.sign, noisy=False,
+                       causal=model.causal, chunk_elements=None, energy_log_scale=None)
+        stepper = Stepper(tp.TABLEAUX["euler"], layer_norm=model.geometry)
+        rec = Recorder(K, o.saveat.record_every(K), diagnostics=True, weights=model.weights)
+
+        def densities(x, e):
+            return {"partial": partial_density(x, drv.current, model.weights, e.stats, drv.rate, drv.sigma,
+                                               ito=False),
+                    "dissipation": e.dissipation, "slope": e.slope}
+
+        x, e = x0, ev(x0, drv.current, True)
+        ledger = Ledger(e.energy, sign=model.sign, quadrature="left")
+        rec.record(x, e.energy, e.slope, e.dissipation, ledger.terms(e.energy))
+        with progress_bar(bool(o.progress.show), K, "parts-euler") as bar:
+            for k in range(1, K + 1):
+                dens = densities(x, e)
+                x, _ = stepper.step(x, e.velocity, o.dt, None)
+                drv.advance()
+                e = ev(x, drv.current, True)
+                ledger.integrate(dens, None, o.dt)
+                if rec.keeps(k):
+                    rec.record(x, e.energy, e.slope, e.dissipation, ledger.terms(e.energy))
+                bar.update(1)
+        times, xs, series, led, _ = rec.stacked(o.t0, o.dt)
+        return tp.Trajectory(times, xs, series["energy"], series["slope"], series["dissipation"], led,
+                             {"steps": K}, "parts-euler", model.normalization.name, model.direction,
+                             model.weights)
+
+
+def test_a_solver_composed_of_the_public_parts_is_euler(dtype):
+    """The docs' parts-built solver gives tp.Euler()'s tokens, energy and ledger (closed-form
+    time-dependent weights: the ledger's ∂_tE term is exercised)."""
+    x0, heads = problem(dtype, seed=23)
+    model = tp.Model(tp.Oscillating(heads))
+    kw = dict(t1=0.4, dt=0.05, saveat=tp.SaveAt(every=2))
+    mine = tp.solve(model, x0, PartsEuler(), **kw)
+    ref = tp.solve(model, x0, tp.Euler(), **kw)
+    assert_close(mine.times, ref.times, rtol=1e-15, atol=1e-15)
+    assert_close(mine.x, ref.x, **ulps(dtype, 64))
+    assert_close(mine.energy, ref.energy, **ulps(dtype, 64))
+    for key in ("partial", "dissipation", "residual"):
+        assert_close(mine.ledger[key], ref.ledger[key], **ulps(dtype, 256))
+    with pytest.raises(ValueError, match="deterministic weights"):
+        tp.solve(tp.Model(tp.OrnsteinUhlenbeck(heads, sigma=0.1)), x0, PartsEuler(), t1=0.1, dt=0.05)

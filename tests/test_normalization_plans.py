@@ -257,8 +257,6 @@ def test_plans_run_through_solve(norm):
     assert_close(traj.x[-1], x, rtol=1e-12, atol=1e-13)
 
 
-@pytest.mark.xfail(strict=True, reason="the fixed-step solver passes model.normalization.name to the field, which "
-                                       "resolves the name again: parameters and unregistered subclasses are lost")
 @pytest.mark.parametrize("norm", [tp.SinkhornAttention(iterations=0), TemperedSoftmax(2.0)], ids=["sinkhorn0", "user"])
 def test_solve_uses_the_models_object_itself(norm):
     x0 = _tokens(6, seed=18)

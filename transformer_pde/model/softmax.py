@@ -327,7 +327,7 @@ def _softmax_sdpa(x, y, left, right, weights, second_moment, batch, causal=False
     if c < E:
         v4 = pad(v4, (0, E - c))
     if Hk == 1 and not causal:
-        return _softmax_sdpa_merged(op, x, left, kf, v4, mask, weights, batch, iu, coef, trace_free, H, n, m, d, c, E)
+        return _softmax_sdpa_merged(op, x, left, kf, v4, mask, weights, batch, (iu, coef, trace_free, c))
     qf = x.unsqueeze(-3) @ left  # (..., H, n, E)
     q4 = qf.expand(*batch, H, n, E).reshape(G, H, n, E)
     k4 = kf.expand(*batch, Hk, m, E).reshape(G, Hk, m, E)
@@ -358,14 +358,20 @@ def _softmax_sdpa(x, y, left, right, weights, second_moment, batch, causal=False
     return stats
 
 
-def _softmax_sdpa_merged(op, x, left, kf, v4, mask, weights, batch, iu, coef, trace_free, H, n, m, d, c, E):
+def _softmax_sdpa_merged(op, x, left, kf, v4, mask, weights, batch, columns):
     """The fused kernel with the heads folded into the query axis (keys and values shared by every head).
 
     Query row i·H + h is the feature q_h(x_i) = x_i A_h (padded to E), so the (..., n, H·E) block of all
     query features is one product x (..., n, d) @ L (..., d, H·E), and the kernel's output and log-sum-exp
     come back laid out (..., n, H, E) and (..., n, H): every contraction over the heads (the field
     Σ_h ω_h V_h ȳ_h, ∇ δE/δμ) or over the tokens (the ledger's sums) is then a single matrix product
-    of that contiguous block, without a copy or a per-head product (:func:`transformer_pde.model.moments.head_columns`)."""
+    of that contiguous block, without a copy or a per-head product (:func:`transformer_pde.model.moments.head_columns`).
+
+    ``left`` (..., H, d, E) is the query map padded to the kernel width E; ``columns`` = (iu, coef, trace_free, c):
+    the second-moment columns (None, None, False, d without them) and the width c of the values before padding."""
+    iu, coef, trace_free, c = columns
+    H, E = left.shape[-3], left.shape[-1]
+    n, d, m = x.shape[-2], x.shape[-1], kf.shape[-2]
     G = math.prod(batch)
     L = left.transpose(-2, -3)  # (..., d, H, E)
     L = L.reshape(*L.shape[:-2], H * E)

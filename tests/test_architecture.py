@@ -345,3 +345,46 @@ def test_the_size_checks_can_fail(tmp_path):
         + "\n" * 700)
     assert long_parameter_lists(fake) == [("transformer_pde.solvers.particle._inner", 13)]
     assert long_modules(fake) == [(str(Path("transformer_pde", "solvers", "particle.py")), 711)]
+
+
+def direction_defaults(pkg: Path = None):
+    """(module:line, default source) of every ``direction`` parameter or field whose default is not the
+    constant DEFAULT_DIRECTION."""
+    pkg = PKG if pkg is None else pkg
+    out = []
+    for path in sorted(pkg.rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            found = []
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                pos = a.posonlyargs + a.args
+                found = [(p, d) for p, d in zip(pos[len(pos) - len(a.defaults):], a.defaults)]
+                found += [(p, d) for p, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None]
+                found = [d for p, d in found if p.arg == "direction"]
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) \
+                    and node.target.id == "direction" and node.value is not None:
+                found = [node.value]
+            for d in found:
+                if not (isinstance(d, ast.Name) and d.id == "DEFAULT_DIRECTION"):
+                    out.append((f"{path.relative_to(pkg.parent)}:{d.lineno}", ast.unparse(d)))
+    return out
+
+
+def test_one_direction_default_across_the_api(tmp_path):
+    """Every ``direction=`` of the package defaults to utils.validation.DEFAULT_DIRECTION (the README states
+    it), and the check sees a literal default in a fake module."""
+    from transformer_pde.utils.validation import DEFAULT_DIRECTION
+    import transformer_pde as tp
+    import inspect
+
+    assert not direction_defaults(), direction_defaults()
+    assert DEFAULT_DIRECTION == "ascent" and f'default direction is `"{DEFAULT_DIRECTION}"`' in \
+        (PKG.parent / "README.md").read_text(encoding="utf-8")
+    for fn in (tp.simulate, tp.jko, tp.velocity, tp.slope, tp.dissipation):
+        assert inspect.signature(fn).parameters["direction"].default == DEFAULT_DIRECTION, fn.__name__
+    assert tp.Model(tp.Heads.scalar([1.0], 3)).direction == DEFAULT_DIRECTION
+    fake = tmp_path / "transformer_pde"
+    fake.mkdir()
+    (fake / "m.py").write_text('def f(x, direction="descent"):\n    pass\n')
+    assert direction_defaults(fake) == [(str(Path("transformer_pde", "m.py")) + ":1", "'descent'")]

@@ -39,7 +39,7 @@ def _checkpointed(tmp_path, x0, theta, stop=5, **kw):
     """A checkpoint of the run interrupted after step ``stop`` (written at step 3)."""
     ck = tmp_path / "run.ckpt"
     with pytest.raises(Kill):
-        tp.simulate(x0, theta, checkpoint=ck, checkpoint_every=3, callback=_kill_at(stop), **kw)
+        tp.simulate(x0, theta, checkpoint=ck, checkpoint_every=3, callback=_kill_at(stop), **kw, direction="descent")
     assert ck.is_file()
     return ck
 
@@ -63,10 +63,10 @@ def test_checkpoint_of_another_custom_drift_is_refused_naming_it(tmp_path):
     kw = dict(t1=0.5, dt=0.05)
     ck = _checkpointed(tmp_path, x0, tp.Custom(h, _drift_minus), **kw)
     with pytest.raises(ValueError, match=r"different run.*theta\.drift"):
-        tp.simulate(x0, tp.Custom(h, _drift_plus), checkpoint=ck, **kw)
+        tp.simulate(x0, tp.Custom(h, _drift_plus), checkpoint=ck, **kw, direction="descent")
     # the same drift resumes, and the resumed run is the uninterrupted one
-    full = tp.simulate(x0, tp.Custom(h, _drift_minus), **kw)
-    resumed = tp.simulate(x0, tp.Custom(h, _drift_minus), checkpoint=ck, **kw)
+    full = tp.simulate(x0, tp.Custom(h, _drift_minus), **kw, direction="descent")
+    resumed = tp.simulate(x0, tp.Custom(h, _drift_minus), checkpoint=ck, **kw, direction="descent")
     assert_close(resumed.x, full.x, rtol=1e-12, atol=1e-14)
 
 
@@ -76,8 +76,8 @@ def test_checkpoint_sees_the_values_a_drift_closes_over(tmp_path):
     kw = dict(t1=0.5, dt=0.05)
     ck = _checkpointed(tmp_path, x0, tp.Custom(h, _scaled_drift(1.0)), **kw)
     with pytest.raises(ValueError, match=r"theta\.drift"):
-        tp.simulate(x0, tp.Custom(h, _scaled_drift(2.0)), checkpoint=ck, **kw)
-    tp.simulate(x0, tp.Custom(h, _scaled_drift(1.0)), checkpoint=ck, **kw)  # resumes
+        tp.simulate(x0, tp.Custom(h, _scaled_drift(2.0)), checkpoint=ck, **kw, direction="descent")
+    tp.simulate(x0, tp.Custom(h, _scaled_drift(1.0)), checkpoint=ck, **kw, direction="descent")  # resumes
 
 
 def test_a_drift_without_source_needs_a_tag_to_be_checkpointed(tmp_path):
@@ -85,12 +85,12 @@ def test_a_drift_without_source_needs_a_tag_to_be_checkpointed(tmp_path):
     ns = {}
     exec("def drift(t, A):\n    return -A\n", ns)  # no file: inspect.getsource cannot read it
     with pytest.raises(ValueError, match="no readable source.*tag"):
-        tp.simulate(x0, tp.Custom(h, ns["drift"]), t1=0.5, dt=0.05, checkpoint=tmp_path / "a.ckpt")
+        tp.simulate(x0, tp.Custom(h, ns["drift"]), t1=0.5, dt=0.05, checkpoint=tmp_path / "a.ckpt", direction="descent")
     assert not (tmp_path / "a.ckpt").exists()
-    tp.simulate(x0, tp.Custom(h, ns["drift"]), t1=0.5, dt=0.05)  # without a checkpoint nothing needs it
+    tp.simulate(x0, tp.Custom(h, ns["drift"]), t1=0.5, dt=0.05, direction="descent")  # without a checkpoint nothing needs it
     ck = _checkpointed(tmp_path, x0, tp.Custom(h, ns["drift"], tag="decay-v1"), t1=0.5, dt=0.05)
     with pytest.raises(ValueError, match=r"theta\.tag"):
-        tp.simulate(x0, tp.Custom(h, ns["drift"], tag="decay-v2"), t1=0.5, dt=0.05, checkpoint=ck)
+        tp.simulate(x0, tp.Custom(h, ns["drift"], tag="decay-v2"), t1=0.5, dt=0.05, checkpoint=ck, direction="descent")
     with pytest.raises(TypeError, match="tag"):
         tp.Custom(h, ns["drift"], tag=3)
 
@@ -102,9 +102,9 @@ def test_checkpoint_of_another_generator_state_is_refused(tmp_path):
     kw = dict(t1=0.5, dt=0.05, paths=2)
     ck = _checkpointed(tmp_path, x0, theta, generator=gen(5), **kw)
     with pytest.raises(ValueError, match="generator"):
-        tp.simulate(x0, theta, checkpoint=ck, generator=gen(6), **kw)
-    full = tp.simulate(x0, theta, generator=gen(5), **kw)
-    resumed = tp.simulate(x0, theta, checkpoint=ck, generator=gen(5), **kw)
+        tp.simulate(x0, theta, checkpoint=ck, generator=gen(6), **kw, direction="descent")
+    full = tp.simulate(x0, theta, generator=gen(5), **kw, direction="descent")
+    resumed = tp.simulate(x0, theta, checkpoint=ck, generator=gen(5), **kw, direction="descent")
     assert_close(resumed.x, full.x, rtol=1e-12, atol=1e-14)
 
 
@@ -113,11 +113,11 @@ def test_checkpoint_of_another_dtype_or_observable_is_refused(tmp_path):
     kw = dict(t1=0.5, dt=0.05)
     ck = _checkpointed(tmp_path, x0, h, **kw)
     with pytest.raises(ValueError, match=r"x0 \(values, shape, dtype\)"):
-        tp.simulate(x0.float(), h.to(torch.float32), checkpoint=ck, **kw)
+        tp.simulate(x0.float(), h.to(torch.float32), checkpoint=ck, **kw, direction="descent")
     (tmp_path / "b").mkdir()
     ck2 = _checkpointed(tmp_path / "b", x0, h, observables={"m": lambda x, w: x.mean(-2)}, **kw)
     with pytest.raises(ValueError, match=r"observables\['m'\]"):
-        tp.simulate(x0, h, checkpoint=ck2, observables={"m": lambda x, w: x.sum(-2)}, **kw)
+        tp.simulate(x0, h, checkpoint=ck2, observables={"m": lambda x, w: x.sum(-2)}, **kw, direction="descent")
 
 
 def test_ordinary_checkpoints_keep_their_old_fingerprint(tmp_path):
@@ -138,7 +138,7 @@ def test_non_finite_checkpoint_is_refused(tmp_path):
     state["x"][0, 0] = float("nan")
     torch.save(state, ck)
     with pytest.raises(ValueError, match="NaN or inf"):
-        tp.simulate(x0, h, t1=0.5, dt=0.05, checkpoint=ck)
+        tp.simulate(x0, h, t1=0.5, dt=0.05, checkpoint=ck, direction="descent")
 
 
 @pytest.mark.skipif(not hasattr(os, "symlink"), reason="needs symlinks")
@@ -150,7 +150,7 @@ def test_checkpoint_never_writes_through_a_planted_temp_link(tmp_path):
     ck = tmp_path / "run.ckpt"
     os.symlink(victim, tmp_path / "run.ckpt.tmp")
     with pytest.raises(Kill):
-        tp.simulate(x0, h, t1=0.5, dt=0.05, checkpoint=ck, checkpoint_every=3, callback=_kill_at(5))
+        tp.simulate(x0, h, t1=0.5, dt=0.05, checkpoint=ck, checkpoint_every=3, callback=_kill_at(5), direction="descent")
     assert victim.read_text() == "keep me"
     assert ck.is_file() and not ck.is_symlink()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.ckpt", "run.ckpt.tmp", "victim.txt"]
@@ -162,17 +162,17 @@ def test_seed_next_to_a_generator_is_refused():
     x0, h = _problem()
     theta = tp.OrnsteinUhlenbeck(h)
     with pytest.raises(ValueError, match="not both"):
-        tp.simulate(x0, theta, t1=0.2, dt=0.1, seed=3, generator=gen(1))
+        tp.simulate(x0, theta, t1=0.2, dt=0.1, seed=3, generator=gen(1), direction="descent")
     with pytest.raises(ValueError, match="not both"):
         tp.sample_path(theta, t1=0.2, dt=0.1, seed=3, generator=gen(1))
     with pytest.raises(ValueError, match="not both"):
-        tp.jko(x0, h, tau=0.1, steps=2, seed=3, generator=gen(1))
+        tp.jko(x0, h, tau=0.1, steps=2, seed=3, generator=gen(1), direction="descent")
     # a generator alone still drives jko's sampled path (jko forwards no seed next to it)
-    a = tp.jko(x0, theta, tau=0.1, steps=2, generator=gen(4))
-    b = tp.jko(x0, theta, tau=0.1, steps=2, generator=gen(4))
+    a = tp.jko(x0, theta, tau=0.1, steps=2, generator=gen(4), direction="descent")
+    b = tp.jko(x0, theta, tau=0.1, steps=2, generator=gen(4), direction="descent")
     assert_close(a.path.scores, b.path.scores)
     # seed=0 is the default: the same numbers
-    assert_close(tp.simulate(x0, theta, t1=0.2, dt=0.1, seed=0).x, tp.simulate(x0, theta, t1=0.2, dt=0.1).x)
+    assert_close(tp.simulate(x0, theta, t1=0.2, dt=0.1, seed=0, direction="descent").x, tp.simulate(x0, theta, t1=0.2, dt=0.1, direction="descent").x)
 
 
 # ---------------------------------------------------------------------------- adaptive tolerances
@@ -182,14 +182,14 @@ def test_adaptive_tolerances_must_be_positive_and_finite(bad, which):
     """Before: rtol = atol = −1 ran and returned tokens 1.13 off the sphere; 0 raised a bare AssertionError."""
     x0, h = _problem()
     with pytest.raises(ValueError, match=which):
-        tp.simulate(x0, h, t1=0.2, dt=0.1, method="adaptive", **{which: bad})
+        tp.simulate(x0, h, t1=0.2, dt=0.1, method="adaptive", **{which: bad}, direction="descent")
 
 
 def test_tolerances_with_a_fixed_step_method_are_refused():
     x0, h = _problem()
     with pytest.raises(ValueError, match="method='adaptive'"):
-        tp.simulate(x0, h, t1=0.2, dt=0.1, method="rk4", rtol=1e-9)
-    tr = tp.simulate(x0, h, t1=0.2, dt=0.1, method="adaptive", rtol=1e-6, atol=1e-8)
+        tp.simulate(x0, h, t1=0.2, dt=0.1, method="rk4", rtol=1e-9, direction="descent")
+    tr = tp.simulate(x0, h, t1=0.2, dt=0.1, method="adaptive", rtol=1e-6, atol=1e-8, direction="descent")
     assert float((tr.x.norm(dim=-1) - 1).abs().max()) < 1e-12
 
 
@@ -201,20 +201,20 @@ def test_an_underflowing_energy_log_scale_is_refused_with_the_value_that_fits(dt
 
     x0, h = _problem(dtype)
     with pytest.raises(ValueError, match="underflow") as e:
-        tp.simulate(x0, h, t1=0.2, dt=0.1, energy_log_scale=1e4)
+        tp.simulate(x0, h, t1=0.2, dt=0.1, energy_log_scale=1e4, direction="descent")
     msg = str(e.value)
     assert "energy_log_scale=None" in msg
     fits = int(re.search(r"a value <= (-?\d+)", msg).group(1))
-    ref = tp.simulate(x0, h, t1=0.2, dt=0.1)
-    tr = tp.simulate(x0, h, t1=0.2, dt=0.1, energy_log_scale=fits)  # the value it names is accepted
+    ref = tp.simulate(x0, h, t1=0.2, dt=0.1, direction="descent")
+    tr = tp.simulate(x0, h, t1=0.2, dt=0.1, energy_log_scale=fits, direction="descent")  # the value it names is accepted
     assert bool((tr.energy > 0).all())
     tol = 1e-10 if dtype == torch.float64 else 1e-3
     assert_close(tr.log_energy(), ref.log_energy(), rtol=tol, atol=tol)
     with pytest.raises(ValueError, match="underflow"):
-        tp.simulate(x0, h, t1=0.2, dt=0.1, energy_log_scale=fits + 2)
+        tp.simulate(x0, h, t1=0.2, dt=0.1, energy_log_scale=fits + 2, direction="descent")
     with pytest.raises(ValueError, match="underflow"):  # "adaptive": refused before the solve, too
         tp.simulate(x0, h, t1=0.2, dt=0.1, method="adaptive", energy_log_scale=1e4,
-                    callback=None, observables={"boom": _must_not_run})
+                    callback=None, observables={"boom": _must_not_run}, direction="descent")
 
 
 def _must_not_run(x, w):
@@ -226,12 +226,12 @@ def test_record_every_beyond_the_horizon_is_refused():
     """Before: record_every=1000 with 50 steps kept one interval (a time average of one record)."""
     x0, h = _problem()
     with pytest.raises(ValueError, match=r"record_every = 1000 .*number of steps of the run \(50"):
-        tp.simulate(x0, h, t1=5.0, dt=0.1, record_every=1000)
+        tp.simulate(x0, h, t1=5.0, dt=0.1, record_every=1000, direction="descent")
     with pytest.raises(ValueError, match=r"record_every = 4 .*\(3"):
-        tp.jko(x0, h, tau=0.1, steps=3, record_every=4)
+        tp.jko(x0, h, tau=0.1, steps=3, record_every=4, direction="descent")
     with pytest.raises(ValueError, match=r"record_every = 5 .*\(2"):
-        tp.simulate_sharded(x0, h, t1=0.2, dt=0.1, record_every=5)
-    assert len(tp.simulate(x0, h, t1=0.5, dt=0.1, record_every=5).times) == 2  # = the number of steps: fine
+        tp.simulate_sharded(x0, h, t1=0.2, dt=0.1, record_every=5, direction="descent")
+    assert len(tp.simulate(x0, h, t1=0.5, dt=0.1, record_every=5, direction="descent").times) == 2  # = the number of steps: fine
 
 
 def test_empty_batches_are_refused_naming_the_shape():
@@ -239,12 +239,12 @@ def test_empty_batches_are_refused_naming_the_shape():
     _, h = _problem()
     empty = torch.zeros(0, 4, 3, dtype=F64)
     with pytest.raises(ValueError, match=r"x0 holds no token sets.*\(0, 4, 3\)"):
-        tp.simulate(empty, h, t1=0.2, dt=0.1)
+        tp.simulate(empty, h, t1=0.2, dt=0.1, direction="descent")
     with pytest.raises(ValueError, match=r"x0 holds no token sets.*\(0, 4, 3\)"):
-        tp.jko(empty, h, tau=0.1, steps=2)
+        tp.jko(empty, h, tau=0.1, steps=2, direction="descent")
     with pytest.raises(ValueError, match=r"grid_weights has an empty batch"):
         tp.jko(None, h, tau=0.1, steps=2, scheme="eulerian", grid=tp.sphere.fibonacci_sphere(10, dtype=F64),
-               grid_weights=torch.zeros(0, 10, dtype=F64))
+               grid_weights=torch.zeros(0, 10, dtype=F64), direction="descent")
 
 
 @pytest.mark.parametrize("bad,err,match", [
@@ -257,17 +257,17 @@ def test_a_custom_drift_of_the_wrong_output_is_named(bad, err, match):
     """Before: a Custom drift of the wrong shape failed deep in the solver with a broadcasting error."""
     x0, h = _problem()
     with pytest.raises(err, match=match):
-        tp.simulate(x0, tp.Custom(h, bad), t1=0.2, dt=0.1)
-    ok = tp.simulate(x0, tp.Custom(h, lambda t, A: -torch.eye(3, dtype=F64)), t1=0.2, dt=0.1)  # broadcasts to A
+        tp.simulate(x0, tp.Custom(h, bad), t1=0.2, dt=0.1, direction="descent")
+    ok = tp.simulate(x0, tp.Custom(h, lambda t, A: -torch.eye(3, dtype=F64)), t1=0.2, dt=0.1, direction="descent")  # broadcasts to A
     assert ok.x.shape == (3, 5, 3)
 
 
 def test_a_custom_diffusion_of_the_wrong_shape_is_named():
     x0, h = _problem()
     with pytest.raises(ValueError, match=r"diffusion returned shape \(7,\)"):
-        tp.simulate(x0, tp.Custom(h, _drift_minus, diffusion=lambda t: torch.ones(7, dtype=F64)), t1=0.2, dt=0.1)
+        tp.simulate(x0, tp.Custom(h, _drift_minus, diffusion=lambda t: torch.ones(7, dtype=F64)), t1=0.2, dt=0.1, direction="descent")
     with pytest.raises(TypeError, match="diffusion returned str"):
-        tp.simulate(x0, tp.Custom(h, _drift_minus, diffusion=lambda t: "0.1"), t1=0.2, dt=0.1)
+        tp.simulate(x0, tp.Custom(h, _drift_minus, diffusion=lambda t: "0.1"), t1=0.2, dt=0.1, direction="descent")
 
 
 # ---------------------------------------------------------------------------- resource guards
@@ -285,34 +285,34 @@ def test_guards_refuse_at_once(no_allocation):
     seconds, or hung."""
     x0, h = _problem()
     with pytest.raises(ValueError, match=r"1e\+10 steps, more than max_steps"):
-        tp.simulate(x0, h, t1=1.0, dt=1e-10)
+        tp.simulate(x0, h, t1=1.0, dt=1e-10, direction="descent")
     with pytest.raises(ValueError, match=r"would need about .*max_memory"):
-        tp.simulate(x0, tp.OrnsteinUhlenbeck(h), t1=1.0, dt=0.01, paths=10 ** 7)
+        tp.simulate(x0, tp.OrnsteinUhlenbeck(h), t1=1.0, dt=0.01, paths=10 ** 7, direction="descent")
     with pytest.raises(ValueError, match=r"the stored path .*max_memory"):
         tp.sample_path(tp.OrnsteinUhlenbeck(h), t1=1.0, dt=0.01, paths=10 ** 9)
     with pytest.raises(ValueError, match="max_steps"):
         tp.sample_path(tp.OrnsteinUhlenbeck(h), t1=1.0, dt=1e-10)
     with pytest.raises(ValueError, match="max_steps"):
-        tp.jko(x0, h, tau=1e-3, steps=10 ** 8)
+        tp.jko(x0, h, tau=1e-3, steps=10 ** 8, direction="descent")
     with pytest.raises(ValueError, match="max_memory"):
-        tp.jko(x0, tp.OrnsteinUhlenbeck(h), tau=0.1, steps=10, paths=10 ** 9)
+        tp.jko(x0, tp.OrnsteinUhlenbeck(h), tau=0.1, steps=10, paths=10 ** 9, direction="descent")
 
 
 def test_the_limits_can_be_raised_and_lowered():
     x0, h = _problem()
     with pytest.raises(ValueError, match=r"max_memory = 1 KiB|max_memory = 1\.02e\+03 B|max_memory"):
-        tp.simulate(x0, h, t1=0.2, dt=0.1, max_memory=1024)
+        tp.simulate(x0, h, t1=0.2, dt=0.1, max_memory=1024, direction="descent")
     with pytest.raises(ValueError, match="max_steps = 10"):
-        tp.simulate(x0, h, t1=2.0, dt=0.1, max_steps=10)
-    tr = tp.simulate(x0, h, t1=2.0, dt=0.1, max_steps=20, max_memory=2 ** 30)
+        tp.simulate(x0, h, t1=2.0, dt=0.1, max_steps=10, direction="descent")
+    tr = tp.simulate(x0, h, t1=2.0, dt=0.1, max_steps=20, max_memory=2 ** 30, direction="descent")
     assert tr.x.shape[0] == 21
-    assert tp.simulate(x0, h, t1=0.2, dt=0.1, max_memory=float("inf")).x.shape[0] == 3  # no limit
+    assert tp.simulate(x0, h, t1=0.2, dt=0.1, max_memory=float("inf"), direction="descent").x.shape[0] == 3  # no limit
     with pytest.raises(ValueError, match="max_steps"):
-        tp.jko(x0, h, tau=0.1, steps=3, max_steps=2)
+        tp.jko(x0, h, tau=0.1, steps=3, max_steps=2, direction="descent")
     with pytest.raises(TypeError, match="max_steps"):
-        tp.simulate(x0, h, t1=0.2, dt=0.1, max_steps=1.5)
+        tp.simulate(x0, h, t1=0.2, dt=0.1, max_steps=1.5, direction="descent")
     with pytest.raises(ValueError, match="max_memory"):
-        tp.simulate(x0, h, t1=0.2, dt=0.1, max_memory=-1)
+        tp.simulate(x0, h, t1=0.2, dt=0.1, max_memory=-1, direction="descent")
 
 
 def test_memory_estimate_grows_with_what_is_stored():
@@ -413,9 +413,9 @@ def test_tokens_on_the_meta_device_are_refused_naming_the_device(dtype):
     x0 = torch.empty(5, 3, device="meta", dtype=dtype)
     heads = tp.Heads.random(2, 3, generator=gen(0), dtype=dtype)
     with pytest.raises(ValueError, match="meta device"):
-        tp.simulate(x0, heads, t1=0.1, dt=0.05)
+        tp.simulate(x0, heads, t1=0.1, dt=0.05, direction="descent")
     with pytest.raises(ValueError, match="meta device"):
-        tp.solve(tp.Model(heads), x0, tp.Euler(), t1=0.1, dt=0.05)
+        tp.solve(tp.Model(heads, direction="descent"), x0, tp.Euler(), t1=0.1, dt=0.05)
 
 
 def test_mode_growth_rates_refuses_a_huge_ell_max_before_allocating():

@@ -81,7 +81,7 @@ def test_identity_coupling_time_dependent_heads_three_steps():
     x = tokens(8, 3, 3)
     proc = tp.Oscillating(rand_heads(2, 3, 4, scale=0.5), phase="per_head")
     tau = 0.1
-    traj = tp.jko(x, proc, tau=tau, steps=3, transport="identity")
+    traj = tp.jko(x, proc, tau=tau, steps=3, transport="identity", direction="descent")
     y = x
     for k in range(3):
         y = implicit_euler(y, proc.heads_at(k * tau), proc.heads_at((k + 1) * tau), tau)
@@ -95,7 +95,7 @@ def test_weighted_tokens_emd_step_is_implicit_euler():
     w = torch.rand(7, generator=gen(37), dtype=F64) + 0.2
     w = w / w.sum()
     heads = rand_heads(2, 3, 38)
-    traj = tp.jko(x, heads, tau=0.05, steps=1, transport="emd", weights=w)
+    traj = tp.jko(x, heads, tau=0.05, steps=1, transport="emd", weights=w, direction="descent")
     torch.testing.assert_close(traj.x[-1], implicit_euler(x, heads, heads, 0.05, weights=w), rtol=0, atol=1e-9)
     torch.testing.assert_close(traj.weights, w)
 
@@ -103,7 +103,7 @@ def test_weighted_tokens_emd_step_is_implicit_euler():
 def test_unit_mobility_is_implicit_euler_of_the_unnormalized_field():
     x = tokens(7, 3, 5)
     heads = rand_heads(2, 3, 6, scale=0.5)
-    traj = tp.jko(x, heads, tau=0.05, steps=1, transport="identity", mobility="unit")
+    traj = tp.jko(x, heads, tau=0.05, steps=1, transport="identity", mobility="unit", direction="descent")
     torch.testing.assert_close(traj.x[-1], implicit_euler(x, heads, heads, 0.05, mobility="unit"), rtol=0, atol=1e-9)
     assert traj.normalization == "unnormalized"
 
@@ -111,8 +111,8 @@ def test_unit_mobility_is_implicit_euler_of_the_unnormalized_field():
 def test_float32_step_agrees_with_float64():
     x = tokens(9, 3, 7)
     heads = rand_heads(3, 3, 8)
-    y64 = tp.jko(x, heads, tau=0.05, steps=2, transport="emd").x[-1]
-    traj32 = tp.jko(x.float(), heads.to(torch.float32), tau=0.05, steps=2, transport="emd")
+    y64 = tp.jko(x, heads, tau=0.05, steps=2, transport="emd", direction="descent").x[-1]
+    traj32 = tp.jko(x.float(), heads.to(torch.float32), tau=0.05, steps=2, transport="emd", direction="descent")
     assert traj32.x.dtype == torch.float32 and traj32.energy.dtype == torch.float32
     # float32 stops at the round-off floor of the residual, 100u(1/τ + r0) ≈ 3e-4 (velocity), i.e.
     # ≈ τ·3e-4 ≈ 1.5e-5 in position per step
@@ -128,11 +128,11 @@ def test_jko_converges_to_particles_at_order_one():
     x0 = tokens(12, 3, 9)
     proc = tp.Oscillating(rand_heads(2, 3, 10, scale=0.5))
     t1 = 0.4
-    ref = tp.simulate(x0, proc, t1=t1, dt=2e-3, method="rk4", normalization="effective", diagnostics=False).x[-1]
+    ref = tp.simulate(x0, proc, t1=t1, dt=2e-3, method="rk4", normalization="effective", diagnostics=False, direction="descent").x[-1]
     taus = [0.1, 0.05, 0.025]
     err, led = [], []
     for tau in taus:
-        traj = tp.jko(x0, proc, tau=tau, steps=round(t1 / tau), transport="emd")
+        traj = tp.jko(x0, proc, tau=tau, steps=round(t1 / tau), transport="emd", direction="descent")
         err.append(float(tp.distance(traj.x[-1], ref)))
         led.append(abs(float(traj.ledger["residual"][-1])))
         assert traj.stats["max_defect"] <= 1e-12
@@ -151,11 +151,11 @@ def test_emd_and_sinkhorn_agree_within_the_eps_bias():
     to 1e-7 (the Sinkhorn solve's default inner tolerance, 1e-6 relative, times τ·|V|)."""
     x = tokens(8, 3, 11)
     heads = rand_heads(2, 3, 12)
-    ye = tp.jko(x, heads, tau=0.05, steps=1, transport="emd", cost="symmetric").x[-1]
+    ye = tp.jko(x, heads, tau=0.05, steps=1, transport="emd", cost="symmetric", direction="descent").x[-1]
     step = float((ye - x).abs().max())
     errs = []
     for eps in (2e-2, 1e-2, 3e-3):
-        traj = tp.jko(x, heads, tau=0.05, steps=1, transport="sinkhorn", eps=eps)
+        traj = tp.jko(x, heads, tau=0.05, steps=1, transport="sinkhorn", eps=eps, direction="descent")
         assert traj.stats["converged"].all()
         errs.append(float((traj.x[-1] - ye).abs().max()))
     assert errs[0] > errs[1] > errs[2], errs
@@ -169,8 +169,8 @@ def test_source_and_symmetric_costs_differ_at_second_order():
     heads = rand_heads(2, 3, 14)
     diffs = []
     for tau in (0.04, 0.02):
-        a = tp.jko(x, heads, tau=tau, steps=1, transport="identity").x[-1]
-        b = tp.jko(x, heads, tau=tau, steps=1, transport="identity", cost="symmetric").x[-1]
+        a = tp.jko(x, heads, tau=tau, steps=1, transport="identity", direction="descent").x[-1]
+        b = tp.jko(x, heads, tau=tau, steps=1, transport="identity", cost="symmetric", direction="descent").x[-1]
         diffs.append(float((a - b).abs().max()))
     assert 1.6 <= math.log(diffs[0] / diffs[1], 2) <= 2.4, diffs
 
@@ -219,7 +219,7 @@ def test_eulerian_tracks_the_lagrangian_jko():
     q = q / q.sum()
     proc = tp.Oscillating(rand_heads(2, 2, 19, scale=0.5))
     h = 2 * math.pi / m
-    eul = tp.jko(None, proc, tau=0.05, steps=5, scheme="eulerian", grid=z, grid_weights=q, eps=(2 * h) ** 2)
+    eul = tp.jko(None, proc, tau=0.05, steps=5, scheme="eulerian", grid=z, grid_weights=q, eps=(2 * h) ** 2, direction="descent")
     th = torch.linspace(-math.pi, math.pi, 20001, dtype=F64)[:-1]
     cdf = torch.cumsum(dens(th), 0)
     cdf = cdf / cdf[-1]
@@ -228,7 +228,7 @@ def test_eulerian_tracks_the_lagrangian_jko():
         u = (torch.arange(N, dtype=F64) + 0.5) / N
         t = th[torch.searchsorted(cdf, u)]
         x0 = torch.stack([torch.cos(t), torch.sin(t)], -1)
-        lag = tp.jko(x0, proc, tau=0.05, steps=5, transport="identity")
+        lag = tp.jko(x0, proc, tau=0.05, steps=5, transport="identity", direction="descent")
         errs.append(float(tp.distance(lag.x[-1], (z, eul.weights[-1]))))
     assert errs[1] < 0.25 * errs[0], errs
     assert errs[1] < 0.03, errs
@@ -240,14 +240,14 @@ def test_uniform_circle_tokens_stay_put(transport):
     """The uniform grid measure on S¹ is stationary for scalar heads (rotation symmetry)."""
     x = tp.sphere.circle_grid(8, dtype=F64)
     heads = tp.Heads.scalar([1.0, 2.5], 2).to(F64)
-    traj = tp.jko(x, heads, tau=0.1, steps=2, transport=transport, eps=1e-3)
+    traj = tp.jko(x, heads, tau=0.1, steps=2, transport=transport, eps=1e-3, direction="descent")
     torch.testing.assert_close(traj.x[-1], x, rtol=0, atol=1e-12)
 
 
 def test_single_token_stays_put():
     """One token with scalar heads: V = s P_x Σ λ_h x = 0 (a non-scalar A_h would move it along P_x A_h x)."""
     x = tokens(1, 3, 20)
-    traj = tp.jko(x, tp.Heads.scalar([0.5, 2.0, 3.0], 3).to(F64), tau=0.2, steps=3, transport="emd")
+    traj = tp.jko(x, tp.Heads.scalar([0.5, 2.0, 3.0], 3).to(F64), tau=0.2, steps=3, transport="emd", direction="descent")
     torch.testing.assert_close(traj.x[-1], x, rtol=1e-12, atol=1e-14)
 
 
@@ -256,7 +256,7 @@ def test_uniform_grid_weights_stay_uniform():
     z = tp.sphere.circle_grid(m, dtype=F64)
     q = torch.full((m,), 1 / m, dtype=F64)
     traj = tp.jko(None, tp.Heads.scalar([1.0, 2.0], 2).to(F64), tau=0.1, steps=3, scheme="eulerian", grid=z,
-                  grid_weights=q, eps=0.02)
+                  grid_weights=q, eps=0.02, direction="descent")
     torch.testing.assert_close(traj.weights[-1], q, rtol=1e-12, atol=1e-14)
 
 
@@ -266,9 +266,9 @@ def test_noisy_process_is_sampled_once_and_replayable():
     the same run, and the path is returned for the particle solver."""
     x = tokens(6, 3, 22)
     proc = tp.OrnsteinUhlenbeck(rand_heads(2, 3, 23), sigma=1.0)
-    a = tp.jko(x, proc, tau=0.1, steps=3, transport="identity", seed=5)
+    a = tp.jko(x, proc, tau=0.1, steps=3, transport="identity", seed=5, direction="descent")
     path = tp.sample_path(proc, t1=0.3, dt=0.1, seed=5)
-    b = tp.jko(x, path, tau=0.1, steps=3, transport="identity")
+    b = tp.jko(x, path, tau=0.1, steps=3, transport="identity", direction="descent")
     torch.testing.assert_close(a.x, b.x, rtol=0, atol=0)
     torch.testing.assert_close(a.path.scores, path.scores)
     # the partial term books the Θ-jumps exactly: E(μ_k, t_{k+1}) − E(μ_k, t_k)
@@ -280,13 +280,13 @@ def test_noisy_process_is_sampled_once_and_replayable():
 def test_paths_axis_and_batch_equal_separate_runs():
     x = tokens(12, 3, 24).reshape(2, 6, 3)
     heads = rand_heads(2, 3, 25)
-    both = tp.jko(x, heads, tau=0.05, steps=2, transport="emd")
+    both = tp.jko(x, heads, tau=0.05, steps=2, transport="emd", direction="descent")
     assert both.x.shape == (3, 2, 6, 3) and both.energy.shape == (3, 2)
     for i in range(2):
-        one = tp.jko(x[i], heads, tau=0.05, steps=2, transport="emd")
+        one = tp.jko(x[i], heads, tau=0.05, steps=2, transport="emd", direction="descent")
         torch.testing.assert_close(both.x[:, i], one.x, rtol=0, atol=1e-12)
     proc = tp.OrnsteinUhlenbeck(heads, sigma=0.5)
-    many = tp.jko(x[0], proc, tau=0.05, steps=2, transport="identity", paths=3, seed=1)
+    many = tp.jko(x[0], proc, tau=0.05, steps=2, transport="identity", paths=3, seed=1, direction="descent")
     assert many.x.shape == (3, 3, 6, 3) and many.path.scores.shape[1] == 3
     assert float((many.x[-1, 0] - many.x[-1, 1]).abs().max()) > 0  # the paths differ
 
@@ -322,40 +322,40 @@ def test_bad_input_raises_clear_errors():
         with pytest.raises(exc, match=msg):
             tp.jko(x, heads, **{**ok, **kw})
     with pytest.raises(ValueError, match="not on the unit sphere"):
-        tp.jko(2 * x, heads, **ok)
+        tp.jko(2 * x, heads, **ok, direction="descent")
     with pytest.raises(ValueError, match="needs the initial tokens"):
-        tp.jko(None, heads, **ok)
+        tp.jko(None, heads, **ok, direction="descent")
     with pytest.raises(TypeError, match="theta must be"):
-        tp.jko(x, torch.eye(3), **ok)
+        tp.jko(x, torch.eye(3), **ok, direction="descent")
     with pytest.raises(ValueError, match="d = 3"):
-        tp.jko(tokens(5, 2, 28), heads, **ok)
+        tp.jko(tokens(5, 2, 28), heads, **ok, direction="descent")
     z4 = tp.sphere.sample_uniform(30, 4, generator=gen(29), dtype=F64)
     with pytest.raises(ValueError, match="only understood on S"):
-        tp.jko(z4[:5], rand_heads(2, 4, 30), scheme="eulerian", grid=30, **ok)
+        tp.jko(z4[:5], rand_heads(2, 4, 30), scheme="eulerian", grid=30, **ok, direction="descent")
     with pytest.raises(ValueError, match="not both"):
-        tp.jko(x, heads, scheme="eulerian", grid=30, grid_weights=torch.full((30,), 1 / 30, dtype=F64), **ok)
+        tp.jko(x, heads, scheme="eulerian", grid=30, grid_weights=torch.full((30,), 1 / 30, dtype=F64), **ok, direction="descent")
     path = tp.sample_path(tp.OrnsteinUhlenbeck(heads), t1=0.1, dt=0.05)
     with pytest.raises(ValueError, match="covers"):
-        tp.jko(x, path, **ok)
+        tp.jko(x, path, **ok, direction="descent")
     with pytest.raises(ValueError, match="must divide tau"):
-        tp.jko(x, tp.OrnsteinUhlenbeck(heads), path_dt=0.03, **ok)
+        tp.jko(x, tp.OrnsteinUhlenbeck(heads), path_dt=0.03, **ok, direction="descent")
 
 
 def test_unconverged_step_warns_and_strict_raises():
     x = tokens(8, 3, 31)
     heads = rand_heads(2, 3, 32)
     with pytest.warns(RuntimeWarning, match="did not reach the inner tolerance"):
-        traj = tp.jko(x, heads, tau=0.2, steps=2, transport="identity", max_iter=1, tol=1e-14)
+        traj = tp.jko(x, heads, tau=0.2, steps=2, transport="identity", max_iter=1, tol=1e-14, direction="descent")
     assert not bool(traj.stats["converged"].all()) and traj.stats["nonconverged_steps"] == 2
     with pytest.raises(tp.JKOConvergenceError, match="did not converge"):
-        tp.jko(x, heads, tau=0.2, steps=2, transport="identity", max_iter=1, tol=1e-14, strict=True)
+        tp.jko(x, heads, tau=0.2, steps=2, transport="identity", max_iter=1, tol=1e-14, strict=True, direction="descent")
 
 
 def test_overflow_stops_with_time_step_and_quantity():
     x = tokens(6, 3, 33)
     heads = tp.Heads.scalar([900.0], 3).to(F64)
     # E ~ e^{900} overflows float64: energies and ledger are reported times e^{−c}
-    traj = tp.jko(x, heads, tau=0.1, steps=2)
+    traj = tp.jko(x, heads, tau=0.1, steps=2, direction="descent")
     c = traj.energy_log_scale
     assert c > 0 and bool(torch.isfinite(traj.energy).all())
     lm, _ = tp.log_mobility(x, heads)  # independent: log E = log Σ_h ω_h/(2β) mean_i m_h(x_i)
@@ -364,7 +364,7 @@ def test_overflow_stops_with_time_step_and_quantity():
     assert float(traj.stats["defect"].max()) <= 1e-9 * float(traj.energy.abs().max())
     proc = tp.Layerwise([tp.Heads.scalar([1.0], 3).to(F64), heads], layer_time=0.15)
     with pytest.raises(tp.NonFiniteError, match=r"t = 0.2 \(step 2\)"):
-        tp.jko(x, proc, tau=0.1, steps=3)
+        tp.jko(x, proc, tau=0.1, steps=3, direction="descent")
 
 
 @pytest.mark.gpu
@@ -373,8 +373,8 @@ def test_cuda_matches_cpu():
     x = tokens(10, 3, 34)
     heads = rand_heads(2, 3, 35)
     for kw in (dict(transport="emd"), dict(transport="sinkhorn", eps=1e-3), dict(scheme="eulerian", grid=80, eps=0.05)):
-        cpu = tp.jko(x, heads, tau=0.05, steps=2, **kw)
-        gpu = tp.jko(x.cuda(), heads.to("cuda"), tau=0.05, steps=2, **kw)
+        cpu = tp.jko(x, heads, tau=0.05, steps=2, **kw, direction="descent")
+        gpu = tp.jko(x.cuda(), heads.to("cuda"), tau=0.05, steps=2, **kw, direction="descent")
         assert gpu.x.device.type == "cuda"
         torch.testing.assert_close(gpu.x.cpu(), cpu.x, rtol=0, atol=1e-9)
 
@@ -440,11 +440,11 @@ def test_extras_echo_the_settings_of_the_run():
     """extras = {"scheme", "transport", "tau", "mobility", "cost", "eps", "grid"}: the inputs, resolved."""
     x = tokens(5, 3, 1)
     heads = rand_heads(2, 3, 2)
-    tr = tp.jko(x, heads, tau=0.05, steps=1, mobility="unit", transport="identity")
+    tr = tp.jko(x, heads, tau=0.05, steps=1, mobility="unit", transport="identity", direction="descent")
     assert tr.extras == {"scheme": "lagrangian", "transport": "identity", "tau": 0.05, "mobility": "unit",
                          "cost": "source", "eps": None, "grid": None}
     z = tp.sphere.fibonacci_sphere(30, dtype=F64)
-    tr = tp.jko(x, heads, tau=0.05, steps=1, scheme="eulerian", grid=z, eps=0.05, tol=1e-6)
+    tr = tp.jko(x, heads, tau=0.05, steps=1, scheme="eulerian", grid=z, eps=0.05, tol=1e-6, direction="descent")
     ex = dict(tr.extras)
     assert ex.pop("grid") is z
     assert ex == {"scheme": "eulerian", "transport": "sinkhorn", "tau": 0.05, "mobility": "effective",
@@ -452,7 +452,7 @@ def test_extras_echo_the_settings_of_the_run():
 
 
 def test_stats_report_the_wall_time():
-    tr = tp.jko(tokens(5, 3, 27), rand_heads(2, 3, 28), tau=0.05, steps=1, transport="identity")
+    tr = tp.jko(tokens(5, 3, 27), rand_heads(2, 3, 28), tau=0.05, steps=1, transport="identity", direction="descent")
     assert tr.stats["steps"] == 1 and tr.stats["wall_time"] > 0
 
 
@@ -460,18 +460,18 @@ def test_a_grid_of_the_wrong_type_is_named_in_the_error():
     x = tokens(5, 3, 3)
     heads = rand_heads(2, 3, 4)
     with pytest.raises(TypeError, match="got a bool"):
-        tp.jko(x, heads, tau=0.1, steps=1, scheme="eulerian", grid=True)
+        tp.jko(x, heads, tau=0.1, steps=1, scheme="eulerian", grid=True, direction="descent")
     with pytest.raises(TypeError, match="got str"):
-        tp.jko(x, heads, tau=0.1, steps=1, scheme="eulerian", grid="fine")
+        tp.jko(x, heads, tau=0.1, steps=1, scheme="eulerian", grid="fine", direction="descent")
     with pytest.raises(TypeError, match="got float"):
-        tp.jko(x, heads, tau=0.1, steps=1, scheme="eulerian", grid=20.0)
+        tp.jko(x, heads, tau=0.1, steps=1, scheme="eulerian", grid=20.0, direction="descent")
 
 
 @pytest.mark.parametrize("name", ["record_every", "max_plan_updates"])
 def test_a_bad_count_option_is_named_in_the_error(name):
     x, heads = tokens(5, 3, 11), rand_heads(2, 3, 12)
     with pytest.raises(ValueError, match=rf"^{name} must"):
-        tp.jko(x, heads, tau=0.1, steps=1, transport="identity", **{name: 0})
+        tp.jko(x, heads, tau=0.1, steps=1, transport="identity", **{name: 0}, direction="descent")
 
 
 def test_a_stored_path_off_the_step_grid_warns():
@@ -480,14 +480,14 @@ def test_a_stored_path_off_the_step_grid_warns():
     heads = rand_heads(2, 3, 6)
     path = tp.sample_path(tp.OrnsteinUhlenbeck(heads, sigma=0.3), t1=0.3, dt=0.03, seed=1)
     with pytest.warns(UserWarning, match="not a multiple of the weight path's dt"):
-        tp.jko(x, path, tau=0.1, steps=2, transport="identity")
+        tp.jko(x, path, tau=0.1, steps=2, transport="identity", direction="descent")
     # offset only: t0 = 0.01 is between grid points although tau = 0.06 is a multiple of dt
     with pytest.warns(UserWarning, match="not a multiple of the weight path's dt"):
-        tp.jko(x, path, tau=0.06, steps=2, t0=0.01, transport="identity")
+        tp.jko(x, path, tau=0.06, steps=2, t0=0.01, transport="identity", direction="descent")
     # on the grid: no warning
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        tp.jko(x, path, tau=0.06, steps=2, t0=0.03, transport="identity")
+        tp.jko(x, path, tau=0.06, steps=2, t0=0.03, transport="identity", direction="descent")
 
 
 def test_progress_bar_counts_the_steps_and_names_the_scheme(monkeypatch):
@@ -511,7 +511,7 @@ def test_progress_bar_counts_the_steps_and_names_the_scheme(monkeypatch):
             return lambda *a, **k: None
 
     monkeypatch.setattr(tqdm.auto, "tqdm", Bar)
-    tp.jko(tokens(5, 3, 19), rand_heads(2, 3, 20), tau=0.05, steps=3, transport="identity", progress=True)
+    tp.jko(tokens(5, 3, 19), rand_heads(2, 3, 20), tau=0.05, steps=3, transport="identity", progress=True, direction="descent")
     assert len(bars) == 1
     assert bars[0].kw["total"] == 3 and bars[0].n == 3
     assert bars[0].kw["desc"] == "jko (lagrangian, identity)"
@@ -522,9 +522,9 @@ def test_strict_lagrangian_sinkhorn_error_adds_the_sinkhorn_hint():
     Lagrangian sinkhorn transport only, how to tune it."""
     x, heads = tokens(5, 3, 21), rand_heads(2, 3, 22)
     with pytest.raises(tp.JKOConvergenceError, match=r"JKO step 1 .*raise sinkhorn_scaling towards 1 or lower eps"):
-        tp.jko(x, heads, tau=0.2, steps=1, transport="sinkhorn", max_iter=1, strict=True)
+        tp.jko(x, heads, tau=0.2, steps=1, transport="sinkhorn", max_iter=1, strict=True, direction="descent")
     with pytest.raises(tp.JKOConvergenceError, match=r"reduce tau$"):
-        tp.jko(x, heads, tau=0.2, steps=1, transport="identity", max_iter=1, strict=True)
+        tp.jko(x, heads, tau=0.2, steps=1, transport="identity", max_iter=1, strict=True, direction="descent")
 
 
 def test_lagrangian_sinkhorn_default_tolerance_is_the_documented_1e_6():
@@ -536,7 +536,7 @@ def test_lagrangian_sinkhorn_default_tolerance_is_the_documented_1e_6():
     def run(**kw):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return tp.jko(x, heads, tau=0.05, steps=2, transport="sinkhorn", **kw).x
+            return tp.jko(x, heads, tau=0.05, steps=2, transport="sinkhorn", **kw, direction="descent").x
     default = run()
     assert_close(run(tol=1e-6), default, rtol=4 * EPS, atol=4 * EPS)
     assert float((default - run(tol=1e-9)).abs().max()) > 1e4 * EPS
@@ -547,7 +547,7 @@ def test_the_generator_drives_the_weight_paths_of_a_noisy_process():
     ou = tp.OrnsteinUhlenbeck(heads, sigma=0.5)
 
     def run(s):
-        return tp.jko(x, ou, tau=0.05, steps=2, transport="identity", generator=torch.Generator().manual_seed(s)).x
+        return tp.jko(x, ou, tau=0.05, steps=2, transport="identity", generator=torch.Generator().manual_seed(s), direction="descent").x
     assert_close(run(1), run(1), rtol=4 * EPS, atol=4 * EPS)  # the same seed: the same paths
     assert float((run(1) - run(2)).abs().max()) > 1e-4  # another seed: other paths (observed: 1.3e-2)
 
@@ -590,7 +590,7 @@ def test_eulerian_deposit_uses_the_given_bandwidth():
     """The initial grid weights are to_grid(x0, z, bandwidth=h) for the given h (not the default)."""
     x, heads = tokens(5, 3, 17), rand_heads(2, 3, 18)
     z = tp.sphere.fibonacci_sphere(30, dtype=F64)
-    tr = tp.jko(x, heads, tau=0.05, steps=1, scheme="eulerian", grid=z, eps=0.05, tol=1e-6, bandwidth=0.4)
+    tr = tp.jko(x, heads, tau=0.05, steps=1, scheme="eulerian", grid=z, eps=0.05, tol=1e-6, bandwidth=0.4, direction="descent")
     assert_close(tr.weights[0], tp.to_grid(x, z, bandwidth=0.4), rtol=1e-12, atol=0)
     assert not torch.allclose(tr.weights[0], tp.to_grid(x, z))
 
@@ -608,10 +608,10 @@ def test_batched_factored_heads_with_tensor_beta_equal_separate_runs():
     beta = torch.tensor([0.7, 1.6], dtype=F64)
     heads = tp.Heads(None, None, None, beta, query=Q, key=K)
     x = tokens(15, 3, 12).reshape(3, 1, 5, 3)
-    both = tp.jko(x, heads, tau=0.1, steps=1, transport="identity")
+    both = tp.jko(x, heads, tau=0.1, steps=1, transport="identity", direction="descent")
     assert both.x.shape == (2, 3, 2, 5, 3) and both.energy.shape == (2, 3, 2)
     for i, j in itertools.product(range(3), range(2)):
-        one = tp.jko(x[i, 0], _item_heads(Q, K, beta, j), tau=0.1, steps=1, transport="identity")
+        one = tp.jko(x[i, 0], _item_heads(Q, K, beta, j), tau=0.1, steps=1, transport="identity", direction="descent")
         # same arithmetic up to the batched reductions: the solves agree to their tolerance (1e-9 relative)
         assert_close(both.x[:, i, j], one.x, rtol=4 * EPS, atol=1e-10)
         assert_close(both.energy[:, i, j], one.energy, rtol=1e-10, atol=0)
@@ -624,10 +624,10 @@ def test_batched_tokens_with_shared_token_weights_equal_separate_runs():
     x = tokens(12, 3, 13).reshape(2, 6, 3)
     w = random_weights((6,), 14, 0.3)
     heads = rand_heads(2, 3, 15, weights=torch.tensor([0.3, 1.4], dtype=F64), beta=1.5)
-    both = tp.jko(x, heads, tau=0.1, steps=1, transport="identity", weights=w)
+    both = tp.jko(x, heads, tau=0.1, steps=1, transport="identity", weights=w, direction="descent")
     assert both.x.shape == (2, 2, 6, 3)
     for i in range(2):
-        one = tp.jko(x[i], heads, tau=0.1, steps=1, transport="identity", weights=w)
+        one = tp.jko(x[i], heads, tau=0.1, steps=1, transport="identity", weights=w, direction="descent")
         assert_close(both.x[:, i], one.x, rtol=4 * EPS, atol=1e-10)
         assert_close(both.energy[:, i], one.energy, rtol=1e-10, atol=0)
 
@@ -637,10 +637,10 @@ def test_a_batch_of_token_weights_on_shared_tokens_equals_separate_runs():
     x = tokens(6, 3, 23)
     w = torch.stack([random_weights((6,), 24, 0.3), random_weights((6,), 25, 0.3)])
     heads = rand_heads(2, 3, 26, weights=torch.tensor([0.3, 1.4], dtype=F64), beta=1.5)
-    both = tp.jko(x, heads, tau=0.1, steps=1, transport="identity", weights=w)
+    both = tp.jko(x, heads, tau=0.1, steps=1, transport="identity", weights=w, direction="descent")
     assert both.x.shape == (2, 2, 6, 3)
     for i in range(2):
-        one = tp.jko(x, heads, tau=0.1, steps=1, transport="identity", weights=w[i])
+        one = tp.jko(x, heads, tau=0.1, steps=1, transport="identity", weights=w[i], direction="descent")
         assert_close(both.x[:, i], one.x, rtol=4 * EPS, atol=1e-10)
 
 
@@ -653,14 +653,14 @@ def test_eulerian_batch_equals_separate_runs_and_counts_are_integers():
     q0 = torch.stack([tp.to_grid(x[i], z, bandwidth=0.5) for i in range(2)])
     heads = rand_heads(2, 2, 17, scale=1.0, beta=1.3)
     kw = dict(scheme="eulerian", grid=z, grid_weights=q0, tau=0.2, steps=2, eps=0.02, tol=1e-10)
-    both = tp.jko(None, heads, **kw)
+    both = tp.jko(None, heads, **kw, direction="descent")
     assert both.weights.shape == (3, 2, 24) and both.x.shape == (3, 2, 24, 2)
     assert bool((both.stats["iterations"] > 0).all())
     for i in range(2):
-        one = tp.jko(None, heads, **{**kw, "grid_weights": q0[i]})
+        one = tp.jko(None, heads, **{**kw, "grid_weights": q0[i]}, direction="descent")
         assert_close(both.weights[:, i], one.weights, rtol=4 * EPS, atol=1e-13)
         assert_close(both.stats["prox"][:, i], one.stats["prox"], rtol=1e-9, atol=1e-15)
-    lag = tp.jko(x, heads, tau=0.2, steps=1, transport="identity")
+    lag = tp.jko(x, heads, tau=0.2, steps=1, transport="identity", direction="descent")
     for key in ("iterations", "plan_updates"):
         assert lag.stats[key].dtype == torch.long
         assert both.stats[key].dtype == torch.long, key
@@ -690,7 +690,7 @@ def test_eulerian_proximal_value_is_the_entropic_kl_to_the_self_transport_plan()
     heads = rand_heads(2, 2, 19, scale=0.5, beta=1.3, weights=om)
     q0 = tp.to_grid(x, z, weights=random_weights((4,), 20, 0.3), bandwidth=0.5)
     eps, tau = 0.2, 0.05
-    tr = tp.jko(None, heads, scheme="eulerian", grid=z, grid_weights=q0, tau=tau, steps=1, eps=eps, tol=1e-12)
+    tr = tp.jko(None, heads, scheme="eulerian", grid=z, grid_weights=q0, tau=tau, steps=1, eps=eps, tol=1e-12, direction="descent")
     assert tr.energy_log_scale == 0.0
     q, p = tr.weights[0], tr.weights[1]
     assert float((p - q).abs().sum()) > 1e-2  # the step moves mass
@@ -716,7 +716,7 @@ def test_eulerian_step_with_a_tolerance_below_round_off_converges_at_the_round_o
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         tr = tp.jko(None, heads, scheme="eulerian", grid=z, grid_weights=q0, tau=0.05, steps=1, eps=0.05, tol=1e-300,
-                    max_iter=100)
+                    max_iter=100, direction="descent")
     assert tr.stats["converged"].tolist() == [True] and int(tr.stats["iterations"][0]) < 100
     p = tr.weights[1]
     assert float(tr.stats["residual"][0]) <= 100 * torch.finfo(F64).eps * m
@@ -762,7 +762,7 @@ def test_emd_step_at_small_tau_keeps_the_identity_plan_and_converges():
     heads = rand_heads(2, 3, 40, scale=1.0, beta=1.5, weights=torch.tensor([0.5, 1.5], dtype=F64))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        tr = tp.jko(x, heads, tau=0.05, steps=1, transport="emd", weights=w)
+        tr = tp.jko(x, heads, tau=0.05, steps=1, transport="emd", weights=w, direction="descent")
     assert tr.stats["plan_updates"].tolist() == [0] and tr.stats["converged"].tolist() == [True]
     b = tp.mobility(x, heads, w)[1]
     w2 = float((w * b * (tr.x[1] - x).square().sum(-1)).sum())
@@ -780,8 +780,8 @@ def test_stiff_batch_equals_separate_runs_including_which_items_converge():
     kw = dict(tau=1.0, steps=1, transport="identity", max_iter=30)
     beta = torch.tensor([0.5, 3.0], dtype=F64)
     with pytest.warns(RuntimeWarning, match="did not reach the inner tolerance"):
-        both = tp.jko(x, tp.Heads(A, None, om, beta), **kw)
-    one = tp.jko(x, tp.Heads(A, None, om, 0.5), **kw)  # converges in 23 iterations (no warning)
+        both = tp.jko(x, tp.Heads(A, None, om, beta), **kw, direction="descent")
+    one = tp.jko(x, tp.Heads(A, None, om, 0.5), **kw, direction="descent")  # converges in 23 iterations (no warning)
     assert bool(one.stats["converged"][0]) and int(one.stats["iterations"][0]) < 30
     assert both.stats["converged"][0].tolist() == [True, False]
     assert both.stats["iterations"][0].tolist() == [int(one.stats["iterations"][0]), 30]
@@ -798,7 +798,7 @@ def test_stiff_step_converges_token_by_token():
     A = 0.5 * (A + A.transpose(-1, -2)) * torch.tensor([3.0, 0.3], dtype=F64)[:, None, None]
     heads = tp.Heads(A, None, torch.tensor([0.5, 1.5], dtype=F64), 2.0)
     tau, tol = 0.5, 1e-9
-    tr = tp.jko(x, heads, tau=tau, steps=1, transport="identity", tol=tol)
+    tr = tp.jko(x, heads, tau=tau, steps=1, transport="identity", tol=tol, direction="descent")
     assert bool(tr.stats["converged"][0])
     w = torch.full((6,), 1 / 6, dtype=F64)
     r0 = _velocity_error(x, x, heads, tau, w).norm(dim=-1)
@@ -819,7 +819,7 @@ def test_a_token_whose_mobility_underflows_the_scale_is_held_and_reported_unconv
     lb = tp.log_mobility(x, heads)[1]
     assert float(lb.max() - lb.min()) > math.log(1 / torch.finfo(F64).tiny) + 50  # the premise
     with pytest.warns(RuntimeWarning, match="did not reach the inner tolerance"):
-        tr = tp.jko(x, heads, tau=0.01, steps=1, transport="identity")
+        tr = tp.jko(x, heads, tau=0.01, steps=1, transport="identity", direction="descent")
     assert tr.stats["converged"].tolist() == [False]
     assert_close(tr.x[1, 2], x[2], rtol=4 * EPS, atol=4 * EPS)  # held where it was
 
@@ -832,7 +832,7 @@ def test_energy_log_scale_is_chosen_from_the_weighted_log_partitions():
     heads = tp.Heads.scalar([900.0], 3).to(F64)
     with warnings.catch_warnings():  # only the scale is checked here (the step itself stops at ~1e-7)
         warnings.simplefilter("ignore", RuntimeWarning)
-        tr = tp.jko(x, heads, tau=0.05, steps=1, transport="identity", weights=w)
+        tr = tp.jko(x, heads, tau=0.05, steps=1, transport="identity", weights=w, direction="descent")
     L = float(torch.logsumexp(900.0 * x @ x.T + w.log()[None, :], -1).max())
     R = math.log(torch.finfo(F64).max)
     assert tr.energy_log_scale == math.ceil(L + R / 4)
@@ -848,14 +848,14 @@ def test_an_overflowing_metric_slope_is_named_with_its_step():
     big = tp.Heads.scalar([20.0], 3, beta=2.0).to(torch.float32)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        tr = tp.jko(x, big, tau=0.01, steps=1, mobility="unit")
+        tr = tp.jko(x, big, tau=0.01, steps=1, mobility="unit", direction="descent")
     assert tr.energy_log_scale == 0.0
     V = tp.velocity(x, big, normalization="unnormalized")
     assert_close(tr.slope[0], V.double().square().sum(-1).mean().float(), rtol=1e-5, atol=0)
     proc = tp.Layerwise([tp.Heads.scalar([0.5], 3, beta=2.0).to(torch.float32),
                          tp.Heads.scalar([30.0], 3, beta=2.0).to(torch.float32)], layer_time=0.015)
     with pytest.raises(tp.NonFiniteError, match=r"the metric slope 𝒢² became NaN/inf at t = 0.02 \(step 2\)"):
-        tp.jko(x, proc, tau=0.01, steps=3, mobility="unit")
+        tp.jko(x, proc, tau=0.01, steps=3, mobility="unit", direction="descent")
 
 
 @pytest.mark.parametrize("transport,beta1,eps", [("identity", 900.0, 1e-3), ("sinkhorn", 12.0, 0.1)])
@@ -870,9 +870,9 @@ def test_batch_items_of_very_different_mobility_scales_equal_separate_runs(trans
     beta = torch.tensor([1.0, beta1], dtype=F64)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # the β = 900 item stops at its round-off floor
-        both = tp.jko(x, tp.Heads(A, None, None, beta), tau=0.1, steps=1, transport=transport, eps=eps)
+        both = tp.jko(x, tp.Heads(A, None, None, beta), tau=0.1, steps=1, transport=transport, eps=eps, direction="descent")
     j = 0 if transport == "identity" else 1  # the item the wrong scale would hurt
-    one = tp.jko(x, tp.Heads(A, None, None, float(beta[j])), tau=0.1, steps=1, transport=transport, eps=eps)
+    one = tp.jko(x, tp.Heads(A, None, None, float(beta[j])), tau=0.1, steps=1, transport=transport, eps=eps, direction="descent")
     assert float((one.x[1] - x).abs().max()) > 1e-3  # it moves
     assert_close(both.x[1, j], one.x[1], rtol=4 * EPS, atol=1e-12)
     if both.energy_log_scale == 0.0:  # (β = 900: "prox" is reported times e^{−c}, c ≈ 1077, and underflows)
@@ -1013,11 +1013,11 @@ def test_eulerian_batch_of_tensor_beta_equals_separate_runs(dtype):
     beta = torch.tensor([0.7, 1.6], dtype=F64)
     q0 = tp.to_grid(tokens(5, 2, 71), z, bandwidth=0.5)
     kw = dict(scheme="eulerian", grid=z.to(dtype), grid_weights=q0.to(dtype), tau=0.1, steps=1, eps=0.05)
-    both = tp.jko(None, tp.Heads(A.to(dtype), None, None, beta.to(dtype)), **kw)
+    both = tp.jko(None, tp.Heads(A.to(dtype), None, None, beta.to(dtype)), **kw, direction="descent")
     assert both.weights.shape == (2, 2, 24)
     u = torch.finfo(dtype).eps
     for j in range(2):
-        one = tp.jko(None, tp.Heads(A[j].to(dtype), None, None, float(beta[j])), **kw)
+        one = tp.jko(None, tp.Heads(A[j].to(dtype), None, None, float(beta[j])), **kw, direction="descent")
         assert float((one.weights[1] - q0.to(dtype)).abs().sum()) > 1e-3  # the step moves mass
         # the same operations up to round-off, amplified by the damped iterations (observed 1.3e-15 in float64)
         assert_close(both.weights[:, j], one.weights, rtol=8 * u, atol=1000 * u / 24)
@@ -1034,11 +1034,11 @@ def test_eulerian_step_stops_by_the_relative_rule(dtype, tol):
     q0 = tp.to_grid(tokens(4, 2, 16), z, bandwidth=0.5)
     heads = rand_heads(2, 2, 17, scale=1.0, beta=1.3)
     kw = dict(scheme="eulerian", grid=z, grid_weights=q0, tau=0.2, steps=1, eps=0.02)
-    ref = tp.jko(None, heads, **kw, tol=1e-13, max_iter=5000).weights[1]
+    ref = tp.jko(None, heads, **kw, tol=1e-13, max_iter=5000, direction="descent").weights[1]
     step = float((ref - q0).abs().sum())
     assert step > 0.1
     kw.update(grid=z.to(dtype), grid_weights=q0.to(dtype))
-    tr = tp.jko(None, heads.to(dtype), **kw, tol=tol)
+    tr = tp.jko(None, heads.to(dtype), **kw, tol=tol, direction="descent")
     q, p = tr.weights[0], tr.weights[1]
     u = torch.finfo(dtype).eps
     assert tr.stats["converged"].tolist() == [True]
@@ -1056,7 +1056,7 @@ def test_identity_step_with_the_symmetric_cost_reports_its_proximal_value(dtype)
     om = torch.tensor([0.5, 1.5], dtype=F64)
     heads = rand_heads(2, 3, 74, scale=1.0, beta=1.5, weights=om)
     tr = tp.jko(x.to(dtype), heads.to(dtype), tau=0.1, steps=1, transport="identity", cost="symmetric",
-                weights=w.to(dtype))
+                weights=w.to(dtype), direction="descent")
     y = tr.x[1].to(F64)
     x, w = x.to(dtype).to(F64), w.to(dtype).to(F64)  # the run's inputs, in float64
 
@@ -1083,9 +1083,9 @@ def test_token_weights_that_are_not_a_probability_vector_are_refused_before_any_
     w = torch.full((4,), 0.25, dtype=dtype) * scale if scale > 0 else torch.tensor([0.75, 0.75, -0.25, -0.25],
                                                                                    dtype=dtype)
     with pytest.raises(ValueError, match=what):
-        tp.jko(x, heads, tau=0.1, steps=1, transport="identity", weights=w)
+        tp.jko(x, heads, tau=0.1, steps=1, transport="identity", weights=w, direction="descent")
     with pytest.raises(ValueError, match=what):
-        tp.solve(tp.Model(heads, weights=w), x, tp.LagrangianJKO(tp.Identity()), t1=0.1, dt=0.1)
+        tp.solve(tp.Model(heads, weights=w, direction="descent"), x, tp.LagrangianJKO(tp.Identity()), t1=0.1, dt=0.1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
@@ -1097,7 +1097,7 @@ def test_a_run_whose_attention_kernel_alone_exceeds_max_memory_is_refused(dtype)
     heads = tp.Heads.scalar([1.0] * H, 3).to(dtype)
     kernel = H * n * n * torch.finfo(dtype).bits // 8
     with pytest.raises(ValueError, match="max_memory"):
-        tp.jko(x, heads, tau=0.1, steps=1, transport="identity", max_memory=0.99 * kernel)
+        tp.jko(x, heads, tau=0.1, steps=1, transport="identity", max_memory=0.99 * kernel, direction="descent")
 
 
 def _listed_bytes(message: str, name: str) -> float:
@@ -1118,7 +1118,7 @@ def test_the_memory_estimate_counts_the_sampled_path_on_the_path_dt_grid():
     sizes = {}
     for path_dt in (0.1, 0.01):
         with pytest.raises(ValueError, match="jko with 20 steps") as err:
-            tp.jko(x, proc, tau=0.1, steps=20, transport="identity", path_dt=path_dt, max_memory=1.0)
+            tp.jko(x, proc, tau=0.1, steps=20, transport="identity", path_dt=path_dt, max_memory=1.0, direction="descent")
         sizes[path_dt] = _listed_bytes(str(err.value), "the sampled weight path")
     K = 20
     expected = (3 * 10 * K + 2) / (3 * K + 2)
@@ -1134,7 +1134,7 @@ def test_jko_calls_the_callback_after_every_step_with_the_new_state(dtype):
     x, heads = tokens(5, 3, 65, dtype), rand_heads(2, 3, 66, dtype=dtype)
     calls = []
     traj = tp.jko(x, heads, tau=0.1, steps=3, t0=0.5, transport="identity",
-                  callback=lambda k, t, s: calls.append((k, t, s.clone())))
+                  callback=lambda k, t, s: calls.append((k, t, s.clone())), direction="descent")
     assert [c[0] for c in calls] == [1, 2, 3]
     assert [c[1] for c in calls] == pytest.approx([0.6, 0.7, 0.8], abs=1e-12)
     tol = 10 * torch.finfo(dtype).eps
@@ -1146,4 +1146,4 @@ def test_jko_refuses_more_steps_than_max_steps_before_any_step():
     """max_steps= is a limit checked before any work (docstring of jko): 3 steps with max_steps=2 are refused."""
     x, heads = tokens(4, 3, 67), rand_heads(1, 3, 68)
     with pytest.raises(ValueError, match="more than max_steps = 2"):
-        tp.jko(x, heads, tau=0.1, steps=3, transport="identity", max_steps=2)
+        tp.jko(x, heads, tau=0.1, steps=3, transport="identity", max_steps=2, direction="descent")

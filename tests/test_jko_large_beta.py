@@ -60,7 +60,7 @@ def test_stiff_converged_step_is_a_local_minimum():
     x0, heads = issue_case(beta_norm=20.0)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # converged: no warning
-        traj = tp.jko(x0, heads, tau=TAU, steps=1, transport="identity", strict=True)
+        traj = tp.jko(x0, heads, tau=TAU, steps=1, transport="identity", strict=True, direction="descent")
     assert bool(traj.stats["converged"].all()) and math.isfinite(traj.stats["max_residual"])
     y = traj.x[-1]
     assert float((y - x0).norm(dim=-1).max()) > 0.1
@@ -74,7 +74,7 @@ def test_issue_case_is_never_silently_frozen():
     resolve every token; the solver must move the tokens, keep the residual finite, and say so."""
     x0, heads = issue_case()
     with pytest.warns(RuntimeWarning, match=r"step 1, t = 0\.01, residual \d\.\d+e[+-]\d+"):
-        traj = tp.jko(x0, heads, tau=TAU, steps=1, transport="identity")
+        traj = tp.jko(x0, heads, tau=TAU, steps=1, transport="identity", direction="descent")
     st = traj.stats
     assert math.isfinite(st["max_residual"]) and int(st["iterations"][0]) > 0
     assert not bool(st["converged"].all())  # it is not a minimiser (independent check below)
@@ -90,7 +90,7 @@ def test_issue_case_is_never_silently_frozen():
     part_move = float((part.x[-1] - x0).norm(dim=-1).max())
     assert part_move > 0.1 and 0.1 < jko_move / part_move < 10
     with pytest.raises(tp.JKOConvergenceError, match=r"JKO step 1 \(t = 0\.01\).*residual \d\.\d+e[+-]\d+"):
-        tp.jko(x0, heads, tau=TAU, steps=1, transport="identity", strict=True)
+        tp.jko(x0, heads, tau=TAU, steps=1, transport="identity", strict=True, direction="descent")
 
 
 def test_float32_never_freezes_silently():
@@ -100,7 +100,7 @@ def test_float32_never_freezes_silently():
     try:
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
-            traj = tp.jko(x0, heads, tau=TAU, steps=1, transport="identity")
+            traj = tp.jko(x0, heads, tau=TAU, steps=1, transport="identity", direction="descent")
     except (tp.NonFiniteError, tp.JKOConvergenceError, OverflowError):
         return
     warned = any("did not reach" in str(m.message) for m in w)
@@ -119,7 +119,7 @@ def test_stiff_single_scale_heads_match_implicit_euler(dtype, beta):
     x = x / x.norm(dim=-1, keepdim=True)  # a cap: the tokens interact
     heads = tp.Heads(5.0 * torch.eye(3, dtype=F64).expand(2, 3, 3), None, None, beta)
     tau = 1e-3
-    traj = tp.jko(x.to(dtype), heads.to(dtype), tau=tau, steps=1, transport="identity")
+    traj = tp.jko(x.to(dtype), heads.to(dtype), tau=tau, steps=1, transport="identity", direction="descent")
     assert bool(traj.stats["converged"].all()) and math.isfinite(traj.stats["max_residual"])
     y = traj.x[-1].double()
     lm_x = torch.logsumexp(beta * 5 * x @ x.T, -1)

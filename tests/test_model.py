@@ -17,18 +17,18 @@ def parts():
 
 def test_model_normalises_its_parts(parts):
     _, heads = parts
-    m = tp.Model(heads)
+    m = tp.Model(heads, direction="descent")
     assert isinstance(m.process, tp.Constant) and m.process.heads0 is heads
     assert isinstance(m.normalization, tp.Softmax) and m.normalization.name == "softmax"
     assert isinstance(m.geometry, tp.Projected) and m.geometry.projected
     assert m.noise is None and m.temperature == 0.0
     ou = tp.OrnsteinUhlenbeck(heads)
-    assert tp.Model(ou).process is ou
-    assert isinstance(tp.Model(heads, "unnormalized").normalization, tp.Unnormalized)
-    assert isinstance(tp.Model(heads, geometry="pre").geometry, tp.PreLN)
-    noisy = tp.Model(heads, noise=0.3)
+    assert tp.Model(ou, direction="descent").process is ou
+    assert isinstance(tp.Model(heads, "unnormalized", direction="descent").normalization, tp.Unnormalized)
+    assert isinstance(tp.Model(heads, geometry="pre", direction="descent").geometry, tp.PreLN)
+    noisy = tp.Model(heads, noise=0.3, direction="descent")
     assert isinstance(noisy.noise, tp.TokenNoise) and noisy.temperature == 0.3
-    assert tp.Model(heads, noise=0.0).noise is None  # T = 0 is the deterministic model
+    assert tp.Model(heads, noise=0.0, direction="descent").noise is None  # T = 0 is the deterministic model
 
 
 @pytest.mark.parametrize("kw,err,msg", [
@@ -50,7 +50,7 @@ def test_model_refuses_bad_parts_when_built(parts, kw, err, msg):
 
 
 def test_model_is_frozen(parts):
-    m = tp.Model(parts[1])
+    m = tp.Model(parts[1], direction="descent")
     with pytest.raises(Exception):
         m.direction = "ascent"
 
@@ -61,7 +61,7 @@ def test_each_part_of_the_model_is_what_the_solve_uses(parts):
     the field of one token), and the normalisation object picks the field."""
     x0, heads = parts
     dt = 1e-3
-    down = tp.solve(tp.Model(heads), x0, tp.Euler(), t1=dt, dt=dt).x[-1]
+    down = tp.solve(tp.Model(heads, direction="descent"), x0, tp.Euler(), t1=dt, dt=dt).x[-1]
     up = tp.solve(tp.Model(heads, direction="ascent"), x0, tp.Euler(), t1=dt, dt=dt).x[-1]
     v = tp.velocity(x0, heads, normalization="softmax", direction="ascent")
     assert_close(up, tp.sphere.normalize(x0 + dt * v), rtol=0, atol=1e-14)

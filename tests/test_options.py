@@ -43,35 +43,35 @@ def test_options_refuse_bad_fields_when_built(make, err, msg):
 def test_saveat_chooses_the_record_times(problem):
     x0, heads = problem
     assert tp.SaveAt(every=3).record_every(10) == 3 and tp.SaveAt(ends=True).record_every(10) == 10
-    traj = tp.solve(tp.Model(heads), x0, tp.Euler(), t1=1.0, dt=0.1, saveat=tp.SaveAt(every=3))
+    traj = tp.solve(tp.Model(heads, direction="descent"), x0, tp.Euler(), t1=1.0, dt=0.1, saveat=tp.SaveAt(every=3))
     assert traj.times.tolist() == pytest.approx([0.0, 0.3, 0.6, 0.9, 1.0])
     with pytest.raises(ValueError, match="SaveAt.every"):  # a stride longer than the run
-        tp.solve(tp.Model(heads), x0, tp.Euler(), t1=1.0, dt=0.1, saveat=tp.SaveAt(every=11))
+        tp.solve(tp.Model(heads, direction="descent"), x0, tp.Euler(), t1=1.0, dt=0.1, saveat=tp.SaveAt(every=11))
 
 
 def test_saveat_observables_and_the_stored_path_replay(problem):
     x0, heads = problem
     theta = tp.OrnsteinUhlenbeck(heads, sigma=0.5)
     save = tp.SaveAt(every=2, observables={"first": lambda x, w: x[..., 0, :]}, path=True)
-    traj = tp.solve(tp.Model(theta), x0, tp.Heun(), t1=0.4, dt=0.05, seed=9, saveat=save)
+    traj = tp.solve(tp.Model(theta, direction="descent"), x0, tp.Heun(), t1=0.4, dt=0.05, seed=9, saveat=save)
     assert_close(traj.observables["first"], traj.x[:, 0], rtol=4 * EPS, atol=4 * EPS)  # x[..., 0, :] recorded
-    again = tp.solve(tp.Model(traj.path), x0, tp.Heun(), t1=0.4, dt=0.05, saveat=tp.SaveAt(every=2))
+    again = tp.solve(tp.Model(traj.path, direction="descent"), x0, tp.Heun(), t1=0.4, dt=0.05, saveat=tp.SaveAt(every=2))
     assert_close(again.x, traj.x, rtol=4 * EPS, atol=1e-14)
 
 
 def test_ledger_options_are_the_ledger_of_the_solve(problem):
     x0, heads = problem
-    quiet = tp.solve(tp.Model(heads), x0, tp.Euler(), t1=0.2, dt=0.05, ledger=tp.LedgerOptions(diagnostics=False))
+    quiet = tp.solve(tp.Model(heads, direction="descent"), x0, tp.Euler(), t1=0.2, dt=0.05, ledger=tp.LedgerOptions(diagnostics=False))
     assert quiet.energy is None and quiet.ledger == {}
-    left = tp.solve(tp.Model(heads), x0, tp.Euler(), t1=0.2, dt=0.05)
-    trap = tp.solve(tp.Model(heads), x0, tp.Euler(), t1=0.2, dt=0.05,
+    left = tp.solve(tp.Model(heads, direction="descent"), x0, tp.Euler(), t1=0.2, dt=0.05)
+    trap = tp.solve(tp.Model(heads, direction="descent"), x0, tp.Euler(), t1=0.2, dt=0.05,
                     ledger=tp.LedgerOptions(quadrature="trapezoid"))
     # the same tokens, the same energy; the integral of 𝒟 by two rules: the trapezoid one from the same values
     assert_close(trap.x, left.x, rtol=4 * EPS, atol=4 * EPS)
     D, dt = left.dissipation, 0.05
     assert_close(left.ledger["dissipation"][-1], dt * D[:-1].sum(), rtol=1e-13, atol=0)
     assert_close(trap.ledger["dissipation"][-1], dt * (D[:-1] + D[1:]).sum() / 2, rtol=1e-13, atol=0)
-    scaled = tp.solve(tp.Model(heads), x0, tp.Euler(), t1=0.2, dt=0.05, ledger=tp.LedgerOptions(energy_log_scale=2.0))
+    scaled = tp.solve(tp.Model(heads, direction="descent"), x0, tp.Euler(), t1=0.2, dt=0.05, ledger=tp.LedgerOptions(energy_log_scale=2.0))
     assert scaled.energy_log_scale == 2.0
     assert_close(scaled.energy * math.exp(2.0), left.energy, rtol=1e-13, atol=0)
     assert_close(scaled.log_energy(), torch.log(left.energy), rtol=1e-13, atol=1e-13)
@@ -81,9 +81,9 @@ def test_checkpointing_resumes_and_refuses_another_run(problem, tmp_path):
     x0, heads = problem
     ck = tmp_path / "run.pt"
     opts = dict(t1=0.5, dt=0.05, checkpoint=tp.Checkpointing(ck, every=4))
-    first = tp.solve(tp.Model(heads), x0, tp.RK4(), **opts)
+    first = tp.solve(tp.Model(heads, direction="descent"), x0, tp.RK4(), **opts)
     assert ck.exists()  # the checkpoint of step 8 stays on disk
-    resumed = tp.solve(tp.Model(heads), x0, tp.RK4(), **opts)
+    resumed = tp.solve(tp.Model(heads, direction="descent"), x0, tp.RK4(), **opts)
     assert_close(resumed.x, first.x, rtol=4 * EPS, atol=1e-15)
     # resumed at step 8, not rerun: the count of the checkpoint plus the evaluation at the resumed point
     # (a rerun from t0 would count the first run's 1 + 4·10 again)
@@ -96,19 +96,19 @@ def test_checkpointing_resumes_and_refuses_another_run(problem, tmp_path):
 def test_progress_callback_sees_every_step(problem):
     x0, heads = problem
     seen = []
-    tp.solve(tp.Model(heads), x0, tp.Euler(), t1=0.2, dt=0.05,
+    tp.solve(tp.Model(heads, direction="descent"), x0, tp.Euler(), t1=0.2, dt=0.05,
              progress=tp.Progress(callback=lambda k, t, x: seen.append((k, round(t, 12), tuple(x.shape)))))
     assert seen == [(k, round(0.05 * k, 12), (5, 3)) for k in range(1, 5)]
-    tp.solve(tp.Model(heads), x0, tp.Euler(), t1=0.2, dt=0.05, progress=False)  # a bool is Progress(show=...)
+    tp.solve(tp.Model(heads, direction="descent"), x0, tp.Euler(), t1=0.2, dt=0.05, progress=False)  # a bool is Progress(show=...)
 
 
 def test_limits_refuse_before_work_and_chunking_keeps_the_numbers(problem):
     x0, heads = problem
     with pytest.raises(ValueError, match="max_steps"):
-        tp.solve(tp.Model(heads), x0, tp.Euler(), t1=1.0, dt=0.01, limits=tp.Limits(max_steps=50))
+        tp.solve(tp.Model(heads, direction="descent"), x0, tp.Euler(), t1=1.0, dt=0.01, limits=tp.Limits(max_steps=50))
     with pytest.raises(ValueError, match="max_memory"):
-        tp.solve(tp.Model(heads), x0, tp.Euler(), t1=1.0, dt=0.01, limits=tp.Limits(max_memory=10.0))
-    whole = tp.solve(tp.Model(heads), x0, tp.Euler(), t1=0.2, dt=0.05)
-    chunked = tp.solve(tp.Model(heads), x0, tp.Euler(), t1=0.2, dt=0.05, limits=tp.Limits(chunk_elements=8))
+        tp.solve(tp.Model(heads, direction="descent"), x0, tp.Euler(), t1=1.0, dt=0.01, limits=tp.Limits(max_memory=10.0))
+    whole = tp.solve(tp.Model(heads, direction="descent"), x0, tp.Euler(), t1=0.2, dt=0.05)
+    chunked = tp.solve(tp.Model(heads, direction="descent"), x0, tp.Euler(), t1=0.2, dt=0.05, limits=tp.Limits(chunk_elements=8))
     assert_close(chunked.x, whole.x, rtol=4 * EPS, atol=1e-13)
     assert_close(chunked.energy, whole.energy, rtol=1e-12, atol=0)

@@ -40,7 +40,7 @@ def problem(dtype, n=6, d=3, H=2, batch=(2,), seed=0):
 
 def model_of(theta, kw):
     """The Model that tp.simulate builds from these keywords."""
-    return tp.Model(theta, normalization=kw.get("normalization", "softmax"), direction=kw.get("direction", "descent"),
+    return tp.Model(theta, normalization=kw.get("normalization", "softmax"), direction=kw.get("direction", "ascent"),
                     geometry=kw.get("layer_norm", "none"), noise=kw.get("temperature"), weights=kw.get("weights"),
                     causal=kw.get("causal", False))
 
@@ -160,7 +160,8 @@ def test_recorded_values_match_the_naive_formulas(dtype):
     w = random_weights((3, 6), seed=2, floor=0.1).to(dtype)
     theta = tp.Oscillating(heads)
     traj = tp.simulate(x0, theta, t1=0.4, dt=0.1, weights=w, diagnostics=False)
-    got = RecordedDiagnostics(tp.Model(theta, weights=w), traj.x, RecordedHeads.at_times(theta, traj.times))()
+    got = RecordedDiagnostics(tp.Model(theta, weights=w, direction="descent"), traj.x,
+                              RecordedHeads.at_times(theta, traj.times))()
     omega = heads.weights
     for k, t in enumerate(traj.times):
         A = theta.heads_at(float(t)).score_matrix

@@ -36,7 +36,7 @@ def test_worst_direction_is_realised_by_an_independent_simulation(process):
     left instead of the right singular vector, or a tangent equation driven by other weights Θ_t."""
     heads, x, w = _case()
     theta = heads if process == "constant" else tp.sample_path(tp.OrnsteinUhlenbeck(heads), t1=0.6, dt=0.05, seed=3)
-    out = tp.theory.flow_sensitivity(x, theta, t1=0.6, dt=0.05, weights=w, record_every=3)
+    out = tp.theory.flow_sensitivity(x, theta, t1=0.6, dt=0.05, weights=w, record_every=3, direction="descent")
     v = out["right"]
     assert_close(_wnorm(v, w), torch.ones((), dtype=F64), rtol=1e-12, atol=0)
     assert float((v * x).sum(-1).abs().max()) < 1e-12  # tangent
@@ -56,7 +56,7 @@ def test_random_directions_never_exceed_the_top_singular_value():
     of them reaches 80 % of it.  Catches a σ_1 that is too small (the second singular value, or a tangent equation
     integrated over a shorter time) and one far too large (the spectral norm of the ambient d×d blocks)."""
     heads, x, w = _case(seed=4)
-    out = tp.theory.flow_sensitivity(x, heads, t1=0.5, dt=0.05, weights=w, record_every=10)
+    out = tp.theory.flow_sensitivity(x, heads, t1=0.5, dt=0.05, weights=w, record_every=10, direction="descent")
     R = tp.sphere.tangent_projection(x, torch.randn(64, *x.shape, generator=gen(5), dtype=F64))
     R = R / _wnorm(R, w)[:, None, None]
     eps = 1e-6
@@ -84,7 +84,7 @@ def test_log_norm_bound_holds_and_is_at_most_a_stated_factor_loose(process, fact
         theta = tp.sample_path(tp.OrnsteinUhlenbeck(heads), t1=1.0, dt=0.05, seed=8)
     else:
         theta = tp.Layerwise([heads, tp.Heads.random(2, 3, scale=0.5, generator=gen(9), dtype=F64)], layer_time=0.5)
-    out = tp.theory.flow_sensitivity(x, theta, t1=1.0, dt=0.05, weights=w, record_every=2)
+    out = tp.theory.flow_sensitivity(x, theta, t1=1.0, dt=0.05, weights=w, record_every=2, direction="descent")
     s1 = out["singular"][:, 0]
     bound = torch.exp(out["log_bound"])
     assert bool((s1 <= bound * (1 + 1e-7)).all()), (s1, bound)
@@ -133,14 +133,14 @@ def test_duhamel_bound_closed_forms(dtype):
 
 def test_flow_sensitivity_dtype_and_refusals(dtype):
     heads, x, w = _case(n=4)
-    out = tp.theory.flow_sensitivity(x.to(dtype), heads.to(dtype), t1=0.2, dt=0.1, weights=w.to(dtype))
+    out = tp.theory.flow_sensitivity(x.to(dtype), heads.to(dtype), t1=0.2, dt=0.1, weights=w.to(dtype), direction="descent")
     assert out["singular"].dtype == dtype and out["singular"].shape == (3, 3)
     assert_close(out["singular"][0], torch.ones(3, dtype=dtype), rtol=1e-5, atol=1e-5)  # Φ_0 = identity
     with pytest.raises(ValueError, match="without batch dims"):
-        tp.theory.flow_sensitivity(x.expand(2, 4, 3), heads, t1=0.2, dt=0.1)
+        tp.theory.flow_sensitivity(x.expand(2, 4, 3), heads, t1=0.2, dt=0.1, direction="descent")
     with pytest.raises(ValueError, match="whole number"):
-        tp.theory.flow_sensitivity(x, heads, t1=0.25, dt=0.1)
+        tp.theory.flow_sensitivity(x, heads, t1=0.25, dt=0.1, direction="descent")
     with pytest.raises(ValueError, match="unit sphere"):
-        tp.theory.flow_sensitivity(2 * x, heads, t1=0.2, dt=0.1)
+        tp.theory.flow_sensitivity(2 * x, heads, t1=0.2, dt=0.1, direction="descent")
     with pytest.raises(ValueError, match="unbatched"):
-        tp.theory.flow_sensitivity(x, tp.Heads.scalar(torch.ones(2, 1, dtype=F64), 3), t1=0.2, dt=0.1)
+        tp.theory.flow_sensitivity(x, tp.Heads.scalar(torch.ones(2, 1, dtype=F64), 3), t1=0.2, dt=0.1, direction="descent")

@@ -44,7 +44,7 @@ def _exponent(regime, p, x0):
         else:
             theta = tp.Oscillating(h0, phase=regime)
             kw = {}
-        tr = tp.simulate(x0, theta, t1=p["t1"], dt=p["dt"], record_every=5, **kw)
+        tr = tp.simulate(x0, theta, t1=p["t1"], dt=p["dt"], record_every=5, **kw, direction="descent")
         per_path.append(np.atleast_1d(time_average(tr.times.numpy(), tr.slope.numpy(), p["t_avg"])))
     return power_law_intervals(HEADS, per_path, level=0.95, resamples=2000, seed=0)
 

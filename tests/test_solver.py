@@ -48,9 +48,9 @@ def _order_problem(method, process=None):
     heads = tp.Heads.random(2, 3, generator=gen(2), dtype=torch.float64, scale=0.7)
     theta = heads if process is None else process(heads)
     # rk4 at dt = 0.004 is ~(0.004/0.025)^4 ≈ 1e-3 of the finest error below: a clean reference
-    ref = tp.simulate(x0, theta, t1=1.0, dt=0.004, method="rk4", diagnostics=False).final
+    ref = tp.simulate(x0, theta, t1=1.0, dt=0.004, method="rk4", diagnostics=False, direction="descent").final
     dts = [0.2, 0.1, 0.05, 0.025] if method == "rk4" else [0.1, 0.05, 0.025, 0.0125]
-    errs = [(tp.simulate(x0, theta, t1=1.0, dt=dt, method=method, diagnostics=False).final - ref).norm().item()
+    errs = [(tp.simulate(x0, theta, t1=1.0, dt=dt, method=method, diagnostics=False, direction="descent").final - ref).norm().item()
             for dt in dts]
     return fit_slope(dts, errs)
 
@@ -72,8 +72,8 @@ def test_convergence_order_with_closed_form_weights(method, order):
 def test_adaptive_matches_rk4_reference():
     x0 = sphere.sample_uniform(8, 3, generator=gen(3), dtype=torch.float64)
     theta = tp.Oscillating(tp.Heads.random(3, 3, generator=gen(4), dtype=torch.float64))
-    ref = tp.simulate(x0, theta, t1=1.0, dt=2e-3, method="rk4")
-    ad = tp.simulate(x0, theta, t1=1.0, dt=0.1, method="adaptive", rtol=1e-10, atol=1e-12)
+    ref = tp.simulate(x0, theta, t1=1.0, dt=2e-3, method="rk4", direction="descent")
+    ad = tp.simulate(x0, theta, t1=1.0, dt=0.1, method="adaptive", rtol=1e-10, atol=1e-12, direction="descent")
     assert_close(ad.final, ref.final, atol=1e-8, rtol=0)
     assert_close(ad.energy[-1], ref.energy[-1], atol=1e-8, rtol=0)
 
@@ -82,15 +82,15 @@ def test_tokens_stay_on_sphere_float64():
     x0 = sphere.octahedral(50, dtype=torch.float64)
     theta = tp.OrnsteinUhlenbeck(tp.Heads.random(4, 3, generator=gen(5), dtype=torch.float64))
     for method in ("euler", "heun", "rk4"):
-        tr = tp.simulate(x0, theta, t1=1.0, dt=0.01, method=method, paths=2)
+        tr = tp.simulate(x0, theta, t1=1.0, dt=0.01, method=method, paths=2, direction="descent")
         assert (tr.x.norm(dim=-1) - 1).abs().max() < 1e-12
 
 
 def test_float32_follows_input_and_agrees():
     x0 = sphere.octahedral(30, dtype=torch.float64)
     heads = tp.Heads.random(3, 3, generator=gen(6), dtype=torch.float64)
-    t64 = tp.simulate(x0, tp.Oscillating(heads), t1=1.0, dt=0.01)
-    t32 = tp.simulate(x0.float(), tp.Oscillating(heads.to(torch.float32)), t1=1.0, dt=0.01)
+    t64 = tp.simulate(x0, tp.Oscillating(heads), t1=1.0, dt=0.01, direction="descent")
+    t32 = tp.simulate(x0.float(), tp.Oscillating(heads.to(torch.float32)), t1=1.0, dt=0.01, direction="descent")
     assert t32.x.dtype == torch.float32 and t32.energy.dtype == torch.float32
     assert_close(t32.x, t64.x.float(), atol=1e-4, rtol=0)
     assert_close(t32.ledger["residual"], t64.ledger["residual"].float(), atol=1e-4, rtol=0)
@@ -99,14 +99,14 @@ def test_float32_follows_input_and_agrees():
 def test_record_every_and_shapes():
     x0 = sphere.sample_uniform(6, 3, batch_shape=(2,), generator=gen(7), dtype=torch.float64)
     theta = tp.OrnsteinUhlenbeck(tp.Heads.random(2, 3, generator=gen(8), dtype=torch.float64))
-    tr = tp.simulate(x0, theta, t1=1.0, dt=0.1, paths=3, record_every=3)
+    tr = tp.simulate(x0, theta, t1=1.0, dt=0.1, paths=3, record_every=3, direction="descent")
     assert_close(tr.times, torch.tensor([0.0, 0.3, 0.6, 0.9, 1.0], dtype=torch.float64))
     assert tr.x.shape == (5, 3, 2, 6, 3)
     assert tr.energy.shape == (5, 3, 2)
     for v in tr.ledger.values():
         assert v.shape == (5, 3, 2)
     # records at the recorded steps equal an every-step run
-    full = tp.simulate(x0, theta, t1=1.0, dt=0.1, paths=3, record_every=1)
+    full = tp.simulate(x0, theta, t1=1.0, dt=0.1, paths=3, record_every=1, direction="descent")
     assert_close(full.x[[0, 3, 6, 9, 10]], tr.x)
     assert_close(full.ledger["residual"][[0, 3, 6, 9, 10]], tr.ledger["residual"])
 
@@ -115,15 +115,15 @@ def test_nonfinite_run_stops_with_time_step_and_quantity():
     x0 = sphere.sample_uniform(10, 3, generator=gen(9), dtype=torch.float64)
     heads = tp.Heads.scalar(torch.tensor([400.0], dtype=torch.float64), 3, beta=2.0)
     with pytest.raises(tp.NonFiniteError, match=r"at t = .* \(step \d+\).*β·max\|A_h\|"):
-        tp.simulate(x0, heads, t1=1.0, dt=0.1, normalization="unnormalized")
+        tp.simulate(x0, heads, t1=1.0, dt=0.1, normalization="unnormalized", direction="descent")
 
 
 def test_callback_and_progress_do_not_change_results():
     x0 = sphere.sample_uniform(6, 3, generator=gen(10), dtype=torch.float64)
     theta = tp.Oscillating(tp.Heads.random(2, 3, generator=gen(11), dtype=torch.float64))
     seen = []
-    a = tp.simulate(x0, theta, t1=0.5, dt=0.1, callback=lambda k, t, x: seen.append(k), progress=True)
-    b = tp.simulate(x0, theta, t1=0.5, dt=0.1)
+    a = tp.simulate(x0, theta, t1=0.5, dt=0.1, callback=lambda k, t, x: seen.append(k), progress=True, direction="descent")
+    b = tp.simulate(x0, theta, t1=0.5, dt=0.1, direction="descent")
     assert seen == [1, 2, 3, 4, 5]
     assert torch.equal(a.x, b.x)
 
@@ -142,17 +142,17 @@ def test_checkpoint_resume_is_bit_identical(tmp_path):
         assert torch.equal(resumed.ledger[key], full.ledger[key]), key
     # a foreign checkpoint (other seed) and a corrupted one are refused
     with pytest.raises(ValueError, match="different run"):
-        tp.simulate(x0, theta, checkpoint=ck, **{**kw, "seed": 4})
+        tp.simulate(x0, theta, checkpoint=ck, **{**kw, "seed": 4}, direction="descent")
     # other weights (OU rate, σ, or β) with the same initial heads are another run too
     other = tp.OrnsteinUhlenbeck(tp.Heads.random(2, 3, generator=gen(13), dtype=torch.float64), rate=2.0)
     with pytest.raises(ValueError, match="different run"):
-        tp.simulate(x0, other, checkpoint=ck, **kw)
+        tp.simulate(x0, other, checkpoint=ck, **kw, direction="descent")
     hb = tp.Heads.random(2, 3, generator=gen(13), dtype=torch.float64)
     with pytest.raises(ValueError, match="different run"):
-        tp.simulate(x0, tp.OrnsteinUhlenbeck(tp.Heads(hb.score, beta=2.0)), checkpoint=ck, **kw)
+        tp.simulate(x0, tp.OrnsteinUhlenbeck(tp.Heads(hb.score, beta=2.0)), checkpoint=ck, **kw, direction="descent")
     ck.write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match="corrupted"):
-        tp.simulate(x0, theta, checkpoint=ck, **kw)
+        tp.simulate(x0, theta, checkpoint=ck, **kw, direction="descent")
 
 
 # ==================================================================================================
@@ -189,7 +189,7 @@ def test_adaptive_ledger_books_a_layer_jump_at_a_record_time_equal_to_the_knot_u
     (knot,) = lw.knots(t0, t1)
     tk = float(t0 + k * dt)
     assert tk != knot and abs(tk - knot) < 1e-9 * (t1 - t0)  # the case under test
-    tr = tp.simulate(x0, lw, t0=t0, t1=t1, dt=dt, method="adaptive", weights=w, rtol=1e-10, atol=1e-12)
+    tr = tp.simulate(x0, lw, t0=t0, t1=t1, dt=dt, method="adaptive", weights=w, rtol=1e-10, atol=1e-12, direction="descent")
     xk = tr.x[k]
     jump = naive_energy(xk, b.score, om, 1.3, w) - naive_energy(xk, a.score, om, 1.3, w)
     assert float(jump) > 0.1
@@ -210,7 +210,7 @@ def test_adaptive_run_at_large_beta_reports_log_energy_at_one_common_scale():
     A = tp.Heads.random(2, 3, generator=gen(72), dtype=F64, scale=0.05).score + torch.eye(3, dtype=F64)
     beta = 420.0
     tr = tp.simulate(x0, tp.Heads(A, weights=om, beta=beta), t1=0.02, dt=0.005, method="adaptive", weights=w,
-                     rtol=1e-9, atol=1e-12)
+                     rtol=1e-9, atol=1e-12, direction="descent")
     assert tr.stats["energy_log_scale"] > 300
     logK = beta * torch.einsum("tid,hde,tje->thij", tr.x, A, tr.x)
     logE = torch.logsumexp(logK + torch.log(w)[:, None] + torch.log(w)[None, :] + torch.log(om)[:, None, None],
@@ -235,7 +235,7 @@ def test_adaptive_backprop_gradient_through_time_dependent_heads_matches_the_adj
     def grad(adjoint):
         proc = tp.Oscillating(tp.Heads(S, beta=1.3, weights=torch.tensor([0.6, 1.5], dtype=F64)), phase="per_head")
         tr = tp.simulate(x0, proc, t1=0.6, dt=0.2, method="adaptive", weights=w, rtol=1e-5, atol=1e-7,
-                         adjoint=adjoint, diagnostics=False)
+                         adjoint=adjoint, diagnostics=False, direction="descent")
         return torch.autograd.grad((tr.x[-1] * M).sum(), S)[0]
 
     ga, gb = grad(True), grad(False)
@@ -255,7 +255,7 @@ def test_adaptive_records_weighted_observables_and_adjoint_sees_token_weights():
 
     def run(adjoint):
         return tp.simulate(x0, tp.Heads(A), t1=0.3, dt=0.1, method="adaptive", weights=w, adjoint=adjoint,
-                           observables=obs, rtol=1e-10, atol=1e-12, diagnostics=False)
+                           observables=obs, rtol=1e-10, atol=1e-12, diagnostics=False, direction="descent")
 
     tr = run(False)
     assert tr.weights is w
@@ -283,8 +283,8 @@ def test_adaptive_layerwise_solve_against_fine_rk4(interpolation, t0, rtol, tol)
     layers = [tp.Heads.random(2, 3, generator=gen(92 + l), dtype=F64, beta=1.3, weights=om) for l in range(3)]
     lw = tp.Layerwise(layers, interpolation=interpolation, layer_time=1e-3, t0=t0)
     kw = dict(t0=t0, t1=t0 + 3e-3, weights=w, diagnostics=False)
-    tr = tp.simulate(x0, lw, dt=1e-3, method="adaptive", rtol=rtol, atol=rtol * 1e-2, **kw)
-    ref = tp.simulate(x0, lw, dt=1e-4, method="rk4", record_every=10, **kw)
+    tr = tp.simulate(x0, lw, dt=1e-3, method="adaptive", rtol=rtol, atol=rtol * 1e-2, **kw, direction="descent")
+    ref = tp.simulate(x0, lw, dt=1e-4, method="rk4", record_every=10, **kw, direction="descent")
     assert float((ref.x[-1] - x0).abs().max()) > 5e-3
     assert float((tr.x - ref.x).abs().max()) < tol
 
@@ -302,8 +302,8 @@ def test_adaptive_solve_with_a_layer_start_just_before_t1_at_large_t():
     lw = tp.Layerwise(layers, layer_time=1000000.019)
     assert lw.knots(t0, t0 + 0.02) == [1000000.019]
     kw = dict(t0=t0, t1=t0 + 0.02, weights=w, diagnostics=False)
-    tr = tp.simulate(x0, lw, dt=1e-2, method="adaptive", rtol=1e-8, atol=1e-10, **kw)
-    ref = tp.simulate(x0, lw, dt=1e-3, method="rk4", record_every=10, **kw)
+    tr = tp.simulate(x0, lw, dt=1e-2, method="adaptive", rtol=1e-8, atol=1e-10, **kw, direction="descent")
+    ref = tp.simulate(x0, lw, dt=1e-3, method="rk4", record_every=10, **kw, direction="descent")
     assert float((ref.x[-1] - x0).abs().max()) > 0.01
     assert float((tr.x - ref.x).abs().max()) < 1e-7
 
@@ -316,11 +316,11 @@ def test_adaptive_causal_run_matches_fine_rk4_and_has_no_residual():
     heads = tp.Heads.random(2, 3, generator=gen(81), dtype=F64, beta=1.3, scale=0.6,
                             weights=torch.tensor([0.4, 1.3], dtype=F64))
     kw = dict(t1=0.4, causal=True, normalization="softmax")
-    ad = tp.simulate(x0, heads, dt=0.1, method="adaptive", rtol=1e-10, atol=1e-12, **kw)
+    ad = tp.simulate(x0, heads, dt=0.1, method="adaptive", rtol=1e-10, atol=1e-12, **kw, direction="descent")
     # the adjoint path has its own field closure (with the causal mask too)
     adj = tp.simulate(x0.clone().requires_grad_(True), heads, dt=0.1, method="adaptive", rtol=1e-10, atol=1e-12,
-                      adjoint=True, **kw)
-    rk = tp.simulate(x0, heads, dt=0.005, method="rk4", record_every=20, **kw)
+                      adjoint=True, **kw, direction="descent")
+    rk = tp.simulate(x0, heads, dt=0.005, method="rk4", record_every=20, **kw, direction="descent")
     assert_close(ad.x, rk.x, rtol=4 * torch.finfo(F64).eps, atol=1e-8)
     assert_close(adj.x.detach(), ad.x, rtol=0, atol=1e-12)
     for tr in (ad, rk):
@@ -360,7 +360,7 @@ def test_fixed_step_stats_count_field_evaluations_and_the_sphere_error(method, s
     x0 = tp.sphere.sample_uniform(5, 3, generator=gen(84), dtype=F64)
     heads = tp.Heads.random(2, 3, generator=gen(85), dtype=F64, beta=1.3)
     for kw in ({}, {"energy_log_scale": 0.5}):
-        tr = tp.simulate(x0, heads, dt=0.05, t1=0.2, method=method, **kw)
+        tr = tp.simulate(x0, heads, dt=0.05, t1=0.2, method=method, **kw, direction="descent")
         assert tr.stats["field_evaluations"] == 1 + 4 * stages, kw
         assert 0.0 < tr.stats["max_sphere_error"] < 0.05 ** 2 * 10
 
@@ -370,11 +370,11 @@ def test_a_closed_form_process_returns_a_replayable_path():
     times and no noise, and replaying it gives the same tokens."""
     x0 = tp.sphere.sample_uniform(5, 3, generator=gen(88), dtype=F64)
     heads = tp.Heads.random(2, 3, generator=gen(89), dtype=F64)
-    tr = tp.simulate(x0, tp.OrnsteinUhlenbeck(heads, sigma=0.0), dt=0.05, t1=0.2, return_path=True)
+    tr = tp.simulate(x0, tp.OrnsteinUhlenbeck(heads, sigma=0.0), dt=0.05, t1=0.2, return_path=True, direction="descent")
     assert_close(tr.path.times, torch.linspace(0, 0.2, 5, dtype=F64), rtol=0, atol=1e-15)
     assert tr.path.noise is None
     eps = torch.finfo(F64).eps  # the same computation again (unit vectors)
-    assert_close(tp.simulate(x0, tr.path, dt=0.05, t1=0.2).x, tr.x, rtol=4 * eps, atol=4 * eps)
+    assert_close(tp.simulate(x0, tr.path, dt=0.05, t1=0.2, direction="descent").x, tr.x, rtol=4 * eps, atol=4 * eps)
 
 
 def test_progress_bar_appears_by_itself_once_the_work_passes_the_threshold(monkeypatch):
@@ -397,7 +397,7 @@ def test_progress_bar_appears_by_itself_once_the_work_passes_the_threshold(monke
     for threshold, shown in ((100, 1), (201, 0)):
         bars.clear()
         monkeypatch.setattr(particle, "PROGRESS_MIN_WORK", threshold)
-        tp.simulate(x0, heads, dt=0.05, t1=0.2, method="euler")
+        tp.simulate(x0, heads, dt=0.05, t1=0.2, method="euler", direction="descent")
         assert len(bars) == shown, threshold
 
 
@@ -407,11 +407,11 @@ def test_paths_with_a_heads_batch_equal_to_the_tokens_batch():
     x0 = tp.sphere.sample_uniform(5, 3, batch_shape=(2,), generator=gen(95), dtype=F64)
     A = torch.stack([tp.Heads.random(2, 3, generator=gen(96 + b), dtype=F64).score for b in range(2)])
     ou = tp.OrnsteinUhlenbeck(tp.Heads(A), sigma=0.3)
-    tr = tp.simulate(x0, ou, dt=0.05, t1=0.1, paths=3, seed=0)
+    tr = tp.simulate(x0, ou, dt=0.05, t1=0.1, paths=3, seed=0, direction="descent")
     assert tr.x.shape == (3, 3, 2, 5, 3)
     A3 = torch.stack([tp.Heads.random(2, 3, generator=gen(98 + b), dtype=F64).score for b in range(3)])
     with pytest.raises(ValueError, match=r"with paths=, the heads' batch shape \(3,\) must be empty or equal"):
-        tp.simulate(x0, tp.OrnsteinUhlenbeck(tp.Heads(A3), sigma=0.3), dt=0.05, t1=0.1, paths=3)
+        tp.simulate(x0, tp.OrnsteinUhlenbeck(tp.Heads(A3), sigma=0.3), dt=0.05, t1=0.1, paths=3, direction="descent")
 
 
 def test_nonfinite_error_blames_overflow_only_where_the_squared_kernel_overflows():
@@ -479,7 +479,7 @@ def test_adaptive_nonfinite_error_names_the_solver_step_not_the_grid_row(monkeyp
     layers = [tp.Heads.random(1, 3, generator=gen(s), dtype=F64) for s in (20, 21, 22)]
     with pytest.raises(tp.NonFiniteError, match=r"t = 0\.2\b.*\(step 4\)"):
         tp.simulate(x0, tp.Layerwise(layers, layer_time=0.15), t1=0.4, dt=0.05, method="adaptive",
-                    record_every=4)
+                    record_every=4, direction="descent")
 
 
 def test_adaptive_trajectory_records_its_method(dtype):
@@ -488,5 +488,5 @@ def test_adaptive_trajectory_records_its_method(dtype):
     x0 = tp.sphere.sample_uniform(4, 3, generator=gen(23), dtype=dtype)
     heads = tp.Heads.random(1, 3, generator=gen(24), dtype=dtype)
     for method in ("adaptive", "rk4"):
-        tr = tp.simulate(x0, heads, t1=0.2, dt=0.1, method=method)
+        tr = tp.simulate(x0, heads, t1=0.2, dt=0.1, method=method, direction="descent")
         assert tr.method == method and f"method='{method}'" in repr(tr)

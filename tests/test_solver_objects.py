@@ -64,7 +64,7 @@ def test_a_users_tableau_is_one_hand_written_step(dtype):
     k1 = v(x0)
     k2 = v(unit(x0 + (2 / 3) * dt * k1))
     x1 = unit(x0 + dt * (0.25 * k1 + 0.75 * k2))
-    tr = tp.solve(tp.Model(heads), x0, tp.FixedStep(RALSTON), t1=dt, dt=dt)
+    tr = tp.solve(tp.Model(heads, direction="descent"), x0, tp.FixedStep(RALSTON), t1=dt, dt=dt)
     assert tr.method == "ralston" and tr.stats["order"] == 2 and tr.stats["field_evaluations"] == 3
     assert_close(tr.x[-1], x1, **ulps(dtype, 64))
 
@@ -72,7 +72,7 @@ def test_a_users_tableau_is_one_hand_written_step(dtype):
 def test_a_users_tableau_converges_at_its_order():
     """Ralston's error against a fine RK4 solution falls like dt² (measured order in [1.8, 2.2])."""
     x0, heads = problem(F64, seed=5)
-    model = tp.Model(heads)
+    model = tp.Model(heads, direction="descent")
     t1 = 0.8
     ref = tp.solve(model, x0, tp.RK4(), t1=t1, dt=t1 / 800, saveat=tp.SaveAt(ends=True)).x[-1]
     errs = [float((tp.solve(model, x0, tp.FixedStep(RALSTON), t1=t1, dt=t1 / k,
@@ -85,7 +85,7 @@ def test_run_is_the_solve(dtype):
     """tp.solve fills in the options and calls solver.run; calling run with the same SolveOptions is the
     same solve, for the fixed-step, adaptive and sharded solvers."""
     x0, heads = problem(dtype, seed=7)
-    model = tp.Model(tp.OrnsteinUhlenbeck(heads, sigma=0.3))
+    model = tp.Model(tp.OrnsteinUhlenbeck(heads, sigma=0.3), direction="descent")
     for solver, accepted in ((tp.Heun(), {}), (tp.Dopri5(rtol=1e-6, atol=1e-8), {}), (tp.ShardedEuler(), {})):
         a = tp.solve(model, x0, solver, t1=0.3, dt=0.05, paths=2, seed=4, saveat=tp.SaveAt(every=2))
         b = solver.run(model, x0, tp.SolveOptions(t1=0.3, dt=0.05, paths=2, seed=4, saveat=tp.SaveAt(every=2),
@@ -111,8 +111,8 @@ def test_a_users_normalization_goes_through_solve(dtype):
     with dt on v step for step (the tokens to rounding); the energy depends on the tokens only, so it
     matches too."""
     x0, heads = problem(dtype, seed=11)
-    a = tp.solve(tp.Model(heads, normalization=DoubledSoftmax()), x0, tp.Euler(), t1=0.5, dt=0.05)
-    b = tp.solve(tp.Model(heads), x0, tp.Euler(), t1=1.0, dt=0.1)
+    a = tp.solve(tp.Model(heads, normalization=DoubledSoftmax(), direction="descent"), x0, tp.Euler(), t1=0.5, dt=0.05)
+    b = tp.solve(tp.Model(heads, direction="descent"), x0, tp.Euler(), t1=1.0, dt=0.1)
     assert a.normalization == "doubled-softmax"
     assert_close(a.x, b.x, **ulps(dtype, 256))
     assert_close(a.energy, b.energy, **ulps(dtype, 1024))
@@ -122,8 +122,8 @@ def test_a_users_normalization_goes_through_dopri5():
     """The same ODE through dopri5 (float64, rtol 1e-9): the two solutions agree to the tolerance."""
     x0, heads = problem(F64, seed=11)
     solver = tp.Dopri5(rtol=1e-9, atol=1e-11)
-    a = tp.solve(tp.Model(heads, normalization=DoubledSoftmax()), x0, solver, t1=0.5, dt=0.05)
-    b = tp.solve(tp.Model(heads), x0, solver, t1=1.0, dt=0.1)
+    a = tp.solve(tp.Model(heads, normalization=DoubledSoftmax(), direction="descent"), x0, solver, t1=0.5, dt=0.05)
+    b = tp.solve(tp.Model(heads, direction="descent"), x0, solver, t1=1.0, dt=0.1)
     assert_close(a.x, b.x, rtol=1e-7, atol=1e-7)
     assert_close(a.energy, b.energy, rtol=1e-7, atol=1e-7)
 
@@ -142,7 +142,7 @@ def test_a_users_layer_norm_goes_through_solve(dtype):
     """The layer map of a user's LayerNorm subclass is the step: a hand loop of
     x ← normalize(x + ½dt·A(x)), A the signed un-projected update of tp.evaluate."""
     x0, heads = problem(dtype, seed=13)
-    tr = tp.solve(tp.Model(heads, geometry=HalfPostLN()), x0, tp.Euler(), t1=0.4, dt=0.1,
+    tr = tp.solve(tp.Model(heads, geometry=HalfPostLN(), direction="descent"), x0, tp.Euler(), t1=0.4, dt=0.1,
                   ledger=tp.LedgerOptions(diagnostics=False))
     x = x0
     for _ in range(4):
@@ -172,12 +172,12 @@ def test_the_front_ends_name_the_keyword_the_user_typed():
             tp.simulate(x0, heads, **kw, **extra)
         assert "SaveAt" not in str(info.value) and "Model." not in str(info.value), str(info.value)
     with pytest.raises(ValueError, match=r"^record_every = 20 is larger"):
-        tp.ensembles.simulate(x0.expand(2, *x0.shape), heads, **kw, record_every=20)
+        tp.ensembles.simulate(x0.expand(2, *x0.shape), heads, **kw, record_every=20, direction="descent")
     with pytest.raises(ValueError, match=r"^record_every = 20 is larger"):
-        tp.distributed.simulate_sharded(x0, heads, **kw, record_every=20)
+        tp.distributed.simulate_sharded(x0, heads, **kw, record_every=20, direction="descent")
     # the composable API names the objects' fields
     with pytest.raises(ValueError, match=r"^SaveAt.every = 20 is larger"):
-        tp.solve(tp.Model(heads), x0, tp.Euler(), **kw, saveat=tp.SaveAt(every=20))
+        tp.solve(tp.Model(heads, direction="descent"), x0, tp.Euler(), **kw, saveat=tp.SaveAt(every=20))
 
 
 # ---------------------------------------------------------------------------- a solver from the public parts
@@ -234,7 +234,7 @@ def test_a_solver_composed_of_the_public_parts_is_euler(dtype):
     """The docs' parts-built solver gives tp.Euler()'s tokens, energy and ledger (closed-form
     time-dependent weights: the ledger's ∂_tE term is exercised)."""
     x0, heads = problem(dtype, seed=23)
-    model = tp.Model(tp.Oscillating(heads))
+    model = tp.Model(tp.Oscillating(heads), direction="descent")
     kw = dict(t1=0.4, dt=0.05, saveat=tp.SaveAt(every=2))
     mine = tp.solve(model, x0, PartsEuler(), **kw)
     ref = tp.solve(model, x0, tp.Euler(), **kw)
@@ -244,4 +244,4 @@ def test_a_solver_composed_of_the_public_parts_is_euler(dtype):
     for key in ("partial", "dissipation", "residual"):
         assert_close(mine.ledger[key], ref.ledger[key], **ulps(dtype, 256))
     with pytest.raises(ValueError, match="deterministic weights"):
-        tp.solve(tp.Model(tp.OrnsteinUhlenbeck(heads, sigma=0.1)), x0, PartsEuler(), t1=0.1, dt=0.05)
+        tp.solve(tp.Model(tp.OrnsteinUhlenbeck(heads, sigma=0.1), direction="descent"), x0, PartsEuler(), t1=0.1, dt=0.05)

@@ -145,7 +145,7 @@ def test_weight_perturbation_vanishes_with_eps(kind):
     layers = [heads, tp.Heads.random(2, 3, scale=0.5, generator=torch.Generator().manual_seed(5), dtype=F64)]
     eps = [0.0, 1e-13, 1e-3, 1e-4]
     theta = perturbed_weights(kind, heads, eps, t1=0.4, dt=0.02, seed=3, layer_heads=layers)
-    tr = tp.simulate(x.expand(len(eps), 6, 3).clone(), theta, t1=0.4, dt=0.02, method="rk4", diagnostics=False)
+    tr = tp.simulate(x.expand(len(eps), 6, 3).clone(), theta, t1=0.4, dt=0.02, method="rk4", diagnostics=False, direction="descent")
     # ε = 0 against the unperturbed process built independently
     if kind == "ou":
         base = tp.sample_path(tp.OrnsteinUhlenbeck(heads), t1=0.4, dt=0.02, seed=3)
@@ -154,7 +154,7 @@ def test_weight_perturbation_vanishes_with_eps(kind):
                               t1=0.4, dt=0.02)
     else:
         base = tp.Layerwise(layers, layer_time=0.2)
-    ref = tp.simulate(x, base, t1=0.4, dt=0.02, method="rk4", diagnostics=False)
+    ref = tp.simulate(x, base, t1=0.4, dt=0.02, method="rk4", diagnostics=False, direction="descent")
     torch.testing.assert_close(tr.x[:, 0], ref.x, rtol=1e-12, atol=1e-13)
     gap = (tr.x[-1, 1:] - tr.x[-1, :1]).norm(dim=-1).max(-1).values  # (3,)
     assert float(gap[0]) < 1e-11  # ε = 1e-13: the unperturbed run to rounding
@@ -192,7 +192,7 @@ def test_hessian_at_known_critical_points():
 def test_fast_weights_covariance_closed_form():
     heads = tp.Heads.random(2, 3, scale=0.5, generator=torch.Generator().manual_seed(0), dtype=F64)
     x = tp.sphere.sample_uniform(5, 3, generator=torch.Generator().manual_seed(1), dtype=F64)
-    c = tp.theory.fast_weights_coefficients(x, heads, 0.7)
+    c = tp.theory.fast_weights_coefficients(x, heads, 0.7, direction="descent")
     torch.testing.assert_close(c["covariance"], c["basis_covariance"], rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(c["drift"], tp.velocity(x, heads, direction="descent"))
 
@@ -204,7 +204,7 @@ def test_fast_weights_ito_correction_against_monte_carlo():
     H, d, n, M, delta, s = 1, 3, 4, 4000, 1e-3, 0.8
     heads = tp.Heads.random(H, d, scale=0.6, generator=torch.Generator().manual_seed(0), dtype=F64)
     x = tp.sphere.sample_uniform(n, d, generator=torch.Generator().manual_seed(1), dtype=F64)
-    coef = tp.theory.fast_weights_coefficients(x, heads, s)
+    coef = tp.theory.fast_weights_coefficients(x, heads, s, direction="descent")
     G = torch.randn(M, H, d, d, generator=torch.Generator().manual_seed(2), dtype=F64)
     G = torch.cat([G, -G])
     V = heads.value_matrix + s * G / math.sqrt(delta)
@@ -224,7 +224,7 @@ def test_common_noise_sde_without_noise_is_heun():
     heads = tp.Heads.random(2, 3, scale=0.5, generator=torch.Generator().manual_seed(0), dtype=F64)
     x = tp.sphere.sample_uniform(5, 3, generator=torch.Generator().manual_seed(1), dtype=F64)
     K, dt = 20, 0.05
-    xs = common_noise_sde(x[None], heads, torch.zeros(K, 1, 2, 3, 3, dtype=F64), dt)
+    xs = common_noise_sde(x[None], heads, torch.zeros(K, 1, 2, 3, 3, dtype=F64), dt, direction="descent")
     tr = tp.simulate(x, heads, t1=K * dt, dt=dt, method="heun", direction="descent", diagnostics=False)
     torch.testing.assert_close(xs[:, 0], tr.x, rtol=1e-12, atol=1e-13)
 
@@ -240,10 +240,10 @@ def test_limit_objects_refuse_bad_input_before_any_work(dtype):
         riemannian_hessian(2 * x, heads)
     inc = torch.zeros(3, 1, 1, 3, 3, dtype=dtype)
     with pytest.raises(ValueError, match="dt"):
-        common_noise_sde(x[None], heads, inc, 0.0)
+        common_noise_sde(x[None], heads, inc, 0.0, direction="descent")
     with pytest.raises(TypeError, match="increments"):
-        common_noise_sde(x[None], heads, [0.0], 0.1)
-    xs = common_noise_sde(x[None], heads, inc, 0.1)  # dtype follows the input
+        common_noise_sde(x[None], heads, [0.0], 0.1, direction="descent")
+    xs = common_noise_sde(x[None], heads, inc, 0.1, direction="descent")  # dtype follows the input
     assert xs.dtype == dtype and xs.shape == (4, 1, 4, 3)
 
 

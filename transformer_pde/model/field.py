@@ -51,6 +51,7 @@ from typing import Optional
 
 import torch
 
+from ..utils.validation import DEFAULT_DIRECTION
 from ..utils.validation import (
     check_same, check_tensor, check_tied, check_token_weights, check_tokens, direction_sign,
 )
@@ -514,7 +515,7 @@ def _check_causal_flag(causal, norm):
                          f"version; use one of {', '.join(map(repr, names(lambda n: n.causal)))} with causal=True")
 
 
-def velocity(x, heads, weights=None, normalization="softmax", direction="ascent", *, causal=False):
+def velocity(x, heads, weights=None, normalization="softmax", direction=DEFAULT_DIRECTION, *, causal=False):
     """V[μ, Θ](x_i) = s · P_{x_i} Σ_h ω_h f_h(x_i) at the tokens of μ = Σ_i w_i δ_{x_i}.
 
     Parameters

@@ -20,6 +20,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from ..utils.validation import DEFAULT_DIRECTION
 from ..utils.validation import check_tied, direction_sign
 from .moments import HeadStats
 from .softmax import softmax_statistics
@@ -88,7 +89,7 @@ def _scaled(x, heads, weights, normalization, direction, log_scale, which):
                            f"log-partition (tp.log_mobility)")
 
 
-def slope(x, heads: Heads, weights=None, normalization="softmax", direction="ascent", *, log_scale: float = 0.0):
+def slope(x, heads: Heads, weights=None, normalization="softmax", direction=DEFAULT_DIRECTION, *, log_scale: float = 0.0):
     """Metric slope 𝒢² · e^{−log_scale}, 𝒢² = Σ_i w_i b(x_i) |V(x_i)|², (...,).
 
     Raises
@@ -98,7 +99,7 @@ def slope(x, heads: Heads, weights=None, normalization="softmax", direction="asc
     return _scaled(x, heads, weights, normalization, direction, log_scale, "slope")
 
 
-def dissipation(x, heads: Heads, weights=None, normalization="softmax", direction="ascent", *,
+def dissipation(x, heads: Heads, weights=None, normalization="softmax", direction=DEFAULT_DIRECTION, *,
                 log_scale: float = 0.0):
     """Dissipation 𝒟 · e^{−log_scale}, 𝒟 = Σ_i w_i ⟨∇_S δE/δμ(x_i), V(x_i)⟩, (...,) (sign follows direction).
 

@@ -55,6 +55,7 @@ from typing import Optional
 
 import torch
 
+from ..utils.validation import DEFAULT_DIRECTION
 from ..model.heads import Heads
 from ..processes.nn import attention_modules, heads_from_multihead_attention
 from ..processes.weights import Layerwise
@@ -128,7 +129,7 @@ class MeanFieldAttention(torch.nn.Module):
 
     def __init__(self, dim: int, num_heads: int, *, layers: int = 1, t1: float = 1.0, steps: int = 1,
                  solver: str = "euler", adjoint: bool = False, interpolation: str = "constant",
-                 geometry: str = "none", direction: str = "ascent", head_dim: Optional[int] = None,
+                 geometry: str = "none", direction: str = DEFAULT_DIRECTION, head_dim: Optional[int] = None,
                  beta: Optional[float] = None, feedforward: int = 0, rtol: float = 1e-6, atol: float = 1e-8,
                  dtype: Optional[torch.dtype] = None, device=None):
         super().__init__()
@@ -385,7 +386,7 @@ class TransformerFlow(MeanFieldAttention):
 
     def __init__(self, model, *, layer_time: float = 1.0, steps: int = 1, token_norm: float = 1.0,
                  bias: str = "warn", head_weights: str = "sum", solver: str = "euler", adjoint: bool = False,
-                 interpolation: str = "constant", geometry: str = "none", direction: str = "ascent",
+                 interpolation: str = "constant", geometry: str = "none", direction: str = DEFAULT_DIRECTION,
                  rtol: float = 1e-6, atol: float = 1e-8):
         mods = attention_modules(model)  # refuses what holds no attention layers (TypeError / ValueError)
         if any(not isinstance(m, torch.nn.Module) for m in mods):

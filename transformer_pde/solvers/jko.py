@@ -75,6 +75,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
+from ..utils.validation import DEFAULT_DIRECTION
 from ..utils.validation import (
     DIRECTIONS, check_bool, check_choice, check_every, check_int, check_positive, check_real, check_seed_generator,
     check_tensor,
@@ -192,7 +193,7 @@ def jko(
     t0: float = 0.0,
     transport: Optional[str] = None,
     scheme: str = "lagrangian",
-    direction: str = "descent",
+    direction: str = DEFAULT_DIRECTION,
     mobility: str = "effective",
     cost: Optional[str] = None,
     eps: float = 1e-3,
@@ -241,7 +242,7 @@ def jko(
     scheme : str
         "lagrangian" (tokens move) | "eulerian" (weights on a fixed grid move).
     direction : str
-        "descent" (minimise E, the reference code) or "ascent" (minimise −E).
+        "ascent" (the default: minimise −E) or "descent" (minimise E, the reference code).
     mobility : str
         "effective" (b_k, matches ``normalization="effective"`` particles) or "unit"
         (b ≡ 1, the plain W2 flow; matches "unnormalized" for tied symmetric heads).

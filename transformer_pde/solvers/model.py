@@ -26,6 +26,7 @@ from typing import Optional, Union
 
 import torch
 
+from ..utils.validation import DEFAULT_DIRECTION
 from ..utils.validation import DIRECTIONS, check_choice, direction_sign
 from ..model.field import check_causal_mode
 from ..model.heads import Heads
@@ -43,7 +44,7 @@ class Model:
 
     theta: Union[Heads, Process]
     normalization: Union[str, Normalization] = "softmax"
-    direction: str = "descent"
+    direction: str = DEFAULT_DIRECTION
     geometry: Union[str, LayerNorm] = "none"
     noise: Union[None, float, TokenNoise] = None
     weights: Optional[torch.Tensor] = None

@@ -26,6 +26,7 @@ from typing import Callable, ClassVar, Dict, FrozenSet, Mapping, Optional, Tuple
 
 import torch
 
+from ..utils.validation import DEFAULT_DIRECTION
 from ..utils import threads
 from ..utils.validation import (
     check_bool, check_choice, check_every, check_int, check_limits, check_output_file, check_positive, check_same,
@@ -411,7 +412,7 @@ def simulate(
     t0: float = 0.0,
     method: str = "euler",
     normalization: str = "softmax",
-    direction: str = "descent",
+    direction: str = DEFAULT_DIRECTION,
     weights: Optional[torch.Tensor] = None,
     paths: Optional[int] = None,
     seed: Optional[int] = None,
@@ -454,7 +455,8 @@ def simulate(
     normalization : str
         "softmax" | "unnormalized" | "relu" | "effective".
     direction : str
-        "descent" (default here, the reference code: x ← x − Δt·f) or "ascent".
+        "ascent" (the default of every function here: x + Δt·f, the residual transformer) or "descent"
+        (the paper's reference code: x ← x − Δt·f; its reproductions pass it explicitly).
     weights : Optional[torch.Tensor]
         token weights (..., n) or None (uniform).
     paths : Optional[int]

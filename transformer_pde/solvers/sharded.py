@@ -46,6 +46,7 @@ from typing import Any, ClassVar, FrozenSet, List, Mapping, Optional, Sequence, 
 import torch
 import torch.distributed as dist
 
+from ..utils.validation import DEFAULT_DIRECTION
 from ..utils.validation import (
     broadcast_shapes, check_bool, check_choice, check_every, check_same, check_tokens, direction_sign,
 )
@@ -221,7 +222,7 @@ def distributed_evaluate(
     weights: Optional[torch.Tensor] = None,
     *,
     normalization: str = "softmax",
-    direction: str = "ascent",
+    direction: str = DEFAULT_DIRECTION,
     diagnostics: bool = True,
     second_moment: bool = False,
     backend: str = "auto",
@@ -338,7 +339,7 @@ def simulate_sharded(
     paths: Optional[int] = None,
     seed: int = 0,
     normalization: str = "softmax",
-    direction: str = "descent",
+    direction: str = DEFAULT_DIRECTION,
     record_every: int = 1,
     diagnostics: bool = True,
     backend: str = "auto",

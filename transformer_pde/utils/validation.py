@@ -15,6 +15,10 @@ from typing import Iterable, Mapping
 import torch
 
 DIRECTIONS = ("ascent", "descent")
+#: the one default of every ``direction=`` of the library: "ascent", the residual transformer
+#: x + attention(x) (tokens cluster when A ≻ 0); the paper's reference code steps "descent" and its
+#: reproductions pass it explicitly
+DEFAULT_DIRECTION = "ascent"
 DTYPES = (torch.float32, torch.float64)
 
 

@@ -30,6 +30,7 @@ from typing import Union
 
 import torch
 
+from ...utils.validation import DEFAULT_DIRECTION
 from ...utils.validation import check_choice, check_int, check_positive
 from ...model.normalization import Softmax, Unnormalized, choose as choose_normalization, names
 from ...model.normalization import normalization as as_normalization
@@ -331,7 +332,7 @@ def _kernel_weights(gamma: torch.Tensor, lam: torch.Tensor, beta: float, n: int,
 
 
 def gamma_velocity(gamma, lambdas, *, beta: float = 1.0, n: int, normalization: str = "softmax",
-                   direction: str = "ascent"):
+                   direction: str = DEFAULT_DIRECTION):
     """Reduced vector field of equiangular tokens, γ̇ = s · 2(1 − γ)(1 + (n−1)γ) Σ_h λ_h k_h(γ)
     (module docstring; k_h depends on the normalisation).  Scalar heads λ_h I, ω_h = 1.
 
@@ -360,7 +361,7 @@ def _reduced_field(g, lam, beta, n, normalization, s):
 
 
 def gamma_ode(times, lambdas, *, beta: float = 1.0, n: int, gamma0: float, normalization: str = "softmax",
-              direction: str = "ascent", rtol: float = 1e-11, atol: float = 1e-13):
+              direction: str = DEFAULT_DIRECTION, rtol: float = 1e-11, atol: float = 1e-13):
     """Solve the equiangular reduced ODE γ̇ = s F(γ) (see :func:`gamma_velocity`) at ``times``.
 
     Integrated in ℓ = ln(1 − γ), ℓ̇ = −s F(γ)/(1 − γ) (the factor 1 − γ cancels), with torchdiffeq's

@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from ...utils.validation import DEFAULT_DIRECTION
 from ...utils.validation import check_int, check_positive, check_same, check_tensor, direction_sign
 from ...model.softmax import softmax_statistics
 from ...model.field import evaluate
@@ -45,7 +46,7 @@ def attention_entropy(x, heads: Heads, weights=None):
 
 
 def entropy_rate(x, heads: Heads, weights=None, *, velocity: Optional[torch.Tensor] = None,
-                 normalization: str = "softmax", direction: str = "ascent",
+                 normalization: str = "softmax", direction: str = DEFAULT_DIRECTION,
                  score_rate: Optional[torch.Tensor] = None):
     """Entropy production dH_i^h/dt = −Cov_{p_i^h}(s_i·^h, ṡ_i·^h), (..., H, n).
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...utils.validation import DEFAULT_DIRECTION
 from ...utils.validation import check_choice, check_int, check_positive, direction_sign
 from ...model.softmax import softmax_statistics
 from ...model.field import head_token_mean, token_mean
@@ -50,7 +51,7 @@ class FlatTrajectory:
 
 
 def flat_flow(x0, heads: Heads, *, t1: float, dt: float, weights=None, normalization: str = "unnormalized",
-              direction: str = "ascent", method: str = "rk4", record_every: int = 1) -> FlatTrajectory:
+              direction: str = DEFAULT_DIRECTION, method: str = "rk4", record_every: int = 1) -> FlatTrajectory:
     """Integrate the flat (unprojected) dynamics ẋ_i = s Σ_h ω_h f_h(x_i) in R^d from x0 (..., n, d).
 
     Explicit Runge–Kutta (``tp.TABLEAUX``: "euler", "heun", "rk4") without retraction; heads
@@ -115,7 +116,7 @@ class _Reached(Exception):
 
 
 def clustering_hitting_time(x0, heads: Heads, *, target: float, t_max: float, dt: float,
-                            normalization: str = "softmax", direction: str = "ascent", method: str = "rk4",
+                            normalization: str = "softmax", direction: str = DEFAULT_DIRECTION, method: str = "rk4",
                             weights=None, progress: bool = False) -> torch.Tensor:
     """First time the mean pairwise overlap γ̄(t) (:func:`mean_overlap`) of the particle system reaches
     ``target``, (...,) float64 (``inf`` if not reached by t_max).

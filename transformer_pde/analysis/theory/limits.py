@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ...utils.validation import DEFAULT_DIRECTION
 from ...utils.validation import check_positive, check_tensor, check_tokens
 from ...model.energy import energy
 from ...model.field import velocity
@@ -66,7 +67,7 @@ def riemannian_hessian(x, heads: Heads, weights=None):
 
 
 def common_noise_sde(x0, heads: Heads, increments, dt: float, *, normalization: str = "softmax",
-                     direction: str = "descent"):
+                     direction: str = DEFAULT_DIRECTION):
     """The fast-weights limit SDE dx_i = V[μ, (A, V̄)](x_i) dt + Σ_h ω_h P_{x_i} (∘dW_h) ȳ_h(x_i), by the
     projected stochastic Heun scheme (Stratonovich, weak order 1), with one noise shared by all tokens.
 

@@ -58,6 +58,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from ...utils.validation import DEFAULT_DIRECTION
 from ...utils.validation import check_int, check_positive, check_real, direction_sign
 from ...model.normalization import Softmax, Unnormalized, choose as choose_normalization, names
 
@@ -190,7 +191,7 @@ def mode_coefficients(beta, d: int, ell, *, lambdas=(1.0,), weights=None, normal
 
 
 def mode_growth_rates(beta, d: int, T: float = 0.0, ell_max: int = 8, *, lambdas=(1.0,), weights=None,
-                      normalization: str = "softmax", direction: str = "ascent") -> torch.Tensor:
+                      normalization: str = "softmax", direction: str = DEFAULT_DIRECTION) -> torch.Tensor:
     """Growth rates r_ℓ = ℓ(ℓ+d−2)(s c_ℓ − T) of the spherical-harmonic modes ℓ = 0, …, ell_max of a
     perturbation of the uniform measure (module docstring); a float64 tensor (ell_max + 1,) indexed
     by ℓ (r_0 = 0: mass is conserved).  Positive = unstable.
@@ -220,7 +221,7 @@ def _default_ell_max(beta: float, lambdas) -> int:
 
 
 def most_unstable_mode(beta, d: int, T: float = 0.0, *, lambdas=(1.0,), weights=None, normalization: str = "softmax",
-                       direction: str = "ascent", ell_max: Optional[int] = None) -> int:
+                       direction: str = DEFAULT_DIRECTION, ell_max: Optional[int] = None) -> int:
     """argmax_{ℓ ≥ 1} r_ℓ: the fastest-growing mode of the uniform measure (at T = 0 the number of
     metastable clusters a near-uniform start forms on S¹); 0 when no mode grows (r_ℓ ≤ 0 for all ℓ).
 
@@ -236,7 +237,7 @@ def most_unstable_mode(beta, d: int, T: float = 0.0, *, lambdas=(1.0,), weights=
 
 
 def critical_mode(beta, d: int, *, lambdas=(1.0,), weights=None, normalization: str = "softmax",
-                  direction: str = "ascent", ell_max: Optional[int] = None) -> int:
+                  direction: str = DEFAULT_DIRECTION, ell_max: Optional[int] = None) -> int:
     """The mode that loses stability first as T decreases through T_c: argmax_{ℓ≥1} s c_ℓ."""
     if ell_max is None:
         ell_max = _default_ell_max(check_positive(beta, "beta"), lambdas)
@@ -247,7 +248,7 @@ def critical_mode(beta, d: int, *, lambdas=(1.0,), weights=None, normalization: 
 
 
 def critical_temperature(beta, d: int, lambdas=(1.0,), weights=None, normalization: str = "softmax", *,
-                         direction: str = "ascent", ell_max: Optional[int] = None) -> float:
+                         direction: str = DEFAULT_DIRECTION, ell_max: Optional[int] = None) -> float:
     """T_c = max(0, max_{ℓ≥1} s c_ℓ): the temperature below which the uniform measure on S^{d−1} is
     linearly unstable, for isotropic heads A_h = V_h = λ_h I with head weights ω_h (default 1/H).
 
@@ -286,7 +287,7 @@ def critical_temperature(beta, d: int, lambdas=(1.0,), weights=None, normalizati
 
 
 def susceptibility(beta, d: int, T: float, *, lambdas=(1.0,), weights=None, normalization: str = "softmax",
-                   direction: str = "ascent") -> float:
+                   direction: str = DEFAULT_DIRECTION) -> float:
     """N·E|m|² at stationarity for m = (1/N)Σ_i x_i, to leading order in N, when the ℓ = 1 mode of the
     uniform measure is stable (T > s c_1):  T / (T − s c_1).  Raises ValueError otherwise."""
     beta = check_positive(beta, "beta")
@@ -300,7 +301,7 @@ def susceptibility(beta, d: int, T: float, *, lambdas=(1.0,), weights=None, norm
 
 
 def averaged_growth_rate(betas, d: int, T: float, ell: int = 1, *, times=None, lambdas=(1.0,), weights=None,
-                         normalization: str = "softmax", direction: str = "ascent") -> float:
+                         normalization: str = "softmax", direction: str = DEFAULT_DIRECTION) -> float:
     """⟨r_ℓ⟩ = (1/(t_K − t_0)) ∫ r_ℓ(β_t) dt for samples β_k on a grid (trapezoid; ``times`` None =
     a uniform grid).  The mode ℓ of the uniform measure grows iff ⟨r_ℓ⟩ > 0 over long horizons."""
     b = np.asarray(betas.detach().cpu().double() if isinstance(betas, torch.Tensor) else betas, dtype=np.float64)
@@ -320,7 +321,7 @@ def averaged_growth_rate(betas, d: int, T: float, ell: int = 1, *, times=None, l
 
 def ou_averaged_growth_rate(mean: float, sigma: float, rate: float, d: int, T: float, ell: int = 1, *,
                             lambdas=(1.0,), weights=None, normalization: str = "softmax",
-                            direction: str = "ascent", nodes: int = 64) -> float:
+                            direction: str = DEFAULT_DIRECTION, nodes: int = 64) -> float:
     """Long-time average of r_ℓ(β_t) along an OU process dβ = rate(mean − β)dt + σ dW: by ergodicity
     E r_ℓ(β) under the stationary law N(mean, σ²/(2·rate)) (Gauss–Hermite with ``nodes`` nodes)."""
     mean = check_real(mean, "mean")
@@ -338,7 +339,7 @@ def ou_averaged_growth_rate(mean: float, sigma: float, rate: float, d: int, T: f
 
 def oscillating_averaged_growth_rate(beta0: float, amplitude: float, d: int, T: float, ell: int = 1, *,
                                      lambdas=(1.0,), weights=None, normalization: str = "softmax",
-                                     direction: str = "ascent", nodes: int = 64) -> float:
+                                     direction: str = DEFAULT_DIRECTION, nodes: int = 64) -> float:
     """Average of r_ℓ(β_t) over a period of β_t = β0 + amplitude·sin(ωt) (independent of ω):
     the periodic trapezoid rule with ``nodes`` phases (spectrally accurate)."""
     beta0 = check_real(beta0, "beta0")

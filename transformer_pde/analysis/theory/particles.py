@@ -34,6 +34,7 @@ from typing import Optional
 
 import torch
 
+from ...utils.validation import DEFAULT_DIRECTION
 from ...utils.validation import check_choice, check_int, check_positive, check_same, check_tensor, direction_sign
 from ...model.softmax import softmax_statistics
 from ...model.field import check_inputs, grad_first_variation_terms, head_token_mean, token_mean, evaluate
@@ -122,7 +123,7 @@ def energy_gradients(x, heads: Heads, weights=None, *, flat: bool = False):
     return _gradients(x, heads, weights)[0]
 
 
-def flat_velocity(x, heads: Heads, weights=None, *, normalization: str = "unnormalized", direction: str = "ascent"):
+def flat_velocity(x, heads: Heads, weights=None, *, normalization: str = "unnormalized", direction: str = DEFAULT_DIRECTION):
     """Flat (unprojected) velocity v_i = s Σ_h ω_h f_h(x_i), (..., n, d); tokens may be off the sphere.
 
     With uniform weights, ω_h = 1 and normalization="unnormalized" this is Pendharkar's
@@ -150,7 +151,7 @@ def _token_velocity(x, heads, weights, normalization, direction, flat):
 
 
 def head_energy_rates(x, heads: Heads, weights=None, *, normalization: str = "unnormalized",
-                      direction: str = "ascent", flat: bool = False, velocity: Optional[torch.Tensor] = None):
+                      direction: str = DEFAULT_DIRECTION, flat: bool = False, velocity: Optional[torch.Tensor] = None):
     """Per-head energy derivatives dE_h/dt = Σ_i w_i ⟨G_h(x_i), ẋ_i⟩, (..., H), heads constant in time.
 
     ẋ is ``velocity`` when given, else the sphere field s P_x Σ_k ω_k f_k (flat=False) or the flat
@@ -192,7 +193,7 @@ class EnergyBalance:
     bound: torch.Tensor
 
 
-def energy_balance(x, heads: Heads, weights=None, *, flat: bool = False, direction: str = "ascent") -> EnergyBalance:
+def energy_balance(x, heads: Heads, weights=None, *, flat: bool = False, direction: str = DEFAULT_DIRECTION) -> EnergyBalance:
     """Total-energy monotonicity of unnormalised multi-head attention and its defect.
 
     For symmetric heads with tied values (A_h = A_hᵀ, V_h = A_h, any ω_h ≥ 0), along the sphere

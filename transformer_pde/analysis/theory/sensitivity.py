@@ -31,6 +31,7 @@ from typing import Dict
 
 import torch
 
+from ...utils.validation import DEFAULT_DIRECTION
 from ...model.field import velocity
 from ...model.heads import Heads
 from ...utils.validation import check_int, check_positive, check_token_weights, check_tokens, direction_sign
@@ -79,7 +80,7 @@ def _reduced_jacobian(x, heads, w, normalization, direction):
 
 
 def field_jacobian_rates(x, heads: Heads, weights=None, *, normalization: str = "softmax",
-                         direction: str = "descent") -> Dict[str, torch.Tensor]:
+                         direction: str = DEFAULT_DIRECTION) -> Dict[str, torch.Tensor]:
     """The logarithmic norm μ_w and the spectral norm ‖M‖₂ of the field's derivative on the tangent space
     (module docstring), for tokens x (n, d) with masses ``weights`` (n,) (None: uniform).
 
@@ -144,7 +145,7 @@ def _same_heads(theta, t_left: float, t_right: float) -> bool:
 
 
 def flow_sensitivity(x0: torch.Tensor, theta, *, t1: float, dt: float, weights=None, normalization: str = "softmax",
-                     direction: str = "descent", record_every: int = 1, top: int = 3) -> Dict[str, torch.Tensor]:
+                     direction: str = DEFAULT_DIRECTION, record_every: int = 1, top: int = 3) -> Dict[str, torch.Tensor]:
     """Top singular values σ_1 ≥ … ≥ σ_k of the tangent derivative of the flow map (mass-weighted norm), and
     the three bounds of the module docstring, on the recorded times of an RK4 run.
 

@@ -33,6 +33,7 @@ from typing import Dict
 
 import torch
 
+from ...utils.validation import DEFAULT_DIRECTION
 from ...utils.validation import check_choice, check_positive, check_tensor, check_tokens, direction_sign
 from ...model.field import head_outputs, velocity
 from ...model.heads import Heads
@@ -155,7 +156,7 @@ def gronwall_factor(times, rates, *, log: bool = False) -> torch.Tensor:
     return integral if log else torch.exp(integral)
 
 
-def fast_weights_coefficients(x, heads: Heads, value_std: float, *, direction: str = "descent",
+def fast_weights_coefficients(x, heads: Heads, value_std: float, *, direction: str = DEFAULT_DIRECTION,
                               normalization: str = "softmax") -> Dict[str, torch.Tensor]:
     """Coefficients of the fast-weights (homogenised) limit SDE at the tokens x (module docstring).
 

@@ -280,7 +280,10 @@ def pair_fraction_observable(*, eps: float = 1e-3):
         if n < 2:
             return torch.ones(x.shape[:-2], dtype=x.dtype, device=x.device)
         exact = x.dtype if x.dtype == torch.float64 or (x.dtype == torch.float32 and n * n < 2 ** 24) else torch.float64
-        close = torch.gt(G, level, out=torch.empty(G.shape, dtype=exact, device=x.device))
+        if exact == G.dtype and not G.requires_grad:  # the indicator written over the Gram matrix (no new buffer)
+            close = G.gt_(level)
+        else:
+            close = torch.gt(G, level, out=torch.empty(G.shape, dtype=exact, device=x.device))
         count = close.sum((-1, -2)) - close.diagonal(0, -2, -1).sum(-1)
         return (count / (n * (n - 1))).to(x.dtype)
 

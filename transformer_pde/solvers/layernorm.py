@@ -488,11 +488,12 @@ class FusedUpdate:
                 for i, t in enumerate(parts)]
         ambient = torch.empty(B, n, d, dtype=x.dtype, device=x.device)
         bufs = self._buffers(size, (n, d, H), x)
-        with torch.no_grad():  # blocks of systems whose scores stay in cache through exp, sums and products
-            for s in range(0, B, size):
-                b = min(size, B - s)
-                blk = [t if t.dim() == 2 else t[s:s + b] for t in flat]
-                self._update(blk, bufs if b == size else self._buffers(b, (n, d, H), x), ambient[s:s + b])
+        # blocks of systems whose scores stay in cache through exp, sums and products (views, one split each)
+        blocks = zip(*[t.split(size) if t.dim() > 2 else [t] * -(-B // size) for t in flat], ambient.split(size))
+        with torch.no_grad():
+            for *blk, out in blocks:
+                b = out.shape[0]
+                self._update(blk, bufs if b == size else self._buffers(b, (n, d, H), x), out)
         return _AmbientEval(x, ambient.view(*batch, n, d))
 
     def _buffers(self, b: int, sizes, x):

@@ -26,6 +26,9 @@ ratios (each repeat runs every case once, back to back), for float64 and float32
 ours are timed:
 
 * **same work**: the call above (no diagnostics, the peers' statistic at every step);
+* **lean**: the same work with the statistic from ``callback=`` at every step and the tokens
+  recorded at the start and the end only (``record_every=steps``): what recording a state per
+  step costs;
 * **obvious**: ``tp.simulate(x0, heads, t1=..., dt=..., direction="ascent", layer_norm="post")``
   with every other argument at its default (the direction is the peers' x + Δt·A), which
   computes what the defaults compute (diagnostics, progress policy) and no statistic.
@@ -115,6 +118,16 @@ def ours_run(M, BF, V, beta, eta, steps, weights=None):
     return traj.final, traj.observables["pair_fraction"][1:].mean(-1)
 
 
+def lean_run(M, BF, V, beta, eta, steps, weights=None):
+    """The same work without a recorded state per step: the statistic from a callback at every step,
+    the tokens recorded at the start and the end only."""
+    heads = tp.Heads(BF, V.transpose(-1, -2), weights=weights, beta=beta)
+    stats = []
+    traj = tp.simulate(M, heads, t1=steps * eta, dt=eta, direction="ascent", layer_norm="post", diagnostics=False,
+                       record_every=steps, progress=False, callback=lambda k, t, x: stats.append(_pair_observable(x)))
+    return traj.final, torch.stack(stats).mean(-1)
+
+
 def obvious_run(M, BF, V, beta, eta, steps, weights=None):
     """The obvious call: post-LN and the peers' direction, every other argument at its default."""
     heads = tp.Heads(BF, V.transpose(-1, -2), weights=weights, beta=beta)
@@ -155,6 +168,8 @@ def bench(dtype, args):
         cases[f"ours (H=8){tag}"] = _with_block(nb, lambda: ours_run(M, BF, V, beta, eta, steps))
         cases[f"ours (H=1){tag}"] = _with_block(nb, lambda: ours_run(M, BF[:, :1], V[:, :1], beta, eta, steps,
                                                                       weights=one))
+    cases["lean (H=8)"] = lambda: lean_run(M, BF, V, beta, eta, steps)
+    cases["lean (H=1)"] = lambda: lean_run(M, BF[:, :1], V[:, :1], beta, eta, steps, weights=one)
     if args.obvious:
         cases["obvious (H=8)"] = lambda: obvious_run(M, BF, V, beta, eta, steps)
         cases["obvious (H=1)"] = lambda: obvious_run(M, BF[:, :1], V[:, :1], beta, eta, steps, weights=one)
@@ -165,7 +180,8 @@ def bench(dtype, args):
             t, outs[k] = cpu(fn)
             times[k].append(t)
     tol = 1e-9 if dtype == torch.float64 else 1e-3
-    for a, b in (("ours (H=8)", "simuformer (H=8)"), ("ours (H=1)", "rotf (H=1)")):
+    for a, b in (("ours (H=8)", "simuformer (H=8)"), ("ours (H=1)", "rotf (H=1)"), ("lean (H=8)", "simuformer (H=8)"),
+                 ("lean (H=1)", "rotf (H=1)")):
         dx = float((outs[a][0] - outs[b][0]).abs().max())
         ds = float((outs[a][1] - outs[b][1]).abs().max())
         flag = "" if dx < tol and ds < 1e-2 else "   <-- MISMATCH"
@@ -175,7 +191,7 @@ def bench(dtype, args):
     print(f"  {'ours / peer':28s} {'simuformer (H=8)':>28s} {'rotf (H=1)':>28s}   (best; per-repeat range)")
     rows = {}
     for k in cases:
-        if k.startswith("ours (H=8)") or k.startswith("obvious (H=8)"):
+        if k.startswith(("ours (H=8)", "lean (H=8)", "obvious (H=8)")):
             label = k.replace(" (H=8)", "")
             r8 = _ratios(times[k], times["simuformer (H=8)"])
             r1 = _ratios(times[k.replace("H=8", "H=1")], times["rotf (H=1)"])

@@ -59,7 +59,7 @@ from ..model.sphere import normalize, tangent_projection
 __all__ = ["LayerNorm", "Projected", "PostLN", "PreLN", "PeriLN", "NGPT", "LAYER_NORMS", "layer_norm_scheme",
            "simuformer_scheme"]
 #: named internal API (the solvers' use of the seam)
-__internal__ = ["scheme_densities", "check_layer_norm_method", "FusedUpdate"]
+__internal__ = ["scheme_densities", "check_layer_norm_method", "FusedUpdate", "score_block_bytes", "SCORE_BLOCK_FRACTION"]
 
 #: the names accepted by ``simulate(..., layer_norm=...)``
 LAYER_NORMS = ("none", "post", "pre", "peri", "ngpt")

@@ -447,6 +447,13 @@ def test_fused_update_reuses_its_buffers_across_calls_and_block_sizes(dtype, mon
                                    **tol)
     for x, ambient in kept:                                               # still the values of their call
         torch.testing.assert_close(ambient, evaluate(x, shared, None, sign=1.0, diagnostics=False).ambient, **tol)
+    # wider tokens than there are tokens (d > n: the queries set the block), one and two systems per block
+    Xw, BFw, Vw = _peer_problem(dtype, batch=5, n=3, d=6, H=2, seed=14)
+    wide = tp.Heads(BFw, Vw, beta=0.7)
+    for block in (3 * 2 * 6 * torch.finfo(dtype).bits // 8, 2 * 3 * 2 * 6 * torch.finfo(dtype).bits // 8):
+        monkeypatch.setattr(layernorm, "_SCORE_BLOCK_BYTES", block)
+        torch.testing.assert_close(FusedUpdate(None, 1.0)(Xw, wide).ambient,
+                                   evaluate(Xw, wide, None, sign=1.0, diagnostics=False).ambient, **tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])

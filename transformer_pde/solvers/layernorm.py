@@ -366,7 +366,8 @@ def check_layer_norm_method(scheme: LayerNorm, method: str) -> None:
 
 #: the scores of one block of systems in FusedUpdate, as a fraction of one core's L2 cache: the exponential,
 #: the normalisation and the product with the tokens then run on data held in the cache, not main memory
-#: (the fraction measured best on the peers' workload, docs/performance.md, "Score blocks from the cache sizes")
+#: (the fraction measured best on the peers' workload: docs/performance.md, "The layer maps' kernel on the
+#: peers' workload")
 SCORE_BLOCK_FRACTION = 0.25
 #: the score block in bytes when set (tests, benchmarks); None: SCORE_BLOCK_FRACTION of the L2 size
 _SCORE_BLOCK_BYTES: Optional[int] = None
@@ -432,9 +433,9 @@ class FusedUpdate:
     exponentiated in place, and summed, over the contiguous last axis), the head means
     Σ_j P_ihj x_j from one product E x divided by those sums (a pass over the n·H × d means instead
     of the n·H × n scores), and the head-summed update from one product of the means (n × Hd) with
-    [ω_1 s V_1ᵀ; …; ω_H s V_Hᵀ] (Hd × d).  The systems are taken in blocks whose scores fill
-    :func:`score_block_bytes` (a fraction of one core's L2 cache), into buffers kept from one call
-    to the next.  The exponential runs on the scores directly (no max
+    [ω_1 s V_1ᵀ; …; ω_H s V_Hᵀ] (Hd × d).  The systems are taken in blocks whose scores (or
+    queries, when d > n) fill :func:`score_block_bytes` (a fraction of one core's L2 cache), into
+    buffers kept from one call to the next.  The exponential runs on the scores directly (no max
     shift): |⟨x_i, β A_h x_j⟩| ≤ β‖A_h‖_F for unit vectors, and the pass is used only when that
     bound is below ½ log(finfo.max) − log n (else ``None``: the caller falls back to
     :func:`transformer_pde.model.field.evaluate`), nor with autograd.  The same numbers as ``evaluate``
@@ -481,7 +482,7 @@ class FusedUpdate:
         parts = [x, qa, vs] + ([w] if w is not None else [])
         batch = broadcast_shapes(*(t.shape[:-2] for t in parts))
         B = math.prod(batch)
-        per = n * H * n * x.element_size()                                  # bytes of one system's scores
+        per = n * H * max(n, d) * x.element_size()    # bytes of one system's scores (or queries, when d > n)
         size = min(B, max(1, score_block_bytes(x.device) // max(per, 1)))
         # every system's tokens (B, n, d); the heads and weights stay 2-D when all systems share them
         flat = [t.expand(*batch, *t.shape[-2:]).reshape(B, *t.shape[-2:]) if t.dim() > 2 or i == 0 else t

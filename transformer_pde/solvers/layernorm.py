@@ -483,7 +483,7 @@ class FusedUpdate:
         batch = broadcast_shapes(*(t.shape[:-2] for t in parts))
         B = math.prod(batch)
         per = n * H * max(n, d) * x.element_size()    # bytes of one system's scores (or queries, when d > n)
-        size = min(B, max(1, score_block_bytes(x.device) // max(per, 1)))
+        size = max(1, min(B, score_block_bytes(x.device) // max(per, 1)))
         # every system's tokens (B, n, d); the heads and weights stay 2-D when all systems share them
         flat = [t.expand(*batch, *t.shape[-2:]).reshape(B, *t.shape[-2:]) if t.dim() > 2 or i == 0 else t
                 for i, t in enumerate(parts)]

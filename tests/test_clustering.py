@@ -511,6 +511,11 @@ def test_pair_fraction_observable_is_the_peers_statistic(dtype):
         want.append(c / (9 * 8))
     torch.testing.assert_close(got, torch.tensor(want, dtype=dtype), rtol=1e-12, atol=torch.finfo(dtype).eps * 4)
     torch.testing.assert_close(got, cl.pair_fraction(x, eps=eps), rtol=1e-12, atol=torch.finfo(dtype).eps * 4)
+    # fn keeps its Gram buffer: calls on other tokens (same and other shapes) leave later calls right
+    fn(torch.nn.functional.normalize(torch.randn(4, 9, 5, generator=g, dtype=torch.float64), dim=-1).to(dtype), None)
+    fn(x[:2, :5], None)
+    torch.testing.assert_close(fn(x, None), torch.tensor(want, dtype=dtype), rtol=1e-12,
+                               atol=torch.finfo(dtype).eps * 4)
     w = torch.rand(4, 9, generator=g, dtype=torch.float64).to(dtype)
     w = w / w.sum(-1, keepdim=True)
     torch.testing.assert_close(fn(x, w), cl.pair_fraction(x, eps=eps, weights=w))

@@ -412,6 +412,78 @@ def test_fused_update_in_blocks_of_systems_equals_evaluate(dtype, monkeypatch):
         torch.testing.assert_close(got.ambient, un, **tol)
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_fused_update_reuses_its_buffers_across_calls_and_block_sizes(dtype, monkeypatch):
+    """One FusedUpdate called again and again, as a run does: its kept buffers serve batches of other
+    sizes (larger, smaller, a remainder block) and other block sizes (one system, two, all, the
+    default from the cache) and every call equals field.evaluate; an earlier result is not
+    overwritten by a later call."""
+    from transformer_pde.model.field import evaluate
+    from transformer_pde.solvers import layernorm
+    from transformer_pde.solvers.layernorm import FusedUpdate
+
+    X, BF, V = _peer_problem(dtype, batch=7, n=5, d=4, H=3, seed=13)
+    tol = dict(rtol=50 * torch.finfo(dtype).eps, atol=50 * torch.finfo(dtype).eps)
+    per = 5 * 3 * 5 * torch.finfo(dtype).bits // 8                         # bytes of one system's scores
+    shared, batched = tp.Heads(BF[0], V[0], beta=1.1), tp.Heads(BF, V, beta=0.9)
+    fu_shared, fu_batched = FusedUpdate(None, 1.0), FusedUpdate(None, -1.0)
+    kept = []
+    for block in (None, per, 2 * per, 100 * per, per):
+        monkeypatch.setattr(layernorm, "_SCORE_BLOCK_BYTES", block)
+        for m in (7, 3, 6):
+            x = X[:m].flip(-2) if m == 3 else X[:m]
+            got = fu_shared(x, shared)
+            torch.testing.assert_close(got.ambient, evaluate(x, shared, None, sign=1.0, diagnostics=False).ambient,
+                                       **tol)
+            kept.append((x, got.ambient))
+        got = fu_batched(X, batched)
+        torch.testing.assert_close(got.ambient, evaluate(X, batched, None, sign=-1.0, diagnostics=False).ambient,
+                                   **tol)
+    for x, ambient in kept:                                               # still the values of their call
+        torch.testing.assert_close(ambient, evaluate(x, shared, None, sign=1.0, diagnostics=False).ambient, **tol)
+    # wider tokens than there are tokens (d > n: the queries set the block), one and two systems per block
+    Xw, BFw, Vw = _peer_problem(dtype, batch=5, n=3, d=6, H=2, seed=14)
+    wide = tp.Heads(BFw, Vw, beta=0.7)
+    for block in (3 * 2 * 6 * torch.finfo(dtype).bits // 8, 2 * 3 * 2 * 6 * torch.finfo(dtype).bits // 8):
+        monkeypatch.setattr(layernorm, "_SCORE_BLOCK_BYTES", block)
+        torch.testing.assert_close(FusedUpdate(None, 1.0)(Xw, wide).ambient,
+                                   evaluate(Xw, wide, None, sign=1.0, diagnostics=False).ambient, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("scheme", [PostLN(), Projected(), PreLN(), NGPT()])
+def test_layer_maps_keep_the_gradient_of_the_explicit_formula(dtype, scheme):
+    """The layer maps normalise a fresh sum in place only when no gradient flows through it: with
+    x and A requiring gradients, the result and the gradients equal those of the map written out
+    (y/|y| with y the scheme's residual sum)."""
+    g = _gen(21)
+    x0 = tp.sphere.sample_uniform(6, 3, batch_shape=(2,), generator=g, dtype=F64).to(dtype)
+    a0 = torch.randn(2, 6, 3, generator=g, dtype=F64).to(dtype)
+    dt = 0.3
+
+    def explicit(x, a):
+        if isinstance(scheme, Projected):
+            y = x + dt * (a - (x * a).sum(-1, keepdim=True) * x)
+        elif isinstance(scheme, NGPT):
+            y = x + dt * scheme.alpha * a / a.norm(dim=-1, keepdim=True)
+        else:                                                              # post; pre with r = 1
+            y = x + dt * a
+        return y / y.norm(dim=-1, keepdim=True)
+
+    x, a = x0.clone().requires_grad_(), a0.clone().requires_grad_()
+    out = scheme.step(x, scheme.initial_radius(x), a, dt)[0]
+    gx, ga = torch.autograd.grad((out * torch.arange(3, dtype=dtype)).sum(), (x, a))
+    x2, a2 = x0.clone().requires_grad_(), a0.clone().requires_grad_()
+    ref = explicit(x2, a2)
+    rx, ra = torch.autograd.grad((ref * torch.arange(3, dtype=dtype)).sum(), (x2, a2))
+    tol = dict(rtol=20 * torch.finfo(dtype).eps, atol=20 * torch.finfo(dtype).eps)
+    torch.testing.assert_close(out, ref, **tol)
+    torch.testing.assert_close(gx, rx, **tol)
+    torch.testing.assert_close(ga, ra, **tol)
+    with torch.no_grad():                                                 # the in-place path: the same numbers
+        torch.testing.assert_close(scheme.step(x0, scheme.initial_radius(x0), a0, dt)[0], ref.detach(), **tol)
+
 # ---------------------------------------------------------------- studies
 def test_rotf_phase_diagram_study_records_the_peers_statistics(tmp_path):
     """phase_diagram with rotf's settings: post-LN, pair fraction at 0.999 and Gram rank at 0.9999; the

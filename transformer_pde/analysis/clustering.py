@@ -40,6 +40,7 @@ count) in a time series, batched over leading dims; see its docstring for the th
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 from typing import Dict, Optional
 
@@ -282,7 +283,8 @@ def pair_fraction_observable(*, eps: float = 1e-3):
     the differences |x_i − x_j|²/2 (accurate for near-coincident tokens).  ε is checked here, once;
     the tokens are not (the solver hands over tokens on the sphere), so the per-step cost is one
     Gram product and one pass over it: with uniform weights the indicator is written as 0/1 in x's
-    dtype (an exact count below 2²⁴ pairs in float32, else float64) and the diagonal is taken off
+    dtype (an exact count below 2²⁴ pairs in float32, else float64) over the Gram matrix, which
+    ``fn`` keeps from one call to the next (one buffer per thread), and the diagonal is taken off
     by its own count, without a mask.
 
     Raises
@@ -294,15 +296,27 @@ def pair_fraction_observable(*, eps: float = 1e-3):
         raise ValueError(f"eps must be <= 2 (overlaps are >= -1), got {eps}")
     level = 1.0 - eps
 
+    kept = threading.local()  # the Gram matrix's buffer, reused from one call to the next (per thread)
+
     def fn(x, weights=None):
-        G = x @ x.transpose(-1, -2)
         n = x.shape[-2]
+        if x.requires_grad and torch.is_grad_enabled():
+            G = x @ x.transpose(-1, -2)
+        else:  # into the kept buffer: no fresh memory per step (a run records a new state at every step)
+            buf = getattr(kept, "G", None)
+            shape = (*x.shape[:-1], n)
+            if buf is None or buf.shape != shape or buf.dtype != x.dtype or buf.device != x.device:
+                buf = kept.G = torch.empty(shape, dtype=x.dtype, device=x.device)
+            G = torch.matmul(x, x.transpose(-1, -2), out=buf)
         if weights is not None:
             return _pair_mean(_weights(x, weights), (G > level).to(x.dtype), one_point=1.0)
         if n < 2:
             return torch.ones(x.shape[:-2], dtype=x.dtype, device=x.device)
         exact = x.dtype if x.dtype == torch.float64 or (x.dtype == torch.float32 and n * n < 2 ** 24) else torch.float64
-        close = torch.gt(G, level, out=torch.empty(G.shape, dtype=exact, device=x.device))
+        if exact == G.dtype and not G.requires_grad:  # the indicator written over the Gram matrix (no new buffer)
+            close = G.gt_(level)
+        else:
+            close = torch.gt(G, level, out=torch.empty(G.shape, dtype=exact, device=x.device))
         count = close.sum((-1, -2)) - close.diagonal(0, -2, -1).sum(-1)
         return (count / (n * (n - 1))).to(x.dtype)
 

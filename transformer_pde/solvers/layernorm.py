@@ -51,6 +51,7 @@ import math
 
 import torch
 
+from ..utils import hardware
 from ..utils.validation import broadcast_shapes
 from ..model.field import FieldEval, log_inverse_mobility
 from ..model.sphere import normalize, tangent_projection
@@ -58,7 +59,7 @@ from ..model.sphere import normalize, tangent_projection
 __all__ = ["LayerNorm", "Projected", "PostLN", "PreLN", "PeriLN", "NGPT", "LAYER_NORMS", "layer_norm_scheme",
            "simuformer_scheme"]
 #: named internal API (the solvers' use of the seam)
-__internal__ = ["scheme_densities", "check_layer_norm_method", "FusedUpdate"]
+__internal__ = ["scheme_densities", "check_layer_norm_method", "FusedUpdate", "score_block_bytes", "SCORE_BLOCK_FRACTION"]
 
 #: the names accepted by ``simulate(..., layer_norm=...)``
 LAYER_NORMS = ("none", "post", "pre", "peri", "ngpt")
@@ -172,8 +173,9 @@ class LayerNorm:
 
 
 def _normalized(y: torch.Tensor):
+    """(y/|y|, |y|) for a freshly computed y, which is divided in place when no gradient flows through it."""
     ny = y.norm(dim=-1, keepdim=True)
-    return y / ny, ny.squeeze(-1)
+    return (y / ny if y.requires_grad else y.div_(ny)), ny.squeeze(-1)
 
 
 def _err(ny: torch.Tensor) -> float:
@@ -362,9 +364,43 @@ def check_layer_norm_method(scheme: LayerNorm, method: str) -> None:
 
 
 
-#: the scores of a block of systems in FusedUpdate (bytes): the exponential, the normalisation and the
-#: product with the tokens then run on data held in a core's L2 cache instead of main memory
-_SCORE_BLOCK_BYTES = 2 ** 21
+#: the scores of one block of systems in FusedUpdate, as a fraction of one core's L2 cache: the exponential,
+#: the normalisation and the product with the tokens then run on data held in the cache, not main memory
+#: (the fraction measured best on the peers' workload: docs/performance.md, "The layer maps' kernel on the
+#: peers' workload")
+SCORE_BLOCK_FRACTION = 0.25
+#: the score block in bytes when set (tests, benchmarks); None: SCORE_BLOCK_FRACTION of the L2 size
+_SCORE_BLOCK_BYTES: Optional[int] = None
+#: the score block on devices other than the CPU (no CPU cache to fit; a bound on the scores' memory)
+_DEVICE_BLOCK_BYTES = 2 ** 26
+
+
+def score_block_bytes(device: torch.device) -> int:
+    """Bytes of the scores of one block of systems in :class:`FusedUpdate` on ``device``: on the CPU
+    ``SCORE_BLOCK_FRACTION`` of one core's L2 cache (:func:`transformer_pde.utils.hardware.cache_sizes`),
+    at least 64 KiB; elsewhere 64 MiB; ``_SCORE_BLOCK_BYTES`` when set."""
+    if _SCORE_BLOCK_BYTES is not None:
+        return int(_SCORE_BLOCK_BYTES)
+    if device.type != "cpu":
+        return _DEVICE_BLOCK_BYTES
+    return max(2 ** 16, int(SCORE_BLOCK_FRACTION * hardware.cache_sizes().l2))
+
+
+class _Workspace:
+    """Buffers reused from one call to the next (the scores, queries and head means of one block): no
+    allocation, and no fresh pages to fault in, per step.  ``get(name, shape, like)`` is a view of
+    the first elements of the named buffer, which grows when a larger shape, another dtype or device
+    asks for it."""
+
+    def __init__(self):
+        self._bufs = {}
+
+    def get(self, name: str, shape, like: torch.Tensor) -> torch.Tensor:
+        size = math.prod(shape)
+        buf = self._bufs.get(name)
+        if buf is None or buf.numel() < size or buf.dtype != like.dtype or buf.device != like.device:
+            buf = self._bufs[name] = torch.empty(size, dtype=like.dtype, device=like.device)
+        return buf[:size].view(shape)
 
 
 class _AmbientEval(FieldEval):
@@ -394,9 +430,12 @@ class FusedUpdate:
 
     All heads share each product: Q for every head comes from one product of the tokens with
     [β A_1 … β A_H] (rows i·H + h), the scores of every head from one product Q xᵀ (layout (i, h, j):
-    exponentiated and normalised in place over the contiguous last axis), the head means
-    Σ_j P_ihj x_j from one product P x, and the head-summed update from one product of those means (n × Hd) with
-    [ω_1 s V_1ᵀ; …; ω_H s V_Hᵀ] (Hd × d).  The exponential runs on the scores directly (no max
+    exponentiated in place, and summed, over the contiguous last axis), the head means
+    Σ_j P_ihj x_j from one product E x divided by those sums (a pass over the n·H × d means instead
+    of the n·H × n scores), and the head-summed update from one product of the means (n × Hd) with
+    [ω_1 s V_1ᵀ; …; ω_H s V_Hᵀ] (Hd × d).  The systems are taken in blocks whose scores (or
+    queries, when d > n) fill :func:`score_block_bytes` (a fraction of one core's L2 cache), into
+    buffers kept from one call to the next.  The exponential runs on the scores directly (no max
     shift): |⟨x_i, β A_h x_j⟩| ≤ β‖A_h‖_F for unit vectors, and the pass is used only when that
     bound is below ½ log(finfo.max) − log n (else ``None``: the caller falls back to
     :func:`transformer_pde.model.field.evaluate`), nor with autograd.  The same numbers as ``evaluate``
@@ -408,6 +447,7 @@ class FusedUpdate:
         self.w, self.sign = weights, float(sign)
         self._key = None
         self._prep = None
+        self._ws = _Workspace()
 
     @staticmethod
     def _signature(heads):
@@ -442,27 +482,48 @@ class FusedUpdate:
         parts = [x, qa, vs] + ([w] if w is not None else [])
         batch = broadcast_shapes(*(t.shape[:-2] for t in parts))
         B = math.prod(batch)
-        per = n * H * n * x.element_size()                                  # bytes of one system's scores
-        size = max(1, _SCORE_BLOCK_BYTES // max(per, 1))
-        if B <= size:
-            ambient = self._update(x, qa, vs, w, n, d, H)
-        else:  # blocks of systems whose scores stay in cache through exp, normalisation and product
-            flat = [t if t.dim() == 2 else t.expand(*batch, *t.shape[-2:]).reshape(B, *t.shape[-2:]) for t in parts]
-            ambient = torch.empty(B, n, d, dtype=x.dtype, device=x.device)
-            for s in range(0, B, size):
-                blk = [t if t.dim() == 2 else t[s:s + size] for t in flat]
-                ambient[s:s + size] = self._update(*blk[:3], blk[3] if w is not None else None, n, d, H)
-            ambient = ambient.view(*batch, n, d)
-        return _AmbientEval(x, ambient)
+        per = n * H * max(n, d) * x.element_size()    # bytes of one system's scores (or queries, when d > n)
+        size = max(1, min(B, score_block_bytes(x.device) // max(per, 1)))
+        # every system's tokens (B, n, d); the heads and weights stay 2-D when all systems share them
+        flat = [t.expand(*batch, *t.shape[-2:]).reshape(B, *t.shape[-2:]) if t.dim() > 2 or i == 0 else t
+                for i, t in enumerate(parts)]
+        ambient = torch.empty(B, n, d, dtype=x.dtype, device=x.device)
+        bufs = self._buffers(size, (n, d, H), x)
+        # blocks of systems whose scores stay in cache through exp, sums and products (views, one split each)
+        blocks = zip(*[t.split(size) if t.dim() > 2 else [t] * -(-B // size) for t in flat], ambient.split(size))
+        with torch.no_grad():
+            for *blk, out in blocks:
+                b = out.shape[0]
+                self._update(blk, bufs if b == size else self._buffers(b, (n, d, H), x), out)
+        return _AmbientEval(x, ambient.view(*batch, n, d))
+
+    def _buffers(self, b: int, sizes, x):
+        """The workspace's queries (b, n, H·d), scores (b, n·H, n), row sums (b, n·H, 1) and means (b, n·H, d)."""
+        n, d, H = sizes
+        ws = self._ws
+        return (ws.get("q", (b, n, H * d), x), ws.get("e", (b, n * H, n), x), ws.get("s", (b, n * H, 1), x),
+                ws.get("m", (b, n * H, d), x))
 
     @staticmethod
-    def _update(x, qa, vs, w, n, d, H):
-        """A (..., n, d) of one block: the products and in-place passes of the class docstring."""
-        Q = x @ qa                                           # (..., n, H·d): Q[i, h] = β A_hᵀ x_i
-        E = Q.view(*Q.shape[:-2], n * H, d) @ x.transpose(-1, -2)   # (..., n·H, n): E[i·H + h, j]
+    def _update(blk, bufs, out):
+        """A of one block into ``out`` (b, n, d), through the buffers ``bufs`` (:meth:`_buffers`): the
+        products and in-place passes of the class docstring."""
+        x, qa, vs = blk[:3]
+        w = blk[3] if len(blk) > 3 else None
+        Q, E, s, means = bufs
+        b, n, d = x.shape
+        if qa.dim() == 2:                                                    # heads shared by all systems
+            torch.mm(x.reshape(b * n, d), qa, out=Q.view(b * n, -1))
+        else:
+            torch.bmm(x, qa, out=Q)                                          # Q[i, h] = β A_hᵀ x_i
+        torch.bmm(Q.view(b, -1, d), x.transpose(1, 2), out=E)               # E[i·H + h, j]
         E.exp_()
         if w is not None:
             E.mul_(w)
-        E.div_(E.sum(-1, keepdim=True))
-        means = E @ x                                        # (..., n·H, d): Σ_j P_ihj x_j
-        return means.view(*means.shape[:-2], n, H * d) @ vs
+        torch.sum(E, -1, keepdim=True, out=s)
+        torch.bmm(E, x, out=means)                                           # Σ_j E_ihj x_j
+        means.div_(s)                                                        # Σ_j P_ihj x_j
+        if vs.dim() == 2:
+            torch.mm(means.view(b * n, -1), vs, out=out.view(b * n, d))
+        else:
+            torch.bmm(means.view(b, n, -1), vs, out=out)

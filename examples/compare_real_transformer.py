@@ -38,7 +38,7 @@ from typing import Dict, Optional, Sequence
 import torch
 
 import transformer_pde as tp
-from transformer_pde.application.runs import RunDir
+from transformer_pde.application.rundir import RunDir
 
 
 def build_model(d: int, heads: int, layers: int, *, gain: float = 1.5, seed: int = 0,

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 import transformer_pde as tp
-from transformer_pde.application.runs import RunDir
+from transformer_pde.application.rundir import RunDir
 
 DTYPE = torch.float64
 

@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 
 import transformer_pde as tp
-from transformer_pde.application.runs import RunDir
+from transformer_pde.application.rundir import RunDir
 
 DTYPE = torch.float64
 

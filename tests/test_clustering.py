@@ -341,7 +341,7 @@ def test_phase_diagram_resumes_a_killed_segment_exactly(tmp_path):
 
 
 def test_study_configs_refuse_bad_values(tmp_path):
-    from transformer_pde.application.runs import load_config
+    from transformer_pde.application.config import load_config
 
     with pytest.raises(ValueError, match="betas"):
         load_config({"kind": "phase_diagram", "params": {"betas": [2.0, 1.0]}})

@@ -26,7 +26,8 @@ import pytest
 import torch
 
 from transformer_pde.application.cli import main as cli_main
-from transformer_pde.application.runs import LOCK_FILE, execute
+from transformer_pde.application.locks import LOCK_FILE
+from transformer_pde.application.runs import execute
 
 ROOT = Path(__file__).resolve().parent.parent
 PARAMS = {"n": 16, "heads": [1, 3], "paths": 2, "t1": 0.2, "dt": 0.02, "t_avg": 0.05, "record_every": 2,

@@ -8,8 +8,8 @@ import re
 
 import pytest
 
-from transformer_pde.application import runs
-from transformer_pde.application.runs import RunDir
+from transformer_pde.application import rundir, runs
+from transformer_pde.application.rundir import RunDir
 from transformer_pde.application.studies import sphere_name
 
 _RAW_TEX = re.compile(r"[\^_]\{|\\[a-zA-Z]+")  # a caret or underscore with braces, or a backslash command
@@ -115,7 +115,7 @@ def test_a_narrow_band_is_printed_with_the_digits_that_show_its_width(tmp_path):
 
     p = {"schemes": ["post"], "n": 6, "d": 4, "draws": 6, "t1": 20.0, "dt": 0.05, "figures": False}
     path = runs.execute({"kind": "layer_norm_rates", "name": "r", "params": p}, out_dir=tmp_path, progress=False)
-    m = runs.RunDir(path).read_json("metrics.json")
+    m = rundir.RunDir(path).read_json("metrics.json")
     post = m["schemes"]["post"]
     assert post["rate_median"] == pytest.approx(-2 * math.log(1 + 0.05) / 0.05, rel=1e-3)
     assert post["theory_discrete"] == pytest.approx(-2 * math.log(1 + 0.05) / 0.05, rel=1e-12)

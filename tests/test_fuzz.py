@@ -194,7 +194,7 @@ def _check_config(cfg):
 
 
 def _config_props(data, overrides, tmp):
-    from transformer_pde.application.runs import load_config
+    from transformer_pde.application.config import load_config
 
     path = Path(tmp) / "config.toml"
     path.write_bytes(data)
@@ -229,7 +229,7 @@ python_values = st.one_of(values, st.sampled_from([None, (1, 2), {1, 2}, b"bytes
 def test_config_dict_contract(kind, params, top):
     """load_config(dict): Python objects that TOML cannot even express (None, tuples, sets, bytes,
     complex, tensors) are refused with ValueError / TypeError too."""
-    from transformer_pde.application.runs import load_config
+    from transformer_pde.application.config import load_config
 
     cfg = contract("load_config[dict]", lambda: load_config({"kind": kind, "params": params, **top}))
     if cfg is not None:
@@ -687,7 +687,7 @@ def test_cli_writes_only_its_run_directory_slow(pairs):
 def test_a_kind_that_is_not_a_string_is_refused(kind, tmp_path):
     """A TOML kind that is not a string (found by test_config_dict_contract) is refused with a
     ValueError, not the registry lookup's TypeError "unhashable type: 'list'"."""
-    from transformer_pde.application.runs import load_config
+    from transformer_pde.application.config import load_config
 
     with pytest.raises(ValueError, match="kind.? must be a string"):
         load_config({"kind": kind})

@@ -399,11 +399,11 @@ def test_a_fifo_or_a_device_as_config_is_refused_at_once(tmp_path):
 
 
 def test_a_config_file_larger_than_any_config_is_refused(tmp_path, capsys):
-    from transformer_pde.application import runs
+    from transformer_pde.application import config
     from transformer_pde.application.cli import main
 
     big = tmp_path / "big.toml"
-    big.write_text('kind = "demo"\n' + "# padding\n" * (runs.CONFIG_MAX_BYTES // 10 + 1))
+    big.write_text('kind = "demo"\n' + "# padding\n" * (config.CONFIG_MAX_BYTES // 10 + 1))
     assert main(["run", str(big), "--out", str(tmp_path / "out")]) == 2
     assert "bytes" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()

@@ -204,7 +204,7 @@ def test_import_everything_without_tomllib(tmp_path):
         "assert R.tomllib is parser\n"
         "for m in pkgutil.walk_packages(transformer_pde.__path__, 'transformer_pde.'):\n"
         "    importlib.import_module(m.name)\n"
-        "from transformer_pde.application.runs import load_config\n"
+        "from transformer_pde.application.config import load_config\n"
         "names = R.config_names()\n"
         "for n in names: load_config(R.config_path(n))\n"
         "print(len(names))\n")

@@ -35,7 +35,8 @@ import torch
 
 import transformer_pde as tp
 from transformer_pde.application.cli import main as cli_main
-from transformer_pde.application.runs import execute, load_config
+from transformer_pde.application.runs import execute
+from transformer_pde.application.config import load_config
 from transformer_pde.application.studies.paper import fit_power_law, power_law_intervals, time_average
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -290,7 +290,7 @@ values = st.sampled_from(["1", "0", "-1", "2.5", "inf", "nan", "-inf", "1e400", 
 def _config_props(pairs):
     from pathlib import Path
 
-    from transformer_pde.application.runs import load_config
+    from transformer_pde.application.config import load_config
 
     src = Path(__file__).resolve().parents[1] / CONFIG
     overrides = [f"{k}={v}" for k, v in pairs]

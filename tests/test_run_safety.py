@@ -20,7 +20,10 @@ import torch
 
 from transformer_pde.application import studies
 from transformer_pde.application.cli import main as cli_main
-from transformer_pde.application.runs import MARKER, RunLockedError, Terminated, check_run_name, execute, is_run_dir, plan
+from transformer_pde.application.rundir import MARKER, is_run_dir
+from transformer_pde.application.locks import RunLockedError, Terminated
+from transformer_pde.application.config import check_run_name
+from transformer_pde.application.runs import execute, plan
 from transformer_pde.application.studies import Option, Study, positive
 
 QUICK_DEMO = ["-o", "n=8", "-o", "heads=2", "-o", "t1=0.1", "-o", "dt=0.02", "-o", "paths=1"]
@@ -331,7 +334,7 @@ def test_out_that_cannot_be_created_is_a_clean_error(site, monkeypatch, capsys):
 
 def test_script_output_folders_follow_the_run_rules(tmp_path):
     """The examples' --out: created and marked when new or empty, reused when marked, else refused."""
-    from transformer_pde.application.runs import RunDir
+    from transformer_pde.application.rundir import RunDir
 
     user = tmp_path / "mine"
     user.mkdir()
@@ -441,7 +444,7 @@ def test_resume_refuses_a_run_directory_holding_links_and_the_outside_is_untouch
 def test_atomic_writes_never_open_an_existing_name(tmp_path):
     """The temporary file is created exclusively: a link planted at the old fixed temp name (or at the target)
     is never written through; the target name is replaced, its former (outside) inode untouched."""
-    from transformer_pde.application.runs import RunDir, atomic_write_text
+    from transformer_pde.application.rundir import RunDir, atomic_write_text
 
     victim = _outside(tmp_path)
     before = _tree(victim)
@@ -665,7 +668,7 @@ def test_metrics_json_never_holds_nan_or_infinity(tmp_path, monkeypatch):
     rows = dict(csv.reader((run / "metrics.csv").read_text().splitlines()))
     assert rows["a"] == "" and rows["b.c.1"] == "" and rows["t.1"] == "2.0"
     assert not [v for v in rows.values() if v.lower() in ("nan", "inf", "-inf")]
-    from transformer_pde.application.runs import RunDir
+    from transformer_pde.application.rundir import RunDir
 
     with pytest.raises(ValueError):  # the guard itself: allow_nan=False
         RunDir(tmp_path / "x").write_json("y.json", {"v": float("nan")})
@@ -697,7 +700,7 @@ def test_options_bounded_by_the_horizon_and_int64(tmp_path, capsys, config, over
 
 
 def test_record_every_at_the_horizon_is_accepted():
-    from transformer_pde.application.runs import load_config
+    from transformer_pde.application.config import load_config
 
     cfg = load_config({"kind": "causal_clustering", "params": {"t1": 4.0, "dt": 0.1, "record_every": 40}})
     assert cfg["params"]["record_every"] == 40
@@ -732,7 +735,7 @@ def test_a_utf8_bom_is_accepted(tmp_path, monkeypatch):
     cfg = _register(monkeypatch)
     f = tmp_path / "bom.toml"
     f.write_bytes(b"\xef\xbb\xbf" + f'kind = "{cfg["kind"]}"\n[params]\nn = 4\n'.encode())
-    from transformer_pde.application.runs import load_config
+    from transformer_pde.application.config import load_config
 
     assert load_config(f)["params"]["n"] == 4
 
@@ -771,7 +774,7 @@ def test_resource_guards_refuse_before_anything_is_written(tmp_path, capsys, ove
 
 
 def test_resource_limits_are_raised_and_lowered_by_flags(tmp_path, capsys, monkeypatch):
-    from transformer_pde.application.runs import check_resources, load_config, parse_size
+    from transformer_pde.application.config import check_resources, load_config, parse_size
 
     assert [parse_size(s) for s in ("512", "1K", "2M", "1.5G", "1T", "3GiB")] == \
         [512, 1024, 2 * 2**20, int(1.5 * 2**30), 2**40, 3 * 2**30]

@@ -17,7 +17,9 @@ import torch
 
 from transformer_pde.application import studies
 from transformer_pde.application.cli import main as cli_main
-from transformer_pde.application.runs import RunDir, atomic_write_text, execute, flatten_metrics, load_config, parse_override
+from transformer_pde.application.rundir import RunDir, atomic_write_text, flatten_metrics
+from transformer_pde.application.runs import execute
+from transformer_pde.application.config import load_config, parse_override
 from transformer_pde.application.studies import Option, Study, positive
 
 

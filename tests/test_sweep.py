@@ -300,7 +300,7 @@ def test_a_killed_worker_is_a_failed_point_and_results_csv_is_written(tmp_path):
 def test_a_sweep_directory_is_locked_like_a_run_directory(tmp_path):
     """A second sweep of one folder is refused while the first runs (two at once would mark a completed
     point failed)."""
-    from transformer_pde.application.runs import DirLock, RunLockedError
+    from transformer_pde.application.locks import DirLock, RunLockedError
 
     res = sweep.run_sweep(TINY, ["seed=[0]"], out_dir=tmp_path, name="sw", figure=False)
     lock = DirLock(res.path).acquire()  # another live sweep of this folder

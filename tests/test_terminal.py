@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from transformer_pde.application import runs
+from transformer_pde.application import rundir, runs
 from transformer_pde.application import studies
 from transformer_pde.application.studies import paper
 
@@ -169,7 +169,7 @@ def test_a_one_path_segment_prints_no_spread(tmp_path):
         "regimes": ["oscillating", "ou"], "heads": [1, 2], "n": 8, "t1": 0.1, "dt": 0.02, "t_avg": 0.04,
         "paths": 2, "record_every": 1, "figures": False, "workers": 1, "bootstrap": 0}}
     path = runs.execute(cfg, out_dir=tmp_path, progress=False)
-    summary = runs.RunDir(path).read_json("metrics.json")["summary"]
+    summary = rundir.RunDir(path).read_json("metrics.json")["summary"]
     osc = [s for s in summary if s.strip().startswith("oscillating H=")]
     ou = [s for s in summary if s.strip().startswith("ou H=")]
     assert len(osc) == 2 and all("one path: no spread" in s and "±" not in s for s in osc), summary

@@ -83,7 +83,7 @@ def _threads_arg(text: str):
 
 
 def _size_arg(text: str) -> int:
-    from .runs import parse_size
+    from .config import parse_size
 
     try:
         return parse_size(text)
@@ -192,7 +192,8 @@ def _config_source(text: str, find_config) -> Path:
 
 def _cmd_run(args) -> int:
     from ..utils.resources import find_config
-    from .runs import Terminated, execute, plan
+    from .locks import Terminated
+    from .runs import execute, plan
 
     if args.name is not None and len(args.config) > 1:
         raise ValueError(f"--name names one run directory but {len(args.config)} configs were given; "
@@ -316,7 +317,8 @@ def _cmd_list(args) -> int:
 
 
 def _cmd_demo(args) -> int:
-    from .runs import Terminated, execute
+    from .locks import Terminated
+    from .runs import execute
 
     try:
         path = execute({"kind": "demo", "name": args.name, "params": {}}, overrides=args.override, out_dir=args.out,

@@ -2,7 +2,7 @@
 
 Every function takes plain arrays (numpy or torch, moved to numpy here), builds a
 ``matplotlib.figure.Figure`` without touching pyplot's global state, and returns it; save it
-with :meth:`transformer_pde.application.runs.RunDir.save_figure` (PNG and PDF, atomic).
+with :meth:`transformer_pde.application.rundir.RunDir.save_figure` (PNG and PDF, atomic).
 
 * :func:`sphere_snapshots` — tokens at evenly spaced recorded times: 3-D scatter on S²
   (d = 3), points on the circle S¹ (d = 2, with the angle histogram), the Gram matrix

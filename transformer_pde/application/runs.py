@@ -39,10 +39,10 @@ killed run never leaves a half-written file behind.  docs/reliability.md is the 
 ``--resume`` re-enters the study with the same resolved config; studies skip the pieces whose
 results are already in the run directory and continue a partial piece from its checkpoint.
 
-This module runs a study (:func:`plan`, :func:`execute`) and re-exports the run API of the modules it is
-made of: :mod:`.config` (reading and resolving a config, the run name, the resource limits),
-:mod:`.rundir` (the directory's files: atomic writes, the marker, :class:`RunDir`) and :mod:`.locks`
-(the run's lock, SIGTERM as an interrupt).
+This module runs a study (:func:`plan`, :func:`execute`); it is built on :mod:`.config` (reading and
+resolving a config, the run name, the resource limits), :mod:`.rundir` (the directory's files: atomic
+writes, the marker, :class:`~transformer_pde.application.rundir.RunDir`) and :mod:`.locks` (the run's
+lock, SIGTERM as an interrupt), which are imported from there.
 """
 
 from __future__ import annotations
@@ -59,21 +59,15 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 
 from ..utils import threads
-from .config import (CONFIG_MAX_BYTES, DEFAULT_MAX_STEPS, check_out_dir, check_resources, check_run_name, load_config,
-                     memory_limit, parse_override, parse_size)
-from .locks import (LOCK_FILE, DirLock, RunLock, RunLockedError, Terminated, lock_holder, sigterm_as_interrupt,
+from .config import check_out_dir, check_resources, check_run_name, load_config
+from .locks import (LOCK_FILE, RunLock, RunLockedError, Terminated, lock_holder, sigterm_as_interrupt,
                     wait_for_creator)
-from .rundir import (MARKER, RunDir, atomic_write_text, check_no_links, flatten_metrics, is_run_dir, json_default,
-                     nonfinite_to_null, not_ours, package_versions, read_marker, remove_stale_temps, write_csv,
-                     write_figure, write_marker)
+from .rundir import (RunDir, check_no_links, flatten_metrics, is_run_dir, json_default, nonfinite_to_null, not_ours,
+                     package_versions, read_marker, remove_stale_temps, write_csv, write_marker)
 from .studies import get_study, nonfinite_keys
 
-__all__ = ["RunDir", "load_config", "parse_override", "execute", "plan", "package_versions", "atomic_write_text",
-           "flatten_metrics", "check_run_name", "is_run_dir", "RunLockedError", "Terminated", "MARKER", "LOCK_FILE",
-           "check_resources", "parse_size", "memory_limit", "DEFAULT_MAX_STEPS", "CONFIG_MAX_BYTES", "failed_run_dir"]
+__all__ = ["execute", "plan", "failed_run_dir"]
 
-# shared with sweep (named internal API)
-__internal__ = ["write_csv", "write_figure", "check_out_dir", "check_no_links", "DirLock", "sigterm_as_interrupt"]
 
 logger = logging.getLogger(__name__)
 

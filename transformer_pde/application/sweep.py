@@ -81,7 +81,7 @@ def parse_axis(text: str) -> Tuple[str, list]:
     """'key=[v1, v2, ...]' (TOML list) -> (key, [v1, v2, ...]).
 
     Raises ValueError when the text is not key=value or the value is not a non-empty list."""
-    from .runs import parse_override
+    from .config import parse_override
 
     key, value = parse_override(text)
     if not isinstance(value, list) or not value:
@@ -228,7 +228,7 @@ def run_sweep(config, axes: Dict[str, list] | Sequence[str], *, overrides: Itera
     max_points : int
         refuse a grid of more points (default :data:`DEFAULT_MAX_POINTS`).
     max_memory, max_steps
-        the resource limits of every point (``runs.check_resources``).
+        the resource limits of every point (``config.check_resources``).
 
     Returns
     -------
@@ -241,14 +241,14 @@ def run_sweep(config, axes: Dict[str, list] | Sequence[str], *, overrides: Itera
         for a bad axis, a key both swept and overridden, an invalid point, a grid above
         ``max_points``, a point above the resource limits, an ``out_dir`` that is a file or not writable, an
         existing sweep directory without resume or one holding another sweep, a sweep directory in use by
-        another live sweep (:class:`~transformer_pde.application.runs.RunLockedError`), an unreachable scheduler — all
+        another live sweep (:class:`~transformer_pde.application.locks.RunLockedError`), an unreachable scheduler — all
         before anything is written; ImportError (with the install command) for scheduler= without
-        dask.distributed.  :class:`~transformer_pde.application.runs.Terminated` when SIGTERM stops the sweep (its
+        dask.distributed.  :class:`~transformer_pde.application.locks.Terminated` when SIGTERM stops the sweep (its
         workers are stopped first).
     """
-    from .runs import (
-        DirLock, atomic_write_text, check_out_dir, check_resources, check_run_name, load_config, parse_override,
-    )
+    from .locks import DirLock
+    from .rundir import atomic_write_text
+    from .config import check_out_dir, check_resources, check_run_name, load_config, parse_override
 
     workers = _check_int(workers, "workers")
     threads = _check_int(threads, "threads")
@@ -348,7 +348,8 @@ def run_sweep(config, axes: Dict[str, list] | Sequence[str], *, overrides: Itera
 
 
 def _check_sweep_dir(sweep_dir: Path, spec, *, resume: bool, held: bool = False) -> None:
-    from .runs import RunLockedError, check_no_links
+    from .locks import RunLockedError
+    from .rundir import check_no_links
 
     spec_file = sweep_dir / "sweep.json"
     if sweep_dir.is_symlink() or (sweep_dir.exists() and not sweep_dir.is_dir()):
@@ -429,7 +430,7 @@ def _stop_workers(pool, grace: float = 15.0) -> None:
 def _dispatch(todo, points_dir, threads, n_par, client, progress) -> List[Dict[str, Any]]:
     from tqdm.auto import tqdm
 
-    from .runs import sigterm_as_interrupt
+    from .locks import sigterm_as_interrupt
 
     bar = tqdm(total=len(todo), desc="sweep", unit="point", disable=None if progress else True)
     out: List[Dict[str, Any]] = []
@@ -494,7 +495,7 @@ def gather(sweep_dir, errors: Optional[Dict[str, str]] = None) -> Tuple[Path, Li
     then every scalar metric (flattened nested metrics, "a.b"); a metric whose name is also a
     parameter is prefixed "metric.".  Points not (yet) complete have state "running",
     "interrupted", "failed" or "missing" and empty metrics."""
-    from .runs import flatten_metrics, write_csv
+    from .rundir import flatten_metrics, write_csv
 
     sweep_dir = Path(sweep_dir)
     spec = json.loads((sweep_dir / "sweep.json").read_text())
@@ -555,7 +556,7 @@ def plot_sweep(sweep_dir, rows: List[Dict[str, Any]], axes: List[str], metrics: 
     if not keys:
         return None
     from .plotting import panel, subplots
-    from .runs import write_figure
+    from .rundir import write_figure
 
     xkey = axes[0] if axes else None
     others = axes[1:]
@@ -622,7 +623,7 @@ def add_parser(subparsers, parents: Sequence[argparse.ArgumentParser] = ()):
 def _cmd_sweep(args) -> int:
     """`transformer-pde sweep`: exit 0 done, 1 some point failed (results.csv written), 2 refused before anything was
     written, 130 Ctrl-C, 143 SIGTERM (the workers are stopped first; --resume continues)."""
-    from .runs import Terminated
+    from .locks import Terminated
 
     try:
         res = run_sweep(args.config, args.sweep, overrides=args.override, out_dir=args.out, name=args.name,

@@ -115,7 +115,7 @@ def study(kind: str, options: Dict[str, Option], description: str = "", *, valid
 
     ``options`` gets the option ``dtype`` (:data:`DTYPE`) at its end unless it places it itself.
     ``validate(params)``, when given, checks across keys (raises ValueError); it becomes ``fn.validate``, which
-    ``runs.load_config`` runs before anything is written.  ``resources(params)``, when given, returns the
+    ``config.load_config`` runs before anything is written.  ``resources(params)``, when given, returns the
     study's own estimate ``{"memory": bytes, "steps": solver steps, "detail": str}`` (``fn.resources``);
     otherwise :func:`estimate_resources` estimates from the usual keys.
     """

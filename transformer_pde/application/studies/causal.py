@@ -147,7 +147,7 @@ def _summaries(res, t1):
 
 @study("causal_clustering", OPTIONS,
        "causal (decoder-mask) vs full attention: clustering over time under OU and oscillating heads",
-       validate=_validate)  # checks across keys, run by runs.load_config before anything is written
+       validate=_validate)  # checks across keys, run by config.load_config before anything is written
 def run_causal(params, run):
     p = params
     _validate(p)

@@ -47,7 +47,6 @@ class LagrangianJKO(Solver):
     strict: bool = False
     accepts: ClassVar[FrozenSet[str]] = frozenset({"saveat", "ledger", "progress", "limits"})
     unsupported: ClassVar[Mapping[str, Tuple[str, ...]]] = _UNSUPPORTED
-    kind: ClassVar[str] = "jko"
     #: the JKO variant (tp.jko's ``scheme=``)
     variant: ClassVar[str] = "lagrangian"
 
@@ -101,7 +100,6 @@ class EulerianJKO(Solver):
     strict: bool = False
     accepts: ClassVar[FrozenSet[str]] = frozenset({"saveat", "ledger", "progress", "limits"})
     unsupported: ClassVar[Mapping[str, Tuple[str, ...]]] = _UNSUPPORTED
-    kind: ClassVar[str] = "jko"
     #: the JKO variant (tp.jko's ``scheme=``)
     variant: ClassVar[str] = "eulerian"
 

@@ -342,3 +342,13 @@ def test_bad_configs_are_refused_before_anything_runs(kind, override, match, tmp
     with pytest.raises(ValueError, match=match):
         execute(ROOT / f"{kind}_quick.toml", overrides=[override], out_dir=tmp_path, progress=False)
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("norm", ["sinkhorn", "hardmax", "effective"])
+def test_lipschitz_constants_refuse_normalisations_without_a_closed_form(norm):
+    """The closed-form constants exist for softmax, unnormalised and ReLU heads only; a plan-based
+    normalisation is refused by name instead of silently receiving the ReLU bound."""
+    heads = tp.Heads.scalar([1.0, 2.0], 3).to(torch.float64)
+    with pytest.raises(ValueError, match=norm):
+        tp.theory.lipschitz_constants(heads, norm)
+    assert torch.isfinite(tp.theory.lipschitz_constants(heads, "relu")["space"]).all()

@@ -37,13 +37,14 @@ from ...utils.validation import DEFAULT_DIRECTION
 from ...utils.validation import check_choice, check_positive, check_tensor, check_tokens, direction_sign
 from ...model.field import head_outputs, velocity
 from ...model.heads import Heads
-from ...model.normalization import Softmax, Unnormalized, choose as choose_normalization, names
+from ...model.normalization import ReLU, Softmax, Unnormalized, choose as choose_normalization, names
 
 __all__ = ["LIPSCHITZ_NORMALIZATIONS", "lipschitz_constants", "lipschitz_bound", "gronwall_factor",
            "fast_weights_coefficients"]
 
 #: normalisations for which :func:`lipschitz_bound` is derived
-LIPSCHITZ_NORMALIZATIONS = names(lambda n: n.head_outputs)  # fields Σ_h ω_h f_h of per-head outputs
+#: the normalisations whose per-head Lipschitz constants have a closed form here (softmax, unnormalised, ReLU)
+LIPSCHITZ_NORMALIZATIONS = names(lambda n: isinstance(n, (Softmax, Unnormalized, ReLU)))
 
 
 def _check_heads(heads) -> Heads:
@@ -96,7 +97,7 @@ def lipschitz_constants(heads: Heads, normalization: str = "softmax") -> Dict[st
     elif isinstance(normalization, Unnormalized):
         space = v * torch.exp(a) * (1 + a)
         measure = space
-    else:  # relu
+    else:  # ReLU (the only other one LIPSCHITZ_NORMALIZATIONS admits)
         space = 2 * v * a
         measure = space
     return {"space": (w * space).sum(-1), "measure": (w * measure).sum(-1)}

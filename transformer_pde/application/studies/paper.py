@@ -8,7 +8,7 @@ Kind ``ou_vs_oscillating``.  For every regime ("ou", "oscillating") and every he
     osc.    dD_h = (F(t) − D_h)dt, one shared F(t) (phase "shared", the paper) or F(t + 2πh/H) ("per_head"), 1 path
     tokens  ẋ_i = V[μ_t, Θ_t](x_i), direction "descent" (the reference code), ω_h = 1/H, β = 1
 
-Each (regime, H) pair is a *segment*: simulated with :func:`transformer_pde.simulate`,
+Each (regime, H) pair is a *segment*: solved with :func:`transformer_pde.solve` (``tp.FixedStep(method)``),
 checkpointed every ``checkpoint_every`` steps, and written atomically to the run directory
 when done (``data/<regime>_H<H>.pt`` with the recorded tensors, ``series/<regime>_H<H>.csv``
 with Monte-Carlo mean and std).  ``--resume`` skips finished segments and continues a partial
@@ -317,13 +317,15 @@ def _simulate_chunk(p: Dict, regime: str, H: int, x0: torch.Tensor, lo: int, hi:
     if ckpt.exists():
         try:
             start_step = int(torch.load(ckpt, map_location="cpu", weights_only=False).get("k", 0))
-        except Exception:  # simulate refuses it below with the full message
+        except Exception:  # the solver refuses it below with the full message
             start_step = 0
     t0 = time.perf_counter()
-    traj = tp.simulate(x0, theta, t1=p["t1"], dt=p["dt"], method=p["method"], normalization=p["normalization"],
-                       direction=p["direction"], paths=None if total is None else hi - lo, seed=seed,
-                       record_every=p["record_every"], progress=progress, checkpoint=ckpt,
-                       checkpoint_every=p["checkpoint_every"], callback=callback)
+    model = tp.Model(theta, normalization=p["normalization"], direction=p["direction"])
+    traj = tp.solve(model, x0, tp.FixedStep(p["method"]), t1=p["t1"], dt=p["dt"],
+                    paths=None if total is None else hi - lo, seed=seed, saveat=tp.SaveAt(every=p["record_every"]),
+                    ledger=tp.LedgerOptions(diagnostics=True),
+                    checkpoint=tp.Checkpointing(ckpt, every=p["checkpoint_every"]),
+                    progress=tp.Progress(show=progress, callback=callback))
     wall = time.perf_counter() - t0
     traj = traj.with_paths()  # (T, P, ...) whether or not the run had paths (P = 1 for the oscillating runs)
     k_keep = 1 if total is None else max(0, min(p["store_paths"], hi) - lo)  # the deterministic run: its one path

@@ -280,23 +280,38 @@ class _PathSlice:
     """Paths lo:hi of a grid-sampled process with ``total`` paths: every grid step draws the noise of all
     ``total`` paths from the generator (the other paths' states are zeros) and keeps rows lo:hi, so a
     chunk of paths sees exactly the draws and the arithmetic it has in the full run (elementwise
-    transition), whatever the split."""
+    transition), whatever the split.
+
+    The transition is computed in float64 whatever the tokens' dtype (where the device has float64):
+    a float32 run draws the weights' noise of the float64 run (torch draws other normals in float32)
+    and rounds each new A(t + dt) to float32, so that it differs from the float64 run by rounding
+    only, not by another realisation of the noise."""
 
     @staticmethod
-    def wrap(theta, lo: int, hi: int, total: int):
-        if (lo, hi) == (0, total):
+    def wrap(theta, lo: int, hi: int, total: Optional[int]):
+        """``theta`` stepped on paths lo:hi of ``total`` (None: a process without a paths axis), in float64."""
+        work = theta.heads0.score_matrix.dtype
+        if theta.heads0.score_matrix.device.type != "mps":  # MPS has no float64
+            work = torch.promote_types(work, torch.float64)
+        sliced = total is not None and (lo, hi) != (0, total)
+        if not sliced and work == theta.heads0.score_matrix.dtype:
             return theta
         base = type(theta)
 
         def step(self, score, t, dt, generator=None):
-            full = score.new_zeros((total,) + tuple(score.shape[1:]))
-            full[lo:hi] = score
+            if sliced:
+                full = score.new_zeros((total,) + tuple(score.shape[1:]), dtype=work)
+                full[lo:hi] = score
+            else:
+                full = score.to(work)
             nxt, noise = base.step(self, full, t, dt, generator)
-            return nxt[lo:hi], None if noise is None else noise[lo:hi]
+            if sliced:
+                nxt, noise = nxt[lo:hi], None if noise is None else noise[lo:hi]
+            return nxt.to(score.dtype), None if noise is None else noise.to(score.dtype)
 
-        sliced = copy.copy(theta)
-        sliced.__class__ = type(base.__name__, (base,), {"step": step, "__module__": base.__module__})
-        return sliced
+        out = copy.copy(theta)
+        out.__class__ = type(base.__name__, (base,), {"step": step, "__module__": base.__module__})
+        return out
 
 
 def _chunk_tag(tag: str, lo: int, hi: int, total: int) -> str:
@@ -310,8 +325,7 @@ def _simulate_chunk(p: Dict, regime: str, H: int, x0: torch.Tensor, lo: int, hi:
     theta = weight_process(regime, heads0, rate=p["ou_rate"], sigma=math.sqrt(p["ou_sigma2"]), phase=p["phase"],
                            scheme=p["scheme"])
     total = p["paths"] if regime == "ou" else None
-    if total is not None:
-        theta = _PathSlice.wrap(theta, lo, hi, total)
+    theta = _PathSlice.wrap(theta, lo, hi, total)
     seed = p["noise_seed"] + H if regime == "ou" else 0
     start_step = 0
     if ckpt.exists():

@@ -7,6 +7,8 @@ Kind ``ou_vs_oscillating``.  For every regime ("ou", "oscillating") and every he
     OU      dD_h = κ(I − D_h)dt + σ dW_sym, σ² = 2, κ = 1, ``paths`` Monte-Carlo paths, noise seed noise_seed + H
     osc.    dD_h = (F(t) − D_h)dt, one shared F(t) (phase "shared", the paper) or F(t + 2πh/H) ("per_head"), 1 path
     tokens  ẋ_i = V[μ_t, Θ_t](x_i), direction "descent" (the reference code), ω_h = 1/H, β = 1
+    dtype   the tokens' dtype; the weights are stepped in float64 from the same draws whatever it is
+            (a float32 run follows the float64 run to rounding; docs/reproducing.md#paper-float32)
 
 Each (regime, H) pair is a *segment*: solved with :func:`transformer_pde.solve` (``tp.FixedStep(method)``),
 checkpointed every ``checkpoint_every`` steps, and written atomically to the run directory
@@ -280,21 +282,17 @@ class _PathSlice:
     """Paths lo:hi of a grid-sampled process with ``total`` paths: every grid step draws the noise of all
     ``total`` paths from the generator (the other paths' states are zeros) and keeps rows lo:hi, so a
     chunk of paths sees exactly the draws and the arithmetic it has in the full run (elementwise
-    transition), whatever the split.
-
-    The transition is computed in float64 whatever the tokens' dtype (where the device has float64):
-    a float32 run draws the weights' noise of the float64 run (torch draws other normals in float32)
-    and rounds each new A(t + dt) to float32, so that it differs from the float64 run by rounding
-    only, not by another realisation of the noise."""
+    transition), whatever the split.  The transition is computed in float64 (where the device has it) whatever
+    the tokens' dtype: a float32 run draws the float64 run's noise (torch draws other normals in float32) and
+    rounds each A(t + dt) to float32, so it differs from the float64 run by rounding, not by another noise."""
 
     @staticmethod
     def wrap(theta, lo: int, hi: int, total: Optional[int]):
         """``theta`` stepped on paths lo:hi of ``total`` (None: a process without a paths axis), in float64."""
-        work = theta.heads0.score_matrix.dtype
-        if theta.heads0.score_matrix.device.type != "mps":  # MPS has no float64
-            work = torch.promote_types(work, torch.float64)
+        A0 = theta.heads0.score_matrix
+        work = A0.dtype if A0.device.type == "mps" else torch.promote_types(A0.dtype, torch.float64)  # MPS: no f64
         sliced = total is not None and (lo, hi) != (0, total)
-        if not sliced and work == theta.heads0.score_matrix.dtype:
+        if not sliced and work == A0.dtype:
             return theta
         base = type(theta)
 
@@ -305,9 +303,8 @@ class _PathSlice:
             else:
                 full = score.to(work)
             nxt, noise = base.step(self, full, t, dt, generator)
-            if sliced:
-                nxt, noise = nxt[lo:hi], None if noise is None else noise[lo:hi]
-            return nxt.to(score.dtype), None if noise is None else noise.to(score.dtype)
+            rows = slice(lo, hi) if sliced else slice(None)
+            return nxt[rows].to(score.dtype), None if noise is None else noise[rows].to(score.dtype)
 
         out = copy.copy(theta)
         out.__class__ = type(base.__name__, (base,), {"step": step, "__module__": base.__module__})

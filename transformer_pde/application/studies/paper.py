@@ -8,7 +8,7 @@ Kind ``ou_vs_oscillating``.  For every regime ("ou", "oscillating") and every he
     osc.    dD_h = (F(t) − D_h)dt, one shared F(t) (phase "shared", the paper) or F(t + 2πh/H) ("per_head"), 1 path
     tokens  ẋ_i = V[μ_t, Θ_t](x_i), direction "descent" (the reference code), ω_h = 1/H, β = 1
     dtype   the tokens' dtype; the weights are stepped in float64 from the same draws whatever it is
-            (a float32 run follows the float64 run to rounding; docs/reproducing.md#paper-float32)
+            (a float32 run follows the float64 run to rounding; docs/reproducing.md#float32-tokens)
 
 Each (regime, H) pair is a *segment*: solved with :func:`transformer_pde.solve` (``tp.FixedStep(method)``),
 checkpointed every ``checkpoint_every`` steps, and written atomically to the run directory

@@ -7,8 +7,10 @@ Kind ``ou_vs_oscillating``.  For every regime ("ou", "oscillating") and every he
     OU      dD_h = κ(I − D_h)dt + σ dW_sym, σ² = 2, κ = 1, ``paths`` Monte-Carlo paths, noise seed noise_seed + H
     osc.    dD_h = (F(t) − D_h)dt, one shared F(t) (phase "shared", the paper) or F(t + 2πh/H) ("per_head"), 1 path
     tokens  ẋ_i = V[μ_t, Θ_t](x_i), direction "descent" (the reference code), ω_h = 1/H, β = 1
+    dtype   the tokens' dtype; the weights are stepped in float64 from the same draws whatever it is
+            (a float32 run follows the float64 run to rounding; docs/reproducing.md#float32-tokens)
 
-Each (regime, H) pair is a *segment*: simulated with :func:`transformer_pde.simulate`,
+Each (regime, H) pair is a *segment*: solved with :func:`transformer_pde.solve` (``tp.FixedStep(method)``),
 checkpointed every ``checkpoint_every`` steps, and written atomically to the run directory
 when done (``data/<regime>_H<H>.pt`` with the recorded tensors, ``series/<regime>_H<H>.csv``
 with Monte-Carlo mean and std).  ``--resume`` skips finished segments and continues a partial
@@ -280,23 +282,33 @@ class _PathSlice:
     """Paths lo:hi of a grid-sampled process with ``total`` paths: every grid step draws the noise of all
     ``total`` paths from the generator (the other paths' states are zeros) and keeps rows lo:hi, so a
     chunk of paths sees exactly the draws and the arithmetic it has in the full run (elementwise
-    transition), whatever the split."""
+    transition), whatever the split.  The transition is computed in float64 (where the device has it) whatever
+    the tokens' dtype: a float32 run draws the float64 run's noise (torch draws other normals in float32) and
+    rounds each A(t + dt) to float32, so it differs from the float64 run by rounding, not by another noise."""
 
     @staticmethod
-    def wrap(theta, lo: int, hi: int, total: int):
-        if (lo, hi) == (0, total):
+    def wrap(theta, lo: int, hi: int, total: Optional[int]):
+        """``theta`` stepped on paths lo:hi of ``total`` (None: a process without a paths axis), in float64."""
+        A0 = theta.heads0.score_matrix
+        work = A0.dtype if A0.device.type == "mps" else torch.promote_types(A0.dtype, torch.float64)  # MPS: no f64
+        sliced = total is not None and (lo, hi) != (0, total)
+        if not sliced and work == A0.dtype:
             return theta
         base = type(theta)
 
         def step(self, score, t, dt, generator=None):
-            full = score.new_zeros((total,) + tuple(score.shape[1:]))
-            full[lo:hi] = score
+            if sliced:
+                full = score.new_zeros((total,) + tuple(score.shape[1:]), dtype=work)
+                full[lo:hi] = score
+            else:
+                full = score.to(work)
             nxt, noise = base.step(self, full, t, dt, generator)
-            return nxt[lo:hi], None if noise is None else noise[lo:hi]
+            rows = slice(lo, hi) if sliced else slice(None)
+            return nxt[rows].to(score.dtype), None if noise is None else noise[rows].to(score.dtype)
 
-        sliced = copy.copy(theta)
-        sliced.__class__ = type(base.__name__, (base,), {"step": step, "__module__": base.__module__})
-        return sliced
+        out = copy.copy(theta)
+        out.__class__ = type(base.__name__, (base,), {"step": step, "__module__": base.__module__})
+        return out
 
 
 def _chunk_tag(tag: str, lo: int, hi: int, total: int) -> str:
@@ -310,20 +322,21 @@ def _simulate_chunk(p: Dict, regime: str, H: int, x0: torch.Tensor, lo: int, hi:
     theta = weight_process(regime, heads0, rate=p["ou_rate"], sigma=math.sqrt(p["ou_sigma2"]), phase=p["phase"],
                            scheme=p["scheme"])
     total = p["paths"] if regime == "ou" else None
-    if total is not None:
-        theta = _PathSlice.wrap(theta, lo, hi, total)
+    theta = _PathSlice.wrap(theta, lo, hi, total)
     seed = p["noise_seed"] + H if regime == "ou" else 0
     start_step = 0
     if ckpt.exists():
         try:
             start_step = int(torch.load(ckpt, map_location="cpu", weights_only=False).get("k", 0))
-        except Exception:  # simulate refuses it below with the full message
+        except Exception:  # the solver refuses it below with the full message
             start_step = 0
     t0 = time.perf_counter()
-    traj = tp.simulate(x0, theta, t1=p["t1"], dt=p["dt"], method=p["method"], normalization=p["normalization"],
-                       direction=p["direction"], paths=None if total is None else hi - lo, seed=seed,
-                       record_every=p["record_every"], progress=progress, checkpoint=ckpt,
-                       checkpoint_every=p["checkpoint_every"], callback=callback)
+    model = tp.Model(theta, normalization=p["normalization"], direction=p["direction"])
+    traj = tp.solve(model, x0, tp.FixedStep(p["method"]), t1=p["t1"], dt=p["dt"],
+                    paths=None if total is None else hi - lo, seed=seed, saveat=tp.SaveAt(every=p["record_every"]),
+                    ledger=tp.LedgerOptions(diagnostics=True),
+                    checkpoint=tp.Checkpointing(ckpt, every=p["checkpoint_every"]),
+                    progress=tp.Progress(show=progress, callback=callback))
     wall = time.perf_counter() - t0
     traj = traj.with_paths()  # (T, P, ...) whether or not the run had paths (P = 1 for the oscillating runs)
     k_keep = 1 if total is None else max(0, min(p["store_paths"], hi) - lo)  # the deterministic run: its one path

@@ -26,7 +26,7 @@ import transformer_pde as tp
 from conftest import gen
 from transformer_pde.model import normalization as N
 from transformer_pde.model.field import evaluate
-from transformer_pde.model.plans import sinkhorn_plan
+from transformer_pde.model.plans import hardmax_plan, plan_average, sinkhorn_plan
 
 F64, F32 = torch.float64, torch.float32
 TOL = {F64: dict(rtol=1e-10, atol=1e-12), F32: dict(rtol=2e-4, atol=2e-5)}
@@ -330,3 +330,74 @@ def test_sinkhorn_field_is_differentiable():
                         diagnostics=False).velocity
 
     assert torch.autograd.gradcheck(field, (x, A, beta), eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [F64, F32])
+def test_hardmax_ties_are_within_16_ulp_of_the_rows_own_largest_score(dtype):
+    """Scores s with max_j |s_ij| = 1 in rows 0-2: a gap of 15.5 ulp(1) is a tie (split by weight), 16.5 and 100
+    ulp are not; the row of score 10⁶ below does not widen the ties of the others."""
+    e = torch.finfo(dtype).eps
+    S = torch.tensor([[[1.0, 1.0 - 15.5 * e], [1.0, 1.0 - 16.5 * e], [1.0, 1.0 - 100 * e], [0.0, 1e6]]], dtype=dtype)
+    w = torch.tensor([0.3, 0.7], dtype=dtype)
+    want = torch.tensor([[[0.3, 0.7], [1.0, 0.0], [1.0, 0.0], [0.0, 1.0]]], dtype=dtype)
+    assert_close(hardmax_plan(S, torch.log(w)[None, None, :]), want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [F64, F32])
+def test_hardmax_average_with_query_key_factors_and_two_batch_axes(dtype):
+    """Low-rank heads s_ij = β⟨Q x_i, K y_j⟩ (Q, K (H, 2, 3)) and tokens with two batch axes (2, 3, n, d), in
+    row blocks of one row: the key of the best score, written out with einsum and argmax."""
+    x = torch.stack([torch.stack([_tokens(5, seed=50 + 3 * a + b, dtype=dtype) for b in range(3)]) for a in range(2)])
+    Q = torch.randn(2, 2, 3, generator=gen(60), dtype=F64).to(dtype)
+    K = torch.randn(2, 2, 3, generator=gen(61), dtype=F64).to(dtype)
+    A = torch.randn(2, 3, 3, generator=gen(62), dtype=F64).to(dtype)
+    for heads, S in ((tp.Heads(query=Q, key=K, beta=1.3), 1.3 * torch.einsum("...ia,hka,hkb,...jb->...hij", x, Q, K, x)),
+                     (tp.Heads(A, beta=0.7), 0.7 * torch.einsum("...ia,hab,...jb->...hij", x, A, x))):
+        want = torch.take_along_dim(x.unsqueeze(-3).expand(2, 3, 2, 5, 3), S.argmax(-1).unsqueeze(-1), -2)
+        for chunk in (None, 2 * 5):
+            got = plan_average(x, heads, None, "hardmax", chunk_elements=chunk)
+            assert_close(got, want, **TOL[dtype])
+    # one configuration, no batch axes: the same rule
+    got = plan_average(x[1, 2], tp.Heads(query=Q, key=K), None, "hardmax")
+    S = torch.einsum("ia,hka,hkb,jb->hij", x[1, 2], Q, K, x[1, 2])
+    assert_close(got, x[1, 2][S.argmax(-1)], **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [F64, F32])
+def test_sinkhorn_average_ignores_the_row_block_cap(dtype):
+    """The Sinkhorn plan couples all rows: with chunk_elements of one row it is still POT's plan, Σ_j γ_ij/w_i y_j."""
+    n = 8
+    x, w = _tokens(n, seed=63, dtype=dtype), _weights(n, seed=64, dtype=dtype)
+    A = _sym(1, seed=65, dtype=dtype)
+    S = 1.5 * x @ A[0] @ x.T
+    gamma = ot.sinkhorn(w.double(), w.double(), -S.double(), reg=1.0, method="sinkhorn_log", numItermax=100000,
+                        stopThr=1e-15).to(dtype)
+    want = (gamma / w[:, None]) @ x
+    for chunk in (None, n):
+        got = plan_average(x, tp.Heads(A, beta=1.5), w, "sinkhorn", chunk_elements=chunk, iterations=300)
+        assert_close(got[0], want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [F64, F32])
+def test_a_callable_plan_gets_the_log_weights_in_the_tokens_dtype(dtype):
+    """The plan P_ij = w_j (taken from the log-weights it is given) averages the keys: Σ_j w_j y_j for every query,
+    1/m each without weights; the log-weights come in the tokens' dtype."""
+    x, w = _tokens(6, seed=66, dtype=dtype), _weights(6, seed=67, dtype=dtype)
+    heads = tp.Heads(_sym(2, seed=68, dtype=dtype))
+    seen = []
+
+    def mean_plan(S, logk, logq):
+        seen.append((logk.dtype, logq.dtype))
+        return torch.exp(logk).expand(S.shape)
+
+    for weights, mean in ((None, x.mean(0)), (w, w @ x)):
+        got = plan_average(x, heads, weights, mean_plan)
+        assert_close(got, mean.expand(2, 6, 3), **TOL[dtype])
+    assert seen == [(dtype, dtype)] * 2
+
+
+def test_plan_average_refuses_an_unknown_or_uncallable_plan():
+    x, heads = _tokens(), tp.Heads(_sym())
+    for bad in ("softmax", 3, None):
+        with pytest.raises(ValueError, match="unknown plan"):
+            plan_average(x, heads, None, bad)

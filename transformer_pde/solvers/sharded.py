@@ -83,7 +83,10 @@ class ShardedEuler(Solver):
     token weights this rank's share of the global weights.  ``backend``: the kernel
     (:mod:`transformer_pde.model.attention`); ``gather_x``: record all N tokens instead of the shard.
 
-    The ledger is the left-point one of ``Euler()``; no observables, stored paths, checkpoints,
+    The ledger is the left-point one of ``Euler()``, booked at every step whatever
+    ``LedgerOptions.ledger`` (the diagnostics are all-reduced partial sums of every step: computing
+    them from the records would need the records of every rank), so ``traj.ledger`` is there with
+    ``diagnostics=True``; no observables, stored paths, checkpoints,
     callbacks, realised quadratic variation or given energy scale; no layer maps, token noise or
     causal attention in the model; the weights are drawn from ``seed=`` on every rank (no generator)."""
 

@@ -323,7 +323,7 @@ def _simulate_chunk(p: Dict, regime: str, H: int, x0: torch.Tensor, lo: int, hi:
     traj = tp.simulate(x0, theta, t1=p["t1"], dt=p["dt"], method=p["method"], normalization=p["normalization"],
                        direction=p["direction"], paths=None if total is None else hi - lo, seed=seed,
                        record_every=p["record_every"], progress=progress, checkpoint=ckpt,
-                       checkpoint_every=p["checkpoint_every"], callback=callback)
+                       checkpoint_every=p["checkpoint_every"], callback=callback, ledger=True)
     wall = time.perf_counter() - t0
     traj = traj.with_paths()  # (T, P, ...) whether or not the run had paths (P = 1 for the oscillating runs)
     k_keep = 1 if total is None else max(0, min(p["store_paths"], hi) - lo)  # the deterministic run: its one path

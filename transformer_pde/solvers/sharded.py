@@ -70,7 +70,8 @@ __all__ = ["ShardedEuler", "rank_and_world", "shard_tokens", "gather_tokens", "d
 
 #: simulate_sharded's keywords by the object field that holds them
 SHARDED_KEYWORDS = {"Model.normalization": "normalization", "Model.direction": "direction",
-                    "Model.weights": "weights", "SaveAt.every": "record_every", "LedgerOptions.diagnostics": "diagnostics", "LedgerOptions.ledger": "ledger",
+                    "Model.weights": "weights", "SaveAt.every": "record_every", "LedgerOptions.diagnostics": "diagnostics",
+                    "LedgerOptions.ledger": "ledger",
                     "Progress.show": "progress", "Limits.chunk_elements": "chunk_elements",
                     "ShardedEuler.backend": "backend", "ShardedEuler.gather_x": "gather_x"}
 

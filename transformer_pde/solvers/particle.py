@@ -39,7 +39,7 @@ from ..model.field import evaluate  # noqa: F401  (evaluate: the name tests patc
 from ..model.heads import Heads, broadcast_shapes
 from ..processes.driver import WeightDriver, path_bytes
 from ..processes.paths import WeightPath
-from ..processes.weights import Process
+from ..processes.weights import Constant, Process
 from .adaptive import dopri5, solve_adaptive
 from .evaluator import Evaluator, RunParts
 from .fixed_step import solve_fixed_step
@@ -283,7 +283,7 @@ class ParticleProblem:
         check_limits(f"simulate from t0 = {t0:.6g} to t1 = {t1:.6g} with dt = {dt:.6g}", steps=K,
                      memory=_estimate_memory(x0, process, K=K, record_every=record_every, paths=o.paths,
                                              method="adaptive" if adaptive else solver.tableau,
-                                             diagnostics=o.ledger.diagnostics, return_path=o.saveat.path,
+                                             diagnostics=(o.ledger.diagnostics, o.ledger.lazy), return_path=o.saveat.path,
                                              chunk_elements=lim.chunk_elements, noisy=process.noisy, obs=obs),
                      max_steps=lim.max_steps, max_memory=lim.max_memory, device=x0.device,
                      fix="record fewer steps (record_every=), use fewer paths, a larger dt or chunk_elements=")
@@ -370,7 +370,8 @@ def _fingerprint_parts(problem: ParticleProblem, extra) -> list:
 def _estimate_memory(x0, process, *, K, record_every, paths, method, diagnostics, return_path, chunk_elements, noisy,
                      obs):
     """Estimated bytes of the large arrays of a solve (name -> bytes), before any of them exists; ``method``:
-    "adaptive", a tableau or its name."""
+    "adaptive", a tableau or its name; ``diagnostics``: (diagnostics, lazy) of the LedgerOptions."""
+    diagnostics, lazy = diagnostics
     item = x0.element_size()
     n, d = x0.shape[-2], x0.shape[-1]
     h0 = process.heads0
@@ -387,6 +388,8 @@ def _estimate_memory(x0, process, *, K, record_every, paths, method, diagnostics
         out["the recorded energy, 𝒢², 𝒟 and ledger"] = T * B * 10 * item
     if obs:
         out["the observables"] = T * B * d * len(obs) * item
+    if lazy and not isinstance(process, Constant):  # the heads of every record, for the diagnostics on first read
+        out["the recorded heads"] = path_bytes(h0, T, paths, False, batch=float(math.prod(batch)) if hb else 1.0) / 2
     block = B * H * n * n
     cap = chunk_elements if chunk_elements is not None else DEFAULT_CHUNK_ELEMENTS
     out["the kernel blocks"] = min(block, max(cap, B * H * n)) * item * 4

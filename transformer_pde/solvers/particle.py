@@ -478,9 +478,10 @@ def simulate(
     ledger : bool
         also keep the energy ledger ``traj.ledger`` (:class:`~transformer_pde.LedgerOptions`):
         the diagnostics are then evaluated at every step (and, for the trapezoid rule and the jumps,
-        at every right end), several times the cost of a tokens-only step (about 2–4× on the post-LN and
-        H=100 workloads, scripts/benchmark_lazy_diagnostics.py).  Without it ``traj.ledger`` raises
-        a ValueError.  Needs diagnostics=True.
+        at every right end): measured 6.6× the tokens-only solve on the peers' post-LN workload and
+        1.14× on the paper's H = 100 OU step (float64, :class:`~transformer_pde.LedgerOptions`,
+        scripts/benchmark_lazy_diagnostics.py).  Without it ``traj.ledger`` raises a ValueError.
+        Needs diagnostics=True.
     quadrature : Optional[str]
         "left" (default for euler, the reference code) or "trapezoid" (default
         for the others) for the ledger's time integrals; the martingale is an Itô sum.

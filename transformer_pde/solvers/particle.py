@@ -370,8 +370,9 @@ def _fingerprint_parts(problem: ParticleProblem, extra) -> list:
 def _estimate_memory(x0, process, *, K, record_every, paths, method, diagnostics, return_path, chunk_elements, noisy,
                      obs):
     """Estimated bytes of the large arrays of a solve (name -> bytes), before any of them exists; ``method``:
-    "adaptive", a tableau or its name; ``diagnostics``: (diagnostics, lazy) of the LedgerOptions."""
-    diagnostics, lazy = diagnostics
+    "adaptive", a tableau or its name; ``diagnostics``: (diagnostics, lazy) of the LedgerOptions, or a bool
+    (the diagnostics, booked at every step)."""
+    diagnostics, lazy = diagnostics if isinstance(diagnostics, tuple) else (diagnostics, False)
     item = x0.element_size()
     n, d = x0.shape[-2], x0.shape[-1]
     h0 = process.heads0

@@ -77,9 +77,10 @@ class LedgerOptions:
         also keep the energy ledger (``traj.ledger``): E, 𝒢², 𝒟, ∂_tE and the Itô terms evaluated
         at every step (the quadrature's points), one diagnostics evaluation per step in place of the
         tokens-only one.  Its cost depends on what the tokens-only step saves: measured
-        (scripts/benchmark_lazy_diagnostics.py, float64, one thread, median of 3 repeats) 6.6× the
-        tokens-only solve on the peers' post-LN workload (whose tokens-only step is one fused pass)
-        and 1.14× on the paper's H = 100 OU step (the diagnostics share the step's kernel pass).
+        (scripts/benchmark_lazy_diagnostics.py, one thread, medians of 3 repeats, float64 / float32)
+        6.6× / 5.2× the tokens-only solve on the peers' post-LN workload (whose tokens-only step is one
+        fused pass) and 1.14× / 1.12× on the paper's H = 100 OU step (the diagnostics share the step's
+        kernel pass).
         Needs ``diagnostics=True``.  Without it, reading ``traj.ledger`` raises a ValueError and the
         diagnostics of the records are computed on first read: free when never read, about one
         kernel pass per record when read (so sparse records, ``SaveAt(every=k)``, are what saves).

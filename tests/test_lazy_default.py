@@ -73,6 +73,7 @@ CASES = {
     "token noise": (None, dict(temperature=0.1, seed=1)),
     "record_every=3, heun": (_osc, dict(record_every=3, method="heun")),
     "dopri5, OU paths": (_ou, dict(method="adaptive", paths=2, seed=1)),
+    "given energy scale, effective": (None, dict(energy_log_scale=1.5, normalization="effective")),
 }
 
 

@@ -64,7 +64,7 @@ class FlowClassifier(torch.nn.Module):
     def forward(self, x0: torch.Tensor, *, diagnostics: bool = True):
         """x0 (B, n, d) -> (logits (B,), trajectory with energy, 𝒢² and the ledger)."""
         traj = tp.simulate(x0, self.heads(), t1=self.t1, dt=self.dt, method="heun", direction="ascent",
-                           diagnostics=diagnostics, record_every=round(self.t1 / self.dt))
+                           diagnostics=diagnostics, ledger=diagnostics, record_every=round(self.t1 / self.dt))
         return self.readout(traj.final.mean(-2)).squeeze(-1), traj
 
 

@@ -56,7 +56,7 @@ def setup(B, n, d, H, *, dtype, device, seed=0):
 def run_case(B, args, device, dtype):
     x0, heads = setup(B, args.n, args.d, args.heads, dtype=dtype, device=device)
     kw = dict(t1=args.steps * args.dt, dt=args.dt, direction="ascent", diagnostics=args.diagnostics,
-              record_every=args.steps)
+              ledger=args.diagnostics, record_every=args.steps)
     tp.ensembles.simulate(x0[:2], tp.Heads(heads.score[:2]), **kw)  # warm-up
     _sync(device)
     with PeakMemory(device) as mem:

@@ -28,7 +28,8 @@ def main():
     g = torch.Generator().manual_seed(0)
     x0 = tp.sphere.sample_uniform(a.n, a.d, generator=g, dtype=torch.float64)
     heads = tp.Heads.random(a.heads, a.d, generator=g, dtype=torch.float64)
-    kw = dict(t1=a.steps * 0.01, dt=0.01, paths=a.paths, diagnostics=a.diagnostics, record_every=a.steps)
+    kw = dict(t1=a.steps * 0.01, dt=0.01, paths=a.paths, diagnostics=a.diagnostics, ledger=a.diagnostics,
+              record_every=a.steps)
     best = {0.0: float("inf"), 0.1: float("inf")}
     tp.simulate(x0, heads, temperature=0.1, **{**kw, "t1": 0.02})  # warm-up
     for _ in range(a.repeats):

@@ -149,13 +149,13 @@ def _time(fn, repeat):
 def ours(x0, theta, steps, dt, paths, backend):
     with tp.kernel_backend(backend):
         return tp.simulate(x0, theta, t1=steps * dt, dt=dt, method="euler", direction="descent", paths=paths,
-                           seed=0, record_every=steps, return_path=True)
+                           seed=0, record_every=steps, return_path=True, ledger=True)
 
 
 # ---------------------------------------------------------------------------- the hot step
 def ours_step(x0, theta, steps, dt, paths, diagnostics):
     return tp.simulate(x0, theta, t1=steps * dt, dt=dt, method="euler", direction="descent", paths=paths, seed=0,
-                       record_every=steps, diagnostics=diagnostics, progress=False)
+                       record_every=steps, diagnostics=diagnostics, ledger=diagnostics, progress=False)
 
 
 def kernel_widths(x0, theta, dt, paths):

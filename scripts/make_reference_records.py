@@ -35,6 +35,12 @@ def _x0(n, dtype, seed=2):
     return tp.sphere.sample_uniform(n, 3, generator=torch.Generator().manual_seed(seed), dtype=dtype)
 
 
+def _simulate(*args, **kwargs):
+    """tp.simulate with the energy ledger (the records hold its terms), descent unless told (as recorded)."""
+    kwargs.setdefault("direction", "descent")
+    return tp.simulate(*args, ledger=True, **kwargs)
+
+
 def _traj_record(traj):
     rec = {"times": traj.times, "x": traj.x}
     for k in ("energy", "slope", "dissipation"):
@@ -55,32 +61,32 @@ def cases():
     c = {}
     for m in ("euler", "heun", "rk4"):
         c[f"constant_{m}"] = lambda m=m: _traj_record(
-            tp.simulate(_x0(12, f64), _heads(2, f64), t1=0.4, dt=0.05, method=m, direction="descent"))
+            _simulate(_x0(12, f64), _heads(2, f64), t1=0.4, dt=0.05, method=m))
     c["adaptive"] = lambda: _traj_record(
-        tp.simulate(_x0(12, f64), _heads(2, f64), t1=0.4, dt=0.1, method="adaptive", direction="descent"))
-    c["ou_paths"] = lambda: _traj_record(tp.simulate(
+        _simulate(_x0(12, f64), _heads(2, f64), t1=0.4, dt=0.1, method="adaptive"))
+    c["ou_paths"] = lambda: _traj_record(_simulate(
         _x0(10, f64), tp.OrnsteinUhlenbeck(_heads(2, f64)), t1=0.3, dt=0.05, paths=3, seed=7,
-        method="heun", return_path=True, direction="descent"))
-    c["ou_realised"] = lambda: _traj_record(tp.simulate(
+        method="heun", return_path=True))
+    c["ou_realised"] = lambda: _traj_record(_simulate(
         _x0(10, f64), tp.OrnsteinUhlenbeck(_heads(2, f64)), t1=0.3, dt=0.05, paths=2, seed=3,
-        quadratic_variation="realised", direction="descent"))
-    c["ou_float32"] = lambda: _traj_record(tp.simulate(
+        quadratic_variation="realised"))
+    c["ou_float32"] = lambda: _traj_record(_simulate(
         _x0(10, f32), tp.OrnsteinUhlenbeck(_heads(2, f32)), t1=0.3, dt=0.05, paths=2, seed=5,
-        method="rk4", direction="descent"))
-    c["oscillating"] = lambda: _traj_record(tp.simulate(
-        _x0(10, f64), tp.Oscillating(_heads(2, f64)), t1=0.4, dt=0.05, method="rk4", direction="descent"))
-    c["layerwise_jumps"] = lambda: _traj_record(tp.simulate(
-        _x0(10, f64), tp.Layerwise([_heads(2, f64, 1), _heads(2, f64, 4)], layer_time=0.2), t1=0.4, dt=0.05, direction="descent"))
+        method="rk4"))
+    c["oscillating"] = lambda: _traj_record(_simulate(
+        _x0(10, f64), tp.Oscillating(_heads(2, f64)), t1=0.4, dt=0.05, method="rk4"))
+    c["layerwise_jumps"] = lambda: _traj_record(_simulate(
+        _x0(10, f64), tp.Layerwise([_heads(2, f64, 1), _heads(2, f64, 4)], layer_time=0.2), t1=0.4, dt=0.05))
     for norm in ("effective", "unnormalized", "relu"):
-        c[f"norm_{norm}"] = lambda norm=norm: _traj_record(tp.simulate(
+        c[f"norm_{norm}"] = lambda norm=norm: _traj_record(_simulate(
             _x0(10, f64), _heads(2, f64),
-            t1=0.3, dt=0.05, normalization=norm, method="heun", direction="descent"))
-    c["causal_ascent"] = lambda: _traj_record(tp.simulate(
+            t1=0.3, dt=0.05, normalization=norm, method="heun"))
+    c["causal_ascent"] = lambda: _traj_record(_simulate(
         _x0(10, f64), _heads(2, f64), t1=0.3, dt=0.05, causal=True, direction="ascent", record_every=2))
-    c["observables_weights"] = lambda: _traj_record(tp.simulate(
+    c["observables_weights"] = lambda: _traj_record(_simulate(
         _x0(10, f64), _heads(2, f64), t1=0.3, dt=0.05, weights=torch.linspace(1, 2, 10, dtype=f64) / 15.0,
-        observables={"m": lambda x, w: x.mean(-2)}, quadrature="trapezoid", direction="descent"))
-    c["float32_constant"] = lambda: _traj_record(tp.simulate(_x0(12, f32), _heads(3, f32), t1=0.3, dt=0.05, direction="descent"))
+        observables={"m": lambda x, w: x.mean(-2)}, quadrature="trapezoid"))
+    c["float32_constant"] = lambda: _traj_record(_simulate(_x0(12, f32), _heads(3, f32), t1=0.3, dt=0.05))
 
     def jko_case():
         t = tp.jko(_x0(8, f64), _heads(1, f64), tau=0.05, steps=3, direction="descent")
@@ -103,8 +109,8 @@ def cases():
     c["hitting_time"] = hitting_case
 
     def long_case(dtype):
-        return lambda: _traj_record(tp.simulate(_x0(12, dtype), _heads(2, dtype), t1=1.28, dt=0.005,
-                                                record_every=16, direction="descent"))
+        return lambda: _traj_record(_simulate(_x0(12, dtype), _heads(2, dtype), t1=1.28, dt=0.005,
+                                                record_every=16))
     c["long_euler_f64"], c["long_euler_f32"] = long_case(f64), long_case(f32)
     return c
 

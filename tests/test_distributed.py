@@ -47,7 +47,7 @@ def _runs(x, w, heads, heads_ns, layers, sharded: bool):
     ou = tp.OrnsteinUhlenbeck(heads, rate=1.0, sigma=2 ** 0.5)
     lw = tp.Layerwise(layers, interpolation="constant", layer_time=0.02)
     for name, theta, ww, paths in (("ou", ou, None, 2), ("layers", lw, w, None)):
-        kw = dict(t1=0.05, dt=0.01, paths=paths, seed=3, direction="descent", record_every=2)
+        kw = dict(t1=0.05, dt=0.01, paths=paths, seed=3, direction="descent", record_every=2, ledger=True)
         if sharded:
             xl, wl = tpd.shard_tokens(x, ww)
             tr = tpd.simulate_sharded(xl, theta, weights=wl, gather_x=True, **kw)

@@ -90,8 +90,8 @@ def test_ensemble_equals_separate_calls(dtype, theta_kind, law, values):
     heads = ens.random_heads(B, H, d, law=law, values=values, beta=betas, generator=gen, dtype=dtype)
     x0 = ens.random_tokens(B, n, d, generator=gen, dtype=dtype)
     theta = _member(theta_kind, heads, slice(None), betas)
-    kw = dict(t1=0.6, dt=0.05, method="heun", direction="ascent", record_every=3)
     diag = heads.tied  # the energy ledger needs tied heads
+    kw = dict(t1=0.6, dt=0.05, method="heun", direction="ascent", record_every=3, ledger=diag)
     traj = ens.simulate(x0, theta, diagnostics=diag, **kw)
     assert traj.x.shape == (5, B, n, d)
     for b in range(B):

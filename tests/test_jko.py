@@ -1085,7 +1085,7 @@ def test_token_weights_that_are_not_a_probability_vector_are_refused_before_any_
     with pytest.raises(ValueError, match=what):
         tp.jko(x, heads, tau=0.1, steps=1, transport="identity", weights=w, direction="descent")
     with pytest.raises(ValueError, match=what):
-        tp.solve(tp.Model(heads, weights=w, direction="descent"), x, tp.LagrangianJKO(tp.Identity()), t1=0.1, dt=0.1)
+        tp.solve(tp.Model(heads, weights=w, direction="descent"), x, tp.LagrangianJKO(tp.Identity()), t1=0.1, dt=0.1, ledger=tp.LedgerOptions(ledger=True))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, F64])

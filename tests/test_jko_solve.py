@@ -1,6 +1,6 @@
 """The JKO schemes through tp.solve and the solver objects; Θ_t through the WeightDriver; the batch axes.
 
-* tp.solve(Model, x0, LagrangianJKO / EulerianJKO, ...) equals tp.jko with the matching keywords (the
+* tp.solve(Model, x0, LagrangianJKO / EulerianJKO, ..., ledger=tp.LedgerOptions(ledger=True)) equals tp.jko with the matching keywords (the
   keyword front end is a wrapper over the objects: the two must not drift apart);
 * options a JKO scheme does not take are refused with TypeError before any step;
 * the geometry seam: the Lagrangian line search retracts with ``model.geometry.retract``;
@@ -69,7 +69,7 @@ def test_lagrangian_objects_equal_the_keywords(dtype, kw, transport, model_kw):
     w = torch.softmax(torch.randn(8, generator=gen(3), dtype=F64), -1).to(dtype)
     a = tp.jko(x, heads, tau=0.05, steps=3, weights=w, max_iter=150, **kw)
     model = tp.Model(heads, **{"normalization": "effective", **model_kw}, weights=w)
-    b = tp.solve(model, x, tp.LagrangianJKO(transport, tp.RiemannianLBFGS(max_iter=150)), t1=0.15, dt=0.05)
+    b = tp.solve(model, x, tp.LagrangianJKO(transport, tp.RiemannianLBFGS(max_iter=150)), t1=0.15, dt=0.05, ledger=tp.LedgerOptions(ledger=True))
     same_run(a, b, dtype)
     assert b.x.dtype == dtype
 
@@ -82,7 +82,7 @@ def test_eulerian_objects_equal_the_keywords(temperature):
     a = tp.jko(x, heads, tau=0.1, steps=2, scheme="eulerian", grid=z, eps=0.02, bandwidth=0.4,
                temperature=temperature, record_every=2)
     b = tp.solve(tp.Model(heads, normalization="effective", noise=temperature), x,
-                 tp.EulerianJKO(grid=z, eps=0.02, bandwidth=0.4), t1=0.2, dt=0.1, saveat=tp.SaveAt(every=2))
+                 tp.EulerianJKO(grid=z, eps=0.02, bandwidth=0.4), t1=0.2, dt=0.1, saveat=tp.SaveAt(every=2), ledger=tp.LedgerOptions(ledger=True))
     same_run(a, b, F64)
     assert a.x.shape == (2, 24, 2) and b.weights.shape == (2, 24)
 
@@ -90,7 +90,7 @@ def test_eulerian_objects_equal_the_keywords(temperature):
 def test_softmax_model_is_solved_with_the_effective_mobility():
     """normalization "softmax" has jko_mobility "effective" (equal for one head): the same run as "effective"."""
     x, heads = tokens(6, 3, 5), rand_heads(1, 3, 6)
-    a = tp.solve(tp.Model(heads, normalization="softmax"), x, tp.LagrangianJKO(tp.Identity()), t1=0.1, dt=0.05)
+    a = tp.solve(tp.Model(heads, normalization="softmax"), x, tp.LagrangianJKO(tp.Identity()), t1=0.1, dt=0.05, ledger=tp.LedgerOptions(ledger=True))
     b = tp.jko(x, heads, tau=0.05, steps=2, transport="identity")
     same_run(a, b, F64)
 
@@ -104,8 +104,8 @@ def test_options_a_jko_scheme_does_not_take_are_refused_before_any_step(tmp_path
     solver = tp.LagrangianJKO()
     bad = [
         dict(checkpoint=tp.Checkpointing(tmp_path / "ck.pt")),
-        dict(ledger=tp.LedgerOptions(quadrature="trapezoid")),
-        dict(ledger=tp.LedgerOptions(quadratic_variation="realised")),
+        dict(ledger=tp.LedgerOptions(ledger=True, quadrature="trapezoid")),
+        dict(ledger=tp.LedgerOptions(ledger=True, quadratic_variation="realised")),
         dict(ledger=tp.LedgerOptions(energy_log_scale=1.0)),
         dict(saveat=tp.SaveAt(observables={"m": lambda x, w: x.mean(-2)})),
         dict(saveat=tp.SaveAt(path=True)),
@@ -123,7 +123,7 @@ def test_options_a_jko_scheme_does_not_take_are_refused_before_any_step(tmp_path
                  (tp.Model(heads, normalization="effective", weights=torch.full((5,), 0.2, dtype=F64)),
                   tp.EulerianJKO(grid=20))]:
         with pytest.raises(ValueError):
-            tp.solve(m, x, s, t1=0.1, dt=0.05, progress=progress)
+            tp.solve(m, x, s, t1=0.1, dt=0.05, progress=progress, ledger=tp.LedgerOptions(ledger=True))
     assert calls == []
     with pytest.raises(TypeError, match="tp.Model"):
         solver.run(heads, x, tp.SolveOptions(t1=0.1, dt=0.05))
@@ -164,7 +164,7 @@ def test_the_lagrangian_line_search_retracts_with_the_models_geometry():
     x, heads = tokens(6, 3, 11), rand_heads(2, 3, 12)
     geometry = Counting()
     a = tp.solve(tp.Model(heads, normalization="effective", geometry=geometry), x, tp.LagrangianJKO(), t1=0.1,
-                 dt=0.05)
+                 dt=0.05, ledger=tp.LedgerOptions(ledger=True))
     assert len(geometry.calls) > 2 and all(s[-2:] == (6, 3) for s in geometry.calls)
     same_run(a, tp.jko(x, heads, tau=0.05, steps=2), F64)
 
@@ -250,7 +250,7 @@ def test_eulerian_run_called_directly_equals_tp_solve():
     solver = tp.EulerianJKO(grid=z, grid_weights=q0, eps=0.03)
     model = tp.Model(heads, normalization="unnormalized")
     a = solver.run(model, None, tp.SolveOptions(t1=0.2, dt=0.1))
-    b = tp.solve(model, None, solver, t1=0.2, dt=0.1)
+    b = tp.solve(model, None, solver, t1=0.2, dt=0.1, ledger=tp.LedgerOptions(ledger=True))
     same_run(a, b, F64)
     close(a.weights.sum(-1), torch.ones(3, dtype=F64), F64)  # the mass stays one
     assert a.extras["mobility"] == "unit" and a.normalization == "unnormalized"

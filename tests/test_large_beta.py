@@ -48,7 +48,7 @@ def test_ledger_closes_at_its_order_at_large_beta(dtype, method, order):
     dts = [T / 10, T / 20, T / 40, T / 80]
     res = []
     for dt in dts:
-        tr = tp.simulate(x0, heads, t1=T, dt=dt, method=method, direction="descent")
+        tr = tp.simulate(x0, heads, t1=T, dt=dt, method=method, ledger=True, direction="descent")
         for v in (tr.energy, tr.slope, tr.dissipation, *tr.ledger.values()):
             assert torch.isfinite(v).all()
         res.append(abs(float(tr.ledger["residual"][-1])))
@@ -66,7 +66,7 @@ def test_scale_rule_against_an_independent_logsumexp(dtype):
     A = A / torch.linalg.matrix_norm(A, ord=2).max()
     for size in (0.25 * R, 3.0 * R):
         heads = tp.Heads((size * A).to(dtype), beta=1.0)
-        tr = tp.simulate(x0.to(dtype), heads, t1=0.02, dt=0.01, direction="descent")
+        tr = tp.simulate(x0.to(dtype), heads, t1=0.02, dt=0.01, ledger=True, direction="descent")
         S = size * torch.einsum("id,hde,je->hij", x0, A, x0)
         lmax = float((torch.logsumexp(S, -1) - math.log(7)).max())
         want = 0.0 if lmax <= R / 2 else math.ceil(lmax + R / 4)
@@ -82,7 +82,7 @@ def test_scaled_records_are_the_values_times_exp_minus_c():
     w = w / w.sum()
     theta = tp.OrnsteinUhlenbeck(tp.Heads.random(3, 3, generator=gen(5), dtype=torch.float64))
     for qv in ("expected", "realised"):
-        kw = dict(t1=0.3, dt=0.01, paths=3, seed=2, weights=w, method="heun", quadratic_variation=qv)
+        kw = dict(t1=0.3, dt=0.01, paths=3, seed=2, weights=w, method="heun", quadratic_variation=qv, ledger=True)
         a = tp.simulate(x0, theta, **kw, direction="descent")
         b = tp.simulate(x0, theta, energy_log_scale=7.5, **kw, direction="descent")
         assert a.stats["energy_log_scale"] == 0.0 and b.stats["energy_log_scale"] == 7.5
@@ -112,7 +112,7 @@ def test_energy_with_log_scale_against_the_two_token_closed_form(dtype):
     with pytest.raises(OverflowError, match="log_scale"):
         tp.head_energies(x, heads)
     # the solver's first record, through its own scale
-    tr = tp.simulate(x, heads, t1=1e-4, dt=1e-4, direction="descent")
+    tr = tp.simulate(x, heads, t1=1e-4, dt=1e-4, ledger=True, direction="descent")
     assert_close(tr.log_energy()[0], torch.tensor(lam + math.log(want), dtype=dtype), rtol=rtol, atol=0)
 
 
@@ -155,9 +155,9 @@ def test_exponent_outgrowing_the_scale_raises_with_a_fix_that_works(dtype, a0, g
     theta = tp.Custom(heads, lambda t, A: g * torch.eye(3, dtype=dtype).expand_as(A))
     x0 = _cap(4, 0.1, dtype, seed=9)
     with pytest.raises(tp.NonFiniteError, match=r"at t = .* \(step \d+\).*energy_log_scale=\d+") as err:
-        tp.simulate(x0, theta, t1=t1, dt=dt, method="heun", direction="descent")
+        tp.simulate(x0, theta, t1=t1, dt=dt, method="heun", ledger=True, direction="descent")
     c = int(re.search(r"energy_log_scale=(\d+)", str(err.value)).group(1))
-    tr = tp.simulate(x0, theta, t1=t1, dt=dt, method="heun", energy_log_scale=c, direction="descent")
+    tr = tp.simulate(x0, theta, t1=t1, dt=dt, method="heun", energy_log_scale=c, ledger=True, direction="descent")
     assert tr.stats["energy_log_scale"] == c
     for v in (tr.energy, *tr.ledger.values()):
         assert torch.isfinite(v).all()

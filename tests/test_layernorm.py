@@ -177,7 +177,7 @@ def test_residual_pre_and_peri_ln_are_the_residual_stream():
 def test_none_is_the_projected_flow():
     X, BF, V = _peer_problem(F64, H=2)
     heads = tp.Heads(BF, V, beta=1.0)
-    kw = dict(t1=0.5, dt=0.05, method="heun")
+    kw = dict(t1=0.5, dt=0.05, method="heun", ledger=True)
     base = tp.simulate(X, heads, **kw)
     for ln in ("none", Projected()):
         other = tp.simulate(X, heads, layer_norm=ln, **kw)
@@ -257,7 +257,7 @@ def test_ledger_closes_along_the_schemes_velocity(kind):
     heads = tp.Heads.symmetric((D + D.T)[None] / 2, beta=1.0)
     dts, res, res_s = [0.02, 0.01, 0.005], [], []
     for dt in dts:
-        traj = tp.simulate(X, heads, t1=1.0, dt=dt, direction="descent", layer_norm=kind, record_every=round(1.0 / dt))
+        traj = tp.simulate(X, heads, t1=1.0, dt=dt, direction="descent", layer_norm=kind, record_every=round(1.0 / dt), ledger=True)
         res.append(float(traj.ledger["residual"][-1].abs().max()))
         res_s.append(float(traj.ledger["residual_slope"][-1].abs().max()))
         assert traj.stats["layer_norm"] == kind
@@ -307,7 +307,7 @@ def test_bad_layer_norm_input():
 def test_checkpoint_resume_keeps_the_radius(tmp_path):
     X, BF, V = _peer_problem(F64, H=2)
     heads = tp.Heads(BF, V)
-    kw = dict(t1=1.0, dt=0.05, direction="ascent", layer_norm="pre", record_every=4)
+    kw = dict(t1=1.0, dt=0.05, direction="ascent", layer_norm="pre", record_every=4, ledger=True)
     full = tp.simulate(X, heads, **kw)
     ck = tmp_path / "run.pt"
     resumed = interrupt_and_resume(X, heads, ck, stop_at=11, **kw)
@@ -555,7 +555,7 @@ def test_layer_maps_with_noisy_weights_replay_their_path(kind):
     X, BF, V = _peer_problem(F64, batch=1, n=5, H=2, seed=4)
     heads = tp.Heads.symmetric(0.5 * (BF[0] + BF[0].transpose(-1, -2)))
     theta = tp.OrnsteinUhlenbeck(heads, mean=torch.eye(3, dtype=F64), rate=1.0, sigma=0.5)
-    kw = dict(t1=0.6, dt=0.05, direction="ascent", layer_norm=kind, record_every=3)
+    kw = dict(t1=0.6, dt=0.05, direction="ascent", layer_norm=kind, record_every=3, ledger=True)
     first = tp.simulate(X[0], theta, paths=2, seed=3, return_path=True, **kw)
     again = tp.simulate(X[0].expand(2, 5, 3), first.path, **kw)
     torch.testing.assert_close(again.x, first.x)
@@ -569,7 +569,7 @@ def test_a_zero_update_leaves_the_tokens_where_they_are(dtype, geometry):
     A = torch.eye(3, dtype=dtype).unsqueeze(0)
     x0 = tp.sphere.sample_uniform(6, 3, generator=_gen(3), dtype=dtype)
     traj = tp.solve(tp.Model(tp.Heads(score=A, value=torch.zeros_like(A)), geometry=geometry), x0, tp.Euler(),
-                    t1=0.3, dt=0.1)
+                    t1=0.3, dt=0.1, ledger=tp.LedgerOptions(ledger=True))
     eps = torch.finfo(dtype).eps
     torch.testing.assert_close(traj.final, x0, rtol=4 * eps, atol=4 * eps)  # the renormalisation's rounding
     assert bool(torch.isfinite(traj.ledger["residual"]).all())
@@ -582,8 +582,8 @@ def test_tiny_weights_give_the_direction_of_unit_weights(dtype, geometry):
     c = 1e-310 if dtype == torch.float64 else 1e-30
     I = torch.eye(3, dtype=dtype).unsqueeze(0)
     x0 = tp.sphere.sample_uniform(6, 3, generator=_gen(4), dtype=dtype)
-    tiny = tp.solve(tp.Model(tp.Heads(score=c * I, value=c * I), geometry=geometry), x0, tp.Euler(), t1=0.3, dt=0.1)
-    unit = tp.solve(tp.Model(tp.Heads(score=0 * I, value=I), geometry=geometry), x0, tp.Euler(), t1=0.3, dt=0.1)
+    tiny = tp.solve(tp.Model(tp.Heads(score=c * I, value=c * I), geometry=geometry), x0, tp.Euler(), t1=0.3, dt=0.1, ledger=tp.LedgerOptions(ledger=True))
+    unit = tp.solve(tp.Model(tp.Heads(score=0 * I, value=I), geometry=geometry), x0, tp.Euler(), t1=0.3, dt=0.1, ledger=tp.LedgerOptions(ledger=True))
     assert float((tiny.final - x0).abs().max()) > 1e-2  # it moves
     # a subnormal float64 keeps 2^-38 of relative precision (1e-310 / 2^-1074): far coarser than eps
     tol = 1e-9 if dtype == torch.float64 else 1e-5

@@ -16,7 +16,7 @@ def _x0():
 
 
 def _final_residual(theta, dt, key="residual", **kw):
-    tr = tp.simulate(_x0(), theta, t1=1.0, dt=dt, **kw, direction="descent")
+    tr = tp.simulate(_x0(), theta, t1=1.0, dt=dt, ledger=True, **kw, direction="descent")
     return tr.ledger[key][-1]
 
 
@@ -49,7 +49,7 @@ def test_edi_residual_order_ou(H, normalization, scheme):
 
 def test_softmax_multihead_slope_differs_from_dissipation_but_ledger_closes():
     theta = tp.Oscillating(tp.Heads.random(6, 3, generator=gen(3), dtype=torch.float64))
-    tr = tp.simulate(_x0(), theta, t1=1.0, dt=0.01, method="heun", direction="descent")
+    tr = tp.simulate(_x0(), theta, t1=1.0, dt=0.01, method="heun", ledger=True, direction="descent")
     # 𝒢² ≠ −𝒟 along the run (descent: s = −1): tens of percent apart at H = 6
     gap = (tr.slope + tr.dissipation).abs() / tr.slope.abs()
     assert gap.max() > 0.2
@@ -59,7 +59,7 @@ def test_softmax_multihead_slope_differs_from_dissipation_but_ledger_closes():
     assert res_slope > 20 * res
     # halving dt quarters the 𝒟 residual (heun + trapezoid: order 2) but not the 𝒢² one,
     # which converges to a non-zero limit
-    tr2 = tp.simulate(_x0(), theta, t1=1.0, dt=0.005, method="heun", direction="descent")
+    tr2 = tp.simulate(_x0(), theta, t1=1.0, dt=0.005, method="heun", ledger=True, direction="descent")
     assert tr2.ledger["residual"][-1].abs() < 0.35 * res
     assert_close(tr2.ledger["residual_slope"][-1], tr.ledger["residual_slope"][-1], rtol=0.05, atol=0)
 
@@ -74,7 +74,7 @@ def _noisy_case(method, record_every=1, t1=0.2, dt=0.02):
     kappa, sigma = 1.2, 0.8
     proc = tp.OrnsteinUhlenbeck(heads, rate=kappa, sigma=sigma)
     tr = tp.simulate(_x0(), proc, t1=t1, dt=dt, paths=2, seed=1, weights=w, method=method,
-                     record_every=record_every, return_path=True, direction="descent")
+                     record_every=record_every, return_path=True, ledger=True, direction="descent")
     return tr, om, 1.3, w, kappa, sigma, dt
 
 
@@ -113,7 +113,7 @@ def test_euler_ledger_terms_against_dense_recomputation():
     assert_close(L["residual"], E - E[0] - cum(dt * (P + D)[:-1]) - cum(Mk), **tol)
     assert_close(L["residual_slope"], E - E[0] - cum(dt * (P - G)[:-1]) - cum(Mk), **tol)
     # constant heads: no partial, no martingale
-    const = tp.simulate(_x0(), tp.Heads.random(3, 3, generator=gen(5), dtype=torch.float64), t1=0.3, dt=0.01, direction="descent")
+    const = tp.simulate(_x0(), tp.Heads.random(3, 3, generator=gen(5), dtype=torch.float64), t1=0.3, dt=0.01, ledger=True, direction="descent")
     assert torch.equal(const.ledger["partial"], torch.zeros_like(const.ledger["partial"]))
     assert torch.equal(const.ledger["martingale"], torch.zeros_like(const.ledger["martingale"]))
 

@@ -117,7 +117,7 @@ def _cases():
 def test_ledger_closes_at_the_asserted_order(method, normalization, direction, tokens, process):
     x0, w, theta = _setup(process, tokens)
     order = asserted_order(method, process)
-    kw = dict(t1=T1, method=method, normalization=normalization, direction=direction, weights=w)
+    kw = dict(t1=T1, method=method, normalization=normalization, direction=direction, weights=w, ledger=True)
     if process not in NOISY:
         res, scale = [], 0.0
         dts = DTS_DET
@@ -155,7 +155,7 @@ def test_adaptive_ledger_with_layer_boundaries_off_the_record_grid(interpolation
     theta = tp.Layerwise(theta.layers, interpolation, layer_time=0.13)
     dts, res = (0.05, 0.025, 0.0125), []
     for dt in dts:
-        tr = tp.simulate(x0, theta, dt=dt, t1=T1, method="adaptive", weights=w, record_every=2)
+        tr = tp.simulate(x0, theta, dt=dt, t1=T1, method="adaptive", weights=w, record_every=2, ledger=True)
         assert tr.x.shape[0] == tr.energy.shape[0] == round(T1 / dt) // 2 + 1  # records only, no knot rows
         res.append(abs(tr.ledger["residual"][-1].item()))
     assert fit_slope(dts, res) >= 1.7, res
@@ -171,7 +171,7 @@ def test_adaptive_ledger_books_the_jump_of_a_layer_start_a_rounding_away_from_a_
     x0 = tp.sphere.sample_uniform(6, 3, generator=gen(60), dtype=torch.float64)
     a = tp.Heads.random(2, 3, generator=gen(62), dtype=torch.float64, scale=0.1, beta=1.3)
     b = tp.Heads(a.score + 0.8 * torch.eye(3, dtype=torch.float64), beta=1.3)
-    runs = [tp.simulate(x0, tp.Layerwise([a, b], layer_time=0.5 + o), t1=1.0, dt=0.1, method="adaptive")
+    runs = [tp.simulate(x0, tp.Layerwise([a, b], layer_time=0.5 + o), t1=1.0, dt=0.1, method="adaptive", ledger=True)
             for o in (0.0, offset)]
     assert runs[0].ledger["partial"][-1].item() > 0.1  # the jump is booked at all
     for key in ("partial", "residual"):

@@ -141,7 +141,7 @@ def test_ledger_closes_in_mean_at_order_one(process):
     res, partial = [], []
     for dt in dts:
         tr = tp.simulate(x0, theta, t1=t1, dt=dt, temperature=T, paths=2000, seed=11, method="heun",
-                         direction="ascent", record_every=round(t1 / dt))
+                         direction="ascent", record_every=round(t1 / dt), ledger=True)
         r = tr.ledger["residual"][-1]
         res.append(float(r.mean()))
         assert abs(res[-1]) > 4 * float(r.std() / math.sqrt(r.numel()))  # the bias, not the Monte-Carlo error
@@ -149,14 +149,14 @@ def test_ledger_closes_in_mean_at_order_one(process):
     assert 0.8 < _slope(dts, res) < 1.2, res
     # the noise terms booked (Itô correction in "partial") are much larger than what is left over
     tr0 = tp.simulate(x0, theta, t1=t1, dt=dts[-1], paths=2000, seed=11, method="heun", direction="ascent",
-                      record_every=round(t1 / dts[-1]))
+                      record_every=round(t1 / dts[-1]), ledger=True)
     assert abs(partial[-1] - float(tr0.ledger["partial"][-1].mean())) > 10 * abs(res[-1])
 
 
 def test_streams_checkpoint_and_options(tmp_path):
     x0 = tp.sphere.sample_uniform(6, 3, generator=gen(12), dtype=torch.float64)
     theta = tp.OrnsteinUhlenbeck(tp.Heads.random(2, 3, generator=gen(13), dtype=torch.float64))
-    kw = dict(t1=1.0, dt=0.05, paths=2, seed=3, record_every=3, temperature=0.2)
+    kw = dict(t1=1.0, dt=0.05, paths=2, seed=3, record_every=3, temperature=0.2, ledger=True)
     full = tp.simulate(x0, theta, return_path=True, **kw)
     # the weights' stream is untouched by the token noise: same weight path as without noise
     quiet = tp.simulate(x0, theta, return_path=True, **{**kw, "temperature": 0.0})
@@ -193,7 +193,7 @@ def test_every_normalisation_dtype_and_causal(normalization, dtype):
     h = tp.Heads.random(2, 3, generator=gen(5), dtype=dtype)
     for causal in ((False, True) if normalization != "effective" else (False,)):
         tr = tp.simulate(x0, tp.Oscillating(h), t1=0.3, dt=0.05, temperature=0.5, paths=3,
-                         normalization=normalization, causal=causal, method="rk4")
+                         normalization=normalization, causal=causal, method="rk4", ledger=True)
         assert tr.x.dtype == dtype and tr.x.shape == (7, 3, 2, 8, 3)
         torch.testing.assert_close(tr.x.norm(dim=-1), torch.ones(tr.x.shape[:-1], dtype=dtype),
                                    rtol=1e-12, atol=10 * torch.finfo(dtype).eps)
@@ -208,15 +208,15 @@ def test_bad_temperature():
     for bad, err in ((-0.1, ValueError), (float("nan"), ValueError), (float("inf"), ValueError), ("1", TypeError),
                      (True, TypeError)):
         with pytest.raises(err, match="temperature"):
-            tp.simulate(x0, h, t1=0.1, dt=0.05, temperature=bad)
+            tp.simulate(x0, h, t1=0.1, dt=0.05, temperature=bad, ledger=True)
     with pytest.raises(ValueError, match="fixed-step"):
-        tp.simulate(x0, h, t1=0.1, dt=0.05, temperature=0.1, method="adaptive")
+        tp.simulate(x0, h, t1=0.1, dt=0.05, temperature=0.1, method="adaptive", ledger=True)
     with pytest.raises(ValueError, match="fixed-step|adjoint"):
-        tp.simulate(x0, h, t1=0.1, dt=0.05, temperature=0.1, method="adaptive", adjoint=True)
+        tp.simulate(x0, h, t1=0.1, dt=0.05, temperature=0.1, method="adaptive", adjoint=True, ledger=True)
     with pytest.raises(ValueError, match="TokenNoise.seed"):
         TokenNoise(0.1, seed=-1)
     # adaptive with T = 0 still works
-    tp.simulate(x0, h, t1=0.1, dt=0.05, temperature=0.0, method="adaptive")
+    tp.simulate(x0, h, t1=0.1, dt=0.05, temperature=0.0, method="adaptive", ledger=True)
 
 
 # ---------------------------------------------------------------------------- Fokker–Planck JKO
@@ -270,7 +270,7 @@ def test_token_noise_with_a_layer_map_is_refused():
     x0 = tp.sphere.sample_uniform(5, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     h = tp.Heads.scalar([1.0], 3).to(torch.float64)
     with pytest.raises(ValueError, match="layer_norm='post' with token noise"):
-        tp.simulate(x0, h, t1=0.2, dt=0.1, temperature=0.5, layer_norm="post")
+        tp.simulate(x0, h, t1=0.2, dt=0.1, temperature=0.5, layer_norm="post", ledger=True)
 
 
 def test_token_stream_follows_the_generator():

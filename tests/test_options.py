@@ -24,8 +24,8 @@ def problem():
     (lambda: tp.SaveAt(every=2, ends=True), ValueError, "ends=True"),
     (lambda: tp.SaveAt(ends="yes"), TypeError, "SaveAt.ends"),
     (lambda: tp.SaveAt(observables=[len]), TypeError, "SaveAt.observables"),
-    (lambda: tp.LedgerOptions(quadrature="simpson"), ValueError, "simpson"),
-    (lambda: tp.LedgerOptions(quadratic_variation="both"), ValueError, "both"),
+    (lambda: tp.LedgerOptions(ledger=True, quadrature="simpson"), ValueError, "simpson"),
+    (lambda: tp.LedgerOptions(ledger=True, quadratic_variation="both"), ValueError, "both"),
     (lambda: tp.LedgerOptions(energy_log_scale=True), TypeError, "energy_log_scale"),
     (lambda: tp.LedgerOptions(energy_log_scale=math.inf), ValueError, "finite"),
     (lambda: tp.Checkpointing(3), TypeError, "Checkpointing.path"),
@@ -43,19 +43,19 @@ def test_options_refuse_bad_fields_when_built(make, err, msg):
 def test_saveat_chooses_the_record_times(problem):
     x0, heads = problem
     assert tp.SaveAt(every=3).record_every(10) == 3 and tp.SaveAt(ends=True).record_every(10) == 10
-    traj = tp.solve(tp.Model(heads, direction="descent"), x0, tp.Euler(), t1=1.0, dt=0.1, saveat=tp.SaveAt(every=3))
+    traj = tp.solve(tp.Model(heads, direction="descent"), x0, tp.Euler(), t1=1.0, dt=0.1, saveat=tp.SaveAt(every=3), ledger=tp.LedgerOptions(ledger=True))
     assert traj.times.tolist() == pytest.approx([0.0, 0.3, 0.6, 0.9, 1.0])
     with pytest.raises(ValueError, match="SaveAt.every"):  # a stride longer than the run
-        tp.solve(tp.Model(heads, direction="descent"), x0, tp.Euler(), t1=1.0, dt=0.1, saveat=tp.SaveAt(every=11))
+        tp.solve(tp.Model(heads, direction="descent"), x0, tp.Euler(), t1=1.0, dt=0.1, saveat=tp.SaveAt(every=11), ledger=tp.LedgerOptions(ledger=True))
 
 
 def test_saveat_observables_and_the_stored_path_replay(problem):
     x0, heads = problem
     theta = tp.OrnsteinUhlenbeck(heads, sigma=0.5)
     save = tp.SaveAt(every=2, observables={"first": lambda x, w: x[..., 0, :]}, path=True)
-    traj = tp.solve(tp.Model(theta, direction="descent"), x0, tp.Heun(), t1=0.4, dt=0.05, seed=9, saveat=save)
+    traj = tp.solve(tp.Model(theta, direction="descent"), x0, tp.Heun(), t1=0.4, dt=0.05, seed=9, saveat=save, ledger=tp.LedgerOptions(ledger=True))
     assert_close(traj.observables["first"], traj.x[:, 0], rtol=4 * EPS, atol=4 * EPS)  # x[..., 0, :] recorded
-    again = tp.solve(tp.Model(traj.path, direction="descent"), x0, tp.Heun(), t1=0.4, dt=0.05, saveat=tp.SaveAt(every=2))
+    again = tp.solve(tp.Model(traj.path, direction="descent"), x0, tp.Heun(), t1=0.4, dt=0.05, saveat=tp.SaveAt(every=2), ledger=tp.LedgerOptions(ledger=True))
     assert_close(again.x, traj.x, rtol=4 * EPS, atol=1e-14)
 
 
@@ -63,9 +63,9 @@ def test_ledger_options_are_the_ledger_of_the_solve(problem):
     x0, heads = problem
     quiet = tp.solve(tp.Model(heads, direction="descent"), x0, tp.Euler(), t1=0.2, dt=0.05, ledger=tp.LedgerOptions(diagnostics=False))
     assert quiet.energy is None and quiet.ledger == {}
-    left = tp.solve(tp.Model(heads, direction="descent"), x0, tp.Euler(), t1=0.2, dt=0.05)
+    left = tp.solve(tp.Model(heads, direction="descent"), x0, tp.Euler(), t1=0.2, dt=0.05, ledger=tp.LedgerOptions(ledger=True))
     trap = tp.solve(tp.Model(heads, direction="descent"), x0, tp.Euler(), t1=0.2, dt=0.05,
-                    ledger=tp.LedgerOptions(quadrature="trapezoid"))
+                    ledger=tp.LedgerOptions(ledger=True, quadrature="trapezoid"))
     # the same tokens, the same energy; the integral of 𝒟 by two rules: the trapezoid one from the same values
     assert_close(trap.x, left.x, rtol=4 * EPS, atol=4 * EPS)
     D, dt = left.dissipation, 0.05
@@ -97,18 +97,18 @@ def test_progress_callback_sees_every_step(problem):
     x0, heads = problem
     seen = []
     tp.solve(tp.Model(heads, direction="descent"), x0, tp.Euler(), t1=0.2, dt=0.05,
-             progress=tp.Progress(callback=lambda k, t, x: seen.append((k, round(t, 12), tuple(x.shape)))))
+             progress=tp.Progress(callback=lambda k, t, x: seen.append((k, round(t, 12), tuple(x.shape)))), ledger=tp.LedgerOptions(ledger=True))
     assert seen == [(k, round(0.05 * k, 12), (5, 3)) for k in range(1, 5)]
-    tp.solve(tp.Model(heads, direction="descent"), x0, tp.Euler(), t1=0.2, dt=0.05, progress=False)  # a bool is Progress(show=...)
+    tp.solve(tp.Model(heads, direction="descent"), x0, tp.Euler(), t1=0.2, dt=0.05, progress=False, ledger=tp.LedgerOptions(ledger=True))  # a bool is Progress(show=...)
 
 
 def test_limits_refuse_before_work_and_chunking_keeps_the_numbers(problem):
     x0, heads = problem
     with pytest.raises(ValueError, match="max_steps"):
-        tp.solve(tp.Model(heads, direction="descent"), x0, tp.Euler(), t1=1.0, dt=0.01, limits=tp.Limits(max_steps=50))
+        tp.solve(tp.Model(heads, direction="descent"), x0, tp.Euler(), t1=1.0, dt=0.01, limits=tp.Limits(max_steps=50), ledger=tp.LedgerOptions(ledger=True))
     with pytest.raises(ValueError, match="max_memory"):
-        tp.solve(tp.Model(heads, direction="descent"), x0, tp.Euler(), t1=1.0, dt=0.01, limits=tp.Limits(max_memory=10.0))
-    whole = tp.solve(tp.Model(heads, direction="descent"), x0, tp.Euler(), t1=0.2, dt=0.05)
-    chunked = tp.solve(tp.Model(heads, direction="descent"), x0, tp.Euler(), t1=0.2, dt=0.05, limits=tp.Limits(chunk_elements=8))
+        tp.solve(tp.Model(heads, direction="descent"), x0, tp.Euler(), t1=1.0, dt=0.01, limits=tp.Limits(max_memory=10.0), ledger=tp.LedgerOptions(ledger=True))
+    whole = tp.solve(tp.Model(heads, direction="descent"), x0, tp.Euler(), t1=0.2, dt=0.05, ledger=tp.LedgerOptions(ledger=True))
+    chunked = tp.solve(tp.Model(heads, direction="descent"), x0, tp.Euler(), t1=0.2, dt=0.05, limits=tp.Limits(chunk_elements=8), ledger=tp.LedgerOptions(ledger=True))
     assert_close(chunked.x, whole.x, rtol=4 * EPS, atol=1e-13)
     assert_close(chunked.energy, whole.energy, rtol=1e-12, atol=0)

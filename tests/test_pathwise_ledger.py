@@ -32,7 +32,7 @@ def _residuals(dtype, qv, method="euler", paths=48, sigma=2 ** 0.5, dts=DTS, **k
     out = []
     for dt in dts:
         tr = tp.simulate(_x0(dtype), _ou(dtype, sigma), t1=0.64, dt=dt, paths=paths, seed=0, method=method,
-                         quadratic_variation=qv, **kw)
+                         quadratic_variation=qv, ledger=True, **kw)
         out.append(tr.ledger["residual"][-1].double())
     return out
 
@@ -127,8 +127,8 @@ def test_deterministic_weights_unaffected(method):
     """No noise, no quadratic variation: the two options give identical records."""
     x0 = _x0(torch.float64)
     theta = tp.Oscillating(tp.Heads.random(2, 3, generator=gen(8), dtype=torch.float64))
-    a = tp.simulate(x0, theta, t1=0.4, dt=0.05, method=method, quadratic_variation="expected")
-    b = tp.simulate(x0, theta, t1=0.4, dt=0.05, method=method, quadratic_variation="realised")
+    a = tp.simulate(x0, theta, t1=0.4, dt=0.05, method=method, quadratic_variation="expected", ledger=True)
+    b = tp.simulate(x0, theta, t1=0.4, dt=0.05, method=method, quadratic_variation="realised", ledger=True)
     assert torch.equal(a.x, b.x)
     for key in a.ledger:
         assert torch.equal(a.ledger[key], b.ledger[key]), key
@@ -137,7 +137,7 @@ def test_deterministic_weights_unaffected(method):
 def test_realised_only_changes_the_partial_term():
     """Same seed, same tokens and martingale; the realised ledger's partial differs from the expected
     one by the realised-minus-expected second-order terms, whose mean over paths is small."""
-    kw = dict(t1=0.3, dt=0.01, paths=64, seed=4)
+    kw = dict(t1=0.3, dt=0.01, paths=64, seed=4, ledger=True)
     a = tp.simulate(_x0(torch.float64), _ou(torch.float64), quadratic_variation="expected", **kw)
     b = tp.simulate(_x0(torch.float64), _ou(torch.float64), quadratic_variation="realised", **kw)
     assert torch.equal(a.x, b.x) and torch.equal(a.energy, b.energy)

@@ -108,7 +108,7 @@ def test_euler_scheme_matches_reference_recursion():
     """scheme="euler" steps A ← A + dt (F(t) − A), as the reference code does."""
     A0 = tp.Heads.random(2, 3, generator=gen(3), dtype=torch.float64)
     x0 = tp.sphere.octahedral(10, dtype=torch.float64)
-    tr = tp.simulate(x0, tp.Oscillating(A0, scheme="euler"), t1=0.5, dt=0.1, return_path=True)
+    tr = tp.simulate(x0, tp.Oscillating(A0, scheme="euler"), t1=0.5, dt=0.1, return_path=True, ledger=True)
     A = A0.score.clone()
     for k in range(5):
         F = torch.stack([torch.as_tensor(oscillating_target_reference(0.1 * k, 3))] * 2)
@@ -126,7 +126,7 @@ def test_layerwise_constant_and_linear():
     assert_close(lin.score_rate(0.25), 2.0 * torch.eye(3, dtype=torch.float64)[None])
     # the ledger books the jumps: the energy balance closes on a piecewise-constant path
     x0 = tp.sphere.sample_uniform(12, 3, generator=gen(4), dtype=torch.float64)
-    tr = tp.simulate(x0, c, t1=1.5, dt=0.005, normalization="effective")
+    tr = tp.simulate(x0, c, t1=1.5, dt=0.005, normalization="effective", ledger=True)
     assert tr.ledger["residual"][-1].abs() < 5e-3 * tr.ledger["dE"].abs().max()
     assert tr.ledger["partial"][-1].abs() > 0.1  # the jumps are really there
 
@@ -135,10 +135,10 @@ def test_custom_process_euler():
     heads = tp.Heads.random(2, 3, generator=gen(5), dtype=torch.float64)
     proc = tp.Custom(heads, drift=lambda t, A: -A)  # A(t) = e^{-t} A0 exactly; Euler: (1 − dt)^k A0
     x0 = tp.sphere.sample_uniform(5, 3, generator=gen(6), dtype=torch.float64)
-    tr = tp.simulate(x0, proc, t1=1.0, dt=0.01, return_path=True)
+    tr = tp.simulate(x0, proc, t1=1.0, dt=0.01, return_path=True, ledger=True)
     assert_close(tr.path.scores[-1], (0.99 ** 100) * heads.score)
     noisy = tp.Custom(heads, drift=lambda t, A: -A, diffusion=0.3)
-    tr2 = tp.simulate(x0, noisy, t1=0.2, dt=0.01, paths=3, seed=1)
+    tr2 = tp.simulate(x0, noisy, t1=0.2, dt=0.01, paths=3, seed=1, ledger=True)
     assert tr2.x.shape[1] == 3
 
 
@@ -147,8 +147,8 @@ def test_replay_is_bit_identical_and_seeds_differ():
     x0 = tp.sphere.octahedral(20, dtype=torch.float64)
     proc = tp.OrnsteinUhlenbeck(heads)
     for method in ("euler", "rk4"):
-        run = tp.simulate(x0, proc, t1=0.5, dt=0.05, paths=2, seed=11, return_path=True, method=method)
-        rep = tp.simulate(x0, run.path, t1=0.5, dt=0.05, method=method)
+        run = tp.simulate(x0, proc, t1=0.5, dt=0.05, paths=2, seed=11, return_path=True, method=method, ledger=True)
+        rep = tp.simulate(x0, run.path, t1=0.5, dt=0.05, method=method, ledger=True)
         assert torch.equal(rep.x, run.x)
         for key in run.ledger:
             assert torch.equal(rep.ledger[key], run.ledger[key]), key
@@ -161,7 +161,7 @@ def test_replay_is_bit_identical_and_seeds_differ():
     assert not torch.equal(path.scores[-1, 0], path.scores[-1, 1])
     # token and weight streams are separate: the tokens are not consumed by the weights' generator
     with pytest.raises(ValueError, match="same t0 and dt"):
-        tp.simulate(x0, path, t1=0.5, dt=0.025)
+        tp.simulate(x0, path, t1=0.5, dt=0.025, ledger=True)
 
 
 def test_bad_process_parameters():

@@ -117,8 +117,8 @@ def test_recorded_values_equal_the_eager_solve(case, dtype):
     if kw.get("weights") == "random":
         kw["weights"] = random_weights((2, 6), seed=3, floor=0.2).to(dtype)
     theta = heads if build is None else build(heads)
-    traj = tp.simulate(x0, theta, t1=0.6, dt=0.05, diagnostics=True, return_path=not isinstance(theta, tp.Heads)
-                       and kw.get("method") != "adaptive", **kw)
+    traj = tp.simulate(x0, theta, t1=0.6, dt=0.05, diagnostics=True, ledger=True,
+                       return_path=not isinstance(theta, tp.Heads) and kw.get("method") != "adaptive", **kw)
     model = model_of(theta, kw)
     rec = heads_at_records(theta, traj)
     given = kw.get("energy_log_scale")
@@ -144,7 +144,7 @@ def test_automatic_scale_at_large_beta_matches_the_solve(dtype_):
     records give the same c (from the first record) and the same scaled values."""
     x0, heads = problem(dtype_)
     big = tp.Heads(heads.score_matrix, beta=60.0 if dtype_ == torch.float32 else 420.0)
-    traj = tp.simulate(x0, big, t1=0.3, dt=0.05, diagnostics=True)
+    traj = tp.simulate(x0, big, t1=0.3, dt=0.05, diagnostics=True, ledger=True)
     assert traj.stats["energy_log_scale"] > 0
     src = RecordedDiagnostics(tp.Model(big), traj.x, big)
     assert src.log_scale == traj.stats["energy_log_scale"]
@@ -215,7 +215,7 @@ def test_gradients_through_recorded_energy_equal_the_eager_ones(dtype):
         xr = x0.clone().requires_grad_(True)
         Ar = A.clone().requires_grad_(True)
         h = tp.Heads(Ar)
-        return xr, Ar, h, tp.simulate(xr, h, t1=0.3, dt=0.05, diagnostics=True)
+        return xr, Ar, h, tp.simulate(xr, h, t1=0.3, dt=0.05, diagnostics=True, ledger=True)
 
     xr, Ar, h, traj = run()
     ge = torch.autograd.grad((traj.energy.sum() + traj.dissipation.sum()), (xr, Ar))
@@ -244,7 +244,7 @@ class Counting:
 
 def lazy_trajectory(dtype, paths=None):
     x0, heads = problem(dtype)
-    eager = tp.simulate(x0, heads, t1=0.3, dt=0.05, paths=paths, diagnostics=True)
+    eager = tp.simulate(x0, heads, t1=0.3, dt=0.05, paths=paths, diagnostics=True, ledger=True)
     src = RecordedDiagnostics(tp.Model(heads), eager.with_paths().x, heads)
     counter = Counting(src())
     series = lazy_series(counter)

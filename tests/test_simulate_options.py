@@ -28,7 +28,7 @@ def test_causal_two_tokens_closed_form(dtype):
     tol = 1e-8 if dtype == torch.float64 else 1e-4
     assert_close(got.double(), torch.as_tensor(theta), atol=tol, rtol=0)
     assert_close(tr.x[:, 0], x0[0].expand_as(tr.x[:, 0]), atol=tol, rtol=0)
-    tr = tp.simulate(x0, heads, t1=0.2, dt=0.1, direction="ascent", causal=True)
+    tr = tp.simulate(x0, heads, t1=0.2, dt=0.1, direction="ascent", causal=True, ledger=True)
     assert tr.stats["gradient_flow"] is False
     assert "residual" not in tr.ledger and "residual_slope" not in tr.ledger
     assert set(tr.ledger) == {"dE", "partial", "dissipation", "slope", "martingale"}
@@ -42,12 +42,12 @@ def test_causal_ledger_still_balances_by_the_chain_rule():
     dts = [0.04, 0.02, 0.01, 0.005]
     res = []
     for dt in dts:
-        L = tp.simulate(x0, theta, t1=0.4, dt=dt, causal=True).ledger
+        L = tp.simulate(x0, theta, t1=0.4, dt=dt, causal=True, ledger=True).ledger
         res.append(abs(float((L["dE"] - L["partial"] - L["dissipation"] - L["martingale"])[-1])))
     assert abs(fit_slope(dts, res) - 1) < 0.25, res
     # the causal flow differs from the full one
-    full = tp.simulate(x0, theta, t1=0.8, dt=0.04)
-    cau = tp.simulate(x0, theta, t1=0.8, dt=0.04, causal=True)
+    full = tp.simulate(x0, theta, t1=0.8, dt=0.04, ledger=True)
+    cau = tp.simulate(x0, theta, t1=0.8, dt=0.04, causal=True, ledger=True)
     assert (full.x[-1] - cau.x[-1]).abs().max() > 1e-3
     assert full.stats["gradient_flow"] is True and "residual" in full.ledger
 
@@ -55,9 +55,9 @@ def test_causal_ledger_still_balances_by_the_chain_rule():
 def test_causal_adaptive_and_noisy_paths():
     x0 = tp.sphere.sample_uniform(6, 3, generator=gen(3), dtype=torch.float64)
     theta = tp.OrnsteinUhlenbeck(tp.Heads.random(2, 3, generator=gen(4), dtype=torch.float64))
-    tr = tp.simulate(x0, theta, t1=0.2, dt=0.05, paths=2, method="adaptive", causal=True)
+    tr = tp.simulate(x0, theta, t1=0.2, dt=0.05, paths=2, method="adaptive", causal=True, ledger=True)
     assert "residual" not in tr.ledger and tr.stats["gradient_flow"] is False
-    eu = tp.simulate(x0, theta, t1=0.2, dt=0.05, paths=2, causal=True, quadratic_variation="realised")
+    eu = tp.simulate(x0, theta, t1=0.2, dt=0.05, paths=2, causal=True, quadratic_variation="realised", ledger=True)
     assert set(eu.ledger) == set(tr.ledger)
     for v in eu.ledger.values():
         assert torch.isfinite(v).all()
@@ -73,13 +73,13 @@ def test_observables_are_recorded_at_every_record_time(method):
     obs = {"mean": lambda x, wt: (wt[:, None] * x).sum(-2),  # (paths, 3)
            "gamma01": lambda x, wt: (x[..., 0, :] * x[..., 1, :]).sum(-1)}  # (paths,)
     tr = tp.simulate(x0, theta, t1=0.5, dt=0.05, paths=2, seed=1, weights=w, record_every=3, method=method,
-                     observables=obs)
+                     observables=obs, ledger=True)
     T = len(tr.times)
     assert tr.observables["mean"].shape == (T, 2, 3) and tr.observables["gamma01"].shape == (T, 2)
     # independent recomputation from the recorded tokens: the weighted mean and one Gram entry
     assert_close(tr.observables["mean"], torch.einsum("n,tpnd->tpd", w, tr.x))
     assert_close(tr.observables["gamma01"], torch.einsum("tpd,tpd->tp", tr.x[:, :, 0], tr.x[:, :, 1]))
-    assert tp.simulate(x0, theta, t1=0.1, dt=0.05).observables == {}
+    assert tp.simulate(x0, theta, t1=0.1, dt=0.05, ledger=True).observables == {}
 
 
 @pytest.mark.parametrize("bad,err,match", [
@@ -92,7 +92,7 @@ def test_observables_are_recorded_at_every_record_time(method):
 def test_observables_validation(bad, err, match):
     x0 = tp.sphere.sample_uniform(4, 3, generator=gen(8), dtype=torch.float64)
     with pytest.raises(err, match=match):
-        tp.simulate(x0, tp.Heads.scalar([1.0], 3).to(torch.float64), t1=0.1, dt=0.05, observables=bad)
+        tp.simulate(x0, tp.Heads.scalar([1.0], 3).to(torch.float64), t1=0.1, dt=0.05, observables=bad, ledger=True)
 
 
 @pytest.mark.parametrize("kw,err,match", [
@@ -114,7 +114,7 @@ def test_checkpoint_resume_with_new_options_is_bit_identical(tmp_path):
     x0 = tp.sphere.sample_uniform(5, 3, generator=gen(10), dtype=torch.float64)
     theta = tp.OrnsteinUhlenbeck(tp.Heads.random(2, 3, generator=gen(11), dtype=torch.float64))
     obs = {"g": lambda x, w: (x[..., 0, :] * x[..., 1, :]).sum(-1)}
-    kw = dict(t1=0.5, dt=0.05, paths=2, seed=3, quadratic_variation="realised", observables=obs)
+    kw = dict(t1=0.5, dt=0.05, paths=2, seed=3, quadratic_variation="realised", observables=obs, ledger=True)
     full = tp.simulate(x0, theta, **kw)
     ck = tmp_path / "run.ckpt"
 
@@ -131,7 +131,7 @@ def test_checkpoint_resume_with_new_options_is_bit_identical(tmp_path):
 def test_trajectory_repr_is_short():
     x0 = tp.sphere.octahedral(50, dtype=torch.float64)
     theta = tp.OrnsteinUhlenbeck(tp.Heads.random(2, 3, generator=gen(12), dtype=torch.float64))
-    tr = tp.simulate(x0, theta, t1=1.0, dt=0.1, paths=2, observables={"m": lambda x, w: x.mean(-2)})
+    tr = tp.simulate(x0, theta, t1=1.0, dt=0.1, paths=2, observables={"m": lambda x, w: x.mean(-2)}, ledger=True)
     r = repr(tr)
     assert "tensor(" not in r and len(r) < 600, r
     for part in ("x=(11, 2, 50, 3) float64", "times=11 in [0, 1]", "residual", "observables=[m]",
@@ -173,7 +173,7 @@ def test_progress_rule_and_terminal_only(monkeypatch):
 
 def test_progress_bar_writes_nothing_off_a_terminal(capfd):
     x0 = tp.sphere.sample_uniform(4, 3, generator=gen(14), dtype=torch.float64)
-    tp.simulate(x0, tp.Heads.scalar([1.0], 3).to(torch.float64), t1=0.2, dt=0.05, progress=True)
+    tp.simulate(x0, tp.Heads.scalar([1.0], 3).to(torch.float64), t1=0.2, dt=0.05, progress=True, ledger=True)
     assert capfd.readouterr().err == ""
 
 
@@ -195,8 +195,8 @@ def test_step_loop_runs_in_a_thread_scope(monkeypatch):
     monkeypatch.setattr(particle.threads, "scope", scope)
     x0 = tp.sphere.sample_uniform(5, 3, generator=gen(15), dtype=torch.float64)
     theta = tp.OrnsteinUhlenbeck(tp.Heads.random(2, 3, generator=gen(16), dtype=torch.float64))
-    tp.simulate(x0, theta, t1=0.1, dt=0.05, paths=3)
-    tp.simulate(x0, theta, t1=0.1, dt=0.05, paths=3, method="adaptive")
+    tp.simulate(x0, theta, t1=0.1, dt=0.05, paths=3, ledger=True)
+    tp.simulate(x0, theta, t1=0.1, dt=0.05, paths=3, method="adaptive", ledger=True)
     assert seen == [3 * 2 * 5 * 5] * 2  # paths · H · n²
 
 

@@ -1,4 +1,4 @@
-"""tp.solve(model, x0, solver, ...) — the composable entry point — against the keyword front ends
+"""tp.solve(model, x0, solver, ..., ledger=tp.LedgerOptions(ledger=True)) — the composable entry point — against the keyword front ends
 (tp.simulate, tp.distributed.simulate_sharded), the options a solver refuses, SaveAt(ends=True),
 the geometry seam and the batch-axis convention (docs/solve.md)."""
 
@@ -45,12 +45,13 @@ def test_solve_and_simulate_agree_for_every_particle_solver(method, solver, dtyp
     w = torch.softmax(torch.randn(6, generator=gen(5), dtype=dtype), -1)
     theta = tp.OrnsteinUhlenbeck(heads, sigma=0.3)
     kw = dict(t1=0.4, dt=0.05, paths=3, seed=7)
-    a = tp.simulate(x0, theta, method=method, direction="ascent", weights=w, record_every=2,
+    a = tp.simulate(x0, theta, method=method, direction="ascent", weights=w, record_every=2, ledger=True,
                     **({"rtol": 1e-6, "atol": 1e-8} if method == "adaptive" else {}), **kw)
-    b = tp.solve(tp.Model(theta, direction="ascent", weights=w), x0, solver, saveat=tp.SaveAt(every=2), **kw)
+    b = tp.solve(tp.Model(theta, direction="ascent", weights=w), x0, solver, saveat=tp.SaveAt(every=2),
+                 ledger=tp.LedgerOptions(ledger=True), **kw)
     same_run(a, b, dtype)
     assert a.x.shape == (5, 3, 6, 3) and b.paths == 3
-    c = tp.simulate(x0, theta, method=method, record_every=2,
+    c = tp.simulate(x0, theta, method=method, record_every=2, ledger=True,
                     **({"rtol": 1e-6, "atol": 1e-8} if method == "adaptive" else {}), **kw)
     assert float((c.x - b.x).abs().max()) > 1e-3  # the direction and the weights do change the run
 
@@ -58,22 +59,22 @@ def test_solve_and_simulate_agree_for_every_particle_solver(method, solver, dtyp
 @pytest.mark.parametrize("geometry", ["post", "pre", "ngpt"])
 def test_solve_with_a_layer_norm_geometry_is_simulate_with_layer_norm(geometry, dtype):
     x0, heads = problem(dtype, seed=10)
-    a = tp.simulate(x0, heads, t1=0.3, dt=0.05, layer_norm=geometry)
-    b = tp.solve(tp.Model(heads, geometry=geometry), x0, tp.Euler(), t1=0.3, dt=0.05)
+    a = tp.simulate(x0, heads, t1=0.3, dt=0.05, layer_norm=geometry, ledger=True)
+    b = tp.solve(tp.Model(heads, geometry=geometry), x0, tp.Euler(), t1=0.3, dt=0.05, ledger=tp.LedgerOptions(ledger=True))
     same_run(a, b, dtype)
     assert b.stats["layer_norm"] == geometry
 
 
 def test_solve_with_token_noise_and_causal_attention_is_simulate(dtype):
     x0, heads = problem(dtype, seed=20)
-    a = tp.simulate(x0, heads, t1=0.3, dt=0.05, temperature=0.2, seed=3, method="heun")
-    b = tp.solve(tp.Model(heads, noise=0.2), x0, tp.Heun(), t1=0.3, dt=0.05, seed=3)
+    a = tp.simulate(x0, heads, t1=0.3, dt=0.05, temperature=0.2, seed=3, method="heun", ledger=True)
+    b = tp.solve(tp.Model(heads, noise=0.2), x0, tp.Heun(), t1=0.3, dt=0.05, seed=3, ledger=tp.LedgerOptions(ledger=True))
     same_run(a, b, dtype)
     assert b.stats["temperature"] == 0.2
-    quiet = tp.solve(tp.Model(heads), x0, tp.Heun(), t1=0.3, dt=0.05, seed=3)
+    quiet = tp.solve(tp.Model(heads), x0, tp.Heun(), t1=0.3, dt=0.05, seed=3, ledger=tp.LedgerOptions(ledger=True))
     assert float((quiet.x - b.x).abs().max()) > 1e-3  # the noise is in the model, and it moves the tokens
-    c = tp.simulate(x0, heads, t1=0.3, dt=0.05, causal="sum")
-    d = tp.solve(tp.Model(heads, causal="sum"), x0, tp.Euler(), t1=0.3, dt=0.05)
+    c = tp.simulate(x0, heads, t1=0.3, dt=0.05, causal="sum", ledger=True)
+    d = tp.solve(tp.Model(heads, causal="sum"), x0, tp.Euler(), t1=0.3, dt=0.05, ledger=tp.LedgerOptions(ledger=True))
     same_run(c, d, dtype)
     assert "residual" not in d.ledger and d.stats["gradient_flow"] is False
 
@@ -83,9 +84,9 @@ def test_solve_with_sharded_euler_is_simulate_sharded_and_euler(dtype):
     x0, heads = problem(dtype, seed=30)
     theta = tp.OrnsteinUhlenbeck(heads, sigma=0.2)
     a = tp.distributed.simulate_sharded(x0, theta, t1=0.3, dt=0.05, paths=2, seed=4)
-    b = tp.solve(tp.Model(theta), x0, tp.ShardedEuler(), t1=0.3, dt=0.05, paths=2, seed=4)
+    b = tp.solve(tp.Model(theta), x0, tp.ShardedEuler(), t1=0.3, dt=0.05, paths=2, seed=4, ledger=tp.LedgerOptions(ledger=True))
     same_run(a, b, dtype)
-    c = tp.simulate(x0, theta, t1=0.3, dt=0.05, paths=2, seed=4)
+    c = tp.simulate(x0, theta, t1=0.3, dt=0.05, paths=2, seed=4, ledger=True)
     assert_close(b.x, c.x, **tol(dtype, 10))
     assert_close(b.ledger["residual"], c.ledger["residual"], **tol(dtype, 10))
 
@@ -102,11 +103,11 @@ def no_work(monkeypatch):
 @pytest.mark.parametrize("solver,options,name", [
     (tp.Dopri5(), dict(checkpoint=tp.Checkpointing("ck.pt")), "checkpoint"),
     (tp.Dopri5(), dict(progress=tp.Progress(show=True)), "progress"),
-    (tp.Dopri5(), dict(ledger=tp.LedgerOptions(quadrature="left")), "LedgerOptions.quadrature"),
+    (tp.Dopri5(), dict(ledger=tp.LedgerOptions(ledger=True, quadrature="left")), "LedgerOptions.quadrature"),
     (tp.ShardedEuler(), dict(checkpoint=tp.Checkpointing("ck.pt")), "checkpoint"),
     (tp.ShardedEuler(), dict(saveat=tp.SaveAt(observables={"m": lambda x, w: x.mean(-2)})), "SaveAt.observables"),
     (tp.ShardedEuler(), dict(saveat=tp.SaveAt(path=True)), "SaveAt.path"),
-    (tp.ShardedEuler(), dict(ledger=tp.LedgerOptions(quadratic_variation="realised")),
+    (tp.ShardedEuler(), dict(ledger=tp.LedgerOptions(ledger=True, quadratic_variation="realised")),
      "LedgerOptions.quadratic_variation"),
     (tp.ShardedEuler(), dict(ledger=tp.LedgerOptions(energy_log_scale=3.0)), "LedgerOptions.energy_log_scale"),
     (tp.ShardedEuler(), dict(progress=tp.Progress(callback=lambda k, t, x: None)), "Progress.callback"),
@@ -128,27 +129,27 @@ def test_solver_settings_live_on_the_solver_that_has_them(no_work):
         tp.FixedStep("adaptive")
     x0, heads = problem(torch.float64)
     with pytest.raises(ValueError, match="rtol and atol are the tolerances"):  # the keyword front end as before
-        tp.simulate(x0, heads, t1=0.2, dt=0.1, rtol=1e-3)
+        tp.simulate(x0, heads, t1=0.2, dt=0.1, rtol=1e-3, ledger=True)
     with pytest.raises(ValueError, match="Model.noise"):
-        tp.solve(tp.Model(heads, noise=0.1), x0, tp.Dopri5(), t1=0.2, dt=0.1)
+        tp.solve(tp.Model(heads, noise=0.1), x0, tp.Dopri5(), t1=0.2, dt=0.1, ledger=tp.LedgerOptions(ledger=True))
     with pytest.raises(ValueError, match="Model.geometry"):
-        tp.solve(tp.Model(heads, geometry="post"), x0, tp.ShardedEuler(), t1=0.2, dt=0.1)
+        tp.solve(tp.Model(heads, geometry="post"), x0, tp.ShardedEuler(), t1=0.2, dt=0.1, ledger=tp.LedgerOptions(ledger=True))
     with pytest.raises(ValueError, match="euler"):  # the layer maps are Euler-type maps
-        tp.solve(tp.Model(heads, geometry="pre"), x0, tp.RK4(), t1=0.2, dt=0.1)
+        tp.solve(tp.Model(heads, geometry="pre"), x0, tp.RK4(), t1=0.2, dt=0.1, ledger=tp.LedgerOptions(ledger=True))
     with pytest.raises(TypeError, match="model must be a tp.Model"):
-        tp.solve(heads, x0, tp.Euler(), t1=0.2, dt=0.1)
+        tp.solve(heads, x0, tp.Euler(), t1=0.2, dt=0.1, ledger=tp.LedgerOptions(ledger=True))
     with pytest.raises(TypeError, match="solver must be a solver object"):
-        tp.solve(tp.Model(heads), x0, "euler", t1=0.2, dt=0.1)
+        tp.solve(tp.Model(heads), x0, "euler", t1=0.2, dt=0.1, ledger=tp.LedgerOptions(ledger=True))
     with pytest.raises(TypeError, match="saveat= must be a SaveAt"):
-        tp.solve(tp.Model(heads), x0, tp.Euler(), t1=0.2, dt=0.1, saveat=2)
+        tp.solve(tp.Model(heads), x0, tp.Euler(), t1=0.2, dt=0.1, saveat=2, ledger=tp.LedgerOptions(ledger=True))
 
 
 # ---------------------------------------------------------------------------- SaveAt(ends=True)
 @pytest.mark.parametrize("solver", [tp.Euler(), tp.RK4(), tp.Dopri5(rtol=1e-9, atol=1e-11)])
 def test_saveat_ends_records_t0_and_t1_only(solver, dtype):
     x0, heads = problem(dtype, seed=40)
-    full = tp.solve(tp.Model(heads), x0, solver, t1=0.5, dt=0.05)
-    ends = tp.solve(tp.Model(heads), x0, solver, t1=0.5, dt=0.05, saveat=tp.SaveAt(ends=True))
+    full = tp.solve(tp.Model(heads), x0, solver, t1=0.5, dt=0.05, ledger=tp.LedgerOptions(ledger=True))
+    ends = tp.solve(tp.Model(heads), x0, solver, t1=0.5, dt=0.05, saveat=tp.SaveAt(ends=True), ledger=tp.LedgerOptions(ledger=True))
     assert ends.times.tolist() == pytest.approx([0.0, 0.5]) and ends.x.shape == (2, 6, 3)
     assert_close(ends.x[0], x0, **tol(dtype))  # (dopri5 records the retracted solution)
     # dopri5 interpolates its dense output at other record times: the solve's tolerance, not rounding
@@ -183,9 +184,9 @@ def test_the_solvers_retract_through_the_models_geometry(solver, per_step, dtype
     step; the end of the step goes through ``retract_step``), and it changes the numbers only by rounding."""
     x0, heads = problem(dtype, seed=50)
     CountingProjected.calls.clear()
-    a = tp.solve(tp.Model(heads, geometry=CountingProjected()), x0, solver, t1=0.3, dt=0.05)
+    a = tp.solve(tp.Model(heads, geometry=CountingProjected()), x0, solver, t1=0.3, dt=0.05, ledger=tp.LedgerOptions(ledger=True))
     assert len(CountingProjected.calls) == 6 * per_step
-    b = tp.solve(tp.Model(heads), x0, solver, t1=0.3, dt=0.05)
+    b = tp.solve(tp.Model(heads), x0, solver, t1=0.3, dt=0.05, ledger=tp.LedgerOptions(ledger=True))
     assert_close(a.x, b.x, **tol(dtype, 10))
     CountingProjected.calls.clear()
     c = tp.solve(tp.Model(heads, geometry=CountingProjected()), x0, tp.Dopri5(), t1=0.3, dt=0.05,
@@ -204,8 +205,8 @@ def test_paths_none_and_paths_one_are_the_same_numbers_with_and_without_the_axis
     obs = {"mean": lambda x, w: x.mean(-2)}
     seen = []
     none = tp.simulate(x0, theta, t1=0.3, dt=0.05, seed=2, observables=obs, return_path=True,
-                       callback=lambda k, t, x: seen.append(tuple(x.shape)))
-    one = tp.simulate(x0, theta, t1=0.3, dt=0.05, seed=2, paths=1, observables=obs)
+                       callback=lambda k, t, x: seen.append(tuple(x.shape)), ledger=True)
+    one = tp.simulate(x0, theta, t1=0.3, dt=0.05, seed=2, paths=1, observables=obs, ledger=True)
     assert none.paths is None and one.paths == 1
     assert none.x.shape == (7, 6, 3) and one.x.shape == (7, 1, 6, 3)
     assert none.energy.shape == (7,) and one.energy.shape == (7, 1)
@@ -223,7 +224,7 @@ def test_with_paths_lets_a_consumer_index_paths_without_branching(dtype):
     x0, heads = problem(dtype, seed=70)
     theta = tp.OrnsteinUhlenbeck(heads, sigma=0.4)
     for paths in (None, 1, 3):
-        traj = tp.solve(tp.Model(theta), x0, tp.Euler(), t1=0.2, dt=0.05, paths=paths, seed=1).with_paths()
+        traj = tp.solve(tp.Model(theta), x0, tp.Euler(), t1=0.2, dt=0.05, paths=paths, seed=1, ledger=tp.LedgerOptions(ledger=True)).with_paths()
         P = traj.num_paths
         assert P == (paths or 1)
         assert traj.x.shape == (5, P, 6, 3) and traj.energy.shape == (5, P)
@@ -235,8 +236,8 @@ def test_with_paths_lets_a_consumer_index_paths_without_branching(dtype):
 def test_an_ensemble_keeps_its_axis_after_the_paths_axis(dtype):
     x0 = tp.ensembles.random_tokens(4, 5, 3, generator=gen(80), dtype=dtype)
     heads = tp.ensembles.random_heads(4, 2, 3, generator=gen(81), dtype=dtype)
-    one = tp.ensembles.simulate(x0, heads, t1=0.2, dt=0.05)
-    paths = tp.ensembles.simulate(x0, tp.Constant(heads), t1=0.2, dt=0.05, paths=2)
+    one = tp.ensembles.simulate(x0, heads, t1=0.2, dt=0.05, ledger=True)
+    paths = tp.ensembles.simulate(x0, tp.Constant(heads), t1=0.2, dt=0.05, paths=2, ledger=True)
     assert one.x.shape == (5, 4, 5, 3) and one.with_paths().x.shape == (5, 1, 4, 5, 3)
     assert paths.x.shape == (5, 2, 4, 5, 3)
     assert_close(paths.x[:, 1], one.x, **tol(dtype, 10))  # constant heads: every path is the same run
@@ -274,7 +275,7 @@ def test_a_solver_subclass_with_run_plugs_into_solve(dtype):
     model = tp.Model(heads, normalization="softmax")
     mine = _LoopEuler()
     ours = tp.solve(model, x0, mine, t1=0.5, dt=0.05, saveat=tp.SaveAt(every=2))
-    ref = tp.solve(model, x0, tp.Euler(), t1=0.5, dt=0.05, saveat=tp.SaveAt(every=2))
+    ref = tp.solve(model, x0, tp.Euler(), t1=0.5, dt=0.05, saveat=tp.SaveAt(every=2), ledger=tp.LedgerOptions(ledger=True))
     assert mine.calls == [(2, tp.LedgerOptions(), None)]  # the options it does not accept arrive at their defaults
     assert_close(ours.times, ref.times, **tol(dtype))
     assert_close(ours.x, ref.x, **tol(dtype, 100))

@@ -19,7 +19,7 @@ def test_two_tokens_angle_closed_form(normalization):
     times = np.linspace(0, T, 31)
     theta = integrate(lambda t, y: [two_token_angle_rate(y[0], lam, beta, normalization)], [theta0], times)[0]
     traj = tp.simulate(two_tokens(theta0), tp.Heads.scalar(torch.tensor([lam], dtype=torch.float64), 3, beta=beta),
-                       t1=T, dt=0.01, method="rk4", direction="ascent", normalization=normalization, record_every=10)
+                       t1=T, dt=0.01, method="rk4", direction="ascent", normalization=normalization, record_every=10, ledger=True)
     x = traj.x
     got = torch.arccos((x[:, 0] * x[:, 1]).sum(-1).clamp(-1, 1))
     assert_close(got, torch.as_tensor(theta), atol=1e-8, rtol=0)
@@ -35,7 +35,7 @@ def test_equiangular_reduced_ode(normalization):
     heads = tp.Heads.scalar(torch.tensor(lambdas, dtype=torch.float64), n, beta=beta,
                             weights=torch.tensor(omegas, dtype=torch.float64))
     traj = tp.simulate(sphere.equiangular(n, g0, n, dtype=torch.float64), heads, t1=T, dt=0.01, method="rk4",
-                       direction="ascent", normalization=normalization, record_every=10)
+                       direction="ascent", normalization=normalization, record_every=10, ledger=True)
     G = traj.x @ traj.x.transpose(-1, -2)
     off = G[:, ~torch.eye(n, dtype=torch.bool)]
     # the configuration stays equiangular, and γ follows the reduced ODE
@@ -72,8 +72,8 @@ def test_convergence_order_with_closed_form_weights(method, order):
 def test_adaptive_matches_rk4_reference():
     x0 = sphere.sample_uniform(8, 3, generator=gen(3), dtype=torch.float64)
     theta = tp.Oscillating(tp.Heads.random(3, 3, generator=gen(4), dtype=torch.float64))
-    ref = tp.simulate(x0, theta, t1=1.0, dt=2e-3, method="rk4", direction="descent")
-    ad = tp.simulate(x0, theta, t1=1.0, dt=0.1, method="adaptive", rtol=1e-10, atol=1e-12, direction="descent")
+    ref = tp.simulate(x0, theta, t1=1.0, dt=2e-3, method="rk4", ledger=True, direction="descent")
+    ad = tp.simulate(x0, theta, t1=1.0, dt=0.1, method="adaptive", rtol=1e-10, atol=1e-12, ledger=True, direction="descent")
     assert_close(ad.final, ref.final, atol=1e-8, rtol=0)
     assert_close(ad.energy[-1], ref.energy[-1], atol=1e-8, rtol=0)
 
@@ -82,15 +82,15 @@ def test_tokens_stay_on_sphere_float64():
     x0 = sphere.octahedral(50, dtype=torch.float64)
     theta = tp.OrnsteinUhlenbeck(tp.Heads.random(4, 3, generator=gen(5), dtype=torch.float64))
     for method in ("euler", "heun", "rk4"):
-        tr = tp.simulate(x0, theta, t1=1.0, dt=0.01, method=method, paths=2, direction="descent")
+        tr = tp.simulate(x0, theta, t1=1.0, dt=0.01, method=method, paths=2, ledger=True, direction="descent")
         assert (tr.x.norm(dim=-1) - 1).abs().max() < 1e-12
 
 
 def test_float32_follows_input_and_agrees():
     x0 = sphere.octahedral(30, dtype=torch.float64)
     heads = tp.Heads.random(3, 3, generator=gen(6), dtype=torch.float64)
-    t64 = tp.simulate(x0, tp.Oscillating(heads), t1=1.0, dt=0.01, direction="descent")
-    t32 = tp.simulate(x0.float(), tp.Oscillating(heads.to(torch.float32)), t1=1.0, dt=0.01, direction="descent")
+    t64 = tp.simulate(x0, tp.Oscillating(heads), t1=1.0, dt=0.01, ledger=True, direction="descent")
+    t32 = tp.simulate(x0.float(), tp.Oscillating(heads.to(torch.float32)), t1=1.0, dt=0.01, ledger=True, direction="descent")
     assert t32.x.dtype == torch.float32 and t32.energy.dtype == torch.float32
     assert_close(t32.x, t64.x.float(), atol=1e-4, rtol=0)
     assert_close(t32.ledger["residual"], t64.ledger["residual"].float(), atol=1e-4, rtol=0)
@@ -99,14 +99,14 @@ def test_float32_follows_input_and_agrees():
 def test_record_every_and_shapes():
     x0 = sphere.sample_uniform(6, 3, batch_shape=(2,), generator=gen(7), dtype=torch.float64)
     theta = tp.OrnsteinUhlenbeck(tp.Heads.random(2, 3, generator=gen(8), dtype=torch.float64))
-    tr = tp.simulate(x0, theta, t1=1.0, dt=0.1, paths=3, record_every=3, direction="descent")
+    tr = tp.simulate(x0, theta, t1=1.0, dt=0.1, paths=3, record_every=3, ledger=True, direction="descent")
     assert_close(tr.times, torch.tensor([0.0, 0.3, 0.6, 0.9, 1.0], dtype=torch.float64))
     assert tr.x.shape == (5, 3, 2, 6, 3)
     assert tr.energy.shape == (5, 3, 2)
     for v in tr.ledger.values():
         assert v.shape == (5, 3, 2)
     # records at the recorded steps equal an every-step run
-    full = tp.simulate(x0, theta, t1=1.0, dt=0.1, paths=3, record_every=1, direction="descent")
+    full = tp.simulate(x0, theta, t1=1.0, dt=0.1, paths=3, record_every=1, ledger=True, direction="descent")
     assert_close(full.x[[0, 3, 6, 9, 10]], tr.x)
     assert_close(full.ledger["residual"][[0, 3, 6, 9, 10]], tr.ledger["residual"])
 
@@ -115,15 +115,15 @@ def test_nonfinite_run_stops_with_time_step_and_quantity():
     x0 = sphere.sample_uniform(10, 3, generator=gen(9), dtype=torch.float64)
     heads = tp.Heads.scalar(torch.tensor([400.0], dtype=torch.float64), 3, beta=2.0)
     with pytest.raises(tp.NonFiniteError, match=r"at t = .* \(step \d+\).*β·max\|A_h\|"):
-        tp.simulate(x0, heads, t1=1.0, dt=0.1, normalization="unnormalized", direction="descent")
+        tp.simulate(x0, heads, t1=1.0, dt=0.1, normalization="unnormalized", ledger=True, direction="descent")
 
 
 def test_callback_and_progress_do_not_change_results():
     x0 = sphere.sample_uniform(6, 3, generator=gen(10), dtype=torch.float64)
     theta = tp.Oscillating(tp.Heads.random(2, 3, generator=gen(11), dtype=torch.float64))
     seen = []
-    a = tp.simulate(x0, theta, t1=0.5, dt=0.1, callback=lambda k, t, x: seen.append(k), progress=True, direction="descent")
-    b = tp.simulate(x0, theta, t1=0.5, dt=0.1, direction="descent")
+    a = tp.simulate(x0, theta, t1=0.5, dt=0.1, callback=lambda k, t, x: seen.append(k), progress=True, ledger=True, direction="descent")
+    b = tp.simulate(x0, theta, t1=0.5, dt=0.1, ledger=True, direction="descent")
     assert seen == [1, 2, 3, 4, 5]
     assert torch.equal(a.x, b.x)
 
@@ -131,7 +131,7 @@ def test_callback_and_progress_do_not_change_results():
 def test_checkpoint_resume_is_bit_identical(tmp_path):
     x0 = sphere.sample_uniform(6, 3, generator=gen(12), dtype=torch.float64)
     theta = tp.OrnsteinUhlenbeck(tp.Heads.random(2, 3, generator=gen(13), dtype=torch.float64))
-    kw = dict(t1=1.0, dt=0.05, paths=2, seed=3, record_every=3)
+    kw = dict(t1=1.0, dt=0.05, paths=2, seed=3, record_every=3, ledger=True)
     full = tp.simulate(x0, theta, **kw)
     ck = tmp_path / "run.ckpt"
 
@@ -189,7 +189,7 @@ def test_adaptive_ledger_books_a_layer_jump_at_a_record_time_equal_to_the_knot_u
     (knot,) = lw.knots(t0, t1)
     tk = float(t0 + k * dt)
     assert tk != knot and abs(tk - knot) < 1e-9 * (t1 - t0)  # the case under test
-    tr = tp.simulate(x0, lw, t0=t0, t1=t1, dt=dt, method="adaptive", weights=w, rtol=1e-10, atol=1e-12, direction="descent")
+    tr = tp.simulate(x0, lw, t0=t0, t1=t1, dt=dt, method="adaptive", weights=w, rtol=1e-10, atol=1e-12, ledger=True, direction="descent")
     xk = tr.x[k]
     jump = naive_energy(xk, b.score, om, 1.3, w) - naive_energy(xk, a.score, om, 1.3, w)
     assert float(jump) > 0.1
@@ -210,7 +210,7 @@ def test_adaptive_run_at_large_beta_reports_log_energy_at_one_common_scale():
     A = tp.Heads.random(2, 3, generator=gen(72), dtype=F64, scale=0.05).score + torch.eye(3, dtype=F64)
     beta = 420.0
     tr = tp.simulate(x0, tp.Heads(A, weights=om, beta=beta), t1=0.02, dt=0.005, method="adaptive", weights=w,
-                     rtol=1e-9, atol=1e-12, direction="descent")
+                     rtol=1e-9, atol=1e-12, ledger=True, direction="descent")
     assert tr.stats["energy_log_scale"] > 300
     logK = beta * torch.einsum("tid,hde,tje->thij", tr.x, A, tr.x)
     logE = torch.logsumexp(logK + torch.log(w)[:, None] + torch.log(w)[None, :] + torch.log(om)[:, None, None],
@@ -315,7 +315,7 @@ def test_adaptive_causal_run_matches_fine_rk4_and_has_no_residual():
     x0 = tp.sphere.sample_uniform(5, 3, generator=gen(80), dtype=F64)
     heads = tp.Heads.random(2, 3, generator=gen(81), dtype=F64, beta=1.3, scale=0.6,
                             weights=torch.tensor([0.4, 1.3], dtype=F64))
-    kw = dict(t1=0.4, causal=True, normalization="softmax")
+    kw = dict(t1=0.4, causal=True, normalization="softmax", ledger=True)
     ad = tp.simulate(x0, heads, dt=0.1, method="adaptive", rtol=1e-10, atol=1e-12, **kw, direction="descent")
     # the adjoint path has its own field closure (with the causal mask too)
     adj = tp.simulate(x0.clone().requires_grad_(True), heads, dt=0.1, method="adaptive", rtol=1e-10, atol=1e-12,
@@ -370,11 +370,11 @@ def test_a_closed_form_process_returns_a_replayable_path():
     times and no noise, and replaying it gives the same tokens."""
     x0 = tp.sphere.sample_uniform(5, 3, generator=gen(88), dtype=F64)
     heads = tp.Heads.random(2, 3, generator=gen(89), dtype=F64)
-    tr = tp.simulate(x0, tp.OrnsteinUhlenbeck(heads, sigma=0.0), dt=0.05, t1=0.2, return_path=True, direction="descent")
+    tr = tp.simulate(x0, tp.OrnsteinUhlenbeck(heads, sigma=0.0), dt=0.05, t1=0.2, return_path=True, ledger=True, direction="descent")
     assert_close(tr.path.times, torch.linspace(0, 0.2, 5, dtype=F64), rtol=0, atol=1e-15)
     assert tr.path.noise is None
     eps = torch.finfo(F64).eps  # the same computation again (unit vectors)
-    assert_close(tp.simulate(x0, tr.path, dt=0.05, t1=0.2, direction="descent").x, tr.x, rtol=4 * eps, atol=4 * eps)
+    assert_close(tp.simulate(x0, tr.path, dt=0.05, t1=0.2, ledger=True, direction="descent").x, tr.x, rtol=4 * eps, atol=4 * eps)
 
 
 def test_progress_bar_appears_by_itself_once_the_work_passes_the_threshold(monkeypatch):
@@ -397,7 +397,7 @@ def test_progress_bar_appears_by_itself_once_the_work_passes_the_threshold(monke
     for threshold, shown in ((100, 1), (201, 0)):
         bars.clear()
         monkeypatch.setattr(particle, "PROGRESS_MIN_WORK", threshold)
-        tp.simulate(x0, heads, dt=0.05, t1=0.2, method="euler", direction="descent")
+        tp.simulate(x0, heads, dt=0.05, t1=0.2, method="euler", ledger=True, direction="descent")
         assert len(bars) == shown, threshold
 
 
@@ -407,11 +407,11 @@ def test_paths_with_a_heads_batch_equal_to_the_tokens_batch():
     x0 = tp.sphere.sample_uniform(5, 3, batch_shape=(2,), generator=gen(95), dtype=F64)
     A = torch.stack([tp.Heads.random(2, 3, generator=gen(96 + b), dtype=F64).score for b in range(2)])
     ou = tp.OrnsteinUhlenbeck(tp.Heads(A), sigma=0.3)
-    tr = tp.simulate(x0, ou, dt=0.05, t1=0.1, paths=3, seed=0, direction="descent")
+    tr = tp.simulate(x0, ou, dt=0.05, t1=0.1, paths=3, seed=0, ledger=True, direction="descent")
     assert tr.x.shape == (3, 3, 2, 5, 3)
     A3 = torch.stack([tp.Heads.random(2, 3, generator=gen(98 + b), dtype=F64).score for b in range(3)])
     with pytest.raises(ValueError, match=r"with paths=, the heads' batch shape \(3,\) must be empty or equal"):
-        tp.simulate(x0, tp.OrnsteinUhlenbeck(tp.Heads(A3), sigma=0.3), dt=0.05, t1=0.1, paths=3, direction="descent")
+        tp.simulate(x0, tp.OrnsteinUhlenbeck(tp.Heads(A3), sigma=0.3), dt=0.05, t1=0.1, paths=3, ledger=True, direction="descent")
 
 
 def test_nonfinite_error_blames_overflow_only_where_the_squared_kernel_overflows():
@@ -479,7 +479,7 @@ def test_adaptive_nonfinite_error_names_the_solver_step_not_the_grid_row(monkeyp
     layers = [tp.Heads.random(1, 3, generator=gen(s), dtype=F64) for s in (20, 21, 22)]
     with pytest.raises(tp.NonFiniteError, match=r"t = 0\.2\b.*\(step 4\)"):
         tp.simulate(x0, tp.Layerwise(layers, layer_time=0.15), t1=0.4, dt=0.05, method="adaptive",
-                    record_every=4, direction="descent")
+                    record_every=4, ledger=True, direction="descent")
 
 
 def test_adaptive_trajectory_records_its_method(dtype):
@@ -488,5 +488,5 @@ def test_adaptive_trajectory_records_its_method(dtype):
     x0 = tp.sphere.sample_uniform(4, 3, generator=gen(23), dtype=dtype)
     heads = tp.Heads.random(1, 3, generator=gen(24), dtype=dtype)
     for method in ("adaptive", "rk4"):
-        tr = tp.simulate(x0, heads, t1=0.2, dt=0.1, method=method, direction="descent")
+        tr = tp.simulate(x0, heads, t1=0.2, dt=0.1, method=method, ledger=True, direction="descent")
         assert tr.method == method and f"method='{method}'" in repr(tr)

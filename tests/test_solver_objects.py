@@ -64,7 +64,7 @@ def test_a_users_tableau_is_one_hand_written_step(dtype):
     k1 = v(x0)
     k2 = v(unit(x0 + (2 / 3) * dt * k1))
     x1 = unit(x0 + dt * (0.25 * k1 + 0.75 * k2))
-    tr = tp.solve(tp.Model(heads, direction="descent"), x0, tp.FixedStep(RALSTON), t1=dt, dt=dt)
+    tr = tp.solve(tp.Model(heads, direction="descent"), x0, tp.FixedStep(RALSTON), t1=dt, dt=dt, ledger=tp.LedgerOptions(ledger=True))
     assert tr.method == "ralston" and tr.stats["order"] == 2 and tr.stats["field_evaluations"] == 3
     assert_close(tr.x[-1], x1, **ulps(dtype, 64))
 
@@ -74,9 +74,9 @@ def test_a_users_tableau_converges_at_its_order():
     x0, heads = problem(F64, seed=5)
     model = tp.Model(heads, direction="descent")
     t1 = 0.8
-    ref = tp.solve(model, x0, tp.RK4(), t1=t1, dt=t1 / 800, saveat=tp.SaveAt(ends=True)).x[-1]
+    ref = tp.solve(model, x0, tp.RK4(), t1=t1, dt=t1 / 800, saveat=tp.SaveAt(ends=True), ledger=tp.LedgerOptions(ledger=True)).x[-1]
     errs = [float((tp.solve(model, x0, tp.FixedStep(RALSTON), t1=t1, dt=t1 / k,
-                            saveat=tp.SaveAt(ends=True)).x[-1] - ref).norm()) for k in (10, 20, 40)]
+                            saveat=tp.SaveAt(ends=True), ledger=tp.LedgerOptions(ledger=True)).x[-1] - ref).norm()) for k in (10, 20, 40)]
     orders = [math.log2(errs[i] / errs[i + 1]) for i in range(2)]
     assert all(1.8 < p < 2.2 for p in orders), (errs, orders)
 
@@ -87,9 +87,10 @@ def test_run_is_the_solve(dtype):
     x0, heads = problem(dtype, seed=7)
     model = tp.Model(tp.OrnsteinUhlenbeck(heads, sigma=0.3), direction="descent")
     for solver, accepted in ((tp.Heun(), {}), (tp.Dopri5(rtol=1e-6, atol=1e-8), {}), (tp.ShardedEuler(), {})):
-        a = tp.solve(model, x0, solver, t1=0.3, dt=0.05, paths=2, seed=4, saveat=tp.SaveAt(every=2))
+        a = tp.solve(model, x0, solver, t1=0.3, dt=0.05, paths=2, seed=4, saveat=tp.SaveAt(every=2),
+                     ledger=tp.LedgerOptions(ledger=True))
         b = solver.run(model, x0, tp.SolveOptions(t1=0.3, dt=0.05, paths=2, seed=4, saveat=tp.SaveAt(every=2),
-                                                  **accepted))
+                                                  ledger=tp.LedgerOptions(ledger=True), **accepted))
         assert a.method == b.method == solver.method
         assert_close(a.x, b.x, **ulps(dtype, 16))
         assert_close(a.ledger["residual"], b.ledger["residual"], **ulps(dtype, 16))
@@ -111,8 +112,8 @@ def test_a_users_normalization_goes_through_solve(dtype):
     with dt on v step for step (the tokens to rounding); the energy depends on the tokens only, so it
     matches too."""
     x0, heads = problem(dtype, seed=11)
-    a = tp.solve(tp.Model(heads, normalization=DoubledSoftmax(), direction="descent"), x0, tp.Euler(), t1=0.5, dt=0.05)
-    b = tp.solve(tp.Model(heads, direction="descent"), x0, tp.Euler(), t1=1.0, dt=0.1)
+    a = tp.solve(tp.Model(heads, normalization=DoubledSoftmax(), direction="descent"), x0, tp.Euler(), t1=0.5, dt=0.05, ledger=tp.LedgerOptions(ledger=True))
+    b = tp.solve(tp.Model(heads, direction="descent"), x0, tp.Euler(), t1=1.0, dt=0.1, ledger=tp.LedgerOptions(ledger=True))
     assert a.normalization == "doubled-softmax"
     assert_close(a.x, b.x, **ulps(dtype, 256))
     assert_close(a.energy, b.energy, **ulps(dtype, 1024))
@@ -122,8 +123,8 @@ def test_a_users_normalization_goes_through_dopri5():
     """The same ODE through dopri5 (float64, rtol 1e-9): the two solutions agree to the tolerance."""
     x0, heads = problem(F64, seed=11)
     solver = tp.Dopri5(rtol=1e-9, atol=1e-11)
-    a = tp.solve(tp.Model(heads, normalization=DoubledSoftmax(), direction="descent"), x0, solver, t1=0.5, dt=0.05)
-    b = tp.solve(tp.Model(heads, direction="descent"), x0, solver, t1=1.0, dt=0.1)
+    a = tp.solve(tp.Model(heads, normalization=DoubledSoftmax(), direction="descent"), x0, solver, t1=0.5, dt=0.05, ledger=tp.LedgerOptions(ledger=True))
+    b = tp.solve(tp.Model(heads, direction="descent"), x0, solver, t1=1.0, dt=0.1, ledger=tp.LedgerOptions(ledger=True))
     assert_close(a.x, b.x, rtol=1e-7, atol=1e-7)
     assert_close(a.energy, b.energy, rtol=1e-7, atol=1e-7)
 
@@ -235,7 +236,7 @@ def test_a_solver_composed_of_the_public_parts_is_euler(dtype):
     time-dependent weights: the ledger's ∂_tE term is exercised)."""
     x0, heads = problem(dtype, seed=23)
     model = tp.Model(tp.Oscillating(heads), direction="descent")
-    kw = dict(t1=0.4, dt=0.05, saveat=tp.SaveAt(every=2))
+    kw = dict(t1=0.4, dt=0.05, saveat=tp.SaveAt(every=2), ledger=tp.LedgerOptions(ledger=True))
     mine = tp.solve(model, x0, PartsEuler(), **kw)
     ref = tp.solve(model, x0, tp.Euler(), **kw)
     assert_close(mine.times, ref.times, rtol=1e-15, atol=1e-15)
@@ -244,4 +245,4 @@ def test_a_solver_composed_of_the_public_parts_is_euler(dtype):
     for key in ("partial", "dissipation", "residual"):
         assert_close(mine.ledger[key], ref.ledger[key], **ulps(dtype, 256))
     with pytest.raises(ValueError, match="deterministic weights"):
-        tp.solve(tp.Model(tp.OrnsteinUhlenbeck(heads, sigma=0.1), direction="descent"), x0, PartsEuler(), t1=0.1, dt=0.05)
+        tp.solve(tp.Model(tp.OrnsteinUhlenbeck(heads, sigma=0.1), direction="descent"), x0, PartsEuler(), t1=0.1, dt=0.05, ledger=tp.LedgerOptions(ledger=True))

@@ -230,7 +230,7 @@ def test_a_refused_checkpoint_names_exactly_the_inputs_that_differ(tmp_path):
     resumes."""
     x0 = tp.sphere.sample_uniform(4, 3, generator=gen(60), dtype=F64)
     a = tp.Heads.random(1, 3, generator=gen(61), dtype=F64)
-    kw = dict(t1=0.4, dt=0.05, method="euler", quadrature="trapezoid")  # (the default quadrature follows the method)
+    kw = dict(t1=0.4, dt=0.05, method="euler", quadrature="trapezoid", ledger=True)  # (the default quadrature follows the method)
     ck = tmp_path / "heads.ckpt"
     _interrupted_checkpoint(ck, x0, a, **kw)
     with pytest.raises(ValueError, match=r"these inputs differ: method\)"):

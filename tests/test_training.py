@@ -219,7 +219,7 @@ def test_conversion_is_differentiable_wrt_module_parameters():
 
     def loss():
         heads = tp.heads_from_multihead_attention(m)
-        return tp.simulate(x0, heads, t1=0.5, dt=0.1, method="rk4", direction="ascent").final[:, 0].sum()
+        return tp.simulate(x0, heads, t1=0.5, dt=0.1, method="rk4", direction="ascent", ledger=True).final[:, 0].sum()
 
     (g,) = torch.autograd.grad(loss(), m.in_proj_weight)
     W = m.in_proj_weight
@@ -286,7 +286,7 @@ def test_gradcheck_tokens_heads_beta(method):
 
     def f(z, A, V, beta):
         heads = tp.Heads(A, V, beta=beta)
-        tr = tp.simulate(tp.sphere.normalize(z), heads, t1=0.3, dt=0.1, method=method, direction="ascent")
+        tr = tp.simulate(tp.sphere.normalize(z), heads, t1=0.3, dt=0.1, method=method, direction="ascent", ledger=True)
         return tr.final, tr.energy[-1], tr.ledger["slope"][-1], tr.ledger["dissipation"][-1]
 
     inputs = tuple(t.clone().requires_grad_() for t in (z, A, V, beta))
@@ -317,7 +317,7 @@ def test_gradcheck_ou_parameters(scheme):
 
     def f(z, A, rate, sigma, mean):
         proc = tp.OrnsteinUhlenbeck(tp.Heads(A), mean=mean, rate=rate, sigma=sigma, scheme=scheme)
-        tr = tp.simulate(tp.sphere.normalize(z), proc, t1=0.3, dt=0.1, method="heun", seed=5)
+        tr = tp.simulate(tp.sphere.normalize(z), proc, t1=0.3, dt=0.1, method="heun", seed=5, ledger=True)
         return tr.final, tr.energy[-1], tr.ledger["partial"][-1], tr.ledger["martingale"][-1]
 
     inputs = (z, A, torch.tensor(0.8, dtype=F64), torch.tensor(0.6, dtype=F64), mean)
@@ -332,11 +332,11 @@ def test_gradcheck_ou_closed_form_and_oscillating():
     def f_ou(z, A, rate):
         proc = tp.OrnsteinUhlenbeck(tp.Heads(A), rate=rate, sigma=0.0)
         assert proc.closed_form
-        return tp.simulate(tp.sphere.normalize(z), proc, t1=0.3, dt=0.1, method="rk4").final
+        return tp.simulate(tp.sphere.normalize(z), proc, t1=0.3, dt=0.1, method="rk4", ledger=True).final
 
     def f_osc(z, A, sigma):
         proc = tp.Oscillating(tp.Heads(A), phase="per_head", sigma=sigma)
-        tr = tp.simulate(tp.sphere.normalize(z), proc, t1=0.3, dt=0.1, method="euler", seed=1)
+        tr = tp.simulate(tp.sphere.normalize(z), proc, t1=0.3, dt=0.1, method="euler", seed=1, ledger=True)
         return tr.final, tr.energy[-1]
 
     assert gradcheck(f_ou, (z.clone().requires_grad_(), A.clone().requires_grad_(),
@@ -366,7 +366,7 @@ def test_gradient_against_finite_differences_larger_problem():
     target = tp.sphere.sample_uniform(1, d, generator=g, dtype=F64)[0]
 
     def loss(x0, A, V, beta):
-        tr = tp.simulate(x0, tp.Heads(A, V, beta=beta), t1=1.0, dt=0.05, method="rk4", direction="ascent")
+        tr = tp.simulate(x0, tp.Heads(A, V, beta=beta), t1=1.0, dt=0.05, method="rk4", direction="ascent", ledger=True)
         return (tr.final @ target).mean() + tr.ledger["slope"][-1]
 
     params = [t.clone().requires_grad_() for t in (A, V, beta)]
@@ -408,7 +408,7 @@ def _adaptive_grads(make, params, x0, *, adjoint, rtol=1e-9, w=None):
     ps = [p.clone().requires_grad_() for p in params]
     wt = None if w is None else w.clone().requires_grad_()
     tr = tp.simulate(x0, make(*ps), t1=1.0, dt=0.5, method="adaptive", adjoint=adjoint, rtol=rtol, atol=rtol * 1e-2,
-                     direction="ascent", weights=wt, seed=3)
+                     direction="ascent", weights=wt, seed=3, ledger=True)
     loss = (tr.final[..., 0] ** 2).sum() + tr.energy[-1].sum()
     return torch.autograd.grad(loss, ps + ([wt] if wt is not None else []))
 
@@ -439,7 +439,7 @@ def test_adjoint_equals_backprop(case):
         assert_close(a, b, rtol=1e-6, atol=1e-8)
     if case in ("ou_closed", "tied_values"):  # and both equal the gradient of a fine RK4 solve
         ps = [p.clone().requires_grad_() for p in params]
-        tr = tp.simulate(x0, make(*ps), t1=1.0, dt=0.01, method="rk4", direction="ascent")
+        tr = tp.simulate(x0, make(*ps), t1=1.0, dt=0.01, method="rk4", direction="ascent", ledger=True)
         ref = torch.autograd.grad((tr.final[..., 0] ** 2).sum() + tr.energy[-1].sum(), ps)
         for r, a in zip(ref, adj):
             assert_close(a, r, rtol=1e-6, atol=1e-8)
@@ -449,9 +449,9 @@ def test_adjoint_options_are_validated():
     x0 = _tokens(4, 3)
     heads = tp.Heads.scalar([1.0], 3).to(F64)
     with pytest.raises(ValueError, match="adaptive"):
-        tp.simulate(x0, heads, t1=1.0, dt=0.5, method="rk4", adjoint=True)
+        tp.simulate(x0, heads, t1=1.0, dt=0.5, method="rk4", adjoint=True, ledger=True)
     with pytest.raises(TypeError, match="adjoint"):
-        tp.simulate(x0, heads, t1=1.0, dt=0.5, method="adaptive", adjoint="yes")
+        tp.simulate(x0, heads, t1=1.0, dt=0.5, method="adaptive", adjoint="yes", ledger=True)
 
 
 def test_process_parameters_tensor_or_float():

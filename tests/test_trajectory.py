@@ -114,8 +114,8 @@ def test_check_finite_catches_every_non_finite_entry(dtype):
 def test_a_solved_trajectory_has_the_documented_paths_attribute(dtype):
     x0 = tp.sphere.sample_uniform(5, 3, generator=gen(3), dtype=dtype)
     heads = tp.Heads.random(1, 3, generator=gen(4), dtype=dtype)
-    assert tp.simulate(x0, heads, t1=0.1, dt=0.05).paths is None
-    assert tp.simulate(x0, tp.OrnsteinUhlenbeck(heads), t1=0.1, dt=0.05, paths=2).paths == 2
+    assert tp.simulate(x0, heads, t1=0.1, dt=0.05, ledger=True).paths is None
+    assert tp.simulate(x0, tp.OrnsteinUhlenbeck(heads), t1=0.1, dt=0.05, paths=2, ledger=True).paths == 2
 
 
 def test_repr_shows_the_tokens_dtype_without_the_torch_prefix(dtype):

@@ -21,7 +21,7 @@ obs = tp.clustering.statistics_observables(radius=0.2, keys=["pair_fraction"], s
 
 fig, ax = plt.subplots(figsize=(5.5, 3.5))
 for causal, style in ((False, "-"), (True, "--")):
-    traj = tp.simulate(x0, path, t1=6.0, dt=0.1, direction="ascent", causal=causal, observables=obs)
+    traj = tp.simulate(x0, path, t1=6.0, dt=0.1, direction="ascent", causal=causal, observables=obs, ledger=True)
     pf = traj.observables["cluster_statistics"][..., 0]            # (T, paths)
     ax.plot(traj.times, pf.mean(-1), style, label="causal" if causal else "full")
     print("causal" if causal else "full", "gradient flow:", traj.stats["gradient_flow"],

@@ -17,7 +17,7 @@ x0 = tp.sphere.sample_uniform(24, 3, generator=torch.Generator().manual_seed(0),
 heads = tp.Heads.random(4, 3, scale=0.5, generator=torch.Generator().manual_seed(1), **f64)
 theta = tp.OrnsteinUhlenbeck(heads, rate=1.0, sigma=0.5)
 
-traj = tp.simulate(x0, theta, t1=1.0, dt=0.01, paths=4, seed=0, direction="descent")
+traj = tp.simulate(x0, theta, t1=1.0, dt=0.01, paths=4, seed=0, direction="descent", ledger=True)
 t, L = traj.times, traj.ledger
 
 fig, ax = plt.subplots(figsize=(6, 3.8))
@@ -32,5 +32,5 @@ fig.tight_layout()
 
 # the residual's mean over paths at the end, for three step sizes (order 1 for Euler)
 for dt in (0.04, 0.02, 0.01):
-    r = tp.simulate(x0, theta, t1=1.0, dt=dt, paths=4, seed=0, direction="descent").ledger["residual"]
+    r = tp.simulate(x0, theta, t1=1.0, dt=dt, paths=4, seed=0, direction="descent", ledger=True).ledger["residual"]
     print(f"dt = {dt:<5}  mean final residual = {float(r[-1].mean()):+.2e}")

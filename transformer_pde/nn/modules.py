@@ -221,8 +221,9 @@ class MeanFieldAttention(torch.nn.Module):
         dt = (t1 - t0) / (self.steps * len(layers))
         model = Model(self.theta(layers), normalization="softmax", direction=self.direction, geometry=self.geometry,
                       weights=weights)
-        # a fixed energy scale c = 0: the ledger's values are the plain ones, comparable across batches
-        ledger = LedgerOptions(diagnostics=diagnostics, energy_log_scale=0.0 if diagnostics else None)
+        # a fixed energy scale c = 0: the ledger's values are the plain ones, comparable across batches; the
+        # kinetic term ∫𝒢² dt is the ledger's "slope" (every step, also between the records): ledger=True
+        ledger = LedgerOptions(diagnostics=diagnostics, ledger=diagnostics, energy_log_scale=0.0 if diagnostics else None)
         # the fixed-step ledger accumulates on every step whatever is kept; dopri5's is the trapezoid
         # rule on the record grid, which must then be the whole dt grid
         if every is None:

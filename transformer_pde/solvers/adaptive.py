@@ -1,5 +1,7 @@
 """The adaptive particle solve: torchdiffeq's dopri5 (or its adjoint) on the projected field, with the
-ledger by the trapezoid rule on the record grid (docs/model.md#solvers, #ledger).
+ledger by the trapezoid rule on the record grid (docs/model.md#solvers, #ledger) when
+``LedgerOptions(ledger=True)``; by default the energy, 𝒢², 𝒟 of the records are computed on their first
+read (:class:`~transformer_pde.solvers.recorded.RecordedDiagnostics`).
 
 The tokens are pulled back to the sphere by the model's geometry (``geometry.retract``: x ↦ x/|x|
 for the projected flow), in the field and on the solution.  Entry points:
@@ -22,7 +24,8 @@ from ..model.heads import Heads
 from ..processes.paths import WeightPath
 from ..processes.weights import Process
 from .parts import Recorder, ledger_from_series, partial_density
-from .trajectory import Trajectory, check_finite, check_ledger, nonfinite_error
+from .recorded import RecordedDiagnostics, RecordedHeads
+from .trajectory import Trajectory, check_finite, check_ledger, lazy_series, nonfinite_error
 
 __all__: list = []
 __internal__ = ["solve_adaptive", "dopri5"]
@@ -136,15 +139,21 @@ def solve_adaptive(x, problem, parts) -> Trajectory:
         tb = float(grid[bad])
         raise nonfinite_error("the token positions", tb, round((tb - t0) / dt), source.heads_at(tb),
                               model.normalization)
-    ledger, series = {}, {"energy": None, "slope": None, "dissipation": None}
-    if o.ledger.diagnostics:
+    ledger, series, c = {}, {"energy": None, "slope": None, "dissipation": None}, ev.scale["c"]
+    if o.ledger.ledger:
         ledger, series = _record_grid_ledger(xs, grid, rows, rec.steps, ev, path, knots, problem)
+        c = ev.scale["c"]
     xs, ys = xs[rows], ys[rows]
+    if o.ledger.lazy:  # E, 𝒢², 𝒟 from the records (Θ at the record times as the grid has them), on first read
+        src = RecordedDiagnostics(model, xs, RecordedHeads.at_times(source, grid[rows]),
+                                  log_scale=o.ledger.energy_log_scale, times=times, steps=rec.steps,
+                                  chunk_elements=o.limits.chunk_elements)
+        series, ledger, c = dict(zip(("energy", "slope", "dissipation"), lazy_series(src))), None, src.log_scale
     for r in range(len(rec.steps)):
         rec.record(xs[r])
     observed = rec.stacked(t0, dt)[4]
     stats = {"steps": K, "field_evaluations": nfe, "max_sphere_error": float((ys.detach().norm(dim=-1) - 1).abs().max()),
-             "wall_time": time.perf_counter() - parts.start, "order": 5, "energy_log_scale": ev.scale["c"],
+             "wall_time": time.perf_counter() - parts.start, "order": 5, "energy_log_scale": c,
              "gradient_flow": not model.causal}
     return Trajectory(times, xs, series["energy"], series["slope"], series["dissipation"], ledger, stats,
                       problem.solver.method, model.normalization.name, model.direction, model.weights,

@@ -4,7 +4,10 @@ model's layer map, the token noise, the energy ledger, records and checkpoints (
 :func:`solve_fixed_step` runs one solve of a checked problem (model, solver, options) from prepared
 parts (weight driver, evaluator, checkpointer): the step's geometry is ``model.geometry`` (its retraction in
 the Runge–Kutta stages, or its layer map through :meth:`~.parts.Stepper.layer_step`) and the
-token noise is ``model.noise``.  The entry points are :func:`transformer_pde.solve` and
+token noise is ``model.noise``.  With ``LedgerOptions(ledger=True)`` the energy, 𝒢², 𝒟 and the
+ledger are evaluated at every step (eager); with the default (diagnostics, no ledger) the solve keeps
+the heads (and radii) of each record and the three series are computed from the records on their
+first read (:class:`~transformer_pde.solvers.recorded.RecordedDiagnostics`).  The entry points are :func:`transformer_pde.solve` and
 :meth:`transformer_pde.FixedStep.run`; this is a named internal API.
 """
 
@@ -20,7 +23,8 @@ from ..model.energy import quadratic_variation as realised_qv_term
 from .layernorm import scheme_densities
 from .noise import noise_martingale
 from .parts import LEDGER_KEYS, Ledger, Recorder, Stepper, partial_density, progress_bar
-from .trajectory import Trajectory, check_finite, check_ledger, nonfinite_error
+from .recorded import RecordedDiagnostics, RecordedHeads
+from .trajectory import Trajectory, check_finite, check_ledger, lazy_series, nonfinite_error
 
 __all__: list = []
 __internal__ = ["FixedStepRun", "solve_fixed_step"]
@@ -44,7 +48,10 @@ class FixedStepRun:
         model, o = problem.model, problem.options
         self.x, self.drv, self.ev, self.axis = x, parts.driver, parts.evaluator, parts.axis
         self.fix_scale, self.scale, self.ckpt = self.ev.fix_scale, self.ev.scale, parts.checkpointer
-        self.K, self.dt, self.diagnostics, self.w = problem.steps, o.dt, o.ledger.diagnostics, model.weights
+        # diagnostics: evaluated at every step (the ledger); lazy: from the records after the solve
+        self.K, self.dt, self.w = problem.steps, o.dt, model.weights
+        self.diagnostics, self.lazy = o.ledger.diagnostics and o.ledger.ledger, o.ledger.lazy
+        self.heads_rec = RecordedHeads() if self.lazy else None  # Θ at each record (lazy)
         self.realised = o.ledger.quadratic_variation == "realised"
         self.normalization, self.noisy, self.method = model.normalization, self.drv.noisy, problem.solver.method
         causal = model.causal
@@ -70,6 +77,8 @@ class FixedStepRun:
               **({"r": v(self.r), "radii": _tree(self.radii, v)} if self.r is not None else {})}
         if self.token_gen is not None:
             st["token_noise"] = self.token_gen.get_state()
+        if self.lazy:
+            st["heads"] = self.heads_rec.state()
         return st
 
     def _evaluate(self, x, heads):
@@ -98,6 +107,8 @@ class FixedStepRun:
         e = self.cur
         if self.r is not None:
             self.radii.append(self.r.detach())
+        if self.lazy:
+            self.heads_rec.append(self.drv.current)
         if self.diagnostics:
             G, D = (e.slope, e.dissipation) if self.scheme.projected else (self.dens["slope"], self.dens["dissipation"])
             self.rec.record(self.x, e.energy, G, D, self.ledger.terms(e.energy))
@@ -117,6 +128,15 @@ class FixedStepRun:
                 self.r, self.radii = u(ck["r"]), _tree(ck["radii"], u)
             if self.token_gen is not None:
                 self.token_gen.set_state(ck["token_noise"])
+            if self.diagnostics and "heads" in ck:
+                raise ValueError(f"the checkpoint {self.ckpt.path} was written by a run without the energy ledger "
+                                 f"(ledger=False): it holds no ledger of the steps before step {ck['k']}. Resume it "
+                                 f"with ledger=False, or delete it to start again with ledger=True")
+            if self.lazy and "heads" in ck:
+                self.heads_rec = RecordedHeads(ck["heads"])
+            elif self.lazy:  # written by an eager run (the default of earlier versions): continue it eagerly
+                self.lazy, self.heads_rec, self.diagnostics = False, None, True
+                self.rec.diagnostics = True
         self.cur = self._evaluate(self.x, self.drv.current)
         if self.diagnostics and ck is None and self.fix_scale(self.cur):
             self.cur = self.ev(self.x, self.drv.current, True)
@@ -205,6 +225,12 @@ def solve_fixed_step(x, problem, parts, show: bool) -> Trajectory:
         stats["layer_norm"] = scheme.name
         if scheme.radius:
             extras["radius"] = torch.stack(run.radii)
+    if run.lazy:  # E, 𝒢², 𝒟 from the records, on first read; no ledger
+        src = RecordedDiagnostics(model, out_x, run.heads_rec, log_scale=o.ledger.energy_log_scale,
+                                  radius=extras.get("radius"), times=times, steps=run.rec.steps,
+                                  chunk_elements=o.limits.chunk_elements)
+        stats["energy_log_scale"] = src.log_scale
+        series, ledger = dict(zip(("energy", "slope", "dissipation"), lazy_series(src))), None
     return Trajectory(times, out_x, series["energy"], series["slope"], series["dissipation"], ledger, stats,
                       problem.solver.method, model.normalization.name, model.direction, model.weights,
                       drv.path() if o.saveat.path else None, observables=observed, extras=extras)

@@ -134,7 +134,7 @@ def _check_model(model: Model, solver, options: SolveOptions) -> None:
     ledger, saveat = options.ledger, options.saveat
     if ledger.quadrature is not None or ledger.quadratic_variation != "expected" or \
             ledger.energy_log_scale is not None:
-        raise TypeError(f"{name} keeps its own ledger: LedgerOptions takes only diagnostics= here")
+        raise TypeError(f"{name} keeps its own ledger: LedgerOptions takes only diagnostics= and ledger= here (the ledger is always kept)")
     if saveat.observables is not None or saveat.path:
         raise TypeError(f"{name} records no observables and always returns a sampled noisy path: use "
                         f"SaveAt(every=...) or SaveAt(ends=True)")

@@ -66,29 +66,54 @@ class SaveAt:
 
 @dataclass(frozen=True)
 class LedgerOptions:
-    """The energy–dissipation ledger (docs/model.md#ledger).
+    """The recorded diagnostics and the energy–dissipation ledger (docs/model.md#ledger).
 
     diagnostics : bool
-        compute energy, 𝒢², 𝒟 and the ledger (False: tokens only).
+        energy, 𝒢², 𝒟 at the recorded times (False: tokens only).  Without the ledger they are
+        computed after the solve, from the recorded tokens and heads (and radii of a layer map), on
+        their first read, vectorised over the records (:mod:`~transformer_pde.solvers.recorded`):
+        the solve itself evaluates the field only.
+    ledger : bool
+        also keep the energy ledger (``traj.ledger``): E, 𝒢², 𝒟, ∂_tE and the Itô terms evaluated
+        at every step (the quadrature's points), one diagnostics evaluation per step in place of the
+        tokens-only one.  Its cost depends on what the tokens-only step saves: measured
+        (scripts/benchmark_lazy_diagnostics.py, one thread, medians of 3 repeats, float64 / float32)
+        6.6× / 5.2× the tokens-only solve on the peers' post-LN workload (whose tokens-only step is one
+        fused pass) and 1.14× / 1.12× on the paper's H = 100 OU step (the diagnostics share the step's
+        kernel pass).
+        Needs ``diagnostics=True``.  Without it, reading ``traj.ledger`` raises a ValueError and the
+        diagnostics of the records are computed on first read: free when never read, about one
+        kernel pass per record when read (so sparse records, ``SaveAt(every=k)``, are what saves).
     quadrature : str or None
-        "left" or "trapezoid" for the time integrals (None: the solver's default — "left" for
-        Euler, "trapezoid" otherwise).
+        "left" or "trapezoid" for the ledger's time integrals (None: the solver's default — "left"
+        for Euler, "trapezoid" otherwise); needs ``ledger=True``.
     quadratic_variation : str
-        "expected" or "realised" Itô term of noisy weights.
+        "expected" or "realised" Itô term of noisy weights in the ledger; "realised" needs ``ledger=True``.
     energy_log_scale : float or None
         the common scale c (values reported times e^{−c}); None: chosen at t0.
     """
 
     diagnostics: bool = True
+    ledger: bool = False
     quadrature: Optional[str] = None
     quadratic_variation: str = "expected"
     energy_log_scale: Optional[float] = None
 
     def __post_init__(self):
         check_bool(self.diagnostics, "LedgerOptions.diagnostics")
+        check_bool(self.ledger, "LedgerOptions.ledger")
         if self.quadrature is not None:
             check_choice(self.quadrature, QUADRATURES, "LedgerOptions.quadrature")
         check_choice(self.quadratic_variation, QUADRATIC_VARIATIONS, "LedgerOptions.quadratic_variation")
+        if self.ledger and not self.diagnostics:
+            raise ValueError("LedgerOptions.ledger=True needs LedgerOptions.diagnostics=True: the ledger integrates "
+                             "the energy, 𝒢² and 𝒟 over every step; drop LedgerOptions.ledger or keep the diagnostics")
+        if not self.ledger:
+            given = [f"{k}={v!r}" for k, v, default in (("LedgerOptions.quadrature", self.quadrature, None),
+                     ("LedgerOptions.quadratic_variation", self.quadratic_variation, "expected")) if v != default]
+            if given:
+                raise ValueError(f"{', '.join(given)} sets how the energy ledger is integrated, but the ledger is off: "
+                                 f"pass LedgerOptions.ledger=True as well")
         c = self.energy_log_scale
         if c is not None:
             if isinstance(c, bool) or not isinstance(c, (int, float)):
@@ -97,6 +122,11 @@ class LedgerOptions:
             if not math.isfinite(c):
                 raise ValueError(f"LedgerOptions.energy_log_scale must be finite, got {c!r}")
             object.__setattr__(self, "energy_log_scale", float(c))
+
+    @property
+    def lazy(self) -> bool:
+        """True when the diagnostics are computed from the records after the solve (no ledger)."""
+        return self.diagnostics and not self.ledger
 
 
 @dataclass(frozen=True)

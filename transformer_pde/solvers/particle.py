@@ -40,7 +40,7 @@ from ..model.field import evaluate  # noqa: F401  (evaluate: the name tests patc
 from ..model.heads import Heads, broadcast_shapes
 from ..processes.driver import WeightDriver, path_bytes
 from ..processes.paths import WeightPath
-from ..processes.weights import Process
+from ..processes.weights import Constant, Process
 from .adaptive import dopri5, solve_adaptive
 from .evaluator import Evaluator, RunParts
 from .fixed_step import solve_fixed_step
@@ -81,6 +81,7 @@ SIMULATE_KEYWORDS = {
     "Model.weights": "weights", "Model.causal": "causal", "SaveAt.every": "record_every",
     "SaveAt.observables": "observables", "LedgerOptions.quadratic_variation": "quadratic_variation",
     "LedgerOptions.energy_log_scale": "energy_log_scale", "LedgerOptions.quadrature": "quadrature",
+    "LedgerOptions.diagnostics": "diagnostics", "LedgerOptions.ledger": "ledger",
     "Checkpointing.path": "checkpoint", "Checkpointing.every": "checkpoint_every", "Progress.show": "progress",
     "Progress.callback": "callback", "Limits.max_steps": "max_steps", "Limits.max_memory": "max_memory",
     "Limits.chunk_elements": "chunk_elements", "Dopri5.rtol": "rtol", "Dopri5.atol": "atol",
@@ -283,7 +284,7 @@ class ParticleProblem:
         check_limits(f"simulate from t0 = {t0:.6g} to t1 = {t1:.6g} with dt = {dt:.6g}", steps=K,
                      memory=_estimate_memory(x0, process, K=K, record_every=record_every, paths=o.paths,
                                              method="adaptive" if adaptive else solver.tableau,
-                                             diagnostics=o.ledger.diagnostics, return_path=o.saveat.path,
+                                             diagnostics=(o.ledger.diagnostics, o.ledger.lazy), return_path=o.saveat.path,
                                              chunk_elements=lim.chunk_elements, noisy=process.noisy, obs=obs),
                      max_steps=lim.max_steps, max_memory=lim.max_memory, device=x0.device,
                      fix="record fewer steps (record_every=), use fewer paths, a larger dt or chunk_elements=")
@@ -370,7 +371,9 @@ def _fingerprint_parts(problem: ParticleProblem, extra) -> list:
 def _estimate_memory(x0, process, *, K, record_every, paths, method, diagnostics, return_path, chunk_elements, noisy,
                      obs):
     """Estimated bytes of the large arrays of a solve (name -> bytes), before any of them exists; ``method``:
-    "adaptive", a tableau or its name."""
+    "adaptive", a tableau or its name; ``diagnostics``: (diagnostics, lazy) of the LedgerOptions, or a bool
+    (the diagnostics, booked at every step)."""
+    diagnostics, lazy = diagnostics if isinstance(diagnostics, tuple) else (diagnostics, False)
     item = x0.element_size()
     n, d = x0.shape[-2], x0.shape[-1]
     h0 = process.heads0
@@ -387,6 +390,8 @@ def _estimate_memory(x0, process, *, K, record_every, paths, method, diagnostics
         out["the recorded energy, 𝒢², 𝒟 and ledger"] = T * B * 10 * item
     if obs:
         out["the observables"] = T * B * d * len(obs) * item
+    if lazy and not isinstance(process, Constant):  # the heads of every record, for the diagnostics on first read
+        out["the recorded heads"] = path_bytes(h0, T, paths, False, batch=float(math.prod(batch)) if hb else 1.0) / 2
     block = B * H * n * n
     cap = chunk_elements if chunk_elements is not None else DEFAULT_CHUNK_ELEMENTS
     out["the kernel blocks"] = min(block, max(cap, B * H * n)) * item * 4
@@ -419,6 +424,7 @@ def simulate(
     generator: Optional[torch.Generator] = None,
     record_every: int = 1,
     diagnostics: bool = True,
+    ledger: bool = False,
     quadrature: Optional[str] = None,
     rtol: Optional[float] = None,
     atol: Optional[float] = None,
@@ -469,10 +475,20 @@ def simulate(
         keep every k-th step (the first and last times are always kept); at most
         the number of steps.
     diagnostics : bool
-        compute energy, 𝒢², 𝒟 and the ledger (False: tokens only, faster).
+        energy, 𝒢², 𝒟 at the recorded times (False: tokens only).  Computed from the records
+        (tokens, heads, radii) on the first read of ``traj.energy``/``slope``/``dissipation``, once,
+        vectorised over the records: the solve itself evaluates the field only.
+    ledger : bool
+        also keep the energy ledger ``traj.ledger`` (:class:`~transformer_pde.LedgerOptions`):
+        the diagnostics are then evaluated at every step (and, for the trapezoid rule and the jumps,
+        at every right end): measured 6.6× the tokens-only solve on the peers' post-LN workload and
+        1.14× on the paper's H = 100 OU step (float64, :class:`~transformer_pde.LedgerOptions`,
+        scripts/benchmark_lazy_diagnostics.py).  Without it ``traj.ledger`` raises a ValueError.
+        Needs diagnostics=True.
     quadrature : Optional[str]
         "left" (default for euler, the reference code) or "trapezoid" (default
         for the others) for the ledger's time integrals; the martingale is an Itô sum.
+        Needs ledger=True.
     rtol, atol
         the relative and absolute tolerances of method="adaptive" (positive finite
         floats; default 1e-7 and 1e-9); refused with a fixed-step method, which has none.
@@ -514,7 +530,7 @@ def simulate(
     quadratic_variation : str
         how the ledger books the second-order term of noisy weights:
         "expected" (default) adds the Itô correction E[½ ∂²_A E[dN, dN]] (the ledger closes at
-        order 1 in the mean over paths, one path like dt^{1/2}); "realised" books
+        order 1 in the mean over paths, one path like dt^{1/2}); "realised" (needs ledger=True) books
         ½ ∂²_A E[ΔN, ΔN] of the realised noise increments ΔN per step (per record interval
         for "adaptive"), so that every single path closes at order 1 (costs one
         (paths, H, n, n) kernel block per step).  No effect on deterministic weights.
@@ -578,7 +594,8 @@ def simulate(
     """
     check_tokens(x0, "x0")
     check_choice(method, METHODS, "method")
-    for flag, flag_name in ((diagnostics, "diagnostics"), (adjoint, "adjoint"), (return_path, "return_path")):
+    for flag, flag_name in ((diagnostics, "diagnostics"), (ledger, "ledger"), (adjoint, "adjoint"),
+                            (return_path, "return_path")):
         check_bool(flag, flag_name)
     adaptive = method == "adaptive"
     if not adaptive and (rtol is not None or atol is not None):
@@ -600,11 +617,12 @@ def simulate(
         solver = Dopri5(1e-7 if rtol is None else rtol, 1e-9 if atol is None else atol, adjoint) if adaptive \
             else FixedStep(method)
         saveat = SaveAt(every=record_every, observables=observables, path=return_path)
-        ledger = LedgerOptions(diagnostics, None if adaptive else quadrature, quadratic_variation, energy_log_scale)
+        book = LedgerOptions(diagnostics, ledger, None if adaptive else quadrature, quadratic_variation,
+                             energy_log_scale)
         ckpt = None if checkpoint is None else Checkpointing(checkpoint, checkpoint_every)
         if ckpt is not None:
             check_output_file(ckpt.path)  # a missing folder is refused now, not at the first save
         show = None if adaptive else Progress(progress, callback)  # dopri5 has no steps to show (nor callback)
         return solve(model, x0, solver, t1=t1, dt=dt, t0=t0, paths=paths, seed=seed, generator=generator,
-                     saveat=saveat, ledger=ledger, checkpoint=ckpt, progress=show,
+                     saveat=saveat, ledger=book, checkpoint=ckpt, progress=show,
                      limits=Limits(max_steps, max_memory, chunk_elements))

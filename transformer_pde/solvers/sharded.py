@@ -72,6 +72,7 @@ __all__ = ["ShardedEuler", "rank_and_world", "shard_tokens", "gather_tokens", "d
 #: simulate_sharded's keywords by the object field that holds them
 SHARDED_KEYWORDS = {"Model.normalization": "normalization", "Model.direction": "direction",
                     "Model.weights": "weights", "SaveAt.every": "record_every", "LedgerOptions.diagnostics": "diagnostics",
+                    "LedgerOptions.ledger": "ledger",
                     "Progress.show": "progress", "Limits.chunk_elements": "chunk_elements",
                     "ShardedEuler.backend": "backend", "ShardedEuler.gather_x": "gather_x"}
 
@@ -84,7 +85,10 @@ class ShardedEuler(Solver):
     token weights this rank's share of the global weights.  ``backend``: the kernel
     (:mod:`transformer_pde.model.attention`); ``gather_x``: record all N tokens instead of the shard.
 
-    The ledger is the left-point one of ``Euler()``; no observables, stored paths, checkpoints,
+    The ledger is the left-point one of ``Euler()``, booked at every step whatever
+    ``LedgerOptions.ledger`` (the diagnostics are all-reduced partial sums of every step: computing
+    them from the records would need the records of every rank), so ``traj.ledger`` is there with
+    ``diagnostics=True``; no observables, stored paths, checkpoints,
     callbacks, realised quadratic variation or given energy scale; no layer maps, token noise or
     causal attention in the model; the weights are drawn from ``seed=`` on every rank (no generator)."""
 
@@ -342,6 +346,7 @@ def simulate_sharded(
     direction: str = DEFAULT_DIRECTION,
     record_every: int = 1,
     diagnostics: bool = True,
+    ledger: bool = False,
     backend: str = "auto",
     chunk_elements: Optional[int] = None,
     gather_x: bool = False,
@@ -362,7 +367,7 @@ def simulate_sharded(
     theta
         :class:`Heads` or a process (identical on every rank; the weights are sampled
         redundantly on every rank from ``seed``).
-    t1, dt, t0, paths, seed, normalization, direction, record_every, diagnostics
+    t1, dt, t0, paths, seed, normalization, direction, record_every, diagnostics, ledger
         as
         :func:`transformer_pde.simulate`.
     weights : Optional[torch.Tensor]
@@ -395,7 +400,7 @@ def simulate_sharded(
         model = Model(theta, normalization, direction, weights=weights)
         return solve(model, x0_local, ShardedEuler(group=group, backend=backend, gather_x=gather_x), t1=t1, dt=dt,
                      t0=t0, paths=paths, seed=seed, saveat=SaveAt(every=record_every),
-                     ledger=LedgerOptions(diagnostics), progress=Progress(progress),
+                     ledger=LedgerOptions(diagnostics, ledger), progress=Progress(progress),
                      limits=Limits(chunk_elements=chunk_elements))
 
 

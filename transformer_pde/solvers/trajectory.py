@@ -97,8 +97,8 @@ def lazy_series(source) -> tuple:
 
 
 _NO_LEDGER = ("this trajectory was solved without the energy ledger: it integrates E, 𝒟, ∂_tE and the Itô terms over "
-              "every step, which costs a diagnostics evaluation (its own kernel passes) at every step, several times "
-              "the tokens-only solve (scripts/benchmark_lazy_diagnostics.py). Pass ledger=True to tp.simulate, or "
+              "every step, which costs a diagnostics evaluation (its own kernel passes) at every step, up to several "
+              "times the tokens-only solve (scripts/benchmark_lazy_diagnostics.py). Pass ledger=True to tp.simulate, or "
               "ledger=tp.LedgerOptions(ledger=True) to tp.solve. The recorded energy, slope and "
               "dissipation are there without it (computed on first read)")
 

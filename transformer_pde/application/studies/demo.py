@@ -28,6 +28,7 @@ def run_demo(params, run):
     heads = tp.Heads.random(params["heads"], 3, generator=torch.Generator().manual_seed(params["seed"]), dtype=dtype)
     traj = tp.solve(tp.Model(tp.OrnsteinUhlenbeck(heads), normalization="softmax", direction="descent"), x0,
                     tp.Euler(), t1=params["t1"], dt=params["dt"], paths=params["paths"], seed=params["seed"],
+                    ledger=tp.LedgerOptions(ledger=True),
                     progress=tp.Progress(show=run.progress, callback=step_callback(run, "demo")))
     led = traj.ledger
     metrics = {

@@ -334,7 +334,7 @@ def _simulate_chunk(p: Dict, regime: str, H: int, x0: torch.Tensor, lo: int, hi:
     model = tp.Model(theta, normalization=p["normalization"], direction=p["direction"])
     traj = tp.solve(model, x0, tp.FixedStep(p["method"]), t1=p["t1"], dt=p["dt"],
                     paths=None if total is None else hi - lo, seed=seed, saveat=tp.SaveAt(every=p["record_every"]),
-                    ledger=tp.LedgerOptions(diagnostics=True),
+                    ledger=tp.LedgerOptions(ledger=True),
                     checkpoint=tp.Checkpointing(ckpt, every=p["checkpoint_every"]),
                     progress=tp.Progress(show=progress, callback=callback))
     wall = time.perf_counter() - t0

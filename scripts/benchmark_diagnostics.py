@@ -101,7 +101,7 @@ def paths_of(names):
     if "noisy" in names:
         n, H = 200, 10
         x0 = tp.sphere.sample_uniform(n, 3, generator=_gen(7), dtype=f64)
-        heads = tp.Heads.scalar(torch.linspace(0.5, 2.0, H, dtype=f64).tolist(), 3)
+        heads = tp.Heads.scalar(torch.linspace(0.5, 2.0, H, dtype=f64).tolist(), 3).to(f64)
         model = tp.Model(heads, noise=0.1, direction="ascent")
         out.append(_particle_path("noisy tokens (T=0.1, n=200, d=3, H=10)", x0, model, tp.Euler(), 20, 0.01, 10))
     if "training" in names:

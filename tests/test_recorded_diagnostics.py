@@ -18,7 +18,7 @@ import transformer_pde as tp
 from conftest import gen
 from problems import naive_dissipation, naive_energy, naive_slope, random_weights
 from transformer_pde.model.field import evaluate
-from transformer_pde.solvers.layernorm import scheme_densities
+from transformer_pde.solvers.layernorm import geometry_densities
 from transformer_pde.solvers.recorded import RecordedDiagnostics, RecordedHeads, records_per_chunk, stack_heads
 from transformer_pde.solvers.trajectory import NonFiniteError, Trajectory, lazy_series
 
@@ -62,7 +62,7 @@ def per_record(model, traj, rec, c):
         h = rec.constant if rec.constant is not None else rec.items[k]
         e = evaluate(traj.x[k], h, model.weights, normalization=model.normalization, sign=sign, diagnostics=True,
                      log_scale=c, **({"causal": model.causal} if model.causal else {}))
-        D, G = (e.dissipation, e.slope) if model.geometry.projected else scheme_densities(
+        D, G = (e.dissipation, e.slope) if model.geometry.projected else geometry_densities(
             model.geometry, e, h, model.weights, None if radius is None else radius[k], c)
         for key, v in zip(SERIES, (e.energy, G, D)):
             out[key].append(v)

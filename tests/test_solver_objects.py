@@ -204,7 +204,7 @@ class PartsEuler(tp.Solver):
         drv = WeightDriver(model.process, paths=None, generator=o.generator, seed=o.weight_seed, t0=o.t0, dt=o.dt)
         ev = Evaluator(model.weights, normalization=model.normalization, sign=model.sign, noisy=False,
                        causal=model.causal, chunk_elements=None, energy_log_scale=None)
-        stepper = Stepper(tp.TABLEAUX["euler"], layer_norm=model.geometry)
+        stepper = Stepper(tp.TABLEAUX["euler"], geometry=model.geometry)
         rec = Recorder(K, o.saveat.record_every(K), diagnostics=True, weights=model.weights)
 
         def densities(x, e):

@@ -20,7 +20,7 @@ import torch
 from ..utils import threads
 from ..model.energy import pairing
 from ..model.energy import quadratic_variation as realised_qv_term
-from .layernorm import scheme_densities
+from .layernorm import geometry_densities
 from .noise import noise_martingale
 from .parts import LEDGER_KEYS, Ledger, Recorder, Stepper, partial_density, progress_bar
 from .recorded import RecordedDiagnostics, RecordedHeads
@@ -55,9 +55,9 @@ class FixedStepRun:
         self.realised = o.ledger.quadratic_variation == "realised"
         self.normalization, self.noisy, self.method = model.normalization, self.drv.noisy, problem.solver.method
         causal = model.causal
-        self.stepper = Stepper(problem.solver.tableau, retract=True, layer_norm=model.geometry)
-        self.scheme = self.stepper.layer_norm
-        self.r, self.radii = self.scheme.initial_radius(x), []  # token radii (pre-/peri-LN), their records
+        self.stepper = Stepper(problem.solver.tableau, retract=True, geometry=model.geometry)
+        self.geometry = self.stepper.geometry
+        self.r, self.radii = self.geometry.initial_radius(x), []  # token radii (pre-/peri-LN), their records
         keys = LEDGER_KEYS if not causal else tuple(k for k in LEDGER_KEYS if not k.startswith("residual"))
         self.rec = Recorder(self.K, problem.record_every, diagnostics=self.diagnostics,
                             observables={k: self.axis.observable(f) for k, f in problem.observables.items()},
@@ -85,7 +85,7 @@ class FixedStepRun:
         e = self.ev(x, heads, self.diagnostics)
         self.nfe += 1
         # a layer map adds the ambient update A (finite A gives a finite P_x A): check what the step reads
-        if not check_finite(e.velocity if self.scheme.projected or e.ambient is None else e.ambient):
+        if not check_finite(e.velocity if self.geometry.projected or e.ambient is None else e.ambient):
             raise nonfinite_error("the velocity field", self.drv.t, self.drv.k, heads, self.normalization)
         return e
 
@@ -98,8 +98,8 @@ class FixedStepRun:
         pt = partial_density(x, heads, self.w, e.stats, self.drv.rate if rate is None else rate, self.drv.sigma,
                              ito=self.noisy and not self.realised, log_scale=c)
         check_ledger(e, pt, self.drv.t, self.drv.k, self.scale)
-        if not self.scheme.projected:  # 𝒟 and 𝒢² along the scheme's velocity λ_i P_x A_i
-            D, G = scheme_densities(self.scheme, e, heads, self.w, self.r, c)
+        if not self.geometry.projected:  # 𝒟 and 𝒢² along the geometry's velocity λ_i P_x A_i
+            D, G = geometry_densities(self.geometry, e, heads, self.w, self.r, c)
             return {"partial": pt, "dissipation": D, "slope": G}
         return {"partial": pt, "dissipation": e.dissipation, "slope": e.slope}
 
@@ -110,7 +110,7 @@ class FixedStepRun:
         if self.lazy:
             self.heads_rec.append(self.drv.current)
         if self.diagnostics:
-            G, D = (e.slope, e.dissipation) if self.scheme.projected else (self.dens["slope"], self.dens["dissipation"])
+            G, D = (e.slope, e.dissipation) if self.geometry.projected else (self.dens["slope"], self.dens["dissipation"])
             self.rec.record(self.x, e.energy, G, D, self.ledger.terms(e.energy))
         else:
             self.rec.record(self.x)
@@ -215,15 +215,15 @@ def solve_fixed_step(x, problem, parts, show: bool) -> Trajectory:
     with threads.scope(parts.work) as pool:
         run.solve(show, o.progress.callback, pool)
     times, out_x, series, ledger, observed = run.rec.stacked(o.t0, o.dt)
-    noise, scheme = model.noise, run.scheme
+    noise, geometry = model.noise, run.geometry
     stats = {"steps": problem.steps, "field_evaluations": run.nfe, "max_sphere_error": run.max_sphere,
              "wall_time": time.perf_counter() - parts.start, "order": problem.solver.order,
              "energy_log_scale": ev.scale["c"], "gradient_flow": not model.causal,
              "temperature": 0.0 if noise is None else noise.temperature}
     extras = {}
-    if not scheme.projected:
-        stats["layer_norm"] = scheme.name
-        if scheme.radius:
+    if not geometry.projected:
+        stats["layer_norm"] = geometry.name
+        if geometry.radius:
             extras["radius"] = torch.stack(run.radii)
     if run.lazy:  # E, 𝒢², 𝒟 from the records, on first read; no ledger
         src = RecordedDiagnostics(model, out_x, run.heads_rec, log_scale=o.ledger.energy_log_scale,

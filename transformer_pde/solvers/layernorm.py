@@ -56,10 +56,10 @@ from ..utils.validation import broadcast_shapes
 from ..model.field import FieldEval, log_inverse_mobility
 from ..model.sphere import normalize, tangent_projection
 
-__all__ = ["LayerNorm", "Projected", "PostLN", "PreLN", "PeriLN", "NGPT", "LAYER_NORMS", "layer_norm_scheme",
+__all__ = ["LayerNorm", "Projected", "PostLN", "PreLN", "PeriLN", "NGPT", "LAYER_NORMS", "as_geometry",
            "simuformer_scheme"]
 #: named internal API (the solvers' use of the seam)
-__internal__ = ["scheme_densities", "check_layer_norm_method", "FusedUpdate", "score_block_bytes", "SCORE_BLOCK_FRACTION"]
+__internal__ = ["geometry_densities", "check_layer_norm_method", "FusedUpdate", "score_block_bytes", "SCORE_BLOCK_FRACTION"]
 
 #: the names accepted by ``simulate(..., layer_norm=...)``
 LAYER_NORMS = ("none", "post", "pre", "peri", "ngpt")
@@ -308,7 +308,7 @@ class NGPT(LayerNorm):
 _BY_NAME = {"none": Projected, "post": PostLN, "pre": PreLN, "peri": PeriLN, "ngpt": NGPT}
 
 
-def layer_norm_scheme(layer_norm: Union[str, LayerNorm]) -> LayerNorm:
+def as_geometry(layer_norm: Union[str, LayerNorm]) -> LayerNorm:
     """The scheme object for a name of :data:`LAYER_NORMS` (or the object itself); TypeError / ValueError
     otherwise."""
     if isinstance(layer_norm, LayerNorm):
@@ -336,17 +336,17 @@ def simuformer_scheme(norm: str) -> LayerNorm:
     return table[norm]
 
 
-def scheme_densities(scheme: LayerNorm, e, heads, weights, r, log_scale: float = 0.0
+def geometry_densities(geometry: LayerNorm, e, heads, weights, r, log_scale: float = 0.0
                      ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(𝒟_λ, 𝒢²_λ) (...,) of a field evaluation ``e`` (with diagnostics) under the scheme's speed λ:
 
         𝒟_λ = Σ_i w_i λ_i ⟨∇_S δE/δμ(x_i), V_i⟩,    𝒢²_λ = Σ_i w_i λ_i b_i |V_i|²
 
     times e^{−c}; (e.dissipation, e.slope) themselves when λ = 1."""
-    if type(scheme).speed is LayerNorm.speed:  # λ = 1: the field's own densities (V is not formed)
+    if type(geometry).speed is LayerNorm.speed:  # λ = 1: the field's own densities (V is not formed)
         return e.dissipation, e.slope
     V = e.velocity
-    lam_v = scheme.speed_times(None, r, e.ambient, V)  # λ_i V_i, finite also where |A_i| is tiny or 0
+    lam_v = geometry.speed_times(None, r, e.ambient, V)  # λ_i V_i, finite also where |A_i| is tiny or 0
     b = torch.exp(-log_inverse_mobility(heads, e.stats.log_partition) - log_scale)
 
     def mean(v):
@@ -355,10 +355,10 @@ def scheme_densities(scheme: LayerNorm, e, heads, weights, r, log_scale: float =
     return mean((e.grad_first_variation * lam_v).sum(-1)), mean(b * (V * lam_v).sum(-1))
 
 
-def check_layer_norm_method(scheme: LayerNorm, method: str) -> None:
+def check_layer_norm_method(geometry: LayerNorm, method: str) -> None:
     """The layer maps are one attention evaluation per layer: they need method='euler'."""
-    if not scheme.projected and method != "euler":
-        raise ValueError(f"layer_norm={scheme.name!r} is a discrete layer map (one attention evaluation per layer "
+    if not geometry.projected and method != "euler":
+        raise ValueError(f"layer_norm={geometry.name!r} is a discrete layer map (one attention evaluation per layer "
                          f"of depth dt); use method='euler' (got method={method!r}), or layer_norm='none' for the "
                          f"projected flow with Runge–Kutta and adaptive methods")
 

@@ -32,7 +32,7 @@ from ..model.field import check_causal_mode
 from ..model.heads import Heads
 from ..model.normalization import Normalization, normalization as as_normalization
 from ..processes.weights import Constant, Process
-from .layernorm import LayerNorm, layer_norm_scheme
+from .layernorm import LayerNorm, as_geometry
 from .noise import TokenNoise, token_noise
 
 __all__ = ["Model"]
@@ -61,7 +61,7 @@ class Model:
         norm = as_normalization(self.normalization, "Model.normalization")
         object.__setattr__(self, "normalization", norm)
         check_choice(self.direction, DIRECTIONS, "Model.direction")
-        object.__setattr__(self, "geometry", layer_norm_scheme(self.geometry))
+        object.__setattr__(self, "geometry", as_geometry(self.geometry))
         noise = self.noise
         if noise is not None:
             noise = token_noise(noise)  # None when T = 0

@@ -322,7 +322,7 @@ def _solve_fixed(problem: ParticleProblem) -> Trajectory:
     model, o, solver = problem.model, problem.options, problem.solver
     show = o.progress.show if o.progress.show is not None else \
         problem.steps * solver.tableau.stages * parts.work >= PROGRESS_MIN_WORK
-    noise, scheme, obs, c = model.noise, model.geometry, problem.observables, o.ledger.energy_log_scale
+    noise, geometry, obs, c = model.noise, model.geometry, problem.observables, o.ledger.energy_log_scale
     # options added later enter the checkpoint's fingerprint only when not at their default, so that
     # checkpoints of ordinary runs written before them still resume
     realised = o.ledger.quadratic_variation == "realised"
@@ -330,7 +330,7 @@ def _solve_fixed(problem: ParticleProblem) -> Trajectory:
         + ([("quadratic_variation", "realised")] if realised else []) \
         + ([("energy_log_scale", c)] if c is not None else []) \
         + ([("observables", tuple(sorted(obs)))] if obs else []) \
-        + ([("layer_norm", repr(scheme))] if not scheme.projected else []) \
+        + ([("layer_norm", repr(geometry))] if not geometry.projected else []) \
         + ([("temperature", (noise.temperature, noise.seed))] if noise is not None else [])
     ck = o.checkpoint
     parts.checkpointer = Checkpointer(None if ck is None else ck.path, 200 if ck is None else ck.every,

@@ -26,7 +26,7 @@ import torch
 from ..model.energy import ito_correction, pairing
 from ..utils.validation import check_output_file, write_error
 from ..model.heads import Heads
-from .layernorm import check_layer_norm_method, layer_norm_scheme
+from .layernorm import as_geometry, check_layer_norm_method
 
 #: the parts a solver is composed of (docs/solve.md, "A solver of your own")
 __all__: List[str] = ["Stepper", "Ledger", "Recorder", "Checkpointer", "progress_bar", "partial_density", "ledger_terms",
@@ -41,30 +41,30 @@ class Stepper:
     """One explicit Runge–Kutta step x ↦ x_new of ẋ = F(x, t) for a tableau (c, a, b).
 
     retract=True: the stages and the result are pulled back to the unit sphere by the geometry's
-    retraction (``layer_norm.retract``, x ↦ x/|x| for every scheme of
+    retraction (``geometry.retract``, x ↦ x/|x| for every scheme of
     :mod:`~transformer_pde.solvers.layernorm`; the geometry seam); False: flat dynamics in R^d.
 
-    ``layer_norm``: the geometry of the step, a :class:`~transformer_pde.solvers.layernorm.LayerNorm`
+    ``geometry``: the geometry of the step, a :class:`~transformer_pde.solvers.layernorm.LayerNorm`
     (or its name).  "none" (default, :class:`~.layernorm.Projected`) is the Runge–Kutta step with
     the retraction above; the other schemes are discrete layer maps (one attention evaluation per
     layer, Euler tableau only), taken by :meth:`layer_step`."""
 
-    def __init__(self, tableau, retract: bool = True, layer_norm="none"):
+    def __init__(self, tableau, retract: bool = True, geometry="none"):
         self.tableau = tableau
         self.retract = retract
-        self.layer_norm = layer_norm_scheme(layer_norm)
-        check_layer_norm_method(self.layer_norm, getattr(tableau, "name", "?"))
+        self.geometry = as_geometry(geometry)
+        check_layer_norm_method(self.geometry, getattr(tableau, "name", "?"))
 
     @property
     def projected(self) -> bool:
         """True when :meth:`step` (Runge–Kutta + retraction) makes the step, False for a layer map."""
-        return self.layer_norm.projected
+        return self.geometry.projected
 
     def layer_step(self, x: torch.Tensor, radius, update: torch.Tensor, dt: float):
         """The scheme's layer map at (x, r) with the signed un-projected attention update A (..., n, d).
 
         Returns (x_new, r_new or None, the largest |‖y‖ − 1| before normalising)."""
-        return self.layer_norm.step(x, radius, update, dt)
+        return self.geometry.step(x, radius, update, dt)
 
     def step(self, x: torch.Tensor, k1: torch.Tensor, dt: float, stage_field: Callable):
         """x (..., n, d), k1 = F(x) at the left end, stage_field(x_stage, c_i) the field at stage i.
@@ -78,14 +78,14 @@ class Stepper:
                 if aij != 0.0:
                     xs = xs + (dt * aij) * ks[j]
             if self.retract:
-                xs = self.layer_norm.retract(xs)
+                xs = self.geometry.retract(xs)
             ks.append(stage_field(xs, tab.c[i]))
         y = x
         for bi, ki in zip(tab.b, ks):
             y = y + (dt * bi) * ki
         if not self.retract:
             return y, 0.0
-        return self.layer_norm.retract_step(y)
+        return self.geometry.retract_step(y)
 
 
 # ---------------------------------------------------------------------------- ledger

@@ -4,7 +4,7 @@ A solve need not evaluate E, 𝒢², 𝒟 at every step when only the recorded v
 functions of the recorded tokens x_k, the heads Θ(t_k) and (layer maps with a radius) the recorded
 radii r_k, so they can be computed after the solve, once, vectorised over the records.  This module
 computes exactly what the eager per-step path records (:class:`~transformer_pde.solvers.evaluator.Evaluator`
-with diagnostics, then :func:`~transformer_pde.solvers.layernorm.scheme_densities` for a layer map):
+with diagnostics, then :func:`~transformer_pde.solvers.layernorm.geometry_densities` for a layer map):
 
     E_k e^{−c}  = E(μ_k, Θ(t_k)) e^{−c},
     𝒢²_k e^{−c} = Σ_i w_i λ_i b(x_i) |V(x_i)|² e^{−c},    𝒟_k e^{−c} = Σ_i w_i λ_i ⟨∇_S δE/δμ(x_i), V(x_i)⟩ e^{−c}
@@ -38,7 +38,7 @@ Wiring a fixed-step run in a few lines::
     run.heads_rec = RecordedHeads()                   # at each record: run.heads_rec.append(drv.current)
     ...                                               # checkpoint: state["heads"] = run.heads_rec.state()
     src = RecordedDiagnostics(model, out_x, run.heads_rec, log_scale=energy_log_scale,  # the user's c or None
-                              radius=torch.stack(run.radii) if scheme.radius else None, times=times,
+                              radius=torch.stack(run.radii) if model.geometry.radius else None, times=times,
                               steps=run.rec.steps, chunk_elements=chunk)
     stats["energy_log_scale"] = src.log_scale
     Trajectory(times, out_x, *lazy_series(src), None, stats, ...)   # out_x with the paths axis; axis.finish
@@ -62,7 +62,7 @@ from ..model.energy import choose_log_scale
 from ..model.field import evaluate
 from ..model.heads import Heads
 from ..utils.validation import direction_sign
-from .layernorm import scheme_densities
+from .layernorm import geometry_densities
 from .trajectory import check_finite, ledger_nonfinite
 
 __all__: List[str] = []
@@ -224,11 +224,11 @@ class RecordedDiagnostics:
         if heads.constant is None and len(heads) != T:
             raise ValueError(f"RecordedDiagnostics: {len(heads)} recorded heads for {T} recorded token states; "
                              f"record the heads at every recorded time")
-        scheme = model.geometry
-        if scheme.radius and (radius is None or tuple(radius.shape) != tuple(x.shape[:-1])):
-            raise ValueError(f"RecordedDiagnostics: layer_norm={scheme.name!r} needs the recorded radii of shape "
+        geometry = model.geometry
+        if geometry.radius and (radius is None or tuple(radius.shape) != tuple(x.shape[:-1])):
+            raise ValueError(f"RecordedDiagnostics: layer_norm={geometry.name!r} needs the recorded radii of shape "
                              f"{tuple(x.shape[:-1])}, got {None if radius is None else tuple(radius.shape)}")
-        self.model, self.x, self.heads, self.radius = model, x, heads, radius if scheme.radius else None
+        self.model, self.x, self.heads, self.radius = model, x, heads, radius if geometry.radius else None
         self.times = None if times is None else [float(t) for t in times]
         self.steps = None if steps is None else [int(k) for k in steps]
         self.chunk_elements = chunk_elements
@@ -287,12 +287,12 @@ class RecordedDiagnostics:
         causal_kw = {"causal": model.causal} if model.causal else {}
         e = evaluate(xs, heads, model.weights, normalization=model.normalization, sign=self.sign, diagnostics=True,
                      log_scale=c, chunk_elements=self.chunk_elements, **causal_kw)
-        scheme = model.geometry
-        if scheme.projected:
+        geometry = model.geometry
+        if geometry.projected:
             D, G = e.dissipation, e.slope
-        else:  # 𝒟 and 𝒢² along the scheme's velocity λ_i V_i (the eager layer-map solve books these)
+        else:  # 𝒟 and 𝒢² along the geometry's velocity λ_i V_i (the eager layer-map solve books these)
             r = None if self.radius is None else self.radius[lo:hi]
-            D, G = scheme_densities(scheme, e, heads, model.weights, r, c)
+            D, G = geometry_densities(geometry, e, heads, model.weights, r, c)
         E = e.energy
         shape = (hi - lo, *xs.shape[1:-2])  # the values broadcast to the tokens' batch (as the eager records)
         vals = {"energy": E.expand(shape), "slope": G.expand(shape), "dissipation": D.expand(shape)}

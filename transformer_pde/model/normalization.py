@@ -228,7 +228,8 @@ NORMALIZATIONS = tuple(_BY_NAME)
 
 
 def normalization(value: Union[str, Normalization], name: str = "normalization") -> Normalization:
-    """The strategy object for a name of :data:`NORMALIZATIONS` (or the object itself).
+    """The strategy object for a name of :data:`NORMALIZATIONS` (or the object itself): :func:`resolve`
+    without a requirement.
 
     Raises
     ------
@@ -236,18 +237,7 @@ def normalization(value: Union[str, Normalization], name: str = "normalization")
         ``value`` is neither a string nor a :class:`Normalization` (or is the abstract base).
     ValueError
         an unknown name."""
-    if isinstance(value, Normalization):
-        if type(value) is Normalization:
-            raise TypeError(f"{name}=Normalization() is the abstract base; use one of {NORMALIZATIONS} or "
-                            f"Softmax(), Unnormalized(), ReLU(), Effective()")
-        return value
-    if not isinstance(value, str):
-        raise TypeError(f"{name} must be one of {NORMALIZATIONS} or a Normalization object, got "
-                        f"{type(value).__name__}")
-    obj = _INSTANCES.get(value)
-    if obj is None:
-        raise ValueError(f"unknown {name} {value!r}; choose one of {', '.join(map(repr, NORMALIZATIONS))}")
-    return obj
+    return resolve(value, name=name)
 
 
 _INSTANCES = {k: cls() for k, cls in _BY_NAME.items()}
@@ -282,16 +272,23 @@ def resolve(value: Union[str, Normalization], where=None, *, name: str = "normal
         neither a string nor a :class:`Normalization` (or the abstract base).
     ValueError
         an unknown name, or an object (or name) that fails ``where``."""
-    if isinstance(value, str):
+    if isinstance(value, Normalization):
+        if type(value) is Normalization:
+            raise TypeError(f"{name}=Normalization() is the abstract base; use one of {NORMALIZATIONS} or "
+                            f"Softmax(), Unnormalized(), ReLU(), Effective(), SinkhornAttention(), Hardmax()")
+        obj = value
+    elif isinstance(value, str):
         obj = _INSTANCES.get(value)
         if obj is None or (where is not None and not where(obj)):
             raise ValueError(f"unknown {name} {value!r}; choose one of {', '.join(map(repr, names(where)))}")
         return obj
-    obj = normalization(value, name)
+    else:
+        raise TypeError(f"{name} must be one of {NORMALIZATIONS} or a Normalization object, got "
+                        f"{type(value).__name__}")
     if where is not None and not where(obj):
         label = obj.name or type(obj).__name__
         raise ValueError(f"{name}={label!r} is not covered here{' (' + what + ')' if what else ''}; choose one of "
-                         f"{', '.join(map(repr, names(where)))} or an object that has it")
+                         f"{', '.join(map(repr, names(where)))}" + (" or an object that has it" if what else ""))
     return obj
 
 
@@ -335,11 +332,9 @@ def choose(value, allowed: tuple, name: str = "normalization") -> Normalization:
         neither a string nor a :class:`Normalization` (or the abstract base).
     ValueError
         an unknown name, or one that is not in ``allowed`` (the message lists those)."""
-    if isinstance(value, str):
-        obj = _INSTANCES.get(value)
-        if obj is None or value not in allowed:
-            raise ValueError(f"unknown {name} {value!r}; choose one of {', '.join(map(repr, allowed))}")
-        return obj
+    # the object's class, not its name: a subclass of a registered class carries its own rule
+    classes = tuple(type(_INSTANCES[k]) for k in allowed if k in _INSTANCES)
+    return resolve(value, lambda obj: type(obj) in classes, name=name)
     obj = normalization(value, name)
     # the object's class, not its name: a subclass of a registered class carries its own rule
     if not any(type(obj) is type(_INSTANCES[k]) for k in allowed if k in _INSTANCES):

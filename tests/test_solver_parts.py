@@ -276,3 +276,28 @@ def test_a_drift_without_source_is_refused_by_its_attribute_name():
     with pytest.raises(ValueError, match=r"^theta's drift \(.*has no readable source.*tag"):
         process_signature(tp.Custom(a, ns["drift"]))
     assert "tag='v1'" in process_signature(tp.Custom(a, ns["drift"], tag="v1"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_recorder_keeps_copies_in_one_buffer_and_stacks_them(dtype):
+    """The recorded states are copies (a later in-place change of the state does not reach them), the
+    stacked tokens equal the states recorded, and a recorder restored with earlier records (a resumed
+    run) or given a state of another shape still stacks every record in order."""
+    g = torch.Generator().manual_seed(5)
+    states = [torch.randn(2, 4, 3, generator=g, dtype=dtype) for _ in range(5)]
+    rec = Recorder(4, 1, diagnostics=False)
+    x = torch.empty(2, 4, 3, dtype=dtype)
+    for s in states:
+        x.copy_(s)  # one state tensor changed in place, as a solver's buffer would be
+        rec.record(x)
+    _, xs, _, _, _ = rec.stacked(0.0, 0.1)
+    assert_close(xs, torch.stack(states))  # copies: equal to the dtype's default tolerance
+    resumed = Recorder(4, 1, diagnostics=False)
+    resumed.records["x"] = [s.clone() for s in states[:2]]  # restored from a checkpoint
+    for s in states[2:]:
+        resumed.record(s)
+    assert_close(resumed.stacked(0.0, 0.1)[1], torch.stack(states))
+    odd = Recorder(1, 1, diagnostics=False)
+    odd.record(states[0])
+    odd.record(states[1][:, :2])  # another shape than the buffer's: kept as it is
+    assert odd.records["x"][1].shape == (2, 2, 3)

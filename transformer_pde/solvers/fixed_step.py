@@ -71,7 +71,7 @@ class FixedStepRun:
     def state(self) -> dict:
         """The solver state for a checkpoint, in the caller's batch convention (the file format of old)."""
         v = self.axis.view
-        st = {"x": v(self.x.detach()), "driver": self.drv.state(), "records": _tree(self.rec.records, v),
+        st = {"x": v(self.x.detach()), "driver": self.drv.state(), "records": _tree(self.rec.records, lambda t: v(t).clone()),  # the records, not their whole buffer
               "acc": _tree(self.ledger.acc, v), "nfe": self.nfe, "max_sphere": self.max_sphere,
               "scale": dict(self.scale),
               **({"r": v(self.r), "radii": _tree(self.radii, v)} if self.r is not None else {})}

@@ -208,7 +208,7 @@ class Recorder:
         """Append one recorded time: tokens x, with diagnostics the series and the ledger entries;
         the observables are evaluated at ``observe_x`` (default x)."""
         r = self.records
-        r["x"].append(x.detach() if not x.requires_grad else x)
+        r["x"].append(self._slot(x) if not x.requires_grad else x)
         if self.diagnostics:
             r["energy"].append(energy)
             r["slope"].append(slope)
@@ -218,6 +218,19 @@ class Recorder:
         xo = x if observe_x is None else observe_x
         for name, fn in self.observables.items():
             r["obs." + name].append(observe(name, fn, xo, self.weights))
+
+    def _slot(self, x: torch.Tensor) -> torch.Tensor:
+        """x (no grad) copied into the next slot of one (T, ...) buffer of the run's records, allocated at the
+        first record: no fresh memory per recorded step and no copy of every record at the end (:meth:`stacked`
+        returns the buffer itself when it holds them all).  A state of another shape, dtype or device than the
+        buffer's (never in a solve) is kept as it is."""
+        i, buf = len(self.records["x"]), getattr(self, "_buffer", None)
+        if buf is None:
+            buf = self._buffer = torch.empty((len(self.steps), *x.shape), dtype=x.dtype, device=x.device)
+            self._buffer_start = i
+        if buf.shape[1:] != x.shape or buf.dtype != x.dtype or buf.device != x.device or i >= buf.shape[0]:
+            return x.detach()
+        return buf[i].copy_(x.detach())
 
     def times(self, t0: float, dt: float) -> torch.Tensor:
         """The recorded times t0 + k·dt, (T,) float64."""
@@ -233,7 +246,11 @@ class Recorder:
         else:
             ledger, series = {}, {"energy": None, "slope": None, "dissipation": None}
         obs = {name: torch.stack(r["obs." + name]) for name in self.observables}
-        return times, torch.stack(r["x"]), series, ledger, obs
+        xs = r["x"]
+        buf = getattr(self, "_buffer", None)
+        whole = buf is not None and self._buffer_start == 0 and len(xs) == buf.shape[0] and all(
+            v.data_ptr() == buf[i].data_ptr() for i, v in enumerate(xs))
+        return times, (buf if whole else torch.stack(xs)), series, ledger, obs
 
 
 # ---------------------------------------------------------------------------- checkpointer

@@ -10,6 +10,7 @@ sentence (mean cosine over distinct pairs, pair fraction and single-linkage clus
 chordal ``radius``), averaged over sentences with their standard error.
 
 Per layer l (the map x_l → x_{l+1}):
+
 * β_eff, the inverse temperature of the isotropic kernel softmax_j(β⟨x̂_i, x̂_j⟩) closest in mean KL
   to the layer's head-averaged attention probabilities, fitted per sentence (:func:`probe.fit_effective_beta`);
 * log E_β of the layer's own heads (biases dropped, ω_h = 1, β = r²/√k with r the sentence's RMS

@@ -7,7 +7,7 @@ approximately orthogonal heads.
     theory_entropy         item 6: attention entropy and dH/dt = −Cov(s, ṡ)
     theory_orthogonality   item 7: approximately orthogonal heads (principal angles 70–90°)
 
-Conventions and the shared parts: :mod:`.theory`.  Every kind writes a figure (PNG + PDF), CSV series
+Conventions and the shared parts: :mod:`transformer_pde.application.studies.theory`.  Every kind writes a figure (PNG + PDF), CSV series
 and metrics.json.
 """
 

@@ -4,7 +4,7 @@
                            broken symmetry / value alignment, per-head energies and radial shadows
     theory_radial          item 3: radial-dominance margin and the critical β*(H, n)
 
-Conventions and the shared parts: :mod:`.theory`.  Every kind writes a figure (PNG + PDF), CSV series
+Conventions and the shared parts: :mod:`transformer_pde.application.studies.theory`.  Every kind writes a figure (PNG + PDF), CSV series
 and metrics.json.
 """
 

@@ -368,3 +368,87 @@ def test_pickles_of_the_plain_attribute_layout_load(dtype):
     back.__setstate__(old)
     close(back.energy, eager.energy, dtype)
     close(back.ledger["dE"], eager.ledger["dE"], dtype)
+
+
+def test_non_finite_record_names_its_step_within_a_chunk(dtype):
+    """A NaN at the third record of one chunk of records (steps recorded every 3rd): the message names that
+    record's time and step, with or without the times, and with a given scale."""
+    x0, heads = problem(dtype)
+    traj = tp.simulate(x0, heads, t1=0.2, dt=0.05, diagnostics=False)
+    x = traj.x.clone()
+    x[2, 0, 1] = float("nan")
+    steps = [0, 3, 6, 9, 12]
+    src = RecordedDiagnostics(tp.Model(heads), x, heads, times=traj.times, steps=steps, chunk_elements=1 << 30)
+    with pytest.raises(NonFiniteError, match=r"t = 0\.1 \(step 6\)"):
+        src()
+    given = RecordedDiagnostics(tp.Model(heads), x, heads, log_scale=0.0, steps=steps)
+    with pytest.raises(NonFiniteError, match=r"t = nan \(step 6\).*given"):
+        given()
+
+
+def test_non_finite_radius_names_the_dissipation(dtype):
+    """A layer map's radius NaN at one record (the tokens finite): the energy is finite there, 𝒟 is not, and
+    the message names the dissipation."""
+    x0, heads = problem(dtype)
+    traj = tp.simulate(x0, heads, t1=0.2, dt=0.05, diagnostics=False, layer_norm="pre")
+    radius = traj.extras["radius"].clone()
+    radius[1, 0, 0] = float("nan")
+    model = tp.Model(heads, geometry="pre")
+    src = RecordedDiagnostics(model, traj.x, heads, radius=radius, times=traj.times)
+    with pytest.raises(NonFiniteError, match=r"the dissipation 𝒟 at the recorded time became NaN/inf at t = 0\.05"):
+        src()
+
+
+def test_stacked_query_key_factors_give_each_record_its_heads(dtype):
+    """Records with their own low-rank factors A = Qᵀ K: the stacked heads keep the factors, and each record
+    gets its own heads (against one evaluation per record)."""
+    d, H, r = 3, 2, 2
+    hs = [tp.Heads(query=torch.randn(H, r, d, generator=gen(k), dtype=dtype),
+                   key=torch.randn(H, r, d, generator=gen(20 + k), dtype=dtype)) for k in range(3)]
+    x = tp.sphere.sample_uniform(5, d, batch_shape=(3, 2), generator=gen(8), dtype=dtype)
+    st = stack_heads(hs, batch_rank=1)
+    assert st.score is None and st.query.shape == (3, 1, H, r, d)
+    got = evaluate(x, st, None, sign=1.0, diagnostics=True)
+    for k in range(3):
+        ref = evaluate(x[k], hs[k], None, sign=1.0, diagnostics=True)
+        close(got.energy[k], ref.energy, dtype)
+        close(got.slope[k], ref.slope, dtype)
+        close(got.dissipation[k], ref.dissipation, dtype)
+
+
+def test_stacked_heads_keep_a_shared_beta_and_the_symmetry(dtype):
+    """Equal float β's of the records (distinct objects) stay one float; records declared symmetric stay so;
+    records known NOT symmetric are never declared symmetric (their values equal the per-record ones)."""
+    d, H = 3, 2
+    betas = [float(s) for s in ("1.25", "1.25", "1.25")]
+    sym = [tp.Heads.random(H, d, generator=gen(k), dtype=dtype).replace(beta=b, symmetric=True)
+           for k, b in enumerate(betas)]
+    st = stack_heads(sym, batch_rank=1)
+    assert isinstance(st.beta, float) and st.beta == 1.25
+    assert st.known_symmetric is True
+    asym = [tp.Heads.random(H, d, symmetric=False, generator=gen(30 + k), dtype=dtype) for k in range(3)]
+    assert not any(h.is_symmetric for h in asym)  # cached: known not symmetric
+    st = stack_heads(asym, batch_rank=1)
+    assert st.known_symmetric is not True
+    x = tp.sphere.sample_uniform(5, d, batch_shape=(3, 2), generator=gen(9), dtype=dtype)
+    got = evaluate(x, st, None, sign=1.0, diagnostics=True)
+    for k in range(3):
+        ref = evaluate(x[k], asym[k], None, sign=1.0, diagnostics=True)
+        close(got.energy[k], ref.energy, dtype)
+        close(got.dissipation[k], ref.dissipation, dtype)
+
+
+@pytest.mark.parametrize("dtype_", [torch.float32, torch.float64], ids=["f32", "f64"])
+def test_automatic_scale_with_token_weights_matches_the_solve(dtype_):
+    """Large β with very uneven token weights: c is chosen from the weighted log-partitions at the first
+    record, as the solve does at t0 (uniform weights would give another c)."""
+    x0, heads = problem(dtype_)
+    big = tp.Heads(heads.score_matrix, beta=60.0 if dtype_ == torch.float32 else 420.0)
+    w = torch.tensor([1e-12, 1e-12, 1e-12, 1e-12, 1e-12, 1.0], dtype=dtype_).expand(2, 6)
+    traj = tp.simulate(x0, big, t1=0.1, dt=0.05, weights=w, diagnostics=True, ledger=True)
+    model = tp.Model(big, weights=w)
+    src = RecordedDiagnostics(model, traj.x, big)
+    assert src.log_scale == traj.stats["energy_log_scale"] > 0
+    assert src.log_scale != RecordedDiagnostics(tp.Model(big), traj.x, big).log_scale
+    for key in SERIES:
+        close(src()[key], getattr(traj, key), dtype_, ulps=256)

@@ -242,25 +242,13 @@ def test_softmax_converges_to_hardmax_at_the_rate_of_the_score_gap():
     assert checked >= 2, "the configuration has too few tokens with a clear second score"
 
 
-@pytest.mark.parametrize("norm", [tp.SinkhornAttention(), tp.Hardmax()], ids=["sinkhorn", "hardmax"])
+@pytest.mark.parametrize("norm", [tp.SinkhornAttention(), tp.Hardmax(), tp.SinkhornAttention(iterations=0),
+                                  TemperedSoftmax(2.0)], ids=["sinkhorn", "hardmax", "sinkhorn0", "user"])
 def test_plans_run_through_solve(norm):
-    """tp.solve with Euler equals a loop of x ← (x + dt V(x)) / |x + dt V(x)| with the model's normalisation."""
-    x0, w = _tokens(6, seed=16), None
+    """tp.solve with Euler equals a loop of x ← (x + dt V(x)) / |x + dt V(x)| with the model's normalisation
+    object itself: its parameters (iterations=0) and an unregistered subclass reach the solver's field."""
+    x0 = _tokens(6, seed=16)
     heads = tp.Heads(_sym(2, seed=17), beta=1.5)
-    dt, steps = 0.02, 5
-    traj = tp.solve(tp.Model(heads, normalization=norm, direction="ascent"), x0, tp.Euler(), t1=dt * steps, dt=dt,
-                    progress=False)
-    x = x0
-    for _ in range(steps):
-        y = x + dt * tp.velocity(x, heads, w, normalization=norm)
-        x = y / y.norm(dim=-1, keepdim=True)
-    assert_close(traj.x[-1], x, rtol=1e-12, atol=1e-13)
-
-
-@pytest.mark.parametrize("norm", [tp.SinkhornAttention(iterations=0), TemperedSoftmax(2.0)], ids=["sinkhorn0", "user"])
-def test_solve_uses_the_models_object_itself(norm):
-    x0 = _tokens(6, seed=18)
-    heads = tp.Heads(_sym(2, seed=19), beta=1.5)
     dt, steps = 0.02, 5
     traj = tp.solve(tp.Model(heads, normalization=norm, direction="ascent"), x0, tp.Euler(), t1=dt * steps, dt=dt,
                     progress=False)

@@ -301,3 +301,40 @@ def test_recorder_keeps_copies_in_one_buffer_and_stacks_them(dtype):
     odd.record(states[0])
     odd.record(states[1][:, :2])  # another shape than the buffer's: kept as it is
     assert odd.records["x"][1].shape == (2, 2, 3)
+    odd.record(states[2])  # more records than the buffer has slots: kept as it is
+    assert_close(odd.records["x"][2], states[2])
+    other = torch.float64 if dtype == torch.float32 else torch.float32
+    mixed = Recorder(2, 1, diagnostics=False)
+    mixed.record(states[0])
+    mixed.record(states[1].to(other))  # another dtype than the buffer's: kept in its own dtype
+    assert mixed.records["x"][1].dtype == other
+
+
+def test_recorder_returns_its_buffer_without_a_copy():
+    """When the buffer holds every record, the stacked tokens are that buffer (no copy of the trajectory at
+    the end: the point of the buffer); a recorder restored with earlier records copies them into a new tensor."""
+    g = torch.Generator().manual_seed(6)
+    states = [torch.randn(3, 2, generator=g, dtype=torch.float64) for _ in range(4)]
+    rec = Recorder(3, 1, diagnostics=False)
+    for s in states:
+        rec.record(s)
+    xs = rec.stacked(0.0, 0.5)[1]
+    assert all(xs[i].data_ptr() == rec.records["x"][i].data_ptr() for i in range(4))
+    resumed = Recorder(3, 1, diagnostics=False)
+    resumed.records["x"] = [states[0].clone()]
+    for s in states[1:]:
+        resumed.record(s)
+    ys = resumed.stacked(0.0, 0.5)[1]
+    assert ys.data_ptr() not in {v.data_ptr() for v in resumed.records["x"]}
+    assert_close(ys, torch.stack(states))
+    partial = Recorder(3, 1, diagnostics=False)  # stacked before every record is in: only the records so far
+    for s in states[:2]:
+        partial.record(s)
+    assert_close(partial.stacked(0.0, 0.5)[1], torch.stack(states[:2]))
+    graph = Recorder(1, 1, diagnostics=False)  # states that carry a graph are kept as they are, never buffered
+    leaf = states[0].clone().requires_grad_()
+    graph.record(leaf * 2)
+    graph.record(leaf * 3)
+    stacked = graph.stacked(0.0, 1.0)[1]
+    assert stacked.requires_grad
+    assert_close(stacked.detach(), torch.stack([states[0] * 2, states[0] * 3]))

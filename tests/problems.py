@@ -135,6 +135,34 @@ def tolerances(f64=None, f32=None, *, ulps=None):
     return tol
 
 
+def assert_replayed(actual, expected, what: str = "", *, ulps: int = 16):
+    """``actual`` is ``expected`` computed again by the same operations (a resumed checkpoint, a replayed
+    path, an option that must not change the numbers): equal in shape and dtype, and in value to ``ulps``
+    units of rounding of the dtype relative to the largest magnitude (a replay on another CPU or thread
+    count may round a reduction differently; an error of the computation is many orders larger).
+    Nested dicts (and lists) of tensors are compared entry by entry; other values must be equal."""
+    if isinstance(expected, dict):
+        assert set(actual) == set(expected), f"{what}: keys differ {set(actual) ^ set(expected)}"
+        for k in expected:
+            if k != "timing":
+                assert_replayed(actual[k], expected[k], f"{what}.{k}", ulps=ulps)
+    elif isinstance(expected, (list, tuple)) and any(isinstance(e, torch.Tensor) for e in expected):
+        assert len(actual) == len(expected), f"{what}: lengths differ"
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            assert_replayed(a, e, f"{what}[{i}]", ulps=ulps)
+    elif isinstance(expected, torch.Tensor):
+        assert actual.dtype == expected.dtype and actual.shape == expected.shape, what
+        if not expected.is_floating_point() and not expected.is_complex():
+            assert torch.equal(actual, expected), what  # integers and flags: no rounding
+            return
+        scale = float(expected.detach().abs().max()) if expected.numel() else 1.0
+        tol = ulps * torch.finfo(expected.dtype).eps
+        torch.testing.assert_close(actual, expected, rtol=tol, atol=tol * max(scale, 1e-300), equal_nan=True,
+                                   msg=lambda m: f"{what}: {m}")
+    else:
+        assert actual == expected, f"{what}: {actual!r} != {expected!r}"
+
+
 # ---------------------------------------------------------------------------- dense naive formulas
 # Written from docs/model.md with explicit einsums over all pairs (i, j) and heads h: no log-sum-exp,
 # no shared kernel pass, no library helper.  Shapes: x (..., n, d), A and V (..., H, d, d),

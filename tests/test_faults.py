@@ -28,6 +28,7 @@ import torch
 from transformer_pde.application.cli import main as cli_main
 from transformer_pde.application.locks import LOCK_FILE
 from transformer_pde.application.runs import execute
+from problems import assert_replayed
 
 ROOT = Path(__file__).resolve().parent.parent
 PARAMS = {"n": 16, "heads": [1, 3], "paths": 2, "t1": 0.2, "dt": 0.02, "t_avg": 0.05, "record_every": 2,
@@ -103,7 +104,7 @@ def _tensor_tree_equal(a, b, where=""):
             if k != "timing":
                 _tensor_tree_equal(a[k], b[k], f"{where}.{k}")
     elif isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
+        assert_replayed(a, b, where)
     else:
         assert a == b, f"{where}: {a!r} != {b!r}"
 

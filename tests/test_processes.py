@@ -9,7 +9,7 @@ from torch.testing import assert_close
 
 import transformer_pde as tp
 from conftest import gen
-from problems import fit_slope, integrate, oscillating_target_reference
+from problems import assert_replayed, fit_slope, integrate, oscillating_target_reference
 
 
 def _ou_samples(scheme, dt, t1, N=20000, sigma=2 ** 0.5, rate=1.0, seed=0):
@@ -142,19 +142,18 @@ def test_custom_process_euler():
     assert tr2.x.shape[1] == 3
 
 
-def test_replay_is_bit_identical_and_seeds_differ():
+def test_replay_reproduces_the_run_and_seeds_differ():
     heads = tp.Heads.random(3, 3, generator=gen(7), dtype=torch.float64)
     x0 = tp.sphere.octahedral(20, dtype=torch.float64)
     proc = tp.OrnsteinUhlenbeck(heads)
     for method in ("euler", "rk4"):
         run = tp.simulate(x0, proc, t1=0.5, dt=0.05, paths=2, seed=11, return_path=True, method=method, ledger=True)
         rep = tp.simulate(x0, run.path, t1=0.5, dt=0.05, method=method, ledger=True)
-        assert torch.equal(rep.x, run.x)
-        for key in run.ledger:
-            assert torch.equal(rep.ledger[key], run.ledger[key]), key
+        assert_replayed(rep.x, run.x, f"{method} x")
+        assert_replayed(rep.ledger, run.ledger, f"{method} ledger")
     # sample_path gives the same path as a run with the same seed
     path = tp.sample_path(proc, t1=0.5, dt=0.05, paths=2, seed=11)
-    assert torch.equal(path.scores, run.path.scores)
+    assert_replayed(path.scores, run.path.scores, "scores")
     other = tp.sample_path(proc, t1=0.5, dt=0.05, paths=2, seed=12)
     assert not torch.equal(other.scores, path.scores)
     # the paths of one run differ from each other

@@ -8,7 +8,7 @@ from torch.testing import assert_close
 
 import transformer_pde as tp
 from conftest import gen
-from problems import fit_slope, integrate, interrupt_and_resume, two_token_angle_rate, two_tokens
+from problems import assert_replayed, fit_slope, integrate, interrupt_and_resume, two_token_angle_rate, two_tokens
 from transformer_pde.solvers import particle
 
 
@@ -110,7 +110,7 @@ def test_option_validation(kw, err, match):
 
 
 # ---------------------------------------------------------------------------- checkpoints
-def test_checkpoint_resume_with_new_options_is_bit_identical(tmp_path):
+def test_checkpoint_resume_with_new_options_replays_the_run(tmp_path):
     x0 = tp.sphere.sample_uniform(5, 3, generator=gen(10), dtype=torch.float64)
     theta = tp.OrnsteinUhlenbeck(tp.Heads.random(2, 3, generator=gen(11), dtype=torch.float64))
     obs = {"g": lambda x, w: (x[..., 0, :] * x[..., 1, :]).sum(-1)}
@@ -119,10 +119,9 @@ def test_checkpoint_resume_with_new_options_is_bit_identical(tmp_path):
     ck = tmp_path / "run.ckpt"
 
     resumed = interrupt_and_resume(x0, theta, ck, stop_at=7, checkpoint_every=3, **kw)
-    assert torch.equal(resumed.x, full.x)
-    assert torch.equal(resumed.observables["g"], full.observables["g"])
-    for key in full.ledger:
-        assert torch.equal(resumed.ledger[key], full.ledger[key]), key
+    assert_replayed(resumed.x, full.x, "x")
+    assert_replayed(resumed.observables["g"], full.observables["g"], "observable g")
+    assert_replayed(resumed.ledger, full.ledger, "ledger")
     with pytest.raises(ValueError, match="different run"):
         tp.simulate(x0, theta, checkpoint=ck, **{**kw, "quadratic_variation": "expected"})
 

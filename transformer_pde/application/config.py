@@ -13,8 +13,8 @@ import os
 from pathlib import Path
 from typing import Any, Dict, Iterable
 
-from ..utils.resources import CONFIG_MAX_BYTES, load_toml, loads_toml, tomllib
-from .studies import did_you_mean, estimate_resources, get_study, validate_params
+from ..utils.resources import CONFIG_MAX_BYTES, did_you_mean, load_toml, loads_toml, tomllib
+from .studies import estimate_resources, get_study, validate_params
 
 __all__ = ["load_config", "parse_override", "check_run_name", "check_resources", "parse_size", "memory_limit",
            "DEFAULT_MAX_STEPS", "CONFIG_MAX_BYTES"]

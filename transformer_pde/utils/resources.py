@@ -31,8 +31,8 @@ try:
 except ImportError:  # Python 3.10: the same parser from PyPI (a dependency there); tested by hiding tomllib
     import tomli as tomllib
 
-__all__ = ["tomllib", "CONFIG_MAX_BYTES", "load_toml", "loads_toml", "config_dir", "config_names", "config_path",
-           "find_config"]
+__all__ = ["did_you_mean", "tomllib", "CONFIG_MAX_BYTES", "load_toml", "loads_toml", "config_dir", "config_names",
+           "config_path", "find_config"]
 
 _SUFFIX = ".toml"
 
@@ -178,7 +178,7 @@ def config_path(name: str) -> Path:
                          "'ou_vs_oscillating_quick' or a path to a .toml file")
     path = config_dir() / (stem + _SUFFIX)
     if not path.is_file():
-        raise ValueError(f"no shipped config named {stem!r}{_did_you_mean(stem, config_names())}; available: "
+        raise ValueError(f"no shipped config named {stem!r}{did_you_mean(stem, config_names())}; available: "
                          f"{', '.join(config_names())} (or give a path to a .toml file)")
     return path
 
@@ -211,13 +211,14 @@ def find_config(source: Union[str, Path]) -> Path:
         known = config_names()
     except FileNotFoundError:
         known = []
-    hint = _did_you_mean(path.stem, known) if len(parts) == 1 or parts[0] == "experiments" else ""
+    hint = did_you_mean(path.stem, known) if len(parts) == 1 or parts[0] == "experiments" else ""
     raise ValueError(f"config {str(source)!r} is neither a file nor a shipped config name{hint}; shipped configs: "
                      f"{', '.join(known) or '(none found)'}")
 
 
-def _did_you_mean(word: str, choices: List[str]) -> str:
+def did_you_mean(word: str, choices) -> str:
+    """" (did you mean 'X'?)" for the closest of ``choices`` to a misspelt ``word`` (difflib), else ""."""
     import difflib
 
-    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""

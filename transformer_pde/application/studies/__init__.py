@@ -21,11 +21,12 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 
 import transformer_pde as tp
+from ...utils.resources import did_you_mean
 
 from .. import plotting
 
 __all__ = ["Option", "Study", "study", "get_study", "available", "validate_params", "SEED_MAX", "INT_MAX",
-           "estimate_resources", "did_you_mean"]
+           "estimate_resources"]
 # what the study modules share (named internal API): option checks and options, run set-up, stored pieces, figures
 __internal__ = ["positive", "nonnegative", "at_least", "open_unit", "unique_nonempty", "DTYPE", "DEVICE", "dtype_of",
                 "check_whole_steps", "check_device", "device_of", "weight_process", "step_callback", "cached",
@@ -163,14 +164,6 @@ def validate_params(kind: str, params: Dict[str, Any]) -> Dict[str, Any]:
             f"keys: {', '.join(sorted(st.options))}"
         )
     return {key: opt.validate(key, params[key]) if key in params else opt.default for key, opt in st.options.items()}
-
-
-def did_you_mean(word: str, choices) -> str:
-    """" (did you mean 'X'?)" for the closest of ``choices`` to a misspelt ``word`` (difflib), else ""."""
-    import difflib
-
-    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 # ---------------------------------------------------------------------------- option checks and options

@@ -402,3 +402,35 @@ def test_oscillating_exact_noisy_step_draws_its_noise_in_the_score_dtype(dtype):
     Z = torch.randn(score.shape, generator=gen(12), dtype=dtype).double()
     tol = 1e-9 if dtype == torch.float64 else 2e-5 / sd
     assert_close((nxt.double() - mean) / sd, 0.5 * (Z + Z.transpose(-1, -2)), rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_returned_path_of_layerwise_heads_replays_their_values_weights_and_beta(dtype):
+    """Layers whose values, head weights and β differ: the returned path carries them per grid point, so
+    replaying it gives the run's tokens and energies (the template alone would replay layer 0's values)."""
+    g = torch.Generator().manual_seed(21)
+    layers = [tp.Heads(torch.randn(2, 3, 3, generator=g, dtype=dtype), torch.randn(2, 3, 3, generator=g, dtype=dtype),
+                       weights=torch.tensor(w, dtype=dtype), beta=b)
+              for w, b in (([0.7, 0.3], 1.0), ([0.2, 0.8], 2.5), ([0.5, 0.5], 0.5))]
+    proc = tp.Layerwise(layers, layer_time=0.2)
+    x0 = tp.sphere.sample_uniform(7, 3, generator=g, dtype=dtype)
+    run = tp.simulate(x0, proc, t1=0.6, dt=0.05, return_path=True, direction="ascent")
+    assert run.path.points is not None and len(run.path.points) == len(run.path.times)
+    rep = tp.simulate(x0, run.path, t1=0.6, dt=0.05, direction="ascent")
+    assert_replayed(rep.x, run.x, "x", ulps=64)
+    assert_replayed(rep.energy, run.energy, "energy", ulps=64)
+    # what the path held before: layer 0's values, weights and β with later scores — another trajectory
+    flat = tp.WeightPath(run.path.times, run.path.scores, run.path.rates, None, run.path.sigmas, run.path.template)
+    wrong = tp.simulate(x0, flat, t1=0.6, dt=0.05, direction="ascent")
+    assert (wrong.x[-1] - run.x[-1]).abs().max() > 1e-3
+    # a process with fixed values keeps the template alone
+    ou = tp.simulate(x0, tp.OrnsteinUhlenbeck(layers[0], sigma=0.0), t1=0.2, dt=0.05, return_path=True)
+    assert ou.path.points is None
+
+
+def test_weight_path_points_must_match_the_grid():
+    heads = tp.Heads.random(2, 3, generator=gen(3), dtype=torch.float64)
+    times = torch.arange(3, dtype=torch.float64) * 0.1
+    scores = heads.score_matrix.expand(3, 2, 3, 3)
+    with pytest.raises(ValueError, match="one Heads per grid point"):
+        tp.WeightPath(times, scores, torch.zeros_like(scores), None, [0.0] * 3, heads, [heads, heads])

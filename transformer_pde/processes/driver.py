@@ -88,6 +88,25 @@ def lift_paths(score: torch.Tensor, paths: Optional[int], batch_rank: int, n_hea
     return score.unsqueeze(0).expand(paths, *score.shape).clone()
 
 
+def _varying(points: List[Heads], template: Heads) -> Optional[List[Heads]]:
+    """``points`` when the values, head weights or β of any of them differ from the template's (a closed-form
+    process such as Layerwise), else None (the template alone replays the path)."""
+    def same(a, b):
+        if a is b:
+            return True
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            return a.shape == b.shape and bool(torch.equal(a, b))
+        return not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor) and a == b
+
+    for h in points:
+        if h.tied != template.tied or not (same(h.weights, template.weights) and same(h.beta, template.beta)):
+            return points
+        if not h.tied and not (same(h.value_in, template.value_in) and same(h.value_out, template.value_out)
+                               and same(h.value_matrix, template.value_matrix)):
+            return points
+    return None
+
+
 class WeightDriver:
     """Moves Θ along a solver's time grid t_k = t0 + k·dt: closed form, grid sampling, or replay of a
     WeightPath.  Shared by every solver (simulate, simulate_sharded, sample_path); the solver asks for
@@ -110,6 +129,7 @@ class WeightDriver:
         self._rates: List[torch.Tensor] = []
         self._noise: List[torch.Tensor] = []
         self._sigmas: List = []
+        self._points: List[Heads] = []
         if self.replay:
             if abs(process.dt - dt) > 1e-12 * max(1.0, dt) or abs(float(process.times[0]) - t0) > 1e-12:
                 raise ValueError(
@@ -138,8 +158,9 @@ class WeightDriver:
             A = self.A
         else:
             A = self.A + c * (self._next[0] - self.A)
-        tmpl = self.p.template if self.replay else self.p.heads0
-        return tmpl.with_score(A, symmetric=tmpl.known_symmetric)
+        if self.replay:  # the values, head weights and β of the step's left grid point
+            return self.p.at_point(self.k, A)
+        return self.p.heads0.with_score(A, symmetric=self.p.heads0.known_symmetric)
 
     @property
     def current(self) -> Heads:
@@ -207,7 +228,7 @@ class WeightDriver:
         """Sample (or read) the next K grid steps at once and return them, from the current point, as a
         WeightPath (for solvers that need Θ off the grid: "adaptive", JKO)."""
         self.store = True
-        self._scores, self._rates, self._sigmas, self._noise = [], [], [], []
+        self._scores, self._rates, self._sigmas, self._noise, self._points = [], [], [], [], []
         self._record_current()
         for _ in range(K):
             self.advance()
@@ -215,6 +236,8 @@ class WeightDriver:
 
     def _record_current(self):
         if self.store:
+            if self.mode == "closed":  # the values, head weights and β may change along the grid (Layerwise)
+                self._points.append(self._cur_heads)
             self._scores.append(self._cur_heads.score_matrix)
             self._rates.append(self.rate)
             self._sigmas.append(self.sigma)
@@ -225,7 +248,9 @@ class WeightDriver:
         if self.p.noisy and self._noise:
             noise = torch.stack(self._noise)
         tmpl = self.p.template if self.replay else self.p.heads0
-        return WeightPath(times, torch.stack(self._scores), torch.stack(self._rates), noise, list(self._sigmas), tmpl)
+        points = self.p.points if self.replay else _varying(self._points, tmpl)
+        return WeightPath(times, torch.stack(self._scores), torch.stack(self._rates), noise, list(self._sigmas), tmpl,
+                          points)
 
     # checkpoint support
     def state(self):

@@ -26,7 +26,10 @@ class WeightPath(Process):
     times: (K+1,) grid; scores: (K+1, ..., H, d, d); rates: (K+1, ...) the drift used by the
     ledger at each grid point; noise: (K, ...) martingale increments (or None); sigma: the
     noise amplitude per grid point (list) for the Itô correction; template: Heads giving values
-    (when not tied), head weights and β.
+    (when not tied), head weights and β; points: None, or one Heads per grid point (K+1) whose values,
+    head weights and β replace the template's at that point (a process whose values, head weights or β
+    change along the grid, e.g. :class:`~transformer_pde.processes.weights.Layerwise` heads of a real
+    network; the scores are always ``scores``).
     """
 
     times: torch.Tensor
@@ -35,9 +38,13 @@ class WeightPath(Process):
     noise: Optional[torch.Tensor]
     sigmas: Sequence
     template: Heads
+    points: Optional[Sequence[Heads]] = None
 
     def __post_init__(self):
-        self.heads0 = self.template.with_score(self.scores[0], symmetric=self.template.known_symmetric)
+        if self.points is not None and len(self.points) != len(self.times):
+            raise ValueError(f"WeightPath.points must hold one Heads per grid point ({len(self.times)}), got "
+                             f"{len(self.points)}")
+        self.heads0 = self.at_point(0, self.scores[0])
         self.scheme = "euler"
 
     @property
@@ -63,7 +70,13 @@ class WeightPath(Process):
             A = self.scores[k]
         else:
             A = self.scores[k] + frac * (self.scores[k + 1] - self.scores[k])
-        return self.template.with_score(A, symmetric=self.template.known_symmetric)
+        return self.at_point(k, A)
+
+    def at_point(self, k: int, score: torch.Tensor) -> Heads:
+        """The heads with scores ``score`` and the values, head weights and β of grid point k (of the
+        template when the path stores none per point; between grid points those of the left one)."""
+        tmpl = self.template if self.points is None else self.points[min(max(int(k), 0), len(self.points) - 1)]
+        return tmpl.with_score(score, symmetric=tmpl.known_symmetric)
 
     def drift(self, score, t):  # pragma: no cover - replay uses stored rates
         raise TypeError("a WeightPath is replayed from its stored values")

@@ -60,6 +60,7 @@ def _walk(o, fn, depth=0):
     if isinstance(o, WeightPath):  # the field reads the scores and the template only
         new = copy.copy(o)
         new.scores, new.template = fn(o.scores), _walk(o.template, fn, depth + 1)
+        new.points = None if o.points is None else _walk(list(o.points), fn, depth + 1)
         return new
     if isinstance(o, Process):
         new = copy.copy(o)

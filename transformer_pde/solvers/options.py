@@ -127,9 +127,7 @@ class LedgerOptions:
                      ("LedgerOptions.quadratic_variation", self.quadratic_variation, "expected")) if v != default]
             if given:
                 raise ValueError(f"{', '.join(given)} sets how the energy ledger is integrated, but the ledger is off: "
-                                 f"pass LedgerOptions.ledger=True as well"
-                                 + ("" if self.kinetic else " (or LedgerOptions.kinetic=True for the quadrature of "
-                                                            "the kinetic term alone)"))
+                                 f"pass LedgerOptions.ledger=True as well")
         c = self.energy_log_scale
         if c is not None:
             if isinstance(c, bool) or not isinstance(c, (int, float)):

@@ -1,6 +1,6 @@
 """The kinetic term ∫𝒢² dt of ``LedgerOptions(kinetic=True)``, accumulated from each step's own field:
 equal to the energy ledger's "slope" (Euler and Heun, constant, OU and layerwise weights, the projected
-flow and post-LN, token weights or none, batch and paths axes, causal attention); equal to the quadrature
+flow, post- and pre-LN (the speed λ = 1/r), token weights or none, batch and paths axes, causal attention); equal to the quadrature
 of a naive 𝒢² (tests/problems.py) over the recorded states, with the right end of a step at the left
 limit of piecewise-constant weights (and not shifted by one step); its gradient equal to the gradient
 through the ledger; resumed from a checkpoint; the refusals."""
@@ -38,7 +38,7 @@ def _theta(kind, dtype):
     return tp.Layerwise([tp.Heads(A, V), tp.Heads(V, A)], layer_time=0.5)  # a knot at t = 0.5
 
 
-@pytest.mark.parametrize("method,geometry", [("euler", "none"), ("heun", "none"), ("euler", "post")])
+@pytest.mark.parametrize("method,geometry", [("euler", "none"), ("heun", "none"), ("euler", "post"), ("euler", "pre")])
 @pytest.mark.parametrize("kind", ["constant", "ou", "layerwise"])
 @pytest.mark.parametrize("weighted", [False, True])
 def test_kinetic_term_is_the_ledger_slope(dtype, method, geometry, kind, weighted):

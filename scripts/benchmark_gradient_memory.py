@@ -196,8 +196,8 @@ def main(argv=None):
             times.append(time.perf_counter() - t0)
         cost[kinetic] = statistics.median(times)
     print(f"# euler, K = {K}: s/step without a kinetic term {cost[False]:.4f}; with kinetic='displacement' "
-          f"{cost['displacement']:.4f} ({cost['displacement'] / cost[False]:.2f}×); with kinetic='metric' (the "
-          f"ledger's diagnostics) {cost['metric']:.4f} ({cost['metric'] / cost[False]:.2f}×)")
+          f"{cost['displacement']:.4f} ({cost['displacement'] / cost[False]:.2f}×); with kinetic='metric' (∫𝒢²dt "
+          f"from the steps' field) {cost['metric']:.4f} ({cost['metric'] / cost[False]:.2f}×)")
     return rows
 
 

@@ -25,13 +25,14 @@ Kinetic energy.  ``forward(x, kinetic=True)`` also returns the solver's own ledg
 
     ∫_0^T 𝒢²(t) dt,   𝒢² = ∫ b(x) |V[μ_t, Θ_t](x)|² dμ_t(x)
 
-(``traj.ledger["slope"]``: the squared metric speed of the flow in the mobility metric in which it
-is a gradient flow, docs/model.md#ledger; b = the harmonic mean of the heads' partition functions,
-e^{−β‖A‖} ≤ m_h ≤ e^{β‖A‖}), accumulated by the solver along its own velocity at the grid points
-(left point rule for Euler, trapezoid otherwise; with a layer map along the scheme's velocity).
-It is the transport cost of OT-Transformer's regulariser λ∫‖v‖² dt in the model's metric.  Only
-then does the solve evaluate its diagnostics; the plain forward evaluates the field and nothing
-else (diagnostics cost 2–3× a tokens-only step).
+(``traj.kinetic``, the ledger's "slope": the squared metric speed of the flow in the mobility metric in
+which it is a gradient flow, docs/model.md#ledger; b = the harmonic mean of the heads' partition
+functions, e^{−β‖A‖} ≤ m_h ≤ e^{β‖A‖}), accumulated by the solver along its own velocity at the grid
+points (left point rule for Euler, trapezoid otherwise; with a layer map along the scheme's velocity).
+It is the transport cost of OT-Transformer's regulariser λ∫‖v‖² dt in the model's metric.  The
+fixed-step solvers accumulate it from each step's own field evaluation (``LedgerOptions(kinetic=True)``:
+b from the log-partitions the field's kernel pass already has), at a few per cent over the plain
+forward (docs/performance.md); dopri5 integrates it from the ledger on its record grid.
 
 ``forward(x, kinetic="displacement")`` returns instead the discrete kinetic action of the solver's
 own steps (no field evaluation, no diagnostics: the cheap one),
@@ -216,18 +217,21 @@ class MeanFieldAttention(torch.nn.Module):
         w = 1.0 / traj.x.shape[-2] if weights is None else weights
         return (step * w).sum(-1).sum(0) / dt
 
-    def _solve(self, x, piece, weights, *, diagnostics: bool, every: Optional[int]):
+    def _solve(self, x, piece, weights, *, diagnostics: bool, kinetic: bool, every: Optional[int]):
         layers, t0, t1 = piece
         dt = (t1 - t0) / (self.steps * len(layers))
         model = Model(self.theta(layers), normalization="softmax", direction=self.direction, geometry=self.geometry,
                       weights=weights)
-        # a fixed energy scale c = 0: the ledger's values are the plain ones, comparable across batches; the
-        # kinetic term ∫𝒢² dt is the ledger's "slope" (every step, also between the records): ledger=True
-        ledger = LedgerOptions(diagnostics=diagnostics, ledger=diagnostics, energy_log_scale=0.0 if diagnostics else None)
-        # the fixed-step ledger accumulates on every step whatever is kept; dopri5's is the trapezoid
-        # rule on the record grid, which must then be the whole dt grid
+        # a fixed energy scale c = 0: the values are the plain ones, comparable across batches.  The kinetic
+        # term ∫𝒢² dt (every step, also between the records): the fixed-step solvers accumulate it from the
+        # step's own field (kinetic=True; the diagnostics, if asked, from the records); dopri5 from its ledger,
+        # the trapezoid rule on the record grid, which must then be the whole dt grid
+        adaptive = self.solver == "dopri5"
+        ledger = LedgerOptions(diagnostics=diagnostics or (kinetic and adaptive), ledger=kinetic and adaptive,
+                               kinetic=kinetic and not adaptive,
+                               energy_log_scale=0.0 if (diagnostics or kinetic) else None)
         if every is None:
-            every = 1 if (diagnostics and self.solver == "dopri5") else None
+            every = 1 if (kinetic and adaptive) else None
         saveat = SaveAt(ends=True) if every is None else SaveAt(every=every)
         extra = {} if self.solver == "dopri5" else {"progress": False}
         return solve(model, x, self._solver(), t0=t0, t1=t1, dt=dt, saveat=saveat, ledger=ledger, **extra)
@@ -262,7 +266,8 @@ class MeanFieldAttention(torch.nn.Module):
             token weights (..., n) summing to 1, or None (uniform).
         kinetic : bool or str
             also return a kinetic term (...,) (module docstring): True or "metric" for ∫_0^T 𝒢² dt,
-            the solver's ledger term; "displacement" for Σ_k Σ_i w_i |x_{k+1,i} − x_{k,i}|²/Δt,
+            the ledger's "slope" term (accumulated from the steps' own field evaluations,
+            ``LedgerOptions(kinetic=True)``); "displacement" for Σ_k Σ_i w_i |x_{k+1,i} − x_{k,i}|²/Δt,
             the action of its steps (fixed-step solvers only).
 
         Returns
@@ -274,12 +279,12 @@ class MeanFieldAttention(torch.nn.Module):
         mode = self._kinetic_mode(kinetic)
         kin = None
         for piece in self._pieces():
-            traj = self._solve(x, piece, weights, diagnostics=mode == "metric",
+            traj = self._solve(x, piece, weights, diagnostics=False, kinetic=mode == "metric",
                                every=1 if mode == "displacement" else None)
             x = traj.final
             if mode is not None:
                 dt = (piece[2] - piece[1]) / (self.steps * len(piece[0]))
-                k = traj.ledger["slope"][-1] if mode == "metric" else self._displacement(traj, weights, dt)
+                k = traj.kinetic[-1] if mode == "metric" else self._displacement(traj, weights, dt)
                 kin = k if kin is None else kin + k
             if self.feedforward:
                 x = self._feedforward(x, piece[0][0])
@@ -322,10 +327,10 @@ class MeanFieldAttention(torch.nn.Module):
         every = check_int(every, "every")
         parts, kin, act = [], None, None
         for piece in self._pieces():
-            traj = self._solve(x, piece, weights, diagnostics=True, every=every)
+            traj = self._solve(x, piece, weights, diagnostics=True, kinetic=True, every=every)
             parts.append({"times": traj.times, "x": traj.x, "energy": traj.energy, "slope": traj.slope,
                           "dissipation": traj.dissipation})
-            k = traj.ledger["slope"][-1]
+            k = traj.kinetic[-1]
             kin = k if kin is None else kin + k
             a = self._displacement(traj, weights, every * (piece[2] - piece[1]) / (self.steps * len(piece[0])))
             act = a if act is None else act + a

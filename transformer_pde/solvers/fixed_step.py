@@ -7,7 +7,9 @@ the Runge–Kutta stages, or its layer map through :meth:`~.parts.Stepper.layer_
 token noise is ``model.noise``.  With ``LedgerOptions(ledger=True)`` the energy, 𝒢², 𝒟 and the
 ledger are evaluated at every step (eager); with the default (diagnostics, no ledger) the solve keeps
 the heads (and radii) of each record and the three series are computed from the records on their
-first read (:class:`~transformer_pde.solvers.recorded.RecordedDiagnostics`).  The entry points are :func:`transformer_pde.solve` and
+first read (:class:`~transformer_pde.solvers.recorded.RecordedDiagnostics`).  With
+``LedgerOptions(kinetic=True)`` and no ledger, the kinetic term ∫𝒢² dt is accumulated from each grid
+point's own field evaluation (its velocity and log-partitions), with the ledger's quadrature.  The entry points are :func:`transformer_pde.solve` and
 :meth:`transformer_pde.FixedStep.run`; this is a named internal API.
 """
 
@@ -18,13 +20,15 @@ import time
 import torch
 
 from ..utils import threads
-from ..model.energy import pairing
+from ..model.energy import check_scale_fits, choose_log_scale, pairing
 from ..model.energy import quadratic_variation as realised_qv_term
+from ..model.field import log_inverse_mobility, token_mean
+from ..model.softmax import softmax_statistics
 from .layernorm import geometry_densities
 from .noise import noise_martingale
 from .parts import LEDGER_KEYS, Ledger, Recorder, Stepper, partial_density, progress_bar
 from .recorded import RecordedDiagnostics, RecordedHeads
-from .trajectory import Trajectory, check_finite, check_ledger, lazy_series, nonfinite_error
+from .trajectory import Trajectory, check_finite, check_ledger, lazy_series, ledger_nonfinite, nonfinite_error
 
 __all__: list = []
 __internal__ = ["FixedStepRun", "solve_fixed_step"]
@@ -54,7 +58,10 @@ class FixedStepRun:
         self.heads_rec = RecordedHeads() if self.lazy else None  # Θ at each record (lazy)
         self.realised = o.ledger.quadratic_variation == "realised"
         self.normalization, self.noisy, self.method = model.normalization, self.drv.noisy, problem.solver.method
-        causal = model.causal
+        self.causal = causal = model.causal
+        # the kinetic term ∫𝒢² dt from the step's own field (without the ledger, whose "slope" it equals)
+        self.kinetic, self.quadrature = o.ledger.kinetic_only, problem.quadrature
+        self.kin, self.kin_dens, self.kin_rec = None, None, []  # running ∫𝒢², 𝒢² at the grid point, records
         self.stepper = Stepper(problem.solver.tableau, retract=True, geometry=model.geometry)
         self.geometry = self.stepper.geometry
         self.r, self.radii = self.geometry.initial_radius(x), []  # token radii (pre-/peri-LN), their records
@@ -79,6 +86,8 @@ class FixedStepRun:
             st["token_noise"] = self.token_gen.get_state()
         if self.lazy:
             st["heads"] = self.heads_rec.state()
+        if self.kinetic:
+            st["kinetic"] = {"acc": v(self.kin.detach()), "records": [v(t.detach()) for t in self.kin_rec]}
         return st
 
     def _evaluate(self, x, heads):
@@ -103,8 +112,61 @@ class FixedStepRun:
             return {"partial": pt, "dissipation": D, "slope": G}
         return {"partial": pt, "dissipation": e.dissipation, "slope": e.slope}
 
+    def _kinetic_log_partition(self, x, heads, e):
+        """log m_h(x_i) of the whole measure at a grid point: the evaluation's own, or (causal attention,
+        whose pass is of the prefixes; a fused layer-map pass, which keeps none) one non-causal pass."""
+        if e.stats is not None and not self.causal:
+            return e.stats.log_partition
+        return softmax_statistics(x, heads, self.w, chunk_elements=self.ev.chunk).log_partition
+
+    def _kinetic_density(self, x, heads, e, lse=None):
+        """𝒢² e^{−c} = Σ_i w_i b(x_i) e^{−c} |V_i|² at a grid point from its field evaluation ``e`` (along a
+        layer map: Σ_i w_i λ_i b_i e^{−c} |V_i|², the ledger's density), checked finite."""
+        lse = self._kinetic_log_partition(x, heads, e) if lse is None else lse
+        c = self.scale["c"]
+        b = torch.exp(-log_inverse_mobility(heads, lse) - c)
+        V = e.velocity
+        lam_v = None if self.geometry.projected else self.geometry.speed_times(None, self.r, e.ambient, V)
+        G = token_mean(b * (V * (V if lam_v is None else lam_v)).sum(-1), self.w)
+        if not check_finite(G):
+            raise ledger_nonfinite("the metric slope 𝒢² (kinetic term)", self.drv.t, self.drv.k, lse, c,
+                                   self.scale["start_max"], self.scale.get("given", False))
+        return G
+
+    def _kinetic_start(self, fresh: bool):
+        """𝒢² at the first grid point; on a fresh start also the common scale c (the ledger's rule, from
+        the log-partitions at t0, unless given) and the zero integral."""
+        lse = self._kinetic_log_partition(self.x, self.drv.current, self.cur)
+        if fresh:
+            lp = lse.detach()
+            self.scale["start_max"] = float(lp.max()) if lp.numel() else 0.0
+            if self.scale.get("given", False):
+                check_scale_fits(lp, self.scale["c"])
+            else:
+                self.scale["c"] = choose_log_scale(lp)
+        self.kin_dens = self._kinetic_density(self.x, self.drv.current, self.cur, lse)
+        if fresh:
+            self.kin = torch.zeros_like(self.kin_dens.detach())
+
+    def _kinetic_step(self, x_new, nxt):
+        """Add dt × (𝒢² at the left end, or the mean of both ends; where Θ jumps at t_{k+1} the right end
+        is taken at Θ(t_{k+1}−), as the ledger does) and keep 𝒢² at t_{k+1} for the next step."""
+        drv, last = self.drv, self.k + 1 == self.K
+        if self.quadrature == "left":
+            inc = self.kin_dens
+            self.kin_dens = None if last else self._kinetic_density(x_new, drv.current, nxt)
+        else:
+            right = self._kinetic_density(x_new, drv.current, nxt)
+            left = drv.left_limit()
+            end = right if left is None else self._kinetic_density(x_new, left[0], self._evaluate(x_new, left[0]))
+            inc = 0.5 * (self.kin_dens + end)
+            self.kin_dens = right
+        self.kin = self.kin + self.dt * inc
+
     def _record(self):
         e = self.cur
+        if self.kinetic:
+            self.kin_rec.append(self.kin)
         if self.r is not None:
             self.radii.append(self.r.detach())
         if self.lazy:
@@ -128,6 +190,12 @@ class FixedStepRun:
                 self.r, self.radii = u(ck["r"]), _tree(ck["radii"], u)
             if self.token_gen is not None:
                 self.token_gen.set_state(ck["token_noise"])
+            if self.kinetic and "kinetic" not in ck:
+                raise ValueError(f"the checkpoint {self.ckpt.path} was written by a run without the kinetic term "
+                                 f"(LedgerOptions.kinetic=False): it holds no ∫𝒢² dt of the steps before step "
+                                 f"{ck['k']}. Resume it without kinetic=True, or delete it to start again")
+            if self.kinetic:
+                self.kin, self.kin_rec = u(ck["kinetic"]["acc"]), _tree(ck["kinetic"]["records"], u)
             if self.diagnostics and "heads" in ck:
                 raise ValueError(f"the checkpoint {self.ckpt.path} was written by a run without the energy ledger "
                                  f"(ledger=False): it holds no ledger of the steps before step {ck['k']}. Resume it "
@@ -141,6 +209,8 @@ class FixedStepRun:
         if self.diagnostics and ck is None and self.fix_scale(self.cur):
             self.cur = self.ev(self.x, self.drv.current, True)
         self.dens = self._densities(self.x, self.drv.current, self.cur)
+        if self.kinetic and (ck is None or self.k < self.K):
+            self._kinetic_start(ck is None)
         if ck is None:
             if self.diagnostics:
                 self.ledger = Ledger(self.cur.energy, sign=self.ledger.sign, quadrature=self.ledger.quadrature,
@@ -197,6 +267,8 @@ class FixedStepRun:
             if jumps:
                 self.ledger.add("partial", nxt.energy - e_left.energy)
             self.dens = dens_new
+        if self.kinetic:
+            self._kinetic_step(x_new, nxt)
         self.x, self.cur, self.k = x_new, nxt, self.k + 1
         if self.rec.keeps(self.k):
             self._record()
@@ -225,8 +297,11 @@ def solve_fixed_step(x, problem, parts, show: bool) -> Trajectory:
         stats["layer_norm"] = geometry.name
         if geometry.radius:
             extras["radius"] = torch.stack(run.radii)
-    if run.lazy:  # E, 𝒢², 𝒟 from the records, on first read; no ledger
-        src = RecordedDiagnostics(model, out_x, run.heads_rec, log_scale=o.ledger.energy_log_scale,
+    if run.kinetic:  # the running ∫𝒢² dt at the records, at the run's common scale
+        extras["kinetic"] = torch.stack(run.kin_rec)
+    if run.lazy:  # E, 𝒢², 𝒟 from the records, on first read; no ledger (at the kinetic term's scale, if any)
+        c = ev.scale["c"] if run.kinetic else o.ledger.energy_log_scale
+        src = RecordedDiagnostics(model, out_x, run.heads_rec, log_scale=c,
                                   radius=extras.get("radius"), times=times, steps=run.rec.steps,
                                   chunk_elements=o.limits.chunk_elements)
         stats["energy_log_scale"] = src.log_scale

@@ -86,11 +86,21 @@ class LedgerOptions:
         kernel pass per record when read (so sparse records, ``SaveAt(every=k)``, are what saves).
     quadrature : str or None
         "left" or "trapezoid" for the ledger's time integrals (None: the solver's default — "left"
-        for Euler, "trapezoid" otherwise); needs ``ledger=True``.
+        for Euler, "trapezoid" otherwise); needs ``ledger=True`` or ``kinetic=True``.
     quadratic_variation : str
         "expected" or "realised" Itô term of noisy weights in the ledger; "realised" needs ``ledger=True``.
     energy_log_scale : float or None
         the common scale c (values reported times e^{−c}); None: chosen at t0.
+    kinetic : bool
+        also accumulate the kinetic term ∫_{t0}^{t} 𝒢² ds, 𝒢² = Σ_i w_i b(x_i) |V(x_i)|², at every step from
+        the step's own field evaluations (``traj.kinetic``, (T, [paths,] ...), times e^{−c}): b is the
+        harmonic mean of the log-partitions that the field's kernel pass computes anyway, so it costs a few
+        elementwise operations per step, not the ledger's diagnostics (fixed-step solvers, which carry
+        autograd through it).  The same quadrature as the ledger's "slope" (``quadrature``), hence the same
+        number to rounding.  With ``ledger=True`` it is that "slope" itself (nothing more is computed).
+        Causal attention: 𝒢² is of the whole measure, so each evaluation point adds one non-causal kernel
+        pass for the mobility.  Not available with Dopri5 (whose ledger integrates the record grid: use
+        ``ledger=True`` and ``SaveAt(every=1)`` there), the sharded or the JKO solvers.
     """
 
     diagnostics: bool = True
@@ -98,10 +108,12 @@ class LedgerOptions:
     quadrature: Optional[str] = None
     quadratic_variation: str = "expected"
     energy_log_scale: Optional[float] = None
+    kinetic: bool = False
 
     def __post_init__(self):
         check_bool(self.diagnostics, "LedgerOptions.diagnostics")
         check_bool(self.ledger, "LedgerOptions.ledger")
+        check_bool(self.kinetic, "LedgerOptions.kinetic")
         if self.quadrature is not None:
             check_choice(self.quadrature, QUADRATURES, "LedgerOptions.quadrature")
         check_choice(self.quadratic_variation, QUADRATIC_VARIATIONS, "LedgerOptions.quadratic_variation")
@@ -109,7 +121,9 @@ class LedgerOptions:
             raise ValueError("LedgerOptions.ledger=True needs LedgerOptions.diagnostics=True: the ledger integrates "
                              "the energy, 𝒢² and 𝒟 over every step; drop LedgerOptions.ledger or keep the diagnostics")
         if not self.ledger:
-            given = [f"{k}={v!r}" for k, v, default in (("LedgerOptions.quadrature", self.quadrature, None),
+            # the quadrature also integrates the kinetic term; the Itô term belongs to the ledger alone
+            given = [f"{k}={v!r}" for k, v, default in (
+                     *((("LedgerOptions.quadrature", self.quadrature, None),) if not self.kinetic else ()),
                      ("LedgerOptions.quadratic_variation", self.quadratic_variation, "expected")) if v != default]
             if given:
                 raise ValueError(f"{', '.join(given)} sets how the energy ledger is integrated, but the ledger is off: "
@@ -127,6 +141,11 @@ class LedgerOptions:
     def lazy(self) -> bool:
         """True when the diagnostics are computed from the records after the solve (no ledger)."""
         return self.diagnostics and not self.ledger
+
+    @property
+    def kinetic_only(self) -> bool:
+        """True when the kinetic term is accumulated on its own, from the step's field (no ledger)."""
+        return self.kinetic and not self.ledger
 
 
 @dataclass(frozen=True)

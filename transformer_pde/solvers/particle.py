@@ -259,6 +259,11 @@ class ParticleProblem:
         if adaptive and model.noise is not None:
             raise ValueError(f"Model.noise (token noise, T = {model.noise.temperature}) needs a fixed-step solver "
                              f"(tp.Euler(), tp.Heun(), tp.RK4()): Dopri5 integrates an ODE and cannot take token noise")
+        if adaptive and o.ledger.kinetic_only:
+            raise ValueError("LedgerOptions(kinetic=True) accumulates ∫𝒢² dt over fixed steps (tp.Euler(), tp.Heun(), "
+                             "tp.RK4()); Dopri5's steps are torchdiffeq's own: ask it for the ledger instead "
+                             "(LedgerOptions(ledger=True) with SaveAt(every=1): the trapezoid rule of 𝒢² on the record "
+                             "grid, traj.kinetic) or use a fixed-step solver")
         quadrature = o.ledger.quadrature or ("left" if method == "euler" else "trapezoid")
         obs = check_observables(o.saveat.observables)
         process, norm = model.process, model.normalization

@@ -97,7 +97,8 @@ class ShardedEuler(Solver):
     gather_x: bool = False
     accepts: ClassVar[FrozenSet[str]] = frozenset({"saveat", "ledger", "progress", "limits"})
     unsupported: ClassVar[Mapping[str, Tuple[str, ...]]] = {
-        "saveat": ("observables", "path"), "ledger": ("quadrature", "quadratic_variation", "energy_log_scale"),
+        "saveat": ("observables", "path"), "ledger": ("quadrature", "quadratic_variation", "energy_log_scale",
+                                                    "kinetic"),
         "progress": ("callback",), "limits": ("max_steps", "max_memory")}
     #: ``Trajectory.method``
     method: ClassVar[str] = "euler"

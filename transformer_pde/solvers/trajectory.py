@@ -42,8 +42,8 @@ __all__ = ["Trajectory", "NonFiniteError", "PathsAxis", "nonfinite_error", "chec
 #: named internal API (not public), used by the solvers
 __internal__ = ["ledger_nonfinite", "check_ledger", "drop_paths", "SERIES_EXTRAS", "LazySeries", "lazy_series"]
 
-#: the entries of ``Trajectory.extras`` that are time series (T, [paths,] ..., n) with the batch axes
-SERIES_EXTRAS = ("radius",)
+#: the entries of ``Trajectory.extras`` that are time series (T, [paths,] ...) with the batch axes
+SERIES_EXTRAS = ("radius", "kinetic")
 
 
 class LazySeries:
@@ -178,6 +178,29 @@ class Trajectory:
             if k in state:
                 state[f"_{k}"] = state.pop(k)
         self.__dict__.update(state)
+
+    @property
+    def kinetic(self) -> torch.Tensor:
+        """The running kinetic term ∫_{t0}^{t} 𝒢² ds times e^{−c} at the recorded times, (T, [paths,] ...).
+
+        From ``LedgerOptions(kinetic=True)`` (accumulated from the step's own field evaluations,
+        ``extras["kinetic"]``) or the ledger's "slope" (``ledger=True``): the same quadrature, the
+        same number to rounding.  ``traj.kinetic[-1]`` is ∫_{t0}^{t1} 𝒢² dt.
+
+        Raises
+        ------
+        ValueError
+            for a run solved with neither (the message names the options).
+        """
+        k = self.extras.get("kinetic") if isinstance(self.extras, dict) else None
+        if k is not None:
+            return k
+        ledger = self.__dict__.get("_ledger")
+        if ledger is not None and "slope" in ledger:
+            return ledger["slope"]
+        raise ValueError("this trajectory has no kinetic term ∫𝒢² dt: solve with ledger=tp.LedgerOptions(kinetic=True) "
+                         "(from the step's own field, at nearly the cost of the field) or with the energy ledger "
+                         "(ledger=True; its 'slope')")
 
     def log_energy(self) -> torch.Tensor:
         """log E(t) = log(energy) + c, (T, ...): finite even where E itself overflows the dtype."""

@@ -11,7 +11,7 @@ For each path the same solve runs three ways, interleaved, in this process:
 Paths: the paper's merged H = 100 reference step (n = 200 on S², 10 OU paths, float64); post-LN on the peers'
 workload (256 systems × 32 tokens × d = 16, 8 heads); causal attention; noisy tokens (temperature); and a
 training step with autograd (``tp.nn.MeanFieldAttention`` forward + backward, without and with the kinetic
-term ∫𝒢² dt, which needs the ledger).
+term ∫𝒢² dt, ``LedgerOptions(kinetic=True)``: 𝒢² from each step's own field evaluation).
 
 Each ratio is the median over ``--repeats`` pairs of (variant CPU time) / (bare CPU time measured right
 before it), with the range; the CPU time of the process is used so that a busy machine inflates both
@@ -119,7 +119,7 @@ def paths_of(names):
             return run
 
         out.append(("training step (64 x 32, d=16, H=4, 2 layers x 4 Euler steps)", step(False),
-                    {"kinetic ∫𝒢²dt (ledger)": step(True)}))
+                    {"kinetic ∫𝒢²dt (kinetic=True)": step(True)}))
     return out
 
 

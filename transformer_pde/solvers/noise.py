@@ -182,60 +182,72 @@ def energy_laplacian_moments(x: torch.Tensor, heads: Heads, weights, stats, *, l
             = m_h(x_i) [β²(⟨AᵀA, M_i⟩ + |u_i|² − 2 u_iᵀ M_i u_i) − 2(d−1)β ⟨u_i, ȳ_i⟩].
 
     The bracket is Σ_l G_l(x_i) out_l + G_const(x_i), linear in the kernel's value columns
-    out = [ȳ_i, C_i] with coefficients quadratic in x_i: G = [1, x_i, x_i ⊗ x_i] @ W_h
-    (:func:`_coefficients`), so every head and token takes one product and one column sum.  The
-    diagonal term replaces the pair formula at j = i by its own (module docstring); the difference is
-    e^{β s_ii} [2β(tr A − s_ii) + 2β²(x_iᵀ A² x_i − s_ii²)], its quadratic forms from the same product.
-    O(n H d³) on top of the statistics.  x (..., n, d) on the sphere (the queries the statistics were
-    computed at), weights (..., n) or None (uniform), c = log_scale."""
+    out = [ȳ_i, C_i] with coefficients quadratic in x_i: G = φ(x_i) @ W_h, φ = [1, x] ⊗ [1, x]
+    (:func:`_coefficients`), one product for every head and token.  The diagonal term replaces the
+    pair formula at j = i by its own (module docstring); the difference is
+    e^{β s_ii} [2β(tr A − s_ii) + 2β²(x_iᵀ A² x_i − s_ii²)], whose quadratic forms come from the same
+    product.  O(n H d³) on top of the statistics.  x (..., n, d) on the sphere (the queries the statistics
+    were computed at), weights (..., n) or None (uniform), c = log_scale."""
     cols = second_moment_columns(stats, x, log_scale)
     if cols is None:
         return None
     out, mass, c, trace_free = cols  # (..., n, H, E), (..., n, H)
-    A = heads.score_matrix.to(x.dtype)  # (..., H, d, d)
-    H, n, d = A.shape[-3], x.shape[-2], x.shape[-1]
-    beta = heads.beta if isinstance(heads.beta, float) else heads.beta.to(x.dtype).unsqueeze(-1)  # against (..., H)
-    xx = (x.unsqueeze(-1) * x.unsqueeze(-2)).flatten(-2)  # (..., n, d²): x_c x_e, c-major
-    phi = torch.cat([torch.ones_like(x[..., :1]), x, xx], -1)  # (..., n, 1 + d + d²)
-    G = (phi @ _coefficients(A, beta, c, trace_free)).unflatten(-1, (H, c + 3))  # (..., n, H, c + 3)
-    pair = (G[..., :c] * out[..., :c]).sum(-1) + G[..., c]
-    s, sa = G[..., c + 1], G[..., c + 2]  # s_ii = x_iᵀ A x_i, x_iᵀ A² x_i
-    b = beta if isinstance(beta, float) else beta.unsqueeze(-2)  # against (..., n, H)
-    trA = A.diagonal(dim1=-2, dim2=-1).sum(-1).unsqueeze(-2)  # (..., 1, H)
-    diff = torch.exp(b * s - log_scale) * (2 * b * (trA - s) + 2 * b * b * (sa - s * s))
-    w = x.new_full((n, 1), 1.0 / n) if weights is None else weights.unsqueeze(-1)  # (..., n, 1)
-    per = (w * (mass * pair + w * diff)).sum(-2)  # (..., H)
-    return (heads.weights * per / (2 * beta)).sum(-1)
+    H, n = mass.shape[-1], x.shape[-2]
+    W, omega = _coefficients(heads, x.dtype, c, trace_free)  # (..., F, H·(c + 3)), ω_h/(2β) (..., H)
+    xe = torch.nn.functional.pad(x, (1, 0), value=1.0)  # [1, x]
+    G = ((xe.unsqueeze(-1) * xe.unsqueeze(-2)).flatten(-2) @ W).unflatten(-1, (H, c + 3))  # (..., n, H, c + 3)
+    pair = torch.linalg.vecdot(G[..., :c], out[..., :c]) + G[..., c]  # ω/(2β) times the bracket
+    bs = G[..., c + 1]  # β s_ii
+    diag = torch.exp(bs if log_scale == 0.0 else bs - log_scale) * torch.addcmul(G[..., c + 2], bs, bs, value=-2.0)
+    if weights is None:
+        return (mass * pair + diag * (omega.unsqueeze(-2) / n)).sum((-1, -2)) / n
+    w = weights.unsqueeze(-1)
+    return ((mass * pair + diag * (w * omega.unsqueeze(-2))).sum(-1) * weights).sum(-1)
 
 
-def _coefficients(A: torch.Tensor, beta, c: int, trace_free: bool) -> torch.Tensor:
-    """W (..., F, H·(c + 3)), F = 1 + d + d²: for the token features φ = [1, x, x ⊗ x] and head h, φ @ W_h
-    gives the coefficients of the kernel's value columns [ȳ (d), C (c − d)] in the pair bracket of
-    :func:`energy_laplacian_moments`, then its constant, then x ᵀA x and x ᵀA² x:
+#: the last coefficients W of :func:`_coefficients` and what they were formed from (heads fixed over a run)
+_LAST = [None]
 
-        β²⟨AᵀA, M⟩                → row 1, on M          −2(d−1)β ⟨Aᵀx, ȳ⟩  → rows x_a, on ȳ_b: A_ab
-        β²|Aᵀx|²                  → rows x_c x_e, const    −2β² xᵀA M Aᵀx    → rows x_c x_e, on M_ab: A_ca A_eb
 
-    with a coefficient on the full M (d × d) mapped to the columns C_{a≤b} (and, for keys on the sphere,
-    C_dd = 1 − Σ_{a<d} C_aa to the constant) by :func:`_column_map`."""
+def _coefficients(heads: Heads, dtype, c: int, trace_free: bool):
+    """(W, ω_h/(2β)): W (..., F, H·(c + 3)), F = (1 + d)², such that for the token features
+    φ = [1, x] ⊗ [1, x] and head h, φ @ W_h gives, times ω_h/(2β), the coefficients of the kernel's value
+    columns [ȳ (d), C (c − d)] in the pair bracket of :func:`energy_laplacian_moments` and its constant,
+    then β xᵀA x and 2β(tr A − xᵀA x) + 2β² xᵀA² x (the diagonal term's, unscaled):
+
+        β²⟨AᵀA, M⟩        → row 1, on M                    −2(d−1)β ⟨Aᵀx, ȳ⟩   → row x_a, on ȳ_b: A_ab
+        β²|Aᵀx|²          → rows x_c x_e, const: AAᵀ        −2β² xᵀA M Aᵀx      → rows x_c x_e, on M_ab: A_ca A_eb
+
+    A coefficient on the full M (d × d) goes to the columns C_{a≤b} (and, for keys on the sphere,
+    C_dd = 1 − Σ_{a<d} C_aa, to the constant) through :func:`_column_map`; one index_add places the
+    entries (:func:`_placement`).  Kept for the next call with the same (unchanged) heads."""
+    A, beta, om = heads.score_matrix, heads.beta, heads.weights
+    key = (c, trace_free, dtype, A._version, om._version, beta._version if isinstance(beta, torch.Tensor) else beta)
+    last = _LAST[0]
+    if last is not None and last[0] is A and last[1] is om and last[2] is beta and last[3] == key:
+        return last[4]
+    A = A.to(dtype)
     H, d = A.shape[-3], A.shape[-1]
+    if not isinstance(beta, float):
+        beta = beta.to(dtype).unsqueeze(-1)  # against (..., H)
+    omega = om.to(dtype) / (2 * beta)  # E = Σ_h ω_h/(2β) Σ_ij w_i w_j e^{β s_ij}
+    b = beta if isinstance(beta, float) else beta.unsqueeze(-1)  # against (..., H, ·)
+    batch = torch.broadcast_shapes(A.shape[:-3], omega.shape[:-1])
+    A, w = A.expand(*batch, H, d, d), omega.expand(*batch, H).unsqueeze(-1)  # every part carries the whole batch
     At = A.transpose(-1, -2)
     prods = torch.cat([At, A, A], -3) @ torch.cat([A, At, A], -3)  # AᵀA, AAᵀ, A²
-    AtA, AAt, A2 = prods[..., :H, :, :], prods[..., H:2 * H, :, :], prods[..., 2 * H:, :, :]
     kron = (A[..., :, None, :, None] * A[..., None, :, None, :]).flatten(-4, -3).flatten(-2)  # [(c,e), (a,b)]
-    b2 = beta * beta if isinstance(beta, float) else (beta * beta)[..., None, None]
-    onM = torch.cat([AtA.flatten(-2).unsqueeze(-2), -2 * kron], -2) * b2  # rows 1, x⊗x; on M (flat)
-    onC = onM @ _column_map(d, c, trace_free, A.device, A.dtype)  # (..., H, 1 + d², c − d + 1): C, const
-    batch = onC.shape[:-3]
-    W = A.new_zeros(*batch, H, 1 + d + d * d, c + 3)
-    W[..., 0, d:c + 1] = onC[..., 0, :]
-    W[..., 1 + d:, d:c + 1] = onC[..., 1:, :]
-    W[..., 1 + d:, c] += b2.squeeze(-1) * AAt.flatten(-2) if not isinstance(beta, float) else b2 * AAt.flatten(-2)
-    b1 = beta if isinstance(beta, float) else beta[..., None, None]
-    W[..., 1:1 + d, :d] = (-2 * (d - 1)) * b1 * A
-    W[..., 1 + d:, c + 1] = A.flatten(-2)
-    W[..., 1 + d:, c + 2] = A2.flatten(-2)
-    return W.permute(*range(len(batch)), -2, -3, -1).reshape(*batch, 1 + d + d * d, H * (c + 3))
+    onM = torch.cat([prods[..., :H, :, :].flatten(-2).unsqueeze(-2), -2 * kron], -2)  # rows 1, x ⊗ x; on M
+    onC = onM @ _column_map(d, c, trace_free, A.device, A.dtype)  # (..., H, 1 + d², c − d + 1): on C, const
+    lin, AAt, A2 = A.flatten(-2), prods[..., H:2 * H, :, :].flatten(-2), prods[..., 2 * H:, :, :].flatten(-2)
+    trA = A.diagonal(dim1=-2, dim2=-1).sum(-1, keepdim=True)  # (..., H, 1)
+    src = torch.cat([torch.cat([onC.flatten(-2), AAt], -1) * (b * b * w), lin * (-2 * (d - 1) * b * w), b * lin,
+                     2 * b * (b * A2 - lin), 2 * b * trA], -1)
+    F = (1 + d) ** 2
+    W = src.new_zeros(*batch, H, F * (c + 3)).index_add_(-1, _placement(d, c, src.device), src)
+    W = W.unflatten(-1, (F, c + 3)).transpose(-2, -3).reshape(*batch, F, H * (c + 3))
+    _LAST[0] = (heads.score_matrix, om, heads.beta, key, (W, omega))
+    return W, omega
 
 
 _MAPS = {}
@@ -259,6 +271,23 @@ def _column_map(d: int, c: int, trace_free: bool, device, dtype) -> torch.Tensor
             R[:, P] += dd
             R = torch.cat([R[:, :P - 1], R[:, P:]], -1)
         _MAPS[key] = R
+    return _MAPS[key]
+
+
+def _placement(d: int, c: int, device) -> torch.Tensor:
+    """The positions in W_h (F × (c + 3), row-major; row p(1 + d) + q of φ = [1, x]_p [1, x]_q) of
+    :func:`_coefficients`'s source entries, in order: on C and the constant for rows 1 and x ⊗ x, AAᵀ on
+    the constant of rows x ⊗ x, A on ȳ of rows x, then the last two columns: A, and A² − A with tr A on row 1."""
+    key = ("place", d, c, str(device))
+    if key not in _MAPS:
+        w = c + 3
+        a = torch.arange(d)
+        quad = ((1 + a[:, None]) * (1 + d) + 1 + a).flatten()  # the rows x_c x_e, c-major
+        rows = torch.cat([torch.zeros(1, dtype=torch.long), quad])  # row 1, then x ⊗ x
+        on_c = (rows[:, None] * w + d + torch.arange(c - d + 1)).flatten()
+        on_mean = ((1 + a)[:, None] * w + a).flatten()  # the rows x_a (φ's [1, x_a]), on ȳ_b
+        _MAPS[key] = torch.cat([on_c, quad * w + c, on_mean, quad * w + c + 1, quad * w + c + 2,
+                                torch.tensor([c + 2])]).to(device)
     return _MAPS[key]
 
 

@@ -32,8 +32,10 @@ term j = i (x_i in both): with Δ_S f = Δf − ⟨x, ∇²f x⟩ − (d−1)⟨
                      = e^{β s_ij} [β²(|A x_j|² − s_ij²) + β²(|Aᵀ x_i|² − s_ij²) − 2(d−1)β s_ij]
     diagonal:        Δ_S e^{β⟨x,Ax⟩} = e^{β s_ii} [2β tr S − 2βd s_ii + 4β² (|S x|² − s_ii²)],  S = (A + Aᵀ)/2.
 
-:func:`energy_laplacian` sums them; the diagonal term carries a weight w_i², so it is O(1/N) of the
-pair terms for uniform weights, and it is what makes the ledger close for small N.
+:func:`energy_laplacian` sums them densely (an (H, n, n) block; the reference); the diagonal term carries a
+weight w_i², so it is O(1/N) of the pair terms for uniform weights, and it is what makes the ledger close
+for small N.  The solvers book the same sum from the step's own softmax statistics with second moments
+(:func:`energy_laplacian_moments`: every pair term is a kernel average, O(n H d³) on top of the kernel).
 """
 
 from __future__ import annotations

@@ -88,6 +88,15 @@ def test_moments_equal_the_dense_pair_sum(kind, weighted, dtype):
     _check(x, _heads(kind, d, dtype), w)
 
 
+@pytest.mark.parametrize("kind", ["general", "factors"])
+def test_one_token_set_at_a_given_scale(kind, dtype):
+    """No batch axis (the per-head kernel layout (H, n, E) of factored heads) and results times e^{−c} for a
+    given c = 1."""
+    x = tp.sphere.sample_uniform(8, 3, generator=gen(17), dtype=dtype)
+    w = torch.softmax(torch.randn(8, generator=gen(18), dtype=dtype), -1)
+    _check(x, _heads(kind, 3, dtype), w, log_scale=1.0)
+
+
 @pytest.mark.parametrize("d", [2, 4, 5])
 def test_other_dimensions_and_batched_heads(d, dtype):
     """The column maps for d ≠ 3 (d(d+1)/2 − 1 second-moment columns), heads with a batch axis of their own,
@@ -185,16 +194,48 @@ def test_one_token_and_the_statistics_it_needs(dtype):
     assert energy_laplacian_moments(x, heads, None, softmax_statistics(x, heads, None)) is None
     assert energy_laplacian_moments(x.clone(), heads, None, softmax_statistics(x, heads, None,
                                                                                second_moment=True)) is None
-    noise = TokenNoise(0.3)
-    want = 0.3 * energy_laplacian(x, heads, None, log_scale=0.5)
-    tol = dict(rtol=_tol(x, heads), atol=float(0.3 * _tol(x, heads) * _magnitude(x, heads, None, 0.5)))
-    for stats in (None, softmax_statistics(x, heads, None, backend="chunked", second_moment=True)):
-        torch.testing.assert_close(noise.ito_correction(x, heads, log_scale=0.5, stats=stats), want, **tol)
+    noise, w = TokenNoise(0.3), torch.softmax(torch.randn(6, generator=gen(19), dtype=dtype), -1)
+    want = 0.3 * energy_laplacian(x, heads, w, log_scale=1.0)
+    tol = dict(rtol=_tol(x, heads), atol=float(0.3 * _tol(x, heads) * _magnitude(x, heads, w, 1.0)))
+    for stats in (None, softmax_statistics(x, heads, w, second_moment=True),
+                  softmax_statistics(x, heads, w, backend="chunked", second_moment=True)):
+        torch.testing.assert_close(noise.ito_correction(x, heads, w, log_scale=1.0, stats=stats), want, **tol)
     # autograd: the dense sum, differentiable in the tokens
     xg = x.clone().requires_grad_(True)
-    out = noise.ito_correction(xg, heads, log_scale=0.5)
+    out = noise.ito_correction(xg, heads, w, log_scale=1.0)
     torch.testing.assert_close(out.detach(), want, **tol)
     assert out.requires_grad
+
+
+def test_the_ito_term_reads_the_statistics_it_is_given(monkeypatch):
+    """With the caller's statistics (the solver step's), no kernel pass and no dense block of its own; without
+    them, one fused kernel pass with second moments (where the CPU's fused kernel exists) and no dense block."""
+    from transformer_pde.solvers import noise as module
+
+    x = tp.sphere.sample_uniform(6, 3, generator=gen(20), dtype=torch.float64)
+    heads = _heads("general", 3, torch.float64)
+    stats = softmax_statistics(x, heads, None, second_moment=True)
+    if stats.__dict__.get("_merged") is None:
+        pytest.skip("no fused kernel on this build")
+    want = energy_laplacian(x, heads, None)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("not expected on this path")
+
+    monkeypatch.setattr(module, "energy_laplacian", refuse)
+    tol = dict(rtol=_tol(x, heads), atol=float(_tol(x, heads) * _magnitude(x, heads, None)))
+    torch.testing.assert_close(TokenNoise(1.0).ito_correction(x, heads, stats=stats), want, **tol)
+    seen = []
+
+    def kernel(*args, **kwargs):
+        seen.append(kwargs.get("second_moment"))
+        return softmax_statistics(*args, **kwargs)
+
+    monkeypatch.setattr(module, "softmax_statistics", kernel)
+    torch.testing.assert_close(TokenNoise(1.0).ito_correction(x, heads, stats=stats), want, **tol)
+    assert seen == []
+    torch.testing.assert_close(TokenNoise(1.0).ito_correction(x, heads), want, **tol)
+    assert seen == [True]
 
 
 def test_coefficients_follow_the_heads(dtype):

@@ -195,7 +195,7 @@ def energy_laplacian_moments(x: torch.Tensor, heads: Heads, weights, stats, *, l
         return None
     out, mass, c, trace_free = cols  # (..., n, H, E), (..., n, H)
     H, n = mass.shape[-1], x.shape[-2]
-    W, omega = _coefficients(heads, x.dtype, c, trace_free)  # (..., F, H·(c + 3)), ω_h/(2β) (..., H)
+    W, omega = _coefficients(heads, c, trace_free)  # (..., F, H·(c + 3)), ω_h/(2β) (..., H)
     xe = torch.nn.functional.pad(x, (1, 0), value=1.0)  # [1, x]
     G = ((xe.unsqueeze(-1) * xe.unsqueeze(-2)).flatten(-2) @ W).unflatten(-1, (H, c + 3))  # (..., n, H, c + 3)
     pair = torch.linalg.vecdot(G[..., :c], out[..., :c]) + G[..., c]  # ω/(2β) times the bracket
@@ -211,7 +211,7 @@ def energy_laplacian_moments(x: torch.Tensor, heads: Heads, weights, stats, *, l
 _LAST = [None]
 
 
-def _coefficients(heads: Heads, dtype, c: int, trace_free: bool):
+def _coefficients(heads: Heads, c: int, trace_free: bool):
     """(W, ω_h/(2β)): W (..., F, H·(c + 3)), F = (1 + d)², such that for the token features
     φ = [1, x] ⊗ [1, x] and head h, φ @ W_h gives, times ω_h/(2β), the coefficients of the kernel's value
     columns [ȳ (d), C (c − d)] in the pair bracket of :func:`energy_laplacian_moments` and its constant,
@@ -224,15 +224,14 @@ def _coefficients(heads: Heads, dtype, c: int, trace_free: bool):
     C_dd = 1 − Σ_{a<d} C_aa, to the constant) through :func:`_column_map`; one index_add places the
     entries (:func:`_placement`).  Kept for the next call with the same (unchanged) heads."""
     A, beta, om = heads.score_matrix, heads.beta, heads.weights
-    key = (c, trace_free, dtype, A._version, om._version, beta._version if isinstance(beta, torch.Tensor) else beta)
+    key = (c, trace_free, A._version, om._version, beta._version if isinstance(beta, torch.Tensor) else beta)
     last = _LAST[0]
     if last is not None and last[0] is A and last[1] is om and last[2] is beta and last[3] == key:
         return last[4]
-    A = A.to(dtype)
     H, d = A.shape[-3], A.shape[-1]
     if not isinstance(beta, float):
-        beta = beta.to(dtype).unsqueeze(-1)  # against (..., H)
-    omega = om.to(dtype) / (2 * beta)  # E = Σ_h ω_h/(2β) Σ_ij w_i w_j e^{β s_ij}
+        beta = beta.unsqueeze(-1)  # against (..., H)
+    omega = om / (2 * beta)  # E = Σ_h ω_h/(2β) Σ_ij w_i w_j e^{β s_ij}
     b = beta if isinstance(beta, float) else beta.unsqueeze(-1)  # against (..., H, ·)
     batch = torch.broadcast_shapes(A.shape[:-3], omega.shape[:-1])
     A, w = A.expand(*batch, H, d, d), omega.expand(*batch, H).unsqueeze(-1)  # every part carries the whole batch

@@ -260,6 +260,15 @@ def test_coefficients_follow_the_heads(dtype):
     check(a)
     check(a.replace(beta=2.5))
     check(a.replace(weights=torch.tensor([1.0, 0.1, 0.3], dtype=dtype)))
+    xb = tp.sphere.sample_uniform(7, 3, batch_shape=(2,), generator=gen(21), dtype=dtype)
+    batched = a.replace(beta=torch.tensor([0.6, 1.4], dtype=dtype))
+    for _ in range(2):  # a β tensor changed in place between two calls
+        stats = softmax_statistics(xb, batched, None, second_moment=True)
+        tol = _tol(xb, batched)
+        torch.testing.assert_close(energy_laplacian_moments(xb, batched, None, stats),
+                                   energy_laplacian(xb, batched, None), rtol=tol,
+                                   atol=float(tol * _magnitude(xb, batched, None).max()))
+        batched.beta.mul_(1.5)
 
 
 @pytest.mark.parametrize("causal", [False, True])

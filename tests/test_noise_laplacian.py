@@ -290,3 +290,20 @@ def test_a_noisy_solve_books_the_dense_ito_term(causal, dtype):
     atol = float(dt * T * _tol(x0, heads) * _magnitude(tr.x[:-1], heads, w, c).max())
     torch.testing.assert_close(step, want, rtol=_tol(x0, heads), atol=atol)
     assert float(want.abs().max()) > 1000 * atol
+
+
+def test_heads_with_a_graph_are_not_kept():
+    """Coefficients formed from heads that carry a graph are not kept: two calls, each differentiated on its
+    own (a kept coefficient tensor would be backpropagated through a second time and fail)."""
+    x = tp.sphere.sample_uniform(5, 3, generator=gen(22), dtype=torch.float64)
+    heads = _heads("general", 3, torch.float64)
+    heads.score.requires_grad_(True)
+    with torch.no_grad():
+        stats = softmax_statistics(x, heads, None, second_moment=True)
+    grads = []
+    for _ in range(2):
+        out = energy_laplacian_moments(x, heads, None, stats)
+        (g,) = torch.autograd.grad(out, heads.score)
+        grads.append(g)
+    torch.testing.assert_close(grads[0], grads[1])
+    assert float(grads[0].abs().max()) > 0

@@ -223,12 +223,12 @@ def _coefficients(heads: Heads, c: int, trace_free: bool):
     A coefficient on the full M (d × d) goes to the columns C_{a≤b} (and, for keys on the sphere,
     C_dd = 1 − Σ_{a<d} C_aa, to the constant) through :func:`_column_map`; one index_add places the
     entries (:func:`_placement`).  Kept for the next call with the same (unchanged) heads."""
-    A, beta, om = heads.score_matrix, heads.beta, heads.weights
-    key = (c, trace_free, A._version, om._version, beta._version if isinstance(beta, torch.Tensor) else beta)
+    score, beta, om = heads.score_matrix, heads.beta, heads.weights
+    key = (c, trace_free, score._version, om._version, beta._version if isinstance(beta, torch.Tensor) else beta)
     last = _LAST[0]
-    if last is not None and last[0] is A and last[1] is om and last[2] is beta and last[3] == key:
+    if last is not None and last[0] is score and last[1] is om and last[2] is beta and last[3] == key:
         return last[4]
-    H, d = A.shape[-3], A.shape[-1]
+    A, H, d = score, score.shape[-3], score.shape[-1]
     if not isinstance(beta, float):
         beta = beta.unsqueeze(-1)  # against (..., H)
     omega = om / (2 * beta)  # E = Σ_h ω_h/(2β) Σ_ij w_i w_j e^{β s_ij}
@@ -247,7 +247,8 @@ def _coefficients(heads: Heads, c: int, trace_free: bool):
     F = (1 + d) ** 2
     W = src.new_zeros(*batch, H, F * (c + 3)).index_add_(-1, _placement(d, c, src.device), src)
     W = W.unflatten(-1, (F, c + 3)).transpose(-2, -3).reshape(*batch, F, H * (c + 3))
-    _LAST[0] = (heads.score_matrix, om, heads.beta, key, (W, omega))
+    if not W.requires_grad:  # a graph is not kept (a second backward through it would fail)
+        _LAST[0] = (score, om, heads.beta, key, (W, omega))
     return W, omega
 
 

@@ -35,7 +35,7 @@ term j = i (x_i in both): with Δ_S f = Δf − ⟨x, ∇²f x⟩ − (d−1)⟨
 :func:`energy_laplacian` sums them densely (an (H, n, n) block; the reference); the diagonal term carries a
 weight w_i², so it is O(1/N) of the pair terms for uniform weights, and it is what makes the ledger close
 for small N.  The solvers book the same sum from the step's own softmax statistics with second moments
-(:func:`energy_laplacian_moments`: every pair term is a kernel average, O(n H d³) on top of the kernel).
+(:func:`energy_laplacian_moments`: every pair term is a kernel average, O(n H d⁴) on top of the kernel).
 """
 
 from __future__ import annotations
@@ -188,8 +188,9 @@ def energy_laplacian_moments(x: torch.Tensor, heads: Heads, weights, stats, *, l
     (:func:`_coefficients`), one product for every head and token.  The diagonal term replaces the
     pair formula at j = i by its own (module docstring); the difference is
     e^{β s_ii} [2β(tr A − s_ii) + 2β²(x_iᵀ A² x_i − s_ii²)], whose quadratic forms come from the same
-    product.  O(n H d³) on top of the statistics.  x (..., n, d) on the sphere (the queries the statistics
-    were computed at), weights (..., n) or None (uniform), c = log_scale."""
+    product.  O(n H d⁴) on top of the statistics ((1 + d)² × (c + 3) per token and head).  x (..., n, d)
+    on the sphere (the queries the statistics were computed at), weights (..., n) or None (uniform),
+    c = log_scale."""
     cols = second_moment_columns(stats, x, log_scale)
     if cols is None:
         return None

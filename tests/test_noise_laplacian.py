@@ -97,6 +97,14 @@ def test_one_token_set_at_a_given_scale(kind, dtype):
     _check(x, _heads(kind, 3, dtype), w, log_scale=1.0)
 
 
+def test_two_batch_axes_with_a_beta_per_entry(dtype):
+    """Tokens and heads with two batch axes, a β per batch entry of both."""
+    x = tp.sphere.sample_uniform(6, 3, batch_shape=(2, 3), generator=gen(23), dtype=dtype)
+    beta = torch.linspace(0.5, 2.0, 6, dtype=dtype).reshape(2, 3)
+    heads = tp.Heads.random(2, 3, symmetric=False, batch_shape=(2, 3), generator=gen(24), dtype=dtype, beta=beta)
+    _check(x, heads, None)
+
+
 @pytest.mark.parametrize("d", [2, 4, 5])
 def test_other_dimensions_and_batched_heads(d, dtype):
     """The column maps for d ≠ 3 (d(d+1)/2 − 1 second-moment columns), heads with a batch axis of their own,

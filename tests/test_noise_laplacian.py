@@ -300,18 +300,19 @@ def test_a_noisy_solve_books_the_dense_ito_term(causal, dtype):
     assert float(want.abs().max()) > 1000 * atol
 
 
-def test_heads_with_a_graph_are_not_kept():
-    """Coefficients formed from heads that carry a graph are not kept: two calls, each differentiated on its
-    own (a kept coefficient tensor would be backpropagated through a second time and fail)."""
+def test_gradients_through_the_heads():
+    """Heads that require grad: the statistics are constants to autograd, so the moment form steps aside (None)
+    and the Itô term's gradient in A, β and the head weights is the dense sum's."""
     x = tp.sphere.sample_uniform(5, 3, generator=gen(22), dtype=torch.float64)
-    heads = _heads("general", 3, torch.float64)
-    heads.score.requires_grad_(True)
+    heads = _heads("general", 3, torch.float64).replace(beta=torch.tensor(0.8, dtype=torch.float64))
+    leaves = [heads.score.clone().requires_grad_(True), heads.weights.clone().requires_grad_(True),
+              heads.beta.clone().requires_grad_(True)]
+    graph = heads.replace(score=leaves[0], weights=leaves[1], beta=leaves[2])
     with torch.no_grad():
         stats = softmax_statistics(x, heads, None, second_moment=True)
-    grads = []
-    for _ in range(2):
-        out = energy_laplacian_moments(x, heads, None, stats)
-        (g,) = torch.autograd.grad(out, heads.score)
-        grads.append(g)
-    torch.testing.assert_close(grads[0], grads[1])
-    assert float(grads[0].abs().max()) > 0
+    assert energy_laplacian_moments(x, graph, None, stats) is None
+    got = torch.autograd.grad(TokenNoise(0.5).ito_correction(x, graph, stats=stats), leaves)
+    want = torch.autograd.grad(0.5 * energy_laplacian(x, graph), leaves)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+        assert float(w.abs().max()) > 1e-3

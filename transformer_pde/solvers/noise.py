@@ -48,6 +48,7 @@ import numpy as np
 import torch
 
 from ..utils.validation import check_seed
+from ..model.backends import needs_grad
 from ..model.heads import Heads
 from ..model.moments import second_moment_columns, sym_pairs
 from ..model.softmax import softmax_statistics
@@ -120,9 +121,9 @@ class TokenNoise:
         From the softmax statistics with second moments (:func:`energy_laplacian_moments`): ``stats``, the
         caller's statistics of the tokens x under the heads (a solver step's own), or one kernel pass here
         when None or without the second-moment columns; the dense :func:`energy_laplacian` where no kernel
-        gives those columns (autograd, the plain-torch kernels)."""
+        gives those columns (the plain-torch kernels) or autograd is on (tokens, heads or weights require grad)."""
         lap = None if stats is None else energy_laplacian_moments(x, heads, weights, stats, log_scale=log_scale)
-        if lap is None and not (torch.is_grad_enabled() and x.requires_grad):
+        if lap is None and not needs_grad(x, heads.score_matrix, heads.weights, heads.beta, weights):
             with torch.no_grad():
                 own = softmax_statistics(x, heads, weights, second_moment=True)
             lap = energy_laplacian_moments(x, heads, weights, own, log_scale=log_scale)
@@ -190,7 +191,11 @@ def energy_laplacian_moments(x: torch.Tensor, heads: Heads, weights, stats, *, l
     e^{β s_ii} [2β(tr A − s_ii) + 2β²(x_iᵀ A² x_i − s_ii²)], whose quadratic forms come from the same
     product.  O(n H d⁴) on top of the statistics ((1 + d)² × (c + 3) per token and head).  x (..., n, d)
     on the sphere (the queries the statistics were computed at), weights (..., n) or None (uniform),
-    c = log_scale."""
+    c = log_scale.  None also when the heads or the token weights require grad (the statistics are constants
+    to autograd: the dense sum differentiates through them)."""
+    beta = heads.beta if isinstance(heads.beta, torch.Tensor) else None
+    if needs_grad(heads.score_matrix, heads.weights, beta, weights):
+        return None
     cols = second_moment_columns(stats, x, log_scale)
     if cols is None:
         return None
@@ -248,8 +253,7 @@ def _coefficients(heads: Heads, c: int, trace_free: bool):
     F = (1 + d) ** 2
     W = src.new_zeros(*batch, H, F * (c + 3)).index_add_(-1, _placement(d, c, src.device), src)
     W = W.unflatten(-1, (F, c + 3)).transpose(-2, -3).reshape(*batch, F, H * (c + 3))
-    if not W.requires_grad:  # a graph is not kept (a second backward through it would fail)
-        _LAST[0] = (score, om, heads.beta, key, (W, omega))
+    _LAST[0] = (score, om, heads.beta, key, (W, omega))
     return W, omega
 
 

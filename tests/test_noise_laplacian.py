@@ -300,19 +300,22 @@ def test_a_noisy_solve_books_the_dense_ito_term(causal, dtype):
     assert float(want.abs().max()) > 1000 * atol
 
 
-def test_gradients_through_the_heads():
-    """Heads that require grad: the statistics are constants to autograd, so the moment form steps aside (None)
-    and the Itô term's gradient in A, β and the head weights is the dense sum's."""
+@pytest.mark.parametrize("leaf", ["score", "weights", "beta", "token weights"])
+def test_gradients_through_the_heads(leaf):
+    """A score matrix, head weights, β or token weights that require grad: the statistics are constants to
+    autograd, so the moment form steps aside (None) and the Itô term's gradient is the dense sum's."""
     x = tp.sphere.sample_uniform(5, 3, generator=gen(22), dtype=torch.float64)
     heads = _heads("general", 3, torch.float64).replace(beta=torch.tensor(0.8, dtype=torch.float64))
-    leaves = [heads.score.clone().requires_grad_(True), heads.weights.clone().requires_grad_(True),
-              heads.beta.clone().requires_grad_(True)]
-    graph = heads.replace(score=leaves[0], weights=leaves[1], beta=leaves[2])
+    w = torch.softmax(torch.randn(5, generator=gen(25), dtype=torch.float64), -1)
     with torch.no_grad():
-        stats = softmax_statistics(x, heads, None, second_moment=True)
-    assert energy_laplacian_moments(x, graph, None, stats) is None
-    got = torch.autograd.grad(TokenNoise(0.5).ito_correction(x, graph, stats=stats), leaves)
-    want = torch.autograd.grad(0.5 * energy_laplacian(x, graph), leaves)
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
-        assert float(w.abs().max()) > 1e-3
+        stats = softmax_statistics(x, heads, w, second_moment=True)
+    if leaf == "token weights":
+        w = leaf_tensor = w.clone().requires_grad_(True)
+    else:
+        leaf_tensor = getattr(heads, leaf).clone().requires_grad_(True)
+        heads = heads.replace(**{leaf: leaf_tensor})
+    assert energy_laplacian_moments(x, heads, w, stats) is None
+    (got,) = torch.autograd.grad(TokenNoise(0.5).ito_correction(x, heads, w, stats=stats), leaf_tensor)
+    (want,) = torch.autograd.grad(0.5 * energy_laplacian(x, heads, w), leaf_tensor)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert float(want.abs().max()) > 1e-3

@@ -280,11 +280,19 @@ def test_coefficients_follow_the_heads(dtype):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_a_noisy_solve_books_the_dense_ito_term(causal, dtype):
+def test_a_noisy_solve_books_the_dense_ito_term(causal, dtype, monkeypatch):
     """The fixed-step solve books dt·T·Σ_i Δ_{S,i} E at the left end of every step: with constant heads
     (∂_tE = 0, Euler: left quadrature) each step's increment of ledger["partial"] equals dt·T times the dense
     sum at the recorded tokens (also for causal attention, whose ledger reads the whole measure's statistics;
-    token weights, paths)."""
+    token weights, paths).  The solve reads its own step's statistics: no kernel pass of the Itô term's own
+    and no dense block."""
+    from transformer_pde.solvers import noise as module
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the solve's Itô term must come from the step's statistics")
+
+    monkeypatch.setattr(module, "energy_laplacian", refuse)
+    monkeypatch.setattr(module, "softmax_statistics", refuse)
     n, d, T, dt = 6, 3, 0.4, 0.05
     x0 = tp.sphere.sample_uniform(n, d, batch_shape=(2,), generator=gen(15), dtype=dtype)
     heads = _heads("general", d, dtype)

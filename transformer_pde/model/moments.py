@@ -35,7 +35,7 @@ __all__ = ["HeadStats"]
 __internal__ = ["mean_columns", "mean_applied", "scaled_partition", "sym_pairs", "second_columns", "quadratic_form",
                 "on_sphere", "quadratic_form_trace_free", "mean_from_merged", "second_from_merged", "head_columns",
                 "head_columns_mass", "head_columns_products", "head_moment_sums_along", "head_columns_width",
-                "per_head_map", "head_moment_sums", "deferred_mean_stats"]
+                "per_head_map", "head_moment_sums", "deferred_mean_stats", "second_moment_columns"]
 
 
 
@@ -249,6 +249,27 @@ def head_moment_sums_along(stats: HeadStats, weights, log_scale: float, x, extra
     if merged is None:
         return None
     return _merged_moment_sums(stats, merged, weights, log_scale, x, extra)
+
+
+def second_moment_columns(stats: HeadStats, x, log_scale: float):
+    """The fused kernel's value columns with the second moment, for the queries ``x``: (out, mass, c, trace_free)
+    with out (..., n, H, E) (a view) holding ȳ_h(x_i) in columns :d and C_ab = Σ_j p_ij y_ja y_jb (a ≤ b,
+    :func:`sym_pairs` order) in columns d:c, the last pair (C_dd) left out when ``trace_free`` (keys on the
+    sphere: C_dd = 1 − Σ_{a<d} C_aa), and mass = m_h(x_i) e^{−c} (..., n, H).  None where the statistics
+    lack those columns (another kernel, no second moment, causal), belong to other queries, or autograd is on."""
+    merged = stats.__dict__.get("_merged")
+    if merged is not None:
+        xq, out, _, d, c, trace_free, _, _ = merged
+    else:
+        cols = stats.__dict__.get("_columns")
+        if cols is None:
+            return None
+        xq, out, d, c, trace_free, _, _ = cols
+    if c == d or xq is not x or needs_grad(x):
+        return None
+    if merged is not None:
+        return out, head_columns_mass(stats, log_scale), c, trace_free
+    return out.transpose(-2, -3), scaled_partition(stats, log_scale).transpose(-1, -2), c, trace_free
 
 
 def head_columns_width(stats: HeadStats) -> int:

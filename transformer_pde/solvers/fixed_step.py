@@ -253,7 +253,8 @@ class FixedStepRun:
             xi = self.noise.increment(x_new, self.dt, self.token_gen)
             if self.diagnostics:
                 self.ledger.add("martingale", noise_martingale(cur.grad_first_variation, self.w, xi))
-                self.ledger.add("partial", self.dt * self.noise.ito_correction(x, heads, self.w, log_scale=c))
+                self.ledger.add("partial", self.dt * self.noise.ito_correction(x, heads, self.w, log_scale=c,
+                                                                               stats=cur.stats))
             x_new = self.noise.apply(x_new, xi)
         jumps = drv.jumps()
         drv.advance()

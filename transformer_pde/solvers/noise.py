@@ -32,8 +32,10 @@ term j = i (x_i in both): with Δ_S f = Δf − ⟨x, ∇²f x⟩ − (d−1)⟨
                      = e^{β s_ij} [β²(|A x_j|² − s_ij²) + β²(|Aᵀ x_i|² − s_ij²) − 2(d−1)β s_ij]
     diagonal:        Δ_S e^{β⟨x,Ax⟩} = e^{β s_ii} [2β tr S − 2βd s_ii + 4β² (|S x|² − s_ii²)],  S = (A + Aᵀ)/2.
 
-:func:`energy_laplacian` sums them; the diagonal term carries a weight w_i², so it is O(1/N) of the
-pair terms for uniform weights, and it is what makes the ledger close for small N.
+:func:`energy_laplacian` sums them densely (an (H, n, n) block; the reference); the diagonal term carries a
+weight w_i², so it is O(1/N) of the pair terms for uniform weights, and it is what makes the ledger close
+for small N.  The solvers book the same sum from the step's own softmax statistics with second moments
+(:func:`energy_laplacian_moments`: every pair term is a kernel average, O(n H d⁴) on top of the kernel).
 """
 
 from __future__ import annotations
@@ -46,10 +48,14 @@ import numpy as np
 import torch
 
 from ..utils.validation import check_seed
+from ..model.backends import needs_grad
 from ..model.heads import Heads
+from ..model.moments import second_moment_columns, sym_pairs
+from ..model.softmax import softmax_statistics
 from ..model.sphere import normalize, tangent_projection
 
-__all__ = ["TokenNoise", "token_noise", "token_seed", "energy_laplacian", "noise_martingale"]
+__all__ = ["TokenNoise", "token_noise", "token_seed", "energy_laplacian", "energy_laplacian_moments",
+           "noise_martingale"]
 
 #: salt of the token stream's seed derivation (the weights use the run's seed itself)
 _TOKEN_STREAM = 0x70CE2
@@ -109,9 +115,21 @@ class TokenNoise:
         """The retraction (x + ξ)/|x + ξ|."""
         return normalize(x + xi)
 
-    def ito_correction(self, x, heads: Heads, weights=None, *, log_scale: float = 0.0) -> torch.Tensor:
-        """T Σ_i Δ_{S,i} E · e^{−c}, (...,): the expected drift of the energy from the token noise."""
-        return self.temperature * energy_laplacian(x, heads, weights, log_scale=log_scale)
+    def ito_correction(self, x, heads: Heads, weights=None, *, log_scale: float = 0.0, stats=None) -> torch.Tensor:
+        """T Σ_i Δ_{S,i} E · e^{−c}, (...,): the expected drift of the energy from the token noise.
+
+        From the softmax statistics with second moments (:func:`energy_laplacian_moments`): ``stats``, the
+        caller's statistics of the tokens x under the heads (a solver step's own), or one kernel pass here
+        when None or without the second-moment columns; the dense :func:`energy_laplacian` where no kernel
+        gives those columns (the plain-torch kernels) or autograd is on (tokens, heads or weights require grad)."""
+        lap = None if stats is None else energy_laplacian_moments(x, heads, weights, stats, log_scale=log_scale)
+        if lap is None and not needs_grad(x, heads.score_matrix, heads.weights, heads.beta, weights):
+            with torch.no_grad():
+                own = softmax_statistics(x, heads, weights, second_moment=True)
+            lap = energy_laplacian_moments(x, heads, weights, own, log_scale=log_scale)
+        if lap is None:
+            lap = energy_laplacian(x, heads, weights, log_scale=log_scale)
+        return self.temperature * lap
 
 
 def token_noise(temperature) -> Optional[TokenNoise]:
@@ -153,6 +171,131 @@ def energy_laplacian(x: torch.Tensor, heads: Heads, weights=None, *, log_scale: 
     total = total + (w * w).unsqueeze(-2).mul(Kii * (diag_true - diag_pair)).sum(-1)
     bh = beta.unsqueeze(-1) if beta.dim() else beta
     return (heads.weights * total / (2 * bh)).sum(-1)
+
+
+def energy_laplacian_moments(x: torch.Tensor, heads: Heads, weights, stats, *, log_scale: float = 0.0):
+    """:func:`energy_laplacian` from the softmax statistics with second moments, (...,), or None where
+    ``stats`` lack the fused kernel's second-moment columns for these queries
+    (:func:`~transformer_pde.model.moments.second_moment_columns`).
+
+    With p_ij = w_j e^{β s_ij}/m_h(x_i), ȳ_i = Σ_j p_ij x_j, M_i = Σ_j p_ij x_j x_jᵀ and u_i = Aᵀx_i, the
+    pair formula summed over j is a kernel average (every j, the diagonal included):
+
+        Σ_j w_j e^{β s_ij} [β²(|A x_j|² + |u_i|² − 2 s_ij²) − 2(d−1)β s_ij]
+            = m_h(x_i) [β²(⟨AᵀA, M_i⟩ + |u_i|² − 2 u_iᵀ M_i u_i) − 2(d−1)β ⟨u_i, ȳ_i⟩].
+
+    The bracket is Σ_l G_l(x_i) out_l + G_const(x_i), linear in the kernel's value columns
+    out = [ȳ_i, C_i] with coefficients quadratic in x_i: G = φ(x_i) @ W_h, φ = [1, x] ⊗ [1, x]
+    (:func:`_coefficients`), one product for every head and token.  The diagonal term replaces the
+    pair formula at j = i by its own (module docstring); the difference is
+    e^{β s_ii} [2β(tr A − s_ii) + 2β²(x_iᵀ A² x_i − s_ii²)], whose quadratic forms come from the same
+    product.  O(n H d⁴) on top of the statistics ((1 + d)² × (c + 3) per token and head).  x (..., n, d)
+    on the sphere (the queries the statistics were computed at), weights (..., n) or None (uniform),
+    c = log_scale.  None also when the heads or the token weights require grad (the statistics are constants
+    to autograd: the dense sum differentiates through them)."""
+    beta = heads.beta if isinstance(heads.beta, torch.Tensor) else None
+    if needs_grad(heads.score_matrix, heads.weights, beta, weights):
+        return None
+    cols = second_moment_columns(stats, x, log_scale)
+    if cols is None:
+        return None
+    out, mass, c, trace_free = cols  # (..., n, H, E), (..., n, H)
+    H, n = mass.shape[-1], x.shape[-2]
+    W, omega = _coefficients(heads, c, trace_free)  # (..., F, H·(c + 3)), ω_h/(2β) (..., H)
+    xe = torch.nn.functional.pad(x, (1, 0), value=1.0)  # [1, x]
+    G = ((xe.unsqueeze(-1) * xe.unsqueeze(-2)).flatten(-2) @ W).unflatten(-1, (H, c + 3))  # (..., n, H, c + 3)
+    pair = torch.linalg.vecdot(G[..., :c], out[..., :c]) + G[..., c]  # ω/(2β) times the bracket
+    bs = G[..., c + 1]  # β s_ii
+    diag = torch.exp(bs if log_scale == 0.0 else bs - log_scale) * torch.addcmul(G[..., c + 2], bs, bs, value=-2.0)
+    if weights is None:
+        return (mass * pair + diag * (omega.unsqueeze(-2) / n)).sum((-1, -2)) / n
+    w = weights.unsqueeze(-1)
+    return ((mass * pair + diag * (w * omega.unsqueeze(-2))).sum(-1) * weights).sum(-1)
+
+
+#: the last coefficients W of :func:`_coefficients` and what they were formed from (heads fixed over a run)
+_LAST = [None]
+
+
+def _coefficients(heads: Heads, c: int, trace_free: bool):
+    """(W, ω_h/(2β)): W (..., F, H·(c + 3)), F = (1 + d)², such that for the token features
+    φ = [1, x] ⊗ [1, x] and head h, φ @ W_h gives, times ω_h/(2β), the coefficients of the kernel's value
+    columns [ȳ (d), C (c − d)] in the pair bracket of :func:`energy_laplacian_moments` and its constant,
+    then β xᵀA x and 2β(tr A − xᵀA x) + 2β² xᵀA² x (the diagonal term's, unscaled):
+
+        β²⟨AᵀA, M⟩        → row 1, on M                    −2(d−1)β ⟨Aᵀx, ȳ⟩   → row x_a, on ȳ_b: A_ab
+        β²|Aᵀx|²          → rows x_c x_e, const: AAᵀ        −2β² xᵀA M Aᵀx      → rows x_c x_e, on M_ab: A_ca A_eb
+
+    A coefficient on the full M (d × d) goes to the columns C_{a≤b} (and, for keys on the sphere,
+    C_dd = 1 − Σ_{a<d} C_aa, to the constant) through :func:`_column_map`; one index_add places the
+    entries (:func:`_placement`).  Kept for the next call with the same (unchanged) heads."""
+    score, beta, om = heads.score_matrix, heads.beta, heads.weights
+    key = (c, trace_free, score._version, om._version, beta._version if isinstance(beta, torch.Tensor) else beta)
+    last = _LAST[0]
+    if last is not None and last[0] is score and last[1] is om and last[2] is beta and last[3] == key:
+        return last[4]
+    A, H, d = score, score.shape[-3], score.shape[-1]
+    if not isinstance(beta, float):
+        beta = beta.unsqueeze(-1)  # against (..., H)
+    omega = om / (2 * beta)  # E = Σ_h ω_h/(2β) Σ_ij w_i w_j e^{β s_ij}
+    b = beta if isinstance(beta, float) else beta.unsqueeze(-1)  # against (..., H, ·)
+    batch = torch.broadcast_shapes(A.shape[:-3], omega.shape[:-1])
+    A, w = A.expand(*batch, H, d, d), omega.expand(*batch, H).unsqueeze(-1)  # every part carries the whole batch
+    At = A.transpose(-1, -2)
+    prods = torch.cat([At, A, A], -3) @ torch.cat([A, At, A], -3)  # AᵀA, AAᵀ, A²
+    kron = (A[..., :, None, :, None] * A[..., None, :, None, :]).flatten(-4, -3).flatten(-2)  # [(c,e), (a,b)]
+    onM = torch.cat([prods[..., :H, :, :].flatten(-2).unsqueeze(-2), -2 * kron], -2)  # rows 1, x ⊗ x; on M
+    onC = onM @ _column_map(d, c, trace_free, A.device, A.dtype)  # (..., H, 1 + d², c − d + 1): on C, const
+    lin, AAt, A2 = A.flatten(-2), prods[..., H:2 * H, :, :].flatten(-2), prods[..., 2 * H:, :, :].flatten(-2)
+    trA = A.diagonal(dim1=-2, dim2=-1).sum(-1, keepdim=True)  # (..., H, 1)
+    src = torch.cat([torch.cat([onC.flatten(-2), AAt], -1) * (b * b * w), lin * (-2 * (d - 1) * b * w), b * lin,
+                     2 * b * (b * A2 - lin), 2 * b * trA], -1)
+    F = (1 + d) ** 2
+    W = src.new_zeros(*batch, H, F * (c + 3)).index_add_(-1, _placement(d, c, src.device), src)
+    W = W.unflatten(-1, (F, c + 3)).transpose(-2, -3).reshape(*batch, F, H * (c + 3))
+    _LAST[0] = (score, om, heads.beta, key, (W, omega))
+    return W, omega
+
+
+_MAPS = {}
+
+
+def _column_map(d: int, c: int, trace_free: bool, device, dtype) -> torch.Tensor:
+    """R (d², c − d + 1) with Σ_ab K_ab M_ab = Σ_l (K_flat @ R)_l C_l + (K_flat @ R)_last for a symmetric M
+    given by its columns C_{a≤b} (:func:`~transformer_pde.model.moments.sym_pairs` order; without C_dd
+    when ``trace_free``: M_dd = 1 − Σ_{a<d} M_aa, whose 1 goes to the last, constant slot)."""
+    key = (d, c, trace_free, str(device), dtype)
+    if key not in _MAPS:
+        (lo, hi), _ = sym_pairs(d, device)
+        P = lo.numel()
+        pos = torch.empty(d, d, dtype=torch.long, device=device)
+        pos[lo, hi] = torch.arange(P, device=device)
+        pos[hi, lo] = torch.arange(P, device=device)
+        R = torch.nn.functional.one_hot(pos.flatten(), P + 1).to(dtype)  # (d², P + 1), const slot last
+        if trace_free:  # K_dd M_dd = K_dd (1 − Σ_{a<d} M_aa)
+            dd = R[:, P - 1].clone()
+            R[:, pos.diagonal()[:-1]] -= dd.unsqueeze(-1)
+            R[:, P] += dd
+            R = torch.cat([R[:, :P - 1], R[:, P:]], -1)
+        _MAPS[key] = R
+    return _MAPS[key]
+
+
+def _placement(d: int, c: int, device) -> torch.Tensor:
+    """The positions in W_h (F × (c + 3), row-major; row p(1 + d) + q of φ = [1, x]_p [1, x]_q) of
+    :func:`_coefficients`'s source entries, in order: on C and the constant for rows 1 and x ⊗ x, AAᵀ on
+    the constant of rows x ⊗ x, A on ȳ of rows x, then the last two columns: A, and A² − A with tr A on row 1."""
+    key = ("place", d, c, str(device))
+    if key not in _MAPS:
+        w = c + 3
+        a = torch.arange(d)
+        quad = ((1 + a[:, None]) * (1 + d) + 1 + a).flatten()  # the rows x_c x_e, c-major
+        rows = torch.cat([torch.zeros(1, dtype=torch.long), quad])  # row 1, then x ⊗ x
+        on_c = (rows[:, None] * w + d + torch.arange(c - d + 1)).flatten()
+        on_mean = ((1 + a)[:, None] * w + a).flatten()  # the rows x_a (φ's [1, x_a]), on ȳ_b
+        _MAPS[key] = torch.cat([on_c, quad * w + c, on_mean, quad * w + c + 1, quad * w + c + 2,
+                                torch.tensor([c + 2])]).to(device)
+    return _MAPS[key]
 
 
 def noise_martingale(grad_first_variation: torch.Tensor, weights, xi: torch.Tensor) -> torch.Tensor:

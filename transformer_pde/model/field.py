@@ -60,11 +60,13 @@ from .moments import (
     HeadStats, deferred_mean_stats, head_columns, head_columns_mass, head_columns_products, head_columns_width,
     head_moment_sums_along, mean_applied, per_head_map, scaled_partition,
 )
+from .pair_block import pair_diagnostics
+from . import pair_block as _pair
 from .plans import plan_average, relu_statistics
 from .softmax import softmax_statistics
 from .values import softmax_values, values_first_applies
 from .heads import Heads, broadcast_shapes
-from .normalization import names, resolve
+from .normalization import Softmax, names, resolve
 from .sphere import tangent_projection
 
 __all__ = ["FieldEval", "evaluate", "velocity", "head_outputs", "radial_shadows"]
@@ -435,6 +437,13 @@ def evaluate(
                              f"∇ δE/δμ); use one of {names(lambda n: n.causal)} with causal=True")
     if keys is None:
         key_weights = weights
+        if (diagnostics and not second_moment and type(norm) is Softmax and x.shape[-2] <= _pair.MAX_TOKENS
+                and (causal or not heads.is_symmetric)):
+            # small n, non-symmetric or causal heads: field, rows, columns and prefix of one exp'd block
+            pd = pair_diagnostics(x, heads, weights, sign=sign, causal=causal, log_scale=log_scale)
+            if pd is not None:
+                return FieldEval(pd.velocity, pd.stats, pd.outputs, pd.grad_first_variation, pd.energy, pd.slope,
+                                 pd.dissipation, ambient=pd.ambient)
     values = None
     if not diagnostics and not second_moment and _values_first(norm, heads):
         # the field only: softmax averages of the k_v-dimensional values W_{V,h} y_j, the moments ȳ_h

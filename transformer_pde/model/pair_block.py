@@ -174,14 +174,16 @@ class _PrepCache(threading.local):
 _PREP = _PrepCache()
 
 
-def _prepare(heads: Heads, dtype, symmetric: Optional[bool] = None) -> _Prep:
-    """The :class:`_Prep` of these heads (with the diagnostics' maps when ``symmetric`` is given), cached."""
+def _prepare(heads: Heads, dtype, symmetric: Optional[bool] = None, sign: float = 1.0) -> _Prep:
+    """The :class:`_Prep` of these heads (with the diagnostics' maps when ``symmetric`` is given, the field's
+    sign s in the value map), cached."""
     A, beta = heads.score_matrix, heads.beta
     ts = (A, heads.value_matrix, heads.weights) + ((beta,) if isinstance(beta, torch.Tensor) else ())
-    key = (tuple(t._version for t in ts), None if isinstance(beta, torch.Tensor) else float(beta), dtype)
+    key = (tuple(t._version for t in ts), None if isinstance(beta, torch.Tensor) else float(beta), dtype, symmetric,
+           float(sign))
     entry = _PREP.entry
     if (entry is not None and len(entry[0]) == len(ts) and all(a is b for a, b in zip(entry[0], ts))
-            and entry[1] == key and (symmetric is None or entry[2].maps is not None)):
+            and entry[1] == key):
         return entry[2]
     H, d = A.shape[-3], A.shape[-1]
     bt = heads.beta_tensor().to(dtype)
@@ -193,7 +195,7 @@ def _prepare(heads: Heads, dtype, symmetric: Optional[bool] = None) -> _Prep:
         omega = heads.weights
         half = omega if symmetric else 0.5 * omega
         prep.maps = (_stacked_maps(A, half), None if symmetric else half / (bt.unsqueeze(-1) if bt.dim() else bt),
-                     _stacked_maps(heads.value_matrix, omega), omega, bt)
+                     _stacked_maps(heads.value_matrix, float(sign) * omega), omega, bt)
     if not any(t.requires_grad for t in ts):
         _PREP.entry = (ts, key, prep)
     return prep
@@ -224,6 +226,7 @@ class _Sweep:
 
     mass: torch.Tensor
     rows: Optional[torch.Tensor]
+    x: torch.Tensor
     xw: torch.Tensor
     wf: Optional[torch.Tensor]
     batch: tuple
@@ -266,7 +269,7 @@ def _sweep(x, weights, prep: _Prep, what: dict) -> Optional[_Sweep]:
         xf = _flat(x, batch, B)
         wf = None if weights is None else _flat(weights.unsqueeze(-1), batch, B)  # (B, n, 1)
         xw = xf / n if wf is None else xf * wf
-        out = _Sweep(new(B, n * H, 1), new(B, n * H, d) if keep else None, xw, wf, batch)
+        out = _Sweep(new(B, n * H, 1), new(B, n * H, d) if keep else None, xf, xw, wf, batch)
         if keep and columns:
             out.col_mass, out.cols = new(B, 1, H * n), new(B, d, H * n)
         if keep and causal:
@@ -278,7 +281,7 @@ def _sweep(x, weights, prep: _Prep, what: dict) -> Optional[_Sweep]:
                 cf = maps[1].expand(*batch, H).reshape(B, 1, H, 1)
                 coef = cf / n if wf is None else cf * wf.unsqueeze(-1)
         size = max(1, min(B, block_bytes(dev) // max(n * H * max(n, d) * x.element_size(), 1)))
-        heads_flat, ranges = _head_layout(batch, [qa] + ([] if keep else [maps[0], maps[2]]), size)
+        heads_flat, sizes, reps = _head_layout(batch, [qa] + ([] if keep else [maps[0], maps[2]]), size)
         qf, GA, VS = heads_flat + [None] * (3 - len(heads_flat))
         ws = {k: _WS.get(k, (size, *shape), x) for k, shape in
               (("q", (n, H * d)), ("e", (n * H, n)), ("y", (n, H * d)), ("pm", (n * H, 1)), ("pr", (n * H, d)),
@@ -287,14 +290,18 @@ def _sweep(x, weights, prep: _Prep, what: dict) -> Optional[_Sweep]:
             if keep and columns else None
         mask = torch.ones(n, n, dtype=torch.bool, device=dev).triu(1).unsqueeze(1) if causal else None
 
-        def sl(t, a, b):  # the block's rows of a per-system tensor; a shared matrix (or None) as it is
-            return t if t is None or t.dim() == 2 else t[a:b]
+        count = len(sizes) * reps
 
-        for s0, s1, h0, h1 in ranges:
-            xb, xwb, wb, mb, rb, ob, cmb, cb, pmb, prb, gb, fb, tb, cfb = (
-                sl(t, s0, s1) for t in (xf, xw, wf, out.mass, out.rows, ones, out.col_mass, out.cols,
-                                        out.prefix_mass, out.prefix, out.grad, out.field, out.moment, coef))
-            qb, ga, vs = (sl(t, h0, h1) for t in (qf, GA, VS))
+        def per_system(t):  # the blocks' views of a per-system tensor; None for every block when absent
+            return t.split(sizes * reps) if t is not None else [None] * count
+
+        def per_heads(t):  # the blocks' views of a head tensor, the same for every repetition; shared as it is
+            return [t] * count if t is None or t.dim() == 2 else list(t.split(sizes)) * reps
+
+        blocks = zip(*(per_system(t) for t in (xf, xw, wf, out.mass, out.rows, ones, out.col_mass, out.cols,
+                                               out.prefix_mass, out.prefix, out.grad, out.field, out.moment, coef)),
+                     *(per_heads(t) for t in (qf, GA, VS)))
+        for xb, xwb, wb, mb, rb, ob, cmb, cb, pmb, prb, gb, fb, tb, cfb, qb, ga, vs in blocks:
             b = xb.shape[0]
             buf = ws if b == size else {k: v[:b] for k, v in ws.items()}
             Q, E = buf["q"], buf["e"]
@@ -327,24 +334,22 @@ def _sweep(x, weights, prep: _Prep, what: dict) -> Optional[_Sweep]:
 
 
 def _head_layout(batch, heads, size: int):
-    """The head tensors (..., a, b) as (a, b) (no batch: shared by every system) or (inner, a, b), and the
-    blocks of systems as (start, end, head start, head end): the heads vary over the trailing batch dims
-    from the first one where any of them is not 1 (``inner`` systems), and repeat over the leading ones
-    (the records of a lazy diagnostics pass), which are then not copied.  Blocks hold at most ``size``
-    systems and do not straddle a repetition."""
+    """(head tensors, block sizes, repetitions): the head tensors (..., a, b) as (a, b) when they have no
+    batch (shared by every system), else as (inner, a, b), where the heads vary over the trailing batch
+    dims from the first one where any of them is not 1 (``inner`` systems) and repeat over the leading ones
+    (the records of a lazy diagnostics pass), which are then not copied; the blocks of systems (at most
+    ``size`` each) of one repetition, which the caller takes ``repetitions`` times."""
     B = math.prod(batch)
     hb = broadcast_shapes(*(t.shape[:-2] for t in heads))
     hb = (1,) * (len(batch) - len(hb)) + tuple(hb)
     k = next((i for i, v in enumerate(hb) if v != 1), len(batch))
     inner = math.prod(batch[k:])
     if inner == 1:
-        return [t.reshape(t.shape[-2:]) for t in heads], [(s, min(B, s + size), 0, 0) for s in range(0, B, size)]
+        return [t.reshape(t.shape[-2:]) for t in heads], [min(size, B - s) for s in range(0, B, size)], 1
     if inner < size and inner < B:  # few systems per repetition: copy the heads to every system instead
         k, inner = 0, B
     flat = [t.expand(*batch[k:], *t.shape[-2:]).reshape(inner, *t.shape[-2:]) for t in heads]
-    ranges = [(o + s, o + min(inner, s + size), s, min(inner, s + size))
-              for o in range(0, B, inner) for s in range(0, inner, size)]
-    return flat, ranges
+    return flat, [min(size, inner - s) for s in range(0, inner, size)], B // inner
 
 
 def _times(u: torch.Tensor, M: torch.Tensor, out: torch.Tensor) -> None:
@@ -464,7 +469,7 @@ def pair_diagnostics(x: torch.Tensor, heads: Heads, weights: Optional[torch.Tens
     if not (c >= 0.0 and math.exp(-c) >= torch.finfo(x.dtype).tiny):
         return None
     symmetric = heads.is_symmetric
-    prep = _prepare(heads, x.dtype, symmetric)
+    prep = _prepare(heads, x.dtype, symmetric, sign)
     sw = _sweep(x, weights, prep, {"columns": not symmetric, "causal": causal, "maps": prep.maps})
     if sw is None:
         return None
@@ -474,17 +479,15 @@ def pair_diagnostics(x: torch.Tensor, heads: Heads, weights: Optional[torch.Tens
     omega, beta = prep.maps[3], prep.maps[4]
     scale = math.exp(-c)
     with torch.no_grad():
-        field = sw.field.view(*batch, n, d)
-        if sign != 1.0:
-            field = field.mul_(sign)
-        V = tangent_projection(x, field)
+        field = sw.field  # (B, n, d), s Σ_h ω_h V_h ȳ_h (the sign is in the stacked V map)
+        xf = sw.x
+        V = torch.addcmul(field, torch.linalg.vecdot(xf, field).unsqueeze(-1), xf, value=-1.0)  # P_x
         g = sw.grad if scale == 1.0 else sw.grad.mul_(scale)
-        gp = tangent_projection(_flat(x, batch, B), g)
+        g = g.addcmul_(torch.linalg.vecdot(xf, g).unsqueeze(-1), xf, value=-1.0)
         m = sw.mass.view(B, n, H)  # m_h(x_i)
-        Vf = V.reshape(B, n, d)
         om = omega.expand(*batch, H).reshape(B, H)
         binv = torch.reciprocal(m) @ (om / om.sum(-1, keepdim=True)).unsqueeze(-1)  # (B, n, 1): Σ_h ω̄_h / m_h
-        dens = torch.stack([Vf.square().sum(-1) / binv.squeeze(-1), (gp * Vf).sum(-1)], -1)  # (B, n, 2)
+        dens = torch.stack([torch.linalg.vecdot(V, V) / binv.squeeze(-1), torch.linalg.vecdot(g, V)], -1)
         if sw.wf is None:
             wm, sums = m.mean(1), dens.mean(1)
         else:
@@ -498,7 +501,8 @@ def pair_diagnostics(x: torch.Tensor, heads: Heads, weights: Optional[torch.Tens
         stats._pair_sums = _TokenMoment(x, weights, sw.moment, batch)
         outputs = functools.partial(_value_outputs, functools.partial(_statistics_mean, x, heads, weights, True)
                                     if causal else mean_fn, heads.value_matrix)
-        return PairDiagnostics(V, field, stats, outputs, gp.view(*batch, n, d), (energy * scale).reshape(batch),
+        return PairDiagnostics(V.view(*batch, n, d), field.view(*batch, n, d), stats, outputs, g.view(*batch, n, d),
+                               (energy * scale).reshape(batch),
                                (sums[:, 0] * scale).reshape(batch), sums[:, 1].reshape(batch))
 
 

@@ -46,18 +46,21 @@ from typing import Optional, Tuple
 import torch
 
 from ..utils import hardware
-from .backends import causal_log_prefix_mass, needs_grad
+from .backends import DEFAULT_CHUNK_ELEMENTS, causal_log_prefix_mass, needs_grad
 from .heads import Heads, broadcast_shapes
 from .moments import HeadStats, deferred_mean_stats
 from .softmax import softmax_statistics
 from .sphere import tangent_projection
 
 __all__ = ["PairBlock", "pair_block", "pair_diagnostics", "PairDiagnostics", "MAX_TOKENS", "BLOCK_FRACTION", "BLOCK_BYTES",
-           "block_bytes", "exp_safe_limit"]
+           "block_bytes", "exp_safe_limit", "takes"]
 
 #: the largest token count n for which :func:`transformer_pde.model.field.evaluate` takes the one-block
-#: kernel (its (n, n) blocks per head are formed whole; above it the fused O(n)-memory kernels are used)
-MAX_TOKENS = 128
+#: kernel (its (n, n) blocks per head are formed whole; above it the fused O(n)-memory kernels are used).
+#: Measured on one core (d = 16, H = 8, float64, evaluate with diagnostics, docs/performance.md): the one-block
+#: kernel takes 0.2× the time of the fused kernels' passes at n = 32, 0.55× at n = 512, 0.86× at n = 1024 and
+#: 1.25× at n = 2048
+MAX_TOKENS = 512
 #: the scores of one block of systems, as a fraction of one core's L2 cache
 BLOCK_FRACTION = 0.25
 #: the score block in bytes when set (tests: several blocks on small inputs); None: from the cache size
@@ -75,6 +78,14 @@ def block_bytes(device: torch.device) -> int:
     if device.type != "cpu":
         return _DEVICE_BLOCK_BYTES
     return max(2 ** 16, int(BLOCK_FRACTION * hardware.cache_sizes().l2))
+
+
+def takes(n: int, heads: int, chunk_elements: Optional[int] = None) -> bool:
+    """True when :func:`transformer_pde.model.field.evaluate` uses the one-block kernel for n tokens and
+    ``heads`` heads: n ≤ :data:`MAX_TOKENS` and one system's scores, heads · n², within the memory cap
+    ``chunk_elements`` (default :data:`transformer_pde.model.backends.DEFAULT_CHUNK_ELEMENTS`)."""
+    cap = DEFAULT_CHUNK_ELEMENTS if chunk_elements is None else int(chunk_elements)
+    return n <= MAX_TOKENS and heads * n * n <= cap
 
 
 def exp_safe_limit(dtype: torch.dtype, n: int) -> float:

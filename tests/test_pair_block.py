@@ -297,3 +297,21 @@ def test_ledger_of_a_solve_is_that_of_the_lse_path(monkeypatch, geometry, causal
     r1, r2 = float(chain[-1].abs().max()), float(chain2[-1].abs().max())
     assert r1 > 0 and 1.5 < r1 / r2 < 2.6, (r1, r2)
     assert r1 < 0.05 * float(new.ledger["dE"][-1].abs().max())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bounded_scores_mean_a_zero_common_scale(dtype):
+    """Where β‖A_h‖_F max|x_i|² is below ½ log(finfo.max) − log n every log-partition is too, and the solvers'
+    common scale is 0 (what the lazy diagnostics use instead of a kernel pass); not so above it or for NaN."""
+    x, heads, w = problem(dtype, seed=11)
+    limit = pair_block.exp_safe_limit(dtype, x.shape[-2])
+    assert pair_block.scores_bounded(x, heads)
+    lse = softmax_statistics(x, heads, w).log_partition
+    assert float(lse.max()) <= limit and choose_log_scale(lse) == 0.0
+    bound = float(heads.score_matrix.flatten(-2).norm(dim=-1).max())
+    edge = heads.replace(beta=0.999 * limit / bound)
+    assert pair_block.scores_bounded(x, edge)
+    assert not pair_block.scores_bounded(x, heads.replace(beta=1.001 * limit / bound))
+    y = x.clone()
+    y[0, 0, 0] = float("nan")
+    assert not pair_block.scores_bounded(y, heads)

@@ -53,7 +53,7 @@ from .softmax import softmax_statistics
 from .sphere import tangent_projection
 
 __all__ = ["PairBlock", "pair_block", "pair_diagnostics", "PairDiagnostics", "MAX_TOKENS", "BLOCK_FRACTION", "BLOCK_BYTES",
-           "block_bytes", "exp_safe_limit", "takes"]
+           "block_bytes", "exp_safe_limit", "takes", "scores_bounded"]
 
 #: the largest token count n for which :func:`transformer_pde.model.field.evaluate` takes the one-block
 #: kernel (its (n, n) blocks per head are formed whole; above it the fused O(n)-memory kernels are used).
@@ -86,6 +86,16 @@ def takes(n: int, heads: int, chunk_elements: Optional[int] = None) -> bool:
     ``chunk_elements`` (default :data:`transformer_pde.model.backends.DEFAULT_CHUNK_ELEMENTS`)."""
     cap = DEFAULT_CHUNK_ELEMENTS if chunk_elements is None else int(chunk_elements)
     return n <= MAX_TOKENS and heads * n * n <= cap
+
+
+def scores_bounded(x: torch.Tensor, heads: Heads) -> bool:
+    """True when β ‖A_h‖_F max_i |x_i|² ≤ ½ log(finfo.max) − log n: every score |s_ij| is below that bound, so
+    every log-partition log m_h(x_i) ≤ max_j s_ij is too, and the solvers' common scale
+    (:func:`transformer_pde.model.energy.choose_log_scale`) is 0 without a kernel pass.  False for
+    non-finite input."""
+    n = x.shape[-2]
+    r2 = float(torch.linalg.vector_norm(x.detach(), dim=-1).max()) ** 2 if x.numel() else 0.0
+    return _prepare(heads, x.dtype).bound * r2 <= exp_safe_limit(x.dtype, n)
 
 
 def exp_safe_limit(dtype: torch.dtype, n: int) -> float:
@@ -261,7 +271,7 @@ def _sweep(x, weights, prep: _Prep, what: dict) -> Optional[_Sweep]:
     H = qa.shape[-1] // d
     if needs_grad(x, qa, weights):
         return None
-    r2 = float(x.detach().square().sum(-1).max()) if x.numel() else 0.0
+    r2 = float(torch.linalg.vector_norm(x.detach(), dim=-1).max()) ** 2 if x.numel() else 0.0
     if not prep.bound * r2 <= exp_safe_limit(x.dtype, n):  # also False for NaN
         return None
     maps = what.get("maps")
@@ -279,7 +289,10 @@ def _sweep(x, weights, prep: _Prep, what: dict) -> Optional[_Sweep]:
     with torch.no_grad():
         xf = _flat(x, batch, B)
         wf = None if weights is None else _flat(weights.unsqueeze(-1), batch, B)  # (B, n, 1)
-        xw = xf / n if wf is None else xf * wf
+        # uniform weights on the diagnostics' path: the sums over j are left n times larger (no pass over the
+        # tokens or the masses to divide them), and the products that read them are scaled by 1/n
+        unit = 1.0 / n if (wf is None and not keep) else 1.0
+        xw = xf if unit != 1.0 else (xf / n if wf is None else xf * wf)
         out = _Sweep(new(B, n * H, 1), new(B, n * H, d) if keep else None, xf, xw, wf, batch)
         if keep and columns:
             out.col_mass, out.cols = new(B, 1, H * n), new(B, d, H * n)
@@ -323,21 +336,22 @@ def _sweep(x, weights, prep: _Prep, what: dict) -> Optional[_Sweep]:
             torch.bmm(Q.view(b, n * H, d), xb.transpose(1, 2), out=E)  # E[i·H + h, j] = s_ij^h
             E.exp_()
             rb = buf["r"] if rb is None else rb
-            _row_sums(E, xwb, wb, mb, rb)
+            _row_sums(E, xwb, wb, mb, rb, unit == 1.0)
             if keep and columns:  # Σ_i w_i e^{s_ij^h} [1, x_i] for every (h, j): products over i
                 E3 = E.view(b, n, H * n)
                 torch.bmm(xwb.transpose(1, 2), E3, out=cb)
                 torch.bmm(ob, E3, out=cmb)
             if not keep:
-                torch.bmm(xwb.transpose(1, 2), rb.view(b, n, H * d), out=tb)  # Σ_i w_i x_i (m_h ȳ_h)(x_i)ᵀ
-                _times(rb.view(b, n, H * d), ga, gb)  # Σ_h ½ω_h A_h (m_h ȳ_h)(x_i)
+                # Σ_i w_i x_i (m_h ȳ_h)(x_i)ᵀ (beta=0: tb's contents are not read)
+                tb.baddbmm_(xwb.transpose(1, 2), rb.view(b, n, H * d), beta=0.0, alpha=unit * unit)
+                _times(rb.view(b, n, H * d), ga, gb, unit)  # Σ_h ½ω_h A_h (m_h ȳ_h)(x_i)
                 if cfb is not None:  # + Σ_h ½ω_h A_hᵀ (m̃_h ỹ_h)(x_j) = Σ_{i,h} E[(i,h), j] Y_ih
                     Y = torch.mul(Q.view(b, n, H, d), cfb, out=buf["y"].view(b, n, H, d))
                     gb.baddbmm_(E.transpose(1, 2), Y.view(b, n * H, d))
             if causal:
                 E.view(b, n, H, n).masked_fill_(mask, 0.0)
                 pmb, prb = (pmb, prb) if keep else (buf["pm"], buf["pr"])
-                _row_sums(E, xwb, wb, pmb, prb)
+                _row_sums(E, xwb, wb, pmb, prb, unit == 1.0)
             if not keep:
                 means = prb.div_(pmb) if causal else rb.div_(mb)
                 _times(means.view(b, n, H * d), vs, fb)  # Σ_h ω_h V_h ȳ_h
@@ -363,19 +377,23 @@ def _head_layout(batch, heads, size: int):
     return flat, [min(size, inner - s) for s in range(0, inner, size)], B // inner
 
 
-def _times(u: torch.Tensor, M: torch.Tensor, out: torch.Tensor) -> None:
-    """out = u @ M for a block u (b, n, k); M (k, d) shared by the systems or (b, k, d)."""
+def _times(u: torch.Tensor, M: torch.Tensor, out: torch.Tensor, alpha: float = 1.0) -> None:
+    """out = alpha · u @ M for a block u (b, n, k); M (k, d) shared by the systems or (b, k, d) (out's contents
+    are not read)."""
     b, n, k = u.shape
     if M.dim() == 2:
-        torch.mm(u.reshape(b * n, k), M, out=out.view(b * n, -1))
+        out.view(b * n, -1).addmm_(u.reshape(b * n, k), M, beta=0.0, alpha=alpha)
     else:
-        torch.bmm(u, M, out=out)
+        out.baddbmm_(u, M, beta=0.0, alpha=alpha)
 
 
-def _row_sums(E, xwb, wb, mass, rows):
-    """m = Σ_j w_j E_ij (the sum over j, /n for uniform weights) and Σ_j E_ij w_j x_j of one block."""
+def _row_sums(E, xwb, wb, mass, rows, divide: bool = True):
+    """m = Σ_j w_j E_ij (uniform weights: the sum over j, divided by n when ``divide``) and Σ_j E_ij xw_j of one
+    block (xw_j = w_j x_j, or x_j when the uniform sums are left undivided)."""
     if wb is None:
-        torch.sum(E, -1, keepdim=True, out=mass).div_(E.shape[-1])
+        torch.sum(E, -1, keepdim=True, out=mass)
+        if divide:
+            mass.div_(E.shape[-1])
     else:
         torch.bmm(E, wb, out=mass)
     torch.bmm(E, xwb, out=rows)
@@ -496,6 +514,8 @@ def pair_diagnostics(x: torch.Tensor, heads: Heads, weights: Optional[torch.Tens
         g = sw.grad if scale == 1.0 else sw.grad.mul_(scale)
         g = g.addcmul_(torch.linalg.vecdot(xf, g).unsqueeze(-1), xf, value=-1.0)
         m = sw.mass.view(B, n, H)  # m_h(x_i)
+        if weights is None:  # the sums of uniform weights were left n times larger
+            m = m / n
         om = omega.expand(*batch, H).reshape(B, H)
         binv = torch.reciprocal(m) @ (om / om.sum(-1, keepdim=True)).unsqueeze(-1)  # (B, n, 1): Σ_h ω̄_h / m_h
         dens = torch.stack([torch.linalg.vecdot(V, V) / binv.squeeze(-1), torch.linalg.vecdot(g, V)], -1)

@@ -450,17 +450,24 @@ class PairDiagnostics:
     velocity, ambient: (..., n, d) s·P_x Σ_h ω_h V_h ȳ_h and s·Σ_h ω_h V_h ȳ_h (causal: the prefix means).
     stats: the whole measure's HeadStats (mean formed on first access).
     outputs: zero-argument callable giving the per-head V_h ȳ_h (..., H, n, d) (causal: the prefix means).
-    grad_first_variation: (..., n, d) P_x ∇δE/δμ · e^{−c}.  energy, slope, dissipation: (...,) · e^{−c}.
+    grad_first_variation: zero-argument callable giving P_x ∇δE/δμ · e^{−c} (..., n, d) (𝒟 pairs the tangent V
+    with ∇δE/δμ itself).  energy, slope, dissipation: (...,) · e^{−c}.
     """
 
     velocity: torch.Tensor
     ambient: torch.Tensor
     stats: HeadStats
     outputs: object
-    grad_first_variation: torch.Tensor
+    grad_first_variation: object
     energy: torch.Tensor
     slope: torch.Tensor
     dissipation: torch.Tensor
+
+
+def _projected(x: torch.Tensor, g: torch.Tensor, scale: float, batch) -> torch.Tensor:
+    """P_x g · scale, (..., n, d) (∇_S δE/δμ at the common scale, formed on first access)."""
+    g = tangent_projection(x, g)
+    return (g if scale == 1.0 else g * scale).view(*batch, *g.shape[-2:])
 
 
 def _value_outputs(mean_fn, V: torch.Tensor) -> torch.Tensor:
@@ -511,8 +518,7 @@ def pair_diagnostics(x: torch.Tensor, heads: Heads, weights: Optional[torch.Tens
         field = sw.field  # (B, n, d), s Σ_h ω_h V_h ȳ_h (the sign is in the stacked V map)
         xf = sw.x
         V = torch.addcmul(field, torch.linalg.vecdot(xf, field).unsqueeze(-1), xf, value=-1.0)  # P_x
-        g = sw.grad if scale == 1.0 else sw.grad.mul_(scale)
-        g = g.addcmul_(torch.linalg.vecdot(xf, g).unsqueeze(-1), xf, value=-1.0)
+        g = sw.grad  # ∇δE/δμ, un-projected and unscaled: 𝒟 pairs it with the tangent V; P_x g e^{−c} on request
         m = sw.mass.view(B, n, H)  # m_h(x_i)
         if weights is None:  # the sums of uniform weights were left n times larger
             m = m / n
@@ -532,9 +538,10 @@ def pair_diagnostics(x: torch.Tensor, heads: Heads, weights: Optional[torch.Tens
         stats._pair_sums = _TokenMoment(x, weights, sw.moment, batch)
         outputs = functools.partial(_value_outputs, functools.partial(_statistics_mean, x, heads, weights, True)
                                     if causal else mean_fn, heads.value_matrix)
-        return PairDiagnostics(V.view(*batch, n, d), field.view(*batch, n, d), stats, outputs, g.view(*batch, n, d),
+        grad = functools.partial(_projected, xf, g, scale, batch)
+        return PairDiagnostics(V.view(*batch, n, d), field.view(*batch, n, d), stats, outputs, grad,
                                (energy * scale).reshape(batch),
-                               (sums[:, 0] * scale).reshape(batch), sums[:, 1].reshape(batch))
+                               (sums[:, 0] * scale).reshape(batch), (sums[:, 1] * scale).reshape(batch))
 
 
 class _TokenMoment:

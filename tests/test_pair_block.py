@@ -189,10 +189,11 @@ def test_pairing_reads_the_token_moment_of_the_block(monkeypatch, weighted):
     x, heads, w = problem(dtype, weighted=weighted, seed=5)
     M = torch.randn(3, 3, 4, 4, generator=gen(9), dtype=dtype)
     new, old, _ = both_ways(monkeypatch, x, heads, w)
-    for c in (0.0, 1.3):
+    sums = new.stats.__dict__["_pair_sums"]
+    assert sums(w, 0.0) is not None and sums(w, 0.0, x) is not None  # the block's own tokens and weights
+    for c in (0.0, 1.0, 1.3):
         torch.testing.assert_close(pairing(x, heads, w, new.stats, M, log_scale=c),
                                    pairing(x, heads, w, old.stats, M, log_scale=c), **tol(dtype))
-    sums = new.stats.__dict__["_pair_sums"]
     if w is not None:
         assert sums(w.clone(), 0.0) is None
     assert sums(w, 0.0, x.clone()) is None
@@ -235,6 +236,11 @@ def test_autograd_a_negative_scale_and_explicit_backends_take_the_lse_path(monke
     assert seen == [False]
     new.energy.sum().backward()
     assert xr.grad is not None and bool(torch.isfinite(xr.grad).all())
+    A = heads.score_matrix.clone().requires_grad_(True)  # the heads require grad, the tokens do not
+    new, old, seen = both_ways(monkeypatch, x, heads.replace(score=A), w, causal=True)
+    assert seen == [False]
+    new.dissipation.sum().backward()
+    assert A.grad is not None and bool(torch.isfinite(A.grad).all())
     _, _, seen = both_ways(monkeypatch, x, heads, w, log_scale=-1.0)
     assert seen == [False]
     _, _, seen = both_ways(monkeypatch, x, heads, w, backend="chunked")
@@ -260,7 +266,7 @@ def test_many_blocks_and_records_with_heads_per_system(monkeypatch):
 
 
 def test_takes_small_n_within_the_memory_cap():
-    assert pair_block.takes(32, 8)
+    assert pair_block.takes(32, 8) and pair_block.takes(pair_block.MAX_TOKENS, 1)
     assert not pair_block.takes(pair_block.MAX_TOKENS + 1, 1)
     assert not pair_block.takes(256, 8, chunk_elements=256 * 256 * 8 - 1)
     assert pair_block.takes(256, 8, chunk_elements=256 * 256 * 8)
@@ -315,3 +321,77 @@ def test_bounded_scores_mean_a_zero_common_scale(dtype):
     y = x.clone()
     y[0, 0, 0] = float("nan")
     assert not pair_block.scores_bounded(y, heads)
+
+
+def assert_same(new, old, dtype):
+    """The fields of two evaluations (values that do not depend on a batch dim may be unbroadcast in ``old``)."""
+    for k in FIELDS:
+        a, b = getattr(new, k), getattr(old, k)
+        torch.testing.assert_close(a, b.expand_as(a), **tol(dtype))
+
+
+@pytest.mark.filterwarnings("error")  # an ``out=`` tensor of the wrong shape (resized by torch) fails here
+@pytest.mark.parametrize("causal", [False, True])
+def test_broadcast_batches_and_partial_blocks(monkeypatch, causal):
+    """Batch shapes that broadcast in every way the kernel flattens: heads varying over the leading batch dim
+    (2, 1) against tokens (2, 3); heads with a batch of one; shared heads over a batch not divisible by the
+    block size (blocks of 2 systems for 5); weights batched while tokens and heads are shared; values batched
+    while tokens and scores are shared; an empty batch."""
+    dtype = torch.float64
+    g = gen(12)
+    n, d, H = 5, 4, 2
+
+    def heads_of(*shape, values=None):
+        return tp.Heads(torch.randn(*shape, H, d, d, generator=g, dtype=dtype),
+                        torch.randn(*(shape if values is None else values), H, d, d, generator=g, dtype=dtype))
+
+    per_system = n * H * max(n, d) * 8
+    cases = [
+        (tp.sphere.sample_uniform(n, d, batch_shape=(2, 3), generator=g, dtype=dtype), heads_of(2, 1), None, None),
+        (tp.sphere.sample_uniform(n, d, batch_shape=(5,), generator=g, dtype=dtype), heads_of(1), None, 2),
+        (tp.sphere.sample_uniform(n, d, batch_shape=(5,), generator=g, dtype=dtype), heads_of(), None, 2),
+        (tp.sphere.sample_uniform(n, d, generator=g, dtype=dtype), heads_of(),
+         torch.softmax(torch.randn(2, 3, n, generator=g, dtype=dtype), -1), None),
+        (tp.sphere.sample_uniform(n, d, generator=g, dtype=dtype), heads_of(values=(3,)), None, None),
+        (torch.empty(0, n, d, dtype=dtype), heads_of(), None, None),
+        (torch.empty(0, n, d, dtype=dtype), heads_of(0), None, None),
+    ]
+    for x, heads, w, blocks in cases:
+        monkeypatch.setattr(pair_block, "BLOCK_BYTES", None if blocks is None else blocks * per_system)
+        new, old, seen = both_ways(monkeypatch, x, heads, w, causal=causal)
+        # (heads with an empty batch are symmetric, vacuously: without causality the merged path takes them)
+        assert seen == ([] if heads.score_matrix.numel() == 0 and not causal else [True])
+        assert_same(new, old, dtype)
+        blk = pair_block.pair_block(x, heads, w, causal=True)
+        assert_stats(blk.forward(), softmax_statistics(x, heads, w), dtype)
+        assert_stats(blk.causal(), softmax_statistics(x, heads, w, causal=True), dtype)
+    x = tp.sphere.sample_uniform(n, d, batch_shape=(2, 3), generator=g, dtype=dtype)  # batched weights, causal
+    w = torch.softmax(torch.randn(2, 3, n, generator=g, dtype=dtype), -1)
+    h = heads_of()
+    assert_stats(pair_block.pair_block(x, h, w, causal=True).causal(), softmax_statistics(x, h, w, causal=True), dtype)
+
+
+def test_default_sign_is_ascent():
+    x, heads, w = problem(torch.float64, seed=13)
+    pd, e = pair_block.pair_diagnostics(x, heads, w), evaluate(x, heads, w, sign=1.0)
+    torch.testing.assert_close(pd.velocity, e.velocity, **tol(torch.float64))
+
+
+def test_block_bytes_from_the_cache_size(monkeypatch):
+    """A quarter of the L2 cache on the CPU, at least 64 KiB; 64 MiB on other devices; BLOCK_BYTES when set."""
+    from transformer_pde.utils import hardware
+    cpu = torch.device("cpu")
+    for l2, want in ((2 ** 21, 2 ** 19), (2 ** 10, 2 ** 16)):
+        monkeypatch.setattr(hardware, "cache_sizes", lambda l2=l2: hardware.CacheSizes(2 ** 15, l2, None, "test"))
+        assert pair_block.block_bytes(cpu) == want
+    assert pair_block.block_bytes(torch.device("meta")) == 2 ** 26
+    monkeypatch.setattr(pair_block, "BLOCK_BYTES", 1000)
+    assert pair_block.block_bytes(cpu) == 1000
+
+
+def test_empty_tokens_have_bounded_scores():
+    """No tokens, no scores: bounded whatever the heads (and the common scale is 0)."""
+    x, heads, _ = problem(torch.float64, seed=14)
+    big = heads.replace(beta=1e6)
+    assert pair_block.scores_bounded(x[:0], big)
+    assert not pair_block.scores_bounded(x, big)

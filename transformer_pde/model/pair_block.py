@@ -171,7 +171,7 @@ def _flat(t: torch.Tensor, batch, B: int) -> torch.Tensor:
 def _stacked_maps(M: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """(..., H·d, d): row block h = scale_h M_hᵀ, so that (n, H·d) @ it = Σ_h scale_h M_h u_h."""
     Mt = scale[..., None, None] * M.transpose(-1, -2)
-    return Mt.reshape(*Mt.shape[:-3], -1, Mt.shape[-1])
+    return Mt.reshape(*Mt.shape[:-3], Mt.shape[-3] * Mt.shape[-2], Mt.shape[-1])
 
 
 @dataclass
@@ -274,8 +274,7 @@ def _sweep(x, weights, prep: _Prep, what: dict) -> Optional[_Sweep]:
     r2 = float(torch.linalg.vector_norm(x.detach(), dim=-1).max()) ** 2 if x.numel() else 0.0
     if not prep.bound * r2 <= exp_safe_limit(x.dtype, n):  # also False for NaN
         return None
-    maps = what.get("maps")
-    columns, causal = what.get("columns", False), what.get("causal", False)
+    maps, columns, causal = what["maps"], what["columns"], what["causal"]
     keep = maps is None  # the sums themselves (PairBlock), or the diagnostics' products
     parts = [x, qa] + ([] if weights is None else [weights.unsqueeze(-1)]) + \
         ([] if keep else [maps[0], maps[2]] + ([] if maps[1] is None else [maps[1].unsqueeze(-1)]))
@@ -365,6 +364,8 @@ def _head_layout(batch, heads, size: int):
     (the records of a lazy diagnostics pass), which are then not copied; the blocks of systems (at most
     ``size`` each) of one repetition, which the caller takes ``repetitions`` times."""
     B = math.prod(batch)
+    if B == 0:  # no systems: no blocks
+        return list(heads), [], 1
     hb = broadcast_shapes(*(t.shape[:-2] for t in heads))
     hb = (1,) * (len(batch) - len(hb)) + tuple(hb)
     k = next((i for i, v in enumerate(hb) if v != 1), len(batch))
@@ -387,7 +388,7 @@ def _times(u: torch.Tensor, M: torch.Tensor, out: torch.Tensor, alpha: float = 1
         out.baddbmm_(u, M, beta=0.0, alpha=alpha)
 
 
-def _row_sums(E, xwb, wb, mass, rows, divide: bool = True):
+def _row_sums(E, xwb, wb, mass, rows, divide: bool):
     """m = Σ_j w_j E_ij (uniform weights: the sum over j, divided by n when ``divide``) and Σ_j E_ij xw_j of one
     block (xw_j = w_j x_j, or x_j when the uniform sums are left undivided)."""
     if wb is None:
@@ -423,7 +424,7 @@ def pair_block(x: torch.Tensor, heads: Heads, weights: Optional[torch.Tensor] = 
         could overflow), when it is not finite, or when autograd would need the result (any input requires
         grad): the caller then uses :func:`transformer_pde.model.softmax.softmax_statistics`.
     """
-    sw = _sweep(x, weights, _prepare(heads, x.dtype), {"columns": columns, "causal": causal})
+    sw = _sweep(x, weights, _prepare(heads, x.dtype), {"columns": columns, "causal": causal, "maps": None})
     if sw is None:
         return None
     B = sw.rows.shape[0]

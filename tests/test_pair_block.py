@@ -395,3 +395,49 @@ def test_empty_tokens_have_bounded_scores():
     big = heads.replace(beta=1e6)
     assert pair_block.scores_bounded(x[:0], big)
     assert not pair_block.scores_bounded(x, big)
+
+
+def test_heads_of_two_systems_a_two_dim_beta_and_weights_over_records(monkeypatch):
+    """Per-system heads of two systems; β with a two-dimensional batch; causal statistics of tokens (T, B, n, d)
+    with weights (B, n) shared by the records."""
+    dtype = torch.float64
+    x, heads, w = problem(dtype, B=2, seed=15)
+    new, old, seen = both_ways(monkeypatch, x, heads, w, causal=True)
+    assert seen == [True]
+    assert_same(new, old, dtype)
+    g = gen(16)
+    y = tp.sphere.sample_uniform(6, 4, batch_shape=(2, 3), generator=g, dtype=dtype)
+    beta = torch.rand(2, 3, generator=g, dtype=dtype) + 0.5
+    hb = tp.Heads(torch.randn(2, 4, 4, generator=g, dtype=dtype), torch.randn(2, 4, 4, generator=g, dtype=dtype),
+                  beta=beta)
+    new, old, seen = both_ways(monkeypatch, y, hb, None)
+    assert seen == [True]
+    assert_same(new, old, dtype)
+    wr = torch.softmax(torch.randn(3, 6, generator=g, dtype=dtype), -1)
+    assert_stats(pair_block.pair_block(y, hb, wr, causal=True).causal(), softmax_statistics(y, hb, wr, causal=True),
+                 dtype)
+
+
+def test_prepared_heads_follow_a_new_or_changed_beta(monkeypatch):
+    """The prepared head matrices are kept for the same tensors: a new β tensor with the same A, V, ω, or β changed
+    in place, is prepared again."""
+    dtype = torch.float64
+    x, heads, w = problem(dtype, beta_tensor=True, seed=17)
+    first = evaluate(x, heads, w)
+    other = heads.replace(beta=heads.beta * 1.7)
+    new, old, seen = both_ways(monkeypatch, x, other, w)
+    assert seen == [True]
+    assert_same(new, old, dtype)
+    assert float((new.energy - first.energy).abs().max()) > 1e-3
+    heads.beta.mul_(0.5)
+    new, old, _ = both_ways(monkeypatch, x, heads, w)
+    assert_same(new, old, dtype)
+
+
+def test_score_bound_uses_the_token_norms():
+    """Tokens of norm 2 (off the sphere: the flat dynamics): the scores are bounded by β‖A‖_F · 4."""
+    x, heads, _ = problem(torch.float64, seed=18)
+    limit = pair_block.exp_safe_limit(torch.float64, x.shape[-2])
+    bound = float(heads.score_matrix.flatten(-2).norm(dim=-1).max())
+    assert pair_block.scores_bounded(2 * x, heads.replace(beta=0.99 * limit / (4 * bound)))
+    assert not pair_block.scores_bounded(2 * x, heads.replace(beta=1.01 * limit / (4 * bound)))

@@ -195,13 +195,12 @@ class _PrepCache(threading.local):
 _PREP = _PrepCache()
 
 
-def _prepare(heads: Heads, dtype, symmetric: Optional[bool] = None, sign: float = 1.0) -> _Prep:
-    """The :class:`_Prep` of these heads (with the diagnostics' maps when ``symmetric`` is given, the field's
-    sign s in the value map), cached."""
+def _prepare(heads: Heads, dtype, diagnostics: Optional[tuple] = None) -> _Prep:
+    """The :class:`_Prep` of these heads, cached; with ``diagnostics`` = (symmetric, s) also the diagnostics'
+    maps (the field's sign s in the value map)."""
     A, beta = heads.score_matrix, heads.beta
     ts = (A, heads.value_matrix, heads.weights) + ((beta,) if isinstance(beta, torch.Tensor) else ())
-    key = (tuple(t._version for t in ts), None if isinstance(beta, torch.Tensor) else float(beta), dtype, symmetric,
-           float(sign))
+    key = (tuple(t._version for t in ts), None if isinstance(beta, torch.Tensor) else float(beta), dtype, diagnostics)
     entry = _PREP.entry
     if (entry is not None and len(entry[0]) == len(ts) and all(a is b for a, b in zip(entry[0], ts))
             and entry[1] == key):
@@ -211,7 +210,8 @@ def _prepare(heads: Heads, dtype, symmetric: Optional[bool] = None, sign: float 
     qa = (bt.reshape(*bt.shape, 1, 1, 1) if bt.dim() else bt) * A
     bound = float(qa.detach().flatten(-2).norm(dim=-1).max()) if qa.numel() else 0.0
     prep = _Prep(qa.movedim(-3, -2).reshape(*qa.shape[:-3], d, H * d), bound)
-    if symmetric is not None:
+    if diagnostics is not None:
+        symmetric, sign = diagnostics
         # (Σ_h ½ω_h A_h stacked, ½ω_h/β for the column term (None: symmetric), Σ_h ω_h V_h stacked, ω, β)
         omega = heads.weights
         half = omega if symmetric else 0.5 * omega
@@ -506,8 +506,8 @@ def pair_diagnostics(x: torch.Tensor, heads: Heads, weights: Optional[torch.Tens
     if not (c >= 0.0 and math.exp(-c) >= torch.finfo(x.dtype).tiny):
         return None
     symmetric = heads.is_symmetric
-    prep = _prepare(heads, x.dtype, symmetric, sign)
-    sw = _sweep(x, weights, prep, {"columns": not symmetric, "causal": causal, "maps": prep.maps})
+    prep = _prepare(heads, x.dtype, (symmetric, float(sign)))
+    sw = _sweep(x, weights, prep, {"columns": False, "causal": causal, "maps": prep.maps})
     if sw is None:
         return None
     batch = sw.batch

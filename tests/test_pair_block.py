@@ -28,6 +28,12 @@ def tol(dtype):
     return dict(rtol=400 * eps, atol=400 * eps)
 
 
+def safe_limit(dtype, n):
+    """½ log(finfo.max) − log n: every e^{s} with |s| at most this, and any sum of n of them, is finite and normal
+    (e^{limit}·n = finfo.max^{1/2}; 354.9 − log n in float64, 44.4 − log n in float32)."""
+    return 0.5 * math.log(torch.finfo(dtype).max) - math.log(n)
+
+
 def gen(seed):
     return torch.Generator().manual_seed(seed)
 
@@ -210,7 +216,7 @@ def test_large_scores_fall_back_and_stay_correct(monkeypatch, dtype):
     """β‖A‖ above ½ log(finfo.max) − log n: the block declines (the shift-free exp could overflow) and the
     log-sum-exp path gives finite values at the solvers' common scale, the same as with the block switched off."""
     x, heads, w = problem(dtype, seed=6)
-    big = heads.replace(beta=float(2 * pair_block.exp_safe_limit(dtype, x.shape[-2])))
+    big = heads.replace(beta=float(2 * safe_limit(dtype, x.shape[-2])))
     assert pair_block.pair_block(x, big, w) is None
     c = choose_log_scale(softmax_statistics(x, big, w).log_partition)  # the solvers' common scale
     new, old, seen = both_ways(monkeypatch, x, big, w, causal=True, log_scale=c)
@@ -219,7 +225,7 @@ def test_large_scores_fall_back_and_stay_correct(monkeypatch, dtype):
         assert bool(torch.isfinite(getattr(new, k)).all())
         torch.testing.assert_close(getattr(new, k), getattr(old, k), **tol(dtype))
     # the bound itself: just below it the block is taken, and every value is finite
-    limit = pair_block.exp_safe_limit(dtype, x.shape[-2])
+    limit = safe_limit(dtype, x.shape[-2])
     A = heads.score_matrix
     edge = heads.replace(beta=0.999 * limit / float(A.flatten(-2).norm(dim=-1).max()))
     blk = pair_block.pair_block(x, edge, w, causal=True)
@@ -310,7 +316,7 @@ def test_bounded_scores_mean_a_zero_common_scale(dtype):
     """Where β‖A_h‖_F max|x_i|² is below ½ log(finfo.max) − log n every log-partition is too, and the solvers'
     common scale is 0 (what the lazy diagnostics use instead of a kernel pass); not so above it or for NaN."""
     x, heads, w = problem(dtype, seed=11)
-    limit = pair_block.exp_safe_limit(dtype, x.shape[-2])
+    limit = safe_limit(dtype, x.shape[-2])
     assert pair_block.scores_bounded(x, heads)
     lse = softmax_statistics(x, heads, w).log_partition
     assert float(lse.max()) <= limit and choose_log_scale(lse) == 0.0
@@ -437,7 +443,23 @@ def test_prepared_heads_follow_a_new_or_changed_beta(monkeypatch):
 def test_score_bound_uses_the_token_norms():
     """Tokens of norm 2 (off the sphere: the flat dynamics): the scores are bounded by β‖A‖_F · 4."""
     x, heads, _ = problem(torch.float64, seed=18)
-    limit = pair_block.exp_safe_limit(torch.float64, x.shape[-2])
+    limit = safe_limit(torch.float64, x.shape[-2])
     bound = float(heads.score_matrix.flatten(-2).norm(dim=-1).max())
     assert pair_block.scores_bounded(2 * x, heads.replace(beta=0.99 * limit / (4 * bound)))
     assert not pair_block.scores_bounded(2 * x, heads.replace(beta=1.01 * limit / (4 * bound)))
+
+
+def test_safe_limit_closed_form():
+    assert pair_block.exp_safe_limit(torch.float64, 1) == pytest.approx(354.8913, abs=1e-4)
+    assert pair_block.exp_safe_limit(torch.float32, 32) == pytest.approx(44.3614 - math.log(32), abs=1e-4)
+
+
+def test_tokens_off_the_sphere_take_the_block_below_the_bound(monkeypatch):
+    """Tokens of norm 2 (the flat dynamics) with β‖A‖_F · 4 just below the limit: the block is taken."""
+    x, heads, w = problem(torch.float64, seed=19)
+    bound = float(heads.score_matrix.flatten(-2).norm(dim=-1).max())
+    near = heads.replace(beta=0.99 * safe_limit(torch.float64, x.shape[-2]) / (4 * bound))
+    new, old, seen = both_ways(monkeypatch, 2 * x, near, w, causal=True, log_scale=choose_log_scale(
+        softmax_statistics(2 * x, near, w).log_partition))
+    assert seen == [True]
+    assert_same(new, old, torch.float64)

@@ -50,7 +50,6 @@ from .backends import DEFAULT_CHUNK_ELEMENTS, causal_log_prefix_mass, needs_grad
 from .heads import Heads, broadcast_shapes
 from .moments import HeadStats, deferred_mean_stats
 from .softmax import softmax_statistics
-from .sphere import tangent_projection
 
 __all__ = ["PairBlock", "pair_block", "pair_diagnostics", "PairDiagnostics", "MAX_TOKENS", "BLOCK_FRACTION", "BLOCK_BYTES",
            "block_bytes", "exp_safe_limit", "takes", "scores_bounded"]
@@ -451,8 +450,8 @@ class PairDiagnostics:
     velocity, ambient: (..., n, d) s·P_x Σ_h ω_h V_h ȳ_h and s·Σ_h ω_h V_h ȳ_h (causal: the prefix means).
     stats: the whole measure's HeadStats (mean formed on first access).
     outputs: zero-argument callable giving the per-head V_h ȳ_h (..., H, n, d) (causal: the prefix means).
-    grad_first_variation: zero-argument callable giving P_x ∇δE/δμ · e^{−c} (..., n, d) (𝒟 pairs the tangent V
-    with ∇δE/δμ itself).  energy, slope, dissipation: (...,) · e^{−c}.
+    grad_first_variation: zero-argument callable giving P_x ∇δE/δμ · e^{−c} (..., n, d).
+    energy, slope, dissipation: (...,) · e^{−c}.
     """
 
     velocity: torch.Tensor
@@ -465,9 +464,8 @@ class PairDiagnostics:
     dissipation: torch.Tensor
 
 
-def _projected(x: torch.Tensor, g: torch.Tensor, scale: float, batch) -> torch.Tensor:
-    """P_x g · scale, (..., n, d) (∇_S δE/δμ at the common scale, formed on first access)."""
-    g = tangent_projection(x, g)
+def _scaled(g: torch.Tensor, scale: float, batch) -> torch.Tensor:
+    """g · scale as (..., n, d) (∇_S δE/δμ at the common scale, formed on first access)."""
     return (g if scale == 1.0 else g * scale).view(*batch, *g.shape[-2:])
 
 
@@ -519,7 +517,9 @@ def pair_diagnostics(x: torch.Tensor, heads: Heads, weights: Optional[torch.Tens
         field = sw.field  # (B, n, d), s Σ_h ω_h V_h ȳ_h (the sign is in the stacked V map)
         xf = sw.x
         V = torch.addcmul(field, torch.linalg.vecdot(xf, field).unsqueeze(-1), xf, value=-1.0)  # P_x
-        g = sw.grad  # ∇δE/δμ, un-projected and unscaled: 𝒟 pairs it with the tangent V; P_x g e^{−c} on request
+        # P_x ∇δE/δμ (unscaled; e^{−c} applied on request).  𝒟 pairs it, projected: off the sphere (the flat
+        # dynamics) v − ⟨x, v⟩x is not orthogonal to x, so ⟨g, V⟩ is not ⟨P_x g, V⟩
+        g = sw.grad.addcmul_(torch.linalg.vecdot(xf, sw.grad).unsqueeze(-1), xf, value=-1.0)
         m = sw.mass.view(B, n, H)  # m_h(x_i)
         if weights is None:  # the sums of uniform weights were left n times larger
             m = m / n
@@ -539,7 +539,7 @@ def pair_diagnostics(x: torch.Tensor, heads: Heads, weights: Optional[torch.Tens
         stats._pair_sums = _TokenMoment(x, weights, sw.moment, batch)
         outputs = functools.partial(_value_outputs, functools.partial(_statistics_mean, x, heads, weights, True)
                                     if causal else mean_fn, heads.value_matrix)
-        grad = functools.partial(_projected, xf, g, scale, batch)
+        grad = functools.partial(_scaled, g, scale, batch)
         return PairDiagnostics(V.view(*batch, n, d), field.view(*batch, n, d), stats, outputs, grad,
                                (energy * scale).reshape(batch),
                                (sums[:, 0] * scale).reshape(batch), (sums[:, 1] * scale).reshape(batch))

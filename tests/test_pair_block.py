@@ -377,10 +377,12 @@ def test_broadcast_batches_and_partial_blocks(monkeypatch, causal):
     assert_stats(pair_block.pair_block(x, h, w, causal=True).causal(), softmax_statistics(x, h, w, causal=True), dtype)
 
 
-def test_default_sign_is_ascent():
+def test_defaults_are_ascent_at_no_scale():
+    """pair_diagnostics without sign= and log_scale=: s = +1 and c = 0."""
     x, heads, w = problem(torch.float64, seed=13)
-    pd, e = pair_block.pair_diagnostics(x, heads, w), evaluate(x, heads, w, sign=1.0)
+    pd, e = pair_block.pair_diagnostics(x, heads, w), evaluate(x, heads, w, sign=1.0, log_scale=0.0)
     torch.testing.assert_close(pd.velocity, e.velocity, **tol(torch.float64))
+    torch.testing.assert_close(pd.energy, e.energy, **tol(torch.float64))
 
 
 def test_block_bytes_from_the_cache_size(monkeypatch):

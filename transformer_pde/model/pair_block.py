@@ -56,9 +56,9 @@ __all__ = ["PairBlock", "pair_block", "pair_diagnostics", "PairDiagnostics", "MA
 
 #: the largest token count n for which :func:`transformer_pde.model.field.evaluate` takes the one-block
 #: kernel (its (n, n) blocks per head are formed whole; above it the fused O(n)-memory kernels are used).
-#: Measured on one core (d = 16, H = 8, float64, evaluate with diagnostics, docs/performance.md): the one-block
-#: kernel takes 0.2× the time of the fused kernels' passes at n = 32, 0.55× at n = 512, 0.86× at n = 1024 and
-#: 1.25× at n = 2048
+#: Measured on one core (evaluate with diagnostics, d = 16, H = 8 non-symmetric heads per system, 8192 tokens in
+#: all, float64; docs/performance.md): the one-block kernel takes 0.2× the time of the fused kernels' passes at
+#: n = 32, 0.3× at n = 128, 0.55× at n = 512 and 1.0× at n = 1024 (1.25× at n = 2048)
 MAX_TOKENS = 512
 #: the scores of one block of systems, as a fraction of one core's L2 cache
 BLOCK_FRACTION = 0.25

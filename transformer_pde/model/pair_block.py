@@ -223,7 +223,9 @@ def _prepare(heads: Heads, dtype, diagnostics: Optional[tuple] = None) -> _Prep:
 
 class _Workspace(threading.local):
     """Buffers of this thread reused by the next call (the scores and queries of one block of systems:
-    no allocation, and no fresh pages to fault in, per call)."""
+    no allocation, and no fresh pages to fault in, per call).  Each holds one block: about
+    :func:`block_bytes`, or one system's H·n² scores where they are larger (at most the chunk budget of
+    :func:`takes`), and is kept until a larger block, another dtype or device replaces it."""
 
     bufs = None
 

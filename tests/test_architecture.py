@@ -34,7 +34,8 @@ LAYERS = [
     {"transformer_pde.model.backends"},  # the kernel backends (policy, availability) and the block plumbing
     {"transformer_pde.model.moments"},  # HeadStats and the moment algebra of the kernel statistics
     {"transformer_pde.model.softmax", "transformer_pde.model.transport"},  # softmax kernels; optimal transport
-    {"transformer_pde.model.plans", "transformer_pde.model.values"},  # ReLU/Sinkhorn/hardmax plans; the values-first kernel
+    {"transformer_pde.model.plans", "transformer_pde.model.values",
+     "transformer_pde.model.pair_block"},  # ReLU/Sinkhorn/hardmax plans; the values-first kernel; one-block kernel
     {"transformer_pde.model.field"},
     {"transformer_pde.model.energy"},
     {"transformer_pde.model.mobility"},

@@ -60,11 +60,12 @@ from .moments import (
     HeadStats, deferred_mean_stats, head_columns, head_columns_mass, head_columns_products, head_columns_width,
     head_moment_sums_along, mean_applied, per_head_map, scaled_partition,
 )
+from .pair_block import pair_diagnostics, takes as pair_takes
 from .plans import plan_average, relu_statistics
 from .softmax import softmax_statistics
 from .values import softmax_values, values_first_applies
 from .heads import Heads, broadcast_shapes
-from .normalization import names, resolve
+from .normalization import Softmax, names, resolve
 from .sphere import tangent_projection
 
 __all__ = ["FieldEval", "evaluate", "velocity", "head_outputs", "radial_shadows"]
@@ -419,6 +420,13 @@ def evaluate(
     ``causal="sum"``: the un-normalised kernels sum over the prefix instead of averaging (module
     docstring); ``True`` and ``"mean"`` are the prefix mean.
 
+    With diagnostics, no second moment, ``backend="auto"``, the "softmax" normalization, non-symmetric or causal
+    heads and few tokens (:func:`transformer_pde.model.pair_block.takes`: n ≤ 512 and H·n² within the chunk
+    budget), the field, E, 𝒢², 𝒟 and ∇_S δE/δμ come from one exponentiated score block per system
+    (:func:`transformer_pde.model.pair_block.pair_diagnostics`: the transposed statistics are the columns of
+    the same block, the causal ones its lower triangle), where its shift-free exp is safe and no input
+    requires grad; the returned ``stats`` then form their ``mean`` on first access.
+
     Heads with query/key factors and value factors V_h = O_h W_{V,h}, ``diagnostics=False`` and no second
     moment: a "softmax" or "unnormalized" field is computed values first, f_h = O_h Σ_j p_ij W_{V,h} y_j
     (:func:`transformer_pde.model.values.softmax_values`, H·n·m·k_v work instead of H·n·m·d); the
@@ -435,6 +443,13 @@ def evaluate(
                              f"∇ δE/δμ); use one of {names(lambda n: n.causal)} with causal=True")
     if keys is None:
         key_weights = weights
+        if (diagnostics and not second_moment and backend == "auto" and type(norm) is Softmax
+                and (causal or not heads.is_symmetric) and pair_takes(x.shape[-2], heads.num_heads, chunk_elements)):
+            # small n, non-symmetric or causal heads: field and diagnostics from one exp'd score block
+            pd = pair_diagnostics(x, heads, weights, sign=sign, causal=causal, log_scale=log_scale)
+            if pd is not None:
+                return FieldEval(pd.velocity, pd.stats, pd.outputs, pd.grad_first_variation, pd.energy, pd.slope,
+                                 pd.dissipation, ambient=pd.ambient)
     values = None
     if not diagnostics and not second_moment and _values_first(norm, heads):
         # the field only: softmax averages of the k_v-dimensional values W_{V,h} y_j, the moments ȳ_h

@@ -306,6 +306,9 @@ def head_moment_sums(stats: HeadStats, weights: Optional[torch.Tensor], log_scal
     merged = stats.__dict__.get("_merged")
     if merged is not None:
         return _merged_moment_sums(stats, merged, weights, log_scale, x)
+    pair = stats.__dict__.get("_pair_sums")  # the one-block kernel's T (transformer_pde.model.pair_block)
+    if pair is not None:
+        return pair(weights, log_scale, x)
     cols = stats.__dict__.get("_columns")
     if cols is None:
         return None

@@ -60,6 +60,7 @@ from ..model.backends import DEFAULT_CHUNK_ELEMENTS
 from ..model.softmax import softmax_statistics
 from ..model.energy import choose_log_scale
 from ..model.field import evaluate
+from ..model.pair_block import scores_bounded
 from ..model.heads import Heads
 from ..utils.validation import direction_sign
 from .layernorm import geometry_densities
@@ -237,12 +238,17 @@ class RecordedDiagnostics:
         self._series: Optional[Dict[str, torch.Tensor]] = None
         self.given = log_scale is not None
         self._start_max: Optional[float] = None
-        # None: c from the log-partitions at the first record (one kernel pass), as the eager solve fixes it at t0
-        self.log_scale = float(log_scale) if self.given else choose_log_scale(self._first_log_partition())
+        # None: c from the log-partitions at the first record, as the eager solve fixes it at t0 (0 without a
+        # kernel pass where the scores are bounded below the scale's threshold)
+        self.log_scale = float(log_scale) if self.given else (
+            0.0 if scores_bounded(self.x[0], self._first_heads()) else choose_log_scale(self._first_log_partition()))
+
+    def _first_heads(self):
+        return self.heads.chunk(0, 1, self.x.dim() - 3) if self.heads.constant is not None else self.heads.items[0]
 
     def _first_log_partition(self) -> torch.Tensor:
         """log m_h at the first record (no autograd); also fixes :attr:`start_max`."""
-        heads = self.heads.chunk(0, 1, self.x.dim() - 3) if self.heads.constant is not None else self.heads.items[0]
+        heads = self._first_heads()
         with torch.no_grad():
             lp0 = softmax_statistics(self.x[0], heads, self.model.weights,
                                      chunk_elements=self.chunk_elements).log_partition

@@ -434,3 +434,23 @@ def test_weight_path_points_must_match_the_grid():
     scores = heads.score_matrix.expand(3, 2, 3, 3)
     with pytest.raises(ValueError, match="one Heads per grid point"):
         tp.WeightPath(times, scores, torch.zeros_like(scores), None, [0.0] * 3, heads, [heads, heads])
+
+
+@pytest.mark.parametrize("interpolation", ["constant", "linear"])
+def test_ledger_of_layers_closes_with_the_zero_rate_skipped_only_between_jumps(interpolation):
+    """Piecewise-constant layers book ∂_tE = 0 without pairing (the jumps apart); linear layers pair ∂_A E with
+    their non-zero rate. The ledger closes at order dt in both, and linear layers' ∂_tE is not zero."""
+    g = torch.Generator().manual_seed(31)
+    layers = [tp.Heads(torch.randn(2, 3, 3, generator=g, dtype=torch.float64)) for _ in range(3)]
+    proc = tp.Layerwise(layers, interpolation=interpolation, layer_time=0.25)
+    assert proc.piecewise_constant == (interpolation == "constant")
+    x0 = tp.sphere.sample_uniform(9, 3, generator=g, dtype=torch.float64)
+    res = []
+    for dt in (0.01, 0.005):
+        tr = tp.simulate(x0, proc, t1=0.75, dt=dt, method="heun", ledger=True, direction="descent")
+        res.append(float(tr.ledger["residual"][-1].abs()))
+        partial = tr.ledger["partial"][-1]
+        if interpolation == "linear":
+            assert float(partial.abs()) > 1e-3  # the rate is paired
+    assert res[1] < 0.3 * res[0]  # Heun: second order, halving dt divides the residual by about 4
+    assert res[0] < 1e-3

@@ -167,6 +167,12 @@ class WeightDriver:
         return self._cur_heads
 
     @property
+    def rate_is_zero(self) -> bool:
+        """True when dA/dt is 0 at every grid point (a closed-form, piecewise-constant process: its jumps are
+        booked apart), so the ledger's ∂_tE is 0 without forming the rate."""
+        return self.mode == "closed" and self.p.piecewise_constant
+
+    @property
     def rate(self) -> torch.Tensor:
         """dA/dt used by the ledger at the current grid point."""
         if self.mode == "replay":

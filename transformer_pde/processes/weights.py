@@ -102,6 +102,12 @@ class Process:
         """True when Θ_t can be evaluated at any t (deterministic, scheme="exact")."""
         return False
 
+    @property
+    def piecewise_constant(self) -> bool:
+        """True when Θ_t is constant between its jumps (:meth:`jumps`): dA/dt = 0 there, so the energy ledger's
+        ∂_tE is 0 without pairing ∂_A E with a zero rate (Constant; Layerwise with constant interpolation)."""
+        return False
+
     def drift(self, score: torch.Tensor, t: float) -> torch.Tensor:
         raise NotImplementedError
 
@@ -172,6 +178,8 @@ class Constant(Process):
     @property
     def closed_form(self):
         return True
+
+    piecewise_constant = True
 
     def drift(self, score, t):
         return torch.zeros_like(score)
@@ -406,6 +414,10 @@ class Layerwise(Process):
     @property
     def closed_form(self):
         return True
+
+    @property
+    def piecewise_constant(self) -> bool:
+        return self.interpolation == "constant"
 
     def _locate(self, t, left: bool = False):
         """(layer l, fraction of it) at t; ``left``: of the layer that ends at a boundary t."""

@@ -104,8 +104,12 @@ class FixedStepRun:
         if not self.diagnostics:
             return None
         c = self.scale["c"]
-        pt = partial_density(x, heads, self.w, e.stats, self.drv.rate if rate is None else rate, self.drv.sigma,
-                             ito=self.noisy and not self.realised, log_scale=c)
+        ito = self.noisy and not self.realised
+        if self.drv.rate_is_zero and not ito:  # Θ constant between its jumps: ∂_tE = ⟨∂_A E, 0⟩ = 0
+            pt = e.energy.new_zeros(torch.broadcast_shapes(e.energy.shape, x.shape[:-2]))
+        else:
+            pt = partial_density(x, heads, self.w, e.stats, self.drv.rate if rate is None else rate, self.drv.sigma,
+                                 ito=ito, log_scale=c)
         check_ledger(e, pt, self.drv.t, self.drv.k, self.scale)
         if not self.geometry.projected:  # 𝒟 and 𝒢² along the geometry's velocity λ_i P_x A_i
             D, G = geometry_densities(self.geometry, e, heads, self.w, self.r, c)

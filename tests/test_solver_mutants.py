@@ -1,0 +1,113 @@
+"""The fixed-step solve's less travelled paths, each against an independent computation: a layer-norm run
+(pre-, peri-LN: token radii) resumed from a checkpoint equals the uninterrupted run; the kinetic term at a
+given common scale and at the scale chosen at large β; the ledger of a noisy run with and without autograd
+(the fused kernel's moment sums against the plain pairing)."""
+
+import math
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import transformer_pde as tp
+from conftest import gen
+from problems import random_sphere
+
+F64 = torch.float64
+T1, DT = 1.0, 0.1
+
+
+def _heads(dtype, H=2, d=4, seed=3, scale=0.5):
+    A = torch.randn(H, d, d, generator=gen(seed), dtype=F64) * scale
+    V = torch.randn(H, d, d, generator=gen(seed + 1), dtype=F64) * scale
+    return A.to(dtype), V.to(dtype)
+
+
+def _ulps(dtype, k, scale=1.0):
+    eps = torch.finfo(dtype).eps
+    return dict(rtol=k * eps, atol=k * eps * scale)
+
+
+class _Stop(Exception):
+    pass
+
+
+def _stop_at(k_stop):
+    def stop(k, t, x):
+        if k == k_stop:
+            raise _Stop
+    return stop
+
+
+@pytest.mark.parametrize("geometry", ["pre", "peri"])
+def test_a_layer_norm_run_resumes_from_a_checkpoint_with_its_radii(tmp_path, dtype, geometry):
+    """Interrupted after step 7 with checkpoints every 5 steps: the resumed run (token radii r_i and their
+    records restored from the checkpoint) ends with the uninterrupted run's tokens, radii and energies."""
+    x0 = random_sphere(2, 6, 4, dtype=dtype, seed=20)
+    A, V = _heads(dtype)
+    model = tp.Model(tp.Heads(A, V), geometry=geometry, direction="ascent")
+    kw = dict(t1=T1, dt=DT, saveat=tp.SaveAt(every=2))
+    full = tp.solve(model, x0, tp.Euler(), progress=False, **kw)
+    radius = full.extras["radius"]
+    assert float((radius[-1] - 1).abs().max()) > 1e-3  # the radii move: their records are not all ones
+    ck = tp.Checkpointing(tmp_path / "ln.pt", every=5)
+    with pytest.raises(_Stop):
+        tp.solve(model, x0, tp.Euler(), checkpoint=ck, progress=tp.Progress(False, _stop_at(7)), **kw)
+    resumed = tp.solve(model, x0, tp.Euler(), checkpoint=ck, progress=False, **kw)
+    tol = _ulps(dtype, 64)
+    assert_close(resumed.times, full.times)
+    assert_close(resumed.x, full.x, **tol)
+    assert_close(resumed.extras["radius"], radius, **_ulps(dtype, 64, float(radius.abs().max())))
+    assert_close(resumed.energy, full.energy, **_ulps(dtype, 64, float(full.energy.abs().max())))
+
+
+def test_kinetic_term_at_a_given_common_scale(dtype):
+    """With ``energy_log_scale=c`` given, the kinetic term is reported times e^{−c} at that c (not at the
+    scale the run would choose, 0 here)."""
+    x0 = random_sphere(3, 6, 4, dtype=dtype, seed=21)
+    A, V = _heads(dtype)
+    model = tp.Model(tp.Heads(A, V), direction="ascent")
+    kw = dict(t1=T1, dt=DT, progress=False)
+    plain = tp.solve(model, x0, tp.Euler(), ledger=tp.LedgerOptions(diagnostics=False, kinetic=True), **kw)
+    c = 3.0
+    given = tp.solve(model, x0, tp.Euler(),
+                     ledger=tp.LedgerOptions(diagnostics=False, kinetic=True, energy_log_scale=c), **kw)
+    assert plain.stats["energy_log_scale"] == 0.0 and given.stats["energy_log_scale"] == c
+    want = plain.kinetic * math.exp(-c)
+    assert float(plain.kinetic[-1].min()) > 1e-2  # a flow that moves
+    assert_close(given.kinetic, want, **_ulps(dtype, 64, float(want.abs().max())))
+
+
+def test_kinetic_term_at_large_beta_is_at_the_chosen_common_scale(dtype):
+    """At β‖A‖ beyond R/2 (R = log of the dtype's largest float) the run chooses c ≠ 0 from the
+    log-partitions at t0 (the ledger's rule): the kinetic term is the ledger's "slope" at that same c."""
+    x0 = random_sphere(2, 5, 3, dtype=dtype, seed=22)
+    beta = 60.0 if dtype == torch.float32 else 400.0  # log m ≈ β > R/2 (44.4 in float32, 354.9 in float64)
+    e = torch.eye(3, dtype=dtype)
+    model = tp.Model(tp.Heads(e[None], None, None, beta), direction="ascent")
+    kw = dict(t1=0.2, dt=0.02, progress=False)
+    led = tp.solve(model, x0, tp.Euler(), ledger=tp.LedgerOptions(ledger=True), **kw)
+    kin = tp.solve(model, x0, tp.Euler(), ledger=tp.LedgerOptions(diagnostics=False, kinetic=True), **kw)
+    c = led.stats["energy_log_scale"]
+    assert c > beta  # the common scale is in use
+    assert kin.stats["energy_log_scale"] == c
+    slope = led.ledger["slope"]
+    assert float(slope[-1].min()) > 0.0
+    assert_close(kin.kinetic, slope, **_ulps(dtype, 256, float(slope.abs().max())))
+
+
+def test_noisy_ledger_is_the_same_with_and_without_autograd(dtype):
+    """The Itô terms of a noisy run (martingale increments, ∂_tE and the Itô correction) from the fused
+    kernel's moment sums (no autograd) and from the plain pairing of the statistics (tokens that require
+    a gradient): the same ledger, to rounding."""
+    x0 = random_sphere(2, 6, 4, dtype=dtype, seed=23)
+    A, _ = _heads(dtype)
+    theta = tp.OrnsteinUhlenbeck(tp.Heads(A + A.transpose(-1, -2)), mean=torch.eye(4, dtype=dtype), sigma=0.5)
+    model = tp.Model(theta, direction="ascent")
+    kw = dict(t1=0.5, dt=0.05, paths=2, seed=24, ledger=tp.LedgerOptions(ledger=True), progress=False)
+    ref = tp.solve(model, x0, tp.Euler(), **kw)
+    grad = tp.solve(model, x0.clone().requires_grad_(True), tp.Euler(), **kw)
+    for key in ("martingale", "partial", "slope"):
+        want = ref.ledger[key]
+        assert float(want.abs().max()) > 1e-3, key
+        assert_close(grad.ledger[key].detach(), want, **_ulps(dtype, 256, float(want.abs().max())))

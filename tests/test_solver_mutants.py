@@ -11,7 +11,7 @@ from torch.testing import assert_close
 
 import transformer_pde as tp
 from conftest import gen
-from problems import random_sphere
+from problems import naive_pairing, naive_slope, random_sphere, random_weights
 
 F64 = torch.float64
 T1, DT = 1.0, 0.1
@@ -111,3 +111,77 @@ def test_noisy_ledger_is_the_same_with_and_without_autograd(dtype):
         want = ref.ledger[key]
         assert float(want.abs().max()) > 1e-3, key
         assert_close(grad.ledger[key].detach(), want, **_ulps(dtype, 256, float(want.abs().max())))
+
+
+def test_trapezoid_ledger_at_the_kinks_of_linear_layers(dtype):
+    """Heun with linearly interpolated layers (Θ continuous, Ȧ jumps at the layer starts t = 0.5, 1): the
+    ledger's ∫𝒢² dt and ∫∂_tE dt are the trapezoid sums of the naive 𝒢² and ⟨∂_A E, Ȧ⟩ (tests/problems.py)
+    over the recorded states, the right end of the step that ends at a layer start taken at Θ(t_{k+1}) and
+    the left limit Ȧ(t_{k+1}−) (the slope of the layer that ends there)."""
+    x0 = random_sphere(2, 6, 4, dtype=dtype, seed=25)
+    w = random_weights((2, 6), seed=26, floor=0.2).to(dtype)
+    layers = [(0.5 * a + 0.5 * a.transpose(-1, -2)) for a in (_heads(dtype, seed=s)[0] for s in (30, 32, 34))]
+    lt = 0.5
+    theta = tp.Layerwise([tp.Heads(a) for a in layers], "linear", layer_time=lt)
+    tr = tp.solve(tp.Model(theta, direction="ascent", weights=w), x0, tp.Heun(), t1=T1, dt=DT,
+                  saveat=tp.SaveAt(every=1), ledger=tp.LedgerOptions(ledger=True), progress=False)
+    K, xs = round(T1 / DT), tr.x
+    omega = torch.full((2,), 0.5, dtype=dtype)
+
+    def at(t):  # Θ(t) of the linear interpolation, and the layer index of the step that starts at t
+        l = min(int(t / lt + 1e-9), len(layers) - 1)
+        frac = t / lt - l
+        A = layers[l] if l == len(layers) - 1 else layers[l] + frac * (layers[l + 1] - layers[l])
+        return A, l
+
+    G = lambda x, A: naive_slope(x, A, omega, 1.0, w)  # noqa: E731
+
+    def P(x, A, l):  # per batch entry: naive_pairing's autograd sums the energy over the batch
+        rate = (layers[l + 1] - layers[l]) / lt
+        return torch.stack([naive_pairing(x[b], A, omega, 1.0, w[b], rate) for b in range(x.shape[0])])
+    slope, partial = [], []
+    for k in range(K):
+        (A0, l), (A1, _) = at(k * DT), at((k + 1) * DT)
+        slope.append(0.5 * DT * (G(xs[k], A0) + G(xs[k + 1], A1)))
+        partial.append(0.5 * DT * (P(xs[k], A0, l) + P(xs[k + 1], A1, l)))  # Ȧ of the step's own layer
+    for key, inc in (("slope", slope), ("partial", partial)):
+        want = torch.cumsum(torch.stack(inc), 0)
+        assert float(want[-1].abs().min()) > 1e-3, key
+        assert_close(tr.ledger[key][1:], want, **_ulps(dtype, 256, float(want.abs().max())))
+
+
+def test_a_checkpoint_without_the_scale_entry_resumes_at_scale_zero(tmp_path):
+    """A checkpoint of an earlier version holds no common scale: the run resumes at c = 0 (the scale
+    such a run had) and ends with the uninterrupted run's ledger."""
+    x0 = random_sphere(2, 6, 4, seed=27)
+    A, V = _heads(F64)
+    model = tp.Model(tp.Heads(A, V), direction="ascent")
+    kw = dict(t1=T1, dt=DT, ledger=tp.LedgerOptions(ledger=True))
+    full = tp.solve(model, x0, tp.Euler(), progress=False, **kw)
+    path = tmp_path / "old.pt"
+    ck = tp.Checkpointing(path, every=5)
+    with pytest.raises(_Stop):
+        tp.solve(model, x0, tp.Euler(), checkpoint=ck, progress=tp.Progress(False, _stop_at(7)), **kw)
+    state = torch.load(path, weights_only=False)
+    del state["scale"]
+    torch.save(state, path)
+    resumed = tp.solve(model, x0, tp.Euler(), checkpoint=ck, progress=False, **kw)
+    assert resumed.stats["energy_log_scale"] == 0.0
+    for key in ("slope", "dissipation", "residual"):
+        assert_close(resumed.ledger[key], full.ledger[key], **_ulps(F64, 64, float(full.ledger["slope"].abs().max())))
+
+
+def test_kinetic_term_at_large_beta_resumes_at_its_common_scale(tmp_path, dtype):
+    """A large-β kinetic run (c ≠ 0) resumed from a checkpoint continues at the checkpoint's c."""
+    x0 = random_sphere(2, 5, 3, dtype=dtype, seed=28)
+    beta = 60.0 if dtype == torch.float32 else 400.0
+    model = tp.Model(tp.Heads(torch.eye(3, dtype=dtype)[None], None, None, beta), direction="ascent")
+    kw = dict(t1=0.2, dt=0.02, ledger=tp.LedgerOptions(diagnostics=False, kinetic=True))
+    full = tp.solve(model, x0, tp.Euler(), progress=False, **kw)
+    assert full.stats["energy_log_scale"] > beta
+    ck = tp.Checkpointing(tmp_path / "kin.pt", every=4)
+    with pytest.raises(_Stop):
+        tp.solve(model, x0, tp.Euler(), checkpoint=ck, progress=tp.Progress(False, _stop_at(6)), **kw)
+    resumed = tp.solve(model, x0, tp.Euler(), checkpoint=ck, progress=False, **kw)
+    assert resumed.stats["energy_log_scale"] == full.stats["energy_log_scale"]
+    assert_close(resumed.kinetic, full.kinetic, **_ulps(dtype, 64, float(full.kinetic.abs().max())))

@@ -185,3 +185,28 @@ def test_kinetic_term_at_large_beta_resumes_at_its_common_scale(tmp_path, dtype)
     resumed = tp.solve(model, x0, tp.Euler(), checkpoint=ck, progress=False, **kw)
     assert resumed.stats["energy_log_scale"] == full.stats["energy_log_scale"]
     assert_close(resumed.kinetic, full.kinetic, **_ulps(dtype, 64, float(full.kinetic.abs().max())))
+
+
+def test_lazy_diagnostics_at_large_beta_report_their_common_scale(dtype):
+    """The default (lazy) diagnostics at β‖A‖ beyond R/2: E, 𝒢² and the reported common scale c are the
+    eager ledger run's (the scale chosen from the records' log-partitions at t0, not the solve's c = 0)."""
+    x0 = random_sphere(2, 5, 3, dtype=dtype, seed=29)
+    beta = 60.0 if dtype == torch.float32 else 400.0
+    model = tp.Model(tp.Heads(torch.eye(3, dtype=dtype)[None], None, None, beta), direction="ascent")
+    kw = dict(t1=0.2, dt=0.02, progress=False)
+    eager = tp.solve(model, x0, tp.Euler(), ledger=tp.LedgerOptions(ledger=True), **kw)
+    lazy = tp.solve(model, x0, tp.Euler(), **kw)
+    c = eager.stats["energy_log_scale"]
+    assert c > beta and lazy.stats["energy_log_scale"] == c
+    for key in ("energy", "slope"):
+        want = getattr(eager, key)
+        assert_close(getattr(lazy, key), want, **_ulps(dtype, 256, float(want.abs().max())))
+
+
+def test_a_weighted_solve_carries_its_token_weights(dtype):
+    x0 = random_sphere(3, 6, 4, dtype=dtype, seed=30)
+    w = random_weights((3, 6), seed=31, floor=0.2).to(dtype)
+    A, V = _heads(dtype)
+    tr = tp.solve(tp.Model(tp.Heads(A, V), weights=w), x0, tp.Euler(), t1=0.2, dt=DT, progress=False)
+    assert tr.weights is not None and "weights=" in repr(tr)
+    assert_close(tr.weights, w)

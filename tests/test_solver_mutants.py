@@ -3,6 +3,7 @@
 given common scale and at the scale chosen at large β; the ledger of a noisy run with and without autograd
 (the fused kernel's moment sums against the plain pairing)."""
 
+import logging
 import math
 
 import pytest
@@ -210,3 +211,76 @@ def test_a_weighted_solve_carries_its_token_weights(dtype):
     tr = tp.solve(tp.Model(tp.Heads(A, V), weights=w), x0, tp.Euler(), t1=0.2, dt=DT, progress=False)
     assert tr.weights is not None and "weights=" in repr(tr)
     assert_close(tr.weights, w)
+
+
+def _first_coordinate_mean(x, weights):
+    return x[..., 0].mean(-1)
+
+
+def _second_coordinate_mean(x, weights):
+    return x[..., 1].mean(-1)
+
+
+def test_a_checkpoint_names_the_inputs_that_differ(tmp_path):
+    """A resume with another normalization, quadrature or observable is refused, naming that input; a
+    resume with the same observables continues with the uninterrupted run's records."""
+    x0 = random_sphere(2, 6, 4, seed=32)
+    A, V = _heads(F64)
+    heads = tp.Heads(A, V)
+    led = tp.LedgerOptions(ledger=True, quadrature="trapezoid")
+    kw = dict(t1=T1, dt=DT)
+    obs = tp.SaveAt(every=2, observables={"m": _first_coordinate_mean})
+    full = tp.solve(tp.Model(heads), x0, tp.Euler(), ledger=led, saveat=obs, progress=False, **kw)
+    ck = tp.Checkpointing(tmp_path / "ck.pt", every=5)
+    with pytest.raises(_Stop):
+        tp.solve(tp.Model(heads), x0, tp.Euler(), ledger=led, saveat=obs, checkpoint=ck,
+                 progress=tp.Progress(False, _stop_at(7)), **kw)
+    refusals = [
+        (dict(model=tp.Model(heads, normalization="unnormalized")), r"these inputs differ: normalization\)"),
+        (dict(ledger=tp.LedgerOptions(ledger=True, quadrature="left")), r"these inputs differ: quadrature\)"),
+        (dict(saveat=tp.SaveAt(every=2, observables={"m": _second_coordinate_mean})),
+         r"these inputs differ: observables\['m'\]\)"),
+    ]
+    for change, match in refusals:
+        args = dict(model=tp.Model(heads), ledger=led, saveat=obs) | change
+        with pytest.raises(ValueError, match=match):
+            tp.solve(args["model"], x0, tp.Euler(), ledger=args["ledger"], saveat=args["saveat"], checkpoint=ck,
+                     progress=False, **kw)
+    resumed = tp.solve(tp.Model(heads), x0, tp.Euler(), ledger=led, saveat=obs, checkpoint=ck, progress=False, **kw)
+    assert_close(resumed.observables["m"], full.observables["m"], **_ulps(F64, 64))
+    assert_close(resumed.ledger["residual"], full.ledger["residual"], **_ulps(F64, 64))
+
+
+def test_adaptive_run_reports_its_steps_and_field_evaluations():
+    """stats of a Dopri5 solve (with and without the adjoint): "steps" is the dt grid's K = (t1 − t0)/dt, and
+    "field_evaluations" counts the dopri5 stages: positive, and more at a tighter tolerance."""
+    x0 = random_sphere(2, 6, 4, seed=33)
+    A, V = _heads(F64, scale=1.0)
+    model = tp.Model(tp.Heads(A, V))
+    kw = dict(t1=T1, dt=DT)
+    for adjoint in (False, True):
+        loose = tp.solve(model, x0, tp.Dopri5(rtol=1e-3, atol=1e-5, adjoint=adjoint), **kw)
+        tight = tp.solve(model, x0, tp.Dopri5(rtol=1e-10, atol=1e-12, adjoint=adjoint), **kw)
+        assert loose.stats["steps"] == tight.stats["steps"] == 10
+        assert tight.stats["field_evaluations"] > loose.stats["field_evaluations"] >= 7  # one dopri5 step: 7 stages
+
+
+def test_a_bad_dopri5_tolerance_is_named():
+    with pytest.raises(ValueError, match=r"Dopri5\.atol"):
+        tp.Dopri5(atol=-1.0)
+    with pytest.raises(ValueError, match=r"Dopri5\.rtol"):
+        tp.Dopri5(rtol=0.0)
+
+
+def test_the_common_scale_is_logged_only_when_it_is_not_zero(caplog):
+    """An eager ledger at β‖A‖ beyond R/2 logs the chosen c (info); at β = 1 (c = 0) nothing is logged."""
+    x0 = random_sphere(2, 5, 3, seed=34)
+    e = torch.eye(3, dtype=F64)
+    kw = dict(t1=0.1, dt=0.05, ledger=tp.LedgerOptions(ledger=True), progress=False)
+    with caplog.at_level(logging.INFO, logger="transformer_pde.solvers.particle"):
+        tp.solve(tp.Model(tp.Heads(e[None])), x0, tp.Euler(), **kw)
+        assert not [r for r in caplog.records if "reported times e^" in r.getMessage()]
+        tr = tp.solve(tp.Model(tp.Heads(e[None], None, None, 400.0)), x0, tp.Euler(), **kw)
+    c = tr.stats["energy_log_scale"]
+    msgs = [r.getMessage() for r in caplog.records if "reported times e^" in r.getMessage()]
+    assert c > 400.0 and len(msgs) == 1 and f"e^(-{c:.6g})" in msgs[0], msgs

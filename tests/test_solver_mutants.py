@@ -284,3 +284,12 @@ def test_the_common_scale_is_logged_only_when_it_is_not_zero(caplog):
     c = tr.stats["energy_log_scale"]
     msgs = [r.getMessage() for r in caplog.records if "reported times e^" in r.getMessage()]
     assert c > 400.0 and len(msgs) == 1 and f"e^(-{c:.6g})" in msgs[0], msgs
+
+
+def test_simulate_names_the_tolerances_a_fixed_step_method_has_not():
+    x0 = random_sphere(5, 3, seed=35)
+    heads = tp.Heads(torch.eye(3, dtype=F64)[None])
+    with pytest.raises(ValueError, match=r"^rtol=0\.001: rtol and atol are the tolerances of method='adaptive'"):
+        tp.simulate(x0, heads, t1=0.2, dt=0.1, method="euler", rtol=1e-3)
+    with pytest.raises(ValueError, match=r"^rtol=0\.001, atol=1e-06: rtol and atol"):
+        tp.simulate(x0, heads, t1=0.2, dt=0.1, method="heun", rtol=1e-3, atol=1e-6)

@@ -5,6 +5,7 @@ given common scale and at the scale chosen at large β; the ledger of a noisy ru
 
 import logging
 import math
+import re
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from torch.testing import assert_close
 
 import transformer_pde as tp
 from conftest import gen
-from problems import naive_pairing, naive_slope, random_sphere, random_weights
+from problems import naive_kernel, naive_pairing, naive_slope, random_sphere, random_weights
 
 F64 = torch.float64
 T1, DT = 1.0, 0.1
@@ -273,7 +274,8 @@ def test_a_bad_dopri5_tolerance_is_named():
 
 
 def test_the_common_scale_is_logged_only_when_it_is_not_zero(caplog):
-    """An eager ledger at β‖A‖ beyond R/2 logs the chosen c (info); at β = 1 (c = 0) nothing is logged."""
+    """An eager ledger at β‖A‖ beyond R/2 logs the chosen c and the largest log-partition at t0 (info); at
+    β = 1 (c = 0) nothing is logged."""
     x0 = random_sphere(2, 5, 3, seed=34)
     e = torch.eye(3, dtype=F64)
     kw = dict(t1=0.1, dt=0.05, ledger=tp.LedgerOptions(ledger=True), progress=False)
@@ -284,6 +286,10 @@ def test_the_common_scale_is_logged_only_when_it_is_not_zero(caplog):
     c = tr.stats["energy_log_scale"]
     msgs = [r.getMessage() for r in caplog.records if "reported times e^" in r.getMessage()]
     assert c > 400.0 and len(msgs) == 1 and f"e^(-{c:.6g})" in msgs[0], msgs
+    # the largest log-partition at t0 it names: max_i log (1/n) Σ_j e^{β⟨x_i, x_j⟩}, from the dense kernel
+    L = float(torch.log(naive_kernel(x0, e[None], 400.0).mean(-1)).max())
+    named = float(re.search(r"largest log-partition at t0: ([-+.\de]+)", msgs[0]).group(1))
+    assert abs(named - L) <= 1e-5 * abs(L), (named, L)
 
 
 def test_simulate_names_the_tolerances_a_fixed_step_method_has_not():

@@ -299,3 +299,35 @@ def test_simulate_names_the_tolerances_a_fixed_step_method_has_not():
         tp.simulate(x0, heads, t1=0.2, dt=0.1, method="euler", rtol=1e-3)
     with pytest.raises(ValueError, match=r"^rtol=0\.001, atol=1e-06: rtol and atol"):
         tp.simulate(x0, heads, t1=0.2, dt=0.1, method="heun", rtol=1e-3, atol=1e-6)
+
+
+def test_replaying_a_sampled_weight_path_reproduces_the_noisy_run(dtype):
+    """A solve whose process is the weight path of a noisy run with paths=3 (one set of tokens, the path's
+    own paths axis) carries the tokens over that axis from t0 and reproduces the run's tokens."""
+    A, _ = _heads(dtype, H=2, d=3, seed=36)
+    x0 = random_sphere(5, 3, dtype=dtype, seed=37)
+    theta = tp.OrnsteinUhlenbeck(tp.Heads(A + A.transpose(-1, -2)), sigma=0.5)
+    kw = dict(t1=0.3, dt=0.1, progress=False)
+    noisy = tp.solve(tp.Model(theta), x0, tp.Euler(), paths=3, seed=1, saveat=tp.SaveAt(path=True), **kw)
+    replay = tp.solve(tp.Model(noisy.path), x0, tp.Euler(), **kw)
+    assert replay.x.shape == noisy.x.shape == (4, 3, 5, 3)
+    assert float((noisy.x[-1, 0] - noisy.x[-1, 1]).abs().max()) > 1e-3  # the paths differ
+    assert_close(replay.x, noisy.x, **_ulps(dtype, 16))
+
+
+def test_memory_estimate_of_the_recorded_tokens_counts_the_batch_tokens_and_dimension():
+    """The recorded tokens take T·B·n·d·itemsize bytes, T = K/record_every + 2: with n ≠ d, and with B the
+    paths axis of a replayed weight path."""
+    from transformer_pde.solvers import particle
+
+    def recorded(x0, process):
+        return particle._estimate_memory(x0, process, K=10, record_every=1, paths=None, method="euler",
+                                         diagnostics=False, return_path=False, chunk_elements=None, noisy=False,
+                                         obs={})["the recorded tokens"]
+    A, _ = _heads(F64, H=2, d=3, seed=38)
+    theta = tp.OrnsteinUhlenbeck(tp.Heads(A + A.transpose(-1, -2)), sigma=0.5)
+    x0 = random_sphere(2, 7, 3, seed=39)
+    assert recorded(x0, theta) == 12 * 2 * 7 * 3 * 8
+    path = tp.solve(tp.Model(theta), x0[0], tp.Euler(), t1=0.2, dt=0.1, paths=3, seed=1,
+                    saveat=tp.SaveAt(path=True), progress=False).path
+    assert recorded(x0[0], path) == 12 * 3 * 7 * 3 * 8

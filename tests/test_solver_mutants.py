@@ -331,3 +331,30 @@ def test_memory_estimate_of_the_recorded_tokens_counts_the_batch_tokens_and_dime
     path = tp.solve(tp.Model(theta), x0[0], tp.Euler(), t1=0.2, dt=0.1, paths=3, seed=1,
                     saveat=tp.SaveAt(path=True), progress=False).path
     assert recorded(x0[0], path) == 12 * 3 * 7 * 3 * 8
+
+
+def _estimate(x0, process, **kw):
+    from transformer_pde.solvers import particle
+    args = dict(K=10, record_every=1, paths=None, method="euler", diagnostics=False, return_path=False,
+                chunk_elements=None, noisy=True, obs={})
+    return particle._estimate_memory(x0, process, **(args | kw))
+
+
+def test_memory_estimate_of_the_weight_path_and_the_adaptive_solution():
+    """The weight path's estimate is the same multiple of the stored path's scores for batched heads as for one
+    set of heads (the heads' batch is in their element count once); an adaptive solve adds its solution on the record grid (two T·B·n·d arrays, T = K + 2) to a fixed step's."""
+    A, _ = _heads(F64, H=2, d=3, seed=40)
+    S = A + A.transpose(-1, -2)
+    x0 = random_sphere(4, 7, 3, seed=41)
+    one = tp.OrnsteinUhlenbeck(tp.Heads(S), sigma=0.5)
+    batched = tp.OrnsteinUhlenbeck(tp.Heads(S.expand(4, 2, 3, 3).clone()), sigma=0.5)
+    kw = dict(t1=1.0, dt=0.1, saveat=tp.SaveAt(path=True), progress=False)
+    ratios = []
+    for theta in (one, batched):  # the estimate against the stored path's scores, (K + 1) × batch × H × d × d
+        scores = tp.solve(tp.Model(theta), x0, tp.Euler(), **kw).path.scores
+        est = _estimate(x0, theta, return_path=True)["the weight path"]
+        ratios.append(est / (scores.numel() * scores.element_size()))
+    assert ratios[0] >= 1.0  # an upper estimate (scores, rates and noise increments: (3K + 2)/(K + 1) of them)
+    assert ratios[1] == pytest.approx(ratios[0], rel=1e-12)  # not counting the heads' batch twice
+    adaptive, euler = (sum(_estimate(x0, one, method=m, noisy=False).values()) for m in ("adaptive", "euler"))
+    assert adaptive - euler >= 2 * 12 * 4 * 7 * 3 * 8

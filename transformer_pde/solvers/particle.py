@@ -398,7 +398,7 @@ def _estimate_memory(x0, process, *, K, record_every, paths, method, diagnostics
     if obs:
         out["the observables"] = T * B * d * len(obs) * item
     if lazy and not isinstance(process, Constant):  # the heads of every record, for the diagnostics on first read
-        out["the recorded heads"] = path_bytes(h0, T, paths, False, batch=float(math.prod(batch)) if hb else 1.0) / 2
+        out["the recorded heads"] = path_bytes(h0, T, paths, False) / 2  # Θ of each record (the heads' own batch)
     block = B * H * n * n
     cap = chunk_elements if chunk_elements is not None else DEFAULT_CHUNK_ELEMENTS
     out["the kernel blocks"] = min(block, max(cap, B * H * n)) * item * 4
@@ -406,8 +406,8 @@ def _estimate_memory(x0, process, *, K, record_every, paths, method, diagnostics
     out["the field and its stages"] = B * H * n * (d * d if noisy else d) * item * 2 + (stages + 2) * B * n * d * item
     stored = return_path or (method == "adaptive" and not process.closed_form and not isinstance(process, WeightPath))
     if stored or not process.closed_form and not isinstance(process, WeightPath):
-        b_heads = float(math.prod(batch)) if hb else 1.0
-        out["the weight path"] = path_bytes(h0, K if stored else 1, paths, noisy, batch=b_heads)
+        # the path has the heads' own batch axes (in h0's element count), not the tokens' (Θ is shared by them)
+        out["the weight path"] = path_bytes(h0, K if stored else 1, paths, noisy)
     if method == "adaptive":
         out["the adaptive solution on the record grid"] = T * B * n * d * item * 2
     return out

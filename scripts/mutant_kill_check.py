@@ -7,7 +7,8 @@ of the package and run the named tests against it (the checkout is never touched
 cases.json: a list of [file, old text, new text, "pytest arguments"], e.g.
     [["transformer_pde/model/energy.py", "/ (2 * beta)", "/ (2 / beta)", "tests/test_energy_and_field_formulas.py -k energy"]]
 or a verdict file of scripts/mutation_summary.py (objects whose "case" is such a list; only the
-"killed" ones are checked).  ``old`` must occur exactly once in the file.  Prints KILLED or SURVIVED
+"killed" ones are checked, except those marked ``"historical": true``: verdicts of an earlier run whose code
+has changed since, kept as the record of that run).  ``old`` must occur exactly once in the file.  Prints KILLED or SURVIVED
 per case and exits 1 if any survived or was skipped.  Used for the survivors of a mutmut run whose
 killing tests are not in the run's tree (docs/MUTATION_REPORT.md).
 """
@@ -27,7 +28,7 @@ def cases(paths):
     for path in paths:
         for c in json.load(open(path)):
             if isinstance(c, dict):
-                if c.get("verdict") == "killed":
+                if c.get("verdict") == "killed" and not c.get("historical"):
                     yield c["mutant"], c["case"]
             else:
                 yield "", c

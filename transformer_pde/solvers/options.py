@@ -77,10 +77,11 @@ class LedgerOptions:
         also keep the energy ledger (``traj.ledger``): E, 𝒢², 𝒟, ∂_tE and the Itô terms evaluated
         at every step (the quadrature's points), one diagnostics evaluation per step in place of the
         tokens-only one.  Its cost depends on what the tokens-only step saves: measured
-        (scripts/benchmark_lazy_diagnostics.py, one thread, medians of 3 repeats, float64 / float32)
-        6.6× / 5.2× the tokens-only solve on the peers' post-LN workload (whose tokens-only step is one
-        fused pass) and 1.14× / 1.12× on the paper's H = 100 OU step (the diagnostics share the step's
-        kernel pass).
+        (scripts/benchmark_diagnostics.py, one thread, float64, median of 5 pairs, idle / 2 busy processes
+        per core) 1.16× / 1.12× the tokens-only solve on the paper's H = 100 OU step and 1.06× / 1.04× on a
+        causal one (the diagnostics share the step's kernel pass), 1.8× with token noise at n = 200 (per-step
+        bookkeeping on a small step), 2.0× on the peers' post-LN workload (non-symmetric heads: the column
+        half of ∇δE/δμ is one more product per head than the fused tokens-only pass; docs/performance.md).
         Needs ``diagnostics=True``.  Without it, reading ``traj.ledger`` raises a ValueError and the
         diagnostics of the records are computed on first read: free when never read, about one
         kernel pass per record when read (so sparse records, ``SaveAt(every=k)``, are what saves).

@@ -264,17 +264,23 @@ class Interrupted(Exception):
     """Raised by :func:`interrupt_and_resume`'s callback to stop a run mid-way."""
 
 
+def stop_at_step(k_stop):
+    """A solver callback ``(k, t, x)`` that raises :class:`Interrupted` at step ``k_stop`` (a kill, as the
+    checkpoint/resume tests need it)."""
+    def stop(k, t, x):
+        if k == k_stop:
+            raise Interrupted
+    return stop
+
+
 def interrupt_and_resume(x0, theta, checkpoint, *, stop_at, checkpoint_every=5, **kw):
     """Run ``tp.simulate`` with checkpoints, stop it at step ``stop_at`` (an exception from the
     callback, as a kill would), then resume from the checkpoint; returns the resumed Trajectory."""
     import pytest
     import transformer_pde as tp
 
-    def stop(k, t, x):
-        if k == stop_at:
-            raise Interrupted
-
     with pytest.raises(Interrupted):
-        tp.simulate(x0, theta, checkpoint=checkpoint, checkpoint_every=checkpoint_every, callback=stop, **kw)
+        tp.simulate(x0, theta, checkpoint=checkpoint, checkpoint_every=checkpoint_every,
+                    callback=stop_at_step(stop_at), **kw)
     assert checkpoint.exists(), "the interrupted run left no checkpoint"
     return tp.simulate(x0, theta, checkpoint=checkpoint, checkpoint_every=checkpoint_every, **kw)

@@ -13,22 +13,11 @@ from torch.testing import assert_close
 
 import transformer_pde as tp
 from conftest import gen
-from problems import tokens_and_heads
+from problems import Interrupted, stop_at_step, tokens_and_heads
 from transformer_pde import processes
 from transformer_pde.solvers import parts, particle
 
 F64 = torch.float64
-
-
-class Kill(Exception):
-    pass
-
-
-def _kill_at(k_stop):
-    def cb(k, t, x):
-        if k == k_stop:
-            raise Kill
-    return cb
 
 
 def _problem(dtype=F64, n=5):
@@ -38,8 +27,8 @@ def _problem(dtype=F64, n=5):
 def _checkpointed(tmp_path, x0, theta, stop=5, **kw):
     """A checkpoint of the run interrupted after step ``stop`` (written at step 3)."""
     ck = tmp_path / "run.ckpt"
-    with pytest.raises(Kill):
-        tp.simulate(x0, theta, checkpoint=ck, checkpoint_every=3, callback=_kill_at(stop), **kw, direction="descent")
+    with pytest.raises(Interrupted):
+        tp.simulate(x0, theta, checkpoint=ck, checkpoint_every=3, callback=stop_at_step(stop), **kw, direction="descent")
     assert ck.is_file()
     return ck
 
@@ -149,8 +138,8 @@ def test_checkpoint_never_writes_through_a_planted_temp_link(tmp_path):
     victim.write_text("keep me")
     ck = tmp_path / "run.ckpt"
     os.symlink(victim, tmp_path / "run.ckpt.tmp")
-    with pytest.raises(Kill):
-        tp.simulate(x0, h, t1=0.5, dt=0.05, checkpoint=ck, checkpoint_every=3, callback=_kill_at(5), direction="descent")
+    with pytest.raises(Interrupted):
+        tp.simulate(x0, h, t1=0.5, dt=0.05, checkpoint=ck, checkpoint_every=3, callback=stop_at_step(5), direction="descent")
     assert victim.read_text() == "keep me"
     assert ck.is_file() and not ck.is_symlink()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.ckpt", "run.ckpt.tmp", "victim.txt"]

@@ -16,7 +16,7 @@ from torch.testing import assert_close
 
 import transformer_pde as tp
 from conftest import gen
-from problems import naive_kernel, naive_pairing, naive_slope, random_sphere, random_weights
+from problems import Interrupted, stop_at_step, naive_kernel, naive_pairing, naive_slope, random_sphere, random_weights
 
 F64 = torch.float64
 T1, DT = 1.0, 0.1
@@ -33,17 +33,6 @@ def _ulps(dtype, k, scale=1.0):
     return dict(rtol=k * eps, atol=k * eps * scale)
 
 
-class _Stop(Exception):
-    pass
-
-
-def _stop_at(k_stop):
-    def stop(k, t, x):
-        if k == k_stop:
-            raise _Stop
-    return stop
-
-
 @pytest.mark.parametrize("geometry", ["pre", "peri"])
 def test_a_layer_norm_run_resumes_from_a_checkpoint_with_its_radii(tmp_path, dtype, geometry):
     """Interrupted after step 7 with checkpoints every 5 steps: the resumed run (token radii r_i and their
@@ -56,8 +45,8 @@ def test_a_layer_norm_run_resumes_from_a_checkpoint_with_its_radii(tmp_path, dty
     radius = full.extras["radius"]
     assert float((radius[-1] - 1).abs().max()) > 1e-3  # the radii move: their records are not all ones
     ck = tp.Checkpointing(tmp_path / "ln.pt", every=5)
-    with pytest.raises(_Stop):
-        tp.solve(model, x0, tp.Euler(), checkpoint=ck, progress=tp.Progress(False, _stop_at(7)), **kw)
+    with pytest.raises(Interrupted):
+        tp.solve(model, x0, tp.Euler(), checkpoint=ck, progress=tp.Progress(False, stop_at_step(7)), **kw)
     resumed = tp.solve(model, x0, tp.Euler(), checkpoint=ck, progress=False, **kw)
     tol = _ulps(dtype, 64)
     assert_close(resumed.times, full.times)
@@ -165,8 +154,8 @@ def test_a_checkpoint_without_the_scale_entry_resumes_at_scale_zero(tmp_path):
     full = tp.solve(model, x0, tp.Euler(), progress=False, **kw)
     path = tmp_path / "old.pt"
     ck = tp.Checkpointing(path, every=5)
-    with pytest.raises(_Stop):
-        tp.solve(model, x0, tp.Euler(), checkpoint=ck, progress=tp.Progress(False, _stop_at(7)), **kw)
+    with pytest.raises(Interrupted):
+        tp.solve(model, x0, tp.Euler(), checkpoint=ck, progress=tp.Progress(False, stop_at_step(7)), **kw)
     state = torch.load(path, weights_only=False)
     del state["scale"]
     torch.save(state, path)
@@ -185,8 +174,8 @@ def test_kinetic_term_at_large_beta_resumes_at_its_common_scale(tmp_path, dtype)
     full = tp.solve(model, x0, tp.Euler(), progress=False, **kw)
     assert full.stats["energy_log_scale"] > beta
     ck = tp.Checkpointing(tmp_path / "kin.pt", every=4)
-    with pytest.raises(_Stop):
-        tp.solve(model, x0, tp.Euler(), checkpoint=ck, progress=tp.Progress(False, _stop_at(6)), **kw)
+    with pytest.raises(Interrupted):
+        tp.solve(model, x0, tp.Euler(), checkpoint=ck, progress=tp.Progress(False, stop_at_step(6)), **kw)
     resumed = tp.solve(model, x0, tp.Euler(), checkpoint=ck, progress=False, **kw)
     assert resumed.stats["energy_log_scale"] == full.stats["energy_log_scale"]
     assert_close(resumed.kinetic, full.kinetic, **_ulps(dtype, 64, float(full.kinetic.abs().max())))
@@ -236,9 +225,9 @@ def test_a_checkpoint_names_the_inputs_that_differ(tmp_path):
     obs = tp.SaveAt(every=2, observables={"m": _first_coordinate_mean})
     full = tp.solve(tp.Model(heads), x0, tp.Euler(), ledger=led, saveat=obs, progress=False, **kw)
     ck = tp.Checkpointing(tmp_path / "ck.pt", every=5)
-    with pytest.raises(_Stop):
+    with pytest.raises(Interrupted):
         tp.solve(tp.Model(heads), x0, tp.Euler(), ledger=led, saveat=obs, checkpoint=ck,
-                 progress=tp.Progress(False, _stop_at(7)), **kw)
+                 progress=tp.Progress(False, stop_at_step(7)), **kw)
     refusals = [
         (dict(model=tp.Model(heads, normalization="unnormalized")), r"these inputs differ: normalization\)"),
         (dict(ledger=tp.LedgerOptions(ledger=True, quadrature="left")), r"these inputs differ: quadrature\)"),

@@ -209,3 +209,20 @@ def test_overflow_errors_report_the_logarithm_to_rescale_by(batched):
         got, scale = _reported_log(err)
         assert scale == 0.0
         assert abs(got - float(want)) <= 1e-4 * abs(float(want)), (what, got, float(want))
+
+
+@pytest.mark.parametrize("geometry", ["post", "pre"])
+def test_scaled_layer_map_ledger_is_the_values_times_exp_minus_c(geometry):
+    """Along a layer map the ledger's 𝒟 and 𝒢² are taken along the geometry's velocity (λ_i P_x A_i, with
+    the pre-LN radii): a run reported at c = 7.5 is the run at c = 0 times e^{−7.5}, term by term."""
+    x0 = tp.sphere.sample_uniform(9, 3, generator=gen(13), dtype=torch.float64)
+    theta = tp.OrnsteinUhlenbeck(tp.Heads.random(3, 3, generator=gen(14), dtype=torch.float64))
+    kw = dict(t1=0.3, dt=0.02, paths=2, seed=4, method="euler", layer_norm=geometry, ledger=True,
+              direction="ascent")
+    a = tp.simulate(x0, theta, **kw)
+    b = tp.simulate(x0, theta, energy_log_scale=7.5, **kw)
+    assert a.stats["energy_log_scale"] == 0.0 and b.stats["energy_log_scale"] == 7.5
+    f = math.exp(7.5)
+    for key in ("dissipation", "slope", "partial", "dE", "residual"):
+        scale = float(a.ledger[key].abs().max())
+        assert_close(b.ledger[key] * f, a.ledger[key], rtol=1e-9, atol=1e-12 * max(scale, 1.0)), key

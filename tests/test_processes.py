@@ -454,3 +454,18 @@ def test_ledger_of_layers_closes_with_the_zero_rate_skipped_only_between_jumps(i
             assert float(partial.abs()) > 1e-3  # the rate is paired
     assert res[1] < 0.3 * res[0]  # Heun: second order, halving dt divides the residual by about 4
     assert res[0] < 1e-3
+
+
+def test_zero_rate_is_not_paired(monkeypatch):
+    """Constant heads book ∂_tE = 0 without pairing ∂_A E with a zero rate; moving heads pair at every point."""
+    from transformer_pde.solvers import fixed_step
+
+    calls = []
+    real = fixed_step.partial_density
+    monkeypatch.setattr(fixed_step, "partial_density", lambda *a, **k: calls.append(1) or real(*a, **k))
+    heads = tp.Heads.random(2, 3, generator=gen(41), dtype=torch.float64)
+    x0 = tp.sphere.sample_uniform(6, 3, generator=gen(42), dtype=torch.float64)
+    const = tp.simulate(x0, heads, t1=0.1, dt=0.05, ledger=True, direction="descent")
+    assert calls == [] and float(const.ledger["partial"].abs().max()) == 0.0
+    tp.simulate(x0, tp.Oscillating(heads), t1=0.1, dt=0.05, ledger=True, direction="descent")
+    assert len(calls) == 3  # t0 and the two steps' right ends

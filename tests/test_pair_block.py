@@ -465,3 +465,24 @@ def test_tokens_off_the_sphere_take_the_block_below_the_bound(monkeypatch):
         softmax_statistics(2 * x, near, w).log_partition))
     assert seen == [True]
     assert_same(new, old, torch.float64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("moment", [True, False])
+def test_equal_head_weights_and_a_pass_without_the_token_moment(monkeypatch, dtype, weighted, moment):
+    """Equal ω_h and one β (one ½ω/β for the column product of every head) give the lse path's field and
+    diagnostics, with and without token weights; ``ledger_moment=False`` leaves the values as they are, attaches no
+    token moment, and the ledger's pairing then forms it from the statistics: the same ∂_tE."""
+    x, heads, w = problem(dtype, weighted=weighted, seed=11)
+    H = heads.num_heads
+    heads = heads.replace(weights=torch.full((H,), 1.0 / H, dtype=dtype), beta=0.8)
+    new, old, seen = both_ways(monkeypatch, x, heads, w, sign=1.0, log_scale=0.4, ledger_moment=moment)
+    assert seen == [True]
+    for k in FIELDS:
+        torch.testing.assert_close(getattr(new, k), getattr(old, k), **tol(dtype))
+    assert ("_pair_sums" in new.stats.__dict__) is moment
+    M = torch.randn(H, x.shape[-1], x.shape[-1], generator=gen(12), dtype=dtype)
+    torch.testing.assert_close(pairing(x, heads, w, new.stats, M, log_scale=0.4),
+                               pairing(x, heads, w, old.stats, M, log_scale=0.4), **tol(dtype))
+

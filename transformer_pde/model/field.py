@@ -388,6 +388,7 @@ def evaluate(
     keys: Optional[torch.Tensor] = None,
     key_weights: Optional[torch.Tensor] = None,
     causal=False,
+    ledger_moment: bool = True,
 ) -> FieldEval:
     """Field and diagnostics from one kernel pass.  No tensor validation (hot path):
     call :func:`velocity` / :func:`transformer_pde.model.energy` for checked entry points.
@@ -425,7 +426,10 @@ def evaluate(
     budget), the field, E, 𝒢², 𝒟 and ∇_S δE/δμ come from one exponentiated score block per system
     (:func:`transformer_pde.model.pair_block.pair_diagnostics`: the transposed statistics are the columns of
     the same block, the causal ones its lower triangle), where its shift-free exp is safe and no input
-    requires grad; the returned ``stats`` then form their ``mean`` on first access.
+    requires grad; the returned ``stats`` then form their ``mean`` on first access.  That pass also forms the
+    energy ledger's token moment T_h (:func:`transformer_pde.model.moments.head_moment_sums`) unless
+    ``ledger_moment=False`` (a caller that pairs no rate of the heads with the statistics: one product per
+    block less; a later pairing forms T_h from the statistics instead).
 
     Heads with query/key factors and value factors V_h = O_h W_{V,h}, ``diagnostics=False`` and no second
     moment: a "softmax" or "unnormalized" field is computed values first, f_h = O_h Σ_j p_ij W_{V,h} y_j
@@ -446,7 +450,8 @@ def evaluate(
         if (diagnostics and not second_moment and backend == "auto" and type(norm) is Softmax
                 and (causal or not heads.is_symmetric) and pair_takes(x.shape[-2], heads.num_heads, chunk_elements)):
             # small n, non-symmetric or causal heads: field and diagnostics from one exp'd score block
-            pd = pair_diagnostics(x, heads, weights, sign=sign, causal=causal, log_scale=log_scale)
+            pd = pair_diagnostics(x, heads, weights, sign=sign, causal=causal, log_scale=log_scale,
+                                  token_moment=ledger_moment)
             if pd is not None:
                 return FieldEval(pd.velocity, pd.stats, pd.outputs, pd.grad_first_variation, pd.energy, pd.slope,
                                  pd.dissipation, ambient=pd.ambient)

@@ -214,8 +214,10 @@ def _prepare(heads: Heads, dtype, diagnostics: Optional[tuple] = None) -> _Prep:
         # (Σ_h ½ω_h A_h stacked, ½ω_h/β for the column term (None: symmetric), Σ_h ω_h V_h stacked, ω, β)
         omega = heads.weights
         half = omega if symmetric else 0.5 * omega
-        prep.maps = (_stacked_maps(A, half), None if symmetric else half / (bt.unsqueeze(-1) if bt.dim() else bt),
-                     _stacked_maps(heads.value_matrix, float(sign) * omega), omega, bt)
+        col = None if symmetric else half / (bt.unsqueeze(-1) if bt.dim() else bt)
+        if col is not None and col.dim() == 1 and col.numel() and not col.requires_grad and bool((col == col[0]).all()):
+            col = float(col[0])  # one ½ω/β for every head and system: the column product's alpha (no pass over Q)
+        prep.maps = (_stacked_maps(A, half), col, _stacked_maps(heads.value_matrix, float(sign) * omega), omega, bt)
     if not any(t.requires_grad for t in ts):
         _PREP.entry = (ts, key, prep)
     return prep
@@ -263,10 +265,12 @@ class _Sweep:
 
 def _sweep(x, weights, prep: _Prep, what: dict) -> Optional[_Sweep]:
     """The pass of :func:`pair_block` over the blocks of systems; ``what``: columns (bool), causal (bool),
-    maps (the diagnostics' head maps of :func:`_prepare`, or None).  With maps the gradient, the field and
-    the ledger's token moment are formed block by block, and the row, column and prefix sums are not
-    kept (the column term of the gradient is one product Eᵀ Y with Y_ih = ½ω_h w_i A_hᵀ x_i, the query
-    features rescaled: no column sums are formed).  None where the score bound fails or autograd is on."""
+    maps (the diagnostics' head maps of :func:`_prepare`, or None), moment (bool, with maps).  With maps the
+    gradient and the field (and, with moment, the ledger's token moment) are formed block by block, and
+    the row, column and prefix sums are not kept (the column term of the gradient is one product Eᵀ Y with
+    Y_ih = ½ω_h w_i A_hᵀ x_i, the query features rescaled, or Eᵀ Q times one number when ½ω_h w_i/β is
+    the same for every head, token and system: no column sums are formed).  None where the score bound
+    fails or autograd is on."""
     n, d = x.shape[-2:]
     qa = prep.qa
     H = qa.shape[-1] // d
@@ -278,7 +282,7 @@ def _sweep(x, weights, prep: _Prep, what: dict) -> Optional[_Sweep]:
     maps, columns, causal = what["maps"], what["columns"], what["causal"]
     keep = maps is None  # the sums themselves (PairBlock), or the diagnostics' products
     parts = [x, qa] + ([] if weights is None else [weights.unsqueeze(-1)]) + \
-        ([] if keep else [maps[0], maps[2]] + ([] if maps[1] is None else [maps[1].unsqueeze(-1)]))
+        ([] if keep else [maps[0], maps[2]] + ([maps[1].unsqueeze(-1)] if isinstance(maps[1], torch.Tensor) else []))
     batch = tuple(broadcast_shapes(*(t.shape[:-2] for t in parts)))
     B = math.prod(batch)
     dev, dt = x.device, x.dtype
@@ -298,11 +302,15 @@ def _sweep(x, weights, prep: _Prep, what: dict) -> Optional[_Sweep]:
             out.col_mass, out.cols = new(B, 1, H * n), new(B, d, H * n)
         if keep and causal:
             out.prefix_mass, out.prefix = new(B, n * H, 1), new(B, n * H, d)
-        coef = None
+        coef, alpha = None, None
         if not keep:
-            out.grad, out.field, out.moment = new(B, n, d), new(B, n, d), new(B, d, H * d)
-            if maps[1] is not None:  # ½ω_h w_i / β: Y_ih = coef_ih Q_ih, (B, n | 1, H, 1)
-                cf = maps[1].expand(*batch, H).reshape(B, 1, H, 1)
+            out.grad, out.field = new(B, n, d), new(B, n, d)
+            out.moment = new(B, d, H * d) if what.get("moment", True) else None
+            if isinstance(maps[1], float) and wf is None:  # Eᵀ Y = (½ω/(nβ)) Eᵀ Q
+                alpha = maps[1] / n
+            elif maps[1] is not None:  # ½ω_h w_i / β: Y_ih = coef_ih Q_ih, (B, n | 1, H, 1)
+                cf = (torch.full((B, 1, 1, 1), maps[1], dtype=dt, device=dev) if isinstance(maps[1], float)
+                      else maps[1].expand(*batch, H).reshape(B, 1, H, 1))
                 coef = cf / n if wf is None else cf * wf.unsqueeze(-1)
         size = max(1, min(B, block_bytes(dev) // max(n * H * max(n, d) * x.element_size(), 1)))
         heads_flat, sizes, reps = _head_layout(batch, [qa] + ([] if keep else [maps[0], maps[2]]), size)
@@ -342,12 +350,14 @@ def _sweep(x, weights, prep: _Prep, what: dict) -> Optional[_Sweep]:
                 torch.bmm(xwb.transpose(1, 2), E3, out=cb)
                 torch.bmm(ob, E3, out=cmb)
             if not keep:
-                # Σ_i w_i x_i (m_h ȳ_h)(x_i)ᵀ (beta=0: tb's contents are not read)
-                tb.baddbmm_(xwb.transpose(1, 2), rb.view(b, n, H * d), beta=0.0, alpha=unit * unit)
+                if tb is not None:  # Σ_i w_i x_i (m_h ȳ_h)(x_i)ᵀ (beta=0: tb's contents are not read)
+                    tb.baddbmm_(xwb.transpose(1, 2), rb.view(b, n, H * d), beta=0.0, alpha=unit * unit)
                 _times(rb.view(b, n, H * d), ga, gb, unit)  # Σ_h ½ω_h A_h (m_h ȳ_h)(x_i)
                 if cfb is not None:  # + Σ_h ½ω_h A_hᵀ (m̃_h ỹ_h)(x_j) = Σ_{i,h} E[(i,h), j] Y_ih
                     Y = torch.mul(Q.view(b, n, H, d), cfb, out=buf["y"].view(b, n, H, d))
                     gb.baddbmm_(E.transpose(1, 2), Y.view(b, n * H, d))
+                elif alpha is not None:  # the same with Y = alpha · Q
+                    gb.baddbmm_(E.transpose(1, 2), Q.view(b, n * H, d), alpha=alpha)
             if causal:
                 E.view(b, n, H, n).masked_fill_(mask, 0.0)
                 pmb, prb = (pmb, prb) if keep else (buf["pm"], buf["pr"])
@@ -482,7 +492,8 @@ def _statistics_mean(x, heads, weights, causal: bool) -> torch.Tensor:
 
 
 def pair_diagnostics(x: torch.Tensor, heads: Heads, weights: Optional[torch.Tensor], *, sign: float = 1.0,
-                     causal: bool = False, log_scale: float = 0.0) -> Optional[PairDiagnostics]:
+                     causal: bool = False, log_scale: float = 0.0, token_moment: bool = True
+                     ) -> Optional[PairDiagnostics]:
     """The softmax field and E, 𝒢², 𝒟, ∇δE/δμ from one exponentiated score block (module docstring).
 
     Parameters
@@ -495,6 +506,10 @@ def pair_diagnostics(x: torch.Tensor, heads: Heads, weights: Optional[torch.Tens
         the field of the prefix measures; the diagnostics stay those of the whole measure.
     log_scale : float
         c: the diagnostics are returned times e^{−c} (:func:`transformer_pde.model.field.diagnostics_along`).
+    token_moment : bool
+        also form the energy ledger's token moment T_h in the pass (attached to the statistics, read by
+        :func:`transformer_pde.model.moments.head_moment_sums_along`); False: not formed (one product of each
+        block less; a pairing then forms it from the statistics).
 
     Returns
     -------
@@ -507,7 +522,7 @@ def pair_diagnostics(x: torch.Tensor, heads: Heads, weights: Optional[torch.Tens
         return None
     symmetric = heads.is_symmetric
     prep = _prepare(heads, x.dtype, (symmetric, float(sign)))
-    sw = _sweep(x, weights, prep, {"columns": False, "causal": causal, "maps": prep.maps})
+    sw = _sweep(x, weights, prep, {"columns": False, "causal": causal, "maps": prep.maps, "moment": token_moment})
     if sw is None:
         return None
     batch = sw.batch
@@ -538,7 +553,8 @@ def pair_diagnostics(x: torch.Tensor, heads: Heads, weights: Optional[torch.Tens
         # ȳ_h and the per-head outputs are not kept by the pass: formed again on request (rarely read)
         mean_fn = functools.partial(_statistics_mean, x, heads, weights, False)
         stats = deferred_mean_stats(lse, mean_fn)
-        stats._pair_sums = _TokenMoment(x, weights, sw.moment, batch)
+        if sw.moment is not None:
+            stats._pair_sums = _TokenMoment(x, weights, sw.moment, batch)
         outputs = functools.partial(_value_outputs, functools.partial(_statistics_mean, x, heads, weights, True)
                                     if causal else mean_fn, heads.value_matrix)
         grad = functools.partial(_scaled, g, scale, batch)

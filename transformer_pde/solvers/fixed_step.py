@@ -58,6 +58,8 @@ class FixedStepRun:
         self.heads_rec = RecordedHeads() if self.lazy else None  # Θ at each record (lazy)
         self.realised = o.ledger.quadratic_variation == "realised"
         self.normalization, self.noisy, self.method = model.normalization, self.drv.noisy, problem.solver.method
+        # ∂_tE is paired with the statistics unless Θ is piecewise constant and carries no Itô term
+        self.ev.pairing = not (self.drv.rate_is_zero and not (self.noisy and not self.realised))
         self.causal = causal = model.causal
         # the kinetic term ∫𝒢² dt from the step's own field (without the ledger, whose "slope" it equals)
         self.kinetic, self.quadrature = o.ledger.kinetic_only, problem.quadrature
@@ -105,7 +107,7 @@ class FixedStepRun:
             return None
         c = self.scale["c"]
         ito = self.noisy and not self.realised
-        if self.drv.rate_is_zero and not ito:  # Θ constant between its jumps: ∂_tE = ⟨∂_A E, 0⟩ = 0
+        if not self.ev.pairing:  # Θ constant between its jumps (no Itô term): ∂_tE = ⟨∂_A E, 0⟩ = 0
             pt = e.energy.new_zeros(torch.broadcast_shapes(e.energy.shape, x.shape[:-2]))
         else:
             pt = partial_density(x, heads, self.w, e.stats, self.drv.rate if rate is None else rate, self.drv.sigma,

@@ -292,7 +292,7 @@ class RecordedDiagnostics:
         heads = self.heads.chunk(lo, hi, batch_rank)
         causal_kw = {"causal": model.causal} if model.causal else {}
         e = evaluate(xs, heads, model.weights, normalization=model.normalization, sign=self.sign, diagnostics=True,
-                     log_scale=c, chunk_elements=self.chunk_elements, **causal_kw)
+                     log_scale=c, chunk_elements=self.chunk_elements, ledger_moment=False, **causal_kw)
         geometry = model.geometry
         if geometry.projected:
             D, G = e.dissipation, e.slope

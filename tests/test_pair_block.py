@@ -486,3 +486,19 @@ def test_equal_head_weights_and_a_pass_without_the_token_moment(monkeypatch, dty
     torch.testing.assert_close(pairing(x, heads, w, new.stats, M, log_scale=0.4),
                                pairing(x, heads, w, old.stats, M, log_scale=0.4), **tol(dtype))
 
+
+
+@pytest.mark.parametrize("shared_x", [True, False])
+def test_energy_keeps_the_batch_of_what_it_depends_on(monkeypatch, shared_x):
+    """E depends on the tokens, A_h, ω, β and the token weights, not on V_h: value matrices with a batch axis of
+    their own leave E's shape that of the log-sum-exp path (and 𝒢², 𝒟, which do depend on V_h, batched)."""
+    dtype = torch.float64
+    g = gen(21)
+    x = tp.sphere.sample_uniform(6, 4, batch_shape=() if shared_x else (2, 1), generator=g, dtype=dtype)
+    heads = tp.Heads(torch.randn(3, 4, 4, generator=g, dtype=dtype), torch.randn(5, 3, 4, 4, generator=g, dtype=dtype))
+    new, old, seen = both_ways(monkeypatch, x, heads, None)
+    assert seen == [True]
+    assert new.energy.shape == old.energy.shape == (() if shared_x else (2, 1))
+    assert new.dissipation.shape == old.dissipation.shape == ((5,) if shared_x else (2, 5))
+    for k in FIELDS:
+        torch.testing.assert_close(getattr(new, k), getattr(old, k), **tol(dtype))

@@ -476,9 +476,10 @@ class PairDiagnostics:
     dissipation: torch.Tensor
 
 
-def _scaled(g: torch.Tensor, scale: float, batch) -> torch.Tensor:
-    """g · scale as (..., n, d) (∇_S δE/δμ at the common scale, formed on first access)."""
-    return (g if scale == 1.0 else g * scale).view(*batch, *g.shape[-2:])
+def _scaled(g: torch.Tensor, scale: float, batch, own) -> torch.Tensor:
+    """g · scale as (*own, n, d) (∇_S δE/δμ at the common scale, formed on first access)."""
+    g = _own_batch(g, batch, own, 2)
+    return g if scale == 1.0 else g * scale
 
 
 def _value_outputs(mean_fn, V: torch.Tensor) -> torch.Tensor:
@@ -557,10 +558,24 @@ def pair_diagnostics(x: torch.Tensor, heads: Heads, weights: Optional[torch.Tens
             stats._pair_sums = _TokenMoment(x, weights, sw.moment, batch)
         outputs = functools.partial(_value_outputs, functools.partial(_statistics_mean, x, heads, weights, True)
                                     if causal else mean_fn, heads.value_matrix)
-        grad = functools.partial(_scaled, g, scale, batch)
+        own = tuple(broadcast_shapes(x.shape[:-2], heads.score_matrix.shape[:-3], heads.weights.shape[:-1],
+                                     heads.beta_tensor().shape, () if weights is None else weights.shape[:-1]))
+        grad = functools.partial(_scaled, g, scale, batch, own)
         return PairDiagnostics(V.view(*batch, n, d), field.view(*batch, n, d), stats, outputs, grad,
-                               (energy * scale).reshape(batch),
+                               _own_batch(energy * scale, batch, own),
                                (sums[:, 0] * scale).reshape(batch), (sums[:, 1] * scale).reshape(batch))
+
+
+def _own_batch(t: torch.Tensor, batch, own, tail: int = 0) -> torch.Tensor:
+    """t (B, *tail) of the pass over ``batch`` as (*own, *tail), ``own`` the batch of the tokens, the score
+    matrices, ω, β and the token weights (as the log-sum-exp path): the value matrices' batch axes, which
+    E and ∇δE/δμ do not depend on, are dropped (their entries are equal)."""
+    rest = tuple(t.shape[1:]) if tail else ()
+    t = t.reshape(tuple(batch) + rest)
+    if own == tuple(batch):
+        return t
+    padded = (1,) * (len(batch) - len(own)) + own
+    return t[tuple(slice(None) if o != 1 else slice(0, 1) for o in padded)].reshape(own + rest)
 
 
 class _TokenMoment:

@@ -251,6 +251,15 @@ def test_autograd_a_negative_scale_and_explicit_backends_take_the_lse_path(monke
     assert seen == [False]
     _, _, seen = both_ways(monkeypatch, x, heads, w, backend="chunked")
     assert seen == []
+    x, heads, w = problem(dtype, weighted=True, seed=8)  # token weights that require grad: the gradient of E in them
+    wr = w.clone().requires_grad_(True)
+    new, _, seen = both_ways(monkeypatch, x, heads, wr)
+    assert seen == [False]
+    grad, = torch.autograd.grad(new.energy.sum(), wr)
+    lse, _, _, _ = definitions(x, heads, w)  # ∂E/∂w_i = 2 Σ_h ω_h/(2β) m̄_h(x_i) for E = Σ_h ω_h/(2β) Σ_ij w_i w_j K_ij
+    sym = 0.5 * (torch.exp(lse) + torch.exp(definitions(x, heads.replace(score=heads.score_matrix.transpose(-1, -2)),
+                                                        w)[0]))
+    torch.testing.assert_close(grad, torch.einsum("h,bhi->bi", heads.weights, sym) / heads.beta, **tol(dtype))
 
 
 def test_many_blocks_and_records_with_heads_per_system(monkeypatch):
@@ -489,16 +498,25 @@ def test_equal_head_weights_and_a_pass_without_the_token_moment(monkeypatch, dty
 
 
 @pytest.mark.parametrize("shared_x", [True, False])
-def test_energy_keeps_the_batch_of_what_it_depends_on(monkeypatch, shared_x):
+@pytest.mark.parametrize("batched", ["values", "omega", "beta"])
+def test_energy_keeps_the_batch_of_what_it_depends_on(monkeypatch, shared_x, batched):
     """E depends on the tokens, A_h, ω, β and the token weights, not on V_h: value matrices with a batch axis of
     their own leave E's shape that of the log-sum-exp path (and 𝒢², 𝒟, which do depend on V_h, batched)."""
     dtype = torch.float64
     g = gen(21)
     x = tp.sphere.sample_uniform(6, 4, batch_shape=() if shared_x else (2, 1), generator=g, dtype=dtype)
     heads = tp.Heads(torch.randn(3, 4, 4, generator=g, dtype=dtype), torch.randn(5, 3, 4, 4, generator=g, dtype=dtype))
+    own = ()  # the batch E has of its own: that of ω or β when they carry one (the values always do here)
+    if batched == "omega":
+        heads = heads.replace(weights=torch.softmax(torch.randn(5, 3, generator=g, dtype=dtype), -1))
+        own = (5,)
+    elif batched == "beta":
+        heads = heads.replace(beta=torch.rand(5, generator=g, dtype=dtype) + 0.5)
+        own = (5,)
     new, old, seen = both_ways(monkeypatch, x, heads, None)
     assert seen == [True]
-    assert new.energy.shape == old.energy.shape == (() if shared_x else (2, 1))
+    want = own if shared_x else torch.broadcast_shapes((2, 1), own)
+    assert new.energy.shape == old.energy.shape == want
     assert new.dissipation.shape == old.dissipation.shape == ((5,) if shared_x else (2, 5))
     for k in FIELDS:
         torch.testing.assert_close(getattr(new, k), getattr(old, k), **tol(dtype))

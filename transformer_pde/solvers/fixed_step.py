@@ -55,6 +55,7 @@ class FixedStepRun:
         # diagnostics: evaluated at every step (the ledger); lazy: from the records after the solve
         self.K, self.dt, self.w = problem.steps, o.dt, model.weights
         self.diagnostics, self.lazy = o.ledger.diagnostics and o.ledger.ledger, o.ledger.lazy
+        self.at_records = o.ledger.at_record_steps  # E, 𝒢², 𝒟 from the recorded steps' own evaluations
         self.heads_rec = RecordedHeads() if self.lazy else None  # Θ at each record (lazy)
         self.realised = o.ledger.quadratic_variation == "realised"
         self.normalization, self.noisy, self.method = model.normalization, self.drv.noisy, problem.solver.method
@@ -68,9 +69,10 @@ class FixedStepRun:
         self.geometry = self.stepper.geometry
         self.r, self.radii = self.geometry.initial_radius(x), []  # token radii (pre-/peri-LN), their records
         keys = LEDGER_KEYS if not causal else tuple(k for k in LEDGER_KEYS if not k.startswith("residual"))
-        self.rec = Recorder(self.K, problem.record_every, diagnostics=self.diagnostics,
+        self.rec = Recorder(self.K, problem.record_every, diagnostics=self.diagnostics or self.at_records,
                             observables={k: self.axis.observable(f) for k, f in problem.observables.items()},
-                            weights=model.weights, ledger_keys=keys)
+                            weights=model.weights, ledger_keys=keys if self.diagnostics else ())
+        self.ledger_keys = keys
         self.ledger = Ledger(torch.zeros(()), sign=problem.sign, quadrature=problem.quadrature, causal=causal)
         self.k, self.nfe, self.max_sphere = 0, 0, 0.0
         self.noise = model.noise  # token noise (TokenNoise or None) and its own random stream
@@ -92,8 +94,8 @@ class FixedStepRun:
             st["kinetic"] = {"acc": v(self.kin.detach()), "records": [v(t.detach()) for t in self.kin_rec]}
         return st
 
-    def _evaluate(self, x, heads):
-        e = self.ev(x, heads, self.diagnostics)
+    def _evaluate(self, x, heads, diag=None):
+        e = self.ev(x, heads, self.diagnostics if diag is None else diag)
         self.nfe += 1
         # a layer map adds the ambient update A (finite A gives a finite P_x A): check what the step reads
         if not check_finite(e.velocity if self.geometry.projected or e.ambient is None else e.ambient):
@@ -180,8 +182,24 @@ class FixedStepRun:
         if self.diagnostics:
             G, D = (e.slope, e.dissipation) if self.geometry.projected else (self.dens["slope"], self.dens["dissipation"])
             self.rec.record(self.x, e.energy, G, D, self.ledger.terms(e.energy))
+        elif self.at_records:
+            self.rec.record(self.x, e.energy, *self._record_densities(e), {})
         else:
             self.rec.record(self.x)
+
+    def _record_densities(self, e):
+        """(𝒢², 𝒟) of a recorded step's evaluation with diagnostics (along a layer map: λ-weighted, as the
+        ledger books them), E, 𝒢², 𝒟 checked finite."""
+        c = self.scale["c"]
+        if self.geometry.projected:
+            G, D = e.slope, e.dissipation
+        else:
+            D, G = geometry_densities(self.geometry, e, self.drv.current, self.w, self.r, c)
+        for name, v in (("the energy", e.energy), ("the dissipation 𝒟", D), ("the metric slope 𝒢²", G)):
+            if not check_finite(v):
+                raise ledger_nonfinite(f"{name} at the recorded time", self.drv.t, self.k, e.stats.log_partition, c,
+                                       self.scale["start_max"], self.scale.get("given", False))
+        return G, D
 
     def start(self):
         """Resume from the checkpoint or start at t0: first evaluation, common scale, first record."""
@@ -202,7 +220,7 @@ class FixedStepRun:
                                  f"{ck['k']}. Resume it without kinetic=True, or delete it to start again")
             if self.kinetic:
                 self.kin, self.kin_rec = u(ck["kinetic"]["acc"]), _tree(ck["kinetic"]["records"], u)
-            if self.diagnostics and "heads" in ck:
+            if (self.diagnostics or self.at_records) and "heads" in ck:
                 raise ValueError(f"the checkpoint {self.ckpt.path} was written by a run without the energy ledger "
                                  f"(ledger=False): it holds no ledger of the steps before step {ck['k']}. Resume it "
                                  f"with ledger=False, or delete it to start again with ledger=True")
@@ -210,9 +228,9 @@ class FixedStepRun:
                 self.heads_rec = RecordedHeads(ck["heads"])
             elif self.lazy:  # written by an eager run (the default of earlier versions): continue it eagerly
                 self.lazy, self.heads_rec, self.diagnostics = False, None, True
-                self.rec.diagnostics = True
-        self.cur = self._evaluate(self.x, self.drv.current)
-        if self.diagnostics and ck is None and self.fix_scale(self.cur):
+                self.rec.diagnostics, self.rec.ledger_keys = True, self.ledger_keys
+        self.cur = self._evaluate(self.x, self.drv.current, self.diagnostics or self.at_records)
+        if (self.diagnostics or self.at_records) and ck is None and self.fix_scale(self.cur):
             self.cur = self.ev(self.x, self.drv.current, True)
         self.dens = self._densities(self.x, self.drv.current, self.cur)
         if self.kinetic and (ck is None or self.k < self.K):
@@ -264,7 +282,7 @@ class FixedStepRun:
             x_new = self.noise.apply(x_new, xi)
         jumps = drv.jumps()
         drv.advance()
-        nxt = self._evaluate(x_new, drv.current)
+        nxt = self._evaluate(x_new, drv.current, self.diagnostics or (self.at_records and self.rec.keeps(self.k + 1)))
         if self.diagnostics:
             dens_new = self._densities(x_new, drv.current, nxt)
             left = drv.left_limit()  # Θ or Ȧ discontinuous at t_{k+1}: the step's right end is the left limit
@@ -306,6 +324,8 @@ def solve_fixed_step(x, problem, parts, show: bool) -> Trajectory:
             extras["radius"] = torch.stack(run.radii)
     if run.kinetic:  # the running ∫𝒢² dt at the records, at the run's common scale
         extras["kinetic"] = torch.stack(run.kin_rec)
+    if run.at_records:  # E, 𝒢², 𝒟 recorded by the steps themselves; no ledger
+        ledger = None
     if run.lazy:  # E, 𝒢², 𝒟 from the records, on first read; no ledger (at the kinetic term's scale, if any)
         c = ev.scale["c"] if run.kinetic else o.ledger.energy_log_scale
         src = RecordedDiagnostics(model, out_x, run.heads_rec, log_scale=c,

@@ -28,7 +28,7 @@ __all__ = ["LagrangianJKO", "EulerianJKO"]
 #: the options fields the JKO solvers do not implement: the ledger is their own (diagnostics only), they record
 #: no observables and always return a sampled noisy path, and their kernel is not chunked
 _UNSUPPORTED = {"saveat": ("observables", "path"), "ledger": ("quadrature", "quadratic_variation", "energy_log_scale",
-                                                                  "kinetic"),
+                                                                  "kinetic", "records"),
                 "limits": ("chunk_elements",)}
 
 

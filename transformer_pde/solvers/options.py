@@ -20,7 +20,7 @@ from ..utils.validation import check_bool, check_choice, check_int, check_positi
 from ..processes.driver import grid_steps
 
 __all__ = ["SaveAt", "LedgerOptions", "Checkpointing", "Progress", "Limits", "SolveOptions", "QUADRATURES",
-           "QUADRATIC_VARIATIONS"]
+           "QUADRATIC_VARIATIONS", "RECORD_DIAGNOSTICS"]
 #: named internal API: the keyword front ends' messages
 __internal__ = ["keyword_names"]
 
@@ -28,6 +28,9 @@ __internal__ = ["keyword_names"]
 QUADRATURES = ("left", "trapezoid")
 #: the ways the ledger books the second-order (Itô) term of noisy weights
 QUADRATIC_VARIATIONS = ("expected", "realised")
+#: when the diagnostics at the recorded times are computed without the ledger: after the solve on first read, or
+#: during the solve from each recorded step's own field evaluation
+RECORD_DIAGNOSTICS = ("lazy", "step")
 
 
 @dataclass(frozen=True)
@@ -83,8 +86,7 @@ class LedgerOptions:
         bookkeeping on a small step), 2.0× on the peers' post-LN workload (non-symmetric heads: the column
         half of ∇δE/δμ is one more product per head than the fused tokens-only pass; docs/performance.md).
         Needs ``diagnostics=True``.  Without it, reading ``traj.ledger`` raises a ValueError and the
-        diagnostics of the records are computed on first read: free when never read, about one
-        kernel pass per record when read (so sparse records, ``SaveAt(every=k)``, are what saves).
+        diagnostics of the records are computed as ``records`` says.
     quadrature : str or None
         "left" or "trapezoid" for the ledger's time integrals (None: the solver's default — "left"
         for Euler, "trapezoid" otherwise); needs ``ledger=True`` or ``kinetic=True``.
@@ -92,6 +94,16 @@ class LedgerOptions:
         "expected" or "realised" Itô term of noisy weights in the ledger; "realised" needs ``ledger=True``.
     energy_log_scale : float or None
         the common scale c (values reported times e^{−c}); None: chosen at t0.
+    records : str
+        how E, 𝒢², 𝒟 at the recorded times are computed without the ledger. "lazy" (default): after the
+        solve, from the records, on their first read: free when never read, about one kernel pass per
+        record when read (so sparse records, ``SaveAt(every=k)``, are what saves).  "step": during the
+        solve, from the field evaluation of each recorded step itself (one evaluation with diagnostics
+        in place of the tokens-only one at the record steps only): what the diagnostics add to that
+        evaluation, paid whether they are read or not; the cheaper choice when the records are dense and
+        read (at every step: scripts/benchmark_diagnostics.py, docs/performance.md).  The same values to
+        rounding.  Fixed-step particle solvers only (tp.Euler(), tp.Heun(), tp.RK4()); with
+        ``ledger=True`` the diagnostics already come from every step: leave it at "lazy".
     kinetic : bool
         also accumulate the kinetic term ∫_{t0}^{t} 𝒢² ds, 𝒢² = Σ_i w_i b(x_i) |V(x_i)|², at every step from
         the step's own field evaluations (``traj.kinetic``, (T, [paths,] ...), times e^{−c}): b is the
@@ -110,11 +122,18 @@ class LedgerOptions:
     quadratic_variation: str = "expected"
     energy_log_scale: Optional[float] = None
     kinetic: bool = False
+    records: str = "lazy"
 
     def __post_init__(self):
         check_bool(self.diagnostics, "LedgerOptions.diagnostics")
         check_bool(self.ledger, "LedgerOptions.ledger")
         check_bool(self.kinetic, "LedgerOptions.kinetic")
+        check_choice(self.records, RECORD_DIAGNOSTICS, "LedgerOptions.records")
+        if self.records == "step" and (self.ledger or not self.diagnostics):
+            raise ValueError("LedgerOptions.records='step' computes the diagnostics at the record steps when there is no "
+                             "ledger and diagnostics are on; "
+                             + ("with ledger=True they come from every step already: drop records='step'"
+                                if self.ledger else "with diagnostics=False there are none: drop records='step'"))
         if self.quadrature is not None:
             check_choice(self.quadrature, QUADRATURES, "LedgerOptions.quadrature")
         check_choice(self.quadratic_variation, QUADRATIC_VARIATIONS, "LedgerOptions.quadratic_variation")
@@ -141,7 +160,12 @@ class LedgerOptions:
     @property
     def lazy(self) -> bool:
         """True when the diagnostics are computed from the records after the solve (no ledger)."""
-        return self.diagnostics and not self.ledger
+        return self.diagnostics and not self.ledger and self.records == "lazy"
+
+    @property
+    def at_record_steps(self) -> bool:
+        """True when the diagnostics are computed during the solve at the recorded steps only (no ledger)."""
+        return self.diagnostics and not self.ledger and self.records == "step"
 
     @property
     def kinetic_only(self) -> bool:

@@ -193,8 +193,9 @@ class Dopri5(Solver):
     atol: float = 1e-9
     adjoint: bool = False
     accepts: ClassVar[FrozenSet[str]] = frozenset({"saveat", "ledger", "limits"})
-    #: the ledger is the trapezoid rule on the record grid: there is no quadrature to choose
-    unsupported: ClassVar[Mapping[str, Tuple[str, ...]]] = {"ledger": ("quadrature",)}
+    #: the ledger is the trapezoid rule on the record grid: there is no quadrature to choose; its records are on
+    #: torchdiffeq's output grid, not steps of its own (no diagnostics at the record steps)
+    unsupported: ClassVar[Mapping[str, Tuple[str, ...]]] = {"ledger": ("quadrature", "records")}
     #: ``Trajectory.method`` and the ``method=`` of :func:`simulate`
     method: ClassVar[str] = "adaptive"
 
@@ -338,7 +339,8 @@ def _solve_fixed(problem: ParticleProblem) -> Trajectory:
         + ([("energy_log_scale", c)] if c is not None else []) \
         + ([("observables", tuple(sorted(obs)))] if obs else []) \
         + ([("layer_norm", repr(geometry))] if not geometry.projected else []) \
-        + ([("temperature", (noise.temperature, noise.seed))] if noise is not None else [])
+        + ([("temperature", (noise.temperature, noise.seed))] if noise is not None else []) \
+        + ([("records", o.ledger.records)] if o.ledger.at_record_steps else [])
     ck = o.checkpoint
     parts.checkpointer = Checkpointer(None if ck is None else ck.path, 200 if ck is None else ck.every,
                                       problem.steps, lambda: _fingerprint_parts(problem, extra))

@@ -98,7 +98,7 @@ class ShardedEuler(Solver):
     accepts: ClassVar[FrozenSet[str]] = frozenset({"saveat", "ledger", "progress", "limits"})
     unsupported: ClassVar[Mapping[str, Tuple[str, ...]]] = {
         "saveat": ("observables", "path"), "ledger": ("quadrature", "quadratic_variation", "energy_log_scale",
-                                                    "kinetic"),
+                                                    "kinetic", "records"),
         "progress": ("callback",), "limits": ("max_steps", "max_memory")}
     #: ``Trajectory.method``
     method: ClassVar[str] = "euler"

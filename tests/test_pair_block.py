@@ -520,3 +520,84 @@ def test_energy_keeps_the_batch_of_what_it_depends_on(monkeypatch, shared_x, bat
     assert new.dissipation.shape == old.dissipation.shape == ((5,) if shared_x else (2, 5))
     for k in FIELDS:
         torch.testing.assert_close(getattr(new, k), getattr(old, k), **tol(dtype))
+
+
+FIELD_ONLY = ("velocity", "ambient", "outputs")
+
+
+def field_both_ways(monkeypatch, *args, **kw):
+    """evaluate(diagnostics=False) through the block's field alone (checked taken) and with it switched off."""
+    seen = []
+    real = pair_block.pair_field
+
+    def spy(*a, **k):
+        out = real(*a, **k)
+        seen.append(out is not None)
+        return out
+
+    import transformer_pde.model.field as field_module
+    monkeypatch.setattr(field_module, "pair_field", spy)
+    new = evaluate(*args, diagnostics=False, **kw)
+    monkeypatch.setattr(pair_block, "MAX_TOKENS", 0)
+    old = evaluate(*args, diagnostics=False, **kw)
+    monkeypatch.setattr(pair_block, "MAX_TOKENS", 512)
+    return new, old, seen
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_the_field_alone_through_the_block_is_the_lse_path(monkeypatch, dtype, causal, weighted, shared, sign):
+    """The field, its projection, the per-head outputs and the statistics of the field's measure (causal: the
+    prefixes) without diagnostics, against the log-sum-exp kernels."""
+    x, heads, w = problem(dtype, shared=shared, weighted=weighted, beta_tensor=not shared, seed=31)
+    new, old, seen = field_both_ways(monkeypatch, x, heads, w, sign=sign, causal=causal)
+    assert seen == [True]
+    for k in FIELD_ONLY:
+        torch.testing.assert_close(getattr(new, k), getattr(old, k), **tol(dtype))
+    assert_stats(new.stats, old.stats, dtype)
+    assert new.energy is None and new.dissipation is None
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_the_causal_log_partitions_of_the_field_alone_against_their_definition(weighted):
+    """log m_h(x_i) = log Σ_{j≤i} w_j e^{s_ij} − log Σ_{j≤i} w_j, by einsum with a lower-triangular mask."""
+    dtype = torch.float64
+    x, heads, w = problem(dtype, weighted=weighted, seed=32)
+    pf = pair_block.pair_field(x, heads, w, causal=True)
+    n = x.shape[-2]
+    wt = torch.full(x.shape[:-1], 1.0 / n, dtype=dtype) if w is None else w
+    K = torch.exp(heads.beta * torch.einsum("bia,bhac,bjc->bhij", x, heads.score_matrix, x))
+    K = K * torch.ones(n, n, dtype=dtype).tril()
+    lse = torch.log(torch.einsum("bhij,bj->bhi", K, wt)) - torch.log(torch.cumsum(wt, -1)).unsqueeze(-2)
+    torch.testing.assert_close(pf.stats.log_partition, lse, **tol(dtype))
+
+
+def test_the_field_alone_is_not_taken_where_other_kernels_serve(monkeypatch):
+    """Symmetric heads without causality (the merged kernel), value-factored heads (values first), causal="sum",
+    a second moment and an explicit backend do not take it; inputs that require grad fall back with gradients."""
+    dtype = torch.float64
+    x, heads, w = problem(dtype, symmetric=True, seed=33)
+    assert field_both_ways(monkeypatch, x, heads, w)[2] == []
+    assert field_both_ways(monkeypatch, x, heads, w, causal=True)[2] == [True]
+    assert field_both_ways(monkeypatch, x, heads, w, causal="sum")[2] == []
+    x, heads, w = problem(dtype, seed=33)
+    assert field_both_ways(monkeypatch, x, heads, w, second_moment=True)[2] == []
+    assert field_both_ways(monkeypatch, x, heads, w, backend="chunked")[2] == []
+    g = gen(34)
+    H, d, k = 2, x.shape[-1], 2
+    factored = tp.Heads(None, None, torch.ones(H, dtype=dtype), 0.7,
+                        query=torch.randn(H, k, d, generator=g, dtype=dtype),
+                        key=torch.randn(H, k, d, generator=g, dtype=dtype),
+                        value_in=torch.randn(H, k, d, generator=g, dtype=dtype),
+                        value_out=torch.randn(H, d, k, generator=g, dtype=dtype))
+    new, old, seen = field_both_ways(monkeypatch, x, factored, w)
+    assert seen == []
+    torch.testing.assert_close(new.velocity, old.velocity, **tol(dtype))
+    xr = x.clone().requires_grad_(True)
+    new, old, seen = field_both_ways(monkeypatch, xr, heads, w, causal=True)
+    assert seen == [False]
+    new.velocity.square().sum().backward()
+    assert xr.grad is not None and bool(torch.isfinite(xr.grad).all())

@@ -60,7 +60,7 @@ from .moments import (
     HeadStats, deferred_mean_stats, head_columns, head_columns_mass, head_columns_products, head_columns_width,
     head_moment_sums_along, mean_applied, per_head_map, scaled_partition,
 )
-from .pair_block import pair_diagnostics, takes as pair_takes
+from .pair_block import pair_diagnostics, pair_field, takes as pair_takes
 from .plans import plan_average, relu_statistics
 from .softmax import softmax_statistics
 from .values import softmax_values, values_first_applies
@@ -429,7 +429,10 @@ def evaluate(
     requires grad; the returned ``stats`` then form their ``mean`` on first access.  That pass also forms the
     energy ledger's token moment T_h (:func:`transformer_pde.model.moments.head_moment_sums`) unless
     ``ledger_moment=False`` (a caller that pairs no rate of the heads with the statistics: one product per
-    block less; a later pairing forms T_h from the statistics instead).
+    block less; a later pairing forms T_h from the statistics instead).  Without diagnostics the same heads and
+    sizes (not values-first, not ``causal="sum"``) take the block's field alone
+    (:func:`transformer_pde.model.pair_block.pair_field`: 0.25–0.9× the time of the log-sum-exp kernels' field
+    for n = 16–512, docs/performance.md); its ``stats`` are those of the field's measure (causal: the prefixes).
 
     Heads with query/key factors and value factors V_h = O_h W_{V,h}, ``diagnostics=False`` and no second
     moment: a "softmax" or "unnormalized" field is computed values first, f_h = O_h Σ_j p_ij W_{V,h} y_j
@@ -455,6 +458,13 @@ def evaluate(
             if pd is not None:
                 return FieldEval(pd.velocity, pd.stats, pd.outputs, pd.grad_first_variation, pd.energy, pd.slope,
                                  pd.dissipation, ambient=pd.ambient)
+        if (not diagnostics and not second_moment and backend == "auto" and type(norm) is Softmax and not prefix_sum
+                and (causal or not heads.is_symmetric) and not _values_first(norm, heads)
+                and pair_takes(x.shape[-2], heads.num_heads, chunk_elements)):
+            # the field alone, small n, non-symmetric or causal heads: the same block without the diagnostics
+            pf = pair_field(x, heads, weights, sign=sign, causal=causal)
+            if pf is not None:
+                return FieldEval(pf.velocity, pf.stats, pf.outputs, ambient=pf.ambient)
     values = None
     if not diagnostics and not second_moment and _values_first(norm, heads):
         # the field only: softmax averages of the k_v-dimensional values W_{V,h} y_j, the moments ȳ_h

@@ -51,8 +51,8 @@ from .heads import Heads, broadcast_shapes
 from .moments import HeadStats, deferred_mean_stats
 from .softmax import softmax_statistics
 
-__all__ = ["PairBlock", "pair_block", "pair_diagnostics", "PairDiagnostics", "MAX_TOKENS", "BLOCK_FRACTION", "BLOCK_BYTES",
-           "block_bytes", "exp_safe_limit", "takes", "scores_bounded"]
+__all__ = ["PairBlock", "pair_block", "pair_diagnostics", "PairDiagnostics", "pair_field", "PairField", "MAX_TOKENS",
+           "BLOCK_FRACTION", "BLOCK_BYTES", "block_bytes", "exp_safe_limit", "takes", "scores_bounded"]
 
 #: the largest token count n for which :func:`transformer_pde.model.field.evaluate` takes the one-block
 #: kernel (its (n, n) blocks per head are formed whole; above it the fused O(n)-memory kernels are used).
@@ -303,12 +303,14 @@ def _sweep(x, weights, prep: _Prep, what: dict) -> Optional[_Sweep]:
         if keep and causal:
             out.prefix_mass, out.prefix = new(B, n * H, 1), new(B, n * H, d)
         coef, alpha = None, None
+        grad = keep or what.get("grad", True)  # False: the field alone (no gradient, no moment)
+        whole = grad or not causal  # the rows of the whole measure (a causal field alone needs the prefix only)
         if not keep:
-            out.grad, out.field = new(B, n, d), new(B, n, d)
-            out.moment = new(B, d, H * d) if what.get("moment", True) else None
-            if isinstance(maps[1], float) and wf is None:  # Eᵀ Y = (½ω/(nβ)) Eᵀ Q
+            out.grad, out.field = new(B, n, d) if grad else None, new(B, n, d)
+            out.moment = new(B, d, H * d) if grad and what.get("moment", True) else None
+            if grad and isinstance(maps[1], float) and wf is None:  # Eᵀ Y = (½ω/(nβ)) Eᵀ Q
                 alpha = maps[1] / n
-            elif maps[1] is not None:  # ½ω_h w_i / β: Y_ih = coef_ih Q_ih, (B, n | 1, H, 1)
+            elif grad and maps[1] is not None:  # ½ω_h w_i / β: Y_ih = coef_ih Q_ih, (B, n | 1, H, 1)
                 cf = (torch.full((B, 1, 1, 1), maps[1], dtype=dt, device=dev) if isinstance(maps[1], float)
                       else maps[1].expand(*batch, H).reshape(B, 1, H, 1))
                 coef = cf / n if wf is None else cf * wf.unsqueeze(-1)
@@ -344,12 +346,13 @@ def _sweep(x, weights, prep: _Prep, what: dict) -> Optional[_Sweep]:
             torch.bmm(Q.view(b, n * H, d), xb.transpose(1, 2), out=E)  # E[i·H + h, j] = s_ij^h
             E.exp_()
             rb = buf["r"] if rb is None else rb
-            _row_sums(E, xwb, wb, mb, rb, unit == 1.0)
+            if whole:
+                _row_sums(E, xwb, wb, mb, rb, unit == 1.0)
             if keep and columns:  # Σ_i w_i e^{s_ij^h} [1, x_i] for every (h, j): products over i
                 E3 = E.view(b, n, H * n)
                 torch.bmm(xwb.transpose(1, 2), E3, out=cb)
                 torch.bmm(ob, E3, out=cmb)
-            if not keep:
+            if not keep and grad:
                 if tb is not None:  # Σ_i w_i x_i (m_h ȳ_h)(x_i)ᵀ (beta=0: tb's contents are not read)
                     tb.baddbmm_(xwb.transpose(1, 2), rb.view(b, n, H * d), beta=0.0, alpha=unit * unit)
                 _times(rb.view(b, n, H * d), ga, gb, unit)  # Σ_h ½ω_h A_h (m_h ȳ_h)(x_i)
@@ -360,7 +363,8 @@ def _sweep(x, weights, prep: _Prep, what: dict) -> Optional[_Sweep]:
                     gb.baddbmm_(E.transpose(1, 2), Q.view(b, n * H, d), alpha=alpha)
             if causal:
                 E.view(b, n, H, n).masked_fill_(mask, 0.0)
-                pmb, prb = (pmb, prb) if keep else (buf["pm"], buf["pr"])
+                # the diagnostics keep the whole rows apart; a causal field alone writes the prefix into them
+                pmb, prb = (pmb, prb) if keep else ((buf["pm"], buf["pr"]) if whole else (mb, rb))
                 _row_sums(E, xwb, wb, pmb, prb, unit == 1.0)
             if not keep:
                 means = prb.div_(pmb) if causal else rb.div_(mb)
@@ -564,6 +568,67 @@ def pair_diagnostics(x: torch.Tensor, heads: Heads, weights: Optional[torch.Tens
         return PairDiagnostics(V.view(*batch, n, d), field.view(*batch, n, d), stats, outputs, grad,
                                _own_batch(energy * scale, batch, own),
                                (sums[:, 0] * scale).reshape(batch), (sums[:, 1] * scale).reshape(batch))
+
+
+@dataclass
+class PairField:
+    """The softmax field of one :func:`pair_field` call (batch shape ``...``).
+
+    velocity, ambient: (..., n, d) s·P_x Σ_h ω_h V_h ȳ_h and s·Σ_h ω_h V_h ȳ_h (causal: the prefix means).
+    stats: the HeadStats of the field's measure (causal: the prefix statistics), the mean formed on first access.
+    outputs: zero-argument callable giving the per-head V_h ȳ_h (..., H, n, d).
+    """
+
+    velocity: torch.Tensor
+    ambient: torch.Tensor
+    stats: HeadStats
+    outputs: object
+
+
+def pair_field(x: torch.Tensor, heads: Heads, weights: Optional[torch.Tensor], *, sign: float = 1.0,
+               causal: bool = False) -> Optional[PairField]:
+    """The softmax field alone (no diagnostics) from one exponentiated score block per system.
+
+    The pass of :func:`pair_diagnostics` without the gradient of the first variation: the queries, the scores,
+    one exp, the row sums (causal: of the masked block only) and one product of the means with the stacked
+    value maps.  The statistics returned are those of the field's measure (the whole one, or the prefixes),
+    as :func:`transformer_pde.model.softmax.softmax_statistics` gives them.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        tokens (..., n, d).  heads: :class:`Heads`.  weights: token weights (..., n) or None.
+    sign : float
+        s of the field (+1 ascent, −1 descent).
+    causal : bool
+        the field of the prefix measures (j ≤ i).
+
+    Returns
+    -------
+    PairField or None
+        None where :func:`pair_block` declines (the caller then uses the log-sum-exp path).
+    """
+    prep = _prepare(heads, x.dtype, (heads.is_symmetric, float(sign)))
+    sw = _sweep(x, weights, prep, {"columns": False, "causal": causal, "maps": prep.maps, "moment": False,
+                                   "grad": False})
+    if sw is None:
+        return None
+    batch = sw.batch
+    B, n, d = sw.field.shape
+    H = sw.mass.shape[1] // n
+    with torch.no_grad():
+        field, xf = sw.field, sw.x
+        V = torch.addcmul(field, torch.linalg.vecdot(xf, field).unsqueeze(-1), xf, value=-1.0)  # P_x
+        lse = torch.log(sw.mass.view(B, n, H))
+        if weights is None:  # the sums of uniform weights were left n times larger
+            lse = lse - math.log(n)
+        if causal:  # log of the prefix masses normalised by W_i = Σ_{j≤i} w_j
+            lp = causal_log_prefix_mass(weights, n, dtype=x.dtype, device=x.device)
+            lse = lse - (lp if lp.dim() == 1 else _flat(lp.unsqueeze(-1), batch, B).squeeze(-1)).unsqueeze(-1)
+        lse = lse.transpose(-1, -2).reshape(*batch, H, n)
+        mean_fn = functools.partial(_statistics_mean, x, heads, weights, causal)
+        return PairField(V.view(*batch, n, d), field.view(*batch, n, d), deferred_mean_stats(lse, mean_fn),
+                         functools.partial(_value_outputs, mean_fn, heads.value_matrix))
 
 
 def _own_batch(t: torch.Tensor, batch, own, tail: int = 0) -> torch.Tensor:

@@ -284,3 +284,21 @@ def interrupt_and_resume(x0, theta, checkpoint, *, stop_at, checkpoint_every=5, 
                     callback=stop_at_step(stop_at), **kw)
     assert checkpoint.exists(), "the interrupted run left no checkpoint"
     return tp.simulate(x0, theta, checkpoint=checkpoint, checkpoint_every=checkpoint_every, **kw)
+
+
+class DiagnosticsCounter:
+    """Counts a solve's field evaluations with diagnostics (``evaluate(..., diagnostics=True)`` as the
+    solvers' evaluator calls it): ``diagnostic_calls``."""
+
+    def __init__(self, monkeypatch):
+        import transformer_pde.solvers.evaluator as evaluator_module
+
+        self.diagnostic_calls = 0
+        real = evaluator_module.evaluate
+
+        def counted(*args, **kwargs):
+            if kwargs.get("diagnostics"):
+                self.diagnostic_calls += 1
+            return real(*args, **kwargs)
+        monkeypatch.setattr(evaluator_module, "evaluate", counted)
+

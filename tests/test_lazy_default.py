@@ -14,9 +14,8 @@ import torch
 from torch.testing import assert_close
 
 import transformer_pde as tp
-import transformer_pde.solvers.evaluator as evaluator_module
 from conftest import gen
-from problems import interrupt_and_resume
+from problems import DiagnosticsCounter, interrupt_and_resume
 
 SERIES = ("energy", "slope", "dissipation")
 T1, DT = 0.6, 0.05
@@ -40,20 +39,6 @@ def close_to_eager(lazy, eager, dtype, steps=K):
         assert_close(a, b, rtol=tol, atol=tol, msg=lambda m, key=key: f"{key}: {m}")
     tol = 16 * torch.finfo(dtype).eps * math.sqrt(steps + 1)
     assert_close(lazy.x, eager.x, rtol=tol, atol=tol)
-
-
-class Counter:
-    """Counts the evaluator's calls with diagnostics (the per-step E, 𝒢², 𝒟 of the eager solve)."""
-
-    def __init__(self, monkeypatch):
-        self.diagnostic_calls = 0
-        real = evaluator_module.evaluate
-
-        def counted(*args, **kwargs):
-            if kwargs.get("diagnostics"):
-                self.diagnostic_calls += 1
-            return real(*args, **kwargs)
-        monkeypatch.setattr(evaluator_module, "evaluate", counted)
 
 
 def _ou(h):
@@ -82,7 +67,7 @@ def test_default_run_evaluates_no_diagnostics_and_equals_the_ledger_run(case, dt
     build, kw = CASES[case]
     x0, heads = problem(dtype)
     theta = heads if build is None else build(heads)
-    count = Counter(monkeypatch)
+    count = DiagnosticsCounter(monkeypatch)
     lazy = tp.simulate(x0, theta, t1=T1, dt=DT, **kw)
     assert count.diagnostic_calls == 0, "the default solve evaluated diagnostics during the solve"
     assert lazy.lazy and not lazy.has_ledger
@@ -96,7 +81,7 @@ def test_default_run_evaluates_no_diagnostics_and_equals_the_ledger_run(case, dt
 def test_solve_default_is_lazy_and_ledger_options_keep_the_ledger(dtype, monkeypatch):
     x0, heads = problem(dtype)
     model = tp.Model(_ou(heads))
-    count = Counter(monkeypatch)
+    count = DiagnosticsCounter(monkeypatch)
     lazy = tp.solve(model, x0, tp.Heun(), t1=T1, dt=DT, paths=2, seed=3)
     assert count.diagnostic_calls == 0
     eager = tp.solve(model, x0, tp.Heun(), t1=T1, dt=DT, paths=2, seed=3, ledger=tp.LedgerOptions(ledger=True))

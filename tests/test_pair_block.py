@@ -118,9 +118,11 @@ FIELDS = ("velocity", "ambient", "grad_first_variation", "energy", "slope", "dis
 
 
 def both_ways(monkeypatch, *args, **kw):
-    """evaluate(diagnostics=True) through the one-block kernel (checked taken) and with it switched off."""
+    """evaluate(diagnostics=True) through the one-block kernel (checked taken) and with it switched off; with
+    ``diagnostics=False`` in ``kw`` the same for the block's field alone (``pair_field``)."""
     seen = []
-    real = pair_block.pair_diagnostics
+    name = "pair_diagnostics" if kw.get("diagnostics", True) else "pair_field"
+    real = getattr(pair_block, name)
 
     def spy(*a, **k):
         out = real(*a, **k)
@@ -128,7 +130,7 @@ def both_ways(monkeypatch, *args, **kw):
         return out
 
     import transformer_pde.model.field as field_module
-    monkeypatch.setattr(field_module, "pair_diagnostics", spy)
+    monkeypatch.setattr(field_module, name, spy)
     new = evaluate(*args, **kw)
     monkeypatch.setattr(pair_block, "MAX_TOKENS", 0)
     old = evaluate(*args, **kw)
@@ -525,25 +527,6 @@ def test_energy_keeps_the_batch_of_what_it_depends_on(monkeypatch, shared_x, bat
 FIELD_ONLY = ("velocity", "ambient", "outputs")
 
 
-def field_both_ways(monkeypatch, *args, **kw):
-    """evaluate(diagnostics=False) through the block's field alone (checked taken) and with it switched off."""
-    seen = []
-    real = pair_block.pair_field
-
-    def spy(*a, **k):
-        out = real(*a, **k)
-        seen.append(out is not None)
-        return out
-
-    import transformer_pde.model.field as field_module
-    monkeypatch.setattr(field_module, "pair_field", spy)
-    new = evaluate(*args, diagnostics=False, **kw)
-    monkeypatch.setattr(pair_block, "MAX_TOKENS", 0)
-    old = evaluate(*args, diagnostics=False, **kw)
-    monkeypatch.setattr(pair_block, "MAX_TOKENS", 512)
-    return new, old, seen
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("weighted", [False, True])
@@ -553,7 +536,7 @@ def test_the_field_alone_through_the_block_is_the_lse_path(monkeypatch, dtype, c
     """The field, its projection, the per-head outputs and the statistics of the field's measure (causal: the
     prefixes) without diagnostics, against the log-sum-exp kernels."""
     x, heads, w = problem(dtype, shared=shared, weighted=weighted, beta_tensor=not shared, seed=31)
-    new, old, seen = field_both_ways(monkeypatch, x, heads, w, sign=sign, causal=causal)
+    new, old, seen = both_ways(monkeypatch, x, heads, w, sign=sign, causal=causal, diagnostics=False)
     assert seen == [True]
     for k in FIELD_ONLY:
         torch.testing.assert_close(getattr(new, k), getattr(old, k), **tol(dtype))
@@ -580,12 +563,12 @@ def test_the_field_alone_is_not_taken_where_other_kernels_serve(monkeypatch):
     a second moment and an explicit backend do not take it; inputs that require grad fall back with gradients."""
     dtype = torch.float64
     x, heads, w = problem(dtype, symmetric=True, seed=33)
-    assert field_both_ways(monkeypatch, x, heads, w)[2] == []
-    assert field_both_ways(monkeypatch, x, heads, w, causal=True)[2] == [True]
-    assert field_both_ways(monkeypatch, x, heads, w, causal="sum")[2] == []
+    assert both_ways(monkeypatch, x, heads, w, diagnostics=False)[2] == []
+    assert both_ways(monkeypatch, x, heads, w, causal=True, diagnostics=False)[2] == [True]
+    assert both_ways(monkeypatch, x, heads, w, causal="sum", diagnostics=False)[2] == []
     x, heads, w = problem(dtype, seed=33)
-    assert field_both_ways(monkeypatch, x, heads, w, second_moment=True)[2] == []
-    assert field_both_ways(monkeypatch, x, heads, w, backend="chunked")[2] == []
+    assert both_ways(monkeypatch, x, heads, w, second_moment=True, diagnostics=False)[2] == []
+    assert both_ways(monkeypatch, x, heads, w, backend="chunked", diagnostics=False)[2] == []
     g = gen(34)
     H, d, k = 2, x.shape[-1], 2
     factored = tp.Heads(None, None, torch.ones(H, dtype=dtype), 0.7,
@@ -593,11 +576,11 @@ def test_the_field_alone_is_not_taken_where_other_kernels_serve(monkeypatch):
                         key=torch.randn(H, k, d, generator=g, dtype=dtype),
                         value_in=torch.randn(H, k, d, generator=g, dtype=dtype),
                         value_out=torch.randn(H, d, k, generator=g, dtype=dtype))
-    new, old, seen = field_both_ways(monkeypatch, x, factored, w)
+    new, old, seen = both_ways(monkeypatch, x, factored, w, diagnostics=False)
     assert seen == []
     torch.testing.assert_close(new.velocity, old.velocity, **tol(dtype))
     xr = x.clone().requires_grad_(True)
-    new, old, seen = field_both_ways(monkeypatch, xr, heads, w, causal=True)
+    new, old, seen = both_ways(monkeypatch, xr, heads, w, causal=True, diagnostics=False)
     assert seen == [False]
     new.velocity.square().sum().backward()
     assert xr.grad is not None and bool(torch.isfinite(xr.grad).all())

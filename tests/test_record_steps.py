@@ -17,7 +17,7 @@ from torch.testing import assert_close
 import transformer_pde as tp
 import transformer_pde.solvers.evaluator as evaluator_module
 from conftest import gen
-from problems import Interrupted, stop_at_step
+from problems import DiagnosticsCounter, Interrupted, stop_at_step
 
 SERIES = ("energy", "slope", "dissipation")
 T1, DT = 0.6, 0.05
@@ -31,20 +31,6 @@ def problem(dtype, batched=False):
         A = torch.randn(2, 2, 3, 3, generator=gen(1), dtype=dtype)
         return x0, tp.Heads(A, torch.randn(2, 2, 3, 3, generator=gen(2), dtype=dtype))
     return x0, tp.Heads.random(2, 3, generator=gen(1), dtype=dtype)
-
-
-class Counter:
-    """Counts the evaluator's calls with diagnostics."""
-
-    def __init__(self, monkeypatch):
-        self.calls = 0
-        real = evaluator_module.evaluate
-
-        def counted(*args, **kwargs):
-            if kwargs.get("diagnostics"):
-                self.calls += 1
-            return real(*args, **kwargs)
-        monkeypatch.setattr(evaluator_module, "evaluate", counted)
 
 
 CASES = {
@@ -72,16 +58,16 @@ def solve_case(case, dtype, ledger):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_record_steps_give_the_lazy_values_with_one_diagnostics_evaluation_per_record(case, dtype, monkeypatch):
-    count = Counter(monkeypatch)
+    count = DiagnosticsCounter(monkeypatch)
     lazy = solve_case(case, dtype, {})
-    lazy_calls = count.calls  # 0 during the solve
+    lazy_calls = count.diagnostic_calls  # 0 during the solve
     for key in SERIES:
         getattr(lazy, key)  # the lazy values: one evaluation per chunk of records
-    count.calls = 0
+    count.diagnostic_calls = 0
     step = solve_case(case, dtype, {"records": "step"})
     records = step.times.shape[0]
     # one evaluation with diagnostics per record (and one more at t0 when a scale c ≠ 0 is chosen there)
-    assert count.calls in (records, records + 1), (count.calls, records)
+    assert count.diagnostic_calls in (records, records + 1), (count.diagnostic_calls, records)
     assert lazy_calls == 0
     assert not step.has_ledger and not step.lazy
     # the steps evaluate the same field with or without diagnostics (other kernels, the same numbers to

@@ -584,3 +584,20 @@ def test_the_field_alone_is_not_taken_where_other_kernels_serve(monkeypatch):
     assert seen == [False]
     new.velocity.square().sum().backward()
     assert xr.grad is not None and bool(torch.isfinite(xr.grad).all())
+
+
+@pytest.mark.parametrize("weights_shape", [(3,), (2, 3), (1, 3)])
+def test_the_causal_field_alone_with_token_weights_broadcast_over_two_batch_dims(monkeypatch, weights_shape):
+    """Tokens (2, 3, n, d) with token weights of their own batch shape: the prefix log-partitions are normalised
+    by the prefix weights of each system's own weights (the log-sum-exp path's values and shapes)."""
+    dtype = torch.float64
+    g = gen(35)
+    n, d = 6, 4
+    x = tp.sphere.sample_uniform(n, d, batch_shape=(2, 3), generator=g, dtype=dtype)
+    heads = tp.Heads(torch.randn(2, d, d, generator=g, dtype=dtype), torch.randn(2, d, d, generator=g, dtype=dtype))
+    w = torch.softmax(torch.randn(*weights_shape, n, generator=g, dtype=dtype), -1)
+    new, old, seen = both_ways(monkeypatch, x, heads, w, causal=True, diagnostics=False)
+    assert seen == [True]
+    for k in FIELD_ONLY:
+        torch.testing.assert_close(getattr(new, k), getattr(old, k), **tol(dtype))
+    assert_stats(new.stats, old.stats, dtype)

@@ -294,9 +294,9 @@ def _fused_diagnostics(x, heads, weights, velocity, stats, c, lazy_gradient):
     noise or a layer map; a caller that forms it first gets 𝒟 from it, one product of the block instead of two)."""
     m = head_columns_mass(stats, c)  # (..., n, H)
     mean_m = m.mean(-2) if weights is None else (weights.unsqueeze(-2) @ m).squeeze(-2)  # (..., H)
-    energy = (heads.weights * mean_m).sum(-1) / (2 * heads.beta)
+    energy = torch.linalg.vecdot(heads.weights, mean_m) / (2 * heads.beta)
     b = scaled_mobility(heads, stats.log_partition, m.transpose(-1, -2), c)
-    slope = token_mean(b * velocity.square().sum(-1), weights)
+    slope = token_mean(b * torch.linalg.vecdot(velocity, velocity), weights)
     formed = []
 
     def gradient():

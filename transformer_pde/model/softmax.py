@@ -317,8 +317,11 @@ def _softmax_sdpa(x, y, left, right, weights, second_moment, batch, causal=False
     pad = torch.nn.functional.pad
     if k < E:  # pad the (small) feature maps, not the (batch, H, n, k) features
         left = pad(left, (0, E - k))
-        right = pad(torch.eye(d, dtype=y.dtype, device=y.device), (0, E - d)) if right is None else pad(right, (0, E - k))
-    kf = y.unsqueeze(-3) if right is None else y.unsqueeze(-3) @ right  # (..., 1|H, m, E)
+        right = None if right is None else pad(right, (0, E - k))
+    if right is None:  # the keys themselves (k = d), zero-padded to E
+        kf = (y if d == E else pad(y, (0, E - d))).unsqueeze(-3)  # (..., 1, m, E)
+    else:
+        kf = y.unsqueeze(-3) @ right  # (..., 1|H, m, E)
     Hk = kf.shape[-3]
     mask = None
     if weights is not None:

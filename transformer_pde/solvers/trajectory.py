@@ -458,7 +458,7 @@ def check_finite(t: torch.Tensor) -> bool:
 def _total(t: torch.Tensor) -> float:
     """The sum of the entries of a floating tensor as a Python float (a 0-d one read as it is)."""
     t = t.detach() if t.requires_grad else t
-    return float(t if t.dim() == 0 else t.sum())
+    return float(t if t.numel() == 1 else t.sum())
 
 
 def check_ledger(e: FieldEval, pt: torch.Tensor, t: float, k: int, scale: Mapping):

@@ -102,8 +102,10 @@ def ledger_terms(dE, partial, dissipation, slope, martingale, *, sign: float, ca
     dE − ∫∂_sE − ∫𝒟 − M and dE − ∫∂_sE − s∫𝒢² − M (none for causal attention: no gradient flow)."""
     out = {"dE": dE, "partial": partial, "dissipation": dissipation, "slope": slope, "martingale": martingale}
     if not causal:
-        out["residual"] = dE - partial - dissipation - martingale
-        out["residual_slope"] = dE - partial - sign * slope - martingale
+        rest = dE - partial - martingale
+        out["residual"] = rest - dissipation
+        out["residual_slope"] = torch.sub(rest, slope, alpha=sign) if isinstance(rest, torch.Tensor) \
+            else rest - sign * slope
     return out
 
 

@@ -101,6 +101,26 @@ def test_noisy_token_ledger_against_dense_sums(dtype):
     assert float(tr.ledger["partial"][-1].abs()) > 100 * atol  # the Itô term is there, not rounding
 
 
+def test_noisy_token_step_forms_no_moment_sums(monkeypatch):
+    """Constant weights and noisy tokens: the step forms ∇_S δE/δμ (the martingale reads it) and takes 𝒟 from it,
+    so the per-head moment sums of the kernel's block (∂_tE's and the weights' Itô term's) are never formed;
+    with noisy weights they are (∂_tE pairs them with Ȧ)."""
+    from transformer_pde.model import field
+
+    calls = []
+    real = field.head_moment_sums_along
+    monkeypatch.setattr(field, "head_moment_sums_along", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real_sums = moments._merged_moment_sums
+    monkeypatch.setattr(moments, "_merged_moment_sums", lambda *a, **k: calls.append(2) or real_sums(*a, **k))
+    dtype = torch.float64
+    x0 = tp.sphere.sample_uniform(8, 3, generator=gen(11), dtype=dtype)
+    heads = _symmetric_heads(2, 3, dtype, 12)
+    tr = _noisy_run(heads, x0, 0.2, 0.02, 3)
+    assert calls == [] and tr.ledger["dissipation"].shape == (4,)
+    _noisy_run(tp.OrnsteinUhlenbeck(heads, sigma=0.5), x0, 0.2, 0.02, 3)
+    assert 2 in calls
+
+
 def test_noisy_weights_and_tokens_book_both_terms():
     """Noisy weights (OU) and noisy tokens: "partial" is the left sum of ∂_tE plus the weights' Itô term
     (energy_time_derivative with σ) plus the tokens' Itô term, along the stored weight path."""

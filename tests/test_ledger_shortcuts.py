@@ -227,3 +227,19 @@ def test_per_head_map_follows_the_heads(dtype):
     wg = w.clone().requires_grad_(True)
     Wg = moments.per_head_map(wg, saved, E)
     assert Wg.requires_grad and moments.per_head_map(wg, saved, E) is not Wg
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_slope_at_a_scale_that_puts_the_masses_below_full_precision(dtype):
+    """The merged kernel's 𝒢² at a common scale c where every m_h e^{−c} is below tiny/eps (the log-sum-exp
+    mobility, not 1/(ω̄ᵀ(1/m))): the value at c = 0 times e^{−c}."""
+    x = tp.sphere.sample_uniform(20, 3, generator=gen(13), dtype=dtype)
+    heads = _symmetric_heads(3, 3, dtype, 14)
+    fi = torch.finfo(dtype)
+    c = float(math.ceil(-math.log(fi.tiny / fi.eps))) + 5.0  # m ~ 1: m e^{-c} < tiny/eps
+    kw = dict(normalization="softmax", diagnostics=True, second_moment=True)
+    plain, scaled = evaluate(x, heads, None, **kw), evaluate(x, heads, None, **kw, log_scale=c)
+    assert float(moments.head_columns_mass(scaled.stats, c).amax()) < fi.tiny / fi.eps
+    rtol = 1e-4 if dtype == torch.float32 else 1e-11
+    torch.testing.assert_close(scaled.slope * math.exp(c / 2) * math.exp(c / 2), plain.slope, rtol=rtol, atol=0.0)
+    torch.testing.assert_close(scaled.energy * math.exp(c / 2) * math.exp(c / 2), plain.energy, rtol=rtol, atol=0.0)

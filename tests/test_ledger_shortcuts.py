@@ -11,6 +11,7 @@
 """
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -165,15 +166,21 @@ def test_check_ledger_one_sum_then_each(dtype):
                  one, 0.1, 1, scale)
     # +inf and −inf in two quantities (the sum is NaN) and a NaN in the last one are each named
     for e, pt, name in [(_Eval(one, torch.tensor([1.0, math.inf], dtype=dtype),
-                               torch.tensor([-math.inf, 1.0], dtype=dtype), lse), one, "dissipation"),
+                               torch.tensor([-math.inf, 1.0], dtype=dtype), lse), one, "the dissipation 𝒟 became"),
                         (_Eval(one, one, one, lse), torch.tensor([0.0, math.nan], dtype=dtype), "∂_tE"),
-                        (_Eval(torch.tensor([math.nan], dtype=dtype), one[:1], one[:1], lse), None, "energy")]:
+                        (_Eval(torch.tensor([math.nan], dtype=dtype), one[:1], one[:1], lse), None,
+                         "^the energy became"),
+                        (_Eval(one[:1], one[:1], torch.tensor([math.inf], dtype=dtype), lse), None,
+                         "^the metric slope 𝒢² became")]:
         with pytest.raises(NonFiniteError, match=name):
             check_ledger(e, pt, 0.1, 1, scale)
-    # one entry, 0-d, and a tensor that requires grad
+    # one entry, 0-d, and a tensor that requires grad (read without autograd's warning)
     assert check_finite(torch.tensor([2.0], dtype=dtype)) and not check_finite(torch.tensor([math.inf], dtype=dtype))
     assert not check_finite(torch.tensor(math.nan, dtype=dtype))
-    assert check_finite(torch.ones(3, dtype=dtype, requires_grad=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert check_finite(torch.ones(3, dtype=dtype, requires_grad=True).sum())
+        assert check_finite(torch.ones(1, dtype=dtype, requires_grad=True))
     assert check_finite(torch.full((4,), big, dtype=dtype))  # the sum overflows, every entry is finite
     assert FieldEval.dissipation.fget is not None  # 𝒟 may be deferred like ∇_S δE/δμ
 

@@ -55,7 +55,7 @@ from ..utils.validation import DEFAULT_DIRECTION
 from ..utils.validation import (
     check_same, check_tensor, check_tied, check_token_weights, check_tokens, direction_sign,
 )
-from .backends import causal_log_prefix_mass
+from .backends import causal_log_prefix_mass, needs_grad
 from .moments import (
     HeadStats, deferred_mean_stats, head_columns, head_columns_mass, head_columns_products, head_columns_width,
     head_moment_sums_along, mean_applied, per_head_map, scaled_partition,
@@ -127,9 +127,10 @@ def _deferred(name: str) -> property:
 
 
 # the per-head outputs (a normalisation whose field is one product of the fused kernel's output block,
-# :meth:`_KernelPass.value_field`) and ∇δE/δμ (the merged kernel's diagnostics) may be deferred
+# :meth:`_KernelPass.value_field`), ∇δE/δμ and 𝒟 (the merged kernel's diagnostics) may be deferred
 FieldEval.outputs = _deferred("outputs")
 FieldEval.grad_first_variation = _deferred("grad_first_variation")
+FieldEval.dissipation = _deferred("dissipation")
 
 
 def token_mean(values: torch.Tensor, weights: Optional[torch.Tensor]) -> torch.Tensor:
@@ -281,25 +282,37 @@ def scaled_exp(log_values: torch.Tensor, log_scale: float = 0.0) -> torch.Tensor
     return torch.exp(log_values) if log_scale == 0.0 else torch.exp(log_values - log_scale)
 
 
-def _fused_diagnostics(x, heads, weights, velocity, stats, c, R, lazy_gradient):
+def _fused_diagnostics(x, heads, weights, velocity, stats, c, lazy_gradient):
     """:func:`diagnostics_along` from the merged kernel's block (symmetric heads, keys = queries).
 
-    With R_h = Σ_i w_i m_h(x_i) e^{−c} P_x V(x_i) ȳ_h(x_i)ᵀ, 𝒟 = Σ_h ω_h ⟨A_h, R_h⟩_F (A_h symmetric);
     E = Σ_h ω_h/(2β) Σ_i w_i m_h e^{−c}; b from the (..., n, H) masses, contiguous in the heads; ∇_S δE/δμ
-    = P_x (Y @ W) (:func:`transformer_pde.model.moments.per_head_map`), formed on first use when
-    ``lazy_gradient`` (the solvers' step reads it only with token noise or a layer map)."""
+    = P_x (Y @ W) (:func:`transformer_pde.model.moments.per_head_map`).  𝒟 = Σ_i w_i ⟨∇_S δE/δμ(x_i), V(x_i)⟩
+    when the gradient is formed, else, from the per-head sums R_h = Σ_i w_i m_h(x_i) e^{−c} P_x V(x_i) ȳ_h(x_i)ᵀ
+    of the token columns of :func:`~transformer_pde.model.moments.head_moment_sums_along`,
+    𝒟 = Σ_h ω_h ⟨A_h, R_h⟩_F (A_h symmetric).  With ``lazy_gradient`` both ∇_S δE/δμ and 𝒟 are returned as
+    zero-argument callables, formed on first use (the solvers' step reads the gradient only with token
+    noise or a layer map; a caller that forms it first gets 𝒟 from it, one product of the block instead of two)."""
     m = head_columns_mass(stats, c)  # (..., n, H)
     mean_m = m.mean(-2) if weights is None else (weights.unsqueeze(-2) @ m).squeeze(-2)  # (..., H)
-    energy = (heads.weights * mean_m).sum(-1) / (2 * heads.beta)
+    energy = torch.linalg.vecdot(heads.weights, mean_m) / (2 * heads.beta)
     b = scaled_mobility(heads, stats.log_partition, m.transpose(-1, -2), c)
-    slope = token_mean(b * velocity.square().sum(-1), weights)
-    dissipation = (heads.weights * (heads.score_matrix * R).sum((-1, -2))).sum(-1)
+    slope = token_mean(b * torch.linalg.vecdot(velocity, velocity), weights)
+    formed = []
 
     def gradient():
         W = per_head_map(heads.weights, heads.score_matrix, head_columns_width(stats))
-        return tangent_projection(x, head_columns_products(stats, c, W))
+        formed.append(tangent_projection(x, head_columns_products(stats, c, W)))
+        return formed[0]
 
-    return energy, slope, dissipation, (gradient if lazy_gradient else gradient())
+    def dissipation():
+        if formed:  # ∇_S δE/δμ is there: 𝒟 = Σ_i w_i ⟨∇_S δE/δμ(x_i), V(x_i)⟩
+            return token_mean(torch.linalg.vecdot(formed[0], velocity), weights)
+        R = head_moment_sums_along(stats, weights, c, x, tangent_projection(x, velocity))[2]
+        return (heads.weights * (heads.score_matrix * R).sum((-1, -2))).sum(-1)
+
+    if lazy_gradient:
+        return energy, slope, dissipation, gradient
+    return energy, slope, dissipation(), gradient()
 
 
 def diagnostics_along(x, heads: Heads, weights, velocity, stats: HeadStats, *, log_scale: float = 0.0,
@@ -331,8 +344,8 @@ def diagnostics_along(x, heads: Heads, weights, velocity, stats: HeadStats, *, l
     terms : list or None
         the per-head terms of ∇ δE/δμ when the caller has them (:func:`grad_first_variation_terms`).
     lazy_gradient : bool
-        return ∇_S δE/δμ as a zero-argument callable where it is not needed for 𝒟 (the merged fused
-        kernel); a tensor otherwise.
+        return ∇_S δE/δμ and 𝒟 as zero-argument callables where they come from products of the merged
+        fused kernel's block (𝒟 then from the gradient when that is formed first); tensors otherwise.
 
     Returns
     -------
@@ -341,10 +354,10 @@ def diagnostics_along(x, heads: Heads, weights, velocity, stats: HeadStats, *, l
     """
     c = float(log_scale)
     if keys is None and heads.is_symmetric:
-        # the merged fused kernel: E, b, 𝒟 (and the ledger's sums) from one product of its output block
-        sums = head_moment_sums_along(stats, weights, c, x, tangent_projection(x, velocity))
-        if sums is not None:
-            return _fused_diagnostics(x, heads, weights, velocity, stats, c, sums[2], lazy_gradient)
+        # the merged fused kernel: E, b, 𝒟 (and the ledger's sums) from products of its output block
+        merged = stats.__dict__.get("_merged")
+        if merged is not None and merged[0] is x and not needs_grad(x, weights, velocity):
+            return _fused_diagnostics(x, heads, weights, velocity, stats, c, lazy_gradient)
     if terms is None:
         terms = grad_first_variation_terms(x, heads, weights if keys is None else key_weights, stats, chunk_elements,
                                            backend, keys=keys)

@@ -149,8 +149,10 @@ def quadratic_form(x: torch.Tensor, cols: torch.Tensor, iu, coef) -> torch.Tenso
 
 def on_sphere(y: torch.Tensor) -> bool:
     """True when every key has |y_j|² = 1 to within 16 ulp (then Σ_j p_ij |y_j|² = 1 to rounding)."""
-    dev = (y.square().sum(-1) - 1.0).abs()
-    return dev.numel() == 0 or float(dev.max()) <= 16 * torch.finfo(y.dtype).eps
+    if y.shape[-2] == 0 or y.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(torch.linalg.vecdot(y, y))  # max |y_j|² − 1 = max(hi − 1, 1 − lo)
+    return max(float(hi) - 1.0, 1.0 - float(lo)) <= 16 * torch.finfo(y.dtype).eps
 
 
 def quadratic_form_trace_free(x: torch.Tensor, cols: torch.Tensor, iu, coef) -> torch.Tensor:
@@ -188,6 +190,11 @@ def _weighted_block_products(out, mc, left=None, right=None):
     per use, the largest cost of the diagnostics after the kernel)."""
     batch, (n, H, E) = out.shape[:-3], out.shape[-3:]
     G = math.prod(batch)
+    if G * n * H * E * out.element_size() <= _BLOCK_BYTES:  # one block: Y itself, a small temporary
+        Y = (out * mc.unsqueeze(-1)).flatten(-2)  # (..., n, H·E)
+        out_l = None if left is None else left @ Y
+        out_r = None if right is None else Y @ right
+        return out_l if right is None else (out_r if left is None else (out_l, out_r))
     o = out.reshape(G, n, H, E)
     m = mc.reshape(G, n, H, 1)
     lt = None if left is None else left.expand(*batch, *left.shape[-2:]).reshape(G, left.shape[-2], n)
@@ -277,13 +284,27 @@ def head_columns_width(stats: HeadStats) -> int:
     return stats.__dict__["_merged"][1].shape[-1]
 
 
+#: the last maps of :func:`per_head_map` (the field's and the gradient's; the heads are fixed over a run)
+_MAPS = {}
+
+
 def per_head_map(weights: torch.Tensor, M: torch.Tensor, E: int) -> torch.Tensor:
     """The (..., H·E, d) matrix W with (block @ W)_i = Σ_h ω_h M_h ȳ_h(x_i) for a :func:`head_columns` block:
-    W[h·E + b, a] = ω_h M_h[a, b] for b < d, 0 for the second-moment columns."""
+    W[h·E + b, a] = ω_h M_h[a, b] for b < d, 0 for the second-moment columns.  Kept for the next call with
+    the same (unchanged) tensors, unless they require grad."""
+    key = (id(weights), id(M), E)
+    hit = _MAPS.get(key)
+    if hit is not None and hit[0] is weights and hit[1] is M and hit[2] == (weights._version, M._version):
+        return hit[3]
     d = M.shape[-1]
     W = (weights.unsqueeze(-1).unsqueeze(-1) * M).transpose(-1, -2)  # (..., H, d, d): [b, a]
     W = torch.nn.functional.pad(W, (0, 0, 0, E - d))  # (..., H, E, d)
-    return W.reshape(*W.shape[:-3], W.shape[-3] * E, d)
+    W = W.reshape(*W.shape[:-3], W.shape[-3] * E, d)
+    if not W.requires_grad:
+        if len(_MAPS) >= 4:
+            _MAPS.clear()
+        _MAPS[key] = (weights, M, (weights._version, M._version), W)
+    return W
 
 
 

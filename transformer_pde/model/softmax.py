@@ -294,6 +294,23 @@ def _finish(x, M, shift, uniform, m, d, second_moment, iu, coef, lognorm=None):
     return HeadStats(lse, mean, second)
 
 
+_PAIRS = {}
+
+
+def _value_pairs(d: int, trace_free: bool, device):
+    """Index pairs (a, b) into [1, y] whose products are the sdpa kernel's value columns: (0, 1 + j) for y_j,
+    then (1 + lo, 1 + hi) for the (y ⊗ y)_{lo≤hi} of :func:`~transformer_pde.model.moments.sym_pairs`
+    (without the last, y_d², when ``trace_free``); cached."""
+    key = (d, trace_free, str(device))
+    if key not in _PAIRS:
+        (lo, hi), _ = sym_pairs(d, device)
+        if trace_free:
+            lo, hi = lo[:-1], hi[:-1]
+        j = torch.arange(1, d + 1, device=device)
+        _PAIRS[key] = (torch.cat([torch.zeros_like(j), 1 + lo]), torch.cat([j, 1 + hi]))
+    return _PAIRS[key]
+
+
 def _softmax_sdpa(x, y, left, right, weights, second_moment, batch, causal=False):
     """Fused CPU flash-attention kernel: output = softmax(Q Kᵀ + log w) [y, y⊗y], plus its logsumexp.
     The kernel needs q, k, v of one width E: the query and key feature maps (left, right) are
@@ -306,9 +323,10 @@ def _softmax_sdpa(x, y, left, right, weights, second_moment, batch, causal=False
     # keys on the sphere: the last diagonal column y_d² = 1 − Σ_{a<d} y_a² is implied (one column
     # fewer: d = 3 gives the kernel width 8 instead of 9, one AVX-512 vector of float64)
     trace_free = second_moment and on_sphere(y)
-    if second_moment:
-        sec = second_columns(y, iu)
-        v = torch.cat([y, sec[..., :-1] if trace_free else sec], -1)  # (..., m, c)
+    if second_moment:  # [y, (y ⊗ y)_{a≤b}] as products of the columns of [1, y]: one pass, no concatenation
+        a, b = _value_pairs(d, trace_free, y.device)
+        ye = torch.nn.functional.pad(y, (1, 0), value=1.0)
+        v = ye.index_select(-1, a) * ye.index_select(-1, b)  # (..., m, c)
     else:
         v = y
     c = v.shape[-1]
@@ -317,8 +335,11 @@ def _softmax_sdpa(x, y, left, right, weights, second_moment, batch, causal=False
     pad = torch.nn.functional.pad
     if k < E:  # pad the (small) feature maps, not the (batch, H, n, k) features
         left = pad(left, (0, E - k))
-        right = pad(torch.eye(d, dtype=y.dtype, device=y.device), (0, E - d)) if right is None else pad(right, (0, E - k))
-    kf = y.unsqueeze(-3) if right is None else y.unsqueeze(-3) @ right  # (..., 1|H, m, E)
+        right = None if right is None else pad(right, (0, E - k))
+    if right is None:  # the keys themselves (k = d), zero-padded to E
+        kf = (y if d == E else pad(y, (0, E - d))).unsqueeze(-3)  # (..., 1, m, E)
+    else:
+        kf = y.unsqueeze(-3) @ right  # (..., 1|H, m, E)
     Hk = kf.shape[-3]
     mask = None
     if weights is not None:

@@ -104,13 +104,15 @@ class FixedStepRun:
 
     def _densities(self, x, heads, e, rate=None):
         """The ledger's densities at the current grid point (rate: Ȧ there, default the driver's),
-        checked finite."""
+        checked finite; the density ∂_tE is None where it is 0."""
         if not self.diagnostics:
             return None
         c = self.scale["c"]
         ito = self.noisy and not self.realised
+        if self.noise is not None:  # the next step's martingale reads ∇_S δE/δμ: formed first, 𝒟 reuses it
+            e.grad_first_variation
         if not self.ev.pairing:  # Θ constant between its jumps (no Itô term): ∂_tE = ⟨∂_A E, 0⟩ = 0
-            pt = e.energy.new_zeros(torch.broadcast_shapes(e.energy.shape, x.shape[:-2]))
+            pt = None
         else:
             pt = partial_density(x, heads, self.w, e.stats, self.drv.rate if rate is None else rate, self.drv.sigma,
                                  ito=ito, log_scale=c)

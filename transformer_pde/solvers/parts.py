@@ -102,8 +102,10 @@ def ledger_terms(dE, partial, dissipation, slope, martingale, *, sign: float, ca
     dE − ∫∂_sE − ∫𝒟 − M and dE − ∫∂_sE − s∫𝒢² − M (none for causal attention: no gradient flow)."""
     out = {"dE": dE, "partial": partial, "dissipation": dissipation, "slope": slope, "martingale": martingale}
     if not causal:
-        out["residual"] = dE - partial - dissipation - martingale
-        out["residual_slope"] = dE - partial - sign * slope - martingale
+        rest = dE - partial - martingale
+        out["residual"] = rest - dissipation
+        out["residual_slope"] = torch.sub(rest, slope, alpha=sign) if isinstance(rest, torch.Tensor) \
+            else rest - sign * slope
     return out
 
 
@@ -123,9 +125,18 @@ class Ledger:
         self.acc[key] = self.acc[key] + value
 
     def integrate(self, dens: Mapping, dens_new: Mapping, dt: float):
-        """Add dt × (left value, or the mean of both ends) of each density."""
+        """Add dt × (left value, or the mean of both ends) of each density (a density None is 0)."""
+        left = self.quadrature == "left"
         for key in ("partial", "dissipation", "slope"):
-            inc = dens[key] if self.quadrature == "left" else 0.5 * (dens[key] + dens_new[key])
+            a, b = dens[key], None if left else dens_new[key]
+            if a is None and b is None:
+                continue
+            if left:
+                inc = a
+            elif a is None or b is None:
+                inc = 0.5 * (a if b is None else b)
+            else:
+                inc = 0.5 * (a + b)
             self.acc[key] = self.acc[key] + dt * inc
 
     def terms(self, energy: torch.Tensor) -> Dict:

@@ -450,16 +450,26 @@ def check_finite(t: torch.Tensor) -> bool:
     """True when every entry of ``t`` is finite (NaN and inf make it False)."""
     # a sum is finite only when every entry is (an inf or NaN entry makes it inf or NaN): one pass and
     # no bool tensor; a finite sum proves the check, an overflowing one falls back to the entrywise test
-    if t.is_floating_point() and bool(torch.isfinite(t.sum())):
+    if t.is_floating_point() and math.isfinite(_total(t)):
         return True
     return bool(torch.isfinite(t).all())
 
 
+def _total(t: torch.Tensor) -> float:
+    """The sum of the entries of a floating tensor as a Python float (a 0-d one read as it is)."""
+    t = t.detach() if t.requires_grad else t
+    return float(t if t.numel() == 1 else t.sum())
+
+
 def check_ledger(e: FieldEval, pt: torch.Tensor, t: float, k: int, scale: Mapping):
-    """NonFiniteError unless the energy, 𝒟, 𝒢² and ∂_tE of one evaluation are finite."""
-    for name, v in (("the energy", e.energy), ("the dissipation 𝒟", e.dissipation),
-                    ("the metric slope 𝒢²", e.slope), ("∂_tE (ledger 'partial')", pt)):
-        if not check_finite(v):
+    """NonFiniteError unless the energy, 𝒟, 𝒢² and ∂_tE of one evaluation are finite (``pt`` None: ∂_tE = 0)."""
+    vals = (("the energy", e.energy), ("the dissipation 𝒟", e.dissipation), ("the metric slope 𝒢²", e.slope),
+            ("∂_tE (ledger 'partial')", pt))
+    # one test of the sum of their sums (finite only when every entry is; an overflow falls through to each)
+    if math.isfinite(sum(_total(v) for _, v in vals if v is not None)):
+        return
+    for name, v in vals:
+        if v is not None and not check_finite(v):
             raise ledger_nonfinite(name, t, k, e.stats.log_partition, scale["c"], scale["start_max"],
                                     scale.get("given", False))
 

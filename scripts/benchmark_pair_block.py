@@ -12,7 +12,10 @@ float64):
    (``FusedUpdate``): the fused pass itself written as a loop over the same blocks (the baseline of the
    floor), that loop plus the row term Σ_h ½ω_h A_h m_h ȳ_h of ∇δE/δμ (one (n, H·d) × (H·d, d) product per
    system), plus the column term Eᵀ Y (one (n, n·H) × (n·H, d) product) — the arithmetic floor of an exact
-   𝒟 for non-symmetric heads —, then ``pair_diagnostics`` without and with the ledger's token moment.
+   𝒟 for non-symmetric heads —, then ``pair_diagnostics`` without and with the ledger's token moment;
+3. **a tokens-only solve** (the causal and the projected non-symmetric paths of
+   scripts/benchmark_diagnostics.py: 64 systems × 32 tokens, d = 16, H = 4, 20 Euler steps) with the block's
+   field against the same solve with the block switched off.
 
     python scripts/benchmark_pair_block.py
     python scripts/benchmark_pair_block.py --repeats 7 --sizes 32 128 512
@@ -139,6 +142,28 @@ def ladder(repeats):
         show(k, r)
 
 
+def solves(repeats):
+    print("\n3. a tokens-only solve (64 x 32, d = 16, H = 4, 20 Euler steps): with the block's field / without")
+    B, n, d, H = 64, 32, 16, 4
+    x0 = tp.sphere.sample_uniform(n, d, batch_shape=(B,), generator=_gen(5), dtype=F64)
+    A = torch.randn(H, d, d, generator=_gen(6), dtype=F64) / d ** 0.5
+    heads = tp.Heads(A, A.transpose(-1, -2) @ A)
+    for causal in (True, False):
+        model = tp.Model(heads, causal=causal, direction="ascent")
+
+        def run():
+            return tp.solve(model, x0, tp.Euler(), t1=1.0, dt=0.05, progress=False,
+                            ledger=tp.LedgerOptions(diagnostics=False)).x
+
+        def without():
+            saved, pair_block.MAX_TOKENS = pair_block.MAX_TOKENS, 0
+            try:
+                return run()
+            finally:
+                pair_block.MAX_TOKENS = saved
+        show("causal" if causal else "whole measure", paired(without, {"block": run}, repeats, 2)["block"])
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=5)
@@ -151,6 +176,7 @@ def main():
           f"median of {args.repeats} paired CPU-time ratios [range]")
     field_alone(args.sizes, args.repeats)
     ladder(args.repeats)
+    solves(args.repeats)
     print(f"\nload average at the end {os.getloadavg()[0]:.2f}")
 
 

@@ -81,10 +81,10 @@ class LedgerOptions:
         at every step (the quadrature's points), one diagnostics evaluation per step in place of the
         tokens-only one.  Its cost depends on what the tokens-only step saves: measured
         (scripts/benchmark_diagnostics.py, one thread, float64, median of 5 pairs, idle / 2 busy processes
-        per core) 1.16× / 1.12× the tokens-only solve on the paper's H = 100 OU step and 1.06× / 1.04× on a
-        causal one (the diagnostics share the step's kernel pass), 1.5× with token noise at n = 200 (per-step
-        bookkeeping on a small step), 2.0× on the peers' post-LN workload (non-symmetric heads: the column
-        half of ∇δE/δμ is one more product per head than the fused tokens-only pass; docs/performance.md).
+        per core) 1.13× / 1.16× the tokens-only solve on the paper's H = 100 OU step, 1.5× / 1.5× with token
+        noise at n = 200 (per-step bookkeeping on a small step), 1.6× / 1.6× on the peers' post-LN workload and
+        1.4× / 1.6× on a causal one (non-symmetric heads: the two halves of ∇δE/δμ are two products per head
+        that the field-only pass does not form; docs/performance.md).
         Needs ``diagnostics=True``.  Without it, reading ``traj.ledger`` raises a ValueError and the
         diagnostics of the records are computed as ``records`` says.
     quadrature : str or None

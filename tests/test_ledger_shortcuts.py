@@ -75,24 +75,26 @@ def test_dissipation_from_the_gradient_and_from_the_moment_sums(dtype, weighted)
     torch.testing.assert_close(scaled.dissipation, want * math.exp(-2.0), rtol=rtol, atol=atol)
 
 
-def _noisy_run(theta, x0, T, dt, K, seed=3):
-    model = tp.Model(theta, noise=T, direction="ascent")
+def _noisy_run(theta, x0, T, dt, K, seed=3, weights=None):
+    model = tp.Model(theta, noise=T, direction="ascent", weights=weights)
     return tp.solve(model, x0, tp.Euler(), t1=K * dt, dt=dt, seed=seed, progress=False,
                     saveat=tp.SaveAt(path=True), ledger=tp.LedgerOptions(ledger=True, quadrature="left"))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_noisy_token_ledger_against_dense_sums(dtype):
+@pytest.mark.parametrize("weighted", [False, True])
+def test_noisy_token_ledger_against_dense_sums(dtype, weighted):
     """Constant weights, noisy tokens: "partial" is the left sum of T Σ_i Δ_{S,i} E (no ∂_tE), and
-    "dissipation" the left sum of 𝒟 at the recorded tokens."""
+    "dissipation" the left sum of 𝒟 at the recorded tokens; with token weights, the weighted sums."""
     d, n, T, dt, K = 3, 12, 0.3, 0.02, 6
     x0 = tp.sphere.sample_uniform(n, d, generator=gen(5), dtype=dtype)
     heads = _symmetric_heads(2, d, dtype, 6)
-    tr = _noisy_run(heads, x0, T, dt, K)
+    w = torch.softmax(torch.randn(n, generator=gen(7), dtype=torch.float64), -1).to(dtype) if weighted else None
+    tr = _noisy_run(heads, x0, T, dt, K, weights=w)
     assert tr.x.shape[0] == K + 1
-    lap = torch.stack([T * energy_laplacian(tr.x[k], heads) for k in range(K)])
-    V = [tp.velocity(tr.x[k], heads, direction="ascent") for k in range(K)]
-    D = torch.stack([_autograd_dissipation(tr.x[k], heads, None, V[k]) for k in range(K)])
+    lap = torch.stack([T * energy_laplacian(tr.x[k], heads, w) for k in range(K)])
+    V = [tp.velocity(tr.x[k], heads, w, direction="ascent") for k in range(K)]
+    D = torch.stack([_autograd_dissipation(tr.x[k], heads, w, V[k]) for k in range(K)])
     zero = torch.zeros((1,), dtype=dtype)
     rtol, atol = _tol(dtype)
     torch.testing.assert_close(tr.ledger["partial"], torch.cat([zero, torch.cumsum(dt * lap, 0)]), rtol=rtol,

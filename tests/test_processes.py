@@ -469,3 +469,20 @@ def test_zero_rate_is_not_paired(monkeypatch):
     assert calls == [] and float(const.ledger["partial"].abs().max()) == 0.0
     tp.simulate(x0, tp.Oscillating(heads), t1=0.1, dt=0.05, ledger=True, direction="descent")
     assert len(calls) == 3  # t0 and the two steps' right ends
+
+
+def test_a_jump_inside_a_step_is_booked_at_the_steps_end():
+    """Layers switching at t = 0.125, inside the step [0.10, 0.15] (not on the grid, so no left limit there):
+    the ledger's ∂_tE books the jump E(x(0.15), Θ_1) − E(x(0.15), Θ_0), evaluated here independently with
+    tp.energy at the recorded tokens, and nothing at the other steps (constant layers)."""
+    dtype = torch.float64
+    h0, h1 = (tp.Heads.random(2, 3, generator=gen(s), dtype=dtype) for s in (43, 44))
+    x0 = tp.sphere.sample_uniform(6, 3, generator=gen(45), dtype=dtype)
+    tr = tp.simulate(x0, tp.Layerwise([h0, h1], layer_time=0.125), t1=0.25, dt=0.05, ledger=True,
+                     direction="descent")
+    jump = float(tp.energy(tr.x[3], h1) - tp.energy(tr.x[3], h0))
+    increments = torch.diff(tr.ledger["partial"])
+    want = torch.zeros_like(increments)
+    want[2] = jump
+    assert abs(jump) > 1e-3
+    assert_close(increments, want, rtol=1e-12, atol=1e-12 * abs(jump))

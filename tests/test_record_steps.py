@@ -135,8 +135,10 @@ def test_a_killed_run_resumes_to_the_uninterrupted_run_and_a_lazy_checkpoint_is_
         tp.solve(model, x0, tp.Euler(), ledger=STEP, checkpoint=tp.Checkpointing(lazy_ck, every=5), **kw)
 
 
-def test_a_non_finite_recorded_value_names_its_time_and_step(monkeypatch):
-    """The dissipation at the record of step 6 made NaN: the run stops there, naming the quantity, t and k."""
+@pytest.mark.parametrize("field,name", [("energy", "the energy"), ("dissipation", "the dissipation 𝒟"),
+                                        ("slope", "the metric slope 𝒢²")])
+def test_a_non_finite_recorded_value_names_its_time_and_step(monkeypatch, field, name):
+    """One quantity at the record of step 6 made NaN: the run stops there, naming the quantity, t and k."""
     dtype = torch.float64
     x0, heads = problem(dtype)
     real = evaluator_module.Evaluator.__call__
@@ -147,10 +149,10 @@ def test_a_non_finite_recorded_value_names_its_time_and_step(monkeypatch):
         if diag:
             calls["n"] += 1
             if calls["n"] == 4:  # t0, steps 2, 4, then the record of step 6
-                e.dissipation = torch.full_like(e.dissipation, float("nan"))
+                setattr(e, field, torch.full_like(getattr(e, field), float("nan")))
         return e
     monkeypatch.setattr(evaluator_module.Evaluator, "__call__", poisoned)
     with pytest.raises(tp.NonFiniteError) as err:
         tp.solve(tp.Model(heads), x0, tp.Euler(), t1=T1, dt=DT, saveat=tp.SaveAt(every=2), ledger=STEP)
     msg = str(err.value)
-    assert "dissipation" in msg and "step 6" in msg and "0.3" in msg
+    assert f"{name} at the recorded time" in msg and "step 6" in msg and "0.3" in msg

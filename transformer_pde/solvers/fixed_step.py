@@ -222,7 +222,7 @@ class FixedStepRun:
                                  f"{ck['k']}. Resume it without kinetic=True, or delete it to start again")
             if self.kinetic:
                 self.kin, self.kin_rec = u(ck["kinetic"]["acc"]), _tree(ck["kinetic"]["records"], u)
-            if (self.diagnostics or self.at_records) and "heads" in ck:
+            if self.diagnostics and "heads" in ck:
                 raise ValueError(f"the checkpoint {self.ckpt.path} was written by a run without the energy ledger "
                                  f"(ledger=False): it holds no ledger of the steps before step {ck['k']}. Resume it "
                                  f"with ledger=False, or delete it to start again with ledger=True")

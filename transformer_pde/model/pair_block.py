@@ -265,7 +265,8 @@ class _Sweep:
 
 def _sweep(x, weights, prep: _Prep, what: dict) -> Optional[_Sweep]:
     """The pass of :func:`pair_block` over the blocks of systems; ``what``: columns (bool), causal (bool),
-    maps (the diagnostics' head maps of :func:`_prepare`, or None), moment (bool, with maps).  With maps the
+    maps (the diagnostics' head maps of :func:`_prepare`, or None), moment and grad (bools, with maps; grad
+    False: the field alone, and for causal attention the prefix rows only).  With maps the
     gradient and the field (and, with moment, the ledger's token moment) are formed block by block, and
     the row, column and prefix sums are not kept (the column term of the gradient is one product Eᵀ Y with
     Y_ih = ½ω_h w_i A_hᵀ x_i, the query features rescaled, or Eᵀ Q times one number when ½ω_h w_i/β is

@@ -167,6 +167,13 @@ def _flat(t: torch.Tensor, batch, B: int) -> torch.Tensor:
     return t.expand(*batch, *t.shape[-2:]).reshape(B, *t.shape[-2:])
 
 
+def _log_prefix(x: torch.Tensor, weights, batch, B: int) -> torch.Tensor:
+    """log W_i = log Σ_{j≤i} w_j of the causal prefixes: (n,) for uniform weights, else (B, n) over the pass's
+    flattened systems."""
+    lp = causal_log_prefix_mass(weights, x.shape[-2], dtype=x.dtype, device=x.device)
+    return lp if lp.dim() == 1 else _flat(lp.unsqueeze(-1), batch, B).squeeze(-1)
+
+
 def _stacked_maps(M: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """(..., H·d, d): row block h = scale_h M_hᵀ, so that (n, H·d) @ it = Σ_h scale_h M_h u_h."""
     Mt = scale[..., None, None] * M.transpose(-1, -2)
@@ -448,8 +455,7 @@ def pair_block(x: torch.Tensor, heads: Heads, weights: Optional[torch.Tensor] = 
     H = sw.rows.shape[1] // n
     lp = None
     if causal:
-        lp = causal_log_prefix_mass(weights, n, dtype=x.dtype, device=x.device)
-        lp = lp if lp.dim() == 1 else _flat(lp.unsqueeze(-1), sw.batch, B).squeeze(-1)
+        lp = _log_prefix(x, weights, sw.batch, B)
 
     def rowsh(m, r):
         return (None, None) if r is None else (m.view(B, n, H), r.view(B, n, H, d))
@@ -483,7 +489,7 @@ class PairDiagnostics:
 
 def _scaled(g: torch.Tensor, scale: float, batch, own) -> torch.Tensor:
     """g · scale as (*own, n, d) (∇_S δE/δμ at the common scale, formed on first access)."""
-    g = _own_batch(g, batch, own, 2)
+    g = _own_batch(g, batch, own)
     return g if scale == 1.0 else g * scale
 
 
@@ -624,19 +630,18 @@ def pair_field(x: torch.Tensor, heads: Heads, weights: Optional[torch.Tensor], *
         if weights is None:  # the sums of uniform weights were left n times larger
             lse = lse - math.log(n)
         if causal:  # log of the prefix masses normalised by W_i = Σ_{j≤i} w_j
-            lp = causal_log_prefix_mass(weights, n, dtype=x.dtype, device=x.device)
-            lse = lse - (lp if lp.dim() == 1 else _flat(lp.unsqueeze(-1), batch, B).squeeze(-1)).unsqueeze(-1)
+            lse = lse - _log_prefix(x, weights, batch, B).unsqueeze(-1)
         lse = lse.transpose(-1, -2).reshape(*batch, H, n)
         mean_fn = functools.partial(_statistics_mean, x, heads, weights, causal)
         return PairField(V.view(*batch, n, d), field.view(*batch, n, d), deferred_mean_stats(lse, mean_fn),
                          functools.partial(_value_outputs, mean_fn, heads.value_matrix))
 
 
-def _own_batch(t: torch.Tensor, batch, own, tail: int = 0) -> torch.Tensor:
-    """t (B, *tail) of the pass over ``batch`` as (*own, *tail), ``own`` the batch of the tokens, the score
+def _own_batch(t: torch.Tensor, batch, own) -> torch.Tensor:
+    """t (B, *rest) of the pass over ``batch`` as (*own, *rest), ``own`` the batch of the tokens, the score
     matrices, ω, β and the token weights (as the log-sum-exp path): the value matrices' batch axes, which
     E and ∇δE/δμ do not depend on, are dropped (their entries are equal)."""
-    rest = tuple(t.shape[1:]) if tail else ()
+    rest = tuple(t.shape[1:])
     t = t.reshape(tuple(batch) + rest)
     if own == tuple(batch):
         return t

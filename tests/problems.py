@@ -288,17 +288,20 @@ def interrupt_and_resume(x0, theta, checkpoint, *, stop_at, checkpoint_every=5, 
 
 class DiagnosticsCounter:
     """Counts a solve's field evaluations with diagnostics (``evaluate(..., diagnostics=True)`` as the
-    solvers' evaluator calls it): ``diagnostic_calls``."""
+    solvers' evaluator calls it): ``diagnostic_calls``; those that ask the kernel for the second moment:
+    ``second_moment_calls``."""
 
     def __init__(self, monkeypatch):
         import transformer_pde.solvers.evaluator as evaluator_module
 
-        self.diagnostic_calls = 0
+        self.diagnostic_calls = self.second_moment_calls = 0
         real = evaluator_module.evaluate
 
         def counted(*args, **kwargs):
             if kwargs.get("diagnostics"):
                 self.diagnostic_calls += 1
+            if kwargs.get("second_moment"):
+                self.second_moment_calls += 1
             return real(*args, **kwargs)
         monkeypatch.setattr(evaluator_module, "evaluate", counted)
 

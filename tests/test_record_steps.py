@@ -69,6 +69,7 @@ def test_the_record_steps_give_the_lazy_values_with_one_diagnostics_evaluation_p
     # one evaluation with diagnostics per record (and one more at t0 when a scale c ≠ 0 is chosen there)
     assert count.diagnostic_calls in (records, records + 1), (count.diagnostic_calls, records)
     assert lazy_calls == 0
+    assert count.second_moment_calls == 0  # only the ledger's Itô terms read it
     assert not step.has_ledger and not step.lazy
     # the steps evaluate the same field with or without diagnostics (other kernels, the same numbers to
     # rounding): a few ulps of the largest value per step, adding like a random walk over the steps
@@ -81,6 +82,15 @@ def test_the_record_steps_give_the_lazy_values_with_one_diagnostics_evaluation_p
     assert step.stats["energy_log_scale"] == lazy.stats["energy_log_scale"]
     with pytest.raises(ValueError, match=r"LedgerOptions\(ledger=True\)"):
         step.ledger
+
+
+def test_only_the_ledger_of_token_noise_asks_the_kernel_for_the_second_moment(monkeypatch):
+    """The Itô term T Σ_i Δ_{S,i}E of the ledger reads the kernel's second moment at every step; the same
+    noisy run with its E, 𝒢², 𝒟 recorded by the steps reads none (checked for the records above)."""
+    count = DiagnosticsCounter(monkeypatch)
+    tr = solve_case("token noise", torch.float64, {"ledger": True})
+    assert count.second_moment_calls == count.diagnostic_calls == K + 1
+    assert bool((tr.ledger["partial"][-1] != 0).all())  # the Itô term was booked
 
 
 def test_a_chosen_scale_is_fixed_at_t0_as_the_lazy_run_fixes_it():

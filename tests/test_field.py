@@ -416,6 +416,23 @@ def test_merged_kernel_diagnostics_match_dense(dtype, d, weighted, normalization
 
 
 @pytest.mark.skipif(not _HAS_SDPA, reason="no fused CPU kernel in this torch")
+@pytest.mark.parametrize("gradient_first", [False, True])
+def test_merged_dissipation_of_tokens_off_the_sphere(gradient_first):
+    """Tokens of norm 1.5 (the flat dynamics): V = P_x f is not orthogonal to x there, so 𝒟 must pair V with
+    the projected gradient P_x ∇δE/δμ, whichever of 𝒟 and ∇_S δE/δμ is read first: the dense backend's."""
+    x = 1.5 * sphere.sample_uniform(11, 3, batch_shape=(2,), generator=gen(46), dtype=torch.float64)
+    A = torch.randn(4, 3, 3, generator=gen(47), dtype=torch.float64)
+    heads = tp.Heads(A + A.transpose(-1, -2), beta=0.6)
+    fast = _field.evaluate(x, heads, None, backend="sdpa")
+    slow = _field.evaluate(x, heads, None, backend="dense")
+    assert "_merged" in fast.stats.__dict__
+    if gradient_first:
+        fast.grad_first_variation
+    assert_close(fast.dissipation, slow.dissipation, **_tol(torch.float64))
+    assert_close(fast.grad_first_variation, slow.grad_first_variation, **_tol(torch.float64))
+
+
+@pytest.mark.skipif(not _HAS_SDPA, reason="no fused CPU kernel in this torch")
 def test_block_products_do_not_depend_on_the_block_size(monkeypatch):
     """The m-weighted products of the merged block, formed a block of tokens at a time, against one einsum of
     the whole (..., n, H, E) block: one-token blocks, blocks that do not divide n, and one block."""
@@ -506,6 +523,17 @@ def test_deferred_fields_are_formed_once():
         first = get(ev)
         assert first is not None and get(ev) is first
         assert_close(first, get(ref), **_tol(torch.float64))
+    # the field itself keeps what it formed: a deferred value is computed once, however often it is read
+    calls = []
+
+    def make():
+        calls.append(1)
+        return torch.zeros(2, 8, 3, dtype=torch.float64)
+
+    fe = tp.FieldEval(ev.velocity, ev.stats, make, make, dissipation=make)
+    for _ in range(3):
+        fe.outputs, fe.grad_first_variation, fe.dissipation
+    assert len(calls) == 3
 
 
 def test_scaled_partition_is_kept_per_scale():

@@ -108,11 +108,7 @@ def test_noisy_token_step_forms_no_moment_sums(monkeypatch):
     """Constant weights and noisy tokens: the step forms ∇_S δE/δμ (the martingale reads it) and takes 𝒟 from it,
     so the per-head moment sums of the kernel's block (∂_tE's and the weights' Itô term's) are never formed;
     with noisy weights they are (∂_tE pairs them with Ȧ)."""
-    from transformer_pde.model import field
-
     calls = []
-    real = field.head_moment_sums_along
-    monkeypatch.setattr(field, "head_moment_sums_along", lambda *a, **k: calls.append(1) or real(*a, **k))
     real_sums = moments._merged_moment_sums
     monkeypatch.setattr(moments, "_merged_moment_sums", lambda *a, **k: calls.append(2) or real_sums(*a, **k))
     dtype = torch.float64

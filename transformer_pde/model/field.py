@@ -58,7 +58,7 @@ from ..utils.validation import (
 from .backends import causal_log_prefix_mass, needs_grad
 from .moments import (
     HeadStats, deferred_mean_stats, head_columns, head_columns_mass, head_columns_products, head_columns_width,
-    head_moment_sums_along, mean_applied, per_head_map, scaled_partition,
+    mean_applied, per_head_map, scaled_partition,
 )
 from .pair_block import pair_diagnostics, pair_field, takes as pair_takes
 from .plans import plan_average, relu_statistics
@@ -286,12 +286,10 @@ def _fused_diagnostics(x, heads, weights, velocity, stats, c, lazy_gradient):
     """:func:`diagnostics_along` from the merged kernel's block (symmetric heads, keys = queries).
 
     E = Σ_h ω_h/(2β) Σ_i w_i m_h e^{−c}; b from the (..., n, H) masses, contiguous in the heads; ∇_S δE/δμ
-    = P_x (Y @ W) (:func:`transformer_pde.model.moments.per_head_map`).  𝒟 = Σ_i w_i ⟨∇_S δE/δμ(x_i), V(x_i)⟩
-    when the gradient is formed, else, from the per-head sums R_h = Σ_i w_i m_h(x_i) e^{−c} P_x V(x_i) ȳ_h(x_i)ᵀ
-    of the token columns of :func:`~transformer_pde.model.moments.head_moment_sums_along`,
-    𝒟 = Σ_h ω_h ⟨A_h, R_h⟩_F (A_h symmetric).  With ``lazy_gradient`` both ∇_S δE/δμ and 𝒟 are returned as
-    zero-argument callables, formed on first use (the solvers' step reads the gradient only with token
-    noise or a layer map; a caller that forms it first gets 𝒟 from it, one product of the block instead of two)."""
+    = P_x (Y @ W) (:func:`transformer_pde.model.moments.per_head_map`) and 𝒟 = Σ_i w_i ⟨∇_S δE/δμ(x_i),
+    V(x_i)⟩ from it: one product of the block for both.  With ``lazy_gradient`` both are returned as
+    zero-argument callables, formed on first use (the solvers' step reads the gradient only with token noise
+    or a layer map)."""
     m = head_columns_mass(stats, c)  # (..., n, H)
     mean_m = m.mean(-2) if weights is None else (weights.unsqueeze(-2) @ m).squeeze(-2)  # (..., H)
     energy = torch.linalg.vecdot(heads.weights, mean_m) / (2 * heads.beta)
@@ -300,15 +298,13 @@ def _fused_diagnostics(x, heads, weights, velocity, stats, c, lazy_gradient):
     formed = []
 
     def gradient():
-        W = per_head_map(heads.weights, heads.score_matrix, head_columns_width(stats))
-        formed.append(tangent_projection(x, head_columns_products(stats, c, W)))
+        if not formed:
+            W = per_head_map(heads.weights, heads.score_matrix, head_columns_width(stats))
+            formed.append(tangent_projection(x, head_columns_products(stats, c, W)))
         return formed[0]
 
-    def dissipation():
-        if formed:  # ∇_S δE/δμ is there: 𝒟 = Σ_i w_i ⟨∇_S δE/δμ(x_i), V(x_i)⟩
-            return token_mean(torch.linalg.vecdot(formed[0], velocity), weights)
-        R = head_moment_sums_along(stats, weights, c, x, tangent_projection(x, velocity))[2]
-        return (heads.weights * (heads.score_matrix * R).sum((-1, -2))).sum(-1)
+    def dissipation():  # projected: off the sphere (the flat dynamics) V is not orthogonal to x
+        return token_mean(torch.linalg.vecdot(gradient(), velocity), weights)
 
     if lazy_gradient:
         return energy, slope, dissipation, gradient

@@ -11,9 +11,9 @@ as a :class:`HeadStats`.  This module holds the algebra on those statistics that
 which kernel produced them: the second moment as a quadratic form of the (y ⊗ y) key columns
 (:func:`quadratic_form`, its trace-free version for keys on the sphere), M_h ȳ_h (:func:`mean_applied`),
 the scaled partitions m_h e^{−c} (:func:`scaled_partition`), and the products of the fused kernel's
-output block: the field Σ_h ω_h M_h ȳ_h as one product with :func:`per_head_map`, the per-head token
-sums of the energy ledger (:func:`head_moment_sums`) and of the dissipation
-(:func:`head_moment_sums_along`), formed a block of tokens at a time.
+output block: the field Σ_h ω_h M_h ȳ_h and the gradient of the energy as one product with
+:func:`per_head_map` each, and the per-head token sums of the energy ledger (:func:`head_moment_sums`),
+formed a block of tokens at a time.
 
 The fused "sdpa" kernel with the heads folded into the query axis keeps its output laid out
 (…, n, H, E) on the statistics (``_merged``): :func:`head_columns` is that block as (…, n, H·E), head h
@@ -34,7 +34,7 @@ __all__ = ["HeadStats"]
 #: named internal API (not public): the algebra the kernels, the field, the energy and the solvers' ledger share
 __internal__ = ["mean_columns", "mean_applied", "scaled_partition", "sym_pairs", "second_columns", "quadratic_form",
                 "on_sphere", "quadratic_form_trace_free", "mean_from_merged", "second_from_merged", "head_columns",
-                "head_columns_mass", "head_columns_products", "head_moment_sums_along", "head_columns_width",
+                "head_columns_mass", "head_columns_products", "head_columns_width",
                 "per_head_map", "head_moment_sums", "deferred_mean_stats", "second_moment_columns"]
 
 
@@ -249,15 +249,6 @@ def head_columns_products(stats: HeadStats, log_scale: float, right: torch.Tenso
     return _weighted_block_products(stats.__dict__["_merged"][1], head_columns_mass(stats, log_scale), right=right)
 
 
-def head_moment_sums_along(stats: HeadStats, weights, log_scale: float, x, extra):
-    """(T_h, ito_h, R_h) of :func:`_merged_moment_sums` with the token columns ``extra``, or None where the
-    statistics are not merged (the T_h, ito_h are kept for :func:`head_moment_sums`)."""
-    merged = stats.__dict__.get("_merged")
-    if merged is None:
-        return None
-    return _merged_moment_sums(stats, merged, weights, log_scale, x, extra)
-
-
 def second_moment_columns(stats: HeadStats, x, log_scale: float):
     """The fused kernel's value columns with the second moment, for the queries ``x``: (out, mass, c, trace_free)
     with out (..., n, H, E) (a view) holding ȳ_h(x_i) in columns :d and C_ab = Σ_j p_ij y_ja y_jb (a ≤ b,
@@ -377,35 +368,27 @@ def _token_columns(xq, weights, d, c, trace_free, iu, coef):
     return U, wb
 
 
-def _merged_moment_sums(stats, merged, weights, log_scale, x, extra=None):
+def _merged_moment_sums(stats, merged, weights, log_scale, x):
     """:func:`head_moment_sums` of merged statistics: one product U_wᵀ (c × n) @ Y (n × H·E) per batch entry,
-    Y the kernel's output (:func:`head_columns`) times m_h e^{−c}.
-
-    ``extra`` (..., n, d), optional: more token columns in the same product; then a third result
-    R_h = Σ_i w_i m_h(x_i) e^{−c} extra_i ȳ_h(x_i)ᵀ (..., H, d, d) (the dissipation's per-head sums)."""
+    Y the kernel's output (:func:`head_columns`) times m_h e^{−c}."""
     xq, out, lse_nh, d, c, trace_free, iu, coef = merged
-    if (x is not None and x is not xq) or needs_grad(xq, weights, extra):
+    if (x is not None and x is not xq) or needs_grad(xq, weights):
         return None
     key = (None if weights is None else weights._version, lse_nh._version, out._version, xq._version, float(log_scale))
     cache = stats.__dict__.get("_moment_sums")
-    if cache is not None and cache[0] is weights and cache[1] == key and extra is None:
+    if cache is not None and cache[0] is weights and cache[1] == key:
         return cache[2]
     H, E = out.shape[-2], out.shape[-1]
     mc = head_columns_mass(stats, log_scale)  # (..., n, H)
     U, wb = _token_columns(xq, weights, d, c, trace_free, iu, coef)
-    if extra is not None:
-        ev = extra / extra.shape[-2] if weights is None else extra * weights.unsqueeze(-1)
-        U = torch.cat([U, ev.expand(*U.shape[:-1], d)], -1)
-    MU = _weighted_block_products(out, mc, U.transpose(-1, -2))  # (..., c (+d), H·E)
-    MU = MU.reshape(*MU.shape[:-1], H, E).transpose(-2, -3)  # (..., H, c (+d), E)
+    MU = _weighted_block_products(out, mc, U.transpose(-1, -2))  # (..., c, H·E)
+    MU = MU.reshape(*MU.shape[:-1], H, E).transpose(-2, -3)  # (..., H, c, E)
     T = MU[..., :d, :d].transpose(-1, -2)
     ito = None
     if c > d:
         ito = MU[..., d:c, d:c].diagonal(dim1=-2, dim2=-1).sum(-1) + (wb.unsqueeze(-2) @ mc).squeeze(-2)
     stats._moment_sums = (weights, key, (T, ito))
-    if extra is None:
-        return T, ito
-    return T, ito, MU[..., c:, :d]
+    return T, ito
 
 
 

@@ -93,6 +93,31 @@ def test_only_the_ledger_of_token_noise_asks_the_kernel_for_the_second_moment(mo
     assert bool((tr.ledger["partial"][-1] != 0).all())  # the Itô term was booked
 
 
+def test_simulate_records_keyword_is_the_solve_option(monkeypatch):
+    """tp.simulate(records="step") is tp.solve with LedgerOptions(records="step"): one diagnostics evaluation per
+    record, the lazy values to rounding; its refusals name simulate's keywords, before any work."""
+    x0, heads = problem(torch.float64)
+    kw = dict(t1=T1, dt=DT, record_every=3, direction="descent")
+    count = DiagnosticsCounter(monkeypatch)
+    step = tp.simulate(x0, heads, records="step", **kw)
+    assert count.diagnostic_calls == step.times.shape[0] and not step.lazy
+    lazy = tp.simulate(x0, heads, **kw)
+    assert lazy.lazy
+    eps = torch.finfo(torch.float64).eps
+    for key in SERIES:
+        b = getattr(lazy, key)
+        tol = 32 * eps * math.sqrt(K + 1) * float(b.abs().max())
+        assert_close(getattr(step, key), b, rtol=tol, atol=tol)
+    for bad, match in ((dict(ledger=True), r"records='step'.*ledger=True"),
+                       (dict(method="adaptive"), r"method='adaptive' \(Dopri5\) does not implement records")):
+        count.diagnostic_calls = 0
+        with pytest.raises((ValueError, TypeError), match=match):
+            tp.simulate(x0, heads, records="step", **kw, **bad)
+        assert count.diagnostic_calls == 0
+    with pytest.raises(ValueError, match="records"):
+        tp.simulate(x0, heads, records="every", **kw)
+
+
 def test_a_chosen_scale_is_fixed_at_t0_as_the_lazy_run_fixes_it():
     """Scores large enough that the energy is reported at a common scale c ≠ 0: the same c, the same values."""
     dtype = torch.float64

@@ -81,12 +81,12 @@ SIMULATE_KEYWORDS = {
     "Model.weights": "weights", "Model.causal": "causal", "SaveAt.every": "record_every",
     "SaveAt.observables": "observables", "LedgerOptions.quadratic_variation": "quadratic_variation",
     "LedgerOptions.energy_log_scale": "energy_log_scale", "LedgerOptions.quadrature": "quadrature",
-    "LedgerOptions.diagnostics": "diagnostics", "LedgerOptions.ledger": "ledger",
+    "LedgerOptions.diagnostics": "diagnostics", "LedgerOptions.ledger": "ledger", "LedgerOptions.records": "records",
     "Checkpointing.path": "checkpoint", "Checkpointing.every": "checkpoint_every", "Progress.show": "progress",
     "Progress.callback": "callback", "Limits.max_steps": "max_steps", "Limits.max_memory": "max_memory",
     "Limits.chunk_elements": "chunk_elements", "Dopri5.rtol": "rtol", "Dopri5.atol": "atol",
     "Model.geometry": "layer_norm", "geometry=": "layer_norm=", "Model.noise": "temperature",
-    "TokenNoise.temperature": "temperature",
+    "TokenNoise.temperature": "temperature", "Dopri5 does not implement": "method='adaptive' (Dopri5) does not implement",
 }
 
 
@@ -435,6 +435,7 @@ def simulate(
     record_every: int = 1,
     diagnostics: bool = True,
     ledger: bool = False,
+    records: str = "lazy",
     quadrature: Optional[str] = None,
     rtol: Optional[float] = None,
     atol: Optional[float] = None,
@@ -485,16 +486,21 @@ def simulate(
         keep every k-th step (the first and last times are always kept); at most
         the number of steps.
     diagnostics : bool
-        energy, 𝒢², 𝒟 at the recorded times (False: tokens only).  Computed from the records
-        (tokens, heads, radii) on the first read of ``traj.energy``/``slope``/``dissipation``, once,
-        vectorised over the records: the solve itself evaluates the field only.
+        energy, 𝒢², 𝒟 at the recorded times (False: tokens only).  Computed as ``records`` says.
     ledger : bool
         also keep the energy ledger ``traj.ledger`` (:class:`~transformer_pde.LedgerOptions`):
         the diagnostics are then evaluated at every step (and, for the trapezoid rule and the jumps,
-        at every right end): measured 6.6× the tokens-only solve on the peers' post-LN workload and
-        1.14× on the paper's H = 100 OU step (float64, :class:`~transformer_pde.LedgerOptions`,
-        scripts/benchmark_lazy_diagnostics.py).  Without it ``traj.ledger`` raises a ValueError.
+        at every right end): measured 1.6–1.7× the tokens-only solve on the peers' post-LN workload and
+        1.15–1.17× on the paper's H = 100 OU step (float64, :class:`~transformer_pde.LedgerOptions`,
+        scripts/benchmark_diagnostics.py).  Without it ``traj.ledger`` raises a ValueError.
         Needs diagnostics=True.
+    records : str
+        "lazy" (default): the diagnostics of the records are computed from the recorded tokens, heads and
+        radii on the first read of ``traj.energy``/``slope``/``dissipation``, once, vectorised over the
+        records (the solve evaluates the field only: free when never read).  "step": by the recorded
+        steps' own field evaluations during the solve (cheaper when the records are dense and read;
+        the same values to rounding; fixed-step methods, without the ledger).
+        :class:`~transformer_pde.LedgerOptions` gives the measured costs of both.
     quadrature : Optional[str]
         "left" (default for euler, the reference code) or "trapezoid" (default
         for the others) for the ledger's time integrals; the martingale is an Itô sum.
@@ -628,7 +634,7 @@ def simulate(
             else FixedStep(method)
         saveat = SaveAt(every=record_every, observables=observables, path=return_path)
         book = LedgerOptions(diagnostics, ledger, None if adaptive else quadrature, quadratic_variation,
-                             energy_log_scale)
+                             energy_log_scale, records=records)
         ckpt = None if checkpoint is None else Checkpointing(checkpoint, checkpoint_every)
         if ckpt is not None:
             check_output_file(ckpt.path)  # a missing folder is refused now, not at the first save

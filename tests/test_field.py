@@ -598,6 +598,27 @@ def test_per_head_keys_keep_the_per_head_layout(dtype):
 
 
 @pytest.mark.skipif(not _HAS_SDPA, reason="no fused CPU kernel in this torch")
+@pytest.mark.skipif(not _HAS_SDPA, reason="no fused CPU kernel in this torch")
+def test_merged_sums_are_kept_per_weights_and_declined_under_autograd():
+    """head_moment_sums of merged statistics: the same tensors on a second call with the same weights (kept on
+    the statistics), formed again for another weights tensor (equal values: the same numbers), None for weights
+    that require grad (the caller's per-token path differentiates), and no Itô sum without the second moment."""
+    x = sphere.sample_uniform(9, 3, batch_shape=(2,), generator=gen(105), dtype=torch.float64)
+    A = torch.randn(3, 3, 3, generator=gen(106), dtype=torch.float64)
+    heads = tp.Heads(A + A.transpose(-1, -2))
+    w = torch.softmax(torch.randn(2, 9, generator=gen(107), dtype=torch.float64), -1)
+    stats = tp.softmax_statistics(x, heads, w)
+    assert "_merged" in stats.__dict__
+    T, ito = _moments.head_moment_sums(stats, w)
+    assert ito is None
+    assert _moments.head_moment_sums(stats, w)[0] is T
+    other = w.clone()
+    T2 = _moments.head_moment_sums(stats, other)[0]
+    assert T2 is not T
+    assert_close(T2, T, **_tol(torch.float64))
+    assert _moments.head_moment_sums(stats, other.clone().requires_grad_()) is None
+
+
 def test_merged_sums_only_for_their_own_tokens_and_weights():
     """The merged kernel's per-head sums belong to the queries and token weights they were formed with: paired
     with other tokens, the pairing uses those tokens (the per-token path); after an in-place change of the

@@ -81,10 +81,10 @@ class LedgerOptions:
         at every step (the quadrature's points), one diagnostics evaluation per step in place of the
         tokens-only one.  Its cost depends on what the tokens-only step saves: measured
         (scripts/benchmark_diagnostics.py, one thread, float64, median of 5 pairs, idle / 2 busy processes
-        per core) 1.13× / 1.16× the tokens-only solve on the paper's H = 100 OU step, 1.5× / 1.5× with token
-        noise at n = 200 (per-step bookkeeping on a small step), 1.6× / 1.6× on the peers' post-LN workload and
-        1.4× / 1.6× on a causal one (non-symmetric heads: the two halves of ∇δE/δμ are two products per head
-        that the field-only pass does not form; docs/performance.md).
+        per core) 1.17× / 1.15× the tokens-only solve on the paper's H = 100 OU step, 1.5× / 1.5× with token
+        noise at n = 200 (the Itô term's per-step bookkeeping on a small step), 1.7× / 1.6× on the peers'
+        post-LN workload and 1.5× / 1.5× on a causal one (non-symmetric heads: the two halves of ∇δE/δμ are two
+        products per head that the field-only pass does not form; docs/performance.md).
         Needs ``diagnostics=True``.  Without it, reading ``traj.ledger`` raises a ValueError and the
         diagnostics of the records are computed as ``records`` says.
     quadrature : str or None
@@ -101,8 +101,10 @@ class LedgerOptions:
         solve, from the field evaluation of each recorded step itself (one evaluation with diagnostics
         in place of the tokens-only one at the record steps only): what the diagnostics add to that
         evaluation, paid whether they are read or not; the cheaper choice when the records are dense and
-        read (at every step: scripts/benchmark_diagnostics.py, docs/performance.md).  The same values to
-        rounding.  Fixed-step particle solvers only (tp.Euler(), tp.Heun(), tp.RK4()); with
+        read.  Measured as the ledger above: at a stride of 5–10 steps at most 1.10× the tokens-only solve on
+        those four paths; at every step 1.05× (H = 100 OU), 1.1–1.2× (token noise), 1.6× (post-LN) and 1.4–1.5×
+        (causal), against 1.8–2.6× for lazy records read at every step (docs/performance.md).  The same
+        values to rounding.  Fixed-step particle solvers only (tp.Euler(), tp.Heun(), tp.RK4()); with
         ``ledger=True`` the diagnostics already come from every step: leave it at "lazy".
     kinetic : bool
         also accumulate the kinetic term ∫_{t0}^{t} 𝒢² ds, 𝒢² = Σ_i w_i b(x_i) |V(x_i)|², at every step from

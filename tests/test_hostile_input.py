@@ -183,6 +183,23 @@ def test_tolerances_with_a_fixed_step_method_are_refused():
 
 
 # ---------------------------------------------------------------------------- common scale
+def test_a_given_scale_is_checked_against_the_weighted_measure_at_t0():
+    """The check of a given energy_log_scale reads the token weights: with the weight on one token the largest
+    log-partition is the self-score β = 10, more than 1 above the uniform measure's (8.88 here), so a c that
+    leaves the weighted values half a unit above the underflow floor is accepted with the weights and refused
+    without them."""
+    dtype = torch.float64
+    x0 = tp.sphere.octahedral(6, dtype=dtype)
+    heads = tp.Heads.scalar([10.0], 3).to(dtype)
+    w = torch.tensor([1 - 5e-12] + [1e-12] * 5, dtype=dtype)
+    fi = torch.finfo(dtype)
+    c = float(tp.softmax_statistics(x0, heads, w).log_partition.max()) - math.log(fi.tiny / fi.eps) - 0.5
+    tr = tp.simulate(x0, heads, t1=0.1, dt=0.1, weights=w, energy_log_scale=c)
+    assert tr.stats["energy_log_scale"] == c
+    with pytest.raises(ValueError, match="underflow"):
+        tp.simulate(x0, heads, t1=0.1, dt=0.1, energy_log_scale=c)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 def test_an_underflowing_energy_log_scale_is_refused_with_the_value_that_fits(dtype):
     """Before: energy_log_scale=1e4 returned energy 0 and ledger residual 0 (everything underflowed)."""

@@ -600,3 +600,23 @@ def test_the_normalised_update_is_a_over_its_norm_plus_eps(dtype):
         if eps == 0.0:
             expected[0, 0] = 0.0  # the zero update
         torch.testing.assert_close(_unit(a, eps), expected)
+
+
+@pytest.mark.parametrize("normalization", ["softmax", "unnormalized"])
+def test_tokens_only_layer_maps_keep_causality_and_the_normalisation(normalization):
+    """A post-LN solve without diagnostics (the fused layer-map pass where it applies) moves the tokens as the
+    same solve with the ledger (every step through evaluate): causal attention stays causal and another
+    normalisation stays itself; the non-causal run differs, so the comparison can tell."""
+    dtype = torch.float64
+    x0 = tp.sphere.sample_uniform(8, 4, batch_shape=(3,), generator=_gen(30), dtype=dtype)
+    A = torch.randn(2, 4, 4, generator=_gen(31), dtype=dtype)
+    heads = tp.Heads(A, torch.randn(2, 4, 4, generator=_gen(32), dtype=dtype))
+    kw = dict(t1=0.5, dt=0.1, layer_norm="post", normalization=normalization)
+    bare = tp.simulate(x0, heads, causal=True, diagnostics=False, **kw).x
+    ledger = tp.simulate(x0, heads, causal=True, ledger=True, **kw).x
+    whole = tp.simulate(x0, heads, causal=False, diagnostics=False, **kw).x
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(bare, ledger, rtol=0.0, atol=1e3 * eps)
+    assert float((bare - whole).abs().max()) > 0.1
+    torch.testing.assert_close(whole, tp.simulate(x0, heads, causal=False, ledger=True, **kw).x, rtol=0.0,
+                               atol=1e3 * eps)

@@ -217,3 +217,16 @@ def test_adaptive_with_layer_boundaries_adjoint_gradient_equals_backprop():
     ga, gb = grad(True), grad(False)
     assert float(ga.abs().max()) > 1e-3
     torch.testing.assert_close(ga, gb, rtol=1e-7, atol=1e-9)
+
+
+def test_the_given_generator_draws_the_weight_noise():
+    """generator= is the weights' random stream: the same generator state gives the same noisy run, another
+    state another run (the draws do not fall back to the default seed)."""
+    x0 = tp.sphere.sample_uniform(8, 4, generator=gen(40), dtype=torch.float64)
+    theta = tp.OrnsteinUhlenbeck(tp.Heads.random(2, 4, generator=gen(41), dtype=torch.float64), sigma=0.5)
+    kw = dict(t1=0.5, dt=0.1, diagnostics=False)
+    first = tp.simulate(x0, theta, generator=gen(5), **kw).x
+    torch.testing.assert_close(tp.simulate(x0, theta, generator=gen(5), **kw).x, first, rtol=0.0,
+                               atol=16 * torch.finfo(torch.float64).eps)
+    assert float((tp.simulate(x0, theta, generator=gen(6), **kw).x - first).abs().max()) > 1e-3
+    assert float((tp.simulate(x0, theta, **kw).x - first).abs().max()) > 1e-3

@@ -230,3 +230,27 @@ def test_the_given_generator_draws_the_weight_noise():
                                atol=16 * torch.finfo(torch.float64).eps)
     assert float((tp.simulate(x0, theta, generator=gen(6), **kw).x - first).abs().max()) > 1e-3
     assert float((tp.simulate(x0, theta, **kw).x - first).abs().max()) > 1e-3
+
+
+@pytest.mark.parametrize("flag", ["diagnostics", "ledger", "adjoint", "return_path"])
+def test_a_flag_that_is_not_a_bool_is_refused_by_its_name(flag):
+    x0 = tp.sphere.octahedral(6, dtype=torch.float64)
+    with pytest.raises(TypeError, match=rf"^{flag} must be True or False, got str 'yes'"):
+        tp.simulate(x0, tp.Heads.scalar([1.0], 3).to(torch.float64), t1=0.2, dt=0.1, **{flag: "yes"})
+
+
+def test_the_weight_path_is_stored_only_when_asked():
+    """return_path=False (the default) keeps no weight path, return_path=True the sampled one."""
+    x0 = tp.sphere.octahedral(6, dtype=torch.float64)
+    theta = tp.OrnsteinUhlenbeck(tp.Heads.scalar([1.0], 3).to(torch.float64), sigma=0.3)
+    assert tp.simulate(x0, theta, t1=0.2, dt=0.1).path is None
+    assert tp.simulate(x0, theta, t1=0.2, dt=0.1, return_path=True).path.scores.shape[0] == 3
+
+
+def test_tolerances_with_a_fixed_step_method_are_refused_naming_each():
+    x0 = tp.sphere.octahedral(6, dtype=torch.float64)
+    h = tp.Heads.scalar([1.0], 3).to(torch.float64)
+    with pytest.raises(ValueError, match=r"^rtol=1e-06, atol=1e-08: rtol and atol are the tolerances"):
+        tp.simulate(x0, h, t1=0.2, dt=0.1, method="heun", rtol=1e-6, atol=1e-8)
+    with pytest.raises(ValueError, match=r"^atol=1e-08: rtol and atol"):
+        tp.simulate(x0, h, t1=0.2, dt=0.1, atol=1e-8)

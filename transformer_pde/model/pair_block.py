@@ -520,7 +520,7 @@ def pair_diagnostics(x: torch.Tensor, heads: Heads, weights: Optional[torch.Tens
         c: the diagnostics are returned times e^{−c} (:func:`transformer_pde.model.field.diagnostics_along`).
     token_moment : bool
         also form the energy ledger's token moment T_h in the pass (attached to the statistics, read by
-        :func:`transformer_pde.model.moments.head_moment_sums_along`); False: not formed (one product of each
+        :func:`transformer_pde.model.moments.head_moment_sums`); False: not formed (one product of each
         block less; a pairing then forms it from the statistics).
 
     Returns

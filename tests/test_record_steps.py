@@ -91,6 +91,8 @@ def test_only_the_ledger_of_token_noise_asks_the_kernel_for_the_second_moment(mo
     tr = solve_case("token noise", torch.float64, {"ledger": True})
     assert count.second_moment_calls == count.diagnostic_calls == K + 1
     assert bool((tr.ledger["partial"][-1] != 0).all())  # the Itô term was booked
+    solve_case("constant heads, euler", torch.float64, {"ledger": True})  # no noise: no Itô term to read it
+    assert count.second_moment_calls == K + 1 and count.diagnostic_calls == 2 * (K + 1)
 
 
 def test_simulate_records_keyword_is_the_solve_option(monkeypatch):

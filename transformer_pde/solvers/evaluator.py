@@ -40,6 +40,7 @@ class Evaluator:
                       "given": energy_log_scale is not None}
         self.fused = None  # a layernorm.FusedUpdate for the tokens-only evaluations of a layer map
         self.pairing = True  # False: no rate of the heads is paired with the statistics (no ledger moment)
+        self.ledger = True  # False: the evaluations with diagnostics serve records only (no Itô term, no second moment)
 
     def __call__(self, xk, heads, diag):
         # value-factored heads: evaluate's values-first kernel (the fused pass would form every d×d A_h and V_h)
@@ -49,7 +50,8 @@ class Evaluator:
                 return fe
         # one implementation of E, 𝒢², 𝒟 at the common scale e^{−c} (c = 0: the values), causal or not
         return evaluate(xk, heads, self.w, normalization=self.normalization, sign=self.sign, diagnostics=diag,
-                        log_scale=self.scale["c"], second_moment=diag and self.noisy, chunk_elements=self.chunk,
+                        log_scale=self.scale["c"], second_moment=diag and self.noisy and self.ledger,
+                        chunk_elements=self.chunk,
                         ledger_moment=self.pairing, **self.causal_kw)
 
     def fix_scale(self, evk) -> bool:

@@ -55,6 +55,7 @@ class FixedStepRun:
         # diagnostics: evaluated at every step (the ledger); lazy: from the records after the solve
         self.K, self.dt, self.w = problem.steps, o.dt, model.weights
         self.diagnostics, self.lazy = o.ledger.diagnostics and o.ledger.ledger, o.ledger.lazy
+        self.ev.ledger = self.diagnostics  # the kernel's second moment only for the ledger's Itô terms
         self.at_records = o.ledger.at_record_steps  # E, 𝒢², 𝒟 from the recorded steps' own evaluations
         self.heads_rec = RecordedHeads() if self.lazy else None  # Θ at each record (lazy)
         self.realised = o.ledger.quadratic_variation == "realised"
@@ -230,6 +231,7 @@ class FixedStepRun:
                 self.heads_rec = RecordedHeads(ck["heads"])
             elif self.lazy:  # written by an eager run (the default of earlier versions): continue it eagerly
                 self.lazy, self.heads_rec, self.diagnostics = False, None, True
+                self.ev.ledger = True
                 self.rec.diagnostics, self.rec.ledger_keys = True, self.ledger_keys
         self.cur = self._evaluate(self.x, self.drv.current, self.diagnostics or self.at_records)
         if (self.diagnostics or self.at_records) and ck is None and self.fix_scale(self.cur):

@@ -310,10 +310,9 @@ def _prepare(problem: ParticleProblem, integrate=None):
                        store=o.saveat.path, batch_rank=x0.dim() - 2)
     # tokens carry every batch axis of the heads (paths, replayed paths) from the start
     x = x.expand(*broadcast_shapes(x.shape[:-2], drv.current.batch_shape), *x.shape[-2:])
-    # the second moment for the ledger's Itô terms of noisy weights and of noisy tokens (the Laplacian of E);
-    # records without the ledger read E, 𝒢², 𝒟 only
+    # the second moment for the Itô terms of noisy weights and of noisy tokens (the Laplacian of E)
     ev = Evaluator(weights, normalization=model.normalization, sign=problem.sign,
-                   noisy=(process.noisy or model.noise is not None) and o.ledger.diagnostics and o.ledger.ledger,
+                   noisy=process.noisy or model.noise is not None,
                    causal=model.causal, chunk_elements=chunk, energy_log_scale=c)
     if c is not None and o.ledger.diagnostics:  # the values at t0 must not underflow at the given scale
         with torch.no_grad():

@@ -616,7 +616,7 @@ def test_tokens_only_layer_maps_keep_causality_and_the_normalisation(normalizati
     ledger = tp.simulate(x0, heads, causal=True, ledger=True, **kw).x
     whole = tp.simulate(x0, heads, causal=False, diagnostics=False, **kw).x
     eps = torch.finfo(dtype).eps
-    torch.testing.assert_close(bare, ledger, rtol=0.0, atol=1e3 * eps)
+    torch.testing.assert_close(bare, ledger, rtol=1e3 * eps, atol=1e3 * eps)
     assert float((bare - whole).abs().max()) > 0.1
-    torch.testing.assert_close(whole, tp.simulate(x0, heads, causal=False, ledger=True, **kw).x, rtol=0.0,
+    torch.testing.assert_close(whole, tp.simulate(x0, heads, causal=False, ledger=True, **kw).x, rtol=1e3 * eps,
                                atol=1e3 * eps)

@@ -30,6 +30,7 @@ LAYERS = [
      "transformer_pde.utils.hardware",
      "transformer_pde.utils", "transformer_pde.model", "transformer_pde.analysis", "transformer_pde.application"},
     {"transformer_pde.model.sphere"},
+    {"transformer_pde.model.scaling"},  # β as a rule of the context length n
     {"transformer_pde.model.heads"},
     {"transformer_pde.model.backends"},  # the kernel backends (policy, availability) and the block plumbing
     {"transformer_pde.model.moments"},  # HeadStats and the moment algebra of the kernel statistics

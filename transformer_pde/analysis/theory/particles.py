@@ -67,9 +67,10 @@ OUTPUT_NORMALIZATIONS = names(lambda n: n.head_outputs)
 
 
 # ---------------------------------------------------------------------------- checks and kernels
-def check_any(x, heads, weights, *, on_sphere: bool):
-    """The library's checks; with on_sphere=False the tokens may have any non-zero norm (flat dynamics)."""
-    check_inputs(x, heads, weights, on_sphere=on_sphere)
+def check_any(x, heads, weights, *, on_sphere: bool) -> Heads:
+    """The library's checks; with on_sphere=False the tokens may have any non-zero norm (flat dynamics).
+    Returns the heads with β resolved at n = x.shape[-2] (a rule of the context length)."""
+    return check_inputs(x, heads, weights, on_sphere=on_sphere)
 
 
 def beta_factor(heads: Heads, extra: int):
@@ -119,7 +120,7 @@ def energy_gradients(x, heads: Heads, weights=None, *, flat: bool = False):
     TypeError, ValueError
         for bad tokens, heads or weights.
     """
-    check_any(x, heads, weights, on_sphere=not flat)
+    heads = check_any(x, heads, weights, on_sphere=not flat)
     return _gradients(x, heads, weights)[0]
 
 
@@ -130,14 +131,14 @@ def flat_velocity(x, heads: Heads, weights=None, *, normalization: str = "unnorm
     v_i = (1/n) Σ_h f_i^h."""
     normalization = choose_normalization(normalization, OUTPUT_NORMALIZATIONS)
     s = direction_sign(direction)
-    check_any(x, heads, weights, on_sphere=False)
+    heads = check_any(x, heads, weights, on_sphere=False)
     return s * (heads.weights[..., None, None] * head_outputs_of(x, heads, weights, normalization)).sum(-3)
 
 
 def flat_head_energies(x, heads: Heads, weights=None):
     """E_h = (1/(2β)) Σ_ij w_i w_j e^{β⟨x_i, A_h x_j⟩}, (..., H), for tokens anywhere in R^d
     (``tp.head_energies`` requires unit tokens)."""
-    check_any(x, heads, weights, on_sphere=False)
+    heads = check_any(x, heads, weights, on_sphere=False)
     lse = softmax_statistics(x, heads, weights).log_partition
     return head_token_mean(torch.exp(lse), weights) / (2 * beta_factor(heads, 1))
 
@@ -165,7 +166,7 @@ def head_energy_rates(x, heads: Heads, weights=None, *, normalization: str = "un
     """
     normalization = choose_normalization(normalization, OUTPUT_NORMALIZATIONS)
     direction_sign(direction)
-    check_any(x, heads, weights, on_sphere=not flat)
+    heads = check_any(x, heads, weights, on_sphere=not flat)
     G, _ = _gradients(x, heads, weights)
     if velocity is None:
         velocity = _token_velocity(x, heads, weights, normalization, direction, flat)
@@ -229,7 +230,7 @@ def energy_balance(x, heads: Heads, weights=None, *, flat: bool = False, directi
     (True, True)
     """
     s = direction_sign(direction)
-    check_any(x, heads, weights, on_sphere=not flat)
+    heads = check_any(x, heads, weights, on_sphere=not flat)
     G, _ = _gradients(x, heads, weights)
     f = head_outputs_of(x, heads, weights, "unnormalized")
     omega = heads.weights[..., None, None]
@@ -298,7 +299,7 @@ def radial_decomposition(x, heads: Heads, weights=None, *, normalization: str = 
         :class:`RadialDecomposition`.
     """
     normalization = choose_normalization(normalization, OUTPUT_NORMALIZATIONS)
-    check_any(x, heads, weights, on_sphere=True)
+    heads = check_any(x, heads, weights, on_sphere=True)
     G, _ = _gradients(x, heads, weights)
     f = head_outputs_of(x, heads, weights, normalization)
     xs = x.unsqueeze(-3)
@@ -326,7 +327,7 @@ def robust_margin(x, heads: Heads, weights=None, *, flat: bool = False):
 
     (|⟨f_h, f_k⟩| ≤ δ_hk m_h m_k, :func:`cross_head_coupling`).  A positive bound for every token
     certifies that E_h increases; δ = 0 recovers the exact orthogonal case (pairwise margin)."""
-    check_any(x, heads, weights, on_sphere=True)
+    heads = check_any(x, heads, weights, on_sphere=True)
     f = head_outputs_of(x, heads, weights, "unnormalized")
     m = torch.exp(softmax_statistics(x, heads, weights).log_partition)  # (..., H, n)
     a = (f * x.unsqueeze(-3)).sum(-1)
@@ -373,7 +374,7 @@ def radial_dominance_margin(x, heads: Heads, weights=None, *, normalization: str
     """
     normalization = choose_normalization(normalization, OUTPUT_NORMALIZATIONS)
     check_choice(form, ("token", "pairwise"), "form")
-    check_any(x, heads, weights, on_sphere=True)
+    heads = check_any(x, heads, weights, on_sphere=True)
     f = head_outputs_of(x, heads, weights, normalization)
     xs = x.unsqueeze(-3)
     a = (f * xs).sum(-1)

@@ -37,7 +37,8 @@ import torch
 from ...utils.validation import DEFAULT_DIRECTION
 from ...utils.validation import check_choice, check_int, check_positive, check_same, check_tensor, direction_sign
 from ...model.softmax import softmax_statistics
-from ...model.field import check_inputs, grad_first_variation_terms, head_token_mean, token_mean, evaluate
+from ...model.field import (check_inputs, grad_first_variation_terms, head_token_mean, token_mean, evaluate,
+                             over_two_beta, pair_mean_scores)
 from ...model.heads import Heads
 from ...model.normalization import choose as choose_normalization, names
 from ..clustering import mean_overlap
@@ -137,10 +138,13 @@ def flat_velocity(x, heads: Heads, weights=None, *, normalization: str = "unnorm
 
 def flat_head_energies(x, heads: Heads, weights=None):
     """E_h = (1/(2β)) Σ_ij w_i w_j e^{β⟨x_i, A_h x_j⟩}, (..., H), for tokens anywhere in R^d
-    (``tp.head_energies`` requires unit tokens)."""
+    (``tp.head_energies`` requires unit tokens); at β = 0 its finite part ½ Σ_ij w_i w_j ⟨x_i, A_h x_j⟩."""
     heads = check_any(x, heads, weights, on_sphere=False)
     lse = softmax_statistics(x, heads, weights).log_partition
-    return head_token_mean(torch.exp(lse), weights) / (2 * beta_factor(heads, 1))
+    b = beta_factor(heads, 1)
+    per_head = heads if isinstance(b, float) else heads.replace(beta=b)
+    return over_two_beta(head_token_mean(torch.exp(lse), weights), per_head,
+                         lambda: 0.5 * pair_mean_scores(x, heads, weights))
 
 
 def _token_velocity(x, heads, weights, normalization, direction, flat):
@@ -244,8 +248,8 @@ def energy_balance(x, heads: Heads, weights=None, *, flat: bool = False, directi
     normA = torch.linalg.matrix_norm(A, ord=2)
     asym = torch.linalg.matrix_norm(A - A.transpose(-1, -2), ord=2)
     mis = torch.linalg.matrix_norm(A - V, ord=2)
-    bR2 = beta_factor(heads, 1) * (R * R).unsqueeze(-1)
-    smax = dense_scores(x, heads).amax((-1, -2))  # max_ij s_ij^h ≤ βR²‖A_h‖, (..., H)
+    bR2 = abs(beta_factor(heads, 1)) * (R * R).unsqueeze(-1)
+    smax = dense_scores(x, heads).amax((-1, -2))  # max_ij s_ij^h ≤ |β|R²‖A_h‖, (..., H)
     per_head = heads.weights * R.unsqueeze(-1) * torch.exp(smax) * (mis + 0.5 * (1 + bR2 * normA) * asym)
     bound = token_mean(speed, weights) * per_head.sum(-1)
     return EnergyBalance(rate, kinetic, rate - s * kinetic, bound)

@@ -64,6 +64,12 @@ OPTIONS = {
                          check=_ns),
     "cluster_betas": Option([-1.0, -0.9, -0.8, -0.7, -0.68, -0.66, -0.6, -0.5], (list,),
                             "β of the constructed three-cluster equilibria", check=_betas),
+    "local_starts": Option(100, (int,), "perturbed starts around each stable three-cluster equilibrium",
+                           check=at_least(2)),
+    "local_eps": Option(0.02, (float,), "standard deviation (radians) of the perturbations of those starts",
+                        check=positive),
+    "local_t_max": Option(4000.0, (float,), "cap on the horizon of the perturbed runs (otherwise 40 e-folds of the "
+                          "slowest decay n|λ_max| of the Hessian)", check=positive),
     "seed": Option(0, (int,), "seed of the starts"),
     "figures": Option(True, (bool,), "write the figures"),
 }
@@ -108,16 +114,18 @@ def cluster_sizes(theta: torch.Tensor, tol: float = 1e-3) -> tuple:
 
 def basins(n: int, betas, starts: int, *, normalization: str = "unnormalized", dt: float = 0.05,
            t_segment: float = 20.0, t_max: float = 400.0, sync_tol: float = 1e-6, velocity_tol: float = 1e-9,
-           seed: int = 0, dtype=torch.float64) -> Dict[str, torch.Tensor]:
-    """Run ``starts`` i.i.d. uniform starts of n tokens on S¹ for every β of ``betas`` (one batch of
-    ``len(betas)·starts`` systems) until each settles; returns ``status`` (len(betas), starts) int (0 synchronised,
-    1 at rest and not synchronised, 2 not settled by t_max), ``time`` (the settling time), ``theta`` the final
-    angles (len(betas), starts, n)."""
-    g = torch.Generator().manual_seed(seed)
-    th0 = 2 * math.pi * torch.rand(starts, n, generator=g, dtype=torch.float64)
+           seed: int = 0, theta0=None, dtype=torch.float64) -> Dict[str, torch.Tensor]:
+    """Run ``starts`` starts of n tokens on S¹ for every β of ``betas`` (one batch of ``len(betas)·starts``
+    systems) until each settles; the starts are i.i.d. uniform angles (the same for every β), or ``theta0``
+    (len(betas), starts, n).  Returns ``status`` (len(betas), starts) int (0 synchronised, 1 at rest and not
+    synchronised, 2 not settled by t_max), ``time`` (the settling time), ``theta`` the final angles
+    (len(betas), starts, n)."""
     nb = len(betas)
-    x = torch.stack([torch.cos(th0), torch.sin(th0)], -1).to(dtype).expand(nb, starts, n, 2).reshape(nb * starts, n, 2)
-    x = x.contiguous()
+    if theta0 is None:
+        g = torch.Generator().manual_seed(seed)
+        theta0 = (2 * math.pi * torch.rand(starts, n, generator=g, dtype=torch.float64)).expand(nb, starts, n)
+    th0 = theta0.reshape(nb * starts, n)
+    x = torch.stack([torch.cos(th0), torch.sin(th0)], -1).to(dtype).contiguous()
     beta = torch.tensor(betas, dtype=dtype).repeat_interleave(starts)
     status = torch.full((nb * starts,), 2, dtype=torch.int64)
     settled_at = torch.full((nb * starts,), float("nan"), dtype=torch.float64)
@@ -176,6 +184,39 @@ def run_repulsive(params, run):
             constructed[(n, b)] = top
             metrics["clusters"].append({"n": n, "beta": b, "sizes": sizes, "max_eigenvalue": top,
                                         "angles": None if a is None else [float(v) for v in a]})
+    # each stable one, perturbed by ε·N(0, 1) per token: does the flow bring it back (a stable state at rest)?
+    local = {}
+    for n in p["cluster_ns"]:
+        stable_b = [b for b in p["cluster_betas"] if constructed[(n, b)] < 0]
+        if not stable_b:
+            continue
+        sizes = sy.balanced_sizes(n, 3)
+        g = torch.Generator().manual_seed(p["seed"] + 17 * n)
+        base = torch.stack([sy.cluster_configuration(sizes, sy.cluster_equilibrium(sizes, b)) for b in stable_b])
+        theta0 = base[:, None, :] + p["local_eps"] * torch.randn(len(stable_b), p["local_starts"], n, generator=g,
+                                                                  dtype=torch.float64)
+        slowest = min(abs(constructed[(n, b)]) for b in stable_b) * n  # the flow's rate is n × the Hessian's
+        horizon = min(p["local_t_max"], max(p["t_max"], 40.0 / slowest))
+        horizon = p["t_segment"] * math.ceil(horizon / p["t_segment"])
+        for norm in p["normalizations"]:
+            r = cached(run, f"local_{norm}_n{n}", lambda norm=norm, n=n, stable_b=stable_b, theta0=theta0: basins(
+                n, stable_b, p["local_starts"], normalization=norm, dt=p["dt"], t_segment=p["t_segment"],
+                t_max=horizon, sync_tol=p["sync_tol"], velocity_tol=p["velocity_tol"], theta0=theta0, dtype=dtype),
+                log)
+            for i, b in enumerate(stable_b):
+                st = r["status"][i]
+                back = st == 1
+                same = [cluster_sizes(th) == tuple(sorted(sizes, reverse=True)) for th in r["theta"][i]]
+                k = int((back & torch.tensor(same)).sum())
+                N = int(st.numel())
+                lo, hi = clopper_pearson(k, N)
+                local[(norm, n, b)] = k / N
+                claims.append(claim(f"perturbed three clusters return (eps = {p['local_eps']:g}), {norm}, n = {n}, "
+                                    f"beta = {b:g} (stable: 1)", k / N, max(k / N - lo, hi - k / N), N,
+                                    reference=1.0, holds=bool(k == N), ci_low=lo, ci_high=hi,
+                                    unsettled=int((st == 2).sum()), horizon=horizon))
+    metrics["local"] = [{"normalization": k[0], "n": k[1], "beta": k[2], "fraction_returned": v}
+                        for k, v in local.items()]
     for n in p["cluster_ns"]:
         if n % 3 == 0:
             for b in p["cluster_betas"]:

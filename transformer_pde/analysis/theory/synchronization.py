@@ -103,16 +103,18 @@ def balanced_sizes(n: int, k: int) -> list:
 
 
 def cluster_equilibrium(sizes: Sequence[int], beta, *, tol: float = 1e-10, horizon: float = 4000.0) -> torch.Tensor:
-    """Angles (k,) of k point clusters of the given sizes (in this order around the circle), the first at 0, at a
-    local maximum of the energy restricted to such clusters, E_k(α) = Σ_ab m_a m_b e^{β cos(α_a − α_b)}/(2β):
-    the clusters' ascent flow from k equally spaced clusters up to ``horizon`` (scipy's RK45), then Newton–Powell
-    on its gradient, float64.  A stable equilibrium of the flows must be one (the restriction of a negative definite Hessian is
-    negative definite); whether it is stable for the n individual tokens is :func:`stability_spectrum`'s to say.
+    """Angles (k,) of k point clusters of the given sizes (in this order around the circle), the first at 0, in
+    equilibrium: a critical point of the energy restricted to such clusters,
+    E_k(α) = Σ_ab m_a m_b e^{β cos(α_a − α_b)}/(2β).  Newton–Powell (scipy's hybrid method) from k equally spaced
+    clusters, accepted when every arc stays within a factor 1.5 of 2π/k; otherwise the clusters' ascent flow
+    from there up to ``horizon`` (RK45), then Newton–Powell: a local maximum of E_k, which every stable state of
+    this family is (the restriction of a negative definite Hessian is negative definite).  Whether the
+    equilibrium is stable for the n individual tokens is :func:`stability_spectrum`'s to say.  float64.
 
     Raises
     ------
     ValueError
-        the maximisation merges clusters or reverses their order (no such local maximum near the start)."""
+        no equilibrium with distinct clusters in this order is found (the flow merges them)."""
     from scipy.integrate import solve_ivp
     from scipy.optimize import root
 
@@ -131,12 +133,18 @@ def cluster_equilibrium(sizes: Sequence[int], beta, *, tol: float = 1e-10, horiz
         return -(m * torch.exp(beta * torch.cos(t)) * torch.sin(t)).sum(-1)
 
     start = (2 * math.pi * torch.arange(1, k, dtype=torch.float64) / k).numpy()
+    near = root(lambda r: grad(full(r))[1:].numpy(), start, method="hybr", tol=1e-15)
+    alpha = full(near.x)  # (hybr may stop with its success flag down at a zero of the gradient: test the gradient)
+    arcs = torch.diff(torch.cat([alpha, torch.tensor([2 * math.pi], dtype=torch.float64)]))
+    if float(grad(alpha).abs().max()) <= tol and bool(((arcs > 2 * math.pi / k / 1.5) &
+                                                       (arcs < 1.5 * 2 * math.pi / k)).all()):
+        return alpha
     # the clusters' own ascent flow α̇_a = Σ_b m_b e^{β cos α_ab} sin(α_b − α_a) (relative to cluster 0), then Newton
     flow = solve_ivp(lambda _t, r: (grad(full(r))[1:] - grad(full(r))[0]).numpy(), (0.0, horizon), start,
                      rtol=1e-10, atol=1e-12)
     x_end = flow.y[:, -1]
     sol = root(lambda r: grad(full(r))[1:].numpy(), x_end, method="hybr", tol=1e-15)
-    alpha = full(sol.x if sol.success else x_end)
+    alpha = min((full(sol.x), full(x_end)), key=lambda a: float(grad(a).abs().max()))
     arcs = torch.diff(torch.cat([alpha, torch.tensor([2 * math.pi], dtype=torch.float64)]))
     if float(grad(alpha).abs().max()) > tol or bool((arcs <= 1e-6).any()):
         raise ValueError(f"no local maximum of {k} distinct clusters of sizes {list(sizes)} in this order at beta = "

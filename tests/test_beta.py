@@ -266,3 +266,20 @@ def test_refusals_where_the_closed_forms_need_positive_beta():
     assert tp.theory.critical_temperature(0.0, 2) == pytest.approx(0.5, rel=1e-12)  # λ/d at β = 0
     assert tp.theory.early_rate(1.0, -1.0, 5) == pytest.approx(2 / (math.exp(-1.0) + 4))
     assert tp.theory.early_rate(1.0, tp.LogScaling(0.5), 5) == pytest.approx(2 / (math.exp(0.5 * math.log(5)) + 4))
+
+
+def test_jko_runs_at_beta_zero_and_below():
+    """The Lagrangian JKO (descent) lowers E step by step at β = 0 (its finite part) and β = −0.5, and its energy
+    is tp.energy at the final tokens; the Eulerian JKO (ascent, unit mobility) raises it."""
+    x = tp.sphere.sample_uniform(8, 3, generator=gen(0), dtype=F64)
+    for b in (0.0, -0.5):
+        h = tp.Heads.scalar(torch.ones(1, dtype=F64), 3, beta=b)
+        tr = tp.jko(x, h, tau=0.1, steps=4, transport="identity", direction="descent")
+        assert bool(torch.isfinite(tr.energy).all()) and bool((tr.energy.diff() < 0).all()), (b, tr.energy)
+        assert_close(tr.energy[-1], tp.energy(tr.x[-1], h))
+        z = tp.sphere.circle_grid(32, dtype=F64)
+        q = 1 + 0.3 * torch.cos(torch.atan2(z[:, 1], z[:, 0]))
+        h2 = tp.Heads.scalar(torch.ones(1, dtype=F64), 2, beta=b)
+        tr = tp.jko(None, h2, tau=0.1, steps=3, scheme="eulerian", grid=z, grid_weights=q / q.sum(),
+                    direction="ascent", mobility="unit", eps=0.02)
+        assert bool(torch.isfinite(tr.energy).all()) and bool((tr.energy.diff() > 0).all()), (b, tr.energy)

@@ -54,8 +54,10 @@ OPTIONS = {
     "normalizations": Option(["unnormalized"], (list,), "flows: the gradient ascent of E ('unnormalized') and/or "
                              "softmax", choices=("unnormalized", "softmax"),
                              check=lambda v: None if v and len(set(v)) == len(v) else "must be a non-empty list"),
-    "dt": Option(0.05, (float,), "Euler step", check=positive),
-    "t_segment": Option(20.0, (float,), "time between the settling checks", check=positive),
+    "dt": Option(0.1, (float,), "Euler step (stable for |β| ≤ 2: the fastest rate at synchrony is e^β ≤ 7.4)",
+                 check=positive),
+    "t_segment": Option(10.0, (float,), "time between the settling checks (settled starts leave the batch)",
+                        check=positive),
     "t_max": Option(400.0, (float,), "horizon; starts not settled by then are reported as unsettled",
                     check=positive),
     "sync_tol": Option(1e-6, (float,), "synchronised when 1 − R < sync_tol (R the order parameter)", check=positive),

@@ -70,6 +70,7 @@ def test_power_scaling_and_callables_and_tensor_sweeps():
     x, A, _, _, _ = _setup(F64, n=n, d=d, H=1)
     rule = tp.PowerScaling.uniform_keys(d, c=0.05)
     assert rule.exponent == 1.0 and rule(n) == pytest.approx(0.05 * n)
+    assert tp.PowerScaling.uniform_keys(5, c=0.3)(n) == pytest.approx(0.3 * n ** 0.5, rel=1e-14)
     assert_close(tp.velocity(x, tp.Heads(A, beta=rule)), tp.velocity(x, tp.Heads(A, beta=0.05 * n)))
     assert_close(tp.velocity(x, tp.Heads(A, beta=lambda m: math.sqrt(m))), tp.velocity(x, tp.Heads(A, beta=n ** 0.5)))
     gam = torch.tensor([0.2, -0.3, 0.9], dtype=F64)
@@ -107,6 +108,8 @@ def test_unresolved_rules_and_bad_rules_are_refused():
         h.beta
     with pytest.raises(ValueError, match="finite"):
         tp.Heads(A, beta=lambda n: float("nan")).at_context(5)
+    with pytest.raises(ValueError, match="finite"):
+        tp.Heads(A, beta=lambda n: torch.tensor([1.0, float("inf")], dtype=F64)).at_context(5)
     with pytest.raises(ValueError, match="n \\(the number of tokens\\)"):
         h.at_context(0)
     with pytest.raises(TypeError, match="gamma"):
@@ -172,6 +175,11 @@ def test_centred_energy_against_its_series_and_the_reference_form(dtype):
         h = tp.Heads(S, None, om, beta=b)
         assert_close(tp.energy(x, h, w) - om.sum() / (2 * b), tp.energy(x, h, w, centered=True), **tol)
         assert_close(tp.head_energies(x, h, w) - 1 / (2 * b), tp.head_energies(x, h, w, centered=True), **tol)
+    # uniform token weights (the other branch of the pairwise sum)
+    Mu = _moments(x.double(), S.double(), torch.full((x.shape[0],), 1 / x.shape[0], dtype=F64), 8)
+    for b in (0.02, 0.0):
+        series = 0.5 * sum(om.double() * b ** (k - 1) * Mu[k - 1] / math.factorial(k) for k in range(1, 9)).sum()
+        assert_close(tp.energy(x, tp.Heads(S, None, om, beta=b), centered=True).double(), series, **tol)
     # a β sweep through 0, with a common scale
     hb = tp.Heads(S.expand(3, *S.shape), None, om, beta=torch.tensor([0.5, 0.0, -0.5], dtype=dtype))
     E = tp.energy(x, hb, w)
@@ -255,6 +263,10 @@ def test_refusals_where_the_closed_forms_need_positive_beta():
     h = tp.Heads(A + A.mT, None, om, beta=-0.5)
     with pytest.raises(ValueError, match="log_energy needs β > 0"):
         tp.log_energy(x, h, w)
+    with pytest.raises(ValueError, match="log_energy needs β > 0"):
+        tp.log_energy(x, tp.Heads(A + A.mT, None, om, beta=0.0), w)
+    with pytest.raises(ValueError, match="log_energy needs β > 0"):
+        tp.log_energy(x, tp.Heads(A + A.mT, None, om, beta=torch.tensor([1.0, 0.0], dtype=F64)[:, None]), w)
     with pytest.raises(ValueError, match="increases without bound"):
         tp.theory.optimal_head_strength(-1.0, 8)
     with pytest.raises(ValueError, match="β > 0"):
@@ -283,3 +295,62 @@ def test_jko_runs_at_beta_zero_and_below():
         tr = tp.jko(None, h2, tau=0.1, steps=3, scheme="eulerian", grid=z, grid_weights=q / q.sum(),
                     direction="ascent", mobility="unit", eps=0.02)
         assert bool(torch.isfinite(tr.energy).all()) and bool((tr.energy.diff() > 0).all()), (b, tr.energy)
+
+
+def test_negative_beta_overflow_is_reported_and_bounds_use_its_magnitude():
+    """β = −200 on antipodal tokens overflows float32 through e^{β⟨x, y⟩} = e^{200}: tp.energy raises an
+    OverflowError naming the logarithm (|E|) instead of returning inf; the Lipschitz constants of the theory use
+    |β| (β = −0.5 gives those of β = 0.5)."""
+    x = torch.tensor([[1.0, 0.0], [-1.0, 0.0]])
+    with pytest.raises(OverflowError, match="logarithm is up to"):
+        tp.energy(x, tp.Heads.scalar([1.0], 2, beta=-200.0))
+    h = tp.Heads.random(2, 3, generator=gen(1), dtype=F64)
+    for key in ("space", "measure"):
+        assert_close(tp.theory.lipschitz_constants(h.replace(beta=-0.5))[key],
+                     tp.theory.lipschitz_constants(h.replace(beta=0.5))[key])
+
+
+def test_diagnostics_of_non_symmetric_heads_at_beta_zero():
+    """Non-symmetric heads at β = 0 (the one-block kernel declines there): 𝒟 and 𝒢² are the limits of β = ±1e-7,
+    and the energy is the finite part ½ Σ_h ω_h Σ_ij w_i w_j ⟨x_i, A_h x_j⟩."""
+    x, A, V, w, om = _setup(F64)
+    h0 = tp.Heads(A, None, om, beta=0.0)
+    for f in (tp.dissipation, tp.slope):
+        lim = 0.5 * (f(x, tp.Heads(A, None, om, beta=1e-7), w) + f(x, tp.Heads(A, None, om, beta=-1e-7), w))
+        assert_close(f(x, h0, w), lim, rtol=1e-9, atol=1e-12)
+    from transformer_pde.model.field import evaluate
+    E = evaluate(x, h0, w, diagnostics=True).energy
+    M1 = _moments(x, A, w, 1)[0]
+    assert_close(E, 0.5 * (om * M1).sum())
+    assert_close(evaluate(x, h0, w, diagnostics=True, log_scale=2.0).energy, 0.5 * (om * M1).sum() * math.exp(-2.0))
+    # queries against other keys (a shard of the tokens): Σ_i w_i ⟨x_i, A_h ȳ⟩ with ȳ the mean of the keys
+    keys = tp.sphere.sample_uniform(5, 3, generator=gen(9), dtype=F64)
+    kw = torch.tensor([0.1, 0.2, 0.3, 0.15, 0.25], dtype=F64)
+    Ek = evaluate(x, h0, w, diagnostics=True, keys=keys, key_weights=kw).energy
+    want = 0.5 * torch.einsum("h,i,id,hde,e->", om, w, x, A, (kw[:, None] * keys).sum(0))
+    assert_close(Ek, want)
+
+
+def test_theory_functions_at_beta_zero_and_below():
+    """critical_temperature at β = 0 is the β → 0 limit Σ ω λ/d for softmax, unnormalised and effective heads;
+    late_rate and linearized_clustering_time of ReLU heads use ReLU(βλ) (β < 0 turns the positive heads off);
+    the flat head energies at β = 0 are their finite part."""
+    for norm in ("softmax", "unnormalized", "effective"):
+        t0 = tp.theory.critical_temperature(0.0, 3, lambdas=(1.0, 2.0), normalization=norm)
+        assert t0 == pytest.approx(tp.theory.critical_temperature(1e-7, 3, lambdas=(1.0, 2.0), normalization=norm),
+                                   rel=1e-6)
+        assert t0 == pytest.approx(1.5 / 3, rel=1e-12)
+    lam = [1.0, -2.0]
+    assert float(tp.theory.late_rate(lam, beta=-0.5, normalization="relu")) == pytest.approx(-2.0 * 1.0)
+    assert float(tp.theory.late_rate(lam, beta=0.5, normalization="relu")) == pytest.approx(0.5)
+    t = tp.theory.linearized_clustering_time([1.0, 2.0], beta=-1.0, n=8, gamma0=0.1, target=0.5,
+                                             normalization="relu")
+    assert t == math.inf  # ReLU(βλ) = 0 for every head: no growth
+    t = tp.theory.linearized_clustering_time([-1.0, 2.0], beta=-1.0, n=8, gamma0=0.1, target=0.5,
+                                             normalization="relu")
+    assert t == math.inf  # Σ λ ReLU(βλ) = λ²β < 0 for the only active head: the overlap does not grow
+    t = tp.theory.linearized_clustering_time([-1.0, 2.0], beta=0.5, n=8, gamma0=0.1, target=0.5, normalization="relu")
+    assert t == pytest.approx(8 * math.log(5) / (2 * 2.0 * 1.0))  # β > 0: Σ λ ReLU(βλ) = 2 · 1
+    x, A, _, w, _ = _setup(F64)
+    from transformer_pde.analysis.theory.particles import flat_head_energies
+    assert_close(flat_head_energies(x, tp.Heads(A, beta=0.0), w), 0.5 * _moments(x, A, w, 1)[0])

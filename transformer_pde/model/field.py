@@ -551,7 +551,7 @@ def evaluate(
         return FieldEval(V, stats, outputs, ambient=field if sign == 1.0 else sign * field)
     full = whole()
     fused = keys is None and heads.is_symmetric and head_columns(full) is not None
-    E, G, D, g = diagnostics_along(x, heads, weights, V, full, log_scale=log_scale,
+    E, G, D, g = diagnostics_along(x, heads, weights, V, full, log_scale=log_scale, keys=keys, key_weights=key_weights,
                                    terms=None if fused else kern.gradient_terms(), lazy_gradient=True)
     return FieldEval(V, full, outputs, g, E, G, D, ambient=field if sign == 1.0 else sign * field)
 

@@ -264,10 +264,13 @@ def run_repulsive(params, run):
                     claims.append(claim(f"largest Hessian eigenvalue of the {rest.shape[0]} states at rest, {norm}, "
                                         f"n = {n}, beta = {b:g} (stable: < 0)", float(tops.max()), 0.0, 0,
                                         reference=0.0, holds=bool(float(tops.max()) < 0)))
-                if n in p["cluster_ns"] and (n, b) in constructed and constructed[(n, b)] < 0:
-                    claims.append(claim(f"stable states at rest, {norm}, n = {n}, beta = {b:g} (a stable three-cluster "
-                                        f"equilibrium exists: > 0 expected)", stable, 0.0, N, reference=0.0,
-                                        holds=bool(stable > 0)))
+                if (n, b) in constructed and constructed[(n, b)] < 0:
+                    # a stable three-cluster state exists, so its basin has positive measure; the theory gives no size
+                    slo, shi = clopper_pearson(stable, N)
+                    claims.append(claim(f"fraction of starts ending at a stable state at rest, {norm}, n = {n}, "
+                                        f"beta = {b:g} (a stable three-cluster state exists)", stable / N,
+                                        max(stable / N - slo, shi - stable / N), N, reference=None, holds=None,
+                                        ci_low=slo, ci_high=shi))
     metrics["claims"] = claims
     metrics["summary"] = [f"{r['normalization']}, n = {r['n']}, β = {r['beta']:g}: {r['synchronised']}/{r['starts']} "
                           f"synchronised ([{r['ci_low']:.4f}, {r['ci_high']:.4f}]), {r['stable_at_rest']} stable at "

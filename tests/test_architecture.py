@@ -30,6 +30,7 @@ LAYERS = [
      "transformer_pde.utils.hardware",
      "transformer_pde.utils", "transformer_pde.model", "transformer_pde.analysis", "transformer_pde.application"},
     {"transformer_pde.model.sphere"},
+    {"transformer_pde.model.scaling"},  # β as a rule of the context length n
     {"transformer_pde.model.heads"},
     {"transformer_pde.model.backends"},  # the kernel backends (policy, availability) and the block plumbing
     {"transformer_pde.model.moments"},  # HeadStats and the moment algebra of the kernel statistics
@@ -73,6 +74,8 @@ LAYERS = [
     # the theorems' limit objects (ω-limit Hessian, fast-weights SDE)
     {"transformer_pde.analysis.theory.sensitivity", "transformer_pde.analysis.theory.continuation",
      "transformer_pde.analysis.theory.limits"},
+    # the critical attention scaling (closed forms, almost-simplex samplers); synchronisation on the circle
+    {"transformer_pde.analysis.theory.scaling", "transformer_pde.analysis.theory.synchronization"},
     # generic diagnostics; closed forms
     {"transformer_pde.analysis.clustering", "transformer_pde.analysis.ensembles", "transformer_pde.analysis.theory",
      "transformer_pde.analysis.pretrained"},
@@ -87,7 +90,8 @@ LAYERS = [
     {"transformer_pde.application.studies.claims"},  # the claims list of metrics.json
     {"transformer_pde.application.studies.noisy_hysteresis"},  # the hysteresis sweeps of the noisy study
     {f"transformer_pde.application.studies.{m}" for m in ("demo", "paper", "theory", "jko", "clustering", "causal",
-                                                          "layernorm", "noisy", "training")},
+                                                          "layernorm", "noisy", "training", "critical_scaling",
+                                                          "repulsive")},
     {"transformer_pde.application.studies.theory_energy",  # the theory studies on the parts of studies.theory
      "transformer_pde.application.studies.theory_clustering"},
     {"transformer_pde.application.studies.theorems_stability"},  # uses studies.jko's slope fit

@@ -295,7 +295,7 @@ def heads_for(draw, x, spoil_heads=False, spoil_theta=False, noisy=True):
     dtype = draw(st.sampled_from([t for t in GOOD + BAD_DTYPES[:2] if t != _dtype(x)])) if bad == "dtype" else _dtype(x)
     beta = draw(st.one_of(st.sampled_from([1e-3, 0.5, 1.0, 2.0]), st.floats(1e-3, 10.0), st.floats(10.0, 1e4)))
     if bad == "beta":
-        beta = draw(st.sampled_from([0.0, -1.0, float("nan"), float("inf"), 1e300, "1", None, True]))
+        beta = draw(st.sampled_from([float("nan"), float("inf"), -float("inf"), 1e300, "1", None, True]))
     norm_A = float(torch.linalg.matrix_norm(A, ord=2).max()) if A.numel() else 0.0
     overflow_ok = isinstance(beta, float) and math.isfinite(beta) and beta * max(norm_A, 1.0) >= 30
     kind = draw(st.sampled_from(["heads", "ou", "osc"] if noisy else ["heads", "osc"]))

@@ -191,8 +191,11 @@ def test_to_and_map_convert_every_tensor_and_keep_the_flag():
     (lambda A: tp.Heads(A, weights=torch.ones(3, dtype=torch.float64)), ValueError, "with H = 2"),
     (lambda A: tp.Heads(A, weights=torch.tensor([1.0, -0.1], dtype=torch.float64)), ValueError, "must be >= 0"),
     (lambda A: tp.Heads(A, weights=torch.zeros(2, dtype=torch.float64)), ValueError, "must not all be zero"),
-    (lambda A: tp.Heads(A, beta=0.0), ValueError, "beta"),
-    (lambda A: tp.Heads(A, beta=torch.tensor([1.0, -1.0], dtype=torch.float64)), ValueError, "beta must be > 0"),
+    (lambda A: tp.Heads(A, beta=float("nan")), ValueError, "beta must be finite"),
+    (lambda A: tp.Heads(A, beta=torch.tensor([1.0, float("inf")], dtype=torch.float64)), ValueError,
+     "beta must be finite"),
+    (lambda A: tp.Heads(A, beta=torch.tensor([1, 2])), TypeError, "beta must be a float tensor"),
+    (lambda A: tp.Heads(A, beta="1"), TypeError, "beta must be a real number"),
     (lambda A: tp.Heads(A.float(), weights=torch.ones(2, dtype=torch.float64)), TypeError, "weights"),
     (lambda A: tp.Heads(A.numpy()), TypeError, "score"),
 ])

@@ -161,7 +161,9 @@ def test_first_order_threshold():
 
 def test_bad_input():
     with pytest.raises(ValueError, match="beta"):
-        tp.theory.critical_temperature(0.0, 3)
+        tp.theory.critical_temperature(float("nan"), 3)
+    with pytest.raises(ValueError, match="derived for β > 0"):
+        tn.landau_coefficient(-1.0, 2)
     with pytest.raises(ValueError, match="d must be"):
         tp.theory.critical_temperature(1.0, 1)
     with pytest.raises(ValueError, match="normalization"):

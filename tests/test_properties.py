@@ -115,7 +115,7 @@ def problems(draw, batch=True):
         omega = torch.zeros(H, dtype=torch.float64)
     elif bad == "omega_negative":
         omega = -torch.ones(H, dtype=torch.float64)
-    beta = draw(st.sampled_from([float("inf"), float("nan"), 0.0, -1.0])) if bad == "beta" else draw(
+    beta = draw(st.sampled_from([float("inf"), float("nan"), -float("inf")])) if bad == "beta" else draw(
         st.one_of(st.floats(1e-3, 1e4), st.sampled_from([1e-3, 1.0, 1e2, 1e3, 1e4])))
     wkind = draw(st.integers(0, 2))
     w = None

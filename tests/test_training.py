@@ -250,7 +250,8 @@ def test_conversion_input_errors():
     with pytest.raises(ValueError, match="token_norm"):
         tp.heads_from_multihead_attention(m, token_norm=0.0)
     with pytest.raises(ValueError, match="beta"):
-        tp.heads_from_multihead_attention(m, beta=-1.0)
+        tp.heads_from_multihead_attention(m, beta=float("nan"))
+    assert tp.heads_from_multihead_attention(m, beta=-1.0).beta == -1.0  # β < 0 is a valid (repulsive) head
     with pytest.raises(ValueError, match="unknown keys"):
         tp.heads_from_multihead_attention({"q": torch.ones(1, 2, 3), "k": torch.ones(1, 2, 3), "v": torch.ones(1, 3, 3), "x": 1})
     with pytest.raises(ValueError, match="lacks"):

@@ -18,6 +18,7 @@ from .model.softmax import softmax_statistics
 from .model.energy import energy, energy_time_derivative, first_variation, head_energies, log_energy
 from .model.field import FieldEval, evaluate, head_outputs, radial_shadows, velocity
 from .model.heads import Heads
+from .model.scaling import BetaRule, LogScaling, PowerScaling
 from .model.mobility import dissipation, log_mobility, mobility, slope
 from .processes.driver import sample_path
 from .processes.paths import WeightPath
@@ -71,6 +72,9 @@ __all__ = [
     "sphere",
     "plotting",
     "Heads",
+    "BetaRule",
+    "LogScaling",
+    "PowerScaling",
     "HeadStats",
     "softmax_statistics",
     "relu_statistics",

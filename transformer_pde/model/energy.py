@@ -13,6 +13,18 @@ realised second-order term ½ ∂²_A E[ΔN, ΔN] of a noise increment ΔN (:fun
 
     ∂²_A E[M, M] = Σ_h ω_h (β/2) ∫∫ e^{β⟨x,A_h y⟩} ⟨x, M_h y⟩² dμ dμ.
 
+β ≤ 0 and the pole at β = 0 (docs/model.md#energy).  The formulas hold for any real β ≠ 0 (E < 0 for
+β < 0).  E has a simple pole at β = 0 with a constant residue, E = Σ_h ω_h/(2β) + E_c(β), where the
+**centred energy**
+
+    E_c(β) = Σ_h ω_h (1/(2β)) ∫∫ (e^{β⟨x, A_h y⟩} − 1) dμ dμ = ½ Σ_h ω_h ∫∫ s φ₁(βs) dμ dμ,  φ₁(z) = (e^z − 1)/z,
+
+s = ⟨x, A_h y⟩, is analytic in β, with E_c(0) = ½ Σ_h ω_h ∫∫ s dμ dμ (``centered=True``, computed pairwise
+with a stable φ₁, no cancellation near β = 0).  E and E_c differ by a constant of the tokens: the same first
+variation up to a constant, the same gradient, field, 𝒟 and energy ledger.  At β = 0 itself :func:`energy`
+reports the constant term of the Laurent series, E(0) := E_c(0) (the finite part), and
+:func:`first_variation` likewise; the β ≠ 0 values are the reference convention unchanged.
+
 Common scale.  Every quantity here is linear in the kernel e^{β⟨x,A y⟩}, so it overflows with
 it (at β‖A‖ ≈ 88 in float32, ≈ 709 in float64) while the softmax field, a ratio, stays finite.
 The keyword ``log_scale=c`` returns the quantity times e^{−c}, computed from the log-partitions
@@ -29,7 +41,8 @@ import torch
 
 from .moments import HeadStats, head_moment_sums
 from .softmax import softmax_statistics
-from .field import check_inputs, head_token_mean, scaled_exp
+from .backends import DEFAULT_CHUNK_ELEMENTS
+from .field import check_inputs, head_token_mean, over_two_beta, pair_mean_scores, scaled_exp, zero_beta
 from .heads import Heads
 
 __all__ = ["energy", "head_energies", "first_variation", "energy_time_derivative",
@@ -113,48 +126,105 @@ def overflow_check(value: torch.Tensor, what: str, log_value, log_scale: float, 
 def _head_energies(x, heads: Heads, weights, log_scale: float):
     stats = softmax_statistics(x, heads, weights)
     beta = heads.beta if isinstance(heads.beta, float) else heads.beta.unsqueeze(-1)
-    return head_token_mean(scaled_exp(stats.log_partition, log_scale), weights) / (2 * beta), stats
+    num = head_token_mean(scaled_exp(stats.log_partition, log_scale), weights)
+    if not zero_beta(heads):
+        return num / (2 * beta), stats
+    # β = 0: the finite part ½ ∫∫⟨x, A_h y⟩ per head (module docstring)
+    fp = lambda: 0.5 * pair_mean_scores(x, heads, weights) * math.exp(-log_scale)  # noqa: E731
+    return over_two_beta(num, _head_beta(heads), fp), stats
+
+
+def _head_beta(heads: Heads) -> Heads:
+    """The heads with β shaped (..., 1) against per-head values (..., H)."""
+    b = heads.beta
+    return heads if not isinstance(b, torch.Tensor) or b.dim() == 0 else heads.replace(beta=b.unsqueeze(-1))
 
 
 def _log_head_energies(x, heads: Heads, weights, stats) -> torch.Tensor:
-    """log E_h by log-sum-exp, (..., H)."""
+    """log |E_h| by log-sum-exp, (..., H) (for the overflow messages; β = 0 is never reached there)."""
     lse = stats.log_partition
     if weights is None:
         per = torch.logsumexp(lse, -1) - math.log(x.shape[-2])
     else:
         per = torch.logsumexp(lse + torch.log(weights).unsqueeze(-2), -1)
-    beta = heads.beta_tensor()
+    beta = heads.beta_tensor().abs()
     return per - torch.log(2 * (beta.unsqueeze(-1) if beta.dim() else beta))
+
+
+def _phi1(z: torch.Tensor, log_scale: float) -> torch.Tensor:
+    """e^{−c} φ₁(z) = e^{−c} (e^z − 1)/z, c = log_scale, without cancellation or overflow on the way:
+    a Taylor polynomial for |z| < 10⁻³ (error < z⁶/5040), e^{z−c}(1 − e^{−z})/z for z > 0 and
+    e^{−c} expm1(z)/z for z < 0."""
+    small = z.abs() < 1e-3
+    zs = torch.where(small, torch.ones_like(z), z)
+    big = torch.where(zs > 0, torch.exp(zs - log_scale) * -torch.expm1(-zs), math.exp(-log_scale) * torch.expm1(zs))
+    poly = 1 + z * (1 / 2 + z * (1 / 6 + z * (1 / 24 + z * (1 / 120 + z / 720))))
+    return torch.where(small, math.exp(-log_scale) * poly, big / zs)
+
+
+def _centered_head_energies(x, heads: Heads, weights, log_scale: float) -> torch.Tensor:
+    """E_c,h e^{−c} = ½ Σ_ij w_i w_j s_ij e^{−c} φ₁(β s_ij), s_ij = ⟨x_i, A_h x_j⟩, (..., H): pairwise, the
+    queries in chunks of about ``DEFAULT_CHUNK_ELEMENTS`` scores (memory O(n) per chunk row)."""
+    A = heads.score_matrix
+    beta = heads.beta_tensor().to(x.dtype)
+    b = beta.reshape(*beta.shape, 1, 1, 1) if beta.dim() else beta
+    n = x.shape[-2]
+    batch = torch.broadcast_shapes(x.shape[:-2], A.shape[:-3], b.shape[:-3] if beta.dim() else ())
+    H = A.shape[-3]
+    rows = max(1, DEFAULT_CHUNK_ELEMENTS // max(1, n * H * max(1, math.prod(batch))))
+    wq = None if weights is None else weights.unsqueeze(-2)  # (..., 1, n)
+    Ay = x.unsqueeze(-3) @ A.transpose(-1, -2)  # (..., H, n, d): rows A x_j
+    total = 0.0
+    for i0 in range(0, n, rows):
+        xi = x[..., i0:i0 + rows, :].unsqueeze(-3)  # (..., 1, r, d)
+        s = xi @ Ay.transpose(-1, -2)  # (..., H, r, n)
+        t = s * _phi1(b * s, log_scale)
+        inner = t.mean(-1) if weights is None else (t * wq.unsqueeze(-2)).sum(-1)  # (..., H, r)
+        outer = inner.sum(-1) / n if weights is None else (inner * weights[..., i0:i0 + rows].unsqueeze(-2)).sum(-1)
+        total = total + outer
+    return 0.5 * total
 
 
 _ENERGY_FIX = ("Use tp.log_energy(x, heads) (log E, finite for any β‖A‖) or pass log_scale=c with c ≥ that "
                "logarithm − 80, which returns E·e^(−c)")
 
 
-def head_energies(x, heads: Heads, weights=None, *, log_scale: float = 0.0):
+def head_energies(x, heads: Heads, weights=None, *, log_scale: float = 0.0, centered: bool = False):
     """E_h · e^{−log_scale} with E_h = (1/(2β)) Σ_ij w_i w_j e^{β⟨x_i, A_h x_j⟩}, (..., H) (no head weight ω_h).
+
+    ``centered=True``: E_c,h = (1/(2β)) Σ_ij w_i w_j (e^{β s_ij} − 1), analytic in β (module docstring).  At
+    β = 0 the reference form gives its finite part ½ Σ_ij w_i w_j ⟨x_i, A_h x_j⟩ (= E_c,h(0)).
 
     Raises
     ------
     OverflowError
         E_h e^{−log_scale} does not fit the dtype (the message gives log E_h and the fix)."""
-    check_inputs(x, heads, weights)
+    heads = check_inputs(x, heads, weights)
     c = check_log_scale(log_scale)
+    _check_centered(centered)
+    if centered:
+        return _overflow_centered(_centered_head_energies(x, heads, weights, c), x, heads, weights, c)
     out, stats = _head_energies(x, heads, weights, c)
     return overflow_check(out, "the head energy E_h", lambda: _log_head_energies(x, heads, weights, stats), c,
                            _ENERGY_FIX)
 
 
-def energy(x, heads: Heads, weights=None, *, log_scale: float = 0.0):
-    """E(μ, Θ) · e^{−log_scale} with E = Σ_h ω_h E_h, shape (...,).
+def energy(x, heads: Heads, weights=None, *, log_scale: float = 0.0, centered: bool = False):
+    """E(μ, Θ) · e^{−log_scale} with E = Σ_h ω_h E_h = Σ_h ω_h/(2β) Σ_ij w_i w_j e^{β⟨x_i, A_h x_j⟩}, shape (...,).
 
     Parameters
     ----------
     x
-        tokens (..., n, d).  heads: :class:`Heads`.  weights: token weights (..., n) or None.
+        tokens (..., n, d).  heads: :class:`Heads` (any real β; β < 0 gives E < 0).  weights: token
+        weights (..., n) or None.
     log_scale : float
         c; the result is E·e^{−c}, computed without forming E (finite whenever
         log E − c fits the dtype).  Default 0: E itself.
+    centered : bool
+        False (default): the reference convention above (docs/model.md#energy); at β = 0, where it has a
+        pole, its finite part ½ Σ_h ω_h Σ_ij w_i w_j ⟨x_i, A_h x_j⟩.  True: the centred energy
+        E_c = E − Σ_h ω_h/(2β) = Σ_h ω_h/(2β) Σ_ij w_i w_j (e^{β s_ij} − 1), analytic in β, computed pairwise
+        with a stable (e^z − 1)/z (no loss of digits as β → 0; O(n²) work, O(n) memory per chunk row).
 
     Raises
     ------
@@ -171,12 +241,29 @@ def energy(x, heads: Heads, weights=None, *, log_scale: float = 0.0):
     >>> E = tp.energy(x, tp.Heads.scalar([1000.0], 2).to(torch.float64), log_scale=1000.0)
     >>> round(float(E), 9)  # ((e^1000 + 1)/2)/2 · e^-1000
     0.25
+    >>> float(tp.energy(x, tp.Heads.scalar([1.0], 2, beta=0.0).to(torch.float64)))  # ½ · mean of ⟨x_i, x_j⟩
+    0.25
     """
-    check_inputs(x, heads, weights)
+    heads = check_inputs(x, heads, weights)
     c = check_log_scale(log_scale)
+    _check_centered(centered)
+    if centered:
+        out = (heads.weights * _centered_head_energies(x, heads, weights, c)).sum(-1)
+        return _overflow_centered(out, x, heads, weights, c)
     per, stats = _head_energies(x, heads, weights, c)
     out = (heads.weights * per).sum(-1)
     return overflow_check(out, "the energy E", lambda: _log_energy(x, heads, weights, stats), c, _ENERGY_FIX)
+
+
+def _check_centered(centered) -> None:
+    if not isinstance(centered, bool):
+        raise TypeError(f"centered must be True or False, got {type(centered).__name__}")
+
+
+def _overflow_centered(out, x, heads, weights, c):
+    return overflow_check(out, "the centred energy E_c", lambda: _log_energy(x, heads, weights,
+                                                                            softmax_statistics(x, heads, weights)),
+                          c, _ENERGY_FIX.replace("tp.log_energy(x, heads) (log E, finite for any β‖A‖) or ", ""))
 
 
 def _log_energy(x, heads, weights, stats):
@@ -184,8 +271,18 @@ def _log_energy(x, heads, weights, stats):
 
 
 def log_energy(x, heads: Heads, weights=None):
-    """log E, computed by log-sum-exp (finite where E itself overflows), (...,)."""
-    check_inputs(x, heads, weights)
+    """log E, computed by log-sum-exp (finite where E itself overflows), (...,).
+
+    Raises
+    ------
+    ValueError
+        β ≤ 0 anywhere: E < 0 for β < 0 and E(0) is a finite part of either sign, so log E is not defined
+        (use :func:`energy`, with ``log_scale=`` for large |β|‖A‖)."""
+    heads = check_inputs(x, heads, weights)
+    b = heads.beta
+    if bool((b <= 0).any()) if isinstance(b, torch.Tensor) else b <= 0:
+        raise ValueError("log_energy needs β > 0 (then E > 0); for β ≤ 0 the energy is negative (β < 0) or its "
+                         "finite part at β = 0, of either sign: use tp.energy(x, heads, log_scale=c) instead")
     stats = softmax_statistics(x, heads, weights)
     lse = stats.log_partition
     logw_tok = 0.0 if weights is None else torch.log(weights).unsqueeze(-2)
@@ -206,7 +303,7 @@ def first_variation(x, heads: Heads, weights=None, *, at=None, log_scale: float 
     OverflowError
         the result overflows the dtype; pass ``log_scale=`` (it is e^{−c} times δE/δμ).
     """
-    check_inputs(x, heads, weights)
+    heads = check_inputs(x, heads, weights)
     c = check_log_scale(log_scale)
     z = x if at is None else at
     beta = heads.beta if isinstance(heads.beta, float) else heads.beta.unsqueeze(-1)
@@ -218,7 +315,14 @@ def first_variation(x, heads: Heads, weights=None, *, at=None, log_scale: float 
         lses.append(s.log_partition)
         return (omega * scaled_exp(s.log_partition, c)).sum(-2)
 
-    if heads.is_symmetric:
+    if zero_beta(heads):  # the finite part at β = 0: Σ_h ω_h ⟨z, ½(A_h + A_hᵀ) x̄⟩ (module docstring)
+        sym = heads.score_matrix
+        xbar = x.mean(-2) if weights is None else (weights.unsqueeze(-1) * x).sum(-2)
+        Ab = 0.5 * (xbar.unsqueeze(-2).unsqueeze(-2) @ (sym + sym.transpose(-1, -2))).squeeze(-2)  # (..., H, d)
+        fp = lambda: (omega * (z.unsqueeze(-3) @ Ab.unsqueeze(-1)).squeeze(-1)).sum(-2) * math.exp(-c)  # noqa: E731
+        num = part(False) if heads.is_symmetric else 0.5 * (part(False) + part(True))
+        out = over_two_beta(2 * num, _head_beta(heads), fp)
+    elif heads.is_symmetric:
         out = part(False) / beta
     else:
         out = (part(False) + part(True)) / (2 * beta)
@@ -322,7 +426,7 @@ def energy_time_derivative(x, heads: Heads, score_rate: torch.Tensor, weights=No
     ------
     OverflowError
         the result overflows the dtype; pass ``log_scale=``."""
-    check_inputs(x, heads, weights)
+    heads = check_inputs(x, heads, weights)
     c = check_log_scale(log_scale)
     if not isinstance(score_rate, torch.Tensor) or score_rate.shape[-3:] != heads.score_matrix.shape[-3:]:
         raise ValueError("score_rate must be a tensor of shape (..., H, d, d) like the heads' scores")

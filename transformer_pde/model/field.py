@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -72,7 +73,8 @@ __all__ = ["FieldEval", "evaluate", "velocity", "head_outputs", "radial_shadows"
 #: named internal API (not public): the shared input checks and token/head means of the energy,
 #: mobility, diagnostics and nn modules
 __internal__ = ["check_causal_mode", "check_inputs", "token_mean", "head_token_mean", "log_inverse_mobility",
-                "grad_first_variation_terms", "diagnostics_along", "scaled_exp"]
+                "grad_first_variation_terms", "diagnostics_along", "scaled_exp", "over_two_beta", "pair_mean_scores",
+                "zero_beta"]
 
 
 @dataclass
@@ -277,9 +279,53 @@ class _KernelPass:
         return sum((omega * torch.exp(l + log_binv).unsqueeze(-1) * u).sum(-3) for l, u in self.gradient_terms())
 
 
+def zero_beta(heads: Heads) -> bool:
+    """True when β is 0 (for a tensor β: anywhere): the energy's 1/(2β) is then its finite part
+    (:func:`over_two_beta`)."""
+    b = heads.beta
+    return bool((b == 0).any()) if isinstance(b, torch.Tensor) else b == 0.0
+
+
+def pair_mean_scores(x, heads: Heads, weights, keys=None, key_weights=None) -> torch.Tensor:
+    """Σ_i w_i ⟨x_i, A_h ȳ⟩ with ȳ = Σ_j w'_j y_j the mean of the keys (default: the tokens), (..., H): the
+    score average Σ_ij w_i w'_j ⟨x_i, A_h y_j⟩ (no kernel; the β = 0 limit of the kernel averages)."""
+    y, wy = (x, weights) if keys is None else (keys, key_weights)
+    qs = x.mean(-2) if weights is None else (weights.unsqueeze(-1) * x).sum(-2)  # (..., d)
+    ks = y.mean(-2) if wy is None else (wy.unsqueeze(-1) * y).sum(-2)
+    if heads.query is not None and heads.score is None:  # ⟨Q q, K k⟩ from the factors
+        Qq = (heads.query @ qs.unsqueeze(-2).unsqueeze(-1)).squeeze(-1)
+        Kk = (heads.key @ ks.unsqueeze(-2).unsqueeze(-1)).squeeze(-1)
+        return (Qq * Kk).sum(-1)
+    return ((qs.unsqueeze(-2).unsqueeze(-2) @ heads.score_matrix).squeeze(-2) * ks.unsqueeze(-2)).sum(-1)
+
+
+def over_two_beta(numerator: torch.Tensor, heads: Heads, finite_part) -> torch.Tensor:
+    """numerator / (2β) (the energy's normalisation, docs/model.md#energy), with its finite part where β = 0.
+
+    E = Σ_h ω_h/(2β) ∫∫ e^{β⟨x, A_h y⟩} dμ dμ has a simple pole at β = 0 (residue Σ_h ω_h/2, a constant of
+    the tokens); there it is given the constant term of its Laurent series, ½ Σ_h ω_h ∫∫⟨x, A_h y⟩ dμ dμ:
+    ``finite_part()`` (a zero-argument callable, called only when some β is 0), of the numerator's shape
+    (...,).  For β ≠ 0 this is exactly ``numerator / (2 * heads.beta)``; β < 0 is divided like any β."""
+    beta = heads.beta
+    if isinstance(beta, torch.Tensor):
+        if not bool((beta == 0).any()):
+            return numerator / (2 * beta)
+        zero = beta == 0
+        safe = torch.where(zero, torch.ones_like(beta), beta)
+        return torch.where(zero, finite_part(), numerator / (2 * safe))
+    if beta != 0.0:
+        return numerator / (2 * beta)
+    return finite_part().expand_as(numerator) if isinstance(numerator, torch.Tensor) else finite_part()
+
+
 def scaled_exp(log_values: torch.Tensor, log_scale: float = 0.0) -> torch.Tensor:
     """e^{log_values − log_scale}; exactly ``torch.exp(log_values)`` when log_scale == 0."""
     return torch.exp(log_values) if log_scale == 0.0 else torch.exp(log_values - log_scale)
+
+
+def _finite_part(x, heads, weights, keys, key_weights, c):
+    """e^{−c} ½ Σ_h ω_h Σ_ij w_i w'_j ⟨x_i, A_h y_j⟩: the energy's value at β = 0 (:func:`over_two_beta`)."""
+    return 0.5 * (heads.weights * pair_mean_scores(x, heads, weights, keys, key_weights)).sum(-1) * math.exp(-c)
 
 
 def _fused_diagnostics(x, heads, weights, velocity, stats, c, lazy_gradient):
@@ -292,7 +338,8 @@ def _fused_diagnostics(x, heads, weights, velocity, stats, c, lazy_gradient):
     or a layer map)."""
     m = head_columns_mass(stats, c)  # (..., n, H)
     mean_m = m.mean(-2) if weights is None else (weights.unsqueeze(-2) @ m).squeeze(-2)  # (..., H)
-    energy = torch.linalg.vecdot(heads.weights, mean_m) / (2 * heads.beta)
+    energy = over_two_beta(torch.linalg.vecdot(heads.weights, mean_m), heads,
+                           lambda: _finite_part(x, heads, weights, None, None, c))
     b = scaled_mobility(heads, stats.log_partition, m.transpose(-1, -2), c)
     slope = token_mean(b * torch.linalg.vecdot(velocity, velocity), weights)
     formed = []
@@ -362,7 +409,8 @@ def diagnostics_along(x, heads: Heads, weights, velocity, stats: HeadStats, *, l
     wts = heads.weights.unsqueeze(-1)  # (..., H, 1)
     g = tangent_projection(x, sum(((wts * (m if l is lse else scaled_exp(l, c))).unsqueeze(-1) * u).sum(-3)
                                   for l, u in terms))
-    energy = (heads.weights * head_token_mean(m, weights)).sum(-1) / (2 * heads.beta)
+    energy = over_two_beta((heads.weights * head_token_mean(m, weights)).sum(-1), heads,
+                           lambda: _finite_part(x, heads, weights, keys, key_weights, c))
     b = scaled_mobility(heads, lse, m, c)
     slope = token_mean(b * velocity.square().sum(-1), weights)
     dissipation = token_mean((g * velocity).sum(-1), weights)
@@ -503,15 +551,17 @@ def evaluate(
         return FieldEval(V, stats, outputs, ambient=field if sign == 1.0 else sign * field)
     full = whole()
     fused = keys is None and heads.is_symmetric and head_columns(full) is not None
-    E, G, D, g = diagnostics_along(x, heads, weights, V, full, log_scale=log_scale,
+    E, G, D, g = diagnostics_along(x, heads, weights, V, full, log_scale=log_scale, keys=keys, key_weights=key_weights,
                                    terms=None if fused else kern.gradient_terms(), lazy_gradient=True)
     return FieldEval(V, full, outputs, g, E, G, D, ambient=field if sign == 1.0 else sign * field)
 
 
 # ---------------------------------------------------------------------- checked entry points
-def check_inputs(x, heads, weights, *, on_sphere: bool = True):
+def check_inputs(x, heads, weights, *, on_sphere: bool = True) -> Heads:
     """The checks of every public entry point; on_sphere=False admits tokens of any non-zero norm
-    (the flat, unprojected dynamics of :mod:`transformer_pde.analysis.diagnostics`)."""
+    (the flat, unprojected dynamics of :mod:`transformer_pde.analysis.diagnostics`).  Returns the heads with
+    β resolved at the context length n = x.shape[-2] (:meth:`Heads.at_context`; the heads themselves for a
+    fixed β): callers use the returned heads."""
     if on_sphere:
         check_tokens(x, "x")
     else:
@@ -531,6 +581,7 @@ def check_inputs(x, heads, weights, *, on_sphere: bool = True):
             f"{tuple(heads.batch_shape)}"
         ) from None
     check_token_weights(weights, x)
+    return heads.at_context(x.shape[-2])
 
 
 #: the values of ``causal=``: False, True (= "mean"), "mean" (prefix mean), "sum" (prefix sum)
@@ -596,7 +647,7 @@ def velocity(x, heads, weights=None, normalization="softmax", direction=DEFAULT_
     norm = resolve(normalization)
     sign = direction_sign(direction)
     _check_causal_flag(causal, norm)
-    check_inputs(x, heads, weights)
+    heads = check_inputs(x, heads, weights)
     if not norm.uses_value:  # the gradient of E: V_h plays no part, so it must be A_h
         check_tied(heads, f"normalization={norm.name!r}")
     v = evaluate(x, heads, weights, normalization=norm, sign=sign, diagnostics=False, causal=causal).velocity
@@ -614,7 +665,7 @@ def head_outputs(x, heads, weights=None, normalization="softmax", *, causal=Fals
     causal: token i attends only to tokens j ≤ i (see :func:`velocity`)."""
     norm = resolve(normalization, lambda n: n.head_outputs, what="no per-head split")
     _check_causal_flag(causal, norm)
-    check_inputs(x, heads, weights)
+    heads = check_inputs(x, heads, weights)
     return evaluate(x, heads, weights, normalization=norm, diagnostics=False, causal=causal).outputs
 
 

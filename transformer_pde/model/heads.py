@@ -1,9 +1,12 @@
 """Attention heads Θ = Σ_h ω_h δ_{θ_h}, θ_h = (A_h, V_h), at one instant.
 
 Shapes: score ``A`` and value ``V`` are ``(..., H, d, d)``; head weights ``ω`` are
-``(..., H)``; the inverse temperature ``β`` is a positive float or a tensor that
-broadcasts against the batch shape ``(...)`` (β sweeps).  Leading dims are batches
-(Monte-Carlo paths, ensembles) and broadcast against the tokens' batch dims.
+``(..., H)``; the inverse temperature ``β`` is a real float or a tensor that
+broadcasts against the batch shape ``(...)`` (β sweeps), or a rule of the context length n
+(:class:`BetaRule`: β_n = γ log n, c·n^p, or a callable), resolved once per call or solve from the
+number of tokens (:meth:`Heads.at_context`).  β < 0 (attention weights favouring distant keys) and
+β = 0 (uniform averaging) are allowed.  Leading dims are batches (Monte-Carlo paths, ensembles) and
+broadcast against the tokens' batch dims.
 
 Conventions (docs/model.md#heads): ``value=None`` ties V_h to A_h (the gradient-flow case, the
 reference code's single matrix D_h); ``weights=None`` is the mean ω_h = 1/H; Pendharkar's
@@ -19,20 +22,19 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Mapping, Optional, Union
+from typing import Callable, Mapping, Optional, Union
 
 import torch
 
 from ..utils.validation import broadcast_shapes, check_choice, check_positive, check_same, check_tensor
+from .scaling import BetaRule, LogScaling, PowerScaling, real_beta, resolve_beta  # noqa: F401  (re-exported)
 
 __all__ = ["Heads"]
 #: named internal API (not public): the MultiheadAttention inside a module, for :mod:`transformer_pde.processes.nn`
 #: and ``broadcast_shapes``, the cheap shape broadcast of the solvers' setup
 __internal__ = ["heads_from_multihead_attention", "mha_module", "broadcast_shapes"]
 
-Beta = Union[float, torch.Tensor]
-
-
+Beta = Union[float, torch.Tensor, BetaRule, Callable]
 
 
 class Heads:
@@ -47,7 +49,10 @@ class Heads:
     weights
         ω, ``(..., H)``, non-negative; None means 1/H.
     beta
-        β > 0, float or tensor broadcasting against the batch shape.
+        β, a real float (any sign: β < 0 weights distant keys most, β = 0 averages uniformly) or a
+        tensor broadcasting against the batch shape; or a rule of the context length n
+        (:class:`BetaRule`, e.g. ``LogScaling(gamma)`` for β_n = γ log n, or a plain callable
+        n ↦ β_n), resolved once per call or solve from n = x.shape[-2] (:meth:`at_context`).
     query, key
         optional factors Q, K of shape ``(..., H, k, d)`` with A = QᵀK.
     value_in, value_out
@@ -59,7 +64,7 @@ class Heads:
     TypeError
         non-tensor or integer inputs, mixed dtypes.
     ValueError
-        wrong shapes, non-finite entries, negative weights, β <= 0, mixed devices.
+        wrong shapes, non-finite entries (β included), negative weights, mixed devices.
 
     Examples
     --------
@@ -69,7 +74,8 @@ class Heads:
     (2, 3)
     """
 
-    __slots__ = ("score", "_value", "weights", "beta", "query", "key", "value_in", "value_out", "_symmetric")
+    __slots__ = ("score", "_value", "weights", "_beta", "_rule", "_context", "query", "key", "value_in", "value_out",
+                 "_symmetric")
 
     def __init__(self, score=None, value=None, weights=None, beta: Beta = 1.0, *, query=None, key=None,
                  value_in=None, value_out=None):
@@ -112,21 +118,28 @@ class Heads:
                 raise ValueError("head weights must be >= 0 (use the sign of A, or direction=, to flip a head)")
             if not bool((weights.sum(-1) > 0).all()):
                 raise ValueError("head weights must not all be zero")
-        if isinstance(beta, torch.Tensor) and beta.numel() != 1:
+        rule = None
+        if callable(beta) and not isinstance(beta, torch.Tensor):
+            rule = beta if isinstance(beta, BetaRule) else BetaRule(beta)
+            for t in rule.tensors:
+                check_same(ref, t, "score", f"the tensor parameter of {rule!r}")
+            beta = None
+        elif isinstance(beta, torch.Tensor) and beta.numel() != 1:
+            real_beta(beta, "beta")
             check_tensor(beta, "beta")
             check_same(ref, beta, "score", "beta")
-            if not bool((beta > 0).all()):
-                raise ValueError(f"beta must be > 0, got min {beta.min().item():.3g}")
         elif isinstance(beta, torch.Tensor):
-            check_positive(beta.detach(), "beta")
+            real_beta(beta, "beta")
             if beta.dim() > 0:
                 beta = beta.reshape(())
         else:
-            beta = check_positive(beta, "beta")
+            beta = real_beta(beta, "beta")
         self.score = score
         self._value = value
         self.weights = weights
-        self.beta = beta
+        self._beta = beta
+        self._rule = rule
+        self._context = None
         self.query = query
         self.key = key
         self.value_in = value_in
@@ -322,6 +335,65 @@ class Heads:
         return v @ self.value_matrix.transpose(-1, -2)
 
     @property
+    def beta(self) -> Union[float, torch.Tensor]:
+        """β: a float, or a tensor broadcasting against the batch shape.
+
+        Raises
+        ------
+        ValueError
+            the heads hold a rule of the context length not resolved yet (:meth:`at_context`)."""
+        b = self._beta
+        if b is None:
+            raise ValueError(
+                f"these heads' β is a rule of the context length n ({self._rule!r}) and has not been resolved: "
+                f"call heads.at_context(n) with the number of tokens n (the public functions and tp.solve do this "
+                f"from x.shape[-2])")
+        return b
+
+    @beta.setter
+    def beta(self, value) -> None:
+        # a new β replaces the rule (it no longer describes it)
+        self._beta, self._rule, self._context = value, None, None
+
+    beta_rule = property(lambda self: self._rule, doc="The rule β_n these heads were built with, or None.")
+    context = property(lambda self: self._context, doc="The n at which the rule was resolved, or None.")
+    resolved = property(lambda self: self._beta is not None, doc="True when β is a value (fixed, or resolved).")
+
+    def at_context(self, n: int) -> "Heads":
+        """These heads with β resolved at the context length n: β = rule(n) for a :class:`BetaRule`.
+
+        Heads with a fixed β, and heads resolved already, are returned as they are (a rule is resolved once:
+        a solve resolves it from x0 and keeps that β for every step).
+
+        Parameters
+        ----------
+        n : int
+            the number of tokens (keys) of the measure, >= 1.
+
+        Returns
+        -------
+        Heads
+            the same tensors with β = rule(n) (``context`` = n, ``beta_rule`` kept).
+
+        Examples
+        --------
+        >>> import math, torch, transformer_pde as tp
+        >>> h = tp.Heads(torch.eye(2)[None], beta=tp.LogScaling(1.0))
+        >>> round(h.at_context(100).beta, 6) == round(math.log(100), 6)
+        True
+        """
+        if self._beta is not None:
+            return self
+        new = self.map(lambda t: t)
+        beta = self._rule(n)
+        if isinstance(beta, torch.Tensor):
+            check_same(self.reference, beta, "score", f"{self._rule!r} at n = {n}")
+            if beta.numel() == 1 and beta.dim() > 0:
+                beta = beta.reshape(())
+        new._beta, new._context = beta, int(n)
+        return new
+
+    @property
     def batch_shape(self) -> torch.Size:
         shapes = [self.reference.shape[:-3], self.weights.shape[:-1]]
         if self._value is not None:
@@ -330,8 +402,10 @@ class Heads:
             shapes += [self.value_in.shape[:-3], self.value_out.shape[:-3]]
         if self.key is not None:
             shapes.append(self.key.shape[:-3])
-        if isinstance(self.beta, torch.Tensor):
-            shapes.append(self.beta.shape)
+        if isinstance(self._beta, torch.Tensor):
+            shapes.append(self._beta.shape)
+        elif self._beta is None:
+            shapes.append(self._rule.shape)
         return broadcast_shapes(*shapes)
 
     @property
@@ -375,7 +449,8 @@ class Heads:
         """Same heads with new score matrices (values stay tied if they were).  No checks:
         used by the processes in the hot loop."""
         new = object.__new__(Heads)
-        new.score, new._value, new.weights, new.beta = score, self._value, self.weights, self.beta
+        new.score, new._value, new.weights, new._beta = score, self._value, self.weights, self._beta
+        new._rule, new._context = self._rule, self._context
         new.value_in, new.value_out = self.value_in, self.value_out
         new.query = new.key = None
         new._symmetric = symmetric
@@ -388,7 +463,8 @@ class Heads:
         new.score, new._value, new.weights = g(self.score), g(self._value), g(self.weights)
         new.query, new.key = g(self.query), g(self.key)
         new.value_in, new.value_out = g(self.value_in), g(self.value_out)
-        new.beta = fn(self.beta) if isinstance(self.beta, torch.Tensor) else self.beta
+        new._beta = fn(self._beta) if isinstance(self._beta, torch.Tensor) else self._beta
+        new._rule, new._context = self._rule, self._context
         new._symmetric = self._symmetric
         return new
 
@@ -399,7 +475,10 @@ class Heads:
         return self.map(lambda t: t.detach())
 
     def __repr__(self) -> str:
-        beta = f"{self.beta:.4g}" if isinstance(self.beta, float) else f"tensor{tuple(self.beta.shape)}"
+        b = self._beta
+        beta = repr(self._rule) if b is None else (f"{b:.4g}" if isinstance(b, float) else f"tensor{tuple(b.shape)}")
+        if b is not None and self._rule is not None:
+            beta += f" ({self._rule!r} at n = {self._context})"
         return (
             f"Heads(H={self.num_heads}, d={self.dim}, batch_shape={tuple(self.batch_shape)}, beta={beta}, "
             f"tied={self.tied}, factors={self.query is not None}, value_factors={self.value_in is not None}, dtype={self.dtype}, device={self.device})"
@@ -461,7 +540,7 @@ def _beta(beta, token_norm, k):
         return r * r / math.sqrt(k)
     if isinstance(beta, torch.Tensor):
         return beta
-    return check_positive(beta, "beta")
+    return real_beta(beta, "beta")
 
 
 def _split_mha(mha: torch.nn.MultiheadAttention, bias: str):

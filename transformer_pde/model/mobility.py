@@ -61,7 +61,7 @@ def scaled_diagnostics(x: torch.Tensor, heads: Heads, weights: Optional[torch.Te
 
 def log_mobility(x, heads: Heads, weights=None):
     """(log m (..., H, n), log b (..., n)), finite for any β‖A‖."""
-    check_inputs(x, heads, weights)
+    heads = check_inputs(x, heads, weights)
     lse = softmax_statistics(x, heads, weights).log_partition
     return lse, -log_inverse_mobility(heads, lse)
 
@@ -78,7 +78,7 @@ def _scaled(x, heads, weights, normalization, direction, log_scale, which):
     c = check_log_scale(log_scale)
     norm = resolve(normalization)
     sign = direction_sign(direction)
-    check_inputs(x, heads, weights)
+    heads = check_inputs(x, heads, weights)
     if not norm.uses_value:
         check_tied(heads, f"normalization={norm.name!r}")
     ev = evaluate(x, heads, weights, normalization=norm, sign=sign, diagnostics=True, log_scale=c)

@@ -526,12 +526,15 @@ def pair_diagnostics(x: torch.Tensor, heads: Heads, weights: Optional[torch.Tens
     Returns
     -------
     PairDiagnostics or None
-        None where :func:`pair_block` declines, or where e^{−c} is not a normal number (the caller then
-        uses the log-sum-exp path).
+        None where :func:`pair_block` declines, where e^{−c} is not a normal number, or where β = 0 (the
+        caller then uses the log-sum-exp path).
     """
     c = float(log_scale)
     if not (c >= 0.0 and math.exp(-c) >= torch.finfo(x.dtype).tiny):
         return None
+    b = heads.beta
+    if bool((b == 0).any()) if isinstance(b, torch.Tensor) else b == 0.0:
+        return None  # β = 0: the block's queries βA x carry no A x to divide back out; the log-sum-exp path
     symmetric = heads.is_symmetric
     prep = _prepare(heads, x.dtype, (symmetric, float(sign)))
     sw = _sweep(x, weights, prep, {"columns": False, "causal": causal, "maps": prep.maps, "moment": token_moment})

@@ -152,7 +152,7 @@ def attention_matrix(x: torch.Tensor, heads: Heads, weights: Optional[torch.Tens
         ``mha(..., need_weights=True, average_attn_weights=False)[1]``.
     """
     y = x if keys is None else keys
-    check_inputs(y, heads, weights)
+    heads = check_inputs(y, heads, weights)
     if keys is not None:
         check_tokens(x, "x")
     beta = heads.beta

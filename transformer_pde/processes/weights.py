@@ -27,6 +27,7 @@ have variance dt and off-diagonal ones dt/2; it keeps symmetric matrices symmetr
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Callable, List, Optional
 
@@ -162,6 +163,34 @@ class Process:
 
     def __repr__(self):
         return f"{type(self).__name__}(H={self.heads0.num_heads}, d={self.heads0.dim}, scheme={self.scheme!r})"
+
+    # -- β as a rule of the context length (docs/model.md#heads)
+    def _heads_fields(self):
+        for k, v in vars(self).items():
+            if isinstance(v, Heads) or (isinstance(v, (list, tuple)) and any(isinstance(h, Heads) for h in v)):
+                yield k, v
+
+    @property
+    def resolved(self) -> bool:
+        """False when some heads of the process hold a rule β_n of the context length not resolved yet."""
+        for _, v in self._heads_fields():
+            for h in (v if isinstance(v, (list, tuple)) else (v,)):
+                if isinstance(h, Heads) and not h.resolved:
+                    return False
+        return True
+
+    def at_context(self, n: int) -> "Process":
+        """The process with every rule β_n of its heads resolved at n tokens (:meth:`Heads.at_context`);
+        the process itself when there is none.  ``tp.solve`` calls it once, with n = x0.shape[-2]."""
+        if self.resolved:
+            return self
+        new = copy.copy(self)
+        for k, v in self._heads_fields():
+            if isinstance(v, Heads):
+                setattr(new, k, v.at_context(n))
+            else:
+                setattr(new, k, type(v)(h.at_context(n) if isinstance(h, Heads) else h for h in v))
+        return new
 
 
 def _check_scheme(scheme):

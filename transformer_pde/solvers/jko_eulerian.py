@@ -34,6 +34,7 @@ import torch
 
 from ..utils.validation import check_positive, check_same, check_token_weights, check_tokens
 from ..model.softmax import softmax_statistics
+from ..model.field import over_two_beta
 from ..model.heads import Heads
 from ..model.sphere import circle_grid, fibonacci_sphere
 from ..model.transport import sq_chordal
@@ -65,7 +66,16 @@ def first_variation(z: torch.Tensor, heads: Heads, p: torch.Tensor) -> torch.Ten
     if not heads.is_symmetric:
         st = softmax_statistics(z, heads, p, transpose=True)
         g = 0.5 * (g + (omega * torch.exp(st.log_partition)).sum(-2))
-    return g / (beta.unsqueeze(-1) if isinstance(beta, torch.Tensor) and beta.dim() > 0 else beta)
+    if isinstance(beta, torch.Tensor) and beta.dim() > 0:
+        heads = heads.replace(beta=beta.unsqueeze(-1))
+
+    def finite_part():  # β = 0: Σ_h ω_h ⟨z, ½(A_h + A_hᵀ) z̄⟩, z̄ = Σ_a p_a z_a
+        A = heads.score_matrix
+        zbar = (p.unsqueeze(-1) * z).sum(-2)  # (B, d)
+        Az = 0.5 * (zbar.unsqueeze(-2).unsqueeze(-2) @ (A + A.transpose(-1, -2))).squeeze(-2)  # (B, H, d)
+        return (omega * (z.unsqueeze(-3) @ Az.unsqueeze(-1)).squeeze(-1)).sum(-2)
+
+    return over_two_beta(2 * g, heads, finite_part)
 
 
 

@@ -38,7 +38,7 @@ from typing import Callable, Optional
 import torch
 
 from ..model.softmax import softmax_statistics
-from ..model.field import head_token_mean, log_inverse_mobility
+from ..model.field import head_token_mean, log_inverse_mobility, over_two_beta, pair_mean_scores
 from ..model.heads import Heads
 from ..model.sphere import normalize
 from ..model.transport import emd_plans, sinkhorn_divergence, sq_chordal
@@ -74,7 +74,8 @@ def scaled_energy(y: torch.Tensor, heads: Heads, w: Optional[torch.Tensor], logc
     """The scaled energy E(μ, Θ) / e^{logc} = Σ_h ω_h/(2β) Σ_i w_i e^{log m_h(y_i) − logc}, (B,), from the
     log-partitions (differentiable, no validation; logc (B,))."""
     lse = softmax_statistics(y, heads, w).log_partition - logc[:, None, None]  # (B, H, n)
-    return (heads.weights * head_token_mean(torch.exp(lse), w)).sum(-1) / (2 * heads.beta)
+    return over_two_beta((heads.weights * head_token_mean(torch.exp(lse), w)).sum(-1), heads,  # β = 0: finite part
+                         lambda: 0.5 * (heads.weights * pair_mean_scores(y, heads, w)).sum(-1) * torch.exp(-logc))
 
 
 def lagrangian_step(x, w, wt, h_old, h_new, lb_old, settings: LagrangianStep, out_log_scale: float = 0.0):

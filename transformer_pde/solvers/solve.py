@@ -12,6 +12,7 @@ refused (TypeError) before any work.  The result is a :class:`~transformer_pde.T
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -97,4 +98,18 @@ def solve(model: Model, x0: Optional[torch.Tensor], solver: Solver, *, t1: float
     options = SolveOptions(t1=t1, dt=dt, t0=t0, paths=paths, seed=seed, generator=generator, **o)
     if type(solver).run is Solver.run:
         raise TypeError(f"{type(solver).__name__} does not define run(model, x0, options); a Solver subclass must")
-    return solver.run(model, x0, options)
+    return solver.run(_at_context(model, x0), x0, options)
+
+
+def _at_context(model: Model, x0) -> Model:
+    """The model with the heads' rules β_n of the context length resolved once, at n = x0.shape[-2]."""
+    theta = model.process
+    if theta.resolved:
+        return model
+    if x0 is None:
+        raise ValueError("the heads' β is a rule of the context length n, which needs tokens x0 (..., n, d); a solve "
+                         "without tokens (the Eulerian JKO on grid weights) has no n: give the heads a fixed β "
+                         "(heads.at_context(n) resolves the rule at an n of your choice)")
+    if not isinstance(x0, torch.Tensor) or x0.dim() < 2:
+        return model  # the solver refuses x0 with its own message
+    return dataclasses.replace(model, theta=theta.at_context(x0.shape[-2]))

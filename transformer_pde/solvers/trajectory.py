@@ -404,7 +404,7 @@ class PathsAxis:
 def nonfinite_error(what: str, t: float, k: int, heads: Heads, normalization: Optional[str] = None) -> NonFiniteError:
     """NonFiniteError for a non-finite field or token step, with the fix that fits the normalisation."""
     A = heads.score_matrix.detach()
-    bmax = (A.flatten(-2).abs().amax(-1).max() * (heads.beta if isinstance(heads.beta, float) else heads.beta.max())).item()
+    bmax = (A.flatten(-2).abs().amax(-1).max() * (abs(heads.beta) if isinstance(heads.beta, float) else heads.beta.abs().max())).item()
     R = math.log(torch.finfo(A.dtype).max) if A.is_floating_point() else float("inf")
     norm = None if normalization is None else as_normalization(normalization)
     if norm is not None and norm.overflow == "kernel" and bmax > R / 2:

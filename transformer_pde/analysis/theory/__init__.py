@@ -34,6 +34,7 @@ from ...utils.validation import DEFAULT_DIRECTION
 from ...utils.validation import check_choice, check_int, check_positive
 from ...model.normalization import Softmax, Unnormalized, choose as choose_normalization, names
 from ...model.normalization import normalization as as_normalization
+from ...model.scaling import real_beta, resolve_beta
 
 __all__ = [
     "REDUCED_NORMALIZATIONS",
@@ -95,6 +96,24 @@ def _gamma(gamma, n: int, name: str = "gamma") -> float:
     if not (lo <= gamma < 1.0) or not math.isfinite(gamma):
         raise ValueError(f"{name} must lie in [-1/(n-1), 1) = [{lo:.4g}, 1) for n = {n}, got {gamma}")
     return gamma
+
+
+def _beta(beta, n: int) -> float:
+    """β as a float: any finite real; a rule of the context length (tp.LogScaling, ...) resolved at n."""
+    b = real_beta(resolve_beta(beta, n), "beta")
+    if isinstance(b, torch.Tensor):
+        if b.numel() != 1:
+            raise TypeError(f"beta must be one real number here, got a tensor of shape {tuple(b.shape)}")
+        b = float(b)
+    return b
+
+
+def _positive_beta(beta, n: int, what: str) -> float:
+    """:func:`_beta`, refused with a ValueError unless > 0 (``what``: why the closed form needs it)."""
+    b = _beta(beta, n)
+    if not b > 0:
+        raise ValueError(f"beta must be > 0 here, got {b}: {what}")
+    return b
 
 
 def _sign(direction: str) -> float:
@@ -199,13 +218,15 @@ def early_rate(lam, beta: float, n: int):
     computed as 2λ e^{−logaddexp(λβ, ln(n−1))} (no overflow for large λβ).
     lam: float or tensor (any shape); returns the same kind (dtype/device follow lam).
 
+    β: any real (β ≤ 0: e^{λβ} ≤ 1 and φ grows without bound in λ > 0), or a rule of n (``tp.LogScaling``).
+
     Raises
     ------
     ValueError
-        β <= 0 or n < 2.
+        β not finite or n < 2.
     """
-    beta = check_positive(beta, "beta")
     n = _n(n)
+    beta = _beta(beta, n)
     is_t = isinstance(lam, torch.Tensor)
     x = lam if is_t else torch.tensor(float(lam), dtype=torch.float64)
     logN = torch.full_like(x, math.log(n - 1))
@@ -246,7 +267,7 @@ def optimal_head_strength(beta: float, n: int):
     Raises
     ------
     ValueError
-        β <= 0 or n < 2.
+        β <= 0 (φ then increases without bound: no maximiser) or n < 2.
 
     Examples
     --------
@@ -254,8 +275,9 @@ def optimal_head_strength(beta: float, n: int):
     >>> round(lam, 4), round(phi, 4), round(early_rate(lam, 1.0, 8), 4)
     (1.9731, 0.278, 0.278)
     """
-    beta = check_positive(beta, "beta")
     n = _n(n)
+    beta = _positive_beta(beta, n, "for β ≤ 0, φ(λ) = 2λ/(e^{λβ} + n − 1) ≥ 2λ/n increases without bound, so "
+                                   "there is no optimal head strength")
     W = lambert_w((n - 1) / math.e)
     return (1 + W) / beta, 2 * W / ((n - 1) * beta)
 
@@ -274,10 +296,11 @@ def rate_inflection(beta: float, n: int) -> float:
     Raises
     ------
     ValueError
-        β <= 0 or n < 2.
+        β <= 0 (the bisection above u = 2 is the β > 0 branch) or n < 2.
     """
-    beta = check_positive(beta, "beta")
     n = _n(n)
+    beta = _positive_beta(beta, n, "the inflection point is computed on the branch u = βλ > 2 of β > 0 (for β < 0 "
+                                   "the convex and concave ranges of φ swap)")
     logN = math.log(n - 1)
 
     def h(u):
@@ -300,23 +323,23 @@ def late_rate(lambdas, beta: float = 1.0, *, normalization: str = "softmax"):
 
         softmax:       Λ = Σ_h λ_h
         unnormalized:  Λ = Σ_h λ_h e^{βλ_h}
-        relu:          Λ = β Σ_h λ_h²
+        relu:          Λ = Σ_h λ_h ReLU(βλ_h)            (= β Σ_h λ_h² for β > 0)
 
-    (linearise γ̇ = F(γ) at γ = 1: F(γ) ≈ 2Λ(1 − γ)).  lambdas: (..., H); returns (...,) tensor.
+    (linearise γ̇ = F(γ) at γ = 1: F(γ) ≈ 2Λ(1 − γ)); any real β.  lambdas: (..., H); returns (...,) tensor.
 
     Raises
     ------
     TypeError, ValueError
-        non-numeric or non-finite lambdas, β <= 0, unknown normalization.
+        non-numeric or non-finite lambdas or β, unknown normalization.
     """
     normalization = choose_normalization(normalization, REDUCED_NORMALIZATIONS)
-    beta = check_positive(beta, "beta")
+    beta = _beta(beta, 2)
     lam = _lambdas(lambdas)
     if isinstance(normalization, Softmax):
         return lam.sum(-1)
     if isinstance(normalization, Unnormalized):
         return (lam * torch.exp(beta * lam)).sum(-1)
-    return beta * (lam * torch.relu(lam)).sum(-1)
+    return (lam * torch.relu(beta * lam)).sum(-1)
 
 
 def _kernel_weights(gamma: torch.Tensor, lam: torch.Tensor, beta: float, n: int, normalization: str):
@@ -339,15 +362,17 @@ def gamma_velocity(gamma, lambdas, *, beta: float = 1.0, n: int, normalization: 
     gamma: float or tensor (...,); lambdas: (H,) or (..., H).  Returns (...,) (a float for float γ
     and 1-D lambdas).
 
+    β: any real, or a rule of n (``tp.LogScaling``).
+
     Raises
     ------
     TypeError, ValueError
-        bad lambdas, β <= 0, n < 2, unknown normalization or direction.
+        bad lambdas or β, n < 2, unknown normalization or direction.
     """
     normalization = choose_normalization(normalization, REDUCED_NORMALIZATIONS)
     s = _sign(direction)
-    beta = check_positive(beta, "beta")
     n = _n(n)
+    beta = _beta(beta, n)
     lam = _lambdas(lambdas)
     is_t = isinstance(gamma, torch.Tensor)
     g = gamma if is_t else torch.tensor(float(gamma), dtype=lam.dtype, device=lam.device)
@@ -384,7 +409,7 @@ def gamma_ode(times, lambdas, *, beta: float = 1.0, n: int, gamma0: float, norma
     ------
     TypeError, ValueError
         bad lambdas (or more than one set), γ0 outside [−1/(n−1), 1),
-        times not 1-D increasing, β <= 0, unknown normalization or direction.
+        times not 1-D increasing, β not finite, unknown normalization or direction.
 
     Examples
     --------
@@ -396,8 +421,8 @@ def gamma_ode(times, lambdas, *, beta: float = 1.0, n: int, gamma0: float, norma
 
     normalization = choose_normalization(normalization, REDUCED_NORMALIZATIONS)
     s = _sign(direction)
-    beta = check_positive(beta, "beta")
     n = _n(n)
+    beta = _beta(beta, n)
     gamma0 = _gamma(gamma0, n, "gamma0")
     lam = _lambdas(lambdas)
     if lam.dim() != 1:
@@ -423,8 +448,8 @@ def gamma_ode(times, lambdas, *, beta: float = 1.0, n: int, gamma0: float, norma
 def _time_args(lambdas, beta, n, gamma0, target, normalization):
     """Checked (λ, β, n, γ0, target) of the clustering-time functions."""
     normalization = choose_normalization(normalization, REDUCED_NORMALIZATIONS)
-    beta = check_positive(beta, "beta")
     n = _n(n)
+    beta = _beta(beta, n)
     gamma0 = _gamma(gamma0, n, "gamma0")
     target = _gamma(target, n, "target")
     if not target > gamma0:
@@ -445,7 +470,7 @@ def hitting_time(lambdas, *, beta: float = 1.0, n: int, gamma0: float, target: f
     Raises
     ------
     ValueError
-        target <= γ0, either outside [−1/(n−1), 1), bad lambdas, β <= 0, unknown normalization.
+        target <= γ0, either outside [−1/(n−1), 1), bad lambdas, β not finite, unknown normalization.
     """
     from scipy.integrate import quad
 
@@ -473,8 +498,8 @@ def linearized_clustering_time(lambdas, *, beta: float = 1.0, n: int, gamma0: fl
 
         softmax:       γ̇ ≈ F(0) = Σ_h φ(λ_h)                 ⇒ T = (target − γ0) / Σ_h φ(λ_h)       = Θ(n)
         unnormalized:  γ̇ ≈ F(0) = (2/n) Σ_h λ_h                ⇒ T = (target − γ0) n / (2 Σ_h λ_h)     = Θ(n)
-        relu:          F(0) = 0, γ̇ ≈ F'(0⁺) γ = (2β/n) Σ_{λ_h>0} λ_h² γ
-                                                              ⇒ T = n ln(target/γ0) / (2β Σ λ_h²)  = Θ(n log d)
+        relu:          F(0) = 0, γ̇ ≈ F'(0⁺) γ = (2/n) Σ_h λ_h ReLU(βλ_h) γ
+                                                              ⇒ T = n ln(target/γ0) / (2 Σ λ_h ReLU(βλ_h))
 
     for γ0 = 1/√d (:func:`typical_overlap`).  This is Pendharkar's separation; the full nonlinear
     reduced ODE (:func:`hitting_time`) and the particle system depart from it once (n−1)γ is not
@@ -483,7 +508,7 @@ def linearized_clustering_time(lambdas, *, beta: float = 1.0, n: int, gamma0: fl
     Raises
     ------
     ValueError
-        target <= γ0, γ0 <= 0 for relu (γ = 0 is a fixed point), bad lambdas, β <= 0.
+        target <= γ0, γ0 <= 0 for relu (γ = 0 is a fixed point), bad lambdas, β not finite.
     """
     lam, beta, n, gamma0, target = _time_args(lambdas, beta, n, gamma0, target, normalization)
     if as_normalization(normalization).statistics == "softmax":  # exponential kernels: F(0) > 0
@@ -491,7 +516,7 @@ def linearized_clustering_time(lambdas, *, beta: float = 1.0, n: int, gamma0: fl
         return (target - gamma0) / F0 if F0 > 0 else math.inf
     if gamma0 <= 0:
         raise ValueError("the linearised ReLU dynamics start at gamma0 > 0 (γ = 0 is a fixed point)")
-    slope = 2 * beta / n * float((lam * torch.relu(lam)).sum())
+    slope = 2 / n * float((lam * torch.relu(beta * lam)).sum())
     return math.log(target / gamma0) / slope if slope > 0 else math.inf
 
 
@@ -520,10 +545,10 @@ def superadditivity(lambdas, *, beta: float = 1.0, n: int) -> dict:
     Raises
     ------
     ValueError
-        lambdas not one 1-D set, β <= 0, n < 2.
+        lambdas not one 1-D set, β <= 0 (the regimes are those of φ for β > 0), n < 2.
     """
-    beta = check_positive(beta, "beta")
     n = _n(n)
+    beta = _positive_beta(beta, n, "the convex and concave regimes of φ are those of β > 0 (rate_inflection)")
     lam = _lambdas(lambdas).to(torch.float64)
     if lam.dim() != 1:
         raise ValueError(f"superadditivity takes one set of head strengths (H,), got shape {tuple(lam.shape)}")
@@ -544,9 +569,9 @@ def equiangular_entropy(gamma, lam, beta: float, n: int):
         ρ = e^{βλ(1−γ)},  H(γ) = ln(ρ + n − 1) − ρ ln ρ / (ρ + n − 1),
 
     increasing in γ for λ > 0 (dH/dρ = −(n−1) ln ρ/(ρ + n − 1)²), with H(1) = ln n.
-    Inputs broadcast (floats or tensors); returns the same kind."""
-    beta = check_positive(beta, "beta")
+    Inputs broadcast (floats or tensors); returns the same kind.  Any real β (β < 0: ρ < 1 for λ > 0)."""
     n = _n(n)
+    beta = _beta(beta, n)
     as_t = isinstance(gamma, torch.Tensor) or isinstance(lam, torch.Tensor)
     g = gamma if isinstance(gamma, torch.Tensor) else torch.tensor(float(gamma), dtype=torch.float64)
     la = lam if isinstance(lam, torch.Tensor) else torch.tensor(float(lam), dtype=g.dtype, device=g.device)

@@ -28,7 +28,7 @@ __all__ = ["attention_probabilities", "attention_entropy", "entropy_rate", "prin
 # ---------------------------------------------------------------------------- attention entropy
 def attention_probabilities(x, heads: Heads, weights=None):
     """p_ij^h = w_j e^{s_ij^h} / Σ_l w_l e^{s_il^h} (softmax by log-sum-exp), (..., H, n, n), dense."""
-    check_any(x, heads, weights, on_sphere=True)
+    heads = check_any(x, heads, weights, on_sphere=True)
     L = dense_scores(x, heads) + log_weights(x, weights).unsqueeze(-2).unsqueeze(-2)
     return torch.softmax(L, dim=-1)
 
@@ -37,7 +37,7 @@ def attention_entropy(x, heads: Heads, weights=None):
     """Attention entropy H_i^h = −Σ_j p_ij^h ln p_ij^h of every head and query, (..., H, n).
 
     Softmax heads; 0 ≤ H_i^h ≤ ln(#tokens of positive weight) (= ln n, uniform attention)."""
-    check_any(x, heads, weights, on_sphere=True)
+    heads = check_any(x, heads, weights, on_sphere=True)
     L = dense_scores(x, heads) + log_weights(x, weights).unsqueeze(-2).unsqueeze(-2)
     logp = L - torch.logsumexp(L, -1, keepdim=True)
     p = torch.exp(logp)
@@ -68,7 +68,7 @@ def entropy_rate(x, heads: Heads, weights=None, *, velocity: Optional[torch.Tens
     """
     normalization = choose_normalization(normalization, NORMALIZATIONS)
     direction_sign(direction)
-    check_any(x, heads, weights, on_sphere=True)
+    heads = check_any(x, heads, weights, on_sphere=True)
     if velocity is None:
         velocity = evaluate(x, heads, weights, normalization=normalization, sign=direction_sign(direction),
                             diagnostics=False).velocity
@@ -160,7 +160,7 @@ def cross_head_coupling(x, heads: Heads, weights=None, *, normalization: str = "
     f_h = Σ_j w_j κ_ij V_h x_j with κ ≥ 0 and unit x_j.  The diagonal h = k is ‖f_h‖² (bound
     set to inf there).  Returns (coupling, bound)."""
     normalization = choose_normalization(normalization, OUTPUT_NORMALIZATIONS)
-    check_any(x, heads, weights, on_sphere=True)
+    heads = check_any(x, heads, weights, on_sphere=True)
     f = head_outputs_of(x, heads, weights, normalization)
     inner = (f.unsqueeze(-3) * f.unsqueeze(-4)).sum(-1)
     if isinstance(normalization, Unnormalized):

@@ -28,6 +28,8 @@ and since Δ_S Y_ℓ = −ℓ(ℓ+d−2) Y_ℓ, every mode grows or decays on it
 The uniform measure is linearly stable iff T > T_c = max(0, max_{ℓ≥1} s c_ℓ); for λ_h > 0 the
 coefficients decrease in ℓ, so the mode that goes unstable first is ℓ = 1 and, for softmax,
 T_c = Σ_h ω_h A_d(βλ_h)/β (→ Σ_h ω_h λ_h / d as β → 0: the noisy Kuramoto threshold on S¹).
+Everything here holds for any real β (β < 0: κ_ℓ(−a) = (−1)^ℓ κ_ℓ(a), so c_1 > 0 still and the
+even modes are damped; β = 0 is the limit, taken exactly); :func:`landau_coefficient` needs β > 0.
 At T = 0 the fastest mode argmax_ℓ ℓ(ℓ+d−2) c_ℓ is the number of metastable clusters that form
 from a near-uniform start (Bruno–Pasqualotto–Agazzi 2025: 3 at β = 5, 4 at β = 7 on S¹).
 
@@ -166,8 +168,8 @@ def _ratio(a: np.ndarray, ell: np.ndarray, d: int) -> np.ndarray:
 
 def mode_coefficients(beta, d: int, ell, *, lambdas=(1.0,), weights=None, normalization: str = "softmax"):
     """c_ℓ of the module docstring (float64 numpy array, shape of ``ell``): the rate r_ℓ is
-    ℓ(ℓ+d−2)(s c_ℓ − T).  ``beta`` is a real number ≠ 0 (a negative β is allowed here, for the
-    time averages of a β_t that changes sign; β → 0 is taken as the limit)."""
+    ℓ(ℓ+d−2)(s c_ℓ − T).  ``beta`` is any real number (a negative β too, e.g. for the time averages of a
+    β_t that changes sign; at β = 0 the limit, c_ℓ = Σ_h ω_h λ_h/d for ℓ = 1 and 0 for ℓ ≥ 2)."""
     d = _dim(d)
     beta = check_real(beta, "beta")
     normalization = choose_normalization(normalization, NOISE_NORMALIZATIONS)
@@ -180,8 +182,9 @@ def mode_coefficients(beta, d: int, ell, *, lambdas=(1.0,), weights=None, normal
     if isinstance(normalization, Softmax):
         # κ_ℓ/(β κ_0) = λ · κ_ℓ/(a κ_0)
         return (w * lam * _ratio(a, L, d)).sum(-1)
-    if beta == 0:
-        raise ValueError(f"normalization={normalization.name!r} needs beta != 0")
+    if beta == 0:  # the limit β → 0: κ_ℓ(a)/β = λ κ_0(a) · κ_ℓ(a)/(a κ_0(a)), κ_0(0) = 1
+        limit = (w * lam * _ratio(a, L, d)).sum(-1)
+        return limit if isinstance(normalization, Unnormalized) else (w / w.sum()).sum() * limit
     kl = funk_hecke_exponential(a, d, L)
     if isinstance(normalization, Unnormalized):
         return (w * kl).sum(-1) / beta
@@ -201,7 +204,7 @@ def mode_growth_rates(beta, d: int, T: float = 0.0, ell_max: int = 8, *, lambdas
     3
     """
     d = _dim(d)
-    beta = check_positive(beta, "beta")
+    beta = check_real(beta, "beta")
     T = check_positive(T, "T", allow_zero=True)
     ell_max = check_int(ell_max, "ell_max", minimum=1)
     if ell_max > 10**6:  # checked before allocating: the coefficients hold several float64 arrays of ell_max + 1
@@ -217,7 +220,7 @@ def mode_growth_rates(beta, d: int, T: float = 0.0, ell_max: int = 8, *, lambdas
 
 def _default_ell_max(beta: float, lambdas) -> int:
     lam, _ = _heads(lambdas, None)
-    return int(max(16, 4 * math.ceil(math.sqrt(beta * float(np.abs(lam).max()) + 1)) + 8))
+    return int(max(16, 4 * math.ceil(math.sqrt(abs(beta) * float(np.abs(lam).max()) + 1)) + 8))
 
 
 def most_unstable_mode(beta, d: int, T: float = 0.0, *, lambdas=(1.0,), weights=None, normalization: str = "softmax",
@@ -229,7 +232,7 @@ def most_unstable_mode(beta, d: int, T: float = 0.0, *, lambdas=(1.0,), weights=
     (3, 4)
     """
     if ell_max is None:
-        ell_max = _default_ell_max(check_positive(beta, "beta"), lambdas)
+        ell_max = _default_ell_max(check_real(beta, "beta"), lambdas)
     r = mode_growth_rates(beta, d, T, ell_max, lambdas=lambdas, weights=weights, normalization=normalization,
                           direction=direction)
     k = int(r[1:].argmax()) + 1
@@ -240,9 +243,9 @@ def critical_mode(beta, d: int, *, lambdas=(1.0,), weights=None, normalization: 
                   direction: str = DEFAULT_DIRECTION, ell_max: Optional[int] = None) -> int:
     """The mode that loses stability first as T decreases through T_c: argmax_{ℓ≥1} s c_ℓ."""
     if ell_max is None:
-        ell_max = _default_ell_max(check_positive(beta, "beta"), lambdas)
+        ell_max = _default_ell_max(check_real(beta, "beta"), lambdas)
     ell = np.arange(1, check_int(ell_max, "ell_max") + 1)
-    c = direction_sign(direction) * mode_coefficients(check_positive(beta, "beta"), d, ell, lambdas=lambdas,
+    c = direction_sign(direction) * mode_coefficients(check_real(beta, "beta"), d, ell, lambdas=lambdas,
                                                       weights=weights, normalization=normalization)
     return int(ell[np.argmax(c)])
 
@@ -259,7 +262,7 @@ def critical_temperature(beta, d: int, lambdas=(1.0,), weights=None, normalizati
     Parameters
     ----------
     beta
-        inverse temperature of the attention, > 0.
+        inverse temperature of the attention, any real (β < 0: T_c = Σ_h ω_h A_d(|β|λ_h)/|β| for softmax).
     d : int
         ambient dimension (tokens on S^{d−1}), ≥ 2.
     lambdas
@@ -276,7 +279,7 @@ def critical_temperature(beta, d: int, lambdas=(1.0,), weights=None, normalizati
     >>> round(critical_temperature(1e-9, 2), 6)   # small β: the noisy Kuramoto threshold λ/d
     0.5
     """
-    beta = check_positive(beta, "beta")
+    beta = check_real(beta, "beta")
     d = _dim(d)
     if ell_max is None:
         ell_max = _default_ell_max(beta, lambdas)
@@ -290,7 +293,7 @@ def susceptibility(beta, d: int, T: float, *, lambdas=(1.0,), weights=None, norm
                    direction: str = DEFAULT_DIRECTION) -> float:
     """N·E|m|² at stationarity for m = (1/N)Σ_i x_i, to leading order in N, when the ℓ = 1 mode of the
     uniform measure is stable (T > s c_1):  T / (T − s c_1).  Raises ValueError otherwise."""
-    beta = check_positive(beta, "beta")
+    beta = check_real(beta, "beta")
     T = check_positive(T, "T")
     c1 = direction_sign(direction) * float(mode_coefficients(beta, d, 1, lambdas=lambdas, weights=weights,
                                                              normalization=normalization))
@@ -357,9 +360,13 @@ def oscillating_averaged_growth_rate(beta0: float, amplitude: float, d: int, T: 
 
 def landau_coefficient(beta, d: int) -> float:
     """δ₂ of the module docstring for one unnormalised head λ = 1 (ascent): > 0 the transition at T_c is
-    continuous (supercritical), < 0 it is first order (subcritical, hysteresis)."""
+    continuous (supercritical), < 0 it is first order (subcritical, hysteresis).  The expansion is derived
+    for β > 0 (ValueError otherwise)."""
     from scipy.special import ive  # scipy on first use: `import transformer_pde` stays light
-    beta = check_positive(beta, "beta")
+    if check_real(beta, "beta") <= 0:
+        raise ValueError(f"landau_coefficient is derived for β > 0 (the Bessel ratio r = I_(d/2+1)(β)/I_(d/2)(β) of "
+                         f"the attracting head), got beta = {beta}")
+    beta = float(beta)
     d = _dim(d)
     r = float(ive(d / 2 + 1, beta) / ive(d / 2, beta))
     return (1 - (d - 1) * r / (1 - r)) / (d * (d + 2))

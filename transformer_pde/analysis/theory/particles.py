@@ -37,7 +37,8 @@ import torch
 from ...utils.validation import DEFAULT_DIRECTION
 from ...utils.validation import check_choice, check_int, check_positive, check_same, check_tensor, direction_sign
 from ...model.softmax import softmax_statistics
-from ...model.field import check_inputs, grad_first_variation_terms, head_token_mean, token_mean, evaluate
+from ...model.field import (check_inputs, grad_first_variation_terms, head_token_mean, token_mean, evaluate,
+                             over_two_beta, pair_mean_scores)
 from ...model.heads import Heads
 from ...model.normalization import choose as choose_normalization, names
 from ..clustering import mean_overlap
@@ -67,9 +68,10 @@ OUTPUT_NORMALIZATIONS = names(lambda n: n.head_outputs)
 
 
 # ---------------------------------------------------------------------------- checks and kernels
-def check_any(x, heads, weights, *, on_sphere: bool):
-    """The library's checks; with on_sphere=False the tokens may have any non-zero norm (flat dynamics)."""
-    check_inputs(x, heads, weights, on_sphere=on_sphere)
+def check_any(x, heads, weights, *, on_sphere: bool) -> Heads:
+    """The library's checks; with on_sphere=False the tokens may have any non-zero norm (flat dynamics).
+    Returns the heads with β resolved at n = x.shape[-2] (a rule of the context length)."""
+    return check_inputs(x, heads, weights, on_sphere=on_sphere)
 
 
 def beta_factor(heads: Heads, extra: int):
@@ -119,7 +121,7 @@ def energy_gradients(x, heads: Heads, weights=None, *, flat: bool = False):
     TypeError, ValueError
         for bad tokens, heads or weights.
     """
-    check_any(x, heads, weights, on_sphere=not flat)
+    heads = check_any(x, heads, weights, on_sphere=not flat)
     return _gradients(x, heads, weights)[0]
 
 
@@ -130,16 +132,19 @@ def flat_velocity(x, heads: Heads, weights=None, *, normalization: str = "unnorm
     v_i = (1/n) Σ_h f_i^h."""
     normalization = choose_normalization(normalization, OUTPUT_NORMALIZATIONS)
     s = direction_sign(direction)
-    check_any(x, heads, weights, on_sphere=False)
+    heads = check_any(x, heads, weights, on_sphere=False)
     return s * (heads.weights[..., None, None] * head_outputs_of(x, heads, weights, normalization)).sum(-3)
 
 
 def flat_head_energies(x, heads: Heads, weights=None):
     """E_h = (1/(2β)) Σ_ij w_i w_j e^{β⟨x_i, A_h x_j⟩}, (..., H), for tokens anywhere in R^d
-    (``tp.head_energies`` requires unit tokens)."""
-    check_any(x, heads, weights, on_sphere=False)
+    (``tp.head_energies`` requires unit tokens); at β = 0 its finite part ½ Σ_ij w_i w_j ⟨x_i, A_h x_j⟩."""
+    heads = check_any(x, heads, weights, on_sphere=False)
     lse = softmax_statistics(x, heads, weights).log_partition
-    return head_token_mean(torch.exp(lse), weights) / (2 * beta_factor(heads, 1))
+    b = beta_factor(heads, 1)
+    per_head = heads if isinstance(b, float) else heads.replace(beta=b)
+    return over_two_beta(head_token_mean(torch.exp(lse), weights), per_head,
+                         lambda: 0.5 * pair_mean_scores(x, heads, weights))
 
 
 def _token_velocity(x, heads, weights, normalization, direction, flat):
@@ -165,7 +170,7 @@ def head_energy_rates(x, heads: Heads, weights=None, *, normalization: str = "un
     """
     normalization = choose_normalization(normalization, OUTPUT_NORMALIZATIONS)
     direction_sign(direction)
-    check_any(x, heads, weights, on_sphere=not flat)
+    heads = check_any(x, heads, weights, on_sphere=not flat)
     G, _ = _gradients(x, heads, weights)
     if velocity is None:
         velocity = _token_velocity(x, heads, weights, normalization, direction, flat)
@@ -229,7 +234,7 @@ def energy_balance(x, heads: Heads, weights=None, *, flat: bool = False, directi
     (True, True)
     """
     s = direction_sign(direction)
-    check_any(x, heads, weights, on_sphere=not flat)
+    heads = check_any(x, heads, weights, on_sphere=not flat)
     G, _ = _gradients(x, heads, weights)
     f = head_outputs_of(x, heads, weights, "unnormalized")
     omega = heads.weights[..., None, None]
@@ -243,8 +248,8 @@ def energy_balance(x, heads: Heads, weights=None, *, flat: bool = False, directi
     normA = torch.linalg.matrix_norm(A, ord=2)
     asym = torch.linalg.matrix_norm(A - A.transpose(-1, -2), ord=2)
     mis = torch.linalg.matrix_norm(A - V, ord=2)
-    bR2 = beta_factor(heads, 1) * (R * R).unsqueeze(-1)
-    smax = dense_scores(x, heads).amax((-1, -2))  # max_ij s_ij^h ≤ βR²‖A_h‖, (..., H)
+    bR2 = abs(beta_factor(heads, 1)) * (R * R).unsqueeze(-1)
+    smax = dense_scores(x, heads).amax((-1, -2))  # max_ij s_ij^h ≤ |β|R²‖A_h‖, (..., H)
     per_head = heads.weights * R.unsqueeze(-1) * torch.exp(smax) * (mis + 0.5 * (1 + bR2 * normA) * asym)
     bound = token_mean(speed, weights) * per_head.sum(-1)
     return EnergyBalance(rate, kinetic, rate - s * kinetic, bound)
@@ -298,7 +303,7 @@ def radial_decomposition(x, heads: Heads, weights=None, *, normalization: str = 
         :class:`RadialDecomposition`.
     """
     normalization = choose_normalization(normalization, OUTPUT_NORMALIZATIONS)
-    check_any(x, heads, weights, on_sphere=True)
+    heads = check_any(x, heads, weights, on_sphere=True)
     G, _ = _gradients(x, heads, weights)
     f = head_outputs_of(x, heads, weights, normalization)
     xs = x.unsqueeze(-3)
@@ -326,7 +331,7 @@ def robust_margin(x, heads: Heads, weights=None, *, flat: bool = False):
 
     (|⟨f_h, f_k⟩| ≤ δ_hk m_h m_k, :func:`cross_head_coupling`).  A positive bound for every token
     certifies that E_h increases; δ = 0 recovers the exact orthogonal case (pairwise margin)."""
-    check_any(x, heads, weights, on_sphere=True)
+    heads = check_any(x, heads, weights, on_sphere=True)
     f = head_outputs_of(x, heads, weights, "unnormalized")
     m = torch.exp(softmax_statistics(x, heads, weights).log_partition)  # (..., H, n)
     a = (f * x.unsqueeze(-3)).sum(-1)
@@ -373,7 +378,7 @@ def radial_dominance_margin(x, heads: Heads, weights=None, *, normalization: str
     """
     normalization = choose_normalization(normalization, OUTPUT_NORMALIZATIONS)
     check_choice(form, ("token", "pairwise"), "form")
-    check_any(x, heads, weights, on_sphere=True)
+    heads = check_any(x, heads, weights, on_sphere=True)
     f = head_outputs_of(x, heads, weights, normalization)
     xs = x.unsqueeze(-3)
     a = (f * xs).sum(-1)

@@ -86,7 +86,7 @@ def lipschitz_constants(heads: Heads, normalization: str = "softmax") -> Dict[st
     normalization = choose_normalization(normalization, LIPSCHITZ_NORMALIZATIONS)
     A = heads.score_matrix
     V = heads.value_matrix
-    beta = heads.beta_tensor()
+    beta = heads.beta_tensor().abs()  # the bounds hold with a = |β|‖A‖ for any sign of β
     beta = beta[..., None] if beta.dim() > 0 else beta  # (..., 1) against (..., H)
     a = beta * torch.linalg.matrix_norm(A, ord=2)  # (..., H)
     v = torch.linalg.matrix_norm(V, ord=2)
@@ -190,6 +190,7 @@ def fast_weights_coefficients(x, heads: Heads, value_std: float, *, direction: s
     """
     heads = _check_heads(heads)
     check_tokens(x, "x")
+    heads = heads.at_context(x.shape[-2])  # a rule β_n of the context length, resolved at the tokens' n
     if x.dim() != 2 or len(heads.batch_shape):
         raise ValueError(f"x must be (n, d) and heads unbatched; got x {tuple(x.shape)}, heads batch "
                          f"{tuple(heads.batch_shape)} (loop over batches)")

@@ -36,6 +36,7 @@ LAYERS = [
     {"transformer_pde.model.softmax", "transformer_pde.model.transport"},  # softmax kernels; optimal transport
     {"transformer_pde.model.plans", "transformer_pde.model.values",
      "transformer_pde.model.pair_block"},  # ReLU/Sinkhorn/hardmax plans; the values-first kernel; one-block kernel
+    {"transformer_pde.model.positional"},  # positional attention: the biases and their block kernel
     {"transformer_pde.model.field"},
     {"transformer_pde.model.energy"},
     {"transformer_pde.model.mobility"},

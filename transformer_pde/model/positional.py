@@ -70,7 +70,7 @@ def _describe(v) -> str:
     return repr(v)
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, repr=False)
 class PositionalBias:
     """Base class of the positional biases b_h(p_i, p_j) (module docstring); ``causal=`` takes any subclass.
 
@@ -228,7 +228,7 @@ def _per_head(value, ref: torch.Tensor) -> torch.Tensor:
     return torch.tensor(value, dtype=ref.dtype, device=ref.device).reshape(1, 1, 1)
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, repr=False)
 class ALiBi(PositionalBias):
     """Attention with linear biases: b_h(p_i, p_j) = −m_h (p_i − p_j), a slope m_h per head.
 
@@ -296,7 +296,7 @@ class ALiBi(PositionalBias):
         return -col, col
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, repr=False)
 class KineticDecay(PositionalBias):
     """The weights e^{−(λ/L)(p_i − p_j)} of the kinetic theory of causal attention (L = n by default).
 
@@ -353,7 +353,7 @@ class KineticDecay(PositionalBias):
         return -col, col
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, repr=False)
 class PositionKernel(PositionalBias):
     """A user's position kernel: b(p_i, p_j) = log fn(p_i, p_j) (or fn itself with ``log=True``).
 

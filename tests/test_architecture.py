@@ -69,7 +69,7 @@ LAYERS = [
     {"transformer_pde.nn"},  # tp.nn: the torch.nn converters and the module
     # Lipschitz and Grönwall constants, fast-weights coefficients; linear stability of the uniform measure
     {"transformer_pde.analysis.theory.stability", "transformer_pde.analysis.theory.noise",
-     "transformer_pde.analysis.theory.circle"},
+     "transformer_pde.analysis.theory.circle", "transformer_pde.analysis.theory.kinetic"},
     # worst-case flow sensitivity and trajectory bounds; stationary mean-field branches (continuation)
     # the theorems' limit objects (ω-limit Hessian, fast-weights SDE)
     {"transformer_pde.analysis.theory.sensitivity", "transformer_pde.analysis.theory.continuation",

@@ -243,6 +243,34 @@ def test_gradcheck_through_the_bias_and_the_tokens():
     assert torch.autograd.gradcheck(field, (x, slopes, lam, scale, w), eps=1e-6, atol=1e-7, rtol=1e-5, fast_mode=True)
 
 
+@pytest.mark.parametrize("strict", [False, True])
+def test_gradcheck_of_the_closed_form_backward(strict):
+    """Gradients to the tokens and the heads only (the bias and the weights constant): the backward pass is the
+    closed form of the softmax statistics' derivative, block by block; checked by finite differences and
+    against the recomputed-graph backward (the one taken when the slopes require grad)."""
+    n = 9
+    x = random_sphere(n, 3, seed=23).requires_grad_(True)
+    A = (torch.randn(2, 3, 3, generator=gen(24), dtype=F64) / 2).requires_grad_(True)
+    V = (torch.randn(2, 3, 3, generator=gen(25), dtype=F64) / 2).requires_grad_(True)
+    w = _weights(n)
+    R = torch.randn(n, 3, generator=gen(26), dtype=F64)
+
+    def field(x, A, V, slopes=torch.tensor([0.3, 1.1], dtype=F64)):
+        heads = tp.Heads(A, V, beta=1.2)
+        out = 0
+        for bias in (tp.ALiBi(slopes, strict=strict), tp.PositionKernel(_power_kernel, strict=strict)):
+            for norm in ("softmax", "unnormalized"):
+                out = out + (evaluate(x, heads, w, normalization=norm, causal=bias, diagnostics=False,
+                                      chunk_elements=40).velocity * R).sum()
+        return out
+
+    assert torch.autograd.gradcheck(field, (x, A, V), eps=1e-6, atol=1e-8, rtol=1e-6)
+    closed = torch.autograd.grad(field(x, A, V), (x, A, V))
+    generic = torch.autograd.grad(field(x, A, V, torch.tensor([0.3, 1.1], dtype=F64, requires_grad=True)), (x, A, V))
+    for a, b in zip(closed, generic):
+        assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 def _saved_bytes(n):
     """Bytes autograd saves (outside the checkpointed blocks) for the gradient of one positional field."""
     x = random_sphere(n, 2, seed=14).requires_grad_(True)

@@ -30,21 +30,23 @@ Positions are the indices p_j = j (0, …, n−1) unless the object carries ``po
 
 The kernel (:func:`positional_statistics`) runs over blocks of query rows [i0, i1) against the keys of
 their prefix [0, i1) only: memory ~ ``chunk_elements`` scores per block, never n × n; the bias block is
-formed inside the block.  With autograd each block is checkpointed (``torch.utils.checkpoint``): the
-backward pass recomputes the block's scores instead of keeping them, so memory stays O(n·d) per
-evaluation plus one block, and gradients reach x, the heads, the token weights and the bias's own
-tensors (slopes, positions, a kernel's parameters).
+formed inside the block.  With autograd the forward pass is the no-grad kernel's and the backward pass
+recomputes one block at a time out of place and back-propagates through it (a checkpoint per block): memory
+stays O(n·d) per evaluation plus one block, and gradients reach x, the heads, the token weights and the
+bias's own tensors (slopes, λ, positions; a kernel's closure through ``torch.utils.checkpoint``).  Second
+derivatives are not available (the backward pass is not itself differentiable).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
 import torch
-from torch.utils.checkpoint import checkpoint
+from torch.autograd.function import once_differentiable
 
 from .backends import causal_block_mask, check_chunk, flash_cpu_op, needs_grad, rows_per_chunk, sdpa_available
 from .heads import Heads
@@ -664,52 +666,210 @@ def positional_statistics(
     if kind not in ("softmax", "relu", "plan"):
         raise ValueError(f"kind must be 'softmax', 'relu' or 'plan', got {kind!r}")
     bias.check(x, heads)
-    n, d = x.shape[-2], x.shape[-1]
-    strict = bias.strict
+    n = x.shape[-2]
     left, right = score_features(heads)
     pos = bias.token_positions(n, x)
-    tensors = (x, left, right, weights, pos, *bias._tensors().values())
-    grad = needs_grad(*tensors)
-    if not grad and isinstance(bias, PositionKernel) and torch.is_grad_enabled():
-        # a kernel may close over tensors that require grad: ask it once, on one pair of positions
-        grad = bias.log_weights(pos[..., :1].unsqueeze(-1), pos[..., :1].unsqueeze(-1), n).requires_grad
-    ctx = torch.enable_grad() if grad else torch.no_grad()
-    with ctx:
+    named = bias._tensors()
+    grad = needs_grad(x, left, right, weights, pos, *named.values())
+    hidden = False  # a kernel closing over tensors that require grad: ask it once, on one pair of positions
+    if isinstance(bias, PositionKernel) and torch.is_grad_enabled():
+        hidden = bias.log_weights(pos[..., :1].unsqueeze(-1), pos[..., :1].unsqueeze(-1), n).requires_grad
+    with torch.enable_grad() if (grad or hidden) else torch.no_grad():
         qf = x.unsqueeze(-3) @ left  # (..., H, n, k)
         kf = x.unsqueeze(-3) if right is None else x.unsqueeze(-3) @ right  # (..., 1|H, n, k)
         logw = _log_token_weights(weights, n, x)
-        H = qf.shape[-3]
-        batch = math.prod(torch.broadcast_shapes(qf.shape[:-3], kf.shape[:-3], pos.shape[:-1], logw.shape[:-1]))
-        rows = rows_per_chunk(batch * H, n, n, chunk_elements)
-        blocks = _Blocks(qf, kf, x, pos, logw, bias, strict)
-        if not grad and kind == "softmax":
-            fi = torch.finfo(x.dtype)
-            sep = bias.separable(pos, n)
-            if sep is not None:
-                row, col = sep
-                g = col + logw.unsqueeze(-2)
-                sep = (row, g, torch.cummax(g, -1).values, torch.logcumsumexp(g, -1))
-                if not second_moment and n > (1 if strict else 0) and sdpa_available(x.device, x.dtype):
-                    flash = _flash_separable(x, qf, kf, sep, strict)
-                    if flash is not None:
-                        return _assemble([(*flash, None)], kind, strict, qf, second_moment, d)
-            blocks = _Blocks(qf, kf, x, pos, logw, bias, strict,
-                             bound=float(qf.norm(dim=-1).amax()) * float(kf.norm(dim=-1).amax()),
-                             overflow=0.5 * math.log(fi.max), precision=math.log(fi.eps / fi.tiny), sep=sep)
-        parts = []
-        for i0 in range(1 if strict else 0, n, rows):
-            i1 = min(n, i0 + rows)
-            m = i1 - 1 if strict else i1  # the keys of the block's prefix
-            if kind == "softmax":
-                fn = _softmax_block if grad else _softmax_block_inplace
-                args = (second_moment,)
-            elif kind == "relu":
-                fn, args = _relu_block, ()
-            else:
-                fn, args = _plan_block, (plan, plan_params or {})
-            parts.append(checkpoint(fn, blocks, i0, i1, m, *args, use_reentrant=False) if grad
-                         else fn(blocks, i0, i1, m, *args))
-        return _assemble(parts, kind, strict, qf, second_moment, d)
+    H = qf.shape[-3]
+    batch = math.prod(torch.broadcast_shapes(qf.shape[:-3], kf.shape[:-3], pos.shape[:-1], logw.shape[:-1]))
+    spec = _Spec(bias, tuple(named), kind, second_moment, rows_per_chunk(batch * H, n, n, chunk_elements), plan,
+                 plan_params or {})
+    if hidden:  # gradients to tensors the kernel closes over: torch's own checkpoints see them
+        return _checkpointed(spec, qf, kf, x, pos, logw)
+    if grad:  # the statistics of the no-grad kernels, their gradients from blocks recomputed one at a time
+        flat = _PositionalGrad.apply(spec, qf, kf, x, pos, logw, *named.values())
+        return _unflatten(spec, flat)
+    with torch.no_grad():
+        return _statistics(spec, qf, kf, x, pos, logw)
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """What a positional pass computes: the bias (and the names of its own tensors), the kind, the second moment,
+    the rows of a block, the plan and its parameters."""
+
+    bias: PositionalBias
+    names: tuple
+    kind: str
+    second: bool
+    rows: int
+    plan: object
+    params: dict
+
+    def blocks(self, i0: int, n: int):
+        """(i1, m) of the block of query rows starting at i0: its end and the keys of its prefix."""
+        i1 = min(n, i0 + self.rows)
+        return i1, (i1 - 1 if self.bias.strict else i1)
+
+    def starts(self, n: int) -> range:
+        return range(1 if self.bias.strict else 0, n, self.rows)
+
+    def function(self, grad: bool):
+        """(block function, its extra arguments)."""
+        if self.kind == "softmax":
+            return (_softmax_block if grad else _softmax_block_inplace), (self.second,)
+        if self.kind == "relu":
+            return _relu_block, ()
+        return _plan_block, (self.plan, self.params)
+
+    def with_tensors(self, tensors) -> PositionalBias:
+        """The bias holding ``tensors`` in place of its own (the leaves of a recomputation)."""
+        return dataclasses.replace(self.bias, **dict(zip(self.names, tensors))) if self.names else self.bias
+
+
+def _statistics(spec: _Spec, qf, kf, x, pos, logw) -> PositionalStats:
+    """The statistics without autograd: the flash kernel for a separable bias (softmax, no second moment), else
+    the in-place blocks with their shortcuts."""
+    bias, n, d = spec.bias, x.shape[-2], x.shape[-1]
+    strict = bias.strict
+    blocks = _Blocks(qf, kf, x, pos, logw, bias, strict)
+    if spec.kind == "softmax":
+        fi = torch.finfo(x.dtype)
+        sep = bias.separable(pos, n)
+        if sep is not None:
+            row, col = sep
+            g = col + logw.unsqueeze(-2)
+            sep = (row, g, torch.cummax(g, -1).values, torch.logcumsumexp(g, -1))
+            if not spec.second and n > (1 if strict else 0) and sdpa_available(x.device, x.dtype):
+                flash = _flash_separable(x, qf, kf, sep, strict)
+                if flash is not None:
+                    return _assemble([(*flash, None)], spec.kind, strict, qf, spec.second, d)
+        blocks = _Blocks(qf, kf, x, pos, logw, bias, strict,
+                         bound=float(qf.norm(dim=-1).amax()) * float(kf.norm(dim=-1).amax()),
+                         overflow=0.5 * math.log(fi.max), precision=math.log(fi.eps / fi.tiny), sep=sep)
+    fn, args = spec.function(grad=False)
+    parts = [fn(blocks, i0, *spec.blocks(i0, n), *args) for i0 in spec.starts(n)]
+    return _assemble(parts, spec.kind, strict, qf, spec.second, d)
+
+
+def _checkpointed(spec: _Spec, qf, kf, x, pos, logw) -> PositionalStats:
+    """The out-of-place blocks under ``torch.utils.checkpoint`` (a kernel whose closure requires grad)."""
+    from torch.utils.checkpoint import checkpoint
+
+    n = x.shape[-2]
+    blocks = _Blocks(qf, kf, x, pos, logw, spec.bias, spec.bias.strict)
+    fn, args = spec.function(grad=True)
+    parts = [checkpoint(fn, blocks, i0, *spec.blocks(i0, n), *args, use_reentrant=False) for i0 in spec.starts(n)]
+    return _assemble(parts, spec.kind, spec.bias.strict, qf, spec.second, x.shape[-1])
+
+
+#: the outputs of each kind, in order, with the axis of their query rows
+_OUTPUTS = {"softmax": ((-1, "log_partition"), (-1, "log_prefix"), (-2, "mean"), (-1, "second")),
+            "relu": ((-1, "mass"), (-2, "first"), (-1, "log_prefix")), "plan": ((-2, "mean"), (-1, "log_prefix"))}
+
+
+def _flatten(spec: _Spec, st: PositionalStats) -> tuple:
+    if spec.kind == "softmax":
+        return (st.stats.log_partition, st.log_prefix, st.stats.mean) + ((st.stats.second,) if spec.second else ())
+    if spec.kind == "relu":
+        return (*st.relu, st.log_prefix)
+    return st.plan, st.log_prefix
+
+
+def _unflatten(spec: _Spec, flat) -> PositionalStats:
+    if spec.kind == "softmax":
+        return PositionalStats(HeadStats(flat[0], flat[2], flat[3] if spec.second else None), flat[1])
+    if spec.kind == "relu":
+        return PositionalStats(None, flat[2], relu=(flat[0], flat[1]))
+    return PositionalStats(None, flat[1], plan=flat[0])
+
+
+class _PositionalGrad(torch.autograd.Function):
+    """The positional statistics with gradients: the forward pass is the no-grad kernel's (the flash path of
+    separable biases included), the backward pass recomputes one block of query rows at a time out of place and
+    back-propagates through it, so memory stays one block (O(n) per query block) whatever n is."""
+
+    @staticmethod
+    def forward(ctx, spec, qf, kf, x, pos, logw, *bias_tensors):
+        ctx.spec = spec
+        with torch.no_grad():
+            flat = _flatten(spec, _statistics(spec, qf, kf, x, pos, logw))
+        ctx.save_for_backward(qf, kf, x, pos, logw, *bias_tensors, flat[0], flat[1])
+        return flat
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grads):
+        spec = ctx.spec
+        *saved, out0, out1 = ctx.saved_tensors
+        need = ctx.needs_input_grad[1:]
+        if spec.kind == "softmax" and not spec.second and not any(need[3:]):
+            return (None, *_softmax_backward(spec, *saved[:5], out0 + out1, grads[0], grads[2], need))
+        leaves = [t.detach().requires_grad_(bool(r) and t.is_floating_point()) for t, r in zip(saved, need)]
+        qf, kf, x, pos, logw, *bt = leaves
+        bias = spec.with_tensors(bt)
+        n = x.shape[-2]
+        blocks = _Blocks(qf, kf, x, pos, logw, bias, bias.strict)
+        fn, args = spec.function(grad=True)
+        wanted = [t for t in leaves if t.requires_grad]
+        total = [None] * len(wanted)
+        axes = [a for a, _ in _OUTPUTS[spec.kind]][:len(grads)]
+        for i0 in spec.starts(n):
+            i1, m = spec.blocks(i0, n)
+            if not any(g is not None for g in grads) or not wanted:
+                break
+            with torch.enable_grad():
+                outs = fn(blocks, i0, i1, m, *args)
+            pairs = []
+            for o, g, axis in zip(outs, grads, axes):
+                if o is None or g is None or not o.requires_grad:
+                    continue
+                gs = g.narrow(axis, i0, i1 - i0)
+                pairs.append((o, gs if gs.shape == o.shape else gs.sum_to_size(o.shape)))
+            if not pairs:
+                continue
+            got = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
+            total = [a if b is None else (b if a is None else a + b) for a, b in zip(total, got)]
+        it = iter(total)
+        out = [next(it) if t.requires_grad else None for t in leaves]
+        return (None, *out)
+
+
+def _softmax_backward(spec: _Spec, qf, kf, x, pos, logw, lse, g_lse, g_mean, need):
+    """The gradients (qf, kf, x, None, None, ...) of the softmax statistics (log m, ȳ) by their closed form, one
+    block of query rows at a time (the bias and the token weights carry no gradient here):
+
+        P_ij = e^{s_ij + lw_ij − lse_i},   ∂L/∂s_ij = P_ij (g_i + ⟨G_i, y_j⟩ − ⟨G_i, ȳ_i⟩),   ∂L/∂y_j ∋ Σ_i P_ij G_i,
+
+    with g = ∂L/∂log m, G = ∂L/∂ȳ, lse = log Σ_j e^{s_ij + lw_ij} (the forward pass's log m + log Π)."""
+    n = x.shape[-2]
+    b = _Blocks(qf, kf, x, pos, logw, spec.bias, spec.bias.strict)
+    dq = torch.zeros_like(qf) if need[0] else None
+    dk = torch.zeros_like(kf) if need[1] else None
+    dy = torch.zeros_like(x) if need[2] else None
+    zero_l = g_lse is None
+    for i0 in spec.starts(n):
+        i1, m = spec.blocks(i0, n)
+        P = b.scores(i0, i1, m)
+        P = P.add_(b.log_weights(i0, i1, m)).sub_(lse[..., i0:i1].unsqueeze(-1)).exp_()  # (..., H, r, m)
+        yk = x[..., :m, :].unsqueeze(-3)
+        if g_mean is not None:
+            Gm = g_mean[..., i0:i1, :]  # (..., H, r, d)
+            dT = Gm @ yk.transpose(-1, -2)  # ⟨G_i, y_j⟩
+            D = (P * dT).sum(-1, keepdim=True)  # ⟨G_i, ȳ_i⟩
+            dT = dT.sub_(D) if dT.shape == torch.broadcast_shapes(dT.shape, D.shape) else dT - D
+            if not zero_l:
+                dT = dT + g_lse[..., i0:i1].unsqueeze(-1)
+            dT = dT * P
+            if dy is not None:
+                dy[..., :m, :] += (P.transpose(-1, -2) @ Gm).sum(-3).sum_to_size(dy[..., :m, :].shape)
+        elif not zero_l:
+            dT = P * g_lse[..., i0:i1].unsqueeze(-1)
+        else:
+            continue
+        if dq is not None:
+            dq[..., i0:i1, :] += (dT @ kf[..., :m, :]).sum_to_size(dq[..., i0:i1, :].shape)
+        if dk is not None:
+            dk[..., :m, :] += (dT.transpose(-1, -2) @ qf[..., i0:i1, :]).sum_to_size(dk[..., :m, :].shape)
+    return (dq, dk, dy) + (None,) * (len(need) - 3)
 
 
 def _empty_rows(ref, kind, qf, d, second):

@@ -107,7 +107,8 @@ class Study:
 _REGISTRY: Dict[str, Study] = {}
 # modules that register studies; imported lazily so `import transformer_pde` stays light
 _MODULES = [f"{__name__}.{m}" for m in ("demo", "paper", "theory_energy", "theory_clustering", "jko", "clustering",
-                                       "causal", "layernorm", "noisy", "theorems", "training", "pretrained")]
+                                       "causal", "layernorm", "noisy", "theorems", "training", "pretrained",
+                                       "lost_in_the_middle")]
 
 
 def study(kind: str, options: Dict[str, Option], description: str = "", *, validate: Optional[Callable] = None,

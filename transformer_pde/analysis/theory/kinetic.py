@@ -320,8 +320,8 @@ def retrieval_profile(s: Array, t: Array, beta: float, lam: float = 1.0, M: floa
     Examples
     --------
     >>> import transformer_pde as tp
-    >>> S = tp.theory.kinetic.retrieval_profile([0.05, 0.5, 1.0], 0.5, beta=1.0)
-    >>> bool(S[1] < S[0] and S[1] < S[2])      # U-shaped at small t
+    >>> S = tp.theory.kinetic.retrieval_profile([0.02, 0.25, 1.0], 1.0, beta=1.0)
+    >>> bool(S[1] < S[0] and S[1] < S[2])      # U-shaped before t_crit = 2.4575
     True
     """
     sa, ss = _positions(s)

@@ -628,9 +628,10 @@ def _linear_claims(p, lin, metrics):
 def _summary(metrics):
     lines = []
     for k, v in metrics.get("t_crit", {}).items():
-        lines.append(f"t_crit {k}: particles {v['measured']:.4g} ± {v['error']:.2g} vs closed form (window) "
-                     f"{v['window_closed_form']:.4g}, exact {v['closed_form']:.4g}; Fourier amplitude at t_crit "
-                     f"{v['amplitude_at_t_crit']:.2f}")
+        meas = (f"{v['measured']:.4g} ± {v['error']:.2g}" if math.isfinite(v["measured"])
+                else "no sign change of the mean slope at the measured times")
+        lines.append(f"t_crit {k}: particles {meas} vs closed form (window) {v['window_closed_form']:.4g}, exact "
+                     f"{v['closed_form']:.4g}; Fourier amplitude at t_crit {v['amplitude_at_t_crit']:.2f}")
     if "rate" in metrics.get("convergence", {}):
         r = metrics["convergence"]["rate"]
         lines.append(f"convergence in n: gap ∝ n^-{r['value']:.2f} ± {r['error']:.2f}")

@@ -42,8 +42,8 @@ from . import Option, at_least, cached, dtype_of, open_unit, panel, positive, sa
     subplots, unique_nonempty
 from .claims import bootstrap_interval, claim
 
-__all__ = ["run_lost_in_the_middle", "paper_model", "mode_readout", "retrieval_estimates", "sensitivity_profile",
-           "network_profile", "token_bins", "window_slope_weights", "time_step"]
+__all__ = ["run_lost_in_the_middle", "paper_model", "mode_readout", "retrieval_estimates", "first_order_control",
+           "sensitivity_profile", "network_profile", "token_bins", "window_slope_weights", "time_step"]
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ OPTIONS = {
                     "measurement times as fractions of the closed-form t_crit(β) (the profile figure and the "
                     "right-end slope's sign change)", check=_fractions),
     "bins": Option(16, (int,), "position bins of the profile (and its bands)", check=at_least(2)),
-    "window": Option(0.25, (float,), "right-end window: the slope is the least-squares line through the estimates "
+    "window": Option(0.5, (float,), "right-end window: the slope is the least-squares line through the estimates "
                      "of the tokens with s >= 1 − window", check=open_unit),
     "method": Option("heun", (str,), "Runge–Kutta method of the solve (the paper's trajectory code uses rk4)",
                      choices=("euler", "heun", "rk4")),
@@ -87,6 +87,8 @@ OPTIONS = {
     "linear_beta": Option(0.5, (float,), "β of the small-β (linear) check", check=positive),
     "linear_time": Option(1.0, (float,), "time of the small-β check (absolute)", check=positive),
     "linear_n": Option(128, (int,), "tokens of the small-β check", check=at_least(8)),
+    "control_variate": Option(True, (bool,), "subtract the estimator's first-order term minus its exact mean "
+                              "(first_order_control: unbiased, a smaller variance)"),
     "resamples": Option(1000, (int,), "bootstrap resamples", check=at_least(100)),
     "seed": Option(0, (int,), "seed of the initial angles (each piece derives its own)"),
     "figures": Option(True, (bool,), "write the figures"),
@@ -239,6 +241,44 @@ def retrieval_estimates(model: tp.Model, theta0: torch.Tensor, times: Sequence[f
             callback(done, times[i])
     return {"t": torch.tensor([k * dt for k in steps], dtype=torch.float64), "est": torch.stack(est).double(),
             "amplitude": torch.stack(amp).double()}
+
+
+def first_order_control(theta0: torch.Tensor, times: Sequence[float], beta: float, lam: float, *, M: float,
+                        modes: int) -> torch.Tensor:
+    """The control variate of the paper's model: the estimator's first-order term minus its exact mean,
+
+        C[m, r, k] = n t_m π_Nk f'(θ_k − θ_N) w(θ_N − θ_k) − n t_m π_Nk Σ_j ω_j a_j     (angles at t = 0),
+
+    f(u) = β e^{β cos u} sin u (the force of one key, f'(u) = β e^{β cos u}(cos u − β sin²u)), π_Nk the last
+    token's positional weights, w = :func:`mode_readout`.  Over uniform initial angles E[f'(−φ) w(φ)] = Σ_j ω_j a_j
+    (a_j = j² I_j(β)), so E[C] = 0 exactly: ``est − C`` estimates the same profile, with the first-order noise
+    removed (the estimate itself is n t π_Nk f' w + O(t²)).
+
+    Parameters
+    ----------
+    theta0 : torch.Tensor
+        initial angles (R, n).
+    times : sequence of float
+        the measurement times.
+    beta, lam : float
+        the model's β and λ.
+    M, modes
+        the readout's mode weights.
+
+    Returns
+    -------
+    torch.Tensor
+        (T, R, n − 1) float64."""
+    th = theta0.double()
+    n = th.shape[-1]
+    k = torch.arange(n - 1, dtype=torch.float64)
+    pi = torch.exp(-(lam / n) * (n - 1 - k))
+    pi = pi / pi.sum()
+    phi = th[:, -1:] - th[:, :-1]
+    fprime = beta * torch.exp(beta * torch.cos(phi)) * (torch.cos(phi) - beta * torch.sin(phi) ** 2)
+    mean = float((kt.mode_weights(M, modes) * kt.mode_rates(beta, modes)).sum())
+    unit = n * pi * (fprime * mode_readout(phi, M, modes) - mean)
+    return torch.stack([t * unit for t in times])
 
 
 def sensitivity_profile(flow: Callable[[torch.Tensor], torch.Tensor], x0: torch.Tensor) -> torch.Tensor:
@@ -394,17 +434,26 @@ def _piece(p, run, tag, beta, n, R, times_abs, seed, bar, dtype):
         theta0 = (torch.rand(R, n, generator=g, dtype=torch.float64) * 2 * math.pi).to(dtype)
         res = retrieval_estimates(paper_model(beta, p["lam"], dtype=dtype), theta0, times, dt=dt, M=p["M"],
                                   modes=p["modes"], method=p["method"], callback=bar.steps(tag, total, key=tag))
-        est = res["est"]  # (T, R, n − 1)
-        idx = token_bins(n, p["bins"])
-        c = window_slope_weights(n, p["window"])
-        theory = _theory_tokens(res["t"].tolist(), n, beta, p)  # (T, n − 1)
-        return {"t": res["t"], "dt": torch.tensor(dt), "bins": _binned(est, idx, p["bins"]),
-                "slope": est @ c, "tokens": est.mean(1), "amplitude": res["amplitude"],
-                "theory_bins": _binned(theory, idx, p["bins"]), "theory_slope": theory @ c, "theory_tokens": theory}
+        control = first_order_control(theta0.double(), res["t"].tolist(), beta, p["lam"], M=p["M"], modes=p["modes"])
+        return {"t": res["t"], "dt": torch.tensor(dt), "est": res["est"], "control": control,
+                "amplitude": res["amplitude"]}
 
     out = cached(run, tag, compute, log)
     bar.update(key=tag)
-    return out
+    return _reduce(p, out, beta, n)
+
+
+def _reduce(p, piece, beta, n):
+    """The reductions of a stored piece: per-sample bins (T, R, B) and window slopes (T, R) of the estimates (the
+    control variate subtracted when ``control_variate``), the sample means per token, and the closed form's."""
+    est = piece["est"] - piece["control"] if p["control_variate"] else piece["est"]
+    idx = token_bins(n, p["bins"])
+    c = window_slope_weights(n, p["window"])
+    theory = _theory_tokens(piece["t"].tolist(), n, beta, p)  # (T, n − 1)
+    return {"t": piece["t"], "bins": _binned(est, idx, p["bins"]), "slope": est @ c, "slope_raw": piece["est"] @ c,
+            "tokens": est.mean(1),
+            "amplitude": piece["amplitude"], "theory_bins": _binned(theory, idx, p["bins"]),
+            "theory_slope": theory @ c, "theory_tokens": theory}
 
 
 # ------------------------------------------------------------------------------------------- statistics
@@ -510,8 +559,10 @@ def _tcrit_claims(p, betas, tcs, pieces, metrics, run):
         value, half = _boot(slopes.T, lambda v: _crossing(t, v.mean(0)), p, seed=int(1000 * b))
         amp = pc["amplitude"].mean(1)  # (T, 3)
         at = int(np.argmin(np.abs(t - tcs[b])))
+        gain = (pc["slope_raw"].std(1) / slopes.std(1)).tolist()  # the control variate's reduction of the se
         out[f"beta={b:g}"] = {"measured": value, "error": half, "closed_form": tcs[b], "window_closed_form": theory_window,
-                              "amplitude_at_t_crit": float(amp[at].max()), "n": p["n"], "samples": p["samples"]}
+                              "amplitude_at_t_crit": float(amp[at].max()), "n": p["n"], "samples": p["samples"],
+                              "times": t.tolist(), "control_gain": gain}
         holds = None if not math.isfinite(value) else abs(value - theory_window) <= half
         metrics["claims"].append(claim(
             f"t_crit measured, β={b:g}, n={p['n']} (window {p['window']:g}; reference: the same window fit of the "

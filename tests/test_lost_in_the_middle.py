@@ -255,3 +255,17 @@ def test_the_quick_config_as_shipped(tmp_path):
                      "-qq"]) == 0
     m = json.loads((tmp_path / "lost_in_the_middle_quick" / "metrics.json").read_text())
     assert len(m["t_crit"]) == 3 and m["linear"]["samples"] == 24
+
+
+def test_the_measurement_refuses_bad_input():
+    model = lim.paper_model(1.0, 1.0)
+    theta0 = torch.rand(2, 8, generator=gen(9), dtype=F64)
+    with pytest.raises(ValueError, match="multiples of dt"):
+        lim.retrieval_estimates(model, theta0, [0.13], dt=0.05, M=8.0, modes=20)
+    with pytest.raises(ValueError, match="multiples of dt"):
+        lim.retrieval_estimates(model, theta0, [0.0], dt=0.05, M=8.0, modes=20)
+    with pytest.raises(ValueError, match=r"\(R, n\)"):
+        lim.retrieval_estimates(model, theta0[0], [0.1], dt=0.05, M=8.0, modes=20)
+    x0 = torch.stack([theta0.cos(), theta0.sin()], -1)
+    with pytest.raises(ValueError, match="last token's state"):
+        lim.sensitivity_profile(lambda x: x.sum(-2, keepdim=True), x0)

@@ -145,21 +145,30 @@ def test_critical_time_reproduces_the_papers_numbers():
         assert tp.theory.critical_time(beta, 1.0, 8.0, 20) == pytest.approx(ref, abs=6e-5)
 
 
-@pytest.mark.parametrize("beta,lam,M", [c for c in CASES if c[1] > 0])
-def test_critical_time_is_where_the_series_profile_turns_at_the_end(beta, lam, M):
+@pytest.mark.parametrize("beta,lam,M,N", [c + (20,) for c in CASES if c[1] > 0] + [(2.0, 1.0, 8.0, 2), (3.0, 0.5, 5.0, 6)])
+def test_critical_time_is_where_the_series_profile_turns_at_the_end(beta, lam, M, N):
     """The root in t of the series profile's one-sided slope at s = 1 (finite differences of the defining
-    sums) is t_crit; the closed-form slope agrees with those finite differences."""
+    sums, N modes) is t_crit; the closed-form slope agrees with those finite differences."""
     h = 1e-5
 
     def slope(t):
-        return (series_profile(1.0, t, beta, lam, M, 20) - series_profile(1.0 - h, t, beta, lam, M, 20)) / h
+        return (series_profile(1.0, t, beta, lam, M, N) - series_profile(1.0 - h, t, beta, lam, M, N)) / h
 
-    tc = K.critical_time(beta, lam, M, 20)
+    tc = K.critical_time(beta, lam, M, N)
     root = brentq(slope, 0.2 * tc, 3 * tc, xtol=1e-12)
     assert root == pytest.approx(tc, rel=5e-4)
     for t in (0.5 * tc, tc, 2 * tc):
-        assert K.right_end_slope(t, beta, lam, M, 20) == pytest.approx(slope(t), rel=2e-3, abs=2e-3 * abs(slope(0.5 * tc)))
-    assert K.right_end_slope(0.5 * tc, beta, lam, M, 20) > 0 > K.right_end_slope(1.5 * tc, beta, lam, M, 20)
+        assert K.right_end_slope(t, beta, lam, M, N) == pytest.approx(slope(t), rel=2e-3, abs=2e-3 * abs(slope(0.5 * tc)))
+    assert K.right_end_slope(0.5 * tc, beta, lam, M, N) > 0 > K.right_end_slope(1.5 * tc, beta, lam, M, N)
+
+
+def test_the_defaults_are_the_papers_setting():
+    """λ = 1, M = 8, 20 modes unless given."""
+    for beta in (0.7, 2.0):
+        assert K.critical_time(beta) == K.critical_time(beta, 1.0, 8.0, 20)
+        assert K.right_end_slope(0.3, beta) == K.right_end_slope(0.3, beta, 1.0, 8.0, 20)
+        assert K.retrieval_profile(0.4, 0.3, beta) == K.retrieval_profile(0.4, 0.3, beta, 1.0, 8.0, 20)
+    assert K.critical_time(2.0, 1.0, 8.0, 5) != K.critical_time(2.0, 1.0, 8.0, 20)
 
 
 @pytest.mark.parametrize("beta", [1.0, 2.0, 3.0])

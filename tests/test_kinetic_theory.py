@@ -83,15 +83,17 @@ def test_mode_rates_against_quadrature_and_scipy(beta):
 
 
 def test_mode_weights_are_the_gaussian_modes():
+    assert K.mode_weights(8.0).shape == (20,) and K.mode_rates(1.0).shape == (20,)  # N = 20 by default
     w = K.mode_weights(8.0, 5).numpy()
     for n in range(1, 6):
         assert w[n - 1] == pytest.approx(math.exp(-(math.pi * n) ** 2 / 128), rel=1e-14)
 
 
-@pytest.mark.parametrize("c,y", [(0.0, 1.0), (1e-4, 0.3), (0.5, 0.0), (0.5, 1e-9), (1.0, 2.0), (7.0, 3.0),
-                                 (40.0, 5.0)])
+@pytest.mark.parametrize("c,y", [(0.0, 1.0), (1e-4, 0.3), (0.5, 0.0), (0.5, 1e-9), (0.5, 4.9e-7), (0.5, 5.1e-7),
+                                 (1.0, 2.0), (7.0, 3.0), (40.0, 5.0)])
 def test_psi_against_its_power_series(c, y):
-    assert K.psi(c, y) == pytest.approx(series_psi(c, y), rel=1e-12, abs=1e-300)
+    """Including both sides of the switch to the three-term series (2√(cy) = 1e-3, c = 0.5, y ≈ 5e-7)."""
+    assert K.psi(c, y) == pytest.approx(series_psi(c, y), rel=2e-15 if c * y < 1e-6 else 1e-12, abs=1e-300)
 
 
 def test_psi_and_the_position_map_vectorised():

@@ -271,6 +271,40 @@ def test_gradcheck_of_the_closed_form_backward(strict):
         assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+def test_gradients_to_one_factor_and_batched_weights():
+    """Only the query factor requires grad (the tokens do not): the closed-form backward gives the query features'
+    gradient alone; token weights with a batch axis the tokens lack.  Against the recomputed-graph backward."""
+    n, d, k = 8, 3, 2
+    x = random_sphere(n, d, seed=27)
+    Q = torch.randn(2, k, d, generator=gen(28), dtype=F64).requires_grad_(True)
+    K = torch.randn(2, k, d, generator=gen(29), dtype=F64)
+    w = _weights(3, n)  # (3, n): three weightings of one sequence
+    R = torch.randn(3, n, d, generator=gen(30), dtype=F64)
+
+    def loss(slopes):
+        heads = tp.Heads(query=Q, key=K, value=torch.eye(d, dtype=F64).expand(2, d, d))
+        v = evaluate(x, heads, w, normalization="unnormalized", causal=tp.ALiBi(slopes, strict=True),
+                     diagnostics=False, chunk_elements=20).velocity
+        return (v * R).sum()
+
+    closed, = torch.autograd.grad(loss(torch.tensor([0.2, 0.7], dtype=F64)), Q)
+    generic, = torch.autograd.grad(loss(torch.tensor([0.2, 0.7], dtype=F64, requires_grad=True)), Q)
+    assert_close(closed, generic, rtol=1e-12, atol=1e-12)
+    assert float(closed.abs().max()) > 0
+
+
+def test_the_kinetic_decay_with_a_given_length_is_alibi():
+    """KineticDecay(λ, length=L) is ALiBi with the slope λ/L, whatever n is; with length None, L = n."""
+    x = random_sphere(2, 9, 3, seed=31)
+    heads = _heads()
+    for norm in ("softmax", "unnormalized"):
+        a = tp.velocity(x, heads, normalization=norm, causal=tp.KineticDecay(3.0, length=4.0))
+        b = tp.velocity(x, heads, normalization=norm, causal=tp.ALiBi(0.75))
+        assert_close(a, b, rtol=1e-13, atol=1e-13)
+        c = tp.velocity(x, heads, normalization=norm, causal=tp.KineticDecay(3.0))
+        assert_close(c, tp.velocity(x, heads, normalization=norm, causal=tp.ALiBi(3.0 / 9)), rtol=1e-13, atol=1e-13)
+
+
 def _saved_bytes(n):
     """Bytes autograd saves (outside the checkpointed blocks) for the gradient of one positional field."""
     x = random_sphere(n, 2, seed=14).requires_grad_(True)

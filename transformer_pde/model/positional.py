@@ -839,32 +839,26 @@ def _softmax_backward(spec: _Spec, qf, kf, x, pos, logw, lse, g_lse, g_mean, nee
 
         P_ij = e^{s_ij + lw_ij − lse_i},   ∂L/∂s_ij = P_ij (g_i + ⟨G_i, y_j⟩ − ⟨G_i, ȳ_i⟩),   ∂L/∂y_j ∋ Σ_i P_ij G_i,
 
-    with g = ∂L/∂log m, G = ∂L/∂ȳ, lse = log Σ_j e^{s_ij + lw_ij} (the forward pass's log m + log Π)."""
+    with g = ∂L/∂log m, G = ∂L/∂ȳ (autograd materialises the gradient of an unused output as zeros), lse =
+    log Σ_j e^{s_ij + lw_ij} (the forward pass's log m + log Π)."""
     n = x.shape[-2]
     b = _Blocks(qf, kf, x, pos, logw, spec.bias, spec.bias.strict)
     dq = torch.zeros_like(qf) if need[0] else None
     dk = torch.zeros_like(kf) if need[1] else None
     dy = torch.zeros_like(x) if need[2] else None
-    zero_l = g_lse is None
     for i0 in spec.starts(n):
         i1, m = spec.blocks(i0, n)
         P = b.scores(i0, i1, m)
-        P = P.add_(b.log_weights(i0, i1, m)).sub_(lse[..., i0:i1].unsqueeze(-1)).exp_()  # (..., H, r, m)
+        lw = b.log_weights(i0, i1, m)
+        P = P.add_(lw) if P.shape == torch.broadcast_shapes(P.shape, lw.shape) else P + lw
+        P = P.sub_(lse[..., i0:i1].unsqueeze(-1)).exp_()  # (..., H, r, m)
         yk = x[..., :m, :].unsqueeze(-3)
-        if g_mean is not None:
-            Gm = g_mean[..., i0:i1, :]  # (..., H, r, d)
-            dT = Gm @ yk.transpose(-1, -2)  # ⟨G_i, y_j⟩
-            D = (P * dT).sum(-1, keepdim=True)  # ⟨G_i, ȳ_i⟩
-            dT = dT.sub_(D) if dT.shape == torch.broadcast_shapes(dT.shape, D.shape) else dT - D
-            if not zero_l:
-                dT = dT + g_lse[..., i0:i1].unsqueeze(-1)
-            dT = dT * P
-            if dy is not None:
-                dy[..., :m, :] += (P.transpose(-1, -2) @ Gm).sum(-3).sum_to_size(dy[..., :m, :].shape)
-        elif not zero_l:
-            dT = P * g_lse[..., i0:i1].unsqueeze(-1)
-        else:
-            continue
+        Gm = g_mean[..., i0:i1, :]  # (..., H, r, d)
+        dT = Gm @ yk.transpose(-1, -2)  # ⟨G_i, y_j⟩
+        D = (P * dT).sum(-1, keepdim=True)  # ⟨G_i, ȳ_i⟩
+        dT = (dT - D + g_lse[..., i0:i1].unsqueeze(-1)) * P
+        if dy is not None:
+            dy[..., :m, :] += (P.transpose(-1, -2) @ Gm).sum(-3).sum_to_size(dy[..., :m, :].shape)
         if dq is not None:
             dq[..., i0:i1, :] += (dT @ kf[..., :m, :]).sum_to_size(dq[..., i0:i1, :].shape)
         if dk is not None:

@@ -225,10 +225,13 @@ def test_the_study_writes_claims_figures_and_resumes(tiny_run):
         assert (out / "t" / "figures" / f"{name}.png").exists() and name in m["figure_captions"]
     pieces = sorted(p.name for p in (out / "t" / "data").glob("*.pt"))
     assert pieces == sorted(["beta2.pt", "conv_n16.pt", "conv_n32.pt", "linear.pt"])
-    # --resume reuses every piece: the same numbers
+    # a run stopped after its pieces (status "interrupted", as a kill leaves it) resumes from them: the same numbers
     from transformer_pde.application.cli import main as cli_main
 
+    (out / "t" / "status.json").write_text(json.dumps({"state": "interrupted"}))
+    stamps = {p.name: p.stat().st_mtime_ns for p in (out / "t" / "data").glob("*.pt")}
     assert cli_main(args + ["--resume"]) == 0
+    assert {p.name: p.stat().st_mtime_ns for p in (out / "t" / "data").glob("*.pt")} == stamps  # none recomputed
     again = json.loads((out / "t" / "metrics.json").read_text())
     assert again["t_crit"] == m["t_crit"] and again["convergence"] == m["convergence"]
 

@@ -155,13 +155,34 @@ def test_second_moment_and_relu_against_the_oracle():
     P = torch.softmax(S + LW, -1).nan_to_num(0.0)
     pi = torch.softmax(LW, -1).nan_to_num(0.0)
     q = (P * (x @ x.T).square()).sum(-1)
+    kern = tp.PositionKernel(lambda p, q: torch.exp(-torch.tensor(slopes, dtype=p.dtype).reshape(3, 1, 1) * (p - q)),
+                             per_head=True, strict=True)  # the same weights, not separable: the bias-block path
     for chunk in (None, 40):
-        ps = positional_statistics(x, heads, None, bias, second_moment=True, chunk_elements=chunk)
-        assert_close(ps.stats.second[..., 1:], q[..., 1:], rtol=1e-12, atol=1e-12)
+        for b in (bias, kern):
+            ps = positional_statistics(x, heads, None, b, second_moment=True, chunk_elements=chunk)
+            assert_close(ps.stats.second[..., 1:], q[..., 1:], rtol=1e-12, atol=1e-12)
         relu = positional_statistics(x, heads, None, bias, kind="relu", chunk_elements=chunk).relu
         R = torch.relu(S) * pi
         assert_close(relu[0], R.sum(-1), rtol=1e-12, atol=1e-12)
         assert_close(relu[1], R @ x, rtol=1e-12, atol=1e-12)
+
+
+def test_extreme_positional_weights_leave_the_shortcuts_for_the_shifted_blocks():
+    """Positions that jump by 800 at a block start (ALiBi slopes 1–2: key weights spanning e^800, beyond
+    log(eps/tiny) ≈ 672 in float64): the separable blocks' shift-free path must fall back to the row-max shift,
+    or the first row after the jump loses every key of its prefix to underflow.  Blocks of 3 rows, strict
+    prefixes, the second moment (so that the block path runs, not the flash kernel), against the oracle."""
+    n = 12
+    x = random_sphere(n, 3, seed=32)
+    heads = _heads()
+    pos = torch.where(torch.arange(n) < 7, 0.0, 800.0).double() + torch.arange(n, dtype=F64)
+    slopes = [1.0, 1.5, 2.0]
+    bias = tp.ALiBi(slopes, positions=pos, strict=True)
+    logm, mean, LP, _ = oracle(x, heads, _alibi_block(slopes, pos), None, strict=True)
+    ps = positional_statistics(x, heads, None, bias, second_moment=True, chunk_elements=3 * 3 * n)
+    assert bool(torch.isfinite(ps.stats.log_partition[..., 1:]).all())
+    assert_close(ps.stats.mean, mean, rtol=1e-10, atol=1e-10)
+    assert_close(ps.stats.log_partition[..., 1:], logm[..., 1:], rtol=1e-10, atol=1e-10)
 
 
 # --------------------------------------------------------------------------- the paper's particle model

@@ -315,10 +315,11 @@ def test_gradients_to_one_factor_and_batched_weights():
 
 
 def test_the_kinetic_decay_with_a_given_length_is_alibi():
-    """KineticDecay(λ, length=L) is ALiBi with the slope λ/L, whatever n is; with length None, L = n."""
+    """KineticDecay(λ, length=L) is ALiBi with the slope λ/L, whatever n is; with length None, L = n (the flash
+    path of separable biases for softmax and unnormalized, the bias blocks for relu)."""
     x = random_sphere(2, 9, 3, seed=31)
     heads = _heads()
-    for norm in ("softmax", "unnormalized"):
+    for norm in ("softmax", "unnormalized", "relu"):
         a = tp.velocity(x, heads, normalization=norm, causal=tp.KineticDecay(3.0, length=4.0))
         b = tp.velocity(x, heads, normalization=norm, causal=tp.ALiBi(0.75))
         assert_close(a, b, rtol=1e-13, atol=1e-13)

@@ -31,12 +31,13 @@ LAYERS = [
      "transformer_pde.utils", "transformer_pde.model", "transformer_pde.analysis", "transformer_pde.application"},
     {"transformer_pde.model.sphere"},
     {"transformer_pde.model.heads"},
+    {"transformer_pde.model.positional"},  # the positional biases of causal attention (ALiBi, kinetic decay, kernels)
     {"transformer_pde.model.backends"},  # the kernel backends (policy, availability) and the block plumbing
     {"transformer_pde.model.moments"},  # HeadStats and the moment algebra of the kernel statistics
     {"transformer_pde.model.softmax", "transformer_pde.model.transport"},  # softmax kernels; optimal transport
     {"transformer_pde.model.plans", "transformer_pde.model.values",
      "transformer_pde.model.pair_block"},  # ReLU/Sinkhorn/hardmax plans; the values-first kernel; one-block kernel
-    {"transformer_pde.model.positional"},  # positional attention: the biases and their block kernel
+    {"transformer_pde.model.positional_kernel"},  # positional attention's block kernel
     {"transformer_pde.model.field"},
     {"transformer_pde.model.energy"},
     {"transformer_pde.model.mobility"},
@@ -86,6 +87,7 @@ LAYERS = [
     {"transformer_pde.application.animation"},
     {"transformer_pde.application.studies"},
     {"transformer_pde.application.studies.claims"},  # the claims list of metrics.json
+    {"transformer_pde.application.studies.retrieval"},  # the retrieval profile measured on particles and networks
     {"transformer_pde.application.studies.noisy_hysteresis"},  # the hysteresis sweeps of the noisy study
     {f"transformer_pde.application.studies.{m}" for m in ("demo", "paper", "theory", "jko", "clustering", "causal",
                                                           "layernorm", "noisy", "training", "lost_in_the_middle")},

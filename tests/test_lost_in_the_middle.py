@@ -12,7 +12,7 @@ from torch.testing import assert_close
 
 import transformer_pde as tp
 from transformer_pde.analysis.theory import kinetic as kt
-from transformer_pde.application.studies import lost_in_the_middle as lim
+from transformer_pde.application.studies import retrieval as lim
 from conftest import gen
 
 F64 = torch.float64
@@ -59,8 +59,8 @@ def test_the_default_time_step_resolves_the_response(beta):
     dt = lim.time_step(beta, tc, dt_max=0.05, courant=0.25)
     theta0 = torch.rand(R, n, generator=gen(7), dtype=F64) * 2 * math.pi
     m, idx = lim.paper_model(beta, 1.0), lim.token_bins(n, 4)
-    heun = lim._binned(lim.retrieval_estimates(m, theta0, [tc], dt=dt, M=8.0, modes=20)["est"][0], idx, 4)
-    fine = lim._binned(lim.retrieval_estimates(m, theta0, [tc], dt=dt / 2, M=8.0, modes=20, method="rk4")["est"][0],
+    heun = lim.binned(lim.retrieval_estimates(m, theta0, [tc], dt=dt, M=8.0, modes=20)["est"][0], idx, 4)
+    fine = lim.binned(lim.retrieval_estimates(m, theta0, [tc], dt=dt / 2, M=8.0, modes=20, method="rk4")["est"][0],
                        idx, 4)
     assert_close(heun, fine, rtol=1e-2, atol=1e-2 * float(fine.abs().max()))
 
@@ -106,11 +106,11 @@ def test_the_particle_profile_of_a_small_beta_case_lies_within_its_band():
     theta0 = torch.rand(R, n, generator=gen(2), dtype=F64) * 2 * math.pi
     idx = lim.token_bins(n, B)
     s = (np.arange(n - 1) + 1) / n
-    theory = lim._binned(torch.as_tensor(kt.retrieval_profile(s, t, beta, lam, 8.0, 20)), idx, B)
+    theory = lim.binned(torch.as_tensor(kt.retrieval_profile(s, t, beta, lam, 8.0, 20)), idx, B)
 
     def zscores(model):
         est = lim.retrieval_estimates(model, theta0, [t], dt=0.1, M=8.0, modes=20)["est"][0]
-        bins = lim._binned(est, idx, B)
+        bins = lim.binned(est, idx, B)
         return (bins.mean(0) - theory) / (bins.std(0) / math.sqrt(R))
 
     z = zscores(lim.paper_model(beta, lam))

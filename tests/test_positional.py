@@ -13,7 +13,7 @@ from torch.testing import assert_close
 
 import transformer_pde as tp
 from transformer_pde.model.field import evaluate
-from transformer_pde.model.positional import positional_statistics
+from transformer_pde.model.positional_kernel import positional_statistics
 from conftest import gen
 from problems import interrupt_and_resume, random_sphere, tolerances
 

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 import transformer_pde as tp
-from transformer_pde.application.studies import lost_in_the_middle as lim
+from transformer_pde.application.studies import retrieval as lim
 
 beta, lam, M, modes = 1.0, 1.0, 8.0, 20
 tc = tp.theory.critical_time(beta, lam, M, modes)

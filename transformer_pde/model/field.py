@@ -32,7 +32,7 @@ to check (the solvers' ledger reports "not a gradient flow").
 Positional attention (``causal=`` a :class:`~transformer_pde.model.positional.PositionalBias`: ALiBi, the
 kinetic decay e^{−(λ/n)(i−j)}, a user's position kernel): the prefix measure is weighted by positional
 weights, μ_i^h = Σ_{j≤i} w_j e^{b_h(p_i,p_j)} δ_{x_j} / Σ_{j≤i} w_j e^{b_h(p_i,p_j)}, and every statistic is
-that of μ_i^h (its own block kernel, :func:`~transformer_pde.model.positional.positional_statistics`);
+that of μ_i^h (its own block kernel, :func:`~transformer_pde.model.positional_kernel.positional_statistics`);
 b ≡ 0 is ``causal=True``.
 
 Two conventions for the un-normalised causal kernels (``causal="mean" | "sum"``; ``True`` is "mean"):
@@ -68,7 +68,8 @@ from .moments import (
 )
 from .pair_block import pair_diagnostics, pair_field, takes as pair_takes
 from .plans import PLANS, plan_average, relu_statistics
-from .positional import PositionalBias, positional_statistics
+from .positional import PositionalBias
+from .positional_kernel import positional_statistics
 from .softmax import softmax_statistics
 from .values import softmax_values, values_first_applies
 from .heads import Heads, broadcast_shapes

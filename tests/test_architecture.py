@@ -32,11 +32,13 @@ LAYERS = [
     {"transformer_pde.model.sphere"},
     {"transformer_pde.model.scaling"},  # β as a rule of the context length n
     {"transformer_pde.model.heads"},
+    {"transformer_pde.model.positional"},  # the positional biases of causal attention (ALiBi, kinetic decay, kernels)
     {"transformer_pde.model.backends"},  # the kernel backends (policy, availability) and the block plumbing
     {"transformer_pde.model.moments"},  # HeadStats and the moment algebra of the kernel statistics
     {"transformer_pde.model.softmax", "transformer_pde.model.transport"},  # softmax kernels; optimal transport
     {"transformer_pde.model.plans", "transformer_pde.model.values",
      "transformer_pde.model.pair_block"},  # ReLU/Sinkhorn/hardmax plans; the values-first kernel; one-block kernel
+    {"transformer_pde.model.positional_kernel"},  # positional attention's block kernel
     {"transformer_pde.model.field"},
     {"transformer_pde.model.energy"},
     {"transformer_pde.model.mobility"},
@@ -69,7 +71,7 @@ LAYERS = [
     {"transformer_pde.nn"},  # tp.nn: the torch.nn converters and the module
     # Lipschitz and Grönwall constants, fast-weights coefficients; linear stability of the uniform measure
     {"transformer_pde.analysis.theory.stability", "transformer_pde.analysis.theory.noise",
-     "transformer_pde.analysis.theory.circle"},
+     "transformer_pde.analysis.theory.circle", "transformer_pde.analysis.theory.kinetic"},
     # worst-case flow sensitivity and trajectory bounds; stationary mean-field branches (continuation)
     # the theorems' limit objects (ω-limit Hessian, fast-weights SDE)
     {"transformer_pde.analysis.theory.sensitivity", "transformer_pde.analysis.theory.continuation",
@@ -88,10 +90,11 @@ LAYERS = [
     {"transformer_pde.application.animation"},
     {"transformer_pde.application.studies"},
     {"transformer_pde.application.studies.claims"},  # the claims list of metrics.json
+    {"transformer_pde.application.studies.retrieval"},  # the retrieval profile measured on particles and networks
     {"transformer_pde.application.studies.noisy_hysteresis"},  # the hysteresis sweeps of the noisy study
     {f"transformer_pde.application.studies.{m}" for m in ("demo", "paper", "theory", "jko", "clustering", "causal",
                                                           "layernorm", "noisy", "training", "critical_scaling",
-                                                          "repulsive")},
+                                                          "repulsive", "lost_in_the_middle")},
     {"transformer_pde.application.studies.theory_energy",  # the theory studies on the parts of studies.theory
      "transformer_pde.application.studies.theory_clustering"},
     {"transformer_pde.application.studies.theorems_stability"},  # uses studies.jko's slope fit

@@ -29,6 +29,7 @@ from .solvers.trajectory import NonFiniteError, Trajectory
 from .solvers.layernorm import LAYER_NORMS, NGPT, LayerNorm, PeriLN, PostLN, PreLN, Projected, simuformer_scheme
 from .solvers.noise import TokenNoise
 from .model.normalization import Effective, Hardmax, Normalization, ReLU, SinkhornAttention, Softmax, Unnormalized
+from .model.positional import ALiBi, KineticDecay, PositionalBias, PositionKernel
 from .solvers.model import Model
 from .solvers.methods import EMD, Identity, RiemannianLBFGS, Sinkhorn, Solver, TransportTerm
 from .solvers.jko_methods import EulerianJKO, LagrangianJKO
@@ -141,4 +142,5 @@ __all__ = [
     "random_heads",
     "pretrained",
     "layerwise_from_pretrained",
+    "PositionalBias", "ALiBi", "KineticDecay", "PositionKernel",
 ]

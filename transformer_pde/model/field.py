@@ -29,6 +29,12 @@ from a second, non-causal kernel pass: E(μ), ∇_S δE/δμ, b, the dissipation
 and 𝒢² = ∫ b |V_causal|² dμ, which no longer equals ±𝒟 — there is no gradient-flow identity
 to check (the solvers' ledger reports "not a gradient flow").
 
+Positional attention (``causal=`` a :class:`~transformer_pde.model.positional.PositionalBias`: ALiBi, the
+kinetic decay e^{−(λ/n)(i−j)}, a user's position kernel): the prefix measure is weighted by positional
+weights, μ_i^h = Σ_{j≤i} w_j e^{b_h(p_i,p_j)} δ_{x_j} / Σ_{j≤i} w_j e^{b_h(p_i,p_j)}, and every statistic is
+that of μ_i^h (its own block kernel, :func:`~transformer_pde.model.positional_kernel.positional_statistics`);
+b ≡ 0 is ``causal=True``.
+
 Two conventions for the un-normalised causal kernels (``causal="mean" | "sum"``; ``True`` is "mean"):
 
     "mean" (default):  f_h(x_i) = Σ_{j≤i} w_j e^{β⟨x_i,A_h x_j⟩} V_h x_j / W_i,   W_i = Σ_{j≤i} w_j
@@ -62,7 +68,9 @@ from .moments import (
     mean_applied, per_head_map, scaled_partition,
 )
 from .pair_block import pair_diagnostics, pair_field, takes as pair_takes
-from .plans import plan_average, relu_statistics
+from .plans import PLANS, plan_average, relu_statistics
+from .positional import PositionalBias
+from .positional_kernel import positional_statistics
 from .softmax import softmax_statistics
 from .values import softmax_values, values_first_applies
 from .heads import Heads, broadcast_shapes
@@ -189,10 +197,13 @@ class _KernelPass:
     """The kernel statistics of one field evaluation and the products the output rules of
     :mod:`transformer_pde.model.normalization` ask for (each formed once, on first use)."""
 
-    def __init__(self, x, heads, key_weights, stats, keys, causal, prefix_sum, chunk_elements, backend, measure):
+    def __init__(self, x, heads, key_weights, stats, keys, causal, prefix_sum, chunk_elements, backend, measure,
+                 positional=None):
         self.x, self.heads, self.w, self.stats, self.keys = x, heads, key_weights, stats, keys
         self.causal, self.prefix_sum, self.chunk, self.backend = causal, prefix_sum, chunk_elements, backend
         self.measure = measure  # callable: the (non-causal) statistics of the whole measure
+        # (bias, log Π (..., H|1, n)) of positional attention (:mod:`transformer_pde.model.positional`), or None
+        self.positional = positional
         self._value_mean = self._terms = None
         self.values = None  # ū_h = Σ_j p_ij W_{V,h} y_j (..., H, n, k_v) of the values-first kernel, or None
 
@@ -231,13 +242,16 @@ class _KernelPass:
         return self.head_sum(self.times_mass(f) if mass else f)
 
     def _log_prefix_mass(self):
-        return causal_log_prefix_mass(self.w, self.x.shape[-2], dtype=self.x.dtype, device=self.x.device)
+        """log W_i = log Σ_{j≤i} w_j (positional: log Π_i^h = log Σ_j w_j e^{b_h(p_i, p_j)}), (..., 1|H, n)."""
+        if self.positional is not None:
+            return self.positional[1]
+        return causal_log_prefix_mass(self.w, self.x.shape[-2], dtype=self.x.dtype, device=self.x.device).unsqueeze(-2)
 
     def mass(self):
         """m_h, the kernel mass of the pass (Σ_{j≤i} under causal="sum"), (..., H, n)."""
         lp = self.stats.log_partition
         if self.prefix_sum:  # Σ_{j≤i} w_j e^{s_ij} = W_i × the prefix mean
-            lp = lp + self._log_prefix_mass().unsqueeze(-2)
+            lp = lp + self._log_prefix_mass()
         return torch.exp(lp)
 
     def times_mass(self, f):
@@ -246,15 +260,25 @@ class _KernelPass:
 
     def relu_values(self):
         """V_h ∫ ReLU(β⟨x, A_h y⟩) y dμ (prefix sum under causal="sum")."""
-        _, first = relu_statistics(self.x, self.heads, self.w, keys=self.keys, chunk_elements=self.chunk,
-                                   backend=self.backend, causal=self.causal)
+        if self.positional is not None:
+            _, first = positional_statistics(self.x, self.heads, self.w, self.positional[0], kind="relu",
+                                             chunk_elements=self.chunk).relu
+        else:
+            _, first = relu_statistics(self.x, self.heads, self.w, keys=self.keys, chunk_elements=self.chunk,
+                                       backend=self.backend, causal=self.causal)
         if self.prefix_sum:
-            first = first * torch.exp(self._log_prefix_mass()).unsqueeze(-1).unsqueeze(-3)
+            first = first * torch.exp(self._log_prefix_mass()).unsqueeze(-1)
         return self.heads.apply_value(first)
 
     def plan_mean(self, plan, **params):
         """V_h Σ_j P_ij y_j for a plan of :func:`transformer_pde.model.plans.plan_average` (a name of its
-        ``PLANS`` or a callable), (..., H, n, d)."""
+        ``PLANS`` or a callable), (..., H, n, d).  Positional attention: the plan of the scores with the key
+        weights π_ij, row block by row block (the plan's rows must be independent, as hardmax's are)."""
+        if self.positional is not None:
+            fn = PLANS.get(plan) if isinstance(plan, str) else plan
+            return self.heads.apply_value(positional_statistics(
+                self.x, self.heads, self.w, self.positional[0], kind="plan", chunk_elements=self.chunk, plan=fn,
+                plan_params=params).plan)
         return self.heads.apply_value(plan_average(self.x, self.heads, self.w, plan, keys=self.keys,
                                                    causal=self.causal, chunk_elements=self.chunk, **params))
 
@@ -476,7 +500,9 @@ def evaluate(
     returned ``stats`` are then those of the whole measure (what the energy ledger pairs with),
     with the second moment when ``second_moment``.
     ``causal="sum"``: the un-normalised kernels sum over the prefix instead of averaging (module
-    docstring); ``True`` and ``"mean"`` are the prefix mean.
+    docstring); ``True`` and ``"mean"`` are the prefix mean.  ``causal=`` a positional bias (module
+    docstring): the statistics of the positional prefix measures, from their own block kernel (the one-block
+    and values-first kernels do not apply).
 
     With diagnostics, no second moment, ``backend="auto"``, the "softmax" normalization, non-symmetric or causal
     heads and few tokens (:func:`transformer_pde.model.pair_block.takes`: n ≤ 512 and H·n² within the chunk
@@ -496,7 +522,8 @@ def evaluate(
     (:func:`transformer_pde.model.values.softmax_values`, H·n·m·k_v work instead of H·n·m·d); the
     returned ``stats`` then hold the log-partitions, and their ``mean`` ȳ_h is computed on first access."""
     norm = resolve(normalization)
-    prefix_sum = isinstance(causal, str) and causal == "sum"
+    positional = causal if isinstance(causal, PositionalBias) else None
+    prefix_sum = (isinstance(causal, str) and causal == "sum") or (positional is not None and positional.prefix == "sum")
     causal = bool(causal)
     if causal:
         if keys is not None:
@@ -507,7 +534,7 @@ def evaluate(
                              f"∇ δE/δμ); use one of {names(lambda n: n.causal)} with causal=True")
     if keys is None:
         key_weights = weights
-        if (diagnostics and not second_moment and backend == "auto" and type(norm) is Softmax
+        if (diagnostics and not second_moment and backend == "auto" and type(norm) is Softmax and positional is None
                 and (causal or not heads.is_symmetric) and pair_takes(x.shape[-2], heads.num_heads, chunk_elements)):
             # small n, non-symmetric or causal heads: field and diagnostics from one exp'd score block
             pd = pair_diagnostics(x, heads, weights, sign=sign, causal=causal, log_scale=log_scale,
@@ -516,14 +543,20 @@ def evaluate(
                 return FieldEval(pd.velocity, pd.stats, pd.outputs, pd.grad_first_variation, pd.energy, pd.slope,
                                  pd.dissipation, ambient=pd.ambient)
         if (not diagnostics and not second_moment and backend == "auto" and type(norm) is Softmax and not prefix_sum
+                and positional is None
                 and (causal or not heads.is_symmetric) and not _values_first(norm, heads)
                 and pair_takes(x.shape[-2], heads.num_heads, chunk_elements)):
             # the field alone, small n, non-symmetric or causal heads: the same block without the diagnostics
             pf = pair_field(x, heads, weights, sign=sign, causal=causal)
             if pf is not None:
                 return FieldEval(pf.velocity, pf.stats, pf.outputs, ambient=pf.ambient)
-    values = None
-    if not diagnostics and not second_moment and _values_first(norm, heads):
+    values = pos_prefix = None
+    if positional is not None:
+        # the positional prefix measures: their own block kernel (the whole measure's pass below, as causal)
+        ps = positional_statistics(x, heads, key_weights, positional, second_moment=second_moment and not diagnostics,
+                                   chunk_elements=chunk_elements)
+        stats, pos_prefix = ps.stats, (positional, ps.log_prefix)
+    elif not diagnostics and not second_moment and _values_first(norm, heads):
         # the field only: softmax averages of the k_v-dimensional values W_{V,h} y_j, the moments ȳ_h
         # (d-dimensional) formed only if a caller reads stats.mean
         lse, values = softmax_values(x, heads, key_weights, keys=keys, chunk_elements=chunk_elements,
@@ -543,7 +576,8 @@ def evaluate(
                                             chunk_elements=chunk_elements, backend=backend)
         return measure[0]
 
-    kern = _KernelPass(x, heads, key_weights, stats, keys, causal, prefix_sum, chunk_elements, backend, whole)
+    kern = _KernelPass(x, heads, key_weights, stats, keys, causal, prefix_sum, chunk_elements, backend, whole,
+                       pos_prefix)
     kern.values = values
     field, outputs = norm.field(kern)
     V = sign * tangent_projection(x, field)
@@ -584,18 +618,23 @@ def check_inputs(x, heads, weights, *, on_sphere: bool = True) -> Heads:
     return heads.at_context(x.shape[-2])
 
 
-#: the values of ``causal=``: False, True (= "mean"), "mean" (prefix mean), "sum" (prefix sum)
+#: the values of ``causal=``: False, True (= "mean"), "mean" (prefix mean), "sum" (prefix sum); or a
+#: :class:`~transformer_pde.model.positional.PositionalBias` (positional attention)
 CAUSAL_MODES = (False, True, "mean", "sum")
 
 
 def check_causal_mode(causal):
-    """TypeError unless ``causal`` is one of :data:`CAUSAL_MODES` (an unknown option is a TypeError)."""
+    """TypeError unless ``causal`` is one of :data:`CAUSAL_MODES` or a positional bias (an unknown option is a
+    TypeError)."""
+    if isinstance(causal, PositionalBias):
+        return
     if isinstance(causal, str):
         if causal not in ("mean", "sum"):
             raise TypeError(f"causal must be False, True, 'mean' (prefix mean, = True) or 'sum' (prefix sum), "
                              f"got {causal!r}")
     elif not isinstance(causal, bool):
-        raise TypeError(f"causal must be True or False (or 'mean' / 'sum'), got {type(causal).__name__}")
+        raise TypeError(f"causal must be True or False (or 'mean' / 'sum', or a positional bias such as "
+                        f"tp.ALiBi(slopes)), got {type(causal).__name__}")
 
 
 def _check_causal_flag(causal, norm):
@@ -623,7 +662,9 @@ def velocity(x, heads, weights=None, normalization="softmax", direction=DEFAULT_
     causal
         token i attends only to tokens j ≤ i in the stored order (decoder-only masking);
         True / "mean": the field of the prefix measure Σ_{j≤i} w_j δ_{x_j} / Σ_{j≤i} w_j;
-        "sum": the un-normalised kernels sum over the prefix (module docstring).  Not "effective".
+        "sum": the un-normalised kernels sum over the prefix (module docstring); a positional bias
+        (``tp.ALiBi``, ``tp.KineticDecay``, ``tp.PositionKernel``): the prefix weighted by positional weights
+        e^{b_h(p_i, p_j)} (:mod:`transformer_pde.model.positional`).  Not "effective".
 
     Returns
     -------

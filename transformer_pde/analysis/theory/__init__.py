@@ -600,3 +600,10 @@ from .sensitivity import duhamel_bound, field_jacobian_rates, flow_sensitivity, 
 from . import continuation  # noqa: E402  (docs/noisy_tokens.md: stationary Fokker–Planck branches)
 
 __all__ += ["flow_sensitivity", "field_jacobian_rates", "duhamel_bound", "tangent_frames", "continuation"]
+
+# the kinetic theory of causal attention with positional decay: the lost-in-the-middle profile
+# (docs/lost_in_the_middle.md)
+from . import kinetic  # noqa: E402
+from .kinetic import critical_time, mixture_profile, retrieval_profile, right_end_slope  # noqa: E402
+
+__all__ += ["kinetic", "retrieval_profile", "mixture_profile", "right_end_slope", "critical_time"]

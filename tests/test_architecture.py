@@ -38,7 +38,8 @@ LAYERS = [
     {"transformer_pde.model.softmax", "transformer_pde.model.transport"},  # softmax kernels; optimal transport
     {"transformer_pde.model.plans", "transformer_pde.model.values",
      "transformer_pde.model.pair_block"},  # ReLU/Sinkhorn/hardmax plans; the values-first kernel; one-block kernel
-    {"transformer_pde.model.positional_kernel"},  # positional attention's block kernel
+    {"transformer_pde.model.positional_kernel"},
+    {"transformer_pde.model.finite_part"},  # the energy's 1/(2β) and its finite part at β = 0  # positional attention's block kernel
     {"transformer_pde.model.field"},
     {"transformer_pde.model.energy"},
     {"transformer_pde.model.mobility"},

@@ -42,7 +42,8 @@ import torch
 from .moments import HeadStats, head_moment_sums
 from .softmax import softmax_statistics
 from .backends import DEFAULT_CHUNK_ELEMENTS
-from .field import check_inputs, head_token_mean, over_two_beta, pair_mean_scores, scaled_exp, zero_beta
+from .field import check_inputs, head_token_mean, scaled_exp
+from .finite_part import over_two_beta, pair_mean_scores, zero_beta
 from .heads import Heads
 
 __all__ = ["energy", "head_energies", "first_variation", "energy_time_derivative",

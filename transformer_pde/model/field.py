@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -70,6 +69,7 @@ from .moments import (
 from .pair_block import pair_diagnostics, pair_field, takes as pair_takes
 from .plans import PLANS, plan_average, relu_statistics
 from .positional import PositionalBias
+from .finite_part import finite_part, over_two_beta
 from .positional_kernel import positional_statistics
 from .softmax import softmax_statistics
 from .values import softmax_values, values_first_applies
@@ -81,8 +81,7 @@ __all__ = ["FieldEval", "evaluate", "velocity", "head_outputs", "radial_shadows"
 #: named internal API (not public): the shared input checks and token/head means of the energy,
 #: mobility, diagnostics and nn modules
 __internal__ = ["check_causal_mode", "check_inputs", "token_mean", "head_token_mean", "log_inverse_mobility",
-                "grad_first_variation_terms", "diagnostics_along", "scaled_exp", "over_two_beta", "pair_mean_scores",
-                "zero_beta"]
+                "grad_first_variation_terms", "diagnostics_along", "scaled_exp"]
 
 
 @dataclass
@@ -303,53 +302,9 @@ class _KernelPass:
         return sum((omega * torch.exp(l + log_binv).unsqueeze(-1) * u).sum(-3) for l, u in self.gradient_terms())
 
 
-def zero_beta(heads: Heads) -> bool:
-    """True when β is 0 (for a tensor β: anywhere): the energy's 1/(2β) is then its finite part
-    (:func:`over_two_beta`)."""
-    b = heads.beta
-    return bool((b == 0).any()) if isinstance(b, torch.Tensor) else b == 0.0
-
-
-def pair_mean_scores(x, heads: Heads, weights, keys=None, key_weights=None) -> torch.Tensor:
-    """Σ_i w_i ⟨x_i, A_h ȳ⟩ with ȳ = Σ_j w'_j y_j the mean of the keys (default: the tokens), (..., H): the
-    score average Σ_ij w_i w'_j ⟨x_i, A_h y_j⟩ (no kernel; the β = 0 limit of the kernel averages)."""
-    y, wy = (x, weights) if keys is None else (keys, key_weights)
-    qs = x.mean(-2) if weights is None else (weights.unsqueeze(-1) * x).sum(-2)  # (..., d)
-    ks = y.mean(-2) if wy is None else (wy.unsqueeze(-1) * y).sum(-2)
-    if heads.query is not None and heads.score is None:  # ⟨Q q, K k⟩ from the factors
-        Qq = (heads.query @ qs.unsqueeze(-2).unsqueeze(-1)).squeeze(-1)
-        Kk = (heads.key @ ks.unsqueeze(-2).unsqueeze(-1)).squeeze(-1)
-        return (Qq * Kk).sum(-1)
-    return ((qs.unsqueeze(-2).unsqueeze(-2) @ heads.score_matrix).squeeze(-2) * ks.unsqueeze(-2)).sum(-1)
-
-
-def over_two_beta(numerator: torch.Tensor, heads: Heads, finite_part) -> torch.Tensor:
-    """numerator / (2β) (the energy's normalisation, docs/model.md#energy), with its finite part where β = 0.
-
-    E = Σ_h ω_h/(2β) ∫∫ e^{β⟨x, A_h y⟩} dμ dμ has a simple pole at β = 0 (residue Σ_h ω_h/2, a constant of
-    the tokens); there it is given the constant term of its Laurent series, ½ Σ_h ω_h ∫∫⟨x, A_h y⟩ dμ dμ:
-    ``finite_part()`` (a zero-argument callable, called only when some β is 0), of the numerator's shape
-    (...,).  For β ≠ 0 this is exactly ``numerator / (2 * heads.beta)``; β < 0 is divided like any β."""
-    beta = heads.beta
-    if isinstance(beta, torch.Tensor):
-        if not bool((beta == 0).any()):
-            return numerator / (2 * beta)
-        zero = beta == 0
-        safe = torch.where(zero, torch.ones_like(beta), beta)
-        return torch.where(zero, finite_part(), numerator / (2 * safe))
-    if beta != 0.0:
-        return numerator / (2 * beta)
-    return finite_part().expand_as(numerator) if isinstance(numerator, torch.Tensor) else finite_part()
-
-
 def scaled_exp(log_values: torch.Tensor, log_scale: float = 0.0) -> torch.Tensor:
     """e^{log_values − log_scale}; exactly ``torch.exp(log_values)`` when log_scale == 0."""
     return torch.exp(log_values) if log_scale == 0.0 else torch.exp(log_values - log_scale)
-
-
-def _finite_part(x, heads, weights, keys, key_weights, c):
-    """e^{−c} ½ Σ_h ω_h Σ_ij w_i w'_j ⟨x_i, A_h y_j⟩: the energy's value at β = 0 (:func:`over_two_beta`)."""
-    return 0.5 * (heads.weights * pair_mean_scores(x, heads, weights, keys, key_weights)).sum(-1) * math.exp(-c)
 
 
 def _fused_diagnostics(x, heads, weights, velocity, stats, c, lazy_gradient):
@@ -363,7 +318,7 @@ def _fused_diagnostics(x, heads, weights, velocity, stats, c, lazy_gradient):
     m = head_columns_mass(stats, c)  # (..., n, H)
     mean_m = m.mean(-2) if weights is None else (weights.unsqueeze(-2) @ m).squeeze(-2)  # (..., H)
     energy = over_two_beta(torch.linalg.vecdot(heads.weights, mean_m), heads,
-                           lambda: _finite_part(x, heads, weights, None, None, c))
+                           lambda: finite_part(x, heads, weights, None, None, c))
     b = scaled_mobility(heads, stats.log_partition, m.transpose(-1, -2), c)
     slope = token_mean(b * torch.linalg.vecdot(velocity, velocity), weights)
     formed = []
@@ -434,7 +389,7 @@ def diagnostics_along(x, heads: Heads, weights, velocity, stats: HeadStats, *, l
     g = tangent_projection(x, sum(((wts * (m if l is lse else scaled_exp(l, c))).unsqueeze(-1) * u).sum(-3)
                                   for l, u in terms))
     energy = over_two_beta((heads.weights * head_token_mean(m, weights)).sum(-1), heads,
-                           lambda: _finite_part(x, heads, weights, keys, key_weights, c))
+                           lambda: finite_part(x, heads, weights, keys, key_weights, c))
     b = scaled_mobility(heads, lse, m, c)
     slope = token_mean(b * velocity.square().sum(-1), weights)
     dissipation = token_mean((g * velocity).sum(-1), weights)

@@ -34,7 +34,7 @@ import torch
 
 from ..utils.validation import check_positive, check_same, check_token_weights, check_tokens
 from ..model.softmax import softmax_statistics
-from ..model.field import over_two_beta
+from ..model.finite_part import over_two_beta
 from ..model.heads import Heads
 from ..model.sphere import circle_grid, fibonacci_sphere
 from ..model.transport import sq_chordal

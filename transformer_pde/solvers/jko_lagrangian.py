@@ -38,7 +38,8 @@ from typing import Callable, Optional
 import torch
 
 from ..model.softmax import softmax_statistics
-from ..model.field import head_token_mean, log_inverse_mobility, over_two_beta, pair_mean_scores
+from ..model.field import head_token_mean, log_inverse_mobility
+from ..model.finite_part import over_two_beta, pair_mean_scores
 from ..model.heads import Heads
 from ..model.sphere import normalize
 from ..model.transport import emd_plans, sinkhorn_divergence, sq_chordal

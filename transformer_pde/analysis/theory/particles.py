@@ -37,8 +37,8 @@ import torch
 from ...utils.validation import DEFAULT_DIRECTION
 from ...utils.validation import check_choice, check_int, check_positive, check_same, check_tensor, direction_sign
 from ...model.softmax import softmax_statistics
-from ...model.field import (check_inputs, grad_first_variation_terms, head_token_mean, token_mean, evaluate,
-                             over_two_beta, pair_mean_scores)
+from ...model.field import check_inputs, grad_first_variation_terms, head_token_mean, token_mean, evaluate
+from ...model.finite_part import over_two_beta, pair_mean_scores
 from ...model.heads import Heads
 from ...model.normalization import choose as choose_normalization, names
 from ..clustering import mean_overlap

@@ -414,6 +414,34 @@ def test_fused_update_in_blocks_of_systems_equals_evaluate(dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("layout", ["queries", "keys"])
+def test_fused_update_layouts_agree_with_evaluate(dtype, layout, monkeypatch):
+    """Both layouts of the fused pass (scores as (queries·heads, keys), or transposed with the means divided
+    into place) in both dtypes, whichever the dtype uses by default: heads per system and shared, token
+    weights with a zero, a β per system, blocks with a remainder, against field.evaluate."""
+    from transformer_pde.model.field import evaluate
+    from transformer_pde.solvers import layernorm
+    from transformer_pde.solvers.layernorm import FusedUpdate
+
+    monkeypatch.setattr(layernorm, "LAYOUTS", {dtype: layout})
+    X, BF, V = _peer_problem(dtype, batch=5, n=7, d=4, H=3, seed=15)
+    w = torch.rand(5, 7, generator=_gen(6), dtype=F64).to(dtype)
+    w[2, 4] = 0.0
+    w = w / w.sum(-1, keepdim=True)
+    tol = dict(rtol=50 * torch.finfo(dtype).eps, atol=50 * torch.finfo(dtype).eps)
+    cases = ((tp.Heads(BF, V, beta=1.3), None), (tp.Heads(BF[0], V[0]), w),
+             (tp.Heads(BF, V, beta=torch.linspace(0.5, 2.0, 5, dtype=dtype)), w))
+    for block in (None, 2 * 7 * 3 * 7 * torch.finfo(dtype).bits // 8):
+        monkeypatch.setattr(layernorm, "_SCORE_BLOCK_BYTES", block)
+        for heads, weights in cases:
+            for sign in (1.0, -1.0):
+                got = FusedUpdate(weights, sign)(X, heads)
+                want = evaluate(X, heads, weights, sign=sign, diagnostics=False)
+                torch.testing.assert_close(got.ambient, want.ambient, **tol)
+                assert float(want.ambient.abs().max()) > 0.1
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_fused_update_reuses_its_buffers_across_calls_and_block_sizes(dtype, monkeypatch):
     """One FusedUpdate called again and again, as a run does: its kept buffers serve batches of other
     sizes (larger, smaller, a remainder block) and other block sizes (one system, two, all, the

@@ -10,7 +10,8 @@ are s̃_ij = β ⟨x_i, A_hᵀ x_j⟩ = s_ji: the transposed statistics are the 
 and the causal (prefix) statistics are the rows of its lower triangle j ≤ i, normalised by
 W_i = Σ_{j≤i} w_j (:mod:`transformer_pde.model.softmax`).  :func:`pair_block` forms e^{S} once and takes
 the three from it: one product of the tokens with the stacked [β A_1 … β A_H] (rows i·H + h), one
-product with the tokens for the scores of every head (layout (i, h, j)), one exp in place, one product
+product with the tokens for the scores of every head (layout (i, h, j)), one exp2 in place (the stacked
+matrices carry log₂e), one product
 E (w x) and one sum for the rows, one product (w x)ᵀ E for the columns of every head at once (E read as
 (i, (h, j))), and for causal attention the same two of the masked block.  The systems are taken in
 blocks whose scores fill :func:`block_bytes` (a fraction of one core's L2 cache), so that the exp and
@@ -57,7 +58,7 @@ __all__ = ["PairBlock", "pair_block", "pair_diagnostics", "PairDiagnostics", "pa
 #: the largest token count n for which :func:`transformer_pde.model.field.evaluate` takes the one-block
 #: kernel (its (n, n) blocks per head are formed whole; above it the fused O(n)-memory kernels are used).
 #: Measured on one core (evaluate with diagnostics, d = 16, H = 8 non-symmetric heads per system, 8192 tokens in
-#: all, float64; docs/performance.md): the one-block kernel takes 0.2× the time of the fused kernels' passes at
+#: all, float64, on an Intel Xeon with a 2 MiB L2; scripts/benchmark_pair_block.py): the one-block kernel takes 0.2× the time of the fused kernels' passes at
 #: n = 32, 0.3× at n = 128, 0.55× at n = 512 and 1.0× at n = 1024 (1.25× at n = 2048)
 MAX_TOKENS = 512
 #: the scores of one block of systems, as a fraction of one core's L2 cache
@@ -602,7 +603,7 @@ def pair_field(x: torch.Tensor, heads: Heads, weights: Optional[torch.Tensor], *
     """The softmax field alone (no diagnostics) from one exponentiated score block per system.
 
     The pass of :func:`pair_diagnostics` without the gradient of the first variation: the queries, the scores,
-    one exp, the row sums (causal: of the masked block only) and one product of the means with the stacked
+    one exp2, the row sums (causal: of the masked block only) and one product of the means with the stacked
     value maps.  The statistics returned are those of the field's measure (the whole one, or the prefixes),
     as :func:`transformer_pde.model.softmax.softmax_statistics` gives them.
 

@@ -55,10 +55,10 @@ def run_once(config: Path, dtype: str, t1: float, out: Path, name: str) -> dict:
 
 
 def compare(m64: dict, m32: dict) -> list:
-    """The markdown table of every reported number (studies.paper.dtype_differences): float64, float32, the
+    """The markdown table of every reported number (studies.paper_dtype.dtype_differences): float64, float32, the
     difference, the interval the run gives the number and their ratio."""
     sys.path.insert(0, str(ROOT))
-    from transformer_pde.application.studies.paper import dtype_differences
+    from transformer_pde.application.studies.paper_dtype import dtype_differences
 
     rows = dtype_differences(m64, m32)
     lines = ["| reported number | float64 | float32 | difference | interval width | difference / interval |",

@@ -85,6 +85,7 @@ LAYERS = [
     {"transformer_pde.application.animation"},
     {"transformer_pde.application.studies"},
     {"transformer_pde.application.studies.claims"},  # the claims list of metrics.json
+    {"transformer_pde.application.studies.paper_dtype"},  # the paper study's numbers, float32 against float64
     {"transformer_pde.application.studies.noisy_hysteresis"},  # the hysteresis sweeps of the noisy study
     {f"transformer_pde.application.studies.{m}" for m in ("demo", "paper", "theory", "jko", "clustering", "causal",
                                                           "layernorm", "noisy", "training")},

@@ -529,10 +529,10 @@ def test_float32_and_ascent_options(tmp_path):
 
 def test_float32_tokens_change_no_reported_number_beyond_its_interval(tmp_path):
     """Why the full configuration may run its tokens in float32: every number the run reports (fits, time
-    averages, residuals; studies.paper.dtype_differences) moves between float64 and float32 tokens by rounding
+    averages, residuals; studies.paper_dtype.dtype_differences) moves between float64 and float32 tokens by rounding
     only — at most C·eps32·√(K + 1)·(1 + |value|) for K steps — and by less than 10⁻³ of the interval the run
     gives it (bootstrap CI, Student-t, ±z·std/√P over the Monte-Carlo paths)."""
-    from transformer_pde.application.studies.paper import dtype_differences
+    from transformer_pde.application.studies.paper_dtype import dtype_differences
 
     runs = {dt: json.loads((execute(_cfg(dtype=dt, paths=3, bootstrap=200), out_dir=tmp_path, name=dt,
                                     progress=False) / "metrics.json").read_text()) for dt in ("float64", "float32")}

@@ -461,6 +461,7 @@ def main(argv=None):
                 results[name] = measure(getattr(torch, name), args, peers)
             load1 = os.getloadavg()
         tables.append(table(f"{label}, load average {load0[0]:.1f} → {load1[0]:.1f}", results, args))
+        print("\n" + tables[-1], flush=True)  # each pass's table at once: a run cut short keeps it
     print("\n" + header(args))
     for t in tables:
         print("\n" + t)

@@ -130,7 +130,8 @@ def measure(cfg, folder, names, repeats):
             w, t = run_once(cfg, Path(tempfile.mkdtemp(dir=folder, prefix=f"{k}_{r}_")), env, extra)
             walls[k].append(w)
             timing[k].append(t)
-            print(f"    repeat {r}, {k:9s}: {w:7.1f} s wall; Lipschitz {t.get('lipschitz', float('nan')):6.2f} s")
+            print(f"    repeat {r}, {k:9s}: {w:7.1f} s wall; Lipschitz {t.get('lipschitz', float('nan')):6.2f} s",
+                  flush=True)
     return walls, timing
 
 
@@ -177,6 +178,7 @@ def main(argv=None):
                 walls, timing = measure(cfg, folder, names, args.repeats)
                 load1 = os.getloadavg()[0]
             tables.append(summary(walls, timing, label, load0, load1))
+            print("\n" + tables[-1], flush=True)  # each pass's table at once: a run cut short keeps it
     print("\n" + head)
     for t in tables:
         print("\n" + t)

@@ -183,7 +183,7 @@ def main(argv=None):
     print("\n" + head + f"; {load1[0]:.2f} at the end")
     print("\ndense product: " + ", ".join(f"{k} {v[0]:.1f} GFLOP/s" for k, v in limits.items()) + "; exp2: "
           + ", ".join(f"{k} {v[1] * 1e9:.2f} ns" for k, v in limits.items()))
-    print("\n| dtype | d | H | time exponent (n ≥ 10³) | memory exponent | fraction at the largest n |")
+    print("\n| dtype | d | H | time exponent (n ≥ 3·10³) | memory exponent | fraction at the largest n |")
     print("| --- | --- | --- | --- | --- | --- |")
     for name, d, H, te, me, fr in fits:
         print(f"| {name} | {d} | {H} | {te:.2f} | {me:.2f} | {fr:.3f} |")

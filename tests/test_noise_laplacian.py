@@ -370,23 +370,40 @@ def test_energy_laplacian_takes_the_kernel_moments(kind, dtype, monkeypatch):
     w = torch.softmax(torch.randn(2, 7, generator=gen(32), dtype=dtype), -1)
     w[1, 3] = 0.0
     w = w / w.sum(-1, keepdim=True)
+    # where this build's fused kernel gives the second-moment columns, the sum must come from them
+    has_columns = energy_laplacian_moments(x, heads, w, softmax_statistics(x, heads, w, second_moment=True)) is not None
     calls = []
 
     def kernel(*args, **kwargs):
         calls.append(kwargs.get("second_moment"))
         return softmax_statistics(*args, **kwargs)
 
+    returned = []
+
+    def moments(*args, **kwargs):
+        returned.append(energy_laplacian_moments(*args, **kwargs))
+        return returned[-1]
+
     monkeypatch.setattr(module, "softmax_statistics", kernel)
+    monkeypatch.setattr(module, "energy_laplacian_moments", moments)
     for weights, c in ((None, 0.0), (w, 0.0), (w, 1.5)):
         got = energy_laplacian(x, heads, weights, log_scale=c)
+        if has_columns:  # the moments' sum itself is returned (no dense block formed after it)
+            assert returned and returned[-1] is got
         want = dense_laplacian(x, heads, weights, log_scale=c)
         tol = _tol(x, heads)
         torch.testing.assert_close(got, want, rtol=tol, atol=float(tol * _magnitude(x, heads, weights, c).max()))
         assert float(want.abs().min()) > 100 * float(tol * _magnitude(x, heads, weights, c).max())  # not all rounding
-    if calls and heads.score is not None:  # where the CPU's fused kernel gives the columns: one pass per call
-        assert calls == [True] * 3
+    if has_columns:
+        assert calls == [True] * 3  # one kernel pass with second moments per call
     xg = x.clone().requires_grad_(True)
     out = energy_laplacian(xg, heads, w)
     assert out.requires_grad
     torch.testing.assert_close(out.detach(), dense_laplacian(x, heads, w), rtol=_tol(x, heads),
                                atol=float(_tol(x, heads) * _magnitude(x, heads, w).max()))
+    # the gradient in the tokens is the dense sum's (the kernel's statistics are constants to autograd)
+    (got_grad,) = torch.autograd.grad(out.sum(), xg)
+    xd = x.clone().requires_grad_(True)
+    (want_grad,) = torch.autograd.grad(dense_laplacian(xd, heads, w).sum(), xd)
+    scale = float(want_grad.abs().max())
+    torch.testing.assert_close(got_grad, want_grad, rtol=100 * _tol(x, heads), atol=100 * _tol(x, heads) * scale)

@@ -52,30 +52,28 @@ def _spin(stop):
             x += 1
 
 
-def _particle_path(name, x0, model, solver, steps, dt, every, paths=None):
-    """The three variants of one particle solve, as closures returning the values a user reads."""
-    kw = dict(t1=steps * dt, dt=dt, paths=paths, seed=0, progress=False)
+def _particle_path(name, x0, theta, steps, dt, every, **kw):
+    """The variants of one particle solve (``tp.simulate`` with the public keywords), as closures returning the
+    values a user reads."""
+    kw = dict(t1=steps * dt, dt=dt, seed=0, progress=False, **kw)
 
     def bare():
-        return tp.solve(model, x0, solver, ledger=tp.LedgerOptions(diagnostics=False), **kw).x
+        return tp.simulate(x0, theta, diagnostics=False, **kw).final
 
-    def recorded(k, book=None):
+    def recorded(k, records="lazy"):
         def run():
-            tr = tp.solve(model, x0, solver, saveat=tp.SaveAt(every=k), **kw,
-                          **({} if book is None else {"ledger": book}))
+            tr = tp.simulate(x0, theta, record_every=k, records=records, **kw)
             return tr.energy, tr.slope, tr.dissipation
         return run
 
-    at_steps = tp.LedgerOptions(records="step")
-
     def ledger():
-        tr = tp.solve(model, x0, solver, ledger=tp.LedgerOptions(ledger=True), **kw)
+        tr = tp.simulate(x0, theta, ledger=True, **kw)
         return tr.energy, tr.ledger["residual"] if "residual" in tr.ledger else tr.ledger["dE"]
 
-    variants = {"recorded, every step": recorded(1), "at the steps, every step": recorded(1, at_steps)}
+    variants = {"recorded, every step": recorded(1), "at the steps, every step": recorded(1, "step")}
     if every > 1:
         variants[f"recorded, every {every}"] = recorded(every)
-        variants[f"at the steps, every {every}"] = recorded(every, at_steps)
+        variants[f"at the steps, every {every}"] = recorded(every, "step")
     variants["ledger (every step)"] = ledger
     return name, bare, variants
 
@@ -88,28 +86,28 @@ def paths_of(names):
         x0 = tp.sphere.octahedral(n, dtype=f64)
         Z = torch.randn(H, 3, 3, generator=_gen(1), dtype=f64)
         heads = tp.Heads(Z + Z.transpose(-1, -2), weights=torch.full((H,), 1.0 / H, dtype=f64))
-        model = tp.Model(tp.OrnsteinUhlenbeck(heads, mean=torch.eye(3, dtype=f64)), direction="descent")
-        out.append(_particle_path("merged H=100 (OU, 10 paths, n=200, d=3)", x0, model, tp.Euler(), 10, 5e-3, 5,
-                                  paths=10))
+        theta = tp.OrnsteinUhlenbeck(heads, mean=torch.eye(3, dtype=f64))
+        out.append(_particle_path("merged H=100 (OU, 10 paths, n=200, d=3)", x0, theta, 10, 5e-3, 5, paths=10,
+                                  direction="descent"))
     if "post_ln" in names:
         B, n, d, H = 256, 32, 16, 8
         x0 = tp.sphere.sample_uniform(n, d, batch_shape=(B,), generator=_gen(2), dtype=f64)
         A = torch.randn(B, H, d, d, generator=_gen(3), dtype=f64) / d ** 0.5
         V = torch.randn(B, H, d, d, generator=_gen(4), dtype=f64) / d ** 0.5
-        model = tp.Model(tp.Heads(A, V), geometry="post", direction="ascent")
-        out.append(_particle_path("post-LN (256 x 32, d=16, H=8)", x0, model, tp.Euler(), 20, 0.1, 10))
+        out.append(_particle_path("post-LN (256 x 32, d=16, H=8)", x0, tp.Heads(A, V), 20, 0.1, 10, layer_norm="post",
+                                  direction="ascent"))
     if "causal" in names:
         B, n, d, H = 64, 32, 16, 4
         x0 = tp.sphere.sample_uniform(n, d, batch_shape=(B,), generator=_gen(5), dtype=f64)
         A = torch.randn(H, d, d, generator=_gen(6), dtype=f64) / d ** 0.5
-        model = tp.Model(tp.Heads(A, A.transpose(-1, -2) @ A), causal=True, direction="ascent")
-        out.append(_particle_path("causal (64 x 32, d=16, H=4)", x0, model, tp.Euler(), 20, 0.05, 10))
+        out.append(_particle_path("causal (64 x 32, d=16, H=4)", x0, tp.Heads(A, A.transpose(-1, -2) @ A), 20, 0.05,
+                                  10, causal=True, direction="ascent"))
     if "noisy" in names:
         n, H = 200, 10
         x0 = tp.sphere.sample_uniform(n, 3, generator=_gen(7), dtype=f64)
         heads = tp.Heads.scalar(torch.linspace(0.5, 2.0, H, dtype=f64).tolist(), 3).to(f64)
-        model = tp.Model(heads, noise=0.1, direction="ascent")
-        out.append(_particle_path("noisy tokens (T=0.1, n=200, d=3, H=10)", x0, model, tp.Euler(), 20, 0.01, 10))
+        out.append(_particle_path("noisy tokens (T=0.1, n=200, d=3, H=10)", x0, heads, 20, 0.01, 10, temperature=0.1,
+                                  direction="ascent"))
     if "training" in names:
         torch.manual_seed(0)
         layer = tp.nn.MeanFieldAttention(16, 4, layers=2, steps=4).double()

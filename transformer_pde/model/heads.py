@@ -23,7 +23,8 @@ from typing import Mapping, Optional, Union
 
 import torch
 
-from ..utils.validation import broadcast_shapes, check_choice, check_positive, check_same, check_tensor
+from ..utils.validation import (MEMORY_FRACTION, broadcast_shapes, check_choice, check_positive, check_same,
+                                check_tensor, machine_memory)
 
 __all__ = ["Heads"]
 #: named internal API (not public): the MultiheadAttention inside a module, for :mod:`transformer_pde.processes.nn`
@@ -344,7 +345,18 @@ class Heads:
         """A_h, (..., H, d, d) (formed from the factors when needed)."""
         if self.score is not None:
             return self.score
+        need, limit = self._dense_bytes(), MEMORY_FRACTION * machine_memory(self.query.device)
+        if need > limit:  # refused before the allocation (an out-of-memory error, or a machine that swaps)
+            raise ValueError(f"these factored heads (H = {self.num_heads}, d = {self.dim}) would need their dense score "
+                             f"matrices A_h = Q_hᵀK_h here: {need / 2**30:.3g} GiB, more than {MEMORY_FRACTION:g} of "
+                             f"this machine's memory ({limit / 2**30:.3g} GiB); give value factors (value_in/value_out) "
+                             f"so that no d × d matrix is needed, or use a smaller d")
         return self.query.transpose(-1, -2) @ self.key
+
+    def _dense_bytes(self) -> float:
+        """Bytes of the dense (..., H, d, d) matrices formed from the factors."""
+        batch = math.prod(broadcast_shapes(self.query.shape[:-3], self.key.shape[:-3]))
+        return float(batch) * self.num_heads * self.dim ** 2 * self.query.element_size()
 
     @property
     def value_matrix(self) -> torch.Tensor:
@@ -360,8 +372,13 @@ class Heads:
     def is_symmetric(self) -> bool:
         """True when every A_h = A_hᵀ (exactly); then the first variation needs one kernel."""
         if self._symmetric is None:
-            A = self.score_matrix
-            self._symmetric = bool(torch.equal(A, A.transpose(-1, -2)))
+            if self.score is None and (self.query is self.key or torch.equal(self.query, self.key)):
+                self._symmetric = True  # A_h = Q_hᵀQ_h
+            elif self.score is None and self._dense_bytes() > MEMORY_FRACTION * machine_memory(self.query.device):
+                self._symmetric = False  # not decided without d × d matrices; the general kernels are exact for any A
+            else:
+                A = self.score_matrix
+                self._symmetric = bool(torch.equal(A, A.transpose(-1, -2)))
         return self._symmetric
 
     def beta_tensor(self) -> torch.Tensor:

@@ -36,6 +36,8 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import signal
+import threading
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -403,6 +405,9 @@ def plan_chunks(p: Dict, segments: Sequence[Tuple[str, int]], workers: int) -> L
 
 
 def _worker_init():
+    # Ctrl-C reaches the whole process group: the workers leave it to the parent, which stops them and prints
+    # one resume hint (a worker's own KeyboardInterrupt would print a traceback per worker)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
     threads.policy(1)
 
@@ -458,7 +463,15 @@ def _run_in_workers(p: Dict, todo: Sequence[Tuple[str, int]], x0, run, workers: 
         tag = f"{regime}_H{H}"
         total = p["paths"] if regime == "ou" else 1
         args.append((len(args), p, regime, H, x0.cpu(), lo, hi, run.checkpoint_path(_chunk_tag(tag, lo, hi, total))))
-    with ctx.Pool(min(workers, len(jobs)), initializer=_worker_init) as pool:
+    # the workers start with Ctrl-C ignored (inherited through exec, so also while they import torch)
+    main = threading.current_thread() is threading.main_thread()
+    handler = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+    try:
+        pool = ctx.Pool(min(workers, len(jobs)), initializer=_worker_init)
+    finally:
+        if main:
+            signal.signal(signal.SIGINT, handler)
+    with pool:
         # largest jobs first, one at a time to whichever worker is free; a segment is saved once all its chunks are back
         for i, chunk in pool.imap_unordered(_worker_job, args):
             job = jobs[i]
@@ -533,6 +546,7 @@ def run_ou_vs_oscillating(params: Dict, run) -> Dict:
     metrics = _analyse(p, results, device)
     if p["figures"]:
         t0 = time.perf_counter()
+        logger.info("drawing the figures (snapshots, energy balance, slope, scaling; seconds each)")
         metrics["figure_captions"] = _figures(p, results, metrics, run)
         logger.info("figures written in %.1f s", time.perf_counter() - t0)
     if (p["animate"] or p["figures"] == "all") and len(p["regimes"]) > 0:

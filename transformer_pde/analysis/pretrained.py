@@ -2,7 +2,7 @@
 ladder that removes one ingredient at a time on the way to the PDE (docs/pretrained.md).
 
     import transformer_pde as tp
-    net = tp.pretrained.load(tp.pretrained.packaged_minilm("~/.cache/transformer_pde"))
+    net = tp.pretrained.load(tp.pretrained.packaged_minilm())
     states, mask = tp.pretrained.hidden_states(net, ["a sentence", "another one"])
     preds = tp.pretrained.ladder(net, states, mask, mode="rollout")
     tp.pretrained.cloud_distances(preds["continuous"], states, mask)

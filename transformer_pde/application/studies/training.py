@@ -319,14 +319,20 @@ def _epochs(p, model, opt, gen, records, start, data, run, tag, lam, pool):
         tot, kin_tot = 0.0, 0.0
         for i in range(0, len(y), p["batch_size"]):
             b = perm[i:i + p["batch_size"]]
-            if lam > 0:
-                logits, kin = model(x[b], kinetic=p["kinetic"])
-                loss = torch.nn.functional.cross_entropy(logits, y[b])
-                total = loss + lam * kin.mean()
-                kin_tot += float(kin.detach().sum())
-            else:
-                logits = model(x[b])
-                total = loss = torch.nn.functional.cross_entropy(logits, y[b])
+            try:
+                if lam > 0:
+                    logits, kin = model(x[b], kinetic=p["kinetic"])
+                    loss = torch.nn.functional.cross_entropy(logits, y[b])
+                    total = loss + lam * kin.mean()
+                    kin_tot += float(kin.detach().sum())
+                else:
+                    logits = model(x[b])
+                    total = loss = torch.nn.functional.cross_entropy(logits, y[b])
+            except ValueError as e:
+                if epoch == 0 and i == 0:  # the initial weights: not a divergence
+                    raise
+                raise _diverged(model, f"{tag}: the forward pass at epoch {epoch + 1}, batch {i // p['batch_size']}",
+                                p["lr"], e) from None
             if not torch.isfinite(total):
                 raise FloatingPointError(f"{tag}: the training loss is {float(total)} at epoch {epoch + 1}, batch "
                                          f"{i // p['batch_size']}; lower lr (now {p['lr']}) or depth/β")
@@ -336,7 +342,10 @@ def _epochs(p, model, opt, gen, records, start, data, run, tag, lam, pool):
             _check_parameters(model, tag, epoch, i // p["batch_size"], p["lr"])
             pool.refresh()
             tot += float(loss.detach()) * len(b)
-        test_loss, test_acc, test_kin, test_act = _evaluate(model, data["x_test"], data["y_test"])
+        try:
+            test_loss, test_acc, test_kin, test_act = _evaluate(model, data["x_test"], data["y_test"])
+        except ValueError as e:
+            raise _diverged(model, f"{tag}: the test evaluation after epoch {epoch + 1}", p["lr"], e) from None
         rec = {"epoch": epoch + 1, "train_loss": tot / len(y), "test_loss": test_loss, "test_accuracy": test_acc,
                "seconds": time.perf_counter() - t0}
         if lam > 0:
@@ -350,6 +359,14 @@ def _epochs(p, model, opt, gen, records, start, data, run, tag, lam, pool):
         if report is not None:
             report(tag, epoch + 1, float(epoch + 1))
     return records
+
+
+def _diverged(model, where: str, lr: float, error: Exception) -> FloatingPointError:
+    """The error of a forward pass that worked with the initial weights and fails after optimiser steps: the
+    steps moved the weights out of the range the model computes in (a divergence: exit code 3, not a bad input)."""
+    big, name = max((float(v.detach().abs().max()), n) for n, v in model.named_parameters())
+    return FloatingPointError(f"{where} failed after the optimiser steps with lr = {lr:g} moved the weights to "
+                              f"|{name}| = {big:.3g} (the training diverged; lower lr): {error}")
 
 
 def _check_parameters(model, tag: str, epoch: int, batch: int, lr: float) -> None:

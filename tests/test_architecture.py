@@ -42,6 +42,7 @@ LAYERS = [
     {"transformer_pde.processes.weights"},  # the weight processes
     {"transformer_pde.processes.paths"},  # a stored weight path (replay)
     {"transformer_pde.processes.driver"},  # the Θ_t grid driver of every solver; sample_path
+    {"transformer_pde.processes.model_files"},  # a pretrained network's files: the shared cache, the reading checks
     {"transformer_pde.processes.nn", "transformer_pde.processes.pretrained"},
     {"transformer_pde.processes"},  # the package re-exports the weight processes
     # the layer-normalisation schemes (the step's geometry); Butcher tableaux; Trajectory and the errors

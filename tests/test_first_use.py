@@ -133,7 +133,7 @@ def test_every_figure_written_is_logged(tmp_path, caplog):
     from transformer_pde.application.rundir import RunDir
 
     run = RunDir(tmp_path)
-    fig, ax = plotting.subplots(1, 1)
+    fig, ax = plotting.subplots(1, 1, figsize=(4, 3))
     ax.plot([0, 1], [0, 1])
     with caplog.at_level(logging.INFO, logger="transformer_pde"):
         run.save_figure(fig, "line")
@@ -141,7 +141,7 @@ def test_every_figure_written_is_logged(tmp_path, caplog):
 
 
 def test_a_legend_under_its_axes_keeps_the_lines_of_a_twin_axis():
-    fig, ax = plotting.subplots(1, 1)
+    fig, ax = plotting.subplots(1, 1, figsize=(4, 3))
     ax.errorbar([1, 2], [0.8, 0.9], yerr=[0.01, 0.02], marker="o", label="test accuracy")
     ax.axhline(0.85, ls="--", label="discrete transformer")
     twin = ax.twinx()
@@ -149,8 +149,10 @@ def test_a_legend_under_its_axes_keeps_the_lines_of_a_twin_axis():
     h, lab = ax.get_legend_handles_labels()
     h2, lab2 = twin.get_legend_handles_labels()
     ax.legend(h + h2, lab + lab2)
+    before = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert sorted(before) == sorted(["test accuracy", "discrete transformer", "∫G² dt"])
     plotting.finish_figure(fig, "caption")
-    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["test accuracy", "discrete transformer", "∫G² dt"]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == before  # moved under the axes, nothing lost
 
 
 # ---------------------------------------------------------------------------- the docs command, the examples

@@ -245,3 +245,14 @@ def test_factored_heads_too_large_to_form_densely_are_refused_before_allocating(
     assert heads.is_symmetric is False  # decided without the d × d matrices
     sym = tp.Heads(None, None, query=q, key=q)
     assert sym.is_symmetric is True  # A_h = Q_hᵀQ_h
+
+
+def test_dense_value_matrices_from_factors_too_large_are_refused_and_the_field_needs_none():
+    d, k, H = 10 ** 6, 2, 2
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    heads = tp.Heads(None, None, query=r(H, k, d), key=r(H, k, d), value_in=r(H, k, d), value_out=r(H, d, k))
+    with pytest.raises(ValueError, match=r"dense value matrices .*apply_value"):
+        heads.value
+    x = torch.nn.functional.normalize(r(3, d), dim=-1)
+    assert tp.velocity(x, heads).shape == (3, d)  # the values-first kernel: nothing d × d is formed

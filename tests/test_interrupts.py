@@ -3,6 +3,7 @@ with a few lines on stderr (the resume hint, no worker tracebacks, no leaked-sem
 and ``--resume`` finishes the run.  The signal is sent to the process group of a real command, as a terminal
 does."""
 
+import contextlib
 import json
 import os
 import signal
@@ -14,8 +15,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["-o", "heads=[1,2]", "-o", "n=8", "-o", "t1=2.0", "-o", "t_avg=0.5", "-o", "paths=2",
-        "-o", "checkpoint_every=10", "-o", "figures=false", "-o", "bootstrap=0"]
+TINY = ["-o", "regimes=['ou']", "-o", "heads=[1,2]", "-o", "n=8", "-o", "t1=1.5", "-o", "t_avg=0.5",
+        "-o", "paths=2", "-o", "checkpoint_every=10", "-o", "figures=false", "-o", "bootstrap=0"]
 
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="process groups and SIGINT as a terminal sends them")
 
@@ -43,8 +44,27 @@ def _wait_for(pattern_dir: Path, glob: str, proc, timeout: float = 240.0):
     pytest.fail("no checkpoint appeared")
 
 
+def _children(pid: int):
+    """The PIDs of the processes whose parent is ``pid`` (Linux /proc; [] elsewhere)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
 def _interrupt(proc):
-    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C at a terminal does
+    # the terminal sends SIGINT to every process of the group at once; a worker may see it before the parent
+    # stops it: deliver it to the workers first, give them a moment, then to the group
+    for child in _children(proc.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGINT)
+    time.sleep(1.0)
+    os.killpg(proc.pid, signal.SIGINT)
     out, err = proc.communicate(timeout=180)
     return proc.returncode, out, err
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import transformer_pde as tp
-from transformer_pde.processes import pretrained as pre
+from transformer_pde.processes import model_files as pre
 from transformer_pde.utils import resources
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -183,9 +183,13 @@ def test_a_zip_whose_weights_have_another_checksum_is_refused_and_leaves_no_fold
 
 
 @needs_package
-def test_two_probe_runs_share_one_extraction_and_keep_no_copy(monkeypatch, tmp_path):
+def test_two_probe_runs_share_one_extraction_and_keep_no_copy(monkeypatch, tmp_path, caplog):
     pytest.importorskip("transformers")
+    import logging
+
     from transformer_pde.application.runs import execute
+
+    caplog.set_level(logging.INFO, logger="transformer_pde")
 
     monkeypatch.setenv(resources.CACHE_ENV, str(tmp_path / "cache"))
     cfg = {"kind": "pretrained_probe", "name": "a", "params": {
@@ -199,3 +203,6 @@ def test_two_probe_runs_share_one_extraction_and_keep_no_copy(monkeypatch, tmp_p
         size = sum(f.stat().st_size for f in run.rglob("*") if f.is_file())
         assert size < 5 * 2**20, (run, size)  # the 87 MB network is not copied into the run
         assert json.loads((run / "status.json").read_text())["state"] == "complete"
+    # the Lipschitz phase, the longest after the buckets, says when it starts and ends (a redirected log)
+    assert caplog.text.count("[lipschitz] power iteration on 1 sentences × 6 layers") == 2
+    assert caplog.text.count("[lipschitz] done in") == 2

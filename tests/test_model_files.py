@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import transformer_pde as tp
-from transformer_pde.processes import pretrained as pre
+from transformer_pde.processes import model_files as pre
 
 transformers = pytest.importorskip("transformers", reason="reading networks needs transformers")
 

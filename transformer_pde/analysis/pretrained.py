@@ -41,9 +41,10 @@ import torch
 
 from ..model.backends import kernel_backend
 from ..model.sphere import normalize
+from ..processes.model_files import check_texts, check_token_ids, max_positions
 from ..processes.pretrained import (
-    FAMILIES, MINILM_PIP, MINILM_SHA256, LayerWeights, Norm, PretrainedNetwork, check_texts, check_token_ids,
-    layer_heads, layerwise_from_pretrained, load, max_positions, packaged_minilm,
+    FAMILIES, MINILM_PIP, MINILM_SHA256, LayerWeights, Norm, PretrainedNetwork, layer_heads, layerwise_from_pretrained,
+    load, packaged_minilm,
 )
 from ..processes.weights import Constant, Layerwise
 from ..solvers.particle import Euler

@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from .rundir import loads_json
+from .studies import interrupts_left_to_parent
 
 __all__ = ["SweepResult", "parse_axis", "expand_grid", "point_name", "run_sweep", "gather", "plot_sweep",
            "add_parser"]
@@ -161,23 +162,6 @@ DEFAULT_MAX_POINTS = 10_000  # grid points of one sweep without max_points= / --
 
 
 _IN_WORKER = False  # True in a sweep's pool worker (set by _parent_watch)
-
-
-@contextlib.contextmanager
-def _interrupts_left_to_parent():
-    """SIGINT ignored in this (main) thread while worker processes are spawned: they inherit it through exec, so
-    Ctrl-C at a terminal, which reaches the whole process group, is handled once, by the sweep, which stops its
-    workers with SIGTERM (each point checkpoints); no worker prints a traceback of its own."""
-    import signal
-    import threading
-
-    main = threading.current_thread() is threading.main_thread()
-    old = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
-    try:
-        yield
-    finally:
-        if main:
-            signal.signal(signal.SIGINT, old)
 
 
 def _parent_watch(parent_pid: int, interval: float = 0.5, grace: float = 20.0) -> None:
@@ -489,7 +473,7 @@ def _dispatch(todo, points_dir, threads, n_par, client, progress) -> List[Dict[s
             pool = ProcessPoolExecutor(max_workers=min(n_par, len(todo)), mp_context=ctx,
                                        initializer=_parent_watch, initargs=(os.getpid(),))
             try:
-                with _interrupts_left_to_parent():  # the workers are spawned (and start) with Ctrl-C ignored
+                with interrupts_left_to_parent():  # the workers are spawned (and start) with Ctrl-C ignored
                     futs = {pool.submit(_run_point, cfg, points_dir, nm, threads): nm for nm, cfg in todo}
                 for fut in cf_completed(futs):
                     try:

@@ -301,6 +301,8 @@ class Heads:
         """V, ``(..., H, d, d)``, or None for tied heads (V = A); formed from the value factors when
         the heads hold them (each access forms it: prefer :meth:`apply_value`)."""
         if self._value is None and self.value_in is not None:
+            self._check_dense(self.value_out, self.value_in, "value matrices V_h = O_h W_{V,h}",
+                              "apply them with heads.apply_value(v) instead, which forms no d × d matrix")
             return self.value_out @ self.value_in
         return self._value
 
@@ -345,18 +347,24 @@ class Heads:
         """A_h, (..., H, d, d) (formed from the factors when needed)."""
         if self.score is not None:
             return self.score
-        need, limit = self._dense_bytes(), MEMORY_FRACTION * machine_memory(self.query.device)
-        if need > limit:  # refused before the allocation (an out-of-memory error, or a machine that swaps)
-            raise ValueError(f"these factored heads (H = {self.num_heads}, d = {self.dim}) would need their dense score "
-                             f"matrices A_h = Q_hᵀK_h here: {need / 2**30:.3g} GiB, more than {MEMORY_FRACTION:g} of "
-                             f"this machine's memory ({limit / 2**30:.3g} GiB); give value factors (value_in/value_out) "
-                             f"so that no d × d matrix is needed, or use a smaller d")
+        self._check_dense(self.query, self.key, "score matrices A_h = Q_hᵀK_h",
+                          "give value factors (value_in/value_out) so that no d × d matrix is needed, or a smaller d")
         return self.query.transpose(-1, -2) @ self.key
 
-    def _dense_bytes(self) -> float:
-        """Bytes of the dense (..., H, d, d) matrices formed from the factors."""
-        batch = math.prod(broadcast_shapes(self.query.shape[:-3], self.key.shape[:-3]))
-        return float(batch) * self.num_heads * self.dim ** 2 * self.query.element_size()
+    def _dense_bytes(self, a=None, b=None) -> float:
+        """Bytes of the dense (..., H, d, d) matrices formed from two factors (default: query and key)."""
+        a, b = (self.query, self.key) if a is None else (a, b)
+        batch = math.prod(broadcast_shapes(a.shape[:-3], b.shape[:-3]))
+        return float(batch) * self.num_heads * self.dim ** 2 * a.element_size()
+
+    def _check_dense(self, a, b, what: str, fix: str) -> None:
+        """Refuse, before the allocation, dense (..., H, d, d) matrices from factors that would not fit in memory
+        (an out-of-memory error after seconds, or a machine that swaps)."""
+        need, limit = self._dense_bytes(a, b), MEMORY_FRACTION * machine_memory(a.device)
+        if need > limit:
+            raise ValueError(f"these factored heads (H = {self.num_heads}, d = {self.dim}) would need their dense "
+                             f"{what} here: {need / 2**30:.3g} GiB, more than {MEMORY_FRACTION:g} of this machine's "
+                             f"memory ({limit / 2**30:.3g} GiB); {fix}")
 
     @property
     def value_matrix(self) -> torch.Tensor:

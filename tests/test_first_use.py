@@ -125,7 +125,7 @@ def test_a_complete_run_run_again_says_so_without_mentioning_resume(tmp_path, ca
     assert cli.main(["run", str(toml), "--out", str(tmp_path)]) == 2
     msg = capsys.readouterr().err
     assert "exists and is complete" in msg and "nothing was run" in msg and "--overwrite" in msg, msg
-    assert "--resume has nothing" not in msg and "nothing to continue" not in msg
+    assert "has nothing to continue" not in msg and "shown again by --resume" in msg
 
 
 # ---------------------------------------------------------------------------- phases that would be silent

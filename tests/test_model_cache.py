@@ -66,47 +66,45 @@ import sys, time
 from pathlib import Path
 import transformer_pde as tp
 print("ready", flush=True)
-while not Path(sys.argv[2]).exists():  # every process calls at the same moment
-    time.sleep(0.002)
-print(tp.pretrained.packaged_minilm(sys.argv[1]))
+for go in sys.argv[2:]:  # at each signal, every process calls at the same moment
+    while not Path(go).exists():
+        time.sleep(0.002)
+    print(tp.pretrained.packaged_minilm(sys.argv[1]), flush=True)
 """
 
 
-def _together(cache: Path, count: int):
+@needs_package
+def test_processes_extracting_or_repairing_one_cache_at_once_all_succeed(tmp_path):
+    """Four processes extract into one fresh cache at once, then repair a damaged extraction at once."""
+    cache = tmp_path / "cache"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
-    go = cache.parent / "go"
-    procs = [subprocess.Popen([sys.executable, "-c", _EXTRACT, str(cache), str(go)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env) for _ in range(count)]
-    for p in procs:  # each has imported the library
-        assert p.stdout.readline().strip() == "ready", p.stderr.read()[-2000:]
-    go.touch()
-    return [(p.stdout.read(), p.stderr.read(), p.wait(timeout=300)) for p in procs]
-
-
-@needs_package
-def test_processes_extracting_into_one_fresh_cache_at_once_all_succeed(tmp_path):
-    cache = tmp_path / "cache"
-    results = _together(cache, 3)
-    for out, err, rc in results:
-        assert rc == 0, err[-2000:]
-        assert Path(out.strip()) == cache / "all-MiniLM-L6-v2"
-    assert pre._valid_extraction(cache / "all-MiniLM-L6-v2")
-    assert sorted(p.name for p in cache.iterdir()) == [".all-MiniLM-L6-v2.lock", "all-MiniLM-L6-v2"]
-
-
-@needs_package
-def test_processes_repairing_a_damaged_extraction_at_once_all_succeed(tmp_path):
-    cache = tmp_path / "cache"
-    folder = tp.pretrained.packaged_minilm(cache)
-    with open(folder / "model.safetensors", "r+b") as f:  # damaged: same size, other bytes
-        f.seek(10_000)
-        f.write(b"\0" * 64)
-    (folder / "config_sentence_transformers.json").unlink()
-    assert not pre._valid_extraction(folder)
-    results = _together(cache, 4)
-    assert all(rc == 0 for _, _, rc in results), [err[-2000:] for _, err, rc in results if rc]
-    assert pre._valid_extraction(folder) and (folder / "config_sentence_transformers.json").is_file()
+    go = [tmp_path / "go_fresh", tmp_path / "go_repair"]
+    procs = [subprocess.Popen([sys.executable, "-c", _EXTRACT, str(cache), *map(str, go)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for _ in range(4)]
+    try:
+        for p in procs:  # each has imported the library
+            assert p.stdout.readline().strip() == "ready", p.stderr.read()[-2000:]
+        go[0].touch()
+        for p in procs:
+            assert Path(p.stdout.readline().strip()) == cache / "all-MiniLM-L6-v2", p.stderr.read()[-2000:]
+        folder = cache / "all-MiniLM-L6-v2"
+        assert pre._valid_extraction(folder)
+        assert sorted(q.name for q in cache.iterdir()) == [".all-MiniLM-L6-v2.lock", "all-MiniLM-L6-v2"]
+        with open(folder / "model.safetensors", "r+b") as f:  # damaged: same size, other bytes
+            f.seek(10_000)
+            f.write(b"\0" * 64)
+        (folder / "config_sentence_transformers.json").unlink()
+        assert not pre._valid_extraction(folder)
+        go[1].touch()
+        for p in procs:
+            assert Path(p.stdout.readline().strip()) == folder, p.stderr.read()[-2000:]
+            assert p.wait(timeout=300) == 0
+        assert pre._valid_extraction(folder) and (folder / "config_sentence_transformers.json").is_file()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
 
 
 @needs_package

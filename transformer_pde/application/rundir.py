@@ -220,9 +220,9 @@ class RunDir:
         return p
 
     def load_tensors(self, tag: str):
-        """The object saved under ``tag``, or None when there is none (or when it carries no configuration
-        stamp: a piece of an earlier version, computed again); ValueError when unreadable, or when it was
-        computed with another configuration than this run's (a piece copied in from another run)."""
+        """The object saved under ``tag``, or None when there is none; ValueError when unreadable, or when its
+        configuration stamp differs from this run's (a piece copied in from another run).  A piece without a
+        stamp (an earlier version's) is returned as it is, for the study's own checks."""
         p = self.data_path(tag)
         if not p.exists():
             return None
@@ -232,12 +232,8 @@ class RunDir:
             raise ValueError(f"{p} is corrupted or unreadable ({type(e).__name__}: {e}); delete it to recompute "
                              f"that part of the run") from None
         if self.stamp is not None and isinstance(obj, dict):
-            stamp = obj.pop(STAMP_KEY, None)
-            if stamp is None:
-                logger.warning("%s records no run configuration (written by an earlier version): it is computed "
-                               "again", p)
-                return None
-            if stamp != self.stamp:
+            stamp = obj.pop(STAMP_KEY, None)  # None: a piece of an earlier version, left to the study's own checks
+            if stamp is not None and stamp != self.stamp:
                 raise ValueError(f"{p} was computed by a run with another configuration ({_stamp_diff(stamp, self.stamp)}"
                                  f" [its -> this run's]); it is not this run's result: delete it to recompute that "
                                  f"part, or resume the run it came from")

@@ -170,8 +170,8 @@ def _check_existing(run_path: Path, cfg, *, resume: bool, overwrite: bool, repla
     if not resume:
         if _is_complete(run_path):
             raise ValueError(f"run directory {run_path} exists and is complete (its results: "
-                             f"{run_path / 'metrics.json'}, figures in {run_path / 'figures'}); nothing was run. Pass "
-                             f"--overwrite to run it again, or --name NEW to keep it and start another run")
+                             f"{run_path / 'metrics.json'}, figures in {run_path / 'figures'}, shown again by --resume); nothing "
+                             f"was run. Pass --overwrite to run it again, or --name NEW to keep it and start another run")
         raise ValueError(f"run directory {run_path} exists; pass --resume to continue it, --overwrite to start it "
                          f"afresh, or --name NEW to start another run")
     try:

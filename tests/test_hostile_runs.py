@@ -219,11 +219,19 @@ class _FieldWide(tp.Normalization):
         return torch.cat([f, f], -1), None
 
 
+class _FieldFloat32(tp.Normalization):
+    name = "field_float32"
+
+    def field(self, kernel):
+        return kernel.value_field().float(), None
+
+
 @pytest.mark.parametrize("norm, error, match", [
     (_NoOutputs(), TypeError, r"outputs\(kernel\) must return f_h of shape \(\.\.\., H, n, d\) = \(\.\.\., 3, 5, 4\)"),
     (_OneHead(), ValueError, r"have shape \((1, )?1, 5, 4\)"),
     (_FieldNone(), TypeError, "_FieldNone returned a field of NoneType"),
     (_FieldWide(), ValueError, r"_FieldWide returned a field of \((1, )?5, 8\)"),
+    (_FieldFloat32(), ValueError, r"_FieldFloat32 returned a field of \((1, )?5, 4\) torch.float32"),
 ])
 def test_a_user_normalisation_with_a_wrong_output_is_refused(norm, error, match):
     with pytest.raises(error, match=match):

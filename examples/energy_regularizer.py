@@ -107,7 +107,7 @@ def train(lam: float, *, kind: str, iters: int, batch: int, n: int, lr: float, s
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=iters, desc=f"train λ={lam:g}", unit="it", leave=False)
+        bar = tqdm(total=iters, desc=f"train λ={lam:g}", unit="it", leave=False, disable=None)  # a terminal only
     for _ in range(iters):
         x, y = make_batch(batch, n, gen)
         logits, traj = model(x)

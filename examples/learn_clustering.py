@@ -100,7 +100,7 @@ def run(*, quick: bool = False, iters: Optional[int] = None, batch: int = 8, n: 
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=iters, desc="learn_clustering", unit="it", leave=False)
+        bar = tqdm(total=iters, desc="learn_clustering", unit="it", leave=False, disable=None)  # a terminal only
     for it in range(iters):
         x, target = make_batch(batch, n, gen)
         loss = loss_fn(model(x), target)

@@ -95,6 +95,18 @@ def example_times(docs: Path = DOCS) -> list[tuple[str, float]]:
     return out
 
 
+#: the modules the build needs (import name, the package that provides it); all in the docs extra
+NEEDED = (("sphinx", "sphinx"), ("sphinx_gallery", "sphinx-gallery"), ("myst_parser", "myst-parser"))
+INSTALL = 'pip install -e ".[docs]"'
+
+
+def missing_packages() -> list[str]:
+    """The packages of :data:`NEEDED` that are not installed (found without importing them)."""
+    import importlib.util
+
+    return [dist for mod, dist in NEEDED if importlib.util.find_spec(mod) is None]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--clean", action="store_true", help="remove the build and the generated sources first")
@@ -103,6 +115,12 @@ def main(argv=None) -> int:
                     help="fail when a gallery example runs longer (0: report only)")
     ap.add_argument("--screenshots", action="store_true", help="also render PNG screenshots (headless Chromium)")
     args = ap.parse_args(argv)
+    missing = missing_packages()
+    if missing:
+        print(f"build_docs: the documentation build needs {', '.join(missing)}, which "
+              f"{'is' if len(missing) == 1 else 'are'} not installed; install the docs extra from the repository "
+              f"root:\n  {INSTALL}\n(the pages are also readable as they are: docs/*.md)", file=sys.stderr)
+        return 2
     if args.clean:
         for p in GENERATED:
             if p.is_dir():

@@ -31,6 +31,7 @@ LAYERS = [
      "transformer_pde.utils", "transformer_pde.model", "transformer_pde.analysis", "transformer_pde.application"},
     {"transformer_pde.model.sphere"},
     {"transformer_pde.model.scaling"},  # β as a rule of the context length n
+    {"transformer_pde.model.factors"},  # checks of factored heads (shapes, dense memory)
     {"transformer_pde.model.heads"},
     {"transformer_pde.model.positional"},  # the positional biases of causal attention (ALiBi, kinetic decay, kernels)
     {"transformer_pde.model.backends"},  # the kernel backends (policy, availability) and the block plumbing
@@ -46,6 +47,7 @@ LAYERS = [
     {"transformer_pde.processes.weights"},  # the weight processes
     {"transformer_pde.processes.paths"},  # a stored weight path (replay)
     {"transformer_pde.processes.driver"},  # the Θ_t grid driver of every solver; sample_path
+    {"transformer_pde.processes.model_files"},  # a pretrained network's files: the shared cache, the reading checks
     {"transformer_pde.processes.nn", "transformer_pde.processes.pretrained"},
     {"transformer_pde.processes"},  # the package re-exports the weight processes
     # the layer-normalisation schemes (the step's geometry); Butcher tableaux; Trajectory and the errors

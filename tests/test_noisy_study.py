@@ -114,7 +114,7 @@ def test_claim_helpers():
     mean, half = bootstrap_interval(x, np.mean, resamples=4000, seed=1)
     assert mean == pytest.approx(x.mean()) and half == pytest.approx(1.96 * x.std(ddof=1) / 20, rel=0.1)
     c = claim("a", float("nan"), 0.1, 8, reference=1.0, holds=True)
-    assert c["value"] is None and c["holds"] is True
+    assert c["value"] is None and c["holds"] is None  # an undefined value has no verdict
     table = render_table([c, claim("b", 1.0, 0.0, 0, holds=None)])
     assert table.count("\n") == 3 and "| b | 1 ± 0 | 0 | — | — |" in table
     with pytest.raises(ValueError):

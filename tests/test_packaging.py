@@ -265,7 +265,7 @@ def _build_wheel(dest: Path) -> Path:
     src = dest / "src"
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "build", "dist")
     src.mkdir(parents=True)
-    for name in ("pyproject.toml", "README.md", "LICENSE", "CITATION.cff"):
+    for name in ("pyproject.toml", "README.md", "LICENSE", "CITATION.cff", "_transformer_pde_cli.py"):
         shutil.copy2(ROOT / name, src / name)
     shutil.copytree(PKG, src / "transformer_pde", ignore=ignore)
     shutil.copytree(ROOT / "experiments", src / "experiments", ignore=ignore)
@@ -302,7 +302,8 @@ def test_wheel_ships_modules_configs_and_py_typed(wheel):
     assert any(r.startswith("scipy") for r in requires)
     assert any(r.startswith("tomli") and 'python_version < "3.11"' in r for r in requires)
     assert meta.get("License-Expression") == "MIT"
-    assert "transformer-pde = transformer_pde.application.cli:main" in entry_points
+    assert "transformer-pde = _transformer_pde_cli:main" in entry_points
+    assert "_transformer_pde_cli.py" in names  # the command's launcher
 
 
 @pytest.mark.slow

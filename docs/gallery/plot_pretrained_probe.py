@@ -10,15 +10,13 @@ The full study (1000 sentences, every rung, β_eff, energies, Lipschitz constant
 ``transformer-pde run pretrained_probe``; docs/pretrained.md has its numbers.
 """
 
-from pathlib import Path
-
 import matplotlib.pyplot as plt
 import torch
 
 import transformer_pde as tp
 from transformer_pde.application.studies.probe import mean_cosine, select_sentences
 
-net = tp.pretrained.load(tp.pretrained.packaged_minilm(Path("~/.cache/transformer_pde").expanduser()))
+net = tp.pretrained.load(tp.pretrained.packaged_minilm())  # the user cache (TRANSFORMER_PDE_CACHE)
 texts = select_sentences(6, seed=0)
 states, mask = tp.pretrained.hidden_states(net, texts, max_length=24)
 rungs = ("network", "no_feedforward", "continuous")

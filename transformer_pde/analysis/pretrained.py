@@ -2,7 +2,7 @@
 ladder that removes one ingredient at a time on the way to the PDE (docs/pretrained.md).
 
     import transformer_pde as tp
-    net = tp.pretrained.load(tp.pretrained.packaged_minilm("~/.cache/transformer_pde"))
+    net = tp.pretrained.load(tp.pretrained.packaged_minilm())
     states, mask = tp.pretrained.hidden_states(net, ["a sentence", "another one"])
     preds = tp.pretrained.ladder(net, states, mask, mode="rollout")
     tp.pretrained.cloud_distances(preds["continuous"], states, mask)
@@ -41,6 +41,7 @@ import torch
 
 from ..model.backends import kernel_backend
 from ..model.sphere import normalize
+from ..processes.model_files import check_texts, check_token_ids, max_positions
 from ..processes.pretrained import (
     FAMILIES, MINILM_PIP, MINILM_SHA256, LayerWeights, Norm, PretrainedNetwork, layer_heads, layerwise_from_pretrained,
     load, packaged_minilm,
@@ -105,12 +106,18 @@ def hidden_states(net: PretrainedNetwork, texts_or_batch, *, max_length: int = 6
         if net.tokenizer is None:
             raise ValueError("this network has no tokenizer (the folder had no tokenizer.json); pass token ids or "
                              "load(model, tokenizer=...)")
+        check_texts(texts_or_batch)
         tok = net.tokenizer
         if tok.pad_token is None:  # GPT-2's tokenizer has none: pad with end-of-text, masked out anyway
             tok.pad_token = tok.eos_token
         tok.padding_side = "right"
         batch = dict(tok(list(texts_or_batch), padding=True, truncation=True, max_length=max_length,
                          return_tensors="pt"))
+        limit = max_positions(net.model.config)
+        if limit is not None and batch["input_ids"].shape[-1] > limit:
+            raise ValueError(f"the texts are up to {batch['input_ids'].shape[-1]} tokens long (max_length = "
+                             f"{max_length}), beyond the {limit} positions of the network's position embeddings; give "
+                             f"max_length <= {limit}")
     elif isinstance(texts_or_batch, Mapping):
         batch = dict(texts_or_batch)
     elif isinstance(texts_or_batch, torch.Tensor):
@@ -119,6 +126,8 @@ def hidden_states(net: PretrainedNetwork, texts_or_batch, *, max_length: int = 6
         raise TypeError(f"texts_or_batch must be text(s), a mapping of model inputs or a tensor, got "
                         f"{type(texts_or_batch).__name__}")
     device = next(net.model.parameters()).device
+    if "input_ids" in batch:
+        check_token_ids(net.model.config, batch["input_ids"])
     batch = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
     if net.family == "vit" and "pixel_values" in batch:
         batch["pixel_values"] = batch["pixel_values"].to(net.dtype)
@@ -305,6 +314,8 @@ def _check_states(net, states, mask):
         raise ValueError(f"states must be (L+1, B, n, d) = ({L + 1}, B, n, {net.dim}) from hidden_states, got "
                          f"{tuple(states.shape) if isinstance(states, torch.Tensor) else type(states).__name__}")
     _check_layer_inputs(net, 0, states[0], mask)
+    if not bool(torch.isfinite(states[:, mask]).all()):  # a rung from NaN tokens would be NaN throughout
+        raise ValueError("states hold NaN/inf at real tokens; pass the hidden states of hidden_states(...)")
 
 
 def _continuous(net, states, mask, dt: float, mode: str):
@@ -432,6 +443,16 @@ def cloud_distances(pred: torch.Tensor, real: torch.Tensor, mask: torch.Tensor) 
                          f"{getattr(pred, 'shape', type(pred).__name__)} and {getattr(real, 'shape', type(real).__name__)}")
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.shape != pred.shape[1:3]:
         raise ValueError(f"mask must be a bool tensor (B, n) = {tuple(pred.shape[1:3])}")
+    if not bool(mask.any(-1).all()):
+        raise ValueError("every sentence needs at least one real token (a row of mask is all False)")
+    for name, t in (("pred", pred), ("real", real)):  # a NaN or zero token normalises to nothing: W2 would be 0
+        valid = t.detach()[:, mask]  # (L+1, tokens, d)
+        bad = ~torch.isfinite(valid).all(-1) | (valid.norm(dim=-1) == 0)
+        if bool(bad.any()):
+            layer = int(bad.any(-1).nonzero()[0])
+            raise ValueError(f"{name} holds a NaN/inf or zero vector at a real token of hidden-state index {layer}: it "
+                             f"has no direction on the sphere, so the distances are undefined; mask that token out or "
+                             f"check what produced it")
     p = normalize(pred.detach().to(torch.float64))
     q = normalize(real.detach().to(torch.float64))
     w2, ang = [], []

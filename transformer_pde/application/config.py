@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any, Dict, Iterable
 
-from ..utils.resources import CONFIG_MAX_BYTES, did_you_mean, load_toml, loads_toml, tomllib
+from ..utils.resources import CONFIG_MAX_BYTES, check_nesting, did_you_mean, load_toml, loads_toml, tomllib
 from .studies import estimate_resources, get_study, validate_params
 
 __all__ = ["load_config", "parse_override", "check_run_name", "check_resources", "parse_size", "memory_limit",
@@ -31,7 +31,7 @@ def parse_override(text: str):
     if key.startswith("params."):
         key = key[len("params."):]
     try:
-        value = loads_toml(f"v = {raw}")["v"]
+        value = loads_toml(f"v = {raw}", where=f"override {key[:40]}=...")["v"]
     except tomllib.TOMLDecodeError:
         value = raw.strip()
     return key, value
@@ -50,6 +50,7 @@ def load_config(source, overrides: Iterable[str] = ()) -> Dict[str, Any]:
     if isinstance(source, (str, Path)):
         raw, default_name = load_toml(Path(source)), Path(source).stem
     elif isinstance(source, dict):
+        check_nesting(source, "the config")
         raw = dict(source)
         default_name = raw.get("kind", "run")
     else:

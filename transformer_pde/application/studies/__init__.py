@@ -9,11 +9,14 @@ allowed values before anything runs.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import json
 import logging
 import math
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Tuple
@@ -32,7 +35,7 @@ __internal__ = ["positive", "nonnegative", "at_least", "open_unit", "unique_none
                 "check_whole_steps", "check_device", "device_of", "weight_process", "step_callback", "cached",
                 "fingerprint", "load_segment", "segment_bar", "SegmentBar", "HEARTBEAT_S", "check_record_every", "nonfinite_keys", "subplots",
                 "save_captioned", "panel", "log_ticks",
-                "sphere_name"]
+                "sphere_name", "interrupts_left_to_parent", "spawn_pool"]
 
 _log = logging.getLogger(__name__)
 
@@ -448,6 +451,31 @@ def segment_bar(run, total: int, desc: str, unit: str, *, work=None, log=None) -
     costs, a list or a dict by segment key), shown only on a terminal (never escape codes in a log file) and only when the run allows progress
     bars; ``log``: the logger of its heartbeat lines.  Use it as a context manager."""
     return SegmentBar(run, [1.0] * total if work is None else work, desc, unit, log=log)
+
+
+# ---------------------------------------------------------------------------- worker processes
+@contextlib.contextmanager
+def interrupts_left_to_parent():
+    """SIGINT ignored in this process (its main thread) while worker processes are spawned inside the ``with``:
+    they inherit the disposition through exec, so they ignore Ctrl-C from their first instruction on (also
+    while they import torch).  Ctrl-C at a terminal reaches the whole process group; answered by the parent
+    alone, it prints one resume hint instead of a traceback per worker, and the parent stops the workers."""
+    main = threading.current_thread() is threading.main_thread()
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+    try:
+        yield
+    finally:
+        if main:
+            signal.signal(signal.SIGINT, old)
+
+
+def spawn_pool(processes: int, initializer=None):
+    """A ``multiprocessing`` pool of ``processes`` spawned workers (no forked torch state) that leave Ctrl-C to
+    this process (:func:`interrupts_left_to_parent`); use it as a context manager (it terminates the workers)."""
+    import multiprocessing
+
+    with interrupts_left_to_parent():
+        return multiprocessing.get_context("spawn").Pool(processes, initializer=initializer)
 
 
 # ---------------------------------------------------------------------------- figures

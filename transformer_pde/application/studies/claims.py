@@ -44,9 +44,10 @@ def _num(x):
 
 
 def claim(name: str, value, error, seeds: int, reference=None, holds: Optional[bool] = None, **extra) -> Dict:
-    """One claim (module docstring); non-finite numbers become None (JSON null)."""
+    """One claim (module docstring); non-finite numbers become None (JSON null), and a claim whose value is
+    undefined has no verdict (``holds`` None, whatever the study judged)."""
     out = {"name": str(name), "value": _num(value), "error": _num(error), "seeds": int(seeds),
-           "reference": _num(reference), "holds": None if holds is None else bool(holds)}
+           "reference": _num(reference), "holds": None if holds is None or _num(value) is None else bool(holds)}
     out.update(extra)
     return out
 

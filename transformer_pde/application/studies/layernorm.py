@@ -68,6 +68,11 @@ OPTIONS = {
 def _validate(p):
     if not p["fit_low"] < p["fit_high"]:
         raise ValueError(f"fit_low = {p['fit_low']} must be below fit_high = {p['fit_high']}")
+    floor = 1e3 * torch.finfo(dtype_of(p)).eps  # 1 − ρ is a difference of numbers near 1: rounding below this
+    if p["fit_low"] < floor:
+        raise ValueError(f"config key 'fit_low' = {p['fit_low']:g} is below what dtype = '{p['dtype']}' resolves in "
+                         f"1 − ρ (≈ {floor:.1g}: a difference of numbers near 1); the fit window would hold rounding "
+                         f"noise: take fit_low >= {floor:.1g}")
     steps = p["t1"] / p["dt"]
     if abs(steps - round(steps)) > 1e-9 * max(1.0, steps):
         raise ValueError(f"t1/dt = {steps} must be a whole number")

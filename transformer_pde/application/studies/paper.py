@@ -50,7 +50,7 @@ from ...model.normalization import NORMALIZATIONS
 from . import (
     DEVICE, DTYPE, Option, at_least, check_device, check_record_every, check_whole_steps, device_of, fingerprint,
     load_segment, nonnegative, open_unit, positive, segment_bar, sphere_name, step_callback, study, unique_nonempty,
-    weight_process, dtype_of)
+    weight_process, dtype_of, spawn_pool)
 
 __all__ = ["OPTIONS", "run_ou_vs_oscillating", "fit_power_law", "power_law_intervals", "time_average",
            "initial_tokens", "initial_heads", "check_params"]
@@ -445,20 +445,17 @@ def resolve_workers(p: Dict, device, segments: Sequence[Tuple[str, int]] = ()) -
 def _run_in_workers(p: Dict, todo: Sequence[Tuple[str, int]], x0, run, workers: int, bar) -> Dict:
     """Every segment of ``todo`` on a pool of ``workers`` spawned one-thread processes; finished segments
     are saved as they complete (resume skips them; a chunk resumes from its own checkpoint)."""
-    import multiprocessing as mp
-
     jobs = plan_chunks(p, todo, workers)
     need = {s: sum(1 for j in jobs if j[:2] == s) for s in todo}
     parts: Dict = {s: [] for s in todo}
     done: Dict = {}
     logger.info("%d segments as %d jobs on %d worker processes of one thread", len(todo), len(jobs), workers)
-    ctx = mp.get_context("spawn")
     args = []
     for regime, H, lo, hi in jobs:
         tag = f"{regime}_H{H}"
         total = p["paths"] if regime == "ou" else 1
         args.append((len(args), p, regime, H, x0.cpu(), lo, hi, run.checkpoint_path(_chunk_tag(tag, lo, hi, total))))
-    with ctx.Pool(min(workers, len(jobs)), initializer=_worker_init) as pool:
+    with spawn_pool(min(workers, len(jobs)), _worker_init) as pool:  # Ctrl-C is left to this process
         # largest jobs first, one at a time to whichever worker is free; a segment is saved once all its chunks are back
         for i, chunk in pool.imap_unordered(_worker_job, args):
             job = jobs[i]
@@ -533,6 +530,7 @@ def run_ou_vs_oscillating(params: Dict, run) -> Dict:
     metrics = _analyse(p, results, device)
     if p["figures"]:
         t0 = time.perf_counter()
+        logger.info("drawing the figures (snapshots, energy balance, slope, scaling; seconds each)")
         metrics["figure_captions"] = _figures(p, results, metrics, run)
         logger.info("figures written in %.1f s", time.perf_counter() - t0)
     if (p["animate"] or p["figures"] == "all") and len(p["regimes"]) > 0:

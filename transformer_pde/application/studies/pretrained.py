@@ -50,6 +50,7 @@ from . import Option, at_least, dtype_of, fingerprint, load_segment, positive, s
 from .probe import cloud_statistics, factored_log_energy, fit_effective_beta, select_sentences, sentence_w2, \
     standard_error, top_singular_value, topic_sentences
 from .pretrained_figures import figures
+from ...processes.model_files import check_model_folder, package_zip, weights_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ __all__ = ["RUNG_NAMES", "run_pretrained_probe"]
 #: the rungs of the ladder, in order (the same names as ``tp.pretrained.RUNGS``)
 RUNG_NAMES = ("network", "no_feedforward", "sphere", "no_bias", "continuous")
 _STATS = ("mean_cosine", "pair_fraction", "clusters")
+_MINILM_POSITIONS = 512  # the position embeddings of the packaged all-MiniLM-L6-v2 (its checksum fixes them)
 
 
 def _model_name(v):
@@ -72,7 +74,8 @@ def _unit_divisor(v):
 OPTIONS = {
     "model": Option("minilm", (str,), "'minilm' = the packaged all-MiniLM-L6-v2 (extracted into cache_dir), or the "
                     "path of a local transformers model folder (BERT, GPT-2 or ViT family)", check=_model_name),
-    "cache_dir": Option("", (str,), "where 'minilm' is extracted; '' = <run directory>/cache"),
+    "cache_dir": Option("", (str,), "where 'minilm' is extracted, once for every run; '' = the user cache "
+                        "(TRANSFORMER_PDE_CACHE, else ~/.cache/transformer_pde)"),
     "sentences": Option(1000, (int,), "number of sentences drawn from pydoc_data.topics", check=at_least(2)),
     "max_length": Option(64, (int,), "tokens per sentence at most (special tokens included; longer ones are cut)",
                          check=at_least(4)),
@@ -116,6 +119,21 @@ def _validate(p):
     if p["model"] != "minilm" and not (Path(p["model"]).expanduser() / "config.json").is_file():
         raise ValueError(f"config key 'model' = {p['model']!r} is neither 'minilm' nor a folder holding a "
                          f"config.json; give 'minilm' or the path of a saved transformers model")
+    if p["model"] == "minilm":
+        try:
+            package_zip()  # installed: refused before the run directory exists, not inside the run
+        except ImportError as e:
+            raise ValueError(f"config key 'model' = 'minilm': {e}; or give the path of a saved transformers model "
+                             f"with -o model=PATH") from None
+        positions = _MINILM_POSITIONS
+    else:  # the folder's files are checked before the run directory exists (a damaged file: refused, exit 2)
+        try:
+            positions = check_model_folder(Path(p["model"]).expanduser())["positions"]
+        except ValueError as e:
+            raise ValueError(f"config key 'model' = {p['model']!r}: {e}") from None
+    if positions is not None and p["max_length"] > positions:
+        raise ValueError(f"config key 'max_length' = {p['max_length']} is beyond the {positions} positions of the "
+                         f"network's position embeddings; give max_length <= {positions}")
 
 
 def _resources(p):
@@ -135,11 +153,25 @@ def _write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _folder(p, run) -> Path:
+def _folder(p) -> Path:
+    """The model folder: a local one, or the packaged network in the shared cache (extracted once)."""
     if p["model"] != "minilm":
         return Path(p["model"]).expanduser()
-    cache = Path(p["cache_dir"]).expanduser() if p["cache_dir"] else run.path / "cache"
-    return tp.pretrained.packaged_minilm(cache)
+    return tp.pretrained.packaged_minilm(Path(p["cache_dir"]).expanduser() if p["cache_dir"] else None)
+
+
+def _stored(run, tag: str, fp: str, weights: str, folder: Path, required):
+    """The finished piece ``tag`` of this run (load_segment), refused with the reason when it was computed with
+    other weights than the model folder holds now (its files replaced after the run was interrupted)."""
+    try:
+        return load_segment(run, tag, "pretrained_probe", fp, required=required)
+    except ValueError:
+        seg = run.load_tensors(tag)
+        if isinstance(seg, dict) and seg.get("weights") not in (None, weights):
+            raise ValueError(f"{run.data_path(tag)} was computed with other weights than the model folder {folder} "
+                             f"holds now (its files changed after the run was interrupted); resuming would average "
+                             f"two networks: restore the files, or start afresh with --overwrite or --name NEW") from None
+        raise
 
 
 def _buckets(net, texts: List[str], p) -> List[torch.Tensor]:
@@ -285,24 +317,28 @@ def run_pretrained_probe(params, run):
     t_start = time.perf_counter()
     texts = select_sentences(p["sentences"], p["seed"])
     _write_text(run.path / "sentences.txt", "\n".join(texts) + "\n")  # one input per line, as fed to the tokenizer
-    folder = _folder(p, run)
+    folder = _folder(p)
     net = tp.pretrained.load(folder, dtype=dtype)
     # the heads of the continuous rung: biases dropped, ω_h = 1, β = d/√k (tokens of norm √d)
     heads_layers = [tp.pretrained.layer_heads(lw, bias="drop", token_norm=math.sqrt(net.dim)) for lw in net.layers]
-    fp = fingerprint(p, {"figures", "cache_dir"}, texts=hashlib.sha256("\n".join(texts).encode()).hexdigest())
+    # the stored buckets belong to these texts, parameters and weights (the model folder's files, by content)
+    weights = weights_fingerprint(folder)
+    fp = fingerprint(p, {"figures", "cache_dir"}, texts=hashlib.sha256("\n".join(texts).encode()).hexdigest(),
+                     weights=weights)
     groups = _buckets(net, texts, p)
     parts = []
     with segment_bar(run, len(groups), "pretrained probe", "bucket") as bar:
         for k, idx in enumerate(groups):
             tag = f"bucket_{k}"
-            seg = load_segment(run, tag, "pretrained_probe", fp, required=("real.mean_cosine", "beta.beta"))
+            seg = _stored(run, tag, fp, weights, folder, ("real.mean_cosine", "beta.beta"))
             if seg is None:
                 sub = [texts[i] for i in idx.tolist()]
                 at = (idx == p["pca_sentence"]).nonzero()
                 pca_at = int(at[0]) if len(at) else None
                 with torch.no_grad():
                     seg = _bucket(net, heads_layers, sub, p, pca_at)
-                seg.update({"kind": "transformer_pde.pretrained_probe.segment", "fingerprint": fp, "index": idx})
+                seg.update({"kind": "transformer_pde.pretrained_probe.segment", "fingerprint": fp, "index": idx,
+                            "weights": weights})
                 run.save_tensors(tag, seg)
                 if run.step_callback is not None:  # monitoring (tests interrupt a run here)
                     run.step_callback(tag, k, float(k))
@@ -312,12 +348,16 @@ def run_pretrained_probe(params, run):
                 log.info("[%s] already complete, reused from data/", tag)
             parts.append(seg)
             bar.update(1)
-    lip = load_segment(run, "lipschitz", "pretrained_probe", fp, required=("sigma", "steps", "converged"))
+    lip = _stored(run, "lipschitz", fp, weights, folder, ("sigma", "steps", "converged"))
     if lip is None:
         t0 = time.perf_counter()
+        log.info("[lipschitz] power iteration on %d sentences × %d layers (at most %d steps; the longest phase after "
+                 "the buckets)", min(p["lipschitz_sentences"], p["sentences"]), net.num_layers,
+                 p["lipschitz_iterations"])
         lip = _lipschitz(net, [texts[i] for i in _lipschitz_subset(p)], p)
+        log.info("[lipschitz] done in %.1f s (%d steps)", time.perf_counter() - t0, int(lip["steps"]))
         lip.update({"kind": "transformer_pde.pretrained_probe.segment", "fingerprint": fp,
-                    "wall": time.perf_counter() - t0})
+                    "wall": time.perf_counter() - t0, "weights": weights})
         run.save_tensors("lipschitz", lip)
         if run.step_callback is not None:
             run.step_callback("lipschitz", 0, 0.0)

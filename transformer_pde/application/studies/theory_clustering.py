@@ -306,7 +306,18 @@ def _random_tokens(params, dtype) -> Dict:
 
 
 # ---------------------------------------------------------------------------- item 6
-@study("theory_entropy", ENTROPY_OPTIONS, "Pendharkar item 6: attention entropy, dH/dt = -Cov(s, sdot), rise to log n")
+def _check_fd_step(p):
+    """A central difference with a step below √(unit roundoff) of the dtype measures rounding (error ≈ ε_mach/h),
+    and one above 0.1 measures curvature: neither checks the identity."""
+    floor = math.sqrt(torch.finfo(dtype_of(p)).eps)
+    if not floor <= p["fd_step"] <= 0.1:
+        raise ValueError(f"config key 'fd_step' = {p['fd_step']:g} must lie in [{floor:.1g}, 0.1] with dtype = "
+                         f"'{p['dtype']}': below, the central difference measures rounding (its error is about "
+                         f"{torch.finfo(dtype_of(p)).eps:.1g}/fd_step); above, the curvature of the entropy")
+
+
+@study("theory_entropy", ENTROPY_OPTIONS, "Pendharkar item 6: attention entropy, dH/dt = -Cov(s, sdot), rise to log n",
+       validate=_check_fd_step)
 def run_entropy(params, run):
     dtype = dtype_of(params)
     g = torch.Generator().manual_seed(params["seed"])

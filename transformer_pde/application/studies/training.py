@@ -95,9 +95,22 @@ OPTIONS = {
 }
 
 
+_IMAGES, _CLASSES = 1797, 10  # scikit-learn's digits
+
+
 def _validate(p):
     if p["dim"] % p["heads"]:
         raise ValueError(f"config keys 'dim' = {p['dim']} and 'heads' = {p['heads']}: d must be a multiple of H")
+    n_test = math.ceil(p["test_fraction"] * _IMAGES)  # scikit-learn's rule for a fractional test_size
+    n_train = _IMAGES - n_test
+    if min(n_train, n_test) < _CLASSES:
+        raise ValueError(f"config key 'test_fraction' = {p['test_fraction']:g} leaves {n_train} training and {n_test} "
+                         f"test images of {_IMAGES}; the stratified split needs at least one image of each of the "
+                         f"{_CLASSES} digits on both sides: take test_fraction in "
+                         f"[{_CLASSES / _IMAGES:.3f}, {1 - _CLASSES / _IMAGES:.3f}] (e.g. 0.3)")
+    if p["analysis_images"] > n_test:
+        raise ValueError(f"config key 'analysis_images' = {p['analysis_images']} is more than the {n_test} test images "
+                         f"of test_fraction = {p['test_fraction']:g}; give analysis_images <= {n_test}")
     if importlib.util.find_spec("sklearn") is None:
         raise ValueError("the train_digits study reads scikit-learn's load_digits: install scikit-learn "
                          "(pip install 'transformer_pde[train]' or pip install scikit-learn)")
@@ -165,7 +178,14 @@ class DigitClassifier(torch.nn.Module):
     def tokens(self, images: torch.Tensor) -> torch.Tensor:
         """The embedded tokens (B, n, d), on the unit sphere for a flow."""
         z = self.embed(images) + self.position
-        return z / z.norm(dim=-1, keepdim=True) if self.flow else z
+        if not self.flow:
+            return z
+        r = z.norm(dim=-1, keepdim=True)
+        if not bool((torch.isfinite(r) & (r > 0)).all()):  # the flow needs a direction for every token
+            raise FloatingPointError(f"the embedded tokens have norm {float(r.max()):.3g} (max) / {float(r.min()):.3g} "
+                                     f"(min): the embedding's weights overflowed or vanished (a learning rate too "
+                                     f"large?); tokens without a finite direction cannot be put on the sphere")
+        return z / r
 
     def forward(self, images: torch.Tensor, *, kinetic=False):
         """Logits (B, 10), and with ``kinetic`` (flows only: True, "metric" or "displacement") the kinetic
@@ -263,17 +283,27 @@ def train_model(p, name: str, seed: int, data: dict, run) -> dict:
     ckpt = f"{tag}_checkpoint"
     st = run.load_tensors(ckpt) if run.resume else None
     if st is not None:
-        model.load_state_dict(st["model"])
-        opt.load_state_dict(st["optimizer"])
-        gen.set_state(st["generator"])
-        records, start = st["records"], st["epoch"]
+        try:
+            model.load_state_dict(st["model"])
+            opt.load_state_dict(st["optimizer"])
+            gen.set_state(st["generator"])
+            records, start = st["records"], int(st["epoch"])
+        except (KeyError, RuntimeError, ValueError, TypeError) as e:
+            raise ValueError(f"{run.data_path(ckpt)} does not fit this run's {name} model ({type(e).__name__}: "
+                             f"{str(e)[:200]}); it is not this run's checkpoint: delete it to train that model "
+                             f"afresh") from None
         log.info("[%s] resumed after epoch %d", tag, start)
     lam, x, y = _lambda(name), data["x_train"], data["y_train"]
     # the thread policy (the CLI's --threads, "auto" by default) for the whole step, backward included: these
     # small kernels run fastest on one thread, and two threads on a busy machine can be several times slower
     work = p["batch_size"] * p["heads"] * x.shape[1] ** 2 * p["dim"]
     with threads.scope(work) as pool:
-        records = _epochs(p, model, opt, gen, records, start, data, run, tag, lam, pool)
+        try:
+            records = _epochs(p, model, opt, gen, records, start, data, run, tag, lam, pool)
+        except FloatingPointError as e:  # from inside a forward pass: say which model and learning rate
+            if str(e).startswith(tag):
+                raise
+            raise FloatingPointError(f"{tag}, training with lr = {p['lr']:g}: {e}") from None
     out = {"kind": _KIND, "records": records, "parameters": _count(model), "state": model.state_dict()}
     run.save_tensors(tag, out)
     run.data_path(ckpt).unlink(missing_ok=True)
@@ -289,23 +319,33 @@ def _epochs(p, model, opt, gen, records, start, data, run, tag, lam, pool):
         tot, kin_tot = 0.0, 0.0
         for i in range(0, len(y), p["batch_size"]):
             b = perm[i:i + p["batch_size"]]
-            if lam > 0:
-                logits, kin = model(x[b], kinetic=p["kinetic"])
-                loss = torch.nn.functional.cross_entropy(logits, y[b])
-                total = loss + lam * kin.mean()
-                kin_tot += float(kin.detach().sum())
-            else:
-                logits = model(x[b])
-                total = loss = torch.nn.functional.cross_entropy(logits, y[b])
+            try:
+                if lam > 0:
+                    logits, kin = model(x[b], kinetic=p["kinetic"])
+                    loss = torch.nn.functional.cross_entropy(logits, y[b])
+                    total = loss + lam * kin.mean()
+                    kin_tot += float(kin.detach().sum())
+                else:
+                    logits = model(x[b])
+                    total = loss = torch.nn.functional.cross_entropy(logits, y[b])
+            except ValueError as e:
+                if epoch == 0 and i == 0:  # the initial weights: not a divergence
+                    raise
+                raise _diverged(model, f"{tag}: the forward pass at epoch {epoch + 1}, batch {i // p['batch_size']}",
+                                p["lr"], e) from None
             if not torch.isfinite(total):
                 raise FloatingPointError(f"{tag}: the training loss is {float(total)} at epoch {epoch + 1}, batch "
                                          f"{i // p['batch_size']}; lower lr (now {p['lr']}) or depth/β")
             opt.zero_grad()
             total.backward()
             opt.step()
+            _check_parameters(model, tag, epoch, i // p["batch_size"], p["lr"])
             pool.refresh()
             tot += float(loss.detach()) * len(b)
-        test_loss, test_acc, test_kin, test_act = _evaluate(model, data["x_test"], data["y_test"])
+        try:
+            test_loss, test_acc, test_kin, test_act = _evaluate(model, data["x_test"], data["y_test"])
+        except ValueError as e:
+            raise _diverged(model, f"{tag}: the test evaluation after epoch {epoch + 1}", p["lr"], e) from None
         rec = {"epoch": epoch + 1, "train_loss": tot / len(y), "test_loss": test_loss, "test_accuracy": test_acc,
                "seconds": time.perf_counter() - t0}
         if lam > 0:
@@ -319,6 +359,23 @@ def _epochs(p, model, opt, gen, records, start, data, run, tag, lam, pool):
         if report is not None:
             report(tag, epoch + 1, float(epoch + 1))
     return records
+
+
+def _diverged(model, where: str, lr: float, error: Exception) -> FloatingPointError:
+    """The error of a forward pass that worked with the initial weights and fails after optimiser steps: the
+    steps moved the weights out of the range the model computes in (a divergence: exit code 3, not a bad input)."""
+    big, name = max((float(v.detach().abs().max()), n) for n, v in model.named_parameters())
+    return FloatingPointError(f"{where} failed after the optimiser steps with lr = {lr:g} moved the weights to "
+                              f"|{name}| = {big:.3g} (the training diverged; lower lr): {error}")
+
+
+def _check_parameters(model, tag: str, epoch: int, batch: int, lr: float) -> None:
+    """FloatingPointError (the run produced NaN/inf) naming the first parameter an optimiser step left non-finite:
+    caught here, the next forward pass would fail on its non-finite tokens with a message about its input."""
+    for pname, v in model.named_parameters():
+        if not bool(torch.isfinite(v).all()):
+            raise FloatingPointError(f"{tag}: the optimiser step at epoch {epoch + 1}, batch {batch} left the "
+                                     f"parameter {pname} NaN/inf (learning rate lr = {lr:g}); lower lr")
 
 
 # ---------------------------------------------------------------------------- depth statistics
@@ -382,9 +439,22 @@ def train_digits(p, run):
                             "energy_change": _summary([d["energy"][-1] - d["energy"][0] for d in depth[n]])}
                         for n in flows}
     metrics["kinetic_tradeoff"] = _tradeoff(metrics, p, seeds)
+    metrics["summary"] = _headline(metrics, len(seeds))
     if p["figures"]:
         _figures(run, metrics, p)
     return metrics
+
+
+def _headline(m, seeds: int) -> list:
+    """The lines the command line prints at the end: test accuracy and ∫𝒢²dt per model, ± standard error."""
+    def pm(s, fmt=".3f", err=".3f"):
+        sem = s["sem"]
+        return f"{s['mean']:{fmt}}" + (f" ± {sem:{err}}" if sem == sem else "")  # no ± for one seed
+
+    return [f"test accuracy, mean ± standard error over {seeds} seed(s): "
+            + ", ".join(f"{name} {pm(v)}" for name, v in m["test_accuracy"].items()),
+            "∫𝒢²dt on the test images: " + ", ".join(f"{name} {pm(v, '.3g', '.2g')}"
+                                                      for name, v in m["test_kinetic"].items())]
 
 
 def _tradeoff(m, p, seeds) -> dict:

@@ -1,0 +1,105 @@
+"""Ctrl-C at a terminal reaches the whole process group: a run or a sweep with worker processes answers it once,
+with a few lines on stderr (the resume hint, no worker tracebacks, no leaked-semaphore warnings), exit code 130,
+and ``--resume`` finishes the run.  The signal is sent to the process group of a real command, as a terminal
+does."""
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["-o", "regimes=['ou']", "-o", "heads=[1,2]", "-o", "n=8", "-o", "t1=1.5", "-o", "t_avg=0.5",
+        "-o", "paths=2", "-o", "checkpoint_every=10", "-o", "figures=false", "-o", "bootstrap=0"]
+
+pytestmark = pytest.mark.skipif(os.name != "posix", reason="process groups and SIGINT as a terminal sends them")
+
+
+def _env():
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+            "OMP_NUM_THREADS": "1"}
+
+
+def _start(args, cwd):
+    return subprocess.Popen([sys.executable, "-m", "transformer_pde.application.cli", *args], cwd=cwd,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
+                            start_new_session=True)
+
+
+def _wait_for(pattern_dir: Path, glob: str, proc, timeout: float = 240.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pattern_dir.exists() and any(pattern_dir.rglob(glob)):
+            return
+        if proc.poll() is not None:
+            pytest.fail(f"the command ended before it was interrupted: {proc.communicate()[1][-3000:]}")
+        time.sleep(0.05)
+    proc.kill()
+    pytest.fail("no checkpoint appeared")
+
+
+def _children(pid: int):
+    """The PIDs of the processes whose parent is ``pid`` (Linux /proc; [] elsewhere)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _interrupt(proc):
+    # the terminal sends SIGINT to every process of the group at once; a worker may see it before the parent
+    # stops it: deliver it to the workers first, give them a moment, then to the group
+    for child in _children(proc.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGINT)
+    time.sleep(1.0)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=180)
+    return proc.returncode, out, err
+
+
+def _assert_few_clean_lines(err: str):
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) <= 8, err
+    for bad in ("Traceback", "KeyboardInterrupt", "SpawnPoolWorker", "leaked semaphore", "Process "):
+        assert bad not in err, err
+
+
+def test_ctrl_c_of_a_run_with_worker_processes_prints_a_few_lines_and_resumes(tmp_path):
+    args = ["run", "ou_vs_oscillating_quick", *TINY, "-o", "workers=2", "--name", "w", "--no-progress"]
+    proc = _start(args, tmp_path)
+    _wait_for(tmp_path / "runs" / "w" / "checkpoints", "*.ckpt", proc)  # the workers are stepping
+    rc, _, err = _interrupt(proc)
+    assert rc == 130, err
+    _assert_few_clean_lines(err)
+    assert "--resume" in err and json.loads((tmp_path / "runs" / "w" / "status.json").read_text())["state"] == \
+        "interrupted"
+    done = subprocess.run([sys.executable, "-m", "transformer_pde.application.cli", *args, "--resume"], cwd=tmp_path,
+                          capture_output=True, text=True, env=_env(), timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((tmp_path / "runs" / "w" / "status.json").read_text())["state"] == "complete"
+
+
+def test_ctrl_c_of_a_sweep_with_worker_processes_prints_a_few_lines_and_resumes(tmp_path):
+    args = ["sweep", "ou_vs_oscillating_quick", "-s", "seed=[1,2]", "--workers", "2", *TINY, "-o", "workers=1",
+            "--name", "s", "--no-progress", "--no-figure"]
+    proc = _start(args, tmp_path)
+    _wait_for(tmp_path / "runs" / "s", "*.ckpt", proc)
+    rc, _, err = _interrupt(proc)
+    assert rc == 130, err
+    _assert_few_clean_lines(err)
+    done = subprocess.run([sys.executable, "-m", "transformer_pde.application.cli", *args, "--resume"], cwd=tmp_path,
+                          capture_output=True, text=True, env=_env(), timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "points: 2" in done.stdout and "failed: 0" in done.stdout, done.stdout

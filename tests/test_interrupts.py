@@ -77,7 +77,9 @@ def _assert_few_clean_lines(err: str):
 
 
 def test_ctrl_c_of_a_run_with_worker_processes_prints_a_few_lines_and_resumes(tmp_path):
-    args = ["run", "ou_vs_oscillating_quick", *TINY, "-o", "workers=2", "--name", "w", "--no-progress"]
+    # long enough that the interrupt lands while the workers step (a loaded machine slows the start, not the run)
+    args = ["run", "ou_vs_oscillating_quick", *TINY, "-o", "t1=12", "-o", "workers=2", "--name", "w",
+            "--no-progress"]
     proc = _start(args, tmp_path)
     _wait_for(tmp_path / "runs" / "w" / "checkpoints", "*.ckpt", proc)  # the workers are stepping
     rc, _, err = _interrupt(proc)

@@ -274,7 +274,8 @@ def _weights(p, dtype, run):
     for k in range(K):
         ou[k + 1] = bbar + a * (ou[k] - bbar) + sd * math.sqrt(1 - a * a) * torch.randn((), generator=g,
                                                                                        dtype=torch.float64)
-    # β must stay > 0 for the library's heads: clip the (rare) excursions and say so
+    # the study's weights model attractive attention (β > 0); the library accepts any real β (the repulsive
+    # study), but here the rare excursions below 1e-3 are clipped and their fraction recorded
     ou_clipped = ou.clamp_min(1e-3)
     osc = bbar + p["weights_amplitude"] * torch.sin(t)
     osc = osc.clamp_min(1e-3)

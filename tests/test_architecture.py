@@ -45,7 +45,8 @@ LAYERS = [
     {"transformer_pde.model.energy"},
     {"transformer_pde.model.mobility"},
     {"transformer_pde.processes.weights"},  # the weight processes
-    {"transformer_pde.processes.paths"},  # a stored weight path (replay)
+    {"transformer_pde.processes.paths",  # a stored weight path (replay)
+     "transformer_pde.processes.homogenized"},  # random layers: values drawn afresh per layer and head
     {"transformer_pde.processes.driver"},  # the Θ_t grid driver of every solver; sample_path
     {"transformer_pde.processes.model_files"},  # a pretrained network's files: the shared cache, the reading checks
     {"transformer_pde.processes.nn", "transformer_pde.processes.pretrained"},
@@ -78,7 +79,7 @@ LAYERS = [
     # worst-case flow sensitivity and trajectory bounds; stationary mean-field branches (continuation)
     # the theorems' limit objects (ω-limit Hessian, fast-weights SDE)
     {"transformer_pde.analysis.theory.sensitivity", "transformer_pde.analysis.theory.continuation",
-     "transformer_pde.analysis.theory.limits"},
+     "transformer_pde.analysis.theory.limits", "transformer_pde.analysis.theory.homogenized"},
     # the critical attention scaling (closed forms, almost-simplex samplers); synchronisation on the circle
     {"transformer_pde.analysis.theory.scaling", "transformer_pde.analysis.theory.synchronization"},
     # generic diagnostics; closed forms

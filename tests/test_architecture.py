@@ -99,7 +99,7 @@ LAYERS = [
     {"transformer_pde.application.studies.noisy_hysteresis"},  # the hysteresis sweeps of the noisy study
     {f"transformer_pde.application.studies.{m}" for m in ("demo", "paper", "theory", "jko", "clustering", "causal",
                                                           "layernorm", "noisy", "training", "critical_scaling",
-                                                          "repulsive", "lost_in_the_middle")},
+                                                          "repulsive", "lost_in_the_middle", "homogenized")},
     {"transformer_pde.application.studies.theory_energy",  # the theory studies on the parts of studies.theory
      "transformer_pde.application.studies.theory_clustering"},
     {"transformer_pde.application.studies.theorems_stability"},  # uses studies.jko's slope fit

@@ -38,7 +38,7 @@ from ...model.field import head_outputs, velocity
 from ...model.heads import Heads
 
 __all__ = ["homogenized_coefficients", "homogenized_sde", "two_token_coefficients", "two_token_expectation",
-           "boundary_exponents", "critical_dimension"]
+           "boundary_exponents", "critical_dimension", "antipodal_probability"]
 
 SCHEMES = ("ito", "projected")
 
@@ -186,17 +186,28 @@ def homogenized_sde(x0, heads: Heads, sigma=1.0, *, t1: float, dt: float, paths:
 
 
 # ------------------------------------------------------------------------------------------ two tokens
-def _kernel(rho, beta, s2):
-    """(p, 1 − p, K₁₁, K₁₂) of two tokens at ρ: p = e^β/(e^β + e^{βρ}) the self weight."""
-    p = torch.sigmoid(beta * (1.0 - rho))
+def _two_token(rho, beta: float, d: int, sigma: float, alpha: float, direction: str):
+    """(c, m) of dρ = (1 − ρ²)[c dt + σ√(2m) dW] (module docstring), from the self weight p."""
+    beta = check_real(beta, "beta")
+    d = check_int(d, "d", minimum=2)
+    s2 = check_positive(sigma, "sigma", allow_zero=True) ** 2
+    alpha = check_real(alpha, "alpha")
+    sgn = direction_sign(direction)
+    p = torch.sigmoid(beta * (1.0 - rho))  # e^β/(e^β + e^{βρ})
     q = 1.0 - p
-    return p, q, s2 * (p * p + q * q + 2 * p * q * rho), s2 * (2 * p * q + (p * p + q * q) * rho)
+    m = p * p + q * q
+    return 2 * sgn * alpha * q + s2 * (2 * (d - 2) * p * q - m * rho), m
 
 
 def two_token_coefficients(rho, beta: float, d: int, sigma: float = 1.0, alpha: float = 0.0,
                            direction: str = DEFAULT_DIRECTION) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(b(ρ), a²(ρ)): the drift and squared diffusion of ρ = ⟨x₁, x₂⟩ for two tokens, one head A = I, V̄ = αI
-    (module docstring).
+    """(b(ρ), a²(ρ)): the drift and squared diffusion of ρ = ⟨x₁, x₂⟩ for two tokens, one head A = I, V̄ = αI.
+
+    From the Itô coefficients of the module docstring (K₁₁ − ρK₁₂ = σ² m (1 − ρ²), m = p² + (1 − p)²):
+
+        b = (1 − ρ²) [2sα(1 − p) + σ² (2(d − 2) p(1 − p) − m ρ)],    a² = 2σ² m (1 − ρ²)²,
+
+    p = e^β/(e^β + e^{βρ}) the self weight, s the direction's sign.
 
     Parameters
     ----------
@@ -215,52 +226,122 @@ def two_token_coefficients(rho, beta: float, d: int, sigma: float = 1.0, alpha: 
     -------
     tuple of torch.Tensor
         (b, a²), each shaped like ρ.
+
+    Raises
+    ------
+    TypeError, ValueError
+        rho not a floating-point tensor, d < 2, σ < 0.
     """
     if not isinstance(rho, torch.Tensor) or not rho.is_floating_point():
         raise TypeError("rho must be a floating-point tensor")
-    beta = check_real(beta, "beta")
-    d = check_int(d, "d", minimum=2)
-    s2 = check_positive(sigma, "sigma", allow_zero=True) ** 2
-    alpha = check_real(alpha, "alpha")
-    sgn = direction_sign(direction)
-    p, q, k11, k12 = _kernel(rho, beta, s2)
+    c, m = _two_token(rho, beta, d, sigma, alpha, direction)
     one = 1.0 - rho * rho
-    b = 2 * sgn * alpha * q * one - (d - 1) * k11 * rho + (d - 2 + rho * rho) * k12
-    a2 = 2 * one * (k11 - rho * k12)
-    return b, a2
+    return one * c, 2 * float(sigma) ** 2 * m * one * one
 
 
 def boundary_exponents(beta: float, d: int, sigma: float = 1.0, alpha: float = 0.0,
                        direction: str = DEFAULT_DIRECTION) -> Tuple[float, float]:
     """(λ₋, λ₊): the Lyapunov exponents of 1 + ρ at the antipodal end ρ = −1 and of 1 − ρ at the clustered end
-    ρ = 1 of the two-token diffusion (linearised: w = 1 ± ρ obeys dw = c w dt + e w dW, exponent c − e²/2).
+    ρ = 1 of the two-token diffusion.
 
-    An end point is reached with positive probability iff its exponent is < 0; λ₋ > 0 makes it repelling.
-    The derivatives are taken by automatic differentiation of :func:`two_token_coefficients` in float64.
+    With u = artanh ρ, du = [c + 2σ² m ρ] dt + σ√(2m) dW (Itô), and log(1 ± ρ) ≈ ±2u near ∓1, so
+
+        λ₋ = 4sα(1 − p₋) + σ² ((d − 1)/cosh²β − 2),   p₋ = e^β/(e^β + e^{−β}),
+        λ₊ = −2sα − σ² (d − 1).
+
+    An end point is reached with positive probability iff its exponent is < 0.
+
+    Parameters
+    ----------
+    beta, d, sigma, alpha, direction
+        as :func:`two_token_coefficients`.
+
+    Returns
+    -------
+    tuple of float
+        (λ₋, λ₊).
     """
-    out = []
-    for end in (-1.0, 1.0):
-        r = torch.tensor(end, dtype=torch.float64, requires_grad=True)
-        b, a2 = two_token_coefficients(r, beta, d, sigma, alpha, direction)
-        db, = torch.autograd.grad(b, r)
-        r2 = torch.tensor(end, dtype=torch.float64, requires_grad=True)
-        _, _, k11, k12 = _kernel(r2, float(beta), check_positive(sigma, "sigma", allow_zero=True) ** 2)
-        dg, = torch.autograd.grad(k11 - r2 * k12, r2)  # a² = 2(1 − ρ²) g, g = K₁₁ − ρK₁₂, g(±1) = 0
-        # w = 1 + ρ at −1: e² = lim a²/w² = 4 g'(−1); z = 1 − ρ at 1: e² = −4 g'(1); exponent c − e²/2
-        out.append(float(db) - 2.0 * float(dg) if end < 0 else float(db) + 2.0 * float(dg))
-    return out[0], out[1]
+    beta = check_real(beta, "beta")
+    d = check_int(d, "d", minimum=2)
+    s2 = check_positive(sigma, "sigma", allow_zero=True) ** 2
+    sgn = direction_sign(direction)
+    alpha = check_real(alpha, "alpha")
+    q = 1.0 / (1.0 + math.exp(2.0 * beta)) if beta < 350 else 0.0
+    lam_minus = 4 * sgn * alpha * q + s2 * ((d - 1) / math.cosh(beta) ** 2 - 2.0) if abs(beta) < 350 else \
+        4 * sgn * alpha * q - 2.0 * s2
+    return lam_minus, -2 * sgn * alpha - s2 * (d - 1)
 
 
-def critical_dimension(beta: float, sigma: float = 1.0, alpha: float = 0.0,
-                       direction: str = DEFAULT_DIRECTION) -> float:
-    """The dimension d_c(β) at which λ₋ changes sign (λ₋ is affine in d): antipodal pairs are reached with positive
-    probability for d < d_c and not for d > d_c.  d_c = 3 at β = 0, α = 0."""
-    l2, _ = boundary_exponents(beta, 2, sigma, alpha, direction)
-    l3, _ = boundary_exponents(beta, 3, sigma, alpha, direction)
-    slope = l3 - l2
-    if slope == 0:
-        return math.inf if l2 < 0 else -math.inf
-    return 2.0 - l2 / slope
+def critical_dimension(beta: float) -> float:
+    """d_c(β) = 1 + 2cosh²β: centred values (α = 0), the dimension at which λ₋ changes sign.
+
+    Antipodal pairs are reached with positive probability for d < d_c and not for d > d_c (d_c = 3 at β = 0).
+    """
+    beta = check_real(beta, "beta")
+    return 1.0 + 2.0 * math.cosh(beta) ** 2
+
+
+def antipodal_probability(rho0, beta: float, d: int, sigma: float = 1.0, alpha: float = 0.0, *,
+                          direction: str = DEFAULT_DIRECTION, span: float = 40.0, points: int = 40001) -> torch.Tensor:
+    """P(ρ_t → −1) from ρ₀: the probability that two tokens end antipodal (else they cluster, ρ_t → 1).
+
+    With u = artanh ρ (drift D(u) = c + 2σ² m ρ, squared diffusion 2σ² m; :func:`boundary_exponents`) and the
+    scale density s'(u) = exp(−∫₀ᵘ D/(σ² m)), P = ∫_{u₀}^{∞} s' / ∫_{−∞}^{∞} s'.  It is 0 when λ₋ ≥ 0 (s' is not
+    integrable at −∞).  The integrals are trapezoid sums on [−span, span] with the exponential tails added in
+    closed form.
+
+    Parameters
+    ----------
+    rho0 : float or torch.Tensor
+        initial inner products in (−1, 1).
+    beta, d, sigma, alpha, direction
+        as :func:`two_token_coefficients` (σ > 0).
+    span, points : float, int
+        the u-interval and the number of grid points.
+
+    Returns
+    -------
+    torch.Tensor
+        the probabilities, float64, shaped like rho0.
+
+    Raises
+    ------
+    ValueError
+        σ = 0, or ρ₀ outside (−1, 1).
+    """
+    if check_positive(sigma, "sigma") <= 0:
+        raise ValueError("sigma must be > 0")
+    r0 = torch.as_tensor(rho0, dtype=torch.float64)
+    if bool((r0.abs() >= 1).any()):
+        raise ValueError("rho0 must lie in the open interval (-1, 1)")
+    lam_minus, lam_plus = boundary_exponents(beta, d, sigma, alpha, direction)
+    if lam_minus >= 0:
+        return torch.zeros_like(r0)
+    if lam_plus >= 0:
+        return torch.ones_like(r0)
+    U = check_positive(span, "span")
+    n = check_int(points, "points", minimum=101)
+    u = torch.linspace(-U, U, n, dtype=torch.float64)
+    rho = torch.tanh(u)
+    c, m = _two_token(rho, beta, d, sigma, alpha, direction)
+    s2 = float(sigma) ** 2
+    f = (c + 2 * s2 * m * rho) / (s2 * m)  # 2D/e²
+    h = float(u[1] - u[0])
+    F = torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(0.5 * h * (f[1:] + f[:-1]), 0)])
+    F = F - F[n // 2]
+    logs = -F
+    top = float(logs.max())
+    sp = torch.exp(logs - top)
+    k_minus, k_plus = float(f[0]), float(f[-1])  # the constant slopes of −log s' at the ends: s' ~ e^{−k u}
+    cum = torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(0.5 * h * (sp[1:] + sp[:-1]), 0)])
+    left_tail = float(sp[0]) / (-k_minus)  # k₋ < 0 when λ₋ < 0
+    right_tail = float(sp[-1]) / k_plus
+    total = left_tail + float(cum[-1]) + right_tail
+    u0 = torch.atanh(r0.clamp(-1 + 1e-16, 1 - 1e-16)).clamp(-U, U)
+    idx = ((u0 + U) / h).floor().long().clamp(0, n - 2)
+    frac = (u0 - u[idx]) / h
+    below = left_tail + cum[idx] + frac * h * sp[idx]  # ∫_{−∞}^{u₀} s' to first order inside the cell
+    return ((total - below) / total).reshape(r0.shape)
 
 
 def _cheb(N: int):

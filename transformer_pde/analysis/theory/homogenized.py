@@ -345,7 +345,7 @@ def antipodal_probability(rho0, beta: float, d: int, sigma: float = 1.0, alpha: 
 
 
 def _cheb(N: int):
-    """Chebyshev points ρ_j = cos(πj/N) and the differentiation matrix (Trefethen, Spectral Methods in MATLAB)."""
+    """Chebyshev points ξ_j = cos(πj/N) and the differentiation matrix (Trefethen, Spectral Methods in MATLAB)."""
     j = torch.arange(N + 1, dtype=torch.float64)
     x = torch.cos(math.pi * j / N)
     c = torch.ones(N + 1, dtype=torch.float64)
@@ -358,52 +358,77 @@ def _cheb(N: int):
 
 
 def two_token_expectation(f: Callable, rho0, t: float, beta: float, d: int, sigma: float = 1.0, alpha: float = 0.0,
-                          *, nodes: int = 64, direction: str = DEFAULT_DIRECTION) -> torch.Tensor:
-    """E f(ρ_t) given ρ₀ for the two-token diffusion, by the backward Kolmogorov equation u_t = b u' + ½a² u''
-    on [−1, 1] (Chebyshev collocation, u(t) = exp(tG) f; no boundary condition: b = a = 0 at ±1).
+                          *, nodes: int = 256, span: Optional[float] = None,
+                          direction: str = DEFAULT_DIRECTION) -> torch.Tensor:
+    """E f(ρ_t) given ρ₀ for the two-token diffusion, by the backward Kolmogorov equation in u = artanh ρ.
+
+    v(t, u) = E f(tanh u_t) solves v_t = D(u) v' + σ² m(u) v'' (the u-diffusion of :func:`boundary_exponents`);
+    in u the solution is smooth (in ρ it has fractional powers of 1 ± ρ at the ends), so Chebyshev collocation on
+    [−U, U] with v(t, ±U) = f(±1) converges spectrally; v(t) = exp(tG) f by the matrix exponential.
 
     Parameters
     ----------
     f : callable
-        test function, float64 tensor → tensor (smooth on [−1, 1]).
+        test function, float64 tensor → tensor (continuous on [−1, 1]).
     rho0 : float or torch.Tensor
-        initial inner products in [−1, 1].
+        initial inner products in [−1, 1] (±1 are fixed points: f(±1)).
     t : float
         the time, >= 0.
     beta, d, sigma, alpha, direction
         as :func:`two_token_coefficients`.
     nodes : int
-        the collocation degree N (compare N and 2N for the discretisation error).
+        the collocation degree N (compare N and 3N/2 for the discretisation error).
+    span : float or None
+        U; None: 20 + 3 max|D| t + 6σ√t (the ends move by at most that in time t).
 
     Returns
     -------
     torch.Tensor
         E f(ρ_t), float64, shaped like rho0.
+
+    Raises
+    ------
+    TypeError, ValueError
+        f not callable, t < 0, ρ₀ outside [−1, 1].
     """
     if not callable(f):
         raise TypeError("f must be a callable tensor -> tensor")
     t = check_real(t, "t")
     if t < 0:
         raise ValueError(f"t must be >= 0, got {t}")
-    N = check_int(nodes, "nodes", minimum=4)
+    N = check_int(nodes, "nodes", minimum=8)
     r0 = torch.as_tensor(rho0, dtype=torch.float64)
     if bool((r0.abs() > 1 + 1e-12).any()):
         raise ValueError("rho0 must lie in [-1, 1]")
-    x, D = _cheb(N)
-    b, a2 = two_token_coefficients(x, beta, d, sigma, alpha, direction)
-    G = b[:, None] * D + 0.5 * a2[:, None] * (D @ D)
-    u = torch.linalg.matrix_exp(t * G) @ f(x).to(torch.float64)
-    # barycentric interpolation at ρ₀ (Chebyshev points of the second kind)
+    s2 = check_positive(sigma, "sigma", allow_zero=True) ** 2
+    ends = torch.tensor([-1.0, 1.0], dtype=torch.float64)
+    c_end, m_end = _two_token(ends, beta, d, sigma, alpha, direction)
+    drift_end = (c_end + 2 * s2 * m_end * ends).abs().max()
+    U = float(20.0 + 3.0 * float(drift_end) * t + 6.0 * math.sqrt(s2 * t)) if span is None else \
+        check_positive(span, "span")
+    xi, D = _cheb(N)
+    u = U * xi
+    Du = D / U
+    rho = torch.tanh(u)
+    c, m = _two_token(rho, beta, d, sigma, alpha, direction)
+    G = (c + 2 * s2 * m * rho)[:, None] * Du + (s2 * m)[:, None] * (Du @ Du)
+    G[0] = 0.0  # v(t, ±U) = f(±1)
+    G[-1] = 0.0
+    f0 = f(rho).to(torch.float64)
+    f0[0], f0[-1] = f(ends[1:]).to(torch.float64).reshape(()), f(ends[:1]).to(torch.float64).reshape(())
+    v = torch.linalg.matrix_exp(t * G) @ f0
+    # barycentric interpolation at u₀ = artanh ρ₀ (Chebyshev points of the second kind)
     w = (-1.0) ** torch.arange(N + 1, dtype=torch.float64)
     w[0] *= 0.5
     w[-1] *= 0.5
     flat = r0.reshape(-1)
-    diff = flat[:, None] - x[None, :]
-    exact = diff.abs() < 1e-14
+    u0 = torch.atanh(flat.clamp(-1.0, 1.0)).clamp(-U, U) / U
+    diff = u0[:, None] - xi[None, :]
+    exact = diff.abs() < 1e-15
     diff = torch.where(exact, torch.ones_like(diff), diff)
     coef = w[None, :] / diff
-    val = (coef * u[None, :]).sum(1) / coef.sum(1)
+    val = (coef * v[None, :]).sum(1) / coef.sum(1)
     hit = exact.any(1)
     if bool(hit.any()):
-        val = torch.where(hit, (exact.to(u.dtype) * u[None, :]).sum(1), val)
+        val = torch.where(hit, (exact.to(v.dtype) * v[None, :]).sum(1), val)
     return val.reshape(r0.shape)

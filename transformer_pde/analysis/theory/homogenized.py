@@ -47,7 +47,8 @@ def _sigma_heads(sigma, heads: Heads, like: torch.Tensor) -> torch.Tensor:
     H = heads.num_heads
     if isinstance(sigma, torch.Tensor) and sigma.numel() != 1:
         if sigma.shape != (H,):
-            raise ValueError(f"sigma must be a float or a tensor (H,) = ({H},) per head, got shape {tuple(sigma.shape)}")
+            raise ValueError(f"sigma must be a float or a tensor (H,) = ({H},) per head, got shape "
+                             f"{tuple(sigma.shape)}")
         if not bool(torch.isfinite(sigma).all()) or bool((sigma < 0).any()):
             raise ValueError("sigma must be finite and >= 0 for every head")
         return sigma.to(dtype=like.dtype, device=like.device)

@@ -96,7 +96,8 @@ def _validate(p):
 def _resources(p):
     item = 4 if p["dtype"] == "float32" else 8
     P = p["seeds"] * p["paths"]
-    steps = sum(p["depths"]) + sum(p["sde_depths"]) + 1.5 * len(p["betas"]) * len(p["dims"]) * p["t_pairs"] / p["layer_time"]
+    cells = len(p["betas"]) * len(p["dims"])
+    steps = sum(p["depths"]) + sum(p["sde_depths"]) + 1.5 * cells * p["t_pairs"] / p["layer_time"]
     return {"memory": float(item * P * 2 * max(p["dims"] + [p["d"]]) ** 2 * 8), "steps": steps,
             "detail": f"{P} pairs per weak-error depth, {p['pairs']} pairs per antipodal cell"}
 
@@ -291,7 +292,8 @@ def _figures(p, metrics, run):
         f = np.array([r["fraction"] for r in rows])
         lo = np.array([r["ci_low"] for r in rows])
         hi = np.array([r["ci_high"] for r in rows])
-        line = ax.errorbar(d, f, yerr=[np.clip(f - lo, 0, None), np.clip(hi - f, 0, None)], fmt="o", ms=4, capsize=2, label=f"β = {beta:g}")
+        line = ax.errorbar(d, f, yerr=[np.clip(f - lo, 0, None), np.clip(hi - f, 0, None)], fmt="o", ms=4,
+                           capsize=2, label=f"β = {beta:g}")
         ax.plot(d, [r["fraction_2dt"] for r in rows], "x", color=line[0].get_color(), ms=5)
         ax.plot(d, [r["exact"] for r in rows], "-", color=line[0].get_color(), lw=1)
         dc = hz.critical_dimension(beta)

@@ -45,7 +45,8 @@ LAYERS = [
     {"transformer_pde.model.energy"},
     {"transformer_pde.model.mobility"},
     {"transformer_pde.processes.weights"},  # the weight processes
-    {"transformer_pde.processes.paths"},  # a stored weight path (replay)
+    {"transformer_pde.processes.paths",  # a stored weight path (replay)
+     "transformer_pde.processes.homogenized"},  # random layers: values drawn afresh per layer and head
     {"transformer_pde.processes.driver"},  # the Θ_t grid driver of every solver; sample_path
     {"transformer_pde.processes.model_files"},  # a pretrained network's files: the shared cache, the reading checks
     {"transformer_pde.processes.nn", "transformer_pde.processes.pretrained"},
@@ -78,7 +79,7 @@ LAYERS = [
     # worst-case flow sensitivity and trajectory bounds; stationary mean-field branches (continuation)
     # the theorems' limit objects (ω-limit Hessian, fast-weights SDE)
     {"transformer_pde.analysis.theory.sensitivity", "transformer_pde.analysis.theory.continuation",
-     "transformer_pde.analysis.theory.limits"},
+     "transformer_pde.analysis.theory.limits", "transformer_pde.analysis.theory.homogenized"},
     # the critical attention scaling (closed forms, almost-simplex samplers); synchronisation on the circle
     {"transformer_pde.analysis.theory.scaling", "transformer_pde.analysis.theory.synchronization"},
     # generic diagnostics; closed forms
@@ -98,7 +99,7 @@ LAYERS = [
     {"transformer_pde.application.studies.noisy_hysteresis"},  # the hysteresis sweeps of the noisy study
     {f"transformer_pde.application.studies.{m}" for m in ("demo", "paper", "theory", "jko", "clustering", "causal",
                                                           "layernorm", "noisy", "training", "critical_scaling",
-                                                          "repulsive", "lost_in_the_middle")},
+                                                          "repulsive", "lost_in_the_middle", "homogenized")},
     {"transformer_pde.application.studies.theory_energy",  # the theory studies on the parts of studies.theory
      "transformer_pde.application.studies.theory_clustering"},
     {"transformer_pde.application.studies.theorems_stability"},  # uses studies.jko's slope fit

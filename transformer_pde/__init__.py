@@ -22,6 +22,7 @@ from .model.scaling import BetaRule, LogScaling, PowerScaling
 from .model.mobility import dissipation, log_mobility, mobility, slope
 from .processes.driver import sample_path
 from .processes.paths import WeightPath
+from .processes.homogenized import RandomLayers
 from .processes.weights import Constant, Custom, Layerwise, OrnsteinUhlenbeck, Oscillating, Process, oscillating_target
 from .solvers.particle import simulate
 from .solvers.tableaux import METHODS, TABLEAUX, ButcherTableau
@@ -98,6 +99,7 @@ __all__ = [
     "OrnsteinUhlenbeck",
     "Oscillating",
     "Layerwise",
+    "RandomLayers",
     "Custom",
     "WeightPath",
     "sample_path",

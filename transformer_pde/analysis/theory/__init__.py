@@ -607,3 +607,7 @@ from . import kinetic  # noqa: E402
 from .kinetic import critical_time, mixture_profile, retrieval_profile, right_end_slope  # noqa: E402
 
 __all__ += ["kinetic", "retrieval_profile", "mixture_profile", "right_end_slope", "critical_time"]
+from . import homogenized  # noqa: E402  (random layers' common-noise limit: docs/homogenized.md)
+from .homogenized import homogenized_coefficients, homogenized_sde  # noqa: E402
+
+__all__ += ["homogenized", "homogenized_coefficients", "homogenized_sde"]

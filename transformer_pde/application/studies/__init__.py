@@ -111,7 +111,7 @@ _REGISTRY: Dict[str, Study] = {}
 # modules that register studies; imported lazily so `import transformer_pde` stays light
 _MODULES = [f"{__name__}.{m}" for m in ("demo", "paper", "theory_energy", "theory_clustering", "jko", "clustering",
                                        "causal", "layernorm", "noisy", "theorems", "training", "pretrained",
-                                       "critical_scaling", "repulsive", "lost_in_the_middle")]
+                                       "critical_scaling", "repulsive", "lost_in_the_middle", "homogenized")]
 
 
 def study(kind: str, options: Dict[str, Option], description: str = "", *, validate: Optional[Callable] = None,

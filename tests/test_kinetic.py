@@ -207,9 +207,9 @@ def test_kinetic_term_refusals_before_any_work(monkeypatch):
 
     def refuse(*a, **k):
         raise AssertionError("the run started")
-    monkeypatch.setattr(tp.processes.WeightDriver, "__init__", refuse)
+    monkeypatch.setattr(tp.processes.driver.WeightDriver, "__init__", refuse)
     opts = tp.LedgerOptions(kinetic=True)
-    with pytest.raises(ValueError, match=r"Dopri5.*ledger=True.*SaveAt\(every=1\)"):
+    with pytest.raises(ValueError, match=r"Dopri5.*ledger=True.*SaveAt\(record_every=1\)"):
         tp.solve(model, x0, tp.Dopri5(), t1=T1, dt=DT, ledger=opts)
     for solver in (tp.ShardedEuler(), tp.LagrangianJKO()):
         with pytest.raises(TypeError, match="LedgerOptions.kinetic"):

@@ -33,7 +33,7 @@ from ..utils.validation import (
     check_same,
     check_tied_all, check_token_weights, check_tokens,
 )
-from ..model.normalization import NORMALIZATIONS, Softmax, normalization as as_normalization
+from ..model.normalization import NORMALIZATIONS, normalization as as_normalization
 from ..model.backends import DEFAULT_CHUNK_ELEMENTS
 from ..model.softmax import softmax_statistics
 from ..model.energy import check_scale_fits
@@ -306,7 +306,7 @@ def _prepare(problem: ParticleProblem, integrate=None):
         with torch.no_grad():
             lp0 = softmax_statistics(x, drv.current, weights, chunk_elements=chunk).log_partition
         check_scale_fits(lp0, c)
-    if not model.geometry.projected and type(model.normalization) is Softmax and not model.causal and chunk is None:
+    if not model.geometry.projected and model.normalization.plain_softmax and not model.causal and chunk is None:
         ev.fused = FusedUpdate(weights, problem.sign)  # the layer maps without diagnostics: one fused pass per step
     work = float(math.prod(x.shape[:-2])) * process.heads0.num_heads * x.shape[-2] ** 2
     return x, RunParts(drv, ev, axis, start, work, integrate=integrate)

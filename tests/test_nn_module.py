@@ -269,11 +269,12 @@ def test_an_adaptive_tolerance_below_round_off_is_refused(dtype):
 
 def test_converters_keep_their_names_under_tp_nn():
     mha = torch.nn.MultiheadAttention(4, 2, bias=False, dtype=F64)
-    assert tp.nn.heads_from_multihead_attention is tp.heads_from_multihead_attention
+    # one spelling of the conversion of a MultiheadAttention: tp.Heads.from_multihead_attention
+    assert not hasattr(tp.nn, "heads_from_multihead_attention") and not hasattr(tp, "heads_from_multihead_attention")
     assert tp.nn.layerwise_from_transformer is tp.layerwise_from_transformer
     assert tp.MeanFieldAttention is tp.nn.MeanFieldAttention
     x = _tokens(1, 4, 4)[0]
-    assert_close(tp.nn.attention_matrix(x, tp.nn.heads_from_multihead_attention(mha)).sum(-1),
+    assert_close(tp.nn.attention_matrix(x, tp.Heads.from_multihead_attention(mha)).sum(-1),
                  torch.ones(2, 4, dtype=F64))
 
 

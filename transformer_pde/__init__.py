@@ -46,7 +46,7 @@ from .model.backends import kernel_backend
 from .utils.threads import thread_policy
 from .solvers.distributed import distributed_evaluate, simulate_sharded
 from .processes.nn import (
-    attention_matrix, heads_from_multihead_attention, layerwise_from_transformer, residual_attention_step,
+    attention_matrix, layerwise_from_transformer, residual_attention_step,
 )
 from .solvers.jko import JKOConvergenceError, jko, to_grid
 from .model.transport import distance, transport_plan
@@ -128,7 +128,6 @@ __all__ = [
     "to_grid",
     "JKOConvergenceError",
     "nn", "MeanFieldAttention",
-    "heads_from_multihead_attention",
     "layerwise_from_transformer",
     "attention_matrix",
     "residual_attention_step",

@@ -59,7 +59,7 @@ import torch
 
 from ..utils.validation import DEFAULT_DIRECTION
 from ..model.heads import Heads
-from ..processes.nn import attention_modules, heads_from_multihead_attention
+from ..processes.nn import attention_modules
 from ..processes.weights import Layerwise
 from ..solvers.particle import Dopri5, FixedStep
 from ..solvers.tableaux import ADAPTIVE_ATOL, ADAPTIVE_RTOL, METHODS
@@ -362,7 +362,7 @@ class TransformerFlow(MeanFieldAttention):
     ``torch.nn.TransformerEncoder``, a list or ``ModuleList`` of ``MultiheadAttention`` modules or of
     layers with ``self_attn`` — as a submodule (its parameters are this module's) and, in every
     forward, converts its attention layers with
-    :func:`~transformer_pde.processes.nn.heads_from_multihead_attention` (layer l holds on
+    :meth:`~transformer_pde.Heads.from_multihead_attention` (layer l holds on
     [l·Δ, (l+1)·Δ), Δ = ``layer_time``) and solves, like :class:`MeanFieldAttention` (same forward,
     kinetic terms and trajectory).  So a training loop may call ``backward()`` on every step: the
     heads are never reused across graphs.  What the conversion keeps and drops (the MLP, LayerNorm's
@@ -380,7 +380,7 @@ class TransformerFlow(MeanFieldAttention):
         r, the norm of the tokens the layers see (√d after a LayerNorm without affine parameters): β = r²/√k.
     bias : str
         "warn", "drop" or "error" for the biases the model cannot represent
-        (:func:`~transformer_pde.processes.nn.heads_from_multihead_attention`).
+        (:meth:`~transformer_pde.Heads.from_multihead_attention`).
     head_weights : str
         "sum" (MHA(x) = Σ_h f_h exactly) or "mean".
     method, adjoint, interpolation, layer_norm, direction, rtol, atol
@@ -429,7 +429,7 @@ class TransformerFlow(MeanFieldAttention):
 
     def heads(self, layer: int) -> Heads:
         """The heads of attention layer ``layer``, converted from the model's current parameters."""
-        return heads_from_multihead_attention(attention_modules(self.model)[layer], **self.convert)
+        return Heads.from_multihead_attention(attention_modules(self.model)[layer], **self.convert)
 
     def extra_repr(self) -> str:
         return (f"layers={self.layers}, t1={self.t1:g}, steps={self.steps}, method={self.method!r}, "

@@ -10,9 +10,9 @@ calls the solve of :mod:`~transformer_pde.solvers.fixed_step` (the geometry's re
 map, "euler" is the reference code's projected Euler) or :mod:`~transformer_pde.solvers.adaptive`.
 :func:`transformer_pde.solve` calls ``run``; :func:`simulate` turns its keywords into a
 :class:`~transformer_pde.Model`, a solver and the options objects and calls
-:func:`transformer_pde.solve`, so a bad value names the keyword the user typed.  The result and
-the errors live in :mod:`~transformer_pde.solvers.trajectory`, the tableaux in
-:mod:`~transformer_pde.solvers.tableaux` (re-exported here for old imports).  Along the way the
+:func:`transformer_pde.solve`; it checks each keyword in its own name before it builds anything.  The result
+and the errors live in :mod:`~transformer_pde.solvers.trajectory`, the tableaux in
+:mod:`~transformer_pde.solvers.tableaux`.  Along the way the
 solver keeps the energy–dissipation ledger of docs/model.md#ledger (see :class:`Trajectory`).
 """
 
@@ -50,18 +50,17 @@ from .methods import Solver
 from .model import Model
 from .noise import TokenNoise, token_noise
 from .options import (
-    QUADRATIC_VARIATIONS, Checkpointing, LedgerOptions, Limits, Progress, SaveAt, SolveOptions,
+    Checkpointing, LedgerOptions, Limits, Progress, SaveAt, SolveOptions,
     check_ledger_choices, check_observables_mapping,
 )
-from .parts import LEDGER_KEYS, Checkpointer, callable_signature, check_observables, process_parts
+from .parts import Checkpointer, callable_signature, check_observables, process_parts
 from .solve import solve
 from .tableaux import ADAPTIVE_ATOL, ADAPTIVE_RTOL, METHODS, TABLEAUX, ButcherTableau
 from .trajectory import (
-    NonFiniteError, PathsAxis, Trajectory, check_finite, check_ledger, ledger_nonfinite, nonfinite_error,
+    NonFiniteError, PathsAxis, Trajectory, nonfinite_error,
 )
 
-__all__ = ["FixedStep", "Euler", "Heun", "RK4", "Dopri5", "simulate", "Trajectory", "ButcherTableau", "TABLEAUX",
-           "METHODS", "NonFiniteError", "LEDGER_KEYS", "QUADRATIC_VARIATIONS", "PROGRESS_MIN_WORK"]
+__all__ = ["FixedStep", "Euler", "Heun", "RK4", "Dopri5", "simulate", "PROGRESS_MIN_WORK"]
 
 #: ``progress=None`` shows a bar (on a terminal only) when steps · stages · paths · H · n² reaches this
 #: many kernel terms (a solve of several seconds on one core)
@@ -70,10 +69,6 @@ PROGRESS_MIN_WORK = 1e9
 #: named internal API (not public): the checked problem of a particle solve; the non-finite error
 __internal__ = ["ParticleProblem", "nonfinite_error", "check_adaptive_tolerance"]
 
-# the old private names of this module (tests and scripts import or patch them here)
-_WeightDriver = WeightDriver
-_Evaluator = Evaluator
-_ledger_nonfinite, _check_finite, _check_ledger = ledger_nonfinite, check_finite, check_ledger
 _dopri5 = dopri5  # the dopri5 driver the adaptive solve calls (read here at every call, so it can be patched)
 
 # ---------------------------------------------------------------------------- the solver objects

@@ -39,12 +39,12 @@ from .solvers.options import Checkpointing, LedgerOptions, Limits, Progress, Sav
 from .solvers.solve import solve
 from .model import backends, transport
 from .analysis import diagnostics, theory
-from .solvers import distributed
+from .solvers import sharded as distributed
 from . import nn
 from .nn import MeanFieldAttention
 from .model.backends import kernel_backend
 from .utils.threads import thread_policy
-from .solvers.distributed import distributed_evaluate, simulate_sharded
+from .solvers.sharded import distributed_evaluate, simulate_sharded
 from .processes.nn import (
     attention_matrix, layerwise_from_transformer, residual_attention_step,
 )

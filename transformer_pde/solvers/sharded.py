@@ -1,6 +1,6 @@
 """The sharded particle solver: multi-device scale-out on ``torch.distributed``, the tokens (queries)
 sharded across ranks (``tp.solve(model, x_local, tp.ShardedEuler(), ...)`` or
-:func:`simulate_sharded`; :mod:`transformer_pde.solvers.distributed` re-exports the public names).
+:func:`simulate_sharded`; the module is ``tp.distributed``).
 
 Rank r holds a shard x_r (..., n_r, d) of the tokens and its share w_r of the token weights
 (Σ_r Σ_i w_{r,i} = 1; None means uniform 1/N over all N tokens).  One evaluation

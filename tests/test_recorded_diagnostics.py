@@ -41,7 +41,7 @@ def problem(dtype, n=6, d=3, H=2, batch=(2,), seed=0):
 def model_of(theta, kw):
     """The Model that tp.simulate builds from these keywords."""
     return tp.Model(theta, normalization=kw.get("normalization", "softmax"), direction=kw.get("direction", "ascent"),
-                    geometry=kw.get("layer_norm", "none"), noise=kw.get("temperature"), weights=kw.get("weights"),
+                    layer_norm=kw.get("layer_norm", "none"), temperature=kw.get("temperature") or 0.0, weights=kw.get("weights"),
                     causal=kw.get("causal", False))
 
 

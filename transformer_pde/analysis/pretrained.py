@@ -325,7 +325,7 @@ def _continuous(net, states, mask, dt: float, mode: str):
     steps = round(1.0 / dt)
     w = _key_weights(mask, states.dtype)
     layers = [_layer_heads(lw, "drop", r) for lw in net.layers]
-    opts = dict(normalization="softmax", direction="ascent", geometry="none", weights=w, causal=net.causal)
+    opts = dict(normalization="softmax", direction="ascent", layer_norm="none", weights=w, causal=net.causal)
     run = dict(dt=1.0 / steps, saveat=SaveAt(record_every=steps), ledger=LedgerOptions(diagnostics=False), progress=False)
     with kernel_backend(_BACKEND):
         if mode == "rollout":

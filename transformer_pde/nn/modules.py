@@ -71,7 +71,7 @@ from ..utils.validation import check_bool, check_choice, check_int, check_positi
 __all__ = ["MeanFieldAttention", "TransformerFlow"]
 
 #: the layer maps the module steps ("none": the projected flow)
-LAYER_NORMS = ("none", "post", "pre")
+FLOW_LAYER_NORMS = ("none", "post", "pre")
 
 
 class MeanFieldAttention(torch.nn.Module):
@@ -152,7 +152,7 @@ class MeanFieldAttention(torch.nn.Module):
             raise ValueError(f"adjoint=True needs method='adaptive' (the adjoint ODE of torchdiffeq), got "
                              f"method={method!r}")
         self.interpolation = check_choice(interpolation, ("constant", "linear"), "interpolation")
-        self.layer_norm = check_choice(layer_norm, LAYER_NORMS, "layer_norm")
+        self.layer_norm = check_choice(layer_norm, FLOW_LAYER_NORMS, "layer_norm")
         if self.layer_norm != "none" and self.method != "euler":
             raise ValueError(f"layer_norm={layer_norm!r} is a layer map stepped by Euler; use method='euler' "
                              f"(or layer_norm='none' with method={method!r})")

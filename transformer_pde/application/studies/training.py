@@ -207,7 +207,7 @@ def _count(model) -> int:
 
 def _flow_body(p, dtype):
     return tp.nn.MeanFieldAttention(p["dim"], p["heads"], layers=p["layers"], t1=p["depth"], steps=p["steps"],
-                                    solver=p["solver"], geometry=p["geometry"], feedforward=p["feedforward"],
+                                    method=p["solver"], layer_norm=p["geometry"], feedforward=p["feedforward"],
                                     dtype=dtype)
 
 

@@ -140,7 +140,7 @@ class HalfPostLN(tp.PostLN):
 
 
 def test_a_users_layer_norm_goes_through_solve(dtype):
-    """The layer map of a user's LayerNorm subclass is the step: a hand loop of
+    """The layer map of a user's LayerNormScheme subclass is the step: a hand loop of
     x ← normalize(x + ½dt·A(x)), A the signed un-projected update of tp.evaluate."""
     x0, heads = problem(dtype, seed=13)
     tr = tp.solve(tp.Model(heads, layer_norm=HalfPostLN(), direction="descent"), x0, tp.Euler(), t1=0.4, dt=0.1,

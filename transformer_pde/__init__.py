@@ -26,7 +26,7 @@ from .processes.weights import Constant, Custom, Layerwise, OrnsteinUhlenbeck, O
 from .solvers.particle import simulate
 from .solvers.tableaux import METHODS, TABLEAUX, ButcherTableau
 from .solvers.trajectory import NonFiniteError, Trajectory
-from .solvers.layernorm import LAYER_NORMS, NGPT, LayerNorm, PeriLN, PostLN, PreLN, Projected, simuformer_scheme
+from .solvers.layernorm import LAYER_NORMS, NGPT, LayerNormScheme, PeriLN, PostLN, PreLN, Projected, simuformer_scheme
 from .solvers.noise import TokenNoise
 from .model.normalization import Effective, Hardmax, Normalization, ReLU, SinkhornAttention, Softmax, Unnormalized
 from .model.positional import ALiBi, KineticDecay, PositionalBias, PositionKernel
@@ -69,7 +69,7 @@ def __getattr__(name):
 __version__ = "0.1.0"
 
 __all__ = [
-    "LAYER_NORMS", "LayerNorm", "Projected", "PostLN", "PreLN", "PeriLN", "NGPT", "simuformer_scheme",
+    "LAYER_NORMS", "LayerNormScheme", "Projected", "PostLN", "PreLN", "PeriLN", "NGPT", "simuformer_scheme",
     "sphere",
     "plotting",
     "Heads",

@@ -8,7 +8,7 @@
   :class:`~transformer_pde.WeightPath`;
 * ``normalization`` — a :class:`~transformer_pde.model.normalization.Normalization` (or its name);
 * ``direction`` — "ascent" (the default of every public function) or "descent";
-* ``layer_norm`` — how tokens stay on the sphere: a :class:`~transformer_pde.solvers.layernorm.LayerNorm`
+* ``layer_norm`` — how tokens stay on the sphere: a :class:`~transformer_pde.solvers.layernorm.LayerNormScheme`
   (``Projected()`` = "none", the projected flow with retraction, ``PostLN()``, ``PreLN()``, …) or its name;
 * ``temperature`` — token noise: a temperature T ≥ 0 (0: none) or a
   :class:`~transformer_pde.solvers.noise.TokenNoise` (T with a seed of its own); once built,
@@ -34,7 +34,7 @@ from ..model.field import check_causal_mode
 from ..model.heads import Heads
 from ..model.normalization import Normalization, normalization as as_normalization
 from ..processes.weights import Constant, Process
-from .layernorm import LayerNorm, as_geometry
+from .layernorm import LayerNormScheme, as_geometry
 from .noise import TokenNoise, token_noise
 
 __all__ = ["Model"]
@@ -47,7 +47,7 @@ class Model:
     theta: Union[Heads, Process]
     normalization: Union[str, Normalization] = "softmax"
     direction: str = DEFAULT_DIRECTION
-    layer_norm: Union[str, LayerNorm] = "none"
+    layer_norm: Union[str, LayerNormScheme] = "none"
     temperature: Union[float, TokenNoise] = 0.0
     weights: Optional[torch.Tensor] = None
     causal: Union[bool, str] = False
@@ -85,7 +85,7 @@ class Model:
         return self.theta
 
     @property
-    def geometry(self) -> LayerNorm:
+    def geometry(self) -> LayerNormScheme:
         """The resolved ``layer_norm`` object (what the solvers step and retract with)."""
         return self.layer_norm
 

@@ -45,7 +45,7 @@ from ..processes.weights import Constant, Process
 from .adaptive import dopri5, solve_adaptive
 from .evaluator import Evaluator, RunParts
 from .fixed_step import solve_fixed_step
-from .layernorm import FusedUpdate, LayerNorm, as_geometry, check_layer_norm_method
+from .layernorm import FusedUpdate, LayerNormScheme, as_geometry, check_layer_norm_method
 from .methods import Solver
 from .model import Model
 from .noise import TokenNoise, token_noise
@@ -434,7 +434,7 @@ def simulate(
     energy_log_scale: Optional[float] = None,
     max_steps: Optional[int] = None,
     max_memory: Optional[float] = None,
-    layer_norm: Union[str, LayerNorm] = "none",
+    layer_norm: Union[str, LayerNormScheme] = "none",
     temperature: Union[float, TokenNoise] = 0.0,
 ) -> Trajectory:
     """Integrate the token ODE ẋ_i = V[μ_t, Θ_t](x_i) on S^{d-1} from t0 to t1.
@@ -545,7 +545,7 @@ def simulate(
         10⁷) and the estimated memory of the trajectory, the kernel blocks and a stored weight
         path in bytes (default 3/4 of the machine's memory, the GPU's for CUDA tensors; inf: none); a run
         above either is refused with the estimate and the fix.
-    layer_norm : Union[str, LayerNorm]
+    layer_norm : Union[str, LayerNormScheme]
         how a layer maps the tokens (:mod:`transformer_pde.solvers.layernorm`,
         ``docs/layer_norms.md``): "none" (default, the projected flow with retraction),
         "post" (x ← normalize(x + dt·A), the reference simulators' map), "pre" (radius r_i

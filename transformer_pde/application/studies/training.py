@@ -74,8 +74,10 @@ OPTIONS = {
     "feedforward": Option(64, (int,), "feed-forward width m of the flow (0: attention only)", check=nonnegative),
     "depth": Option(1.0, (float,), "depth T of the flow", check=positive),
     "steps": Option(4, (int,), "solver steps per layer of the flow", check=positive),
-    "solver": Option("euler", (str,), "fixed-step solver of the flow", choices=("euler", "heun", "rk4")),
-    "geometry": Option("none", (str,), "flow geometry: projected flow, or the post-LN map", choices=("none", "post")),
+    "method": Option("euler", (str,), "fixed-step method of the flow (MeanFieldAttention's method=)",
+                     choices=("euler", "heun", "rk4")),
+    "layer_norm": Option("none", (str,), "the flow's layer norm: the projected flow, or the post-LN map",
+                         choices=("none", "post")),
     "lambdas": Option([1e-4, 1e-3, 1e-2], (list,), "weights λ of the kinetic regulariser λ∫𝒢²dt (one flow each)",
                       check=lambda v: _lambdas(v)),
     "kinetic": Option("metric", (str,), "the regulariser's kinetic term: ∫𝒢²dt from the solver's ledger (metric) "
@@ -207,7 +209,7 @@ def _count(model) -> int:
 
 def _flow_body(p, dtype):
     return tp.nn.MeanFieldAttention(p["dim"], p["heads"], layers=p["layers"], t1=p["depth"], steps=p["steps"],
-                                    method=p["solver"], layer_norm=p["geometry"], feedforward=p["feedforward"],
+                                    method=p["method"], layer_norm=p["layer_norm"], feedforward=p["feedforward"],
                                     dtype=dtype)
 
 

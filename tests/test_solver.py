@@ -417,7 +417,7 @@ def test_nonfinite_error_blames_overflow_only_where_the_squared_kernel_overflows
     """nonfinite_error for the unnormalised and effective fields says the kernel e^{β⟨x,Ay⟩} overflows
     exactly when e^{2β·max|A|} (the kernel squared, as in 𝒢² and 𝒟) is not representable in the dtype
     (decided here by torch.exp in that dtype), and names β·max|A| over all heads and batch members."""
-    from transformer_pde.solvers.particle import nonfinite_error
+    from transformer_pde.solvers.trajectory import nonfinite_error
 
     R64 = math.log(torch.finfo(F64).max)
     for dtype, bmax in ((torch.float32, 35.0), (torch.float32, 50.0), (F64, R64 / 2), (F64, 400.0)):

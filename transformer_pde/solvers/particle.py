@@ -67,7 +67,7 @@ __all__ = ["FixedStep", "Euler", "Heun", "RK4", "Dopri5", "simulate", "PROGRESS_
 PROGRESS_MIN_WORK = 1e9
 
 #: named internal API (not public): the checked problem of a particle solve; the non-finite error
-__internal__ = ["ParticleProblem", "nonfinite_error", "check_adaptive_tolerance"]
+__internal__ = ["ParticleProblem", "check_adaptive_tolerance"]
 
 _dopri5 = dopri5  # the dopri5 driver the adaptive solve calls (read here at every call, so it can be patched)
 

@@ -489,7 +489,8 @@ def simulate(
         Needs ledger=True.
     rtol, atol
         the relative and absolute tolerances of method="adaptive" (positive finite
-        floats; default 1e-7 and 1e-9); refused with a fixed-step method, which has none.
+        floats; default 1e-7 and 1e-9, those of :class:`Dopri5`); refused with a fixed-step method, which has
+        none, and an rtol below the round-off of x0's dtype (eps/2) is refused before any step.
     adjoint : bool
         with method="adaptive", backpropagate by torchdiffeq's adjoint ODE
         (``odeint_adjoint``: memory independent of the number of steps, for long horizons)

@@ -76,7 +76,7 @@ def _sync(device):
 def build(method, K, args, device, dtype):
     kw = dict(layers=1, t1=K * args.dt, steps=K, dtype=dtype, device=device)
     if method != "euler":
-        kw.update(solver="dopri5", adjoint=method.endswith("adjoint"), rtol=args.rtol, atol=args.atol)
+        kw.update(method="adaptive", adjoint=method.endswith("adjoint"), rtol=args.rtol, atol=args.atol)
     return tp.nn.MeanFieldAttention(args.dim, args.heads, **kw)
 
 

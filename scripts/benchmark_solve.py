@@ -50,7 +50,7 @@ theta = tp.OrnsteinUhlenbeck(heads, rate=1.0, sigma=math.sqrt(2.0))
 t1 = cfg["steps"] * cfg["dt"]
 if mode == "solve":
     run = lambda: tp.solve(tp.Model(theta), x0, tp.Euler(), t1=t1, dt=cfg["dt"], paths=cfg["paths"], seed=0,
-                           saveat=tp.SaveAt(every=cfg["record_every"]), ledger=tp.LedgerOptions(ledger=True),
+                           saveat=tp.SaveAt(record_every=cfg["record_every"]), ledger=tp.LedgerOptions(ledger=True),
                            progress=False)
 else:
     run = lambda: tp.simulate(x0, theta, t1=t1, dt=cfg["dt"], paths=cfg["paths"], seed=0, method="euler",

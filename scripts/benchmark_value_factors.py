@@ -69,8 +69,8 @@ def problem(dtype, B=64, n=64, d=384, H=12, k=32, seed=0):
 
 def run_solve(x, w, heads, steps):
     dt = 0.1
-    model = Model(Constant(heads), normalization="softmax", direction="ascent", geometry="none", weights=w)
-    return solve(model, x, Euler(), t1=dt * steps, dt=dt, saveat=SaveAt(every=steps),
+    model = Model(Constant(heads), normalization="softmax", direction="ascent", layer_norm="none", weights=w)
+    return solve(model, x, Euler(), t1=dt * steps, dt=dt, saveat=SaveAt(record_every=steps),
                  ledger=LedgerOptions(diagnostics=False), progress=False).x
 
 

@@ -70,7 +70,6 @@ LAYERS = [
     # the solver objects that run themselves, each with its keyword front end (which calls tp.solve):
     # FixedStep/Euler/Heun/RK4/Dopri5 and tp.simulate; ShardedEuler and simulate_sharded; tp.jko
     {"transformer_pde.solvers.particle", "transformer_pde.solvers.sharded", "transformer_pde.solvers.jko"},
-    {"transformer_pde.solvers.distributed"},
     {"transformer_pde.nn.modules"},  # MeanFieldAttention: continuous-depth attention whose forward is a solve
     {"transformer_pde.nn"},  # tp.nn: the torch.nn converters and the module
     # Lipschitz and Grönwall constants, fast-weights coefficients; linear stability of the uniform measure

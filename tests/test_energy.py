@@ -85,7 +85,7 @@ def test_public_helpers_default_to_no_rescaling():
     # float64 dense sums over 25 pairs agree to ~1e-14 relative; a wrong default scale is off by a factor e
     assert_close(en.pairing(x, heads, w, stats, M), naive_pairing(x, A, om, beta, w, M), rtol=1e-11, atol=1e-14)
     assert_close(en.ito_correction(heads, w, stats, 0.7), naive_ito(x, A, om, beta, w, 0.7), rtol=1e-11, atol=0)
-    N = tp.processes.symmetric_noise(A.shape, generator=gen(5), dtype=F64)
+    N = tp.processes.weights.symmetric_noise(A.shape, generator=gen(5), dtype=F64)
     assert_close(en.quadratic_variation(x, heads, w, stats, N), dense_qv(x, A, om, beta, w, N), rtol=1e-11, atol=0)
 
 
@@ -151,7 +151,7 @@ def test_ito_and_quadratic_variation_with_a_two_axis_batch_of_beta():
     assert_close(ito, ref, rtol=1e-11, atol=0)
     stats = tp.softmax_statistics(x, heads, w, second_moment=True)
     assert_close(en.ito_correction(heads, w, stats, sigma, log_scale=0.5), ref * math.exp(-0.5), rtol=1e-11, atol=0)
-    N = tp.processes.symmetric_noise((2, 3, 2, 3, 3), generator=gen(14), dtype=F64)
+    N = tp.processes.weights.symmetric_noise((2, 3, 2, 3, 3), generator=gen(14), dtype=F64)
     got = en.quadratic_variation(x, heads, w, stats, N)
     assert_close(got, dense_qv(x, A, om, beta, w, N), rtol=1e-11, atol=0)
     # a batch of β with one axis (size 2 ≠ H = 3 ≠ n = 5) and no token weights
@@ -161,7 +161,7 @@ def test_ito_and_quadratic_variation_with_a_two_axis_batch_of_beta():
     om3 = torch.tensor([0.4, 1.7, 2.5], dtype=F64)
     b1 = torch.tensor([0.7, 1.9], dtype=F64)
     h1 = tp.Heads(A3, weights=om3, beta=b1)
-    N1 = tp.processes.symmetric_noise((2, 3, 3, 3), generator=gen(16), dtype=F64)
+    N1 = tp.processes.weights.symmetric_noise((2, 3, 3, 3), generator=gen(16), dtype=F64)
     st1 = tp.softmax_statistics(x1, h1, None)
     u = torch.full((2, 5), 0.2, dtype=F64)
     assert_close(en.quadratic_variation(x1, h1, None, st1, N1), dense_qv(x1, A3, om3, b1, u, N1), rtol=1e-11, atol=0)

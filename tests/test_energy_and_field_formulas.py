@@ -172,7 +172,7 @@ def test_realised_quadratic_variation_is_half_the_second_derivative(batched):
 
     x, heads, w, om = _case()
     A = heads.score
-    dN = tp.processes.symmetric_noise(A.shape, generator=gen(50), dtype=torch.float64)
+    dN = tp.processes.weights.symmetric_noise(A.shape, generator=gen(50), dtype=torch.float64)
     beta = BETA
     if batched:
         x, A, dN = torch.stack([x, x.flip(0)]), A.expand(2, *A.shape).clone(), torch.stack([dN, -0.5 * dN])
@@ -197,7 +197,7 @@ def test_realised_quadratic_variation_is_half_the_second_derivative(batched):
 def test_energy_time_derivative_at_beta_and_weights():
     """⟨∂_A E, Ȧ⟩ against autograd of the naive energy; the Itô term against the dense formula."""
     x, heads, w, om = _case()
-    rate = tp.processes.symmetric_noise((3, 3, 3), generator=gen(9), dtype=torch.float64)
+    rate = tp.processes.weights.symmetric_noise((3, 3, 3), generator=gen(9), dtype=torch.float64)
     got = tp.energy_time_derivative(x, heads, rate, w)
     assert_close(got, naive_pairing(x, heads.score, om, BETA, w, rate), rtol=1e-11, atol=1e-13)
     sigma = 0.8

@@ -81,8 +81,8 @@ def test_eulerian_objects_equal_the_keywords(temperature):
     heads = tp.Heads.scalar([1.0, 2.0], 2).to(F64)
     a = tp.jko(x, heads, tau=0.1, steps=2, scheme="eulerian", grid=z, eps=0.02, bandwidth=0.4,
                temperature=temperature, record_every=2)
-    b = tp.solve(tp.Model(heads, normalization="effective", noise=temperature), x,
-                 tp.EulerianJKO(grid=z, eps=0.02, bandwidth=0.4), t1=0.2, dt=0.1, saveat=tp.SaveAt(every=2), ledger=tp.LedgerOptions(ledger=True))
+    b = tp.solve(tp.Model(heads, normalization="effective", temperature=temperature), x,
+                 tp.EulerianJKO(grid=z, eps=0.02, bandwidth=0.4), t1=0.2, dt=0.1, saveat=tp.SaveAt(record_every=2), ledger=tp.LedgerOptions(ledger=True))
     same_run(a, b, F64)
     assert a.x.shape == (2, 24, 2) and b.weights.shape == (2, 24)
 
@@ -118,8 +118,8 @@ def test_options_a_jko_scheme_does_not_take_are_refused_before_any_step(tmp_path
             solver.run(model, x, tp.SolveOptions(t1=0.1, dt=0.05, progress=progress, **kw))
     for m, s in [(tp.Model(heads, normalization="relu"), solver),
                  (tp.Model(heads, normalization="unnormalized", causal=True), solver),
-                 (tp.Model(heads, normalization="effective", geometry="post"), solver),
-                 (tp.Model(heads, normalization="effective", noise=0.1), solver),
+                 (tp.Model(heads, normalization="effective", layer_norm="post"), solver),
+                 (tp.Model(heads, normalization="effective", temperature=0.1), solver),
                  (tp.Model(heads, normalization="effective", weights=torch.full((5,), 0.2, dtype=F64)),
                   tp.EulerianJKO(grid=20))]:
         with pytest.raises(ValueError):
@@ -163,7 +163,7 @@ def test_the_lagrangian_line_search_retracts_with_the_models_geometry():
 
     x, heads = tokens(6, 3, 11), rand_heads(2, 3, 12)
     geometry = Counting()
-    a = tp.solve(tp.Model(heads, normalization="effective", geometry=geometry), x, tp.LagrangianJKO(), t1=0.1,
+    a = tp.solve(tp.Model(heads, normalization="effective", layer_norm=geometry), x, tp.LagrangianJKO(), t1=0.1,
                  dt=0.05, ledger=tp.LedgerOptions(ledger=True))
     assert len(geometry.calls) > 2 and all(s[-2:] == (6, 3) for s in geometry.calls)
     same_run(a, tp.jko(x, heads, tau=0.05, steps=2), F64)
@@ -232,7 +232,7 @@ def test_run_called_directly_equals_tp_solve_and_the_keywords(dtype):
     x, heads = tokens(7, 3, 21, dtype), rand_heads(2, 3, 22, dtype)
     model = tp.Model(heads, normalization="effective", direction="ascent")
     solver = tp.LagrangianJKO(tp.EMD("symmetric"), tp.RiemannianLBFGS(max_iter=120))
-    opts = dict(t1=0.2, dt=0.05, t0=0.05, saveat=tp.SaveAt(every=3))
+    opts = dict(t1=0.2, dt=0.05, t0=0.05, saveat=tp.SaveAt(record_every=3))
     a = solver.run(model, x, tp.SolveOptions(**opts))
     b = tp.solve(model, x, solver, **opts)
     c = tp.jko(x, heads, tau=0.05, steps=3, t0=0.05, transport="emd", cost="symmetric", direction="ascent",

@@ -45,7 +45,7 @@ def test_kinetic_term_is_the_ledger_slope(dtype, method, geometry, kind, weighte
     x0 = random_sphere(3, 6, 4, dtype=dtype, seed=1)
     w = random_weights((3, 6), seed=2, floor=0.2).to(dtype) if weighted else None
     solver = tp.Euler() if method == "euler" else tp.Heun()
-    model = tp.Model(_theta(kind, dtype), geometry=geometry, direction="ascent", weights=w)
+    model = tp.Model(_theta(kind, dtype), layer_norm=geometry, direction="ascent", weights=w)
     kw = dict(t1=T1, dt=DT, paths=2, seed=4, progress=False)
     led = tp.solve(model, x0, solver, ledger=tp.LedgerOptions(ledger=True), **kw)
     kin = tp.solve(model, x0, solver, ledger=tp.LedgerOptions(diagnostics=False, kinetic=True), **kw)
@@ -91,7 +91,7 @@ def test_kinetic_term_is_the_quadrature_of_the_naive_slope_over_the_steps(dtype,
     layer = [(A, V), (V, A)]
     theta = tp.Layerwise([tp.Heads(*layer[0]), tp.Heads(*layer[1])], layer_time=0.5)
     K = round(T1 / DT)
-    kw = dict(t1=T1, dt=DT, saveat=tp.SaveAt(every=1), progress=False)
+    kw = dict(t1=T1, dt=DT, saveat=tp.SaveAt(record_every=1), progress=False)
     opts = tp.LedgerOptions(diagnostics=False, kinetic=True)
     eps = torch.finfo(dtype).eps
     for solver in (tp.Euler(), tp.Heun()):
@@ -121,13 +121,13 @@ def test_gradient_of_the_kinetic_term_is_the_gradient_through_the_ledger(dtype, 
     """The module's kinetic term (accumulated from the steps' own field) and the ledger's "slope" of the same
     solve (the diagnostics' kernel passes): the same value, and the same gradient in every parameter."""
     torch.manual_seed(0)
-    m = tp.nn.MeanFieldAttention(6, 2, layers=2, steps=3, solver=method, geometry=geometry, dtype=dtype)
+    m = tp.nn.MeanFieldAttention(6, 2, layers=2, steps=3, method=method, layer_norm=geometry, dtype=dtype)
     x = random_sphere(3, 5, 6, dtype=dtype, seed=8)
     w = random_weights((3, 5), seed=9, floor=0.2).to(dtype) if weighted else None
     params = list(m.parameters())
     _, kin = m(x, weights=w, kinetic=True)
     g_kin = torch.autograd.grad((kin * torch.arange(1, 4, dtype=dtype)).sum(), params)
-    model = tp.Model(m.theta(), geometry=geometry, direction=m.direction, weights=w)
+    model = tp.Model(m.theta(), layer_norm=geometry, direction=m.direction, weights=w)
     led = tp.solve(model, x, tp.Euler() if method == "euler" else tp.Heun(), t1=m.t1, dt=m.t1 / (2 * 3),
                    saveat=tp.SaveAt(ends=True), ledger=tp.LedgerOptions(ledger=True, energy_log_scale=0.0),
                    progress=False).ledger["slope"][-1]
@@ -146,7 +146,7 @@ def test_kinetic_term_resumes_from_a_checkpoint_without_double_count(tmp_path, d
     x0 = random_sphere(2, 6, 4, dtype=dtype, seed=10)
     model = tp.Model(_theta("ou", dtype), direction="ascent")
     opts = tp.LedgerOptions(diagnostics=False, kinetic=True)
-    kw = dict(t1=T1, dt=DT, paths=2, seed=11, saveat=tp.SaveAt(every=2))
+    kw = dict(t1=T1, dt=DT, paths=2, seed=11, saveat=tp.SaveAt(record_every=2))
     full = tp.solve(model, x0, tp.Heun(), ledger=opts, progress=False, **kw)
     ck = tp.Checkpointing(tmp_path / "kin.pt", every=5)
 
@@ -207,9 +207,9 @@ def test_kinetic_term_refusals_before_any_work(monkeypatch):
 
     def refuse(*a, **k):
         raise AssertionError("the run started")
-    monkeypatch.setattr(tp.processes.WeightDriver, "__init__", refuse)
+    monkeypatch.setattr(tp.processes.driver.WeightDriver, "__init__", refuse)
     opts = tp.LedgerOptions(kinetic=True)
-    with pytest.raises(ValueError, match=r"Dopri5.*ledger=True.*SaveAt\(every=1\)"):
+    with pytest.raises(ValueError, match=r"Dopri5.*ledger=True.*SaveAt\(record_every=1\)"):
         tp.solve(model, x0, tp.Dopri5(), t1=T1, dt=DT, ledger=opts)
     for solver in (tp.ShardedEuler(), tp.LagrangianJKO()):
         with pytest.raises(TypeError, match="LedgerOptions.kinetic"):

@@ -631,7 +631,7 @@ def test_a_zero_update_leaves_the_tokens_where_they_are(dtype, geometry):
     # Â = A/|A| at A = 0 is defined as 0: peri-LN and nGPT with zero value matrices do not move the tokens
     A = torch.eye(3, dtype=dtype).unsqueeze(0)
     x0 = tp.sphere.sample_uniform(6, 3, generator=_gen(3), dtype=dtype)
-    traj = tp.solve(tp.Model(tp.Heads(score=A, value=torch.zeros_like(A)), geometry=geometry), x0, tp.Euler(),
+    traj = tp.solve(tp.Model(tp.Heads(score=A, value=torch.zeros_like(A)), layer_norm=geometry), x0, tp.Euler(),
                     t1=0.3, dt=0.1, ledger=tp.LedgerOptions(ledger=True))
     eps = torch.finfo(dtype).eps
     torch.testing.assert_close(traj.final, x0, rtol=4 * eps, atol=4 * eps)  # the renormalisation's rounding
@@ -645,8 +645,8 @@ def test_tiny_weights_give_the_direction_of_unit_weights(dtype, geometry):
     c = 1e-310 if dtype == torch.float64 else 1e-30
     I = torch.eye(3, dtype=dtype).unsqueeze(0)
     x0 = tp.sphere.sample_uniform(6, 3, generator=_gen(4), dtype=dtype)
-    tiny = tp.solve(tp.Model(tp.Heads(score=c * I, value=c * I), geometry=geometry), x0, tp.Euler(), t1=0.3, dt=0.1, ledger=tp.LedgerOptions(ledger=True))
-    unit = tp.solve(tp.Model(tp.Heads(score=0 * I, value=I), geometry=geometry), x0, tp.Euler(), t1=0.3, dt=0.1, ledger=tp.LedgerOptions(ledger=True))
+    tiny = tp.solve(tp.Model(tp.Heads(score=c * I, value=c * I), layer_norm=geometry), x0, tp.Euler(), t1=0.3, dt=0.1, ledger=tp.LedgerOptions(ledger=True))
+    unit = tp.solve(tp.Model(tp.Heads(score=0 * I, value=I), layer_norm=geometry), x0, tp.Euler(), t1=0.3, dt=0.1, ledger=tp.LedgerOptions(ledger=True))
     assert float((tiny.final - x0).abs().max()) > 1e-2  # it moves
     # a subnormal float64 keeps 2^-38 of relative precision (1e-310 / 2^-1074): far coarser than eps
     tol = 1e-9 if dtype == torch.float64 else 1e-5

@@ -101,7 +101,7 @@ def test_ledger_options_without_the_ledger_are_refused_before_any_work(kw, names
 
     def refuse(*a, **k):
         raise AssertionError("the run started")
-    monkeypatch.setattr(tp.processes.WeightDriver, "__init__", refuse)
+    monkeypatch.setattr(tp.processes.driver.WeightDriver, "__init__", refuse)
     with pytest.raises(ValueError) as err:  # simulate's message names its keywords
         tp.simulate(x0, _ou(heads), t1=T1, dt=DT, **kw)
     for name in names:

@@ -165,7 +165,7 @@ def test_ito_correction_matches_second_derivative():
     zero = torch.zeros_like(heads.score)
     ito = tp.energy_time_derivative(x, heads, zero, sigma=sigma)
     N = 4000
-    M = tp.processes.symmetric_noise((N, 2, 3, 3), generator=gen(8), dtype=torch.float64)
+    M = tp.processes.weights.symmetric_noise((N, 2, 3, 3), generator=gen(8), dtype=torch.float64)
     # E(A + ε M) second derivative in ε at 0: (β/2)·Σ ω ∫∫ e^{β⟨x,Ay⟩}⟨x,My⟩² (β = 1)
     S = torch.einsum("id,hde,je->hij", x, heads.score, x)
     xMy = torch.einsum("id,nhde,je->nhij", x, M, x)

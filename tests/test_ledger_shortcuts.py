@@ -76,7 +76,7 @@ def test_dissipation_from_the_gradient_and_from_the_moment_sums(dtype, weighted)
 
 
 def _noisy_run(theta, x0, T, dt, K, seed=3, weights=None):
-    model = tp.Model(theta, noise=T, direction="ascent", weights=weights)
+    model = tp.Model(theta, temperature=T, direction="ascent", weights=weights)
     return tp.solve(model, x0, tp.Euler(), t1=K * dt, dt=dt, seed=seed, progress=False,
                     saveat=tp.SaveAt(path=True), ledger=tp.LedgerOptions(ledger=True, quadrature="left"))
 

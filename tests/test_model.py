@@ -25,22 +25,22 @@ def test_model_normalises_its_parts(parts):
     ou = tp.OrnsteinUhlenbeck(heads)
     assert tp.Model(ou, direction="descent").process is ou
     assert isinstance(tp.Model(heads, "unnormalized", direction="descent").normalization, tp.Unnormalized)
-    assert isinstance(tp.Model(heads, geometry="pre", direction="descent").geometry, tp.PreLN)
-    noisy = tp.Model(heads, noise=0.3, direction="descent")
+    assert isinstance(tp.Model(heads, layer_norm="pre", direction="descent").geometry, tp.PreLN)
+    noisy = tp.Model(heads, temperature=0.3, direction="descent")
     assert isinstance(noisy.noise, tp.TokenNoise) and noisy.temperature == 0.3
-    assert tp.Model(heads, noise=0.0, direction="descent").noise is None  # T = 0 is the deterministic model
+    assert tp.Model(heads, temperature=0.0, direction="descent").noise is None  # T = 0 is the deterministic model
 
 
 @pytest.mark.parametrize("kw,err,msg", [
     (dict(theta="heads"), TypeError, "Model.theta must be a Heads"),
     (dict(normalization="sparsemax"), ValueError, "sparsemax"),
     (dict(direction="sideways"), ValueError, "Model.direction"),
-    (dict(geometry="rms"), ValueError, "rms"),
+    (dict(layer_norm="rms"), ValueError, "rms"),
     (dict(weights=[0.2] * 5), TypeError, "Model.weights must be a tensor"),
     (dict(causal="prefix"), TypeError, "prefix"),
     (dict(normalization="effective", causal=True), ValueError, "no causal version"),
-    (dict(geometry="post", noise=0.1), ValueError, "projected flow only"),
-    (dict(noise=-1.0), ValueError, "temperature"),
+    (dict(layer_norm="post", temperature=0.1), ValueError, "projected flow only"),
+    (dict(temperature=-1.0), ValueError, "temperature"),
 ])
 def test_model_refuses_bad_parts_when_built(parts, kw, err, msg):
     _, heads = parts

@@ -64,7 +64,7 @@ def test_attention_modules_in_order_of_depth():
     theta = tp.layerwise_from_transformer(layers, layer_time=0.25, t0=1.0)
     assert len(theta.layers) == 3
     for k, layer in enumerate(layers):  # layer k holds on [1 + k/4, 1 + (k+1)/4)
-        expect = tp.nn.heads_from_multihead_attention(layer)
+        expect = tp.Heads.from_multihead_attention(layer)
         got = theta.heads_at(1.0 + 0.25 * k + 0.1)
         assert_close(got.score_matrix, expect.score_matrix, rtol=1e-6, atol=1e-7)
     with pytest.raises(TypeError, match="layer 1 is a Linear"):

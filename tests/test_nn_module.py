@@ -119,7 +119,7 @@ def test_heads_built_once_cannot_be_reused_after_backward():
 
 def test_gradients_against_finite_differences_float64():
     torch.manual_seed(4)
-    m = tp.nn.MeanFieldAttention(3, 1, layers=2, t1=0.6, steps=2, feedforward=2, geometry="post", dtype=F64)
+    m = tp.nn.MeanFieldAttention(3, 1, layers=2, t1=0.6, steps=2, feedforward=2, layer_norm="post", dtype=F64)
     x = _tokens(2, 3, 3, seed=5)
     names = [n for n, _ in m.named_parameters()]
     params = [p.detach().clone().requires_grad_() for p in m.parameters()]
@@ -133,7 +133,7 @@ def test_gradients_against_finite_differences_float64():
 
 def test_adjoint_gradients_equal_backpropagation():
     torch.manual_seed(5)
-    kw = dict(layers=2, t1=1.0, steps=2, solver="dopri5", rtol=1e-9, atol=1e-11, dtype=F64)
+    kw = dict(layers=2, t1=1.0, steps=2, method="adaptive", rtol=1e-9, atol=1e-11, dtype=F64)
     back = tp.nn.MeanFieldAttention(4, 2, **kw)
     adj = tp.nn.MeanFieldAttention(4, 2, adjoint=True, **kw)
     adj.load_state_dict(back.state_dict())
@@ -220,14 +220,14 @@ def test_trajectory_records_the_depth_and_the_energy_ledger():
 def test_refusals_before_any_work():
     with pytest.raises(ValueError, match="multiple of num_heads"):
         tp.nn.MeanFieldAttention(5, 2)
-    with pytest.raises(ValueError, match="dopri5"):
+    with pytest.raises(ValueError, match="method=.adaptive."):
         tp.nn.MeanFieldAttention(4, 2, adjoint=True)
-    with pytest.raises(ValueError, match="solver='euler'"):
-        tp.nn.MeanFieldAttention(4, 2, solver="rk4", geometry="post")
-    with pytest.raises(ValueError, match="geometry"):
-        tp.nn.MeanFieldAttention(4, 2, geometry="sphere")
+    with pytest.raises(ValueError, match="method='euler'"):
+        tp.nn.MeanFieldAttention(4, 2, method="rk4", layer_norm="post")
+    with pytest.raises(ValueError, match="layer_norm"):
+        tp.nn.MeanFieldAttention(4, 2, layer_norm="sphere")
     with pytest.raises(ValueError, match="pre"):
-        tp.nn.MeanFieldAttention(4, 2, geometry="pre", feedforward=3)
+        tp.nn.MeanFieldAttention(4, 2, layer_norm="pre", feedforward=3)
     with pytest.raises(TypeError, match="layers"):
         tp.nn.MeanFieldAttention(4, 2, layers=2.0)
     m = tp.nn.MeanFieldAttention(4, 2, dtype=F64)
@@ -239,17 +239,42 @@ def test_refusals_before_any_work():
         m(2 * _tokens(2, 3, 4))
     with pytest.raises(ValueError, match="displacement"):
         m(_tokens(2, 3, 4), kinetic="kinetic")
-    with pytest.raises(ValueError, match="dopri5"):
-        tp.nn.MeanFieldAttention(4, 2, solver="dopri5", dtype=F64)(_tokens(2, 3, 4), kinetic="displacement")
+    with pytest.raises(ValueError, match="method='adaptive'"):
+        tp.nn.MeanFieldAttention(4, 2, method="adaptive", dtype=F64)(_tokens(2, 3, 4), kinetic="displacement")
+
+
+def test_integer_tokens_are_refused_with_the_fix():
+    """Integer tokens cannot lie on the sphere: a TypeError naming the dtype and the conversion, before any work."""
+    m = tp.nn.MeanFieldAttention(4, 2, dtype=F64)
+    for dtype in (torch.int64, torch.int32, torch.bool):
+        with pytest.raises(TypeError, match=f"floating-point.*{str(dtype).split('.')[-1]}.*convert"):
+            m(torch.ones(2, 3, 4, dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_an_adaptive_tolerance_below_round_off_is_refused(dtype):
+    """rtol under the dtype's round-off eps/2: a ValueError naming rtol and eps before any step (the solve would
+    shrink its steps towards underflow); at eps/2 itself the forward runs."""
+    eps = torch.finfo(dtype).eps
+    m = tp.nn.MeanFieldAttention(4, 2, method="adaptive", rtol=eps / 4, dtype=dtype)
+    with pytest.raises(ValueError, match=f"rtol = {eps / 4:g} .*eps = {eps:g}"):
+        m(_tokens(2, 3, 4, dtype=dtype))
+    x0, heads = _tokens(2, 3, 4, dtype=dtype), tp.Heads.scalar([1.0], 4).to(dtype)
+    for adjoint in (False, True):
+        with pytest.raises(ValueError, match=f"rtol = {eps / 4:g} .*{dtype}"):
+            tp.simulate(x0, heads, t1=0.2, dt=0.1, method="adaptive", rtol=eps / 4, adjoint=adjoint)
+    traj = tp.simulate(x0, heads, t1=0.1, dt=0.1, method="adaptive", rtol=max(eps / 2, 1e-9), atol=1e-9)
+    assert torch.isfinite(traj.x).all()
 
 
 def test_converters_keep_their_names_under_tp_nn():
     mha = torch.nn.MultiheadAttention(4, 2, bias=False, dtype=F64)
-    assert tp.nn.heads_from_multihead_attention is tp.heads_from_multihead_attention
+    # one spelling of the conversion of a MultiheadAttention: tp.Heads.from_multihead_attention
+    assert not hasattr(tp.nn, "heads_from_multihead_attention") and not hasattr(tp, "heads_from_multihead_attention")
     assert tp.nn.layerwise_from_transformer is tp.layerwise_from_transformer
     assert tp.MeanFieldAttention is tp.nn.MeanFieldAttention
     x = _tokens(1, 4, 4)[0]
-    assert_close(tp.nn.attention_matrix(x, tp.nn.heads_from_multihead_attention(mha)).sum(-1),
+    assert_close(tp.nn.attention_matrix(x, tp.Heads.from_multihead_attention(mha)).sum(-1),
                  torch.ones(2, 4, dtype=F64))
 
 

@@ -325,7 +325,7 @@ def test_a_noisy_solve_books_the_dense_ito_term(causal, dtype, monkeypatch):
     x0 = tp.sphere.sample_uniform(n, d, batch_shape=(2,), generator=gen(15), dtype=dtype)
     heads = _heads("general", d, dtype)
     w = torch.softmax(torch.randn(2, n, generator=gen(16), dtype=dtype), -1)
-    model = tp.Model(heads, noise=T, weights=w, causal=causal, direction="ascent")
+    model = tp.Model(heads, temperature=T, weights=w, causal=causal, direction="ascent")
     tr = tp.solve(model, x0, tp.Euler(), t1=3 * dt, dt=dt, paths=2, seed=4, ledger=tp.LedgerOptions(ledger=True),
                   progress=False)
     c = tr.stats["energy_log_scale"]

@@ -19,9 +19,9 @@ def problem():
 
 
 @pytest.mark.parametrize("make,err,msg", [
-    (lambda: tp.SaveAt(every=1.5), TypeError, "SaveAt.every"),
-    (lambda: tp.SaveAt(every=0), ValueError, "SaveAt.every"),
-    (lambda: tp.SaveAt(every=2, ends=True), ValueError, "ends=True"),
+    (lambda: tp.SaveAt(record_every=1.5), TypeError, "SaveAt.record_every"),
+    (lambda: tp.SaveAt(record_every=0), ValueError, "SaveAt.record_every"),
+    (lambda: tp.SaveAt(record_every=2, ends=True), ValueError, "ends=True"),
     (lambda: tp.SaveAt(ends="yes"), TypeError, "SaveAt.ends"),
     (lambda: tp.SaveAt(observables=[len]), TypeError, "SaveAt.observables"),
     (lambda: tp.LedgerOptions(ledger=True, quadrature="simpson"), ValueError, "simpson"),
@@ -42,20 +42,20 @@ def test_options_refuse_bad_fields_when_built(make, err, msg):
 
 def test_saveat_chooses_the_record_times(problem):
     x0, heads = problem
-    assert tp.SaveAt(every=3).record_every(10) == 3 and tp.SaveAt(ends=True).record_every(10) == 10
-    traj = tp.solve(tp.Model(heads, direction="descent"), x0, tp.Euler(), t1=1.0, dt=0.1, saveat=tp.SaveAt(every=3), ledger=tp.LedgerOptions(ledger=True))
+    assert tp.SaveAt(record_every=3).stride(10) == 3 and tp.SaveAt(ends=True).stride(10) == 10
+    traj = tp.solve(tp.Model(heads, direction="descent"), x0, tp.Euler(), t1=1.0, dt=0.1, saveat=tp.SaveAt(record_every=3), ledger=tp.LedgerOptions(ledger=True))
     assert traj.times.tolist() == pytest.approx([0.0, 0.3, 0.6, 0.9, 1.0])
-    with pytest.raises(ValueError, match="SaveAt.every"):  # a stride longer than the run
-        tp.solve(tp.Model(heads, direction="descent"), x0, tp.Euler(), t1=1.0, dt=0.1, saveat=tp.SaveAt(every=11), ledger=tp.LedgerOptions(ledger=True))
+    with pytest.raises(ValueError, match="SaveAt.record_every"):  # a stride longer than the run
+        tp.solve(tp.Model(heads, direction="descent"), x0, tp.Euler(), t1=1.0, dt=0.1, saveat=tp.SaveAt(record_every=11), ledger=tp.LedgerOptions(ledger=True))
 
 
 def test_saveat_observables_and_the_stored_path_replay(problem):
     x0, heads = problem
     theta = tp.OrnsteinUhlenbeck(heads, sigma=0.5)
-    save = tp.SaveAt(every=2, observables={"first": lambda x, w: x[..., 0, :]}, path=True)
+    save = tp.SaveAt(record_every=2, observables={"first": lambda x, w: x[..., 0, :]}, path=True)
     traj = tp.solve(tp.Model(theta, direction="descent"), x0, tp.Heun(), t1=0.4, dt=0.05, seed=9, saveat=save, ledger=tp.LedgerOptions(ledger=True))
     assert_close(traj.observables["first"], traj.x[:, 0], rtol=4 * EPS, atol=4 * EPS)  # x[..., 0, :] recorded
-    again = tp.solve(tp.Model(traj.path, direction="descent"), x0, tp.Heun(), t1=0.4, dt=0.05, saveat=tp.SaveAt(every=2), ledger=tp.LedgerOptions(ledger=True))
+    again = tp.solve(tp.Model(traj.path, direction="descent"), x0, tp.Heun(), t1=0.4, dt=0.05, saveat=tp.SaveAt(record_every=2), ledger=tp.LedgerOptions(ledger=True))
     assert_close(again.x, traj.x, rtol=4 * EPS, atol=1e-14)
 
 

@@ -300,7 +300,7 @@ def test_ledger_of_a_solve_is_that_of_the_lse_path(monkeypatch, geometry, causal
     x0 = tp.sphere.sample_uniform(n, d, batch_shape=(B,), generator=g, dtype=dtype)
     A = torch.randn(B, H, d, d, generator=g, dtype=dtype) / d ** 0.5
     V = torch.randn(B, H, d, d, generator=g, dtype=dtype) / d ** 0.5
-    model = tp.Model(tp.Heads(A, V), geometry=geometry, causal=causal, direction="ascent")
+    model = tp.Model(tp.Heads(A, V), layer_norm=geometry, causal=causal, direction="ascent")
 
     def run(dt):
         return tp.solve(model, x0, tp.Euler(), t1=0.4, dt=dt, ledger=tp.LedgerOptions(ledger=True), progress=False)

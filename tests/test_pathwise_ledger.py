@@ -74,7 +74,7 @@ def test_qv_term_has_the_ito_correction_as_its_mean():
     om = torch.tensor([0.7, 1.6], dtype=torch.float64)
     heads, beta, sigma, N = tp.Heads(A, weights=om, beta=1.3), 1.3, 0.8, 20000
     stats = tp.softmax_statistics(x, heads)
-    Wn = tp.processes.symmetric_noise((N, 2, 3, 3), generator=gen(7), dtype=torch.float64)
+    Wn = tp.processes.weights.symmetric_noise((N, 2, 3, 3), generator=gen(7), dtype=torch.float64)
     qv = quadratic_variation(x, heads, None, stats, sigma * Wn)  # dt = 1: the noise is σ W_sym
     w = torch.full((5,), 0.2, dtype=torch.float64)
     ito = naive_ito(x, A, om, beta, w, sigma)

@@ -259,9 +259,9 @@ def test_oscillating_target_defaults_one_head_and_shared_phase():
 def test_oscillating_target_has_the_requested_dtype(dtype):
     """F(t) is built in float64 and returned in the requested dtype: 2I + Σ_k cos(ω_k t + φ_k) M_k,
     so at any t it stays within the float32 rounding of the float64 value."""
-    F = tp.processes.oscillating_target(0.7, 3, 2, dtype=dtype)
+    F = tp.processes.weights.oscillating_target(0.7, 3, 2, dtype=dtype)
     assert F.dtype == dtype and F.shape == (2, 3, 3)
-    ref = tp.processes.oscillating_target(0.7, 3, 2, dtype=torch.float64)
+    ref = tp.processes.weights.oscillating_target(0.7, 3, 2, dtype=torch.float64)
     assert_close(F.double(), ref, rtol=1e-6, atol=1e-6)
 
 

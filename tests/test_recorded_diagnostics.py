@@ -41,7 +41,7 @@ def problem(dtype, n=6, d=3, H=2, batch=(2,), seed=0):
 def model_of(theta, kw):
     """The Model that tp.simulate builds from these keywords."""
     return tp.Model(theta, normalization=kw.get("normalization", "softmax"), direction=kw.get("direction", "ascent"),
-                    geometry=kw.get("layer_norm", "none"), noise=kw.get("temperature"), weights=kw.get("weights"),
+                    layer_norm=kw.get("layer_norm", "none"), temperature=kw.get("temperature") or 0.0, weights=kw.get("weights"),
                     causal=kw.get("causal", False))
 
 
@@ -322,7 +322,7 @@ def test_refusals_before_any_work(dtype):
     with pytest.raises(ValueError, match="4 recorded heads for 5"):
         RecordedDiagnostics(tp.Model(tp.Oscillating(heads)), traj.x, rec)
     with pytest.raises(ValueError, match="radii"):
-        RecordedDiagnostics(tp.Model(heads, geometry="pre"), traj.x, heads)
+        RecordedDiagnostics(tp.Model(heads, layer_norm="pre"), traj.x, heads)
     with pytest.raises(TypeError, match="RecordedHeads or a Heads"):
         RecordedDiagnostics(tp.Model(heads), traj.x, [heads])
     with pytest.raises(TypeError, match="not a transformer_pde.Heads"):
@@ -393,7 +393,7 @@ def test_non_finite_radius_names_the_dissipation(dtype):
     traj = tp.simulate(x0, heads, t1=0.2, dt=0.05, diagnostics=False, layer_norm="pre")
     radius = traj.extras["radius"].clone()
     radius[1, 0, 0] = float("nan")
-    model = tp.Model(heads, geometry="pre")
+    model = tp.Model(heads, layer_norm="pre")
     src = RecordedDiagnostics(model, traj.x, heads, radius=radius, times=traj.times)
     with pytest.raises(NonFiniteError, match=r"the dissipation 𝒟 at the recorded time became NaN/inf at t = 0\.05"):
         src()

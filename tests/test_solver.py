@@ -330,18 +330,18 @@ def test_adaptive_causal_run_matches_fine_rk4_and_has_no_residual():
 def test_butcher_tableaux_of_order_two_and_three_are_accepted():
     """Consistent explicit tableaux are built (Ralston's order 2, Kutta's order 3: rows sum to c, Σb = 1,
     Σ b_i c_i = ½); the built-in ones have their stages; an inconsistent row is refused."""
-    T = tp.solvers.particle.ButcherTableau
+    T = tp.solvers.tableaux.ButcherTableau
     ralston = T("ralston", 2, (0.0, 2 / 3), ((), (2 / 3,)), (0.25, 0.75))
     kutta = T("kutta3", 3, (0.0, 0.5, 1.0), ((), (0.5,), (-1.0, 2.0)), (1 / 6, 2 / 3, 1 / 6))
     assert (ralston.stages, kutta.stages) == (2, 3)
-    assert [tp.solvers.particle.TABLEAUX[m].stages for m in ("euler", "heun", "rk4")] == [1, 2, 4]
+    assert [tp.solvers.tableaux.TABLEAUX[m].stages for m in ("euler", "heun", "rk4")] == [1, 2, 4]
     with pytest.raises(ValueError, match=r"c\[2\] must equal the sum of row 2"):
         T("bad", 3, (0.0, 0.5, 1.0), ((), (0.5,), (-1.0, 2.5)), (1 / 6, 2 / 3, 1 / 6))
 
 
 def test_butcher_tableau_refuses_inconsistent_coefficients():
     """A tableau whose rows do not sum to c, or that claims order 2 without Σ b_i c_i = ½, is refused."""
-    T = tp.solvers.particle.ButcherTableau
+    T = tp.solvers.tableaux.ButcherTableau
     with pytest.raises(ValueError, match="c\\[1\\] must equal the sum of row 1"):
         T("bad", 2, (0.0, 0.5), ((), (0.7,)), (0.0, 1.0))  # row sum 0.7 ≠ c_2 = 0.5
     with pytest.raises(ValueError, match="order >= 2 needs"):
@@ -417,7 +417,7 @@ def test_nonfinite_error_blames_overflow_only_where_the_squared_kernel_overflows
     """nonfinite_error for the unnormalised and effective fields says the kernel e^{β⟨x,Ay⟩} overflows
     exactly when e^{2β·max|A|} (the kernel squared, as in 𝒢² and 𝒟) is not representable in the dtype
     (decided here by torch.exp in that dtype), and names β·max|A| over all heads and batch members."""
-    from transformer_pde.solvers.particle import nonfinite_error
+    from transformer_pde.solvers.trajectory import nonfinite_error
 
     R64 = math.log(torch.finfo(F64).max)
     for dtype, bmax in ((torch.float32, 35.0), (torch.float32, 50.0), (F64, R64 / 2), (F64, 400.0)):
@@ -441,7 +441,7 @@ def test_nonfinite_error_blames_overflow_only_where_the_squared_kernel_overflows
 def test_ledger_error_with_a_nonfinite_log_partition_is_a_nonfinite_error():
     """A ledger term that is NaN together with the log-partitions themselves still gives a NonFiniteError
     (no scale to suggest: the values diverged), naming the quantity, time and step."""
-    from transformer_pde.solvers.particle import _ledger_nonfinite
+    from transformer_pde.solvers.trajectory import ledger_nonfinite as _ledger_nonfinite
 
     lp = torch.tensor([[1.0, float("nan")], [2.0, 3.0]], dtype=F64)
     err = _ledger_nonfinite("the energy", 0.5, 7, lp, 0.0, 2.0)
@@ -452,7 +452,7 @@ def test_ledger_error_with_a_nonfinite_log_partition_is_a_nonfinite_error():
 
 def test_ledger_check_names_the_energy_when_it_is_not_finite():
     from types import SimpleNamespace
-    from transformer_pde.solvers.particle import _check_ledger
+    from transformer_pde.solvers.trajectory import check_ledger as _check_ledger
     one = torch.ones(2, dtype=F64)
     e = SimpleNamespace(energy=torch.tensor([1.0, float("inf")], dtype=F64), dissipation=one, slope=one,
                         stats=SimpleNamespace(log_partition=torch.zeros(2, 3, dtype=F64)))

@@ -39,8 +39,8 @@ def test_a_layer_norm_run_resumes_from_a_checkpoint_with_its_radii(tmp_path, dty
     records restored from the checkpoint) ends with the uninterrupted run's tokens, radii and energies."""
     x0 = random_sphere(2, 6, 4, dtype=dtype, seed=20)
     A, V = _heads(dtype)
-    model = tp.Model(tp.Heads(A, V), geometry=geometry, direction="ascent")
-    kw = dict(t1=T1, dt=DT, saveat=tp.SaveAt(every=2))
+    model = tp.Model(tp.Heads(A, V), layer_norm=geometry, direction="ascent")
+    kw = dict(t1=T1, dt=DT, saveat=tp.SaveAt(record_every=2))
     full = tp.solve(model, x0, tp.Euler(), progress=False, **kw)
     radius = full.extras["radius"]
     assert float((radius[-1] - 1).abs().max()) > 1e-3  # the radii move: their records are not all ones
@@ -118,7 +118,7 @@ def test_trapezoid_ledger_at_the_kinks_of_linear_layers(dtype):
     lt = 0.5
     theta = tp.Layerwise([tp.Heads(a) for a in layers], "linear", layer_time=lt)
     tr = tp.solve(tp.Model(theta, direction="ascent", weights=w), x0, tp.Heun(), t1=T1, dt=DT,
-                  saveat=tp.SaveAt(every=1), ledger=tp.LedgerOptions(ledger=True), progress=False)
+                  saveat=tp.SaveAt(record_every=1), ledger=tp.LedgerOptions(ledger=True), progress=False)
     K, xs = round(T1 / DT), tr.x
     omega = torch.full((2,), 0.5, dtype=dtype)
 
@@ -222,7 +222,7 @@ def test_a_checkpoint_names_the_inputs_that_differ(tmp_path):
     heads = tp.Heads(A, V)
     led = tp.LedgerOptions(ledger=True, quadrature="trapezoid")
     kw = dict(t1=T1, dt=DT)
-    obs = tp.SaveAt(every=2, observables={"m": _first_coordinate_mean})
+    obs = tp.SaveAt(record_every=2, observables={"m": _first_coordinate_mean})
     full = tp.solve(tp.Model(heads), x0, tp.Euler(), ledger=led, saveat=obs, progress=False, **kw)
     ck = tp.Checkpointing(tmp_path / "ck.pt", every=5)
     with pytest.raises(Interrupted):
@@ -231,7 +231,7 @@ def test_a_checkpoint_names_the_inputs_that_differ(tmp_path):
     refusals = [
         (dict(model=tp.Model(heads, normalization="unnormalized")), r"these inputs differ: normalization\)"),
         (dict(ledger=tp.LedgerOptions(ledger=True, quadrature="left")), r"these inputs differ: quadrature\)"),
-        (dict(saveat=tp.SaveAt(every=2, observables={"m": _second_coordinate_mean})),
+        (dict(saveat=tp.SaveAt(record_every=2, observables={"m": _second_coordinate_mean})),
          r"these inputs differ: observables\['m'\]\)"),
     ]
     for change, match in refusals:

@@ -87,9 +87,9 @@ def test_run_is_the_solve(dtype):
     x0, heads = problem(dtype, seed=7)
     model = tp.Model(tp.OrnsteinUhlenbeck(heads, sigma=0.3), direction="descent")
     for solver, accepted in ((tp.Heun(), {}), (tp.Dopri5(rtol=1e-6, atol=1e-8), {}), (tp.ShardedEuler(), {})):
-        a = tp.solve(model, x0, solver, t1=0.3, dt=0.05, paths=2, seed=4, saveat=tp.SaveAt(every=2),
+        a = tp.solve(model, x0, solver, t1=0.3, dt=0.05, paths=2, seed=4, saveat=tp.SaveAt(record_every=2),
                      ledger=tp.LedgerOptions(ledger=True))
-        b = solver.run(model, x0, tp.SolveOptions(t1=0.3, dt=0.05, paths=2, seed=4, saveat=tp.SaveAt(every=2),
+        b = solver.run(model, x0, tp.SolveOptions(t1=0.3, dt=0.05, paths=2, seed=4, saveat=tp.SaveAt(record_every=2),
                                                   ledger=tp.LedgerOptions(ledger=True), **accepted))
         assert a.method == b.method == solver.method
         assert_close(a.x, b.x, **ulps(dtype, 16))
@@ -140,10 +140,10 @@ class HalfPostLN(tp.PostLN):
 
 
 def test_a_users_layer_norm_goes_through_solve(dtype):
-    """The layer map of a user's LayerNorm subclass is the step: a hand loop of
+    """The layer map of a user's LayerNormScheme subclass is the step: a hand loop of
     x ← normalize(x + ½dt·A(x)), A the signed un-projected update of tp.evaluate."""
     x0, heads = problem(dtype, seed=13)
-    tr = tp.solve(tp.Model(heads, geometry=HalfPostLN(), direction="descent"), x0, tp.Euler(), t1=0.4, dt=0.1,
+    tr = tp.solve(tp.Model(heads, layer_norm=HalfPostLN(), direction="descent"), x0, tp.Euler(), t1=0.4, dt=0.1,
                   ledger=tp.LedgerOptions(diagnostics=False))
     x = x0
     for _ in range(4):
@@ -177,8 +177,8 @@ def test_the_front_ends_name_the_keyword_the_user_typed():
     with pytest.raises(ValueError, match=r"^record_every = 20 is larger"):
         tp.distributed.simulate_sharded(x0, heads, **kw, record_every=20, direction="descent")
     # the composable API names the objects' fields
-    with pytest.raises(ValueError, match=r"^SaveAt.every = 20 is larger"):
-        tp.solve(tp.Model(heads, direction="descent"), x0, tp.Euler(), **kw, saveat=tp.SaveAt(every=20))
+    with pytest.raises(ValueError, match=r"^SaveAt.record_every = 20 is larger"):
+        tp.solve(tp.Model(heads, direction="descent"), x0, tp.Euler(), **kw, saveat=tp.SaveAt(record_every=20))
 
 
 # ---------------------------------------------------------------------------- a solver from the public parts
@@ -205,7 +205,7 @@ class PartsEuler(tp.Solver):
         ev = Evaluator(model.weights, normalization=model.normalization, sign=model.sign, noisy=False,
                        causal=model.causal, chunk_elements=None, energy_log_scale=None)
         stepper = Stepper(tp.TABLEAUX["euler"], geometry=model.geometry)
-        rec = Recorder(K, o.saveat.record_every(K), diagnostics=True, weights=model.weights)
+        rec = Recorder(K, o.saveat.stride(K), diagnostics=True, weights=model.weights)
 
         def densities(x, e):
             return {"partial": partial_density(x, drv.current, model.weights, e.stats, drv.rate, drv.sigma,
@@ -236,7 +236,7 @@ def test_a_solver_composed_of_the_public_parts_is_euler(dtype):
     time-dependent weights: the ledger's ∂_tE term is exercised)."""
     x0, heads = problem(dtype, seed=23)
     model = tp.Model(tp.Oscillating(heads), direction="descent")
-    kw = dict(t1=0.4, dt=0.05, saveat=tp.SaveAt(every=2), ledger=tp.LedgerOptions(ledger=True))
+    kw = dict(t1=0.4, dt=0.05, saveat=tp.SaveAt(record_every=2), ledger=tp.LedgerOptions(ledger=True))
     mine = tp.solve(model, x0, PartsEuler(), **kw)
     ref = tp.solve(model, x0, tp.Euler(), **kw)
     assert_close(mine.times, ref.times, rtol=1e-15, atol=1e-15)

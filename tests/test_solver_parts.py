@@ -7,7 +7,7 @@ import torch
 
 from transformer_pde.solvers.parts import (Checkpointer, Ledger, Recorder, Stepper, ledger_from_series, ledger_terms,
                                            progress_bar)
-from transformer_pde.solvers.particle import TABLEAUX
+from transformer_pde.solvers.tableaux import TABLEAUX
 
 
 @pytest.mark.parametrize("method", ["euler", "heun", "rk4"])

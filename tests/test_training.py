@@ -72,14 +72,14 @@ def test_attention_weights_and_outputs_match_module(dtype, batch_first):
     out = out.detach()
     assert_close(v, out - (out * x).sum(-1, keepdim=True) * x, **tol)
     # "mean" head weights: the same field divided by H
-    mean_heads = tp.heads_from_multihead_attention(m, head_weights="mean")
+    mean_heads = tp.Heads.from_multihead_attention(m, head_weights="mean")
     assert_close(tp.velocity(x, mean_heads, direction="ascent"), v / 3, **tol)
 
 
 def test_weights_read_independently_and_low_rank_factors_kept():
     m = _mha(E=6, H=2)
     Q, K, V, O = _per_head(m)
-    heads = tp.heads_from_multihead_attention(m)
+    heads = tp.Heads.from_multihead_attention(m)
     assert heads.score is None and heads.query is not None  # k = 3 < d = 6: factors kept
     assert tuple(heads.query.shape) == (2, 3, 6) and tuple(heads.key.shape) == (2, 3, 6)
     assert_close(heads.query.detach(), Q, rtol=0, atol=0)
@@ -88,19 +88,19 @@ def test_weights_read_independently_and_low_rank_factors_kept():
     assert heads.beta == pytest.approx(1 / math.sqrt(3))
     assert_close(heads.weights, torch.ones(2, dtype=F64))
     # dense kernel (A formed) vs factorised kernel: same field
-    dense = tp.heads_from_multihead_attention(m, keep_factors=False)
+    dense = tp.Heads.from_multihead_attention(m, keep_factors=False)
     assert dense.score is not None and dense.query is None
     x = _tokens(9, 6, seed=3)
     assert_close(tp.velocity(x, heads), tp.velocity(x, dense), rtol=1e-12, atol=1e-13)
     # one head of full size: k = d, no factors by default
-    assert tp.heads_from_multihead_attention(_mha(E=4, H=1)).query is None
+    assert tp.Heads.from_multihead_attention(_mha(E=4, H=1)).query is None
 
 
 def test_token_norm_folds_into_beta():
     m = _mha()
     x = _tokens(5, 6, seed=1)
     r = 2.5
-    heads = tp.heads_from_multihead_attention(m, token_norm=r)
+    heads = tp.Heads.from_multihead_attention(m, token_norm=r)
     assert heads.beta == pytest.approx(r * r / math.sqrt(2))
     out = m(r * x, r * x, r * x, need_weights=False)[0].detach() / r
     assert_close(tp.head_outputs(x, heads).sum(-3), out, rtol=1e-12, atol=1e-12)
@@ -117,7 +117,7 @@ def test_separate_projection_weights():
     m.kdim = m.vdim = E
     assert m.in_proj_weight is None
     x = _tokens(5, E, seed=2)
-    heads = tp.heads_from_multihead_attention(m)
+    heads = tp.Heads.from_multihead_attention(m)
     out, attn = m(x, x, x, need_weights=True, average_attn_weights=False)
     assert_close(tp.attention_matrix(x, heads), attn.detach())
     assert_close(tp.head_outputs(x, heads).sum(-3), out.detach())
@@ -129,7 +129,7 @@ def test_biases_key_bias_exact_others_dropped_or_refused():
     x = _tokens(6, E, seed=4)
     with torch.no_grad():
         m.in_proj_bias[E:2 * E].normal_()  # key bias: cancels in the softmax
-    heads = tp.heads_from_multihead_attention(m, bias="error")
+    heads = tp.Heads.from_multihead_attention(m, bias="error")
     out = m(x, x, x, need_weights=False)[0].detach()
     assert_close(tp.head_outputs(x, heads).sum(-3), out)
     # value and output biases: the module adds the constant c = Σ_h O_h b_V,h + b_O, which the model drops
@@ -139,22 +139,22 @@ def test_biases_key_bias_exact_others_dropped_or_refused():
     c = m.out_proj.weight.detach() @ m.in_proj_bias[2 * E:].detach() + m.out_proj.bias.detach()
     out = m(x, x, x, need_weights=False)[0].detach()
     with pytest.warns(UserWarning, match=r"value bias .*output bias.*bias='error'"):
-        dropped = tp.heads_from_multihead_attention(m)  # bias="warn" (default): dropped, with a warning
+        dropped = tp.Heads.from_multihead_attention(m)  # bias="warn" (default): dropped, with a warning
     assert_close(out - tp.head_outputs(x, dropped).sum(-3), c.expand_as(out))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # bias="drop": the same heads, knowingly, without a warning
         silent = tp.Heads.from_multihead_attention(m, bias="drop")
     assert_close(tp.head_outputs(x, silent).sum(-3), tp.head_outputs(x, dropped).sum(-3))
     with pytest.raises(ValueError, match="value bias"):
-        tp.heads_from_multihead_attention(m, bias="error")
+        tp.Heads.from_multihead_attention(m, bias="error")
     with torch.no_grad():
         m.in_proj_bias.zero_()
         m.in_proj_bias[:E].normal_()
     with pytest.raises(ValueError, match="query bias"):
-        tp.heads_from_multihead_attention(m, bias="error")
+        tp.Heads.from_multihead_attention(m, bias="error")
     kv = torch.nn.MultiheadAttention(4, 2, add_bias_kv=True, dtype=F64)
     with pytest.raises(ValueError, match="add_bias_kv"):
-        tp.heads_from_multihead_attention(kv, bias="error")
+        tp.Heads.from_multihead_attention(kv, bias="error")
 
 
 def test_dict_of_per_head_tensors_and_batched_dict():
@@ -169,7 +169,7 @@ def test_dict_of_per_head_tensors_and_batched_dict():
     g = torch.Generator().manual_seed(0)
     Qb, Kb = torch.randn(3, 2, 2, 4, generator=g, dtype=F64), torch.randn(3, 2, 2, 4, generator=g, dtype=F64)
     Vb = torch.randn(3, 2, 4, 4, generator=g, dtype=F64)
-    hb = tp.heads_from_multihead_attention({"query": Qb, "key": Kb, "value": Vb}, beta=1.0)
+    hb = tp.Heads.from_multihead_attention({"query": Qb, "key": Kb, "value": Vb}, beta=1.0)
     assert tuple(hb.batch_shape) == (3,)
     assert_close(hb.score_matrix, Qb.transpose(-1, -2) @ Kb)
     assert_close(hb.value_matrix, Vb)
@@ -183,7 +183,7 @@ def test_encoder_layers_become_layerwise():
     theta = tp.layerwise_from_transformer(enc, token_norm=math.sqrt(8), layer_time=0.5)
     assert isinstance(theta, tp.Layerwise) and len(theta.layers) == 3
     for l, lay in enumerate(enc.layers):
-        expect = tp.heads_from_multihead_attention(lay.self_attn, token_norm=math.sqrt(8))
+        expect = tp.Heads.from_multihead_attention(lay.self_attn, token_norm=math.sqrt(8))
         got = theta.heads_at(0.5 * l + 0.25)
         assert_close(got.score_matrix, expect.score_matrix)
         assert_close(got.value_matrix, expect.value_matrix)
@@ -198,7 +198,7 @@ def test_encoder_layers_become_layerwise():
 def test_residual_block_is_an_euler_step_up_to_second_order():
     """normalise(x + α MHA(x)) vs one projected-Euler step of length α: error ∝ α² (fitted slope)."""
     m = _mha(E=6, H=2, gain=3.0)
-    heads = tp.heads_from_multihead_attention(m, detach=True)
+    heads = tp.Heads.from_multihead_attention(m, detach=True)
     x = _tokens(8, 6, seed=5)
     alphas = [0.2, 0.1, 0.05, 0.025]
     errs = []
@@ -218,7 +218,7 @@ def test_conversion_is_differentiable_wrt_module_parameters():
     x0 = _tokens(6, 4, seed=6)
 
     def loss():
-        heads = tp.heads_from_multihead_attention(m)
+        heads = tp.Heads.from_multihead_attention(m)
         return tp.simulate(x0, heads, t1=0.5, dt=0.1, method="rk4", direction="ascent", ledger=True).final[:, 0].sum()
 
     (g,) = torch.autograd.grad(loss(), m.in_proj_weight)
@@ -232,32 +232,32 @@ def test_conversion_is_differentiable_wrt_module_parameters():
             lm = loss()
             W[idx] += h
         assert_close(g[idx], (lp - lm) / (2 * h), rtol=1e-6, atol=1e-9)
-    assert tp.heads_from_multihead_attention(m, detach=True).query.requires_grad is False
+    assert tp.Heads.from_multihead_attention(m, detach=True).query.requires_grad is False
 
 
 def test_conversion_input_errors():
     with pytest.raises(TypeError, match="MultiheadAttention"):
-        tp.heads_from_multihead_attention(torch.nn.Linear(3, 3))
+        tp.Heads.from_multihead_attention(torch.nn.Linear(3, 3))
     with pytest.raises(ValueError, match="kdim"):
-        tp.heads_from_multihead_attention(torch.nn.MultiheadAttention(4, 2, kdim=3, vdim=3))
+        tp.Heads.from_multihead_attention(torch.nn.MultiheadAttention(4, 2, kdim=3, vdim=3))
     m = _mha()
     with pytest.raises(ValueError, match="head_weights"):
-        tp.heads_from_multihead_attention(m, head_weights="max")
+        tp.Heads.from_multihead_attention(m, head_weights="max")
     with pytest.raises(TypeError, match="head_weights"):
-        tp.heads_from_multihead_attention(m, head_weights=[1.0, 1.0, 1.0])
+        tp.Heads.from_multihead_attention(m, head_weights=[1.0, 1.0, 1.0])
     with pytest.raises(ValueError, match="bias"):
-        tp.heads_from_multihead_attention(m, bias="fold")
+        tp.Heads.from_multihead_attention(m, bias="fold")
     with pytest.raises(ValueError, match="token_norm"):
-        tp.heads_from_multihead_attention(m, token_norm=0.0)
+        tp.Heads.from_multihead_attention(m, token_norm=0.0)
     with pytest.raises(ValueError, match="beta"):
-        tp.heads_from_multihead_attention(m, beta=float("nan"))
-    assert tp.heads_from_multihead_attention(m, beta=-1.0).beta == -1.0  # β < 0 is a valid (repulsive) head
+        tp.Heads.from_multihead_attention(m, beta=float("nan"))
+    assert tp.Heads.from_multihead_attention(m, beta=-1.0).beta == -1.0  # β < 0 is a valid (repulsive) head
     with pytest.raises(ValueError, match="unknown keys"):
-        tp.heads_from_multihead_attention({"q": torch.ones(1, 2, 3), "k": torch.ones(1, 2, 3), "v": torch.ones(1, 3, 3), "x": 1})
+        tp.Heads.from_multihead_attention({"q": torch.ones(1, 2, 3), "k": torch.ones(1, 2, 3), "v": torch.ones(1, 3, 3), "x": 1})
     with pytest.raises(ValueError, match="lacks"):
-        tp.heads_from_multihead_attention({"q": torch.ones(1, 2, 3), "k": torch.ones(1, 2, 3)})
+        tp.Heads.from_multihead_attention({"q": torch.ones(1, 2, 3), "k": torch.ones(1, 2, 3)})
     with pytest.raises(ValueError, match="same shape"):
-        tp.heads_from_multihead_attention({"q": torch.ones(1, 2, 3), "k": torch.ones(1, 1, 3), "v": torch.ones(1, 3, 3)})
+        tp.Heads.from_multihead_attention({"q": torch.ones(1, 2, 3), "k": torch.ones(1, 1, 3), "v": torch.ones(1, 3, 3)})
     with pytest.raises(TypeError, match="layer 1"):
         tp.nn.attention_modules([m, torch.nn.ReLU()])
     with pytest.raises(TypeError, match="cannot find"):

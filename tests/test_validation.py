@@ -181,9 +181,9 @@ def test_scalar_checks():
 
 def test_sample_path_refuses_bad_arguments_up_front(heads, monkeypatch):
     proc = tp.OrnsteinUhlenbeck(heads, sigma=0.5)
-    import transformer_pde.solvers.particle as particle
+    from transformer_pde.processes.driver import WeightDriver
 
-    monkeypatch.setattr(particle._WeightDriver, "__init__", lambda *a, **k: pytest.fail("work started"))
+    monkeypatch.setattr(WeightDriver, "__init__", lambda *a, **k: pytest.fail("work started"))
     for kw, err, msg in [
         (dict(paths=0), ValueError, "paths must be >= 1"),
         (dict(paths=2.0), TypeError, "paths must be an int"),

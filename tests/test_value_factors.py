@@ -207,7 +207,7 @@ def test_a_solve_without_diagnostics_takes_the_values_first_path(monkeypatch):
 
     def run(heads):
         model = tp.Model(tp.Constant(heads), normalization="softmax", direction="ascent", weights=w)
-        return tp.solve(model, x0, tp.Euler(), t1=0.3, dt=0.1, saveat=tp.SaveAt(every=3),
+        return tp.solve(model, x0, tp.Euler(), t1=0.3, dt=0.1, saveat=tp.SaveAt(record_every=3),
                         ledger=tp.LedgerOptions(diagnostics=False), progress=False).x[-1]
 
     got = run(h)
@@ -243,9 +243,9 @@ def test_a_layer_map_solve_takes_the_values_first_path(monkeypatch):
     w = _padded_weights((2,), torch.float64)
 
     def run(heads):
-        model = tp.Model(tp.Constant(heads), normalization="softmax", direction="ascent", geometry="post",
+        model = tp.Model(tp.Constant(heads), normalization="softmax", direction="ascent", layer_norm="post",
                          weights=w)
-        return tp.solve(model, x0, tp.Euler(), t1=2.0, dt=1.0, saveat=tp.SaveAt(every=1),
+        return tp.solve(model, x0, tp.Euler(), t1=2.0, dt=1.0, saveat=tp.SaveAt(record_every=1),
                         ledger=tp.LedgerOptions(diagnostics=False), progress=False).x
 
     got = run(h)

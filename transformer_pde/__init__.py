@@ -27,7 +27,7 @@ from .processes.weights import Constant, Custom, Layerwise, OrnsteinUhlenbeck, O
 from .solvers.particle import simulate
 from .solvers.tableaux import METHODS, TABLEAUX, ButcherTableau
 from .solvers.trajectory import NonFiniteError, Trajectory
-from .solvers.layernorm import LAYER_NORMS, NGPT, LayerNorm, PeriLN, PostLN, PreLN, Projected, simuformer_scheme
+from .solvers.layernorm import LAYER_NORMS, NGPT, LayerNormScheme, PeriLN, PostLN, PreLN, Projected, simuformer_scheme
 from .solvers.noise import TokenNoise
 from .model.normalization import Effective, Hardmax, Normalization, ReLU, SinkhornAttention, Softmax, Unnormalized
 from .model.positional import ALiBi, KineticDecay, PositionalBias, PositionKernel
@@ -40,14 +40,14 @@ from .solvers.options import Checkpointing, LedgerOptions, Limits, Progress, Sav
 from .solvers.solve import solve
 from .model import backends, transport
 from .analysis import diagnostics, theory
-from .solvers import distributed
+from .solvers import sharded as distributed
 from . import nn
 from .nn import MeanFieldAttention
 from .model.backends import kernel_backend
 from .utils.threads import thread_policy
-from .solvers.distributed import distributed_evaluate, simulate_sharded
+from .solvers.sharded import distributed_evaluate, simulate_sharded
 from .processes.nn import (
-    attention_matrix, heads_from_multihead_attention, layerwise_from_transformer, residual_attention_step,
+    attention_matrix, layerwise_from_transformer, residual_attention_step,
 )
 from .solvers.jko import JKOConvergenceError, jko, to_grid
 from .model.transport import distance, transport_plan
@@ -70,7 +70,7 @@ def __getattr__(name):
 __version__ = "0.1.0"
 
 __all__ = [
-    "LAYER_NORMS", "LayerNorm", "Projected", "PostLN", "PreLN", "PeriLN", "NGPT", "simuformer_scheme",
+    "LAYER_NORMS", "LayerNormScheme", "Projected", "PostLN", "PreLN", "PeriLN", "NGPT", "simuformer_scheme",
     "sphere",
     "plotting",
     "Heads",
@@ -130,7 +130,6 @@ __all__ = [
     "to_grid",
     "JKOConvergenceError",
     "nn", "MeanFieldAttention",
-    "heads_from_multihead_attention",
     "layerwise_from_transformer",
     "attention_matrix",
     "residual_attention_step",

@@ -2,7 +2,7 @@
 Heads from nn.MultiheadAttention, trained through the solver
 ============================================================
 
-:func:`transformer_pde.heads_from_multihead_attention` reads the heads of a real attention
+:meth:`transformer_pde.Heads.from_multihead_attention` reads the heads of a real attention
 layer (A_h = W_Q,hᵀ W_K,h, V_h = W_O,h W_V,h, β = 1/√k); :func:`transformer_pde.simulate` is
 differentiable, so a loss of the flow trains the layer's weights with an ordinary optimiser.
 The loss asks the tokens of two hemispheres to reach two target points; the figure shows it
@@ -25,7 +25,7 @@ targets = torch.where(side[:, None], torch.eye(d, **f64)[1], -torch.eye(d, **f64
 
 losses = []
 for step in range(20):
-    heads = tp.heads_from_multihead_attention(mha)
+    heads = tp.Heads.from_multihead_attention(mha)
     traj = tp.simulate(x0, heads, t1=1.0, dt=0.1, method="euler", direction="ascent", diagnostics=False)
     loss = (1 - (traj.final * targets).sum(-1)).mean()
     opt.zero_grad()

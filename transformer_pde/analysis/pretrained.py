@@ -325,8 +325,8 @@ def _continuous(net, states, mask, dt: float, mode: str):
     steps = round(1.0 / dt)
     w = _key_weights(mask, states.dtype)
     layers = [_layer_heads(lw, "drop", r) for lw in net.layers]
-    opts = dict(normalization="softmax", direction="ascent", geometry="none", weights=w, causal=net.causal)
-    run = dict(dt=1.0 / steps, saveat=SaveAt(every=steps), ledger=LedgerOptions(diagnostics=False), progress=False)
+    opts = dict(normalization="softmax", direction="ascent", layer_norm="none", weights=w, causal=net.causal)
+    run = dict(dt=1.0 / steps, saveat=SaveAt(record_every=steps), ledger=LedgerOptions(diagnostics=False), progress=False)
     with kernel_backend(_BACKEND):
         if mode == "rollout":
             traj = solve(Model(Layerwise(layers, layer_time=1.0), **opts), normalize(states[0]), Euler(),
@@ -343,10 +343,10 @@ def _post_no_bias_rollout(net, states, mask):
     """The post-LN "no_bias" rollout through tp.solve: PostLN geometry, Euler, Δt = 1 (one step per layer)."""
     r = math.sqrt(net.dim)
     layers = [_layer_heads(lw, "drop", r) for lw in net.layers]
-    model = Model(Layerwise(layers, layer_time=1.0), normalization="softmax", direction="ascent", geometry="post",
+    model = Model(Layerwise(layers, layer_time=1.0), normalization="softmax", direction="ascent", layer_norm="post",
                   weights=_key_weights(mask, states.dtype), causal=net.causal)
     with kernel_backend(_BACKEND):
-        traj = solve(model, normalize(states[0]), Euler(), t1=float(net.num_layers), dt=1.0, saveat=SaveAt(every=1),
+        traj = solve(model, normalize(states[0]), Euler(), t1=float(net.num_layers), dt=1.0, saveat=SaveAt(record_every=1),
                      ledger=LedgerOptions(diagnostics=False), progress=False)
     out = r * traj.x
     return torch.cat([states[:1], out[1:]])

@@ -74,7 +74,7 @@ from .positional_kernel import positional_statistics
 from .softmax import softmax_statistics
 from .values import softmax_values, values_first_applies
 from .heads import Heads, broadcast_shapes
-from .normalization import Softmax, names, resolve
+from .normalization import names, resolve
 from .sphere import tangent_projection
 
 __all__ = ["FieldEval", "evaluate", "velocity", "head_outputs", "radial_shadows"]
@@ -454,7 +454,7 @@ def evaluate(
     ``keys`` (..., m, d) and ``key_weights`` (..., m) or None: evaluate at the queries ``x`` the
     field of the measure μ = Σ_j key_weights_j δ_{keys_j} (default: μ = Σ_i weights_i δ_{x_i}).
     The diagnostics are then the partial sums Σ_i weights_i (...) over these queries, which add
-    up over a partition of μ's support into query shards (:mod:`transformer_pde.solvers.distributed`);
+    up over a partition of μ's support into query shards (:mod:`transformer_pde.solvers.sharded`, ``tp.distributed``);
     pass the shard's share of the global token weights as ``weights``.
 
     ``causal``: token i attends only to tokens j ≤ i (the field of the prefix measure; module
@@ -499,7 +499,7 @@ def evaluate(
                              f"∇ δE/δμ); use one of {names(lambda n: n.causal)} with causal=True")
     if keys is None:
         key_weights = weights
-        if (diagnostics and not second_moment and backend == "auto" and type(norm) is Softmax and positional is None
+        if (diagnostics and not second_moment and backend == "auto" and norm.plain_softmax and positional is None
                 and (causal or not heads.is_symmetric) and pair_takes(x.shape[-2], heads.num_heads, chunk_elements)):
             # small n, non-symmetric or causal heads: field and diagnostics from one exp'd score block
             pd = pair_diagnostics(x, heads, weights, sign=sign, causal=causal, log_scale=log_scale,
@@ -507,7 +507,7 @@ def evaluate(
             if pd is not None:
                 return FieldEval(pd.velocity, pd.stats, pd.outputs, pd.grad_first_variation, pd.energy, pd.slope,
                                  pd.dissipation, ambient=pd.ambient)
-        if (not diagnostics and not second_moment and backend == "auto" and type(norm) is Softmax and not prefix_sum
+        if (not diagnostics and not second_moment and backend == "auto" and norm.plain_softmax and not prefix_sum
                 and positional is None
                 and (causal or not heads.is_symmetric) and not _values_first(norm, heads)
                 and pair_takes(x.shape[-2], heads.num_heads, chunk_elements)):

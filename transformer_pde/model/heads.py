@@ -246,7 +246,7 @@ class Heads:
         again after every optimizer step (inside the forward), never once before the loop.  The
         options, and what the conversion keeps and drops (``bias="warn"`` drops non-zero query,
         value and output biases with a UserWarning; "drop" drops them silently; "error" refuses):
-        :func:`transformer_pde.processes.nn.heads_from_multihead_attention`.
+        :func:`transformer_pde.model.heads.heads_from_multihead_attention`.
 
         Returns
         -------
@@ -496,7 +496,7 @@ class Heads:
 
 
 # ---------------------------------------------------------------------------- torch.nn.MultiheadAttention → Heads
-# (here, not in nn, so that Heads.from_multihead_attention needs nothing above heads; tp.nn re-exports it)
+# (here, not in nn, so that Heads.from_multihead_attention needs nothing above heads; the public spelling is the classmethod)
 
 _KEYS = {
     "query": ("query", "q", "w_q", "wq"),
@@ -569,7 +569,7 @@ def _split_mha(mha: torch.nn.MultiheadAttention, bias: str):
             )
         if found:
             warnings.warn(
-                "heads_from_multihead_attention drops terms the model cannot represent: " + ", ".join(found)
+                "Heads.from_multihead_attention drops terms the model cannot represent: " + ", ".join(found)
                 + "; the heads then differ from the module by them.  Build the module with bias=False (or zero "
                 "them) to keep the conversion exact, pass bias='drop' to drop them knowingly without this "
                 "warning, or bias='error' to refuse such modules (the key bias is always exact)",

@@ -71,6 +71,28 @@ class Normalization:
     def __str__(self) -> str:
         return self.name
 
+    @property
+    def rule(self) -> Optional[str]:
+        """The name of the registered rule this object computes, or None for a rule of its own.
+
+        A registered class (:data:`NORMALIZATIONS`) computes its own rule; a subclass keeps it as long as it
+        overrides neither :meth:`outputs`, :meth:`field` nor ``statistics``, and then shares the rule's fast
+        paths (the fused kernels of :func:`~transformer_pde.model.field.evaluate`) and closed forms (the
+        theory); a subclass that overrides one of them computes its own rule (None), which the fast paths
+        and closed forms never replace."""
+        cls = type(self)
+        base = next((c for c in cls.__mro__ if _BY_NAME.get(c.__dict__.get("name")) is c), None)
+        if base is None or cls.outputs is not base.outputs or cls.field is not base.field \
+                or cls.statistics != base.statistics:
+            return None
+        return base.name
+
+    @property
+    def plain_softmax(self) -> bool:
+        """True when the object computes the plain softmax rule (``rule == "softmax"``): the condition of the
+        softmax fast paths."""
+        return self.rule == "softmax"
+
     def outputs(self, kernel):
         """The per-head outputs f_h (..., H, n, d) from the kernel pass, or None (no per-head split).
 
@@ -309,8 +331,9 @@ def names(where=None) -> tuple:
 
 
 def choose(value, allowed: tuple, name: str = "normalization") -> Normalization:
-    """The object for ``value`` (a name or an object), refused unless it is one of the registered classes named
-    in ``allowed`` (entry points with closed forms per class: a subclass of a registered class is refused).
+    """The object for ``value`` (a name or an object), refused unless it computes one of the registered rules
+    named in ``allowed`` (:attr:`Normalization.rule`: entry points with closed forms per rule; a subclass that
+    overrides its rule is refused).
 
     Parameters
     ----------
@@ -332,12 +355,6 @@ def choose(value, allowed: tuple, name: str = "normalization") -> Normalization:
         neither a string nor a :class:`Normalization` (or the abstract base).
     ValueError
         an unknown name, or one that is not in ``allowed`` (the message lists those)."""
-    # the object's class, not its name: a subclass of a registered class carries its own rule
-    classes = tuple(type(_INSTANCES[k]) for k in allowed if k in _INSTANCES)
-    return resolve(value, lambda obj: type(obj) in classes, name=name)
-    obj = normalization(value, name)
-    # the object's class, not its name: a subclass of a registered class carries its own rule
-    if not any(type(obj) is type(_INSTANCES[k]) for k in allowed if k in _INSTANCES):
-        label = obj.name or type(obj).__name__
-        raise ValueError(f"{name}={label!r} is not covered here; choose one of {', '.join(map(repr, allowed))}")
-    return obj
+    # the object's rule, not its name or class: a subclass that keeps a registered rule is that rule, one that
+    # overrides it carries its own
+    return resolve(value, lambda obj: obj.rule in allowed, name=name)

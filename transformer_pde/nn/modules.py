@@ -10,10 +10,11 @@ as a :class:`~transformer_pde.Layerwise` process on [0, T]: layer l holds on [lT
 ("constant", a residual network in continuous depth) or the layers are knots of a linear
 interpolation ("linear", a smooth Θ_t).  The tokens x (..., n, d) on the unit sphere then follow
 
-    ẋ_i = s · P_{x_i} Σ_h f_h(x_i)     (geometry "none": the projected flow, docs/model.md#fields)
+    ẋ_i = s · P_{x_i} Σ_h f_h(x_i)     (layer_norm "none": the projected flow, docs/model.md#fields)
 
 or the post-/pre-LN layer maps of docs/layer_norms.md, integrated by a fixed-step Runge–Kutta
-solver (gradients by backpropagation through the steps) or by dopri5, optionally with torchdiffeq's
+solver (gradients by backpropagation through the steps) or by the adaptive dopri5 (``method="adaptive"``,
+:class:`~transformer_pde.Dopri5`), optionally with torchdiffeq's
 adjoint (``adjoint=True``: memory independent of the number of steps).
 
 Optional feed-forward term (``feedforward=m``): after the attention flow of layer l the tokens take
@@ -58,9 +59,10 @@ import torch
 
 from ..utils.validation import DEFAULT_DIRECTION
 from ..model.heads import Heads
-from ..processes.nn import attention_modules, heads_from_multihead_attention
+from ..processes.nn import attention_modules
 from ..processes.weights import Layerwise
-from ..solvers.particle import RK4, Dopri5, Euler, Heun
+from ..solvers.particle import Dopri5, FixedStep
+from ..solvers.tableaux import ADAPTIVE_ATOL, ADAPTIVE_RTOL, METHODS
 from ..solvers.model import Model
 from ..solvers.options import LedgerOptions, SaveAt
 from ..solvers.solve import solve
@@ -68,10 +70,8 @@ from ..utils.validation import check_bool, check_choice, check_int, check_positi
 
 __all__ = ["MeanFieldAttention", "TransformerFlow"]
 
-#: the fixed-step solvers of the module (gradients by backpropagation through the steps)
-_FIXED = {"euler": Euler, "heun": Heun, "rk4": RK4}
-SOLVERS = ("euler", "heun", "rk4", "dopri5")
-GEOMETRIES = ("none", "post", "pre")
+#: the layer maps the module steps ("none": the projected flow)
+FLOW_LAYER_NORMS = ("none", "post", "pre")
 
 
 class MeanFieldAttention(torch.nn.Module):
@@ -88,15 +88,17 @@ class MeanFieldAttention(torch.nn.Module):
     t1 : float
         T, the depth (final time).
     steps : int
-        solver steps per layer (fixed-step solvers; dopri5: the record grid of the kinetic term).
-    solver : str
-        "euler", "heun", "rk4" (backpropagation through the steps) or "dopri5" (adaptive).
+        solver steps per layer (fixed-step methods; "adaptive": the record grid of the kinetic term).
+    method : str
+        "euler", "heun", "rk4" (backpropagation through the steps) or "adaptive" (dopri5,
+        :class:`~transformer_pde.Dopri5`), the ``method=`` of :func:`transformer_pde.simulate`.
     adjoint : bool
-        with "dopri5": gradients by torchdiffeq's adjoint ODE (memory flat in the number of steps).
+        with "adaptive": gradients by torchdiffeq's adjoint ODE (memory flat in the number of steps).
     interpolation : str
         "constant" (layer l holds on its interval) or "linear" (knots at the layer starts).
-    geometry : str
-        "none" (projected flow), "post" or "pre" (the LayerNorm maps, Euler only).
+    layer_norm : str
+        "none" (projected flow), "post" or "pre" (the LayerNorm maps, Euler only), the ``layer_norm=`` of
+        :func:`transformer_pde.simulate`.
     direction : str
         "ascent" (x + attention(x), the residual transformer) or "descent".
     head_dim : int or None
@@ -107,7 +109,8 @@ class MeanFieldAttention(torch.nn.Module):
     feedforward : int
         hidden width m of the feed-forward term (0: none).
     rtol, atol : float
-        dopri5 tolerances.
+        the tolerances of "adaptive" (default those of :class:`~transformer_pde.Dopri5`, 1e-7 and 1e-9); refused
+        below the round-off of the tokens' dtype when the forward sees them.
     dtype, device
         of the parameters.
 
@@ -129,9 +132,10 @@ class MeanFieldAttention(torch.nn.Module):
     """
 
     def __init__(self, dim: int, num_heads: int, *, layers: int = 1, t1: float = 1.0, steps: int = 1,
-                 solver: str = "euler", adjoint: bool = False, interpolation: str = "constant",
-                 geometry: str = "none", direction: str = DEFAULT_DIRECTION, head_dim: Optional[int] = None,
-                 beta: Optional[float] = None, feedforward: int = 0, rtol: float = 1e-6, atol: float = 1e-8,
+                 method: str = "euler", adjoint: bool = False, interpolation: str = "constant",
+                 layer_norm: str = "none", direction: str = DEFAULT_DIRECTION, head_dim: Optional[int] = None,
+                 beta: Optional[float] = None, feedforward: int = 0, rtol: float = ADAPTIVE_RTOL,
+                 atol: float = ADAPTIVE_ATOL,
                  dtype: Optional[torch.dtype] = None, device=None):
         super().__init__()
         d, H = check_int(dim, "dim"), check_int(num_heads, "num_heads")
@@ -142,20 +146,21 @@ class MeanFieldAttention(torch.nn.Module):
         k = check_int(head_dim, "head_dim")
         self.layers, self.steps = check_int(layers, "layers"), check_int(steps, "steps")
         self.t1 = check_positive(t1, "t1")
-        self.solver = check_choice(solver, SOLVERS, "solver")
+        self.method = check_choice(method, METHODS, "method")
         self.adjoint = check_bool(adjoint, "adjoint")
-        if self.adjoint and self.solver != "dopri5":
-            raise ValueError(f"adjoint=True needs solver='dopri5' (the adjoint ODE of torchdiffeq), got solver={solver!r}")
+        if self.adjoint and self.method != "adaptive":
+            raise ValueError(f"adjoint=True needs method='adaptive' (the adjoint ODE of torchdiffeq), got "
+                             f"method={method!r}")
         self.interpolation = check_choice(interpolation, ("constant", "linear"), "interpolation")
-        self.geometry = check_choice(geometry, GEOMETRIES, "geometry")
-        if self.geometry != "none" and self.solver != "euler":
-            raise ValueError(f"geometry={geometry!r} is a layer map stepped by Euler; use solver='euler' "
-                             f"(or geometry='none' with solver={solver!r})")
+        self.layer_norm = check_choice(layer_norm, FLOW_LAYER_NORMS, "layer_norm")
+        if self.layer_norm != "none" and self.method != "euler":
+            raise ValueError(f"layer_norm={layer_norm!r} is a layer map stepped by Euler; use method='euler' "
+                             f"(or layer_norm='none' with method={method!r})")
         self.direction = check_choice(direction, ("ascent", "descent"), "direction")
         self.feedforward = check_int(feedforward, "feedforward", minimum=0)
-        if self.feedforward and self.geometry == "pre":
-            raise ValueError("feedforward with geometry='pre' is not available: the pre-LN radius is the solver's "
-                             "state and would restart at every feed-forward step; use geometry 'none' or 'post'")
+        if self.feedforward and self.layer_norm == "pre":
+            raise ValueError("feedforward with layer_norm='pre' is not available: the pre-LN radius is the solver's "
+                             "state and would restart at every feed-forward step; use layer_norm 'none' or 'post'")
         if self.feedforward and self.interpolation == "linear":
             raise ValueError("feedforward acts between layers; use interpolation='constant' with it")
         self.beta = d / math.sqrt(k) if beta is None else check_positive(beta, "beta")
@@ -200,9 +205,9 @@ class MeanFieldAttention(torch.nn.Module):
                          t0=layers[0] * dl)
 
     def _solver(self):
-        if self.solver == "dopri5":
+        if self.method == "adaptive":
             return Dopri5(rtol=self.rtol, atol=self.atol, adjoint=self.adjoint)
-        return _FIXED[self.solver]()
+        return FixedStep(self.method)
 
     def _pieces(self):
         """(layers, t0, t1) of each solve: one over [0, T], or one per layer with a feed-forward term."""
@@ -220,20 +225,20 @@ class MeanFieldAttention(torch.nn.Module):
     def _solve(self, x, piece, weights, *, diagnostics: bool, kinetic: bool, every: Optional[int]):
         layers, t0, t1 = piece
         dt = (t1 - t0) / (self.steps * len(layers))
-        model = Model(self.theta(layers), normalization="softmax", direction=self.direction, geometry=self.geometry,
+        model = Model(self.theta(layers), normalization="softmax", direction=self.direction, layer_norm=self.layer_norm,
                       weights=weights)
         # a fixed energy scale c = 0: the values are the plain ones, comparable across batches.  The kinetic
         # term ∫𝒢² dt (every step, also between the records): the fixed-step solvers accumulate it from the
         # step's own field (kinetic=True; the diagnostics, if asked, from the records); dopri5 from its ledger,
         # the trapezoid rule on the record grid, which must then be the whole dt grid
-        adaptive = self.solver == "dopri5"
+        adaptive = self.method == "adaptive"
         ledger = LedgerOptions(diagnostics=diagnostics or (kinetic and adaptive), ledger=kinetic and adaptive,
                                kinetic=kinetic and not adaptive,
                                energy_log_scale=0.0 if (diagnostics or kinetic) else None)
         if every is None:
             every = 1 if (kinetic and adaptive) else None
-        saveat = SaveAt(ends=True) if every is None else SaveAt(every=every)
-        extra = {} if self.solver == "dopri5" else {"progress": False}
+        saveat = SaveAt(ends=True) if every is None else SaveAt(record_every=every)
+        extra = {} if adaptive else {"progress": False}
         return solve(model, x, self._solver(), t0=t0, t1=t1, dt=dt, saveat=saveat, ledger=ledger, **extra)
 
     def _feedforward(self, x, layer: int):
@@ -245,6 +250,9 @@ class MeanFieldAttention(torch.nn.Module):
     def _check(self, x, weights):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a tensor (..., n, d), got {type(x).__name__}")
+        if not x.is_floating_point():
+            raise TypeError(f"x must be a floating-point tensor of unit tokens (..., n, d), got dtype {x.dtype}; "
+                            f"convert it (x.to(torch.float32) or the module's dtype) and normalise it to the sphere")
         if x.dim() < 2 or x.shape[-1] != self.dim:
             raise ValueError(f"x must have shape (..., n, {self.dim}) (d = dim = {self.dim}), got {tuple(x.shape)}")
         ref = self._reference()
@@ -298,8 +306,8 @@ class MeanFieldAttention(torch.nn.Module):
         if kinetic not in ("metric", "displacement"):
             raise ValueError(f"kinetic must be False, True / 'metric' (∫𝒢²dt from the ledger) or 'displacement' "
                              f"(the action of the solver's steps), got {kinetic!r}")
-        if kinetic == "displacement" and self.solver == "dopri5":
-            raise ValueError("kinetic='displacement' sums the fixed steps of the solver; with solver='dopri5' use "
+        if kinetic == "displacement" and self.method == "adaptive":
+            raise ValueError("kinetic='displacement' sums the fixed steps of the solver; with method='adaptive' use "
                              "kinetic='metric'")
         return kinetic
 
@@ -343,8 +351,8 @@ class MeanFieldAttention(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, num_heads={self.num_heads}, head_dim={self.head_dim}, layers={self.layers}, "
-                f"t1={self.t1:g}, steps={self.steps}, solver={self.solver!r}, adjoint={self.adjoint}, "
-                f"geometry={self.geometry!r}, feedforward={self.feedforward}")
+                f"t1={self.t1:g}, steps={self.steps}, method={self.method!r}, adjoint={self.adjoint}, "
+                f"layer_norm={self.layer_norm!r}, feedforward={self.feedforward}")
 
 
 class TransformerFlow(MeanFieldAttention):
@@ -354,7 +362,7 @@ class TransformerFlow(MeanFieldAttention):
     ``torch.nn.TransformerEncoder``, a list or ``ModuleList`` of ``MultiheadAttention`` modules or of
     layers with ``self_attn`` — as a submodule (its parameters are this module's) and, in every
     forward, converts its attention layers with
-    :func:`~transformer_pde.processes.nn.heads_from_multihead_attention` (layer l holds on
+    :meth:`~transformer_pde.Heads.from_multihead_attention` (layer l holds on
     [l·Δ, (l+1)·Δ), Δ = ``layer_time``) and solves, like :class:`MeanFieldAttention` (same forward,
     kinetic terms and trajectory).  So a training loop may call ``backward()`` on every step: the
     heads are never reused across graphs.  What the conversion keeps and drops (the MLP, LayerNorm's
@@ -372,10 +380,10 @@ class TransformerFlow(MeanFieldAttention):
         r, the norm of the tokens the layers see (√d after a LayerNorm without affine parameters): β = r²/√k.
     bias : str
         "warn", "drop" or "error" for the biases the model cannot represent
-        (:func:`~transformer_pde.processes.nn.heads_from_multihead_attention`).
+        (:meth:`~transformer_pde.Heads.from_multihead_attention`).
     head_weights : str
         "sum" (MHA(x) = Σ_h f_h exactly) or "mean".
-    solver, adjoint, interpolation, geometry, direction, rtol, atol
+    method, adjoint, interpolation, layer_norm, direction, rtol, atol
         as for :class:`MeanFieldAttention`.
 
     Examples
@@ -391,9 +399,9 @@ class TransformerFlow(MeanFieldAttention):
     """
 
     def __init__(self, model, *, layer_time: float = 1.0, steps: int = 1, token_norm: float = 1.0,
-                 bias: str = "warn", head_weights: str = "sum", solver: str = "euler", adjoint: bool = False,
-                 interpolation: str = "constant", geometry: str = "none", direction: str = DEFAULT_DIRECTION,
-                 rtol: float = 1e-6, atol: float = 1e-8):
+                 bias: str = "warn", head_weights: str = "sum", method: str = "euler", adjoint: bool = False,
+                 interpolation: str = "constant", layer_norm: str = "none", direction: str = DEFAULT_DIRECTION,
+                 rtol: float = ADAPTIVE_RTOL, atol: float = ADAPTIVE_ATOL):
         mods = attention_modules(model)  # refuses what holds no attention layers (TypeError / ValueError)
         if any(not isinstance(m, torch.nn.Module) for m in mods):
             raise TypeError("TransformerFlow needs torch modules (their parameters are trained); a dict of heads "
@@ -402,7 +410,7 @@ class TransformerFlow(MeanFieldAttention):
         d, H = first.embed_dim, first.num_heads
         layers = len(mods)
         super().__init__(d, H, layers=layers, t1=check_positive(layer_time, "layer_time") * layers, steps=steps,
-                         solver=solver, adjoint=adjoint, interpolation=interpolation, geometry=geometry,
+                         method=method, adjoint=adjoint, interpolation=interpolation, layer_norm=layer_norm,
                          direction=direction, rtol=rtol, atol=atol, dtype=first.out_proj.weight.dtype,
                          device=first.out_proj.weight.device)
         for name in ("query", "key", "value", "output"):  # the wrapped model's parameters are the only ones
@@ -421,8 +429,8 @@ class TransformerFlow(MeanFieldAttention):
 
     def heads(self, layer: int) -> Heads:
         """The heads of attention layer ``layer``, converted from the model's current parameters."""
-        return heads_from_multihead_attention(attention_modules(self.model)[layer], **self.convert)
+        return Heads.from_multihead_attention(attention_modules(self.model)[layer], **self.convert)
 
     def extra_repr(self) -> str:
-        return (f"layers={self.layers}, t1={self.t1:g}, steps={self.steps}, solver={self.solver!r}, "
-                f"adjoint={self.adjoint}, geometry={self.geometry!r}, token_norm={self.convert['token_norm']:g}")
+        return (f"layers={self.layers}, t1={self.t1:g}, steps={self.steps}, method={self.method!r}, "
+                f"adjoint={self.adjoint}, layer_norm={self.layer_norm!r}, token_norm={self.convert['token_norm']:g}")

@@ -69,7 +69,6 @@ from .weights import Layerwise
 from ..model.sphere import normalize
 
 __all__ = [
-    "heads_from_multihead_attention",
     "layerwise_from_transformer",
     "attention_modules",
     "attention_matrix",
@@ -118,7 +117,7 @@ def layerwise_from_transformer(
     ``model``: anything :func:`attention_modules` accepts.  ``interpolation``: "constant"
     (piecewise constant, a residual network) or "linear" (scores, values, head weights and β
     interpolated between the layer starts).  Other keyword arguments go to
-    :func:`heads_from_multihead_attention` (``head_weights``, ``token_norm``, ``dtype``, ...).
+    :meth:`~transformer_pde.Heads.from_multihead_attention` (``head_weights``, ``token_norm``, ``dtype``, ...).
 
     With Δ = α and ``simulate(x0, theta, t1=t0 + Lα, dt=α, method="euler", direction="ascent")``
     each step is one idealised residual block x ← normalise(x + α·MHA(x)) up to O(α²).
@@ -173,7 +172,7 @@ def residual_attention_step(module, x: torch.Tensor, *, step: float = 1.0, token
 
     Runs the module itself (with its biases, if any) on tokens of norm r = ``token_norm``, adds
     the residual with step α and normalises back to the unit sphere.  With the heads of
-    :func:`heads_from_multihead_attention` (same ``token_norm``, ``head_weights="sum"``) and no
+    :meth:`~transformer_pde.Heads.from_multihead_attention` (same ``token_norm``, ``head_weights="sum"``) and no
     biases this is x ↦ normalise(x + α Σ_h f_h(x)), one projected-Euler step of the ascent flow
     up to O(α²).
 

@@ -498,10 +498,6 @@ class Layerwise(Process):
     def jumps(self, t0, t1):
         return self.knots(t0, t1) if self.interpolation == "constant" else []
 
-    @property
-    def time_dependent_values(self) -> bool:
-        return True
-
 
 class Custom(Process):
     """dA_h = drift(t, A) dt + diffusion(t) dW_sym, stepped by Euler(–Maruyama) on the solver grid.

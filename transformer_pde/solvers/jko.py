@@ -181,7 +181,7 @@ def _model(theta, variant: str, direction: str, mobility: str, weights, temperat
                              "grid_weights= (or tokens x0, deposited with to_grid)")
         check_tensor(weights, "weights", min_dim=1)
     return Model(theta, normalization="unnormalized" if mobility == "unit" else "effective", direction=direction,
-                 noise=T if T > 0 else None, weights=weights)
+                 temperature=T, weights=weights)
 
 
 def jko(
@@ -336,5 +336,5 @@ def jko(
     else:
         solver = EulerianJKO(grid, grid_weights, bandwidth, eps, tol, max_iter, path_dt=path_dt, strict=strict)
     return solve(model, x0, solver, t1=t0 + steps * tau, dt=tau, t0=t0, paths=paths, seed=seed, generator=generator,
-                 saveat=SaveAt(every=record_every), ledger=LedgerOptions(diagnostics=diagnostics),
+                 saveat=SaveAt(record_every), ledger=LedgerOptions(diagnostics=diagnostics),
                  progress=Progress(progress, callback), limits=limits)

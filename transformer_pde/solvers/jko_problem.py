@@ -137,7 +137,7 @@ def _check_model(model: Model, solver, options: SolveOptions) -> None:
         raise TypeError(f"{name} keeps its own ledger: LedgerOptions takes only diagnostics= and ledger= here (the ledger is always kept)")
     if saveat.observables is not None or saveat.path:
         raise TypeError(f"{name} records no observables and always returns a sampled noisy path: use "
-                        f"SaveAt(every=...) or SaveAt(ends=True)")
+                        f"SaveAt(record_every=...) or SaveAt(ends=True)")
     if not model.geometry.projected or model.causal:
         raise ValueError(f"{name} solves the projected, non-causal model only")
     if options.limits.chunk_elements is not None:
@@ -254,7 +254,7 @@ def check_problem(model: Model, x0: Optional[torch.Tensor], solver, options: Sol
     seed = check_seed_generator(options.seed, options.generator)
     if options.generator is not None:
         seed = None  # the draws come from the generator (sample_path refuses a seed next to it)
-    record_every = check_every(options.saveat.record_every(steps), "record_every", steps,
+    record_every = check_every(options.saveat.stride(steps), "record_every", steps,
                                f"steps = {steps} of tau = {tau:.6g}")
     initial, z = _check_measure(model, x0, solver)
     transport, cost, step = _step_settings(model, solver, initial, -sign, tau)

@@ -56,7 +56,7 @@ from ..utils.validation import broadcast_shapes
 from ..model.field import FieldEval, log_inverse_mobility
 from ..model.sphere import normalize, tangent_projection
 
-__all__ = ["LayerNorm", "Projected", "PostLN", "PreLN", "PeriLN", "NGPT", "LAYER_NORMS", "as_geometry",
+__all__ = ["LayerNormScheme", "Projected", "PostLN", "PreLN", "PeriLN", "NGPT", "LAYER_NORMS", "as_geometry",
            "simuformer_scheme"]
 #: named internal API (the solvers' use of the seam)
 __internal__ = ["geometry_densities", "check_layer_norm_method", "FusedUpdate", "score_block_bytes", "SCORE_BLOCK_FRACTION"]
@@ -108,7 +108,7 @@ def _check_rule(rule, name):
 
 
 @dataclass(frozen=True)
-class LayerNorm:
+class LayerNormScheme:
     """A layer-normalisation scheme (base class; module docstring).
 
     Class attributes: ``name`` (the string of ``simulate(layer_norm=...)``), ``radius`` (the state
@@ -183,7 +183,7 @@ def _err(ny: torch.Tensor) -> float:
 
 
 @dataclass(frozen=True)
-class Projected(LayerNorm):
+class Projected(LayerNormScheme):
     """"none": the projected flow ẋ = P_x A, integrated by the solver's Runge–Kutta tableau
     with the retraction x ↦ x/|x| after every stage.  The default."""
 
@@ -197,7 +197,7 @@ class Projected(LayerNorm):
 
 
 @dataclass(frozen=True)
-class PostLN(LayerNorm):
+class PostLN(LayerNormScheme):
     """"post": x ← normalize(x + Δt·A), the residual layer followed by the normalisation, without
     the tangent projection (the reference simulators' map).  Limit: the projected flow (λ = 1)."""
 
@@ -209,7 +209,7 @@ class PostLN(LayerNorm):
 
 
 @dataclass(frozen=True)
-class PreLN(LayerNorm):
+class PreLN(LayerNormScheme):
     """"pre": the residual stream z = r x is not normalised, the attention reads x = z/|z|:
     z ← z + Δt·A(x).  Limit ẋ = P_x A / r, ṙ = ⟨x, A⟩ (λ = 1/r).
 
@@ -244,7 +244,7 @@ class PreLN(LayerNorm):
 
 
 @dataclass(frozen=True)
-class PeriLN(LayerNorm):
+class PeriLN(LayerNormScheme):
     """"peri": the attention output is normalised too, z ← z + Δt·Â, Â = A/(|A| + eps), and the
     attention reads x = z/|z|.  Limit ẋ = P_x Â / r, ṙ = ⟨x, Â⟩ (λ = 1/(r|A|)).
 
@@ -280,7 +280,7 @@ class PeriLN(LayerNorm):
 
 
 @dataclass(frozen=True)
-class NGPT(LayerNorm):
+class NGPT(LayerNormScheme):
     """"ngpt" (normalised transformer): x ← normalize(x + Δt·α·Â), Â = A/(|A| + eps), α = 0.2 as in
     simuformer.  Limit ẋ = α P_x A/|A| (λ = α/|A|).  (nGPT's own update normalize(x + α(Â − x))
     has the same limit with α/(1 − Δtα) in place of α per step.)"""
@@ -308,23 +308,23 @@ class NGPT(LayerNorm):
 _BY_NAME = {"none": Projected, "post": PostLN, "pre": PreLN, "peri": PeriLN, "ngpt": NGPT}
 
 
-def as_geometry(layer_norm: Union[str, LayerNorm]) -> LayerNorm:
+def as_geometry(layer_norm: Union[str, LayerNormScheme]) -> LayerNormScheme:
     """The scheme object for a name of :data:`LAYER_NORMS` (or the object itself); TypeError / ValueError
     otherwise."""
-    if isinstance(layer_norm, LayerNorm):
-        if type(layer_norm) is LayerNorm:
-            raise TypeError("layer_norm=LayerNorm() is the abstract base; use Projected(), PostLN(), PreLN(), "
+    if isinstance(layer_norm, LayerNormScheme):
+        if type(layer_norm) is LayerNormScheme:
+            raise TypeError("layer_norm=LayerNormScheme() is the abstract base; use Projected(), PostLN(), PreLN(), "
                             "PeriLN() or NGPT()")
         return layer_norm
     if not isinstance(layer_norm, str):
-        raise TypeError(f"layer_norm must be one of {LAYER_NORMS} or a transformer_pde LayerNorm object, got "
+        raise TypeError(f"layer_norm must be one of {LAYER_NORMS} or a transformer_pde LayerNormScheme object, got "
                         f"{type(layer_norm).__name__}")
     if layer_norm not in _BY_NAME:
         raise ValueError(f"unknown layer_norm {layer_norm!r}; choose one of {LAYER_NORMS}")
     return _BY_NAME[layer_norm]()
 
 
-def simuformer_scheme(norm: str) -> LayerNorm:
+def simuformer_scheme(norm: str) -> LayerNormScheme:
     """The scheme that repeats nikitus20/simuformer's ``--norm`` mode to rounding:
     "postln" → PostLN(), "preln" → PreLN("simuformer", 1e-9), "periln" → PeriLN("simuformer", 1e-9),
     "ngpt" → NGPT(0.2, 1e-9).  (Run with direction="ascent", ω_h = 1/H, and A_h, V_h the
@@ -336,14 +336,14 @@ def simuformer_scheme(norm: str) -> LayerNorm:
     return table[norm]
 
 
-def geometry_densities(geometry: LayerNorm, e, heads, weights, r, log_scale: float = 0.0
+def geometry_densities(geometry: LayerNormScheme, e, heads, weights, r, log_scale: float = 0.0
                      ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(𝒟_λ, 𝒢²_λ) (...,) of a field evaluation ``e`` (with diagnostics) under the scheme's speed λ:
 
         𝒟_λ = Σ_i w_i λ_i ⟨∇_S δE/δμ(x_i), V_i⟩,    𝒢²_λ = Σ_i w_i λ_i b_i |V_i|²
 
     times e^{−c}; (e.dissipation, e.slope) themselves when λ = 1."""
-    if type(geometry).speed is LayerNorm.speed:  # λ = 1: the field's own densities (V is not formed)
+    if type(geometry).speed is LayerNormScheme.speed:  # λ = 1: the field's own densities (V is not formed)
         return e.dissipation, e.slope
     V = e.velocity
     lam_v = geometry.speed_times(None, r, e.ambient, V)  # λ_i V_i, finite also where |A_i| is tiny or 0
@@ -355,7 +355,7 @@ def geometry_densities(geometry: LayerNorm, e, heads, weights, r, log_scale: flo
     return mean((e.grad_first_variation * lam_v).sum(-1)), mean(b * (V * lam_v).sum(-1))
 
 
-def check_layer_norm_method(geometry: LayerNorm, method: str) -> None:
+def check_layer_norm_method(geometry: LayerNormScheme, method: str) -> None:
     """The layer maps are one attention evaluation per layer: they need method='euler'."""
     if not geometry.projected and method != "euler":
         raise ValueError(f"layer_norm={geometry.name!r} is a discrete layer map (one attention evaluation per layer "

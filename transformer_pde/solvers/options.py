@@ -9,7 +9,6 @@ option fails at the line that made it.  A solver states which of them it accepts
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Union
@@ -21,8 +20,8 @@ from ..processes.driver import grid_steps
 
 __all__ = ["SaveAt", "LedgerOptions", "Checkpointing", "Progress", "Limits", "SolveOptions", "QUADRATURES",
            "QUADRATIC_VARIATIONS", "RECORD_DIAGNOSTICS"]
-#: named internal API: the keyword front ends' messages
-__internal__ = ["keyword_names"]
+#: named internal API: the ledger's checks, shared by LedgerOptions and the keyword front ends (each in its own names)
+__internal__ = ["check_ledger_choices", "check_observables_mapping"]
 
 #: the ledger's quadratures of the time integrals
 QUADRATURES = ("left", "trapezoid")
@@ -37,34 +36,79 @@ RECORD_DIAGNOSTICS = ("lazy", "step")
 class SaveAt:
     """What the trajectory keeps.
 
-    every : int
-        keep every k-th step (the first and the last time are always kept).
+    record_every : int
+        keep every k-th step (the first and the last time are always kept); the ``record_every=`` of
+        :func:`transformer_pde.simulate`.
     ends : bool
-        keep only t0 and t1 (whatever the number of steps); ``every`` must then be left at 1.
+        keep only t0 and t1 (whatever the number of steps); ``record_every`` must then be left at 1.
     observables : Mapping[str, Callable] or None
         name -> callable(x, weights) evaluated at every kept time (``traj.observables``).
     path : bool
         store the realised weight path in ``traj.path`` (for replay).
     """
 
-    every: int = 1
+    record_every: int = 1
     ends: bool = False
     observables: Optional[Mapping[str, Callable]] = None
     path: bool = False
 
     def __post_init__(self):
-        object.__setattr__(self, "every", check_int(self.every, "SaveAt.every"))
+        object.__setattr__(self, "record_every", check_int(self.record_every, "SaveAt.record_every"))
         check_bool(self.ends, "SaveAt.ends")
         check_bool(self.path, "SaveAt.path")
-        if self.ends and self.every != 1:
-            raise ValueError(f"SaveAt(ends=True) keeps t0 and t1 only; drop every={self.every}")
-        if self.observables is not None and not isinstance(self.observables, Mapping):
-            raise TypeError(f"SaveAt.observables must be a mapping name -> callable(x, weights), got "
-                            f"{type(self.observables).__name__}")
+        if self.ends and self.record_every != 1:
+            raise ValueError(f"SaveAt(ends=True) keeps t0 and t1 only; drop record_every={self.record_every}")
+        check_observables_mapping(self.observables, "SaveAt.observables")
 
-    def record_every(self, steps: int) -> int:
+    def stride(self, steps: int) -> int:
         """The record stride on a grid of ``steps`` steps."""
-        return max(int(steps), 1) if self.ends else self.every
+        return max(int(steps), 1) if self.ends else self.record_every
+
+
+def check_observables_mapping(observables, name: str = "observables") -> None:
+    """TypeError unless ``observables`` is None or a mapping name -> callable(x, weights)."""
+    if observables is not None and not isinstance(observables, Mapping):
+        raise TypeError(f"{name} must be a mapping name -> callable(x, weights), got {type(observables).__name__}")
+
+
+def check_ledger_choices(diagnostics, ledger, quadrature, quadratic_variation, energy_log_scale, records,
+                         kinetic=False, prefix: str = ""):
+    """The checks of the ledger's fields, naming each ``prefix + field`` (``"LedgerOptions."`` for the object,
+    ``""`` for a keyword front end whose keywords carry the fields' names); returns ``energy_log_scale`` as a
+    float (or None).  TypeError / ValueError with the fix."""
+    n = {k: prefix + k for k in ("diagnostics", "ledger", "kinetic", "records", "quadrature", "quadratic_variation",
+                                 "energy_log_scale")}
+    check_bool(diagnostics, n["diagnostics"])
+    check_bool(ledger, n["ledger"])
+    check_bool(kinetic, n["kinetic"])
+    check_choice(records, RECORD_DIAGNOSTICS, n["records"])
+    if records == "step" and (ledger or not diagnostics):
+        raise ValueError(f"{n['records']}='step' computes the diagnostics at the record steps when there is no "
+                         "ledger and diagnostics are on; "
+                         + (f"with {n['ledger']}=True they come from every step already: drop {n['records']}='step'"
+                            if ledger else f"with {n['diagnostics']}=False there are none: drop {n['records']}='step'"))
+    if quadrature is not None:
+        check_choice(quadrature, QUADRATURES, n["quadrature"])
+    check_choice(quadratic_variation, QUADRATIC_VARIATIONS, n["quadratic_variation"])
+    if ledger and not diagnostics:
+        raise ValueError(f"{n['ledger']}=True needs {n['diagnostics']}=True: the ledger integrates the energy, 𝒢² "
+                         f"and 𝒟 over every step; drop {n['ledger']} or keep the diagnostics")
+    if not ledger:
+        # the quadrature also integrates the kinetic term; the Itô term belongs to the ledger alone
+        given = [f"{n[k]}={v!r}" for k, v, default in (
+                 *((("quadrature", quadrature, None),) if not kinetic else ()),
+                 ("quadratic_variation", quadratic_variation, "expected")) if v != default]
+        if given:
+            raise ValueError(f"{', '.join(given)} sets how the energy ledger is integrated, but the ledger is off: "
+                             f"pass {n['ledger']}=True as well")
+    c = energy_log_scale
+    if c is None:
+        return None
+    if isinstance(c, bool) or not isinstance(c, (int, float)):
+        raise TypeError(f"{n['energy_log_scale']} must be None (automatic) or a float, got {type(c).__name__}")
+    if not math.isfinite(c):
+        raise ValueError(f"{n['energy_log_scale']} must be finite, got {c!r}")
+    return float(c)
 
 
 @dataclass(frozen=True)
@@ -97,7 +141,7 @@ class LedgerOptions:
     records : str
         how E, 𝒢², 𝒟 at the recorded times are computed without the ledger. "lazy" (default): after the
         solve, from the records, on their first read: free when never read, about one kernel pass per
-        record when read (so sparse records, ``SaveAt(every=k)``, are what saves).  "step": during the
+        record when read (so sparse records, ``SaveAt(record_every=k)``, are what saves).  "step": during the
         solve, from the field evaluation of each recorded step itself (one evaluation with diagnostics
         in place of the tokens-only one at the record steps only): what the diagnostics add to that
         evaluation, paid whether they are read or not; the cheaper choice when the records are dense and
@@ -115,7 +159,7 @@ class LedgerOptions:
         number to rounding.  With ``ledger=True`` it is that "slope" itself (nothing more is computed).
         Causal attention: 𝒢² is of the whole measure, so each evaluation point adds one non-causal kernel
         pass for the mobility.  Not available with Dopri5 (whose ledger integrates the record grid: use
-        ``ledger=True`` and ``SaveAt(every=1)`` there), the sharded or the JKO solvers.
+        ``ledger=True`` and ``SaveAt(record_every=1)`` there), the sharded or the JKO solvers.
     """
 
     diagnostics: bool = True
@@ -127,37 +171,9 @@ class LedgerOptions:
     records: str = "lazy"
 
     def __post_init__(self):
-        check_bool(self.diagnostics, "LedgerOptions.diagnostics")
-        check_bool(self.ledger, "LedgerOptions.ledger")
-        check_bool(self.kinetic, "LedgerOptions.kinetic")
-        check_choice(self.records, RECORD_DIAGNOSTICS, "LedgerOptions.records")
-        if self.records == "step" and (self.ledger or not self.diagnostics):
-            raise ValueError("LedgerOptions.records='step' computes the diagnostics at the record steps when there is no "
-                             "ledger and diagnostics are on; "
-                             + ("with ledger=True they come from every step already: drop records='step'"
-                                if self.ledger else "with diagnostics=False there are none: drop records='step'"))
-        if self.quadrature is not None:
-            check_choice(self.quadrature, QUADRATURES, "LedgerOptions.quadrature")
-        check_choice(self.quadratic_variation, QUADRATIC_VARIATIONS, "LedgerOptions.quadratic_variation")
-        if self.ledger and not self.diagnostics:
-            raise ValueError("LedgerOptions.ledger=True needs LedgerOptions.diagnostics=True: the ledger integrates "
-                             "the energy, 𝒢² and 𝒟 over every step; drop LedgerOptions.ledger or keep the diagnostics")
-        if not self.ledger:
-            # the quadrature also integrates the kinetic term; the Itô term belongs to the ledger alone
-            given = [f"{k}={v!r}" for k, v, default in (
-                     *((("LedgerOptions.quadrature", self.quadrature, None),) if not self.kinetic else ()),
-                     ("LedgerOptions.quadratic_variation", self.quadratic_variation, "expected")) if v != default]
-            if given:
-                raise ValueError(f"{', '.join(given)} sets how the energy ledger is integrated, but the ledger is off: "
-                                 f"pass LedgerOptions.ledger=True as well")
-        c = self.energy_log_scale
-        if c is not None:
-            if isinstance(c, bool) or not isinstance(c, (int, float)):
-                raise TypeError(f"LedgerOptions.energy_log_scale must be None (automatic) or a float, got "
-                                f"{type(c).__name__}")
-            if not math.isfinite(c):
-                raise ValueError(f"LedgerOptions.energy_log_scale must be finite, got {c!r}")
-            object.__setattr__(self, "energy_log_scale", float(c))
+        c = check_ledger_choices(self.diagnostics, self.ledger, self.quadrature, self.quadratic_variation,
+                                 self.energy_log_scale, self.records, self.kinetic, prefix="LedgerOptions.")
+        object.__setattr__(self, "energy_log_scale", c)
 
     @property
     def lazy(self) -> bool:
@@ -275,22 +291,3 @@ class SolveOptions:
     def steps(self) -> int:
         """The number of steps K = (t1 − t0)/dt of the grid (ValueError when it is not whole)."""
         return grid_steps(self.t0, self.t1, self.dt)
-
-
-@contextmanager
-def keyword_names(names: Mapping[str, str]):
-    """Inside: a ValueError or TypeError whose message names an object's field (``"SaveAt.every"``) is
-    raised again naming the keyword of a front end that holds it (``"record_every"``), so that a
-    keyword front end (``tp.simulate``) that builds the objects reports the keyword the user typed.
-    Other exceptions (and subclasses, e.g. NonFiniteError) pass unchanged."""
-    try:
-        yield
-    except (ValueError, TypeError) as e:
-        if type(e) not in (ValueError, TypeError) or len(e.args) != 1 or not isinstance(e.args[0], str):
-            raise
-        msg = e.args[0]
-        for field in sorted(names, key=len, reverse=True):
-            msg = msg.replace(field, names[field])
-        if msg == e.args[0]:
-            raise
-        raise type(e)(msg).with_traceback(e.__traceback__) from None

@@ -10,9 +10,9 @@ calls the solve of :mod:`~transformer_pde.solvers.fixed_step` (the geometry's re
 map, "euler" is the reference code's projected Euler) or :mod:`~transformer_pde.solvers.adaptive`.
 :func:`transformer_pde.solve` calls ``run``; :func:`simulate` turns its keywords into a
 :class:`~transformer_pde.Model`, a solver and the options objects and calls
-:func:`transformer_pde.solve`, so a bad value names the keyword the user typed.  The result and
-the errors live in :mod:`~transformer_pde.solvers.trajectory`, the tableaux in
-:mod:`~transformer_pde.solvers.tableaux` (re-exported here for old imports).  Along the way the
+:func:`transformer_pde.solve`; it checks each keyword in its own name before it builds anything.  The result
+and the errors live in :mod:`~transformer_pde.solvers.trajectory`, the tableaux in
+:mod:`~transformer_pde.solvers.tableaux`.  Along the way the
 solver keeps the energy–dissipation ledger of docs/model.md#ledger (see :class:`Trajectory`).
 """
 
@@ -26,69 +26,50 @@ from typing import Callable, ClassVar, Dict, FrozenSet, Mapping, Optional, Tuple
 
 import torch
 
-from ..utils.validation import DEFAULT_DIRECTION
+from ..utils.validation import DEFAULT_DIRECTION, DIRECTIONS
 from ..utils import threads
 from ..utils.validation import (
-    check_bool, check_choice, check_every, check_int, check_limits, check_output_file, check_positive, check_same,
+    check_bool, check_choice, check_every, check_int, check_limits, check_output_file, check_positive, check_real,
+    check_same,
     check_tied_all, check_token_weights, check_tokens,
 )
-from ..model.normalization import NORMALIZATIONS, Softmax, normalization as as_normalization
+from ..model.normalization import NORMALIZATIONS, normalization as as_normalization
 from ..model.backends import DEFAULT_CHUNK_ELEMENTS
 from ..model.softmax import softmax_statistics
 from ..model.energy import check_scale_fits
-from ..model.field import evaluate  # noqa: F401  (evaluate: the name tests patch to see no work ran)
+from ..model.field import check_causal_mode, evaluate  # noqa: F401  (evaluate: the name tests patch to see no work ran)
 from ..model.heads import Heads, broadcast_shapes
-from ..processes.driver import WeightDriver, path_bytes
+from ..processes.driver import WeightDriver, grid_steps, path_bytes
 from ..processes.paths import WeightPath
 from ..processes.weights import Constant, Process
 from .adaptive import dopri5, solve_adaptive
 from .evaluator import Evaluator, RunParts
 from .fixed_step import solve_fixed_step
-from .layernorm import FusedUpdate, LayerNorm, check_layer_norm_method
+from .layernorm import FusedUpdate, LayerNormScheme, as_geometry, check_layer_norm_method
 from .methods import Solver
 from .model import Model
-from .noise import TokenNoise
+from .noise import TokenNoise, token_noise
 from .options import (
-    QUADRATIC_VARIATIONS, QUADRATURES, Checkpointing, LedgerOptions, Limits, Progress, SaveAt, SolveOptions,
-    keyword_names,
+    Checkpointing, LedgerOptions, Limits, Progress, SaveAt, SolveOptions,
+    check_ledger_choices, check_observables_mapping,
 )
-from .parts import LEDGER_KEYS, Checkpointer, callable_signature, check_observables, process_parts
+from .parts import Checkpointer, callable_signature, check_observables, process_parts
 from .solve import solve
-from .tableaux import METHODS, TABLEAUX, ButcherTableau
+from .tableaux import ADAPTIVE_ATOL, ADAPTIVE_RTOL, METHODS, TABLEAUX, ButcherTableau
 from .trajectory import (
-    NonFiniteError, PathsAxis, Trajectory, check_finite, check_ledger, ledger_nonfinite, nonfinite_error,
+    NonFiniteError, PathsAxis, Trajectory, nonfinite_error,
 )
 
-__all__ = ["FixedStep", "Euler", "Heun", "RK4", "Dopri5", "simulate", "Trajectory", "ButcherTableau", "TABLEAUX",
-           "METHODS", "NonFiniteError", "LEDGER_KEYS", "QUADRATIC_VARIATIONS", "PROGRESS_MIN_WORK"]
+__all__ = ["FixedStep", "Euler", "Heun", "RK4", "Dopri5", "simulate", "PROGRESS_MIN_WORK"]
 
 #: ``progress=None`` shows a bar (on a terminal only) when steps · stages · paths · H · n² reaches this
 #: many kernel terms (a solve of several seconds on one core)
 PROGRESS_MIN_WORK = 1e9
 
 #: named internal API (not public): the checked problem of a particle solve; the non-finite error
-__internal__ = ["ParticleProblem", "nonfinite_error"]
+__internal__ = ["ParticleProblem", "check_adaptive_tolerance"]
 
-# the old private names of this module (tests and scripts import or patch them here)
-_WeightDriver = WeightDriver
-_Evaluator = Evaluator
-_ledger_nonfinite, _check_finite, _check_ledger = ledger_nonfinite, check_finite, check_ledger
 _dopri5 = dopri5  # the dopri5 driver the adaptive solve calls (read here at every call, so it can be patched)
-
-#: simulate's keywords by the object field that holds them (the messages of the objects name the keyword)
-SIMULATE_KEYWORDS = {
-    "Model.theta": "theta", "Model.normalization": "normalization", "Model.direction": "direction",
-    "Model.weights": "weights", "Model.causal": "causal", "SaveAt.every": "record_every",
-    "SaveAt.observables": "observables", "LedgerOptions.quadratic_variation": "quadratic_variation",
-    "LedgerOptions.energy_log_scale": "energy_log_scale", "LedgerOptions.quadrature": "quadrature",
-    "LedgerOptions.diagnostics": "diagnostics", "LedgerOptions.ledger": "ledger", "LedgerOptions.records": "records",
-    "Checkpointing.path": "checkpoint", "Checkpointing.every": "checkpoint_every", "Progress.show": "progress",
-    "Progress.callback": "callback", "Limits.max_steps": "max_steps", "Limits.max_memory": "max_memory",
-    "Limits.chunk_elements": "chunk_elements", "Dopri5.rtol": "rtol", "Dopri5.atol": "atol",
-    "Model.geometry": "layer_norm", "geometry=": "layer_norm=", "Model.noise": "temperature",
-    "TokenNoise.temperature": "temperature", "Dopri5 does not implement": "method='adaptive' (Dopri5) does not implement",
-}
-
 
 # ---------------------------------------------------------------------------- the solver objects
 @dataclass(frozen=True, eq=False)
@@ -189,8 +170,8 @@ class Dopri5(Solver):
     the grid on which stochastic weights are sampled.  ``adjoint=True`` backpropagates by the
     adjoint ODE (memory independent of the number of steps).  No checkpoints, no token noise."""
 
-    rtol: float = 1e-7
-    atol: float = 1e-9
+    rtol: float = ADAPTIVE_RTOL
+    atol: float = ADAPTIVE_ATOL
     adjoint: bool = False
     accepts: ClassVar[FrozenSet[str]] = frozenset({"saveat", "ledger", "limits"})
     #: the ledger is the trapezoid rule on the record grid: there is no quadrature to choose; its records are on
@@ -254,17 +235,19 @@ class ParticleProblem:
         check_tokens(x0, "x0")
         o, method, adaptive = options, solver.method, isinstance(solver, Dopri5)
         K, t0, t1, dt = o.steps, o.t0, o.t1, o.dt
-        record_every = check_every(o.saveat.record_every(K), "SaveAt.every", K,
+        record_every = check_every(o.saveat.stride(K), "SaveAt.record_every", K,
                                    f"t0 = {t0:.6g} to t1 = {t1:.6g} in steps dt = {dt:.6g}")
         check_layer_norm_method(model.geometry, method)
+        if adaptive:
+            check_adaptive_tolerance(solver.rtol, x0.dtype)
         if adaptive and model.noise is not None:
-            raise ValueError(f"Model.noise (token noise, T = {model.noise.temperature}) needs a fixed-step solver "
+            raise ValueError(f"temperature = {model.noise.temperature} (token noise) needs a fixed-step solver "
                              f"(tp.Euler(), tp.Heun(), tp.RK4()): Dopri5 integrates an ODE and cannot take token noise")
         if adaptive and o.ledger.kinetic_only:
             raise ValueError("LedgerOptions(kinetic=True) accumulates ∫𝒢² dt over fixed steps (tp.Euler(), tp.Heun(), "
                              "tp.RK4()); Dopri5's steps are torchdiffeq's own: ask it for the ledger instead "
-                             "(LedgerOptions(ledger=True) with SaveAt(every=1): the trapezoid rule of 𝒢² on the record "
-                             "grid, traj.kinetic) or use a fixed-step solver")
+                             "(LedgerOptions(ledger=True) with SaveAt(record_every=1): the trapezoid rule of 𝒢² on the "
+                             "record grid, traj.kinetic) or use a fixed-step solver")
         quadrature = o.ledger.quadrature or ("left" if method == "euler" else "trapezoid")
         obs = check_observables(o.saveat.observables)
         process, norm = model.process, model.normalization
@@ -318,7 +301,7 @@ def _prepare(problem: ParticleProblem, integrate=None):
         with torch.no_grad():
             lp0 = softmax_statistics(x, drv.current, weights, chunk_elements=chunk).log_partition
         check_scale_fits(lp0, c)
-    if not model.geometry.projected and type(model.normalization) is Softmax and not model.causal and chunk is None:
+    if not model.geometry.projected and model.normalization.plain_softmax and not model.causal and chunk is None:
         ev.fused = FusedUpdate(weights, problem.sign)  # the layer maps without diagnostics: one fused pass per step
     work = float(math.prod(x.shape[:-2])) * process.heads0.num_heads * x.shape[-2] ** 2
     return x, RunParts(drv, ev, axis, start, work, integrate=integrate)
@@ -451,7 +434,7 @@ def simulate(
     energy_log_scale: Optional[float] = None,
     max_steps: Optional[int] = None,
     max_memory: Optional[float] = None,
-    layer_norm: Union[str, LayerNorm] = "none",
+    layer_norm: Union[str, LayerNormScheme] = "none",
     temperature: Union[float, TokenNoise] = 0.0,
 ) -> Trajectory:
     """Integrate the token ODE ẋ_i = V[μ_t, Θ_t](x_i) on S^{d-1} from t0 to t1.
@@ -506,7 +489,8 @@ def simulate(
         Needs ledger=True.
     rtol, atol
         the relative and absolute tolerances of method="adaptive" (positive finite
-        floats; default 1e-7 and 1e-9); refused with a fixed-step method, which has none.
+        floats; default 1e-7 and 1e-9, those of :class:`Dopri5`); refused with a fixed-step method, which has
+        none, and an rtol below the round-off of x0's dtype (eps/2) is refused before any step.
     adjoint : bool
         with method="adaptive", backpropagate by torchdiffeq's adjoint ODE
         (``odeint_adjoint``: memory independent of the number of steps, for long horizons)
@@ -562,7 +546,7 @@ def simulate(
         10⁷) and the estimated memory of the trajectory, the kernel blocks and a stored weight
         path in bytes (default 3/4 of the machine's memory, the GPU's for CUDA tensors; inf: none); a run
         above either is refused with the estimate and the fix.
-    layer_norm : Union[str, LayerNorm]
+    layer_norm : Union[str, LayerNormScheme]
         how a layer maps the tokens (:mod:`transformer_pde.solvers.layernorm`,
         ``docs/layer_norms.md``): "none" (default, the projected flow with retraction),
         "post" (x ← normalize(x + dt·A), the reference simulators' map), "pre" (radius r_i
@@ -609,35 +593,90 @@ def simulate(
     """
     check_tokens(x0, "x0")
     check_choice(method, METHODS, "method")
-    for flag, flag_name in ((diagnostics, "diagnostics"), (ledger, "ledger"), (adjoint, "adjoint"),
-                            (return_path, "return_path")):
-        check_bool(flag, flag_name)
     adaptive = method == "adaptive"
+    _check_method_keywords(method, rtol, atol, adjoint, checkpoint, checkpoint_every)
+    model = _model_of_keywords(theta, normalization, direction, layer_norm, temperature, weights, causal)
+    if adaptive and model.noise is not None:
+        raise ValueError(f"temperature = {model.temperature} (token noise) needs a fixed-step method (euler, heun, "
+                         f"rk4): method='adaptive' integrates an ODE and cannot take token noise")
+    check_every(record_every, "record_every", grid_steps(check_real(t0, "t0"), check_real(t1, "t1"),
+                                                         check_positive(dt, "dt")),
+                f"t0 = {t0:.6g} to t1 = {t1:.6g} in steps dt = {dt:.6g}")
+    check_observables_mapping(observables, "observables")
+    check_bool(return_path, "return_path")
+    c = check_ledger_choices(diagnostics, ledger, quadrature, quadratic_variation, energy_log_scale, records)
+    if adaptive and records != "lazy":
+        raise ValueError(f"records={records!r} computes the diagnostics at the fixed steps' record steps; "
+                         f"method='adaptive' records on torchdiffeq's output grid: leave records='lazy' or use a "
+                         f"fixed-step method")
+    check_bool(progress, "progress", allow_none=True)
+    if callback is not None and not callable(callback):
+        raise TypeError(f"callback must be callable(k, t, x), got {type(callback).__name__}")
+    limits = _limits_of_keywords(max_steps, max_memory, chunk_elements)
+    solver = Dopri5(ADAPTIVE_RTOL if rtol is None else rtol, ADAPTIVE_ATOL if atol is None else atol, adjoint) \
+        if adaptive else FixedStep(method)
+    ckpt = None if checkpoint is None else Checkpointing(check_output_file(checkpoint), checkpoint_every)
+    show = None if adaptive else Progress(progress, callback)  # dopri5 has no steps to show (nor callback)
+    return solve(model, x0, solver, t1=t1, dt=dt, t0=t0, paths=paths, seed=seed, generator=generator,
+                 saveat=SaveAt(record_every, observables=observables, path=return_path),
+                 ledger=LedgerOptions(diagnostics, ledger, None if adaptive else quadrature, quadratic_variation, c,
+                                      records=records),
+                 checkpoint=ckpt, progress=show, limits=limits)
+
+
+def check_adaptive_tolerance(rtol: float, dtype: torch.dtype) -> None:
+    """ValueError when the relative tolerance ``rtol`` of the adaptive solver (and of its adjoint ODE) lies below the
+    round-off of ``dtype``, u = eps/2: the tokens hold no more digits, so the error test cannot pass and the steps
+    shrink until they underflow."""
+    eps = torch.finfo(dtype).eps
+    if rtol < eps / 2:
+        raise ValueError(f"rtol = {rtol:g} is below the round-off of {dtype} (eps = {eps:g}, eps/2 = {eps / 2:g}): the "
+                         f"adaptive solver cannot meet a relative tolerance finer than the dtype holds and its steps "
+                         f"would shrink until they underflow; use rtol >= {eps / 2:g} or float64 tokens")
+
+
+def _check_method_keywords(method, rtol, atol, adjoint, checkpoint, checkpoint_every) -> None:
+    """simulate's keywords that depend on the method (tolerances, adjoint, checkpoints), in their own names."""
+    adaptive = method == "adaptive"
+    check_bool(adjoint, "adjoint")
     if not adaptive and (rtol is not None or atol is not None):
         given = ", ".join(f"{k}={v!r}" for k, v in (("rtol", rtol), ("atol", atol)) if v is not None)
         raise ValueError(f"{given}: rtol and atol are the tolerances of method='adaptive'; the fixed-step method "
                          f"{method!r} has none (its error is set by dt): drop them, or use method='adaptive'")
+    for value, name in ((rtol, "rtol"), (atol, "atol")):
+        if value is not None:
+            check_positive(value, name)
     if adjoint and not adaptive:
         raise ValueError(f"adjoint=True needs method='adaptive' (torchdiffeq's adjoint ODE); got method={method!r}. "
                          f"The fixed-step methods backpropagate through their steps: use adjoint=False")
     if adaptive and checkpoint is not None:
         raise ValueError("checkpointing is supported for the fixed-step methods; use euler, heun or rk4")
-    if progress is not None and not isinstance(progress, bool):
-        raise TypeError(f"progress must be True, False or None (automatic), got {type(progress).__name__}")
-    if quadrature is not None:
-        check_choice(quadrature, QUADRATURES, "quadrature")
+    if checkpoint is not None and not isinstance(checkpoint, (str, Path)):
+        raise TypeError(f"checkpoint must be a str or Path (the file), got {type(checkpoint).__name__}")
     check_int(checkpoint_every, "checkpoint_every")
-    with keyword_names(SIMULATE_KEYWORDS):  # the objects' messages name simulate's keywords
-        model = Model(theta, normalization, direction, layer_norm, temperature, weights, causal)
-        solver = Dopri5(1e-7 if rtol is None else rtol, 1e-9 if atol is None else atol, adjoint) if adaptive \
-            else FixedStep(method)
-        saveat = SaveAt(every=record_every, observables=observables, path=return_path)
-        book = LedgerOptions(diagnostics, ledger, None if adaptive else quadrature, quadratic_variation,
-                             energy_log_scale, records=records)
-        ckpt = None if checkpoint is None else Checkpointing(checkpoint, checkpoint_every)
-        if ckpt is not None:
-            check_output_file(ckpt.path)  # a missing folder is refused now, not at the first save
-        show = None if adaptive else Progress(progress, callback)  # dopri5 has no steps to show (nor callback)
-        return solve(model, x0, solver, t1=t1, dt=dt, t0=t0, paths=paths, seed=seed, generator=generator,
-                     saveat=saveat, ledger=book, checkpoint=ckpt, progress=show,
-                     limits=Limits(max_steps, max_memory, chunk_elements))
+
+
+def _model_of_keywords(theta, normalization, direction, layer_norm, temperature, weights, causal) -> Model:
+    """The :class:`Model` of simulate's keywords, each checked in its own name first."""
+    if not isinstance(theta, (Heads, Process)):
+        raise TypeError(f"theta must be a Heads, a Process (OrnsteinUhlenbeck, Oscillating, Layerwise, Custom) or a "
+                        f"WeightPath, got {type(theta).__name__}")
+    norm = as_normalization(normalization, "normalization")
+    check_choice(direction, DIRECTIONS, "direction")
+    geometry = as_geometry(layer_norm)  # its messages name layer_norm
+    noise = token_noise(temperature)  # TokenNoise's messages name temperature
+    if weights is not None and not isinstance(weights, torch.Tensor):
+        raise TypeError(f"weights must be a tensor (..., n) or None, got {type(weights).__name__}")
+    check_causal_mode(causal)
+    return Model(theta, norm, direction, geometry, temperature if noise is None else noise, weights, causal)
+
+
+def _limits_of_keywords(max_steps, max_memory, chunk_elements) -> Limits:
+    """The :class:`Limits` of simulate's keywords, each checked in its own name first."""
+    for value, name in ((max_steps, "max_steps"), (chunk_elements, "chunk_elements")):
+        if value is not None:
+            check_int(value, name)
+    m = max_memory
+    if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float)) or not m > 0):
+        raise ValueError(f"max_memory must be a positive number of bytes (or inf), got {m!r}")
+    return Limits(max_steps, max_memory, chunk_elements)

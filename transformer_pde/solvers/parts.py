@@ -44,7 +44,7 @@ class Stepper:
     retraction (``geometry.retract``, x ↦ x/|x| for every scheme of
     :mod:`~transformer_pde.solvers.layernorm`; the geometry seam); False: flat dynamics in R^d.
 
-    ``geometry``: the geometry of the step, a :class:`~transformer_pde.solvers.layernorm.LayerNorm`
+    ``geometry``: the geometry of the step, a :class:`~transformer_pde.solvers.layernorm.LayerNormScheme`
     (or its name).  "none" (default, :class:`~.layernorm.Projected`) is the Runge–Kutta step with
     the retraction above; the other schemes are discrete layer maps (one attention evaluation per
     layer, Euler tableau only), taken by :meth:`layer_step`."""

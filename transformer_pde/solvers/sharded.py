@@ -1,6 +1,6 @@
 """The sharded particle solver: multi-device scale-out on ``torch.distributed``, the tokens (queries)
 sharded across ranks (``tp.solve(model, x_local, tp.ShardedEuler(), ...)`` or
-:func:`simulate_sharded`; :mod:`transformer_pde.solvers.distributed` re-exports the public names).
+:func:`simulate_sharded`; the module is ``tp.distributed``).
 
 Rank r holds a shard x_r (..., n_r, d) of the tokens and its share w_r of the token weights
 (Σ_r Σ_i w_{r,i} = 1; None means uniform 1/N over all N tokens).  One evaluation
@@ -46,21 +46,22 @@ from typing import Any, ClassVar, FrozenSet, List, Mapping, Optional, Sequence, 
 import torch
 import torch.distributed as dist
 
-from ..utils.validation import DEFAULT_DIRECTION
+from ..utils.validation import DEFAULT_DIRECTION, DIRECTIONS
 from ..utils.validation import (
-    broadcast_shapes, check_bool, check_choice, check_every, check_same, check_tokens, direction_sign,
+    broadcast_shapes, check_bool, check_choice, check_every, check_int, check_positive, check_real, check_same,
+    check_tokens, direction_sign,
 )
 from ..model.normalization import normalization as as_normalization
 from ..model.backends import BACKENDS
 from ..model.energy import pairing
 from ..model.field import FieldEval, evaluate
 from ..model.heads import Heads
-from ..processes.driver import WeightDriver
+from ..processes.driver import WeightDriver, grid_steps
 from ..processes.paths import WeightPath
 from ..processes.weights import Process
 from .methods import Solver
 from .model import Model
-from .options import LedgerOptions, Limits, Progress, SaveAt, SolveOptions, keyword_names
+from .options import LedgerOptions, Limits, Progress, SaveAt, SolveOptions, check_ledger_choices
 from .parts import Ledger, Recorder, Stepper, partial_density, progress_bar
 from .solve import solve
 from .tableaux import TABLEAUX
@@ -68,14 +69,6 @@ from .trajectory import PathsAxis, Trajectory, nonfinite_error
 
 __all__ = ["ShardedEuler", "rank_and_world", "shard_tokens", "gather_tokens", "distributed_evaluate",
            "simulate_sharded"]
-
-#: simulate_sharded's keywords by the object field that holds them
-SHARDED_KEYWORDS = {"Model.normalization": "normalization", "Model.direction": "direction",
-                    "Model.weights": "weights", "SaveAt.every": "record_every", "LedgerOptions.diagnostics": "diagnostics",
-                    "LedgerOptions.ledger": "ledger",
-                    "Progress.show": "progress", "Limits.chunk_elements": "chunk_elements",
-                    "ShardedEuler.backend": "backend", "ShardedEuler.gather_x": "gather_x"}
-
 
 @dataclass(frozen=True)
 class ShardedEuler(Solver):
@@ -313,7 +306,7 @@ class ShardedProblem:
         if o.generator is not None:
             raise TypeError("ShardedEuler samples the weights redundantly on every rank from seed=: give seed=, "
                             "not generator=")
-        for part, bad in (("geometry", not model.geometry.projected), ("noise", model.noise is not None),
+        for part, bad in (("layer_norm", not model.geometry.projected), ("temperature", model.noise is not None),
                           ("causal", bool(model.causal))):
             if bad:
                 raise ValueError(f"ShardedEuler implements the projected flow of non-causal attention without "
@@ -321,7 +314,7 @@ class ShardedProblem:
                                  f"or use tp.Euler()")
         check_tokens(x0_local, "x0_local")
         K = o.steps
-        record_every = check_every(o.saveat.record_every(K), "SaveAt.every", K,
+        record_every = check_every(o.saveat.stride(K), "SaveAt.record_every", K,
                                    f"t0 = {o.t0:.6g} to t1 = {o.t1:.6g} in steps dt = {o.dt:.6g}")
         process = model.process
         if isinstance(process, WeightPath) and o.paths is not None:
@@ -397,12 +390,22 @@ def simulate_sharded(
         raise TypeError(f"weights must be a torch.Tensor or None, got {type(weights).__name__}")
     if not isinstance(theta, (Heads, Process)):
         raise TypeError(f"theta must be a Heads or a Process, got {type(theta).__name__}")
-    with keyword_names(SHARDED_KEYWORDS):  # the objects' messages name simulate_sharded's keywords
-        model = Model(theta, normalization, direction, weights=weights)
-        return solve(model, x0_local, ShardedEuler(group=group, backend=backend, gather_x=gather_x), t1=t1, dt=dt,
-                     t0=t0, paths=paths, seed=seed, saveat=SaveAt(every=record_every),
-                     ledger=LedgerOptions(diagnostics, ledger), progress=Progress(progress),
-                     limits=Limits(chunk_elements=chunk_elements))
+    norm = as_normalization(normalization, "normalization")
+    check_choice(direction, DIRECTIONS, "direction")
+    check_every(record_every, "record_every", grid_steps(check_real(t0, "t0"), check_real(t1, "t1"),
+                                                         check_positive(dt, "dt")),
+                f"t0 = {t0:.6g} to t1 = {t1:.6g} in steps dt = {dt:.6g}")
+    check_ledger_choices(diagnostics, ledger, None, "expected", None, "lazy")
+    check_bool(progress, "progress")
+    check_bool(gather_x, "gather_x")
+    check_choice(backend, BACKENDS, "backend")
+    if chunk_elements is not None:
+        check_int(chunk_elements, "chunk_elements")
+    model = Model(theta, norm, direction, weights=weights)
+    return solve(model, x0_local, ShardedEuler(group=group, backend=backend, gather_x=gather_x), t1=t1, dt=dt,
+                 t0=t0, paths=paths, seed=seed, saveat=SaveAt(record_every),
+                 ledger=LedgerOptions(diagnostics, ledger), progress=Progress(progress),
+                 limits=Limits(chunk_elements=chunk_elements))
 
 
 def _run(problem: ShardedProblem) -> Trajectory:

@@ -1,7 +1,7 @@
 """``tp.solve(model, x0, solver, t1=..., ...)``: the one entry point of every solver.
 
     traj = tp.solve(tp.Model(tp.OrnsteinUhlenbeck(heads)), x0, tp.Euler(), t1=20.0, dt=5e-3,
-                    paths=10, seed=0, saveat=tp.SaveAt(every=5))
+                    paths=10, seed=0, saveat=tp.SaveAt(record_every=5))
 
 The model (:class:`~transformer_pde.Model`) says what moves the tokens; the solver object
 (:mod:`transformer_pde.solvers.methods`) how it is discretised, with its own settings; the options
@@ -20,6 +20,7 @@ import torch
 from .methods import Solver
 from .model import Model
 from .options import Checkpointing, LedgerOptions, Limits, Progress, SaveAt, SolveOptions
+from .trajectory import Trajectory
 
 __all__ = ["solve"]
 
@@ -62,7 +63,7 @@ def solve(model: Model, x0: Optional[torch.Tensor], solver: Solver, *, t1: float
     Parameters
     ----------
     model : Model
-        the dynamics (weight process, normalisation, direction, geometry, token noise, token weights,
+        the dynamics (weight process, normalisation, direction, layer norm, token noise, token weights,
         causality).
     x0 : torch.Tensor or None
         tokens (..., n, d) on the unit sphere (None only for an Eulerian JKO given grid weights).
@@ -85,7 +86,8 @@ def solve(model: Model, x0: Optional[torch.Tensor], solver: Solver, *, t1: float
     Raises
     ------
     TypeError, ValueError
-        bad input or an option the solver does not take, before any work.
+        bad input or an option the solver does not take, before any work; TypeError naming the solver
+        when its ``run`` returns something other than a Trajectory.
     """
     if not isinstance(model, Model):
         raise TypeError(f"model must be a tp.Model, got {type(model).__name__}; build one with "
@@ -98,7 +100,11 @@ def solve(model: Model, x0: Optional[torch.Tensor], solver: Solver, *, t1: float
     options = SolveOptions(t1=t1, dt=dt, t0=t0, paths=paths, seed=seed, generator=generator, **o)
     if type(solver).run is Solver.run:
         raise TypeError(f"{type(solver).__name__} does not define run(model, x0, options); a Solver subclass must")
-    return solver.run(_at_context(model, x0), x0, options)
+    traj = solver.run(_at_context(model, x0), x0, options)
+    if not isinstance(traj, Trajectory):
+        raise TypeError(f"{type(solver).__name__}.run returned {type(traj).__name__}, not a Trajectory: a solver's "
+                        f"run(model, x0, options) must return the tp.Trajectory of its solve")
+    return traj
 
 
 def _at_context(model: Model, x0) -> Model:
@@ -112,4 +118,4 @@ def _at_context(model: Model, x0) -> Model:
                          "(heads.at_context(n) resolves the rule at an n of your choice)")
     if not isinstance(x0, torch.Tensor) or x0.dim() < 2:
         return model  # the solver refuses x0 with its own message
-    return dataclasses.replace(model, theta=theta.at_context(x0.shape[-2]))
+    return dataclasses.replace(model, theta=theta.at_context(x0.shape[-2]), temperature=model.noise or 0.0)

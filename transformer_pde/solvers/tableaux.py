@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Tuple
 
-__all__ = ["ButcherTableau", "TABLEAUX", "METHODS"]
+__all__ = ["ButcherTableau", "TABLEAUX", "METHODS", "ADAPTIVE_RTOL", "ADAPTIVE_ATOL"]
 
 
 @dataclass(frozen=True)
@@ -53,3 +53,6 @@ TABLEAUX = {
 }
 #: the token integrators ``simulate(..., method=...)`` accepts: the tableaux and "adaptive" (dopri5)
 METHODS = (*TABLEAUX, "adaptive")
+#: the default relative and absolute tolerances of the adaptive solver (``tp.Dopri5()``, ``method="adaptive"`` of
+#: :func:`transformer_pde.simulate` and of :class:`transformer_pde.nn.MeanFieldAttention`)
+ADAPTIVE_RTOL, ADAPTIVE_ATOL = 1e-7, 1e-9

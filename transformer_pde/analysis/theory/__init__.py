@@ -32,7 +32,7 @@ import torch
 
 from ...utils.validation import DEFAULT_DIRECTION
 from ...utils.validation import check_choice, check_int, check_positive
-from ...model.normalization import Softmax, Unnormalized, choose as choose_normalization, names
+from ...model.normalization import choose as choose_normalization, names
 from ...model.normalization import normalization as as_normalization
 from ...model.scaling import real_beta, resolve_beta
 
@@ -335,9 +335,9 @@ def late_rate(lambdas, beta: float = 1.0, *, normalization: str = "softmax"):
     normalization = choose_normalization(normalization, REDUCED_NORMALIZATIONS)
     beta = _beta(beta, 2)
     lam = _lambdas(lambdas)
-    if isinstance(normalization, Softmax):
+    if normalization.plain_softmax:
         return lam.sum(-1)
-    if isinstance(normalization, Unnormalized):
+    if normalization.rule == "unnormalized":
         return (lam * torch.exp(beta * lam)).sum(-1)
     return (lam * torch.relu(beta * lam)).sum(-1)
 
@@ -346,10 +346,10 @@ def _kernel_weights(gamma: torch.Tensor, lam: torch.Tensor, beta: float, n: int,
     """k_h(γ), (..., H) broadcast with γ (...,)."""
     g = gamma.unsqueeze(-1)
     normalization = as_normalization(normalization)
-    if isinstance(normalization, Softmax):
+    if normalization.plain_softmax:
         a = beta * lam * (1 - g)
         return torch.exp(-torch.logaddexp(a, torch.full_like(a, math.log(n - 1))))
-    if isinstance(normalization, Unnormalized):
+    if normalization.rule == "unnormalized":
         return torch.exp(beta * lam * g) / n
     return torch.relu(beta * lam * g) / n
 

@@ -17,7 +17,7 @@ from ...utils.validation import check_int, check_positive, check_same, check_ten
 from ...model.softmax import softmax_statistics
 from ...model.field import evaluate
 from ...model.heads import Heads
-from ...model.normalization import NORMALIZATIONS, Softmax, Unnormalized, choose as choose_normalization
+from ...model.normalization import NORMALIZATIONS, choose as choose_normalization
 from .particles import (OUTPUT_NORMALIZATIONS, beta_factor, check_any, dense_scores, head_outputs_of, log_weights,
                         orthogonality_defect)
 
@@ -163,9 +163,9 @@ def cross_head_coupling(x, heads: Heads, weights=None, *, normalization: str = "
     heads = check_any(x, heads, weights, on_sphere=True)
     f = head_outputs_of(x, heads, weights, normalization)
     inner = (f.unsqueeze(-3) * f.unsqueeze(-4)).sum(-1)
-    if isinstance(normalization, Unnormalized):
+    if normalization.rule == "unnormalized":
         mass = torch.exp(softmax_statistics(x, heads, weights).log_partition)
-    elif isinstance(normalization, Softmax):
+    elif normalization.plain_softmax:
         mass = torch.ones(f.shape[:-1], dtype=x.dtype, device=x.device)
     else:
         S = dense_scores(x, heads)

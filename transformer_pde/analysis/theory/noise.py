@@ -62,7 +62,7 @@ import torch
 
 from ...utils.validation import DEFAULT_DIRECTION
 from ...utils.validation import check_int, check_positive, check_real, direction_sign
-from ...model.normalization import Softmax, Unnormalized, choose as choose_normalization, names
+from ...model.normalization import choose as choose_normalization, names
 
 __all__ = [
     "NOISE_NORMALIZATIONS",
@@ -179,14 +179,14 @@ def mode_coefficients(beta, d: int, ell, *, lambdas=(1.0,), weights=None, normal
         raise ValueError(f"ell must be >= 0, got {ell.tolist()}")
     a = beta * lam  # (H,)
     L = ell[..., None]
-    if isinstance(normalization, Softmax):
+    if normalization.plain_softmax:
         # κ_ℓ/(β κ_0) = λ · κ_ℓ/(a κ_0)
         return (w * lam * _ratio(a, L, d)).sum(-1)
     if beta == 0:  # the limit β → 0: κ_ℓ(a)/β = λ κ_0(a) · κ_ℓ(a)/(a κ_0(a)), κ_0(0) = 1
         limit = (w * lam * _ratio(a, L, d)).sum(-1)
-        return limit if isinstance(normalization, Unnormalized) else (w / w.sum()).sum() * limit
+        return limit if normalization.rule == "unnormalized" else (w / w.sum()).sum() * limit
     kl = funk_hecke_exponential(a, d, L)
-    if isinstance(normalization, Unnormalized):
+    if normalization.rule == "unnormalized":
         return (w * kl).sum(-1) / beta
     k0 = funk_hecke_exponential(a, d, 0)
     wbar = w / w.sum()

@@ -47,7 +47,6 @@ from ...model.sphere import equiangular, tangent_projection
 __all__ = [
     "EnergyBalance",
     "RadialDecomposition",
-    "energy_gradients",
     "flat_velocity",
     "flat_head_energies",
     "head_energy_rates",
@@ -110,21 +109,6 @@ def log_weights(x, weights):
 
 
 # ---------------------------------------------------------------------------- energies and rates
-def energy_gradients(x, heads: Heads, weights=None, *, flat: bool = False):
-    """G_h(x_i) = ∇_x δE_h/δμ (x_i) = ½ Σ_j w_j [e^{s_ij^h} A_h x_j + e^{s_ji^h} A_hᵀ x_j], (..., H, n, d).
-
-    Unprojected and without the head weight ω_h (any heads; for symmetric heads with V_h = A_h it is
-    the unnormalized head output).  flat=True accepts tokens off the sphere.
-
-    Raises
-    ------
-    TypeError, ValueError
-        for bad tokens, heads or weights.
-    """
-    heads = check_any(x, heads, weights, on_sphere=not flat)
-    return _gradients(x, heads, weights)[0]
-
-
 def flat_velocity(x, heads: Heads, weights=None, *, normalization: str = "unnormalized", direction: str = DEFAULT_DIRECTION):
     """Flat (unprojected) velocity v_i = s Σ_h ω_h f_h(x_i), (..., n, d); tokens may be off the sphere.
 

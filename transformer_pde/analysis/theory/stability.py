@@ -37,14 +37,14 @@ from ...utils.validation import DEFAULT_DIRECTION
 from ...utils.validation import check_choice, check_positive, check_tensor, check_tokens, direction_sign
 from ...model.field import head_outputs, velocity
 from ...model.heads import Heads
-from ...model.normalization import ReLU, Softmax, Unnormalized, choose as choose_normalization, names
+from ...model.normalization import choose as choose_normalization, names
 
 __all__ = ["LIPSCHITZ_NORMALIZATIONS", "lipschitz_constants", "lipschitz_bound", "gronwall_factor",
            "fast_weights_coefficients"]
 
 #: normalisations for which :func:`lipschitz_bound` is derived
 #: the normalisations whose per-head Lipschitz constants have a closed form here (softmax, unnormalised, ReLU)
-LIPSCHITZ_NORMALIZATIONS = names(lambda n: isinstance(n, (Softmax, Unnormalized, ReLU)))
+LIPSCHITZ_NORMALIZATIONS = names(lambda n: n.rule in ("softmax", "unnormalized", "relu"))
 
 
 def _check_heads(heads) -> Heads:
@@ -91,10 +91,10 @@ def lipschitz_constants(heads: Heads, normalization: str = "softmax") -> Dict[st
     a = beta * torch.linalg.matrix_norm(A, ord=2)  # (..., H)
     v = torch.linalg.matrix_norm(V, ord=2)
     w = heads.weights
-    if isinstance(normalization, Softmax):
+    if normalization.plain_softmax:
         space = v * (1 + a)
         measure = v * torch.exp(a) * (1 + 2 * a)
-    elif isinstance(normalization, Unnormalized):
+    elif normalization.rule == "unnormalized":
         space = v * torch.exp(a) * (1 + a)
         measure = space
     else:  # ReLU (the only other one LIPSCHITZ_NORMALIZATIONS admits)

@@ -111,7 +111,7 @@ def _piece(p, regime, causal, x0, heads0, run):
         proc = weight_process(regime, heads0, rate=p["ou_rate"], sigma=math.sqrt(p["ou_sigma2"]), phase=p["phase"])
         traj = tp.solve(tp.Model(proc, normalization="softmax", direction=p["direction"], causal=causal), x0,
                         tp.Euler(), t1=p["t1"], dt=p["dt"], paths=p["paths"], seed=p["seed"],
-                        saveat=tp.SaveAt(every=p["record_every"]), ledger=tp.LedgerOptions(diagnostics=False),
+                        saveat=tp.SaveAt(record_every=p["record_every"]), ledger=tp.LedgerOptions(diagnostics=False),
                         progress=tp.Progress(show=run.progress, callback=step_callback(run, tag)))
         st = tp.clustering.cluster_statistics(traj.x, radius=p["radius"], gram_rank=False)  # (T, paths) each
         out = {"t": traj.times.to(torch.float64), **{k: st[k].double() for k in _STATS},

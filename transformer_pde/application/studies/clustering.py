@@ -192,9 +192,9 @@ def _run_segment(kind: str, p: Dict, regime: str, betas, run, tag: str, *, dtype
     x0, heads0 = _initial(p, betas, dtype=dtype, device=device)
     theta = weight_process(regime, heads0, rate=p["ou_rate"], sigma=math.sqrt(p["ou_sigma2"]), phase=p["phase"])
     t0 = time.perf_counter()
-    model = tp.Model(theta, normalization="softmax", direction=p["direction"], geometry=p.get("layer_norm", "none"))
+    model = tp.Model(theta, normalization="softmax", direction=p["direction"], layer_norm=p.get("layer_norm", "none"))
     traj = tp.solve(model, x0, tp.Euler(), t1=p["t1"], dt=p["dt"], seed=p["seed"] + 2,
-                    saveat=tp.SaveAt(every=p["record_every"], observables=_observables(p)),
+                    saveat=tp.SaveAt(record_every=p["record_every"], observables=_observables(p)),
                     ledger=tp.LedgerOptions(diagnostics=False),
                     checkpoint=tp.Checkpointing(run.checkpoint_path(tag), p["checkpoint_every"]),
                     progress=tp.Progress(show=run.progress, callback=step_callback(run, tag)))

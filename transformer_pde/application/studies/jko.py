@@ -176,7 +176,7 @@ def run_jko_vs_particles(params, run) -> Dict[str, object]:
 
     def particle_reference():
         tr = tp.solve(tp.Model(path, normalization="effective", direction=p["direction"]), x0, tp.RK4(), t1=t1, dt=dt,
-                      saveat=tp.SaveAt(every=_whole(taus[-1], dt, "tau")), progress=run.progress)
+                      saveat=tp.SaveAt(record_every=_whole(taus[-1], dt, "tau")), progress=run.progress)
         return {"times": tr.times, "x": tr.x, "energy": tr.energy}
 
     ref = cached(run, "particles", particle_reference, logger, timed=True)

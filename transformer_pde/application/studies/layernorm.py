@@ -122,9 +122,9 @@ def run_layer_norm_rates(params: Dict, run) -> Dict:
     results, summary = {}, []
     for scheme in p["schemes"]:
         def compute(scheme=scheme):
-            traj = tp.solve(tp.Model(heads, normalization="softmax", direction="ascent", geometry=scheme), x0,
+            traj = tp.solve(tp.Model(heads, normalization="softmax", direction="ascent", layer_norm=scheme), x0,
                             tp.Euler(), t1=p["t1"], dt=p["dt"],
-                            saveat=tp.SaveAt(every=p["record_every"], observables={"rho": _mean_cosine}),
+                            saveat=tp.SaveAt(record_every=p["record_every"], observables={"rho": _mean_cosine}),
                             ledger=tp.LedgerOptions(diagnostics=False), progress=run.progress)
             return {"t": traj.times.detach().cpu(), "rho": traj.observables["rho"].detach().cpu().double()}
 

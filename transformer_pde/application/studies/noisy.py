@@ -112,7 +112,7 @@ def _uniform(n, d, dtype, seed):
 
 def _ascent(theta, T) -> tp.Model:
     """The noisy ascent flow of the study: softmax heads ``theta`` at temperature T."""
-    return tp.Model(theta, normalization="softmax", direction="ascent", noise=T)
+    return tp.Model(theta, normalization="softmax", direction="ascent", temperature=T)
 
 
 def _stationary(p, model, shape, *, t1, paths, tag, run, x0=None, dt=None):
@@ -121,7 +121,7 @@ def _stationary(p, model, shape, *, t1, paths, tag, run, x0=None, dt=None):
     def compute():
         x = _uniform(*shape, p["seed"] + 1) if x0 is None else x0
         tr = tp.solve(model, x, tp.Euler(), t1=t1, dt=dt or p["dt"], paths=paths, seed=p["seed"],
-                      saveat=tp.SaveAt(every=max(1, round(0.25 / (dt or p["dt"]))), observables={"m": _m}),
+                      saveat=tp.SaveAt(record_every=max(1, round(0.25 / (dt or p["dt"]))), observables={"m": _m}),
                       ledger=tp.LedgerOptions(diagnostics=False))
         m = tr.observables["m"].double()
         return {"t": tr.times.double(), "m": m, "x_final": tr.final}

@@ -333,7 +333,7 @@ def _simulate_chunk(p: Dict, regime: str, H: int, x0: torch.Tensor, lo: int, hi:
     t0 = time.perf_counter()
     model = tp.Model(theta, normalization=p["normalization"], direction=p["direction"])
     traj = tp.solve(model, x0, tp.FixedStep(p["method"]), t1=p["t1"], dt=p["dt"],
-                    paths=None if total is None else hi - lo, seed=seed, saveat=tp.SaveAt(every=p["record_every"]),
+                    paths=None if total is None else hi - lo, seed=seed, saveat=tp.SaveAt(record_every=p["record_every"]),
                     ledger=tp.LedgerOptions(ledger=True),
                     checkpoint=tp.Checkpointing(ckpt, every=p["checkpoint_every"]),
                     progress=tp.Progress(show=progress, callback=callback))

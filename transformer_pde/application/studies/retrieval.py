@@ -136,7 +136,7 @@ def retrieval_estimates(model: tp.Model, theta0: torch.Tensor, times: Sequence[f
     x0 = torch.stack([th0.cos(), th0.sin()], -1)
     solver = {"euler": tp.Euler(), "heun": tp.Heun(), "rk4": tp.RK4()}[method]
     progress = tp.Progress(show=False, callback=None if callback is None else (lambda k, t, *_: callback(k, t)))
-    traj = tp.solve(model, x0, solver, t1=K * dt, dt=dt, saveat=tp.SaveAt(every=1),
+    traj = tp.solve(model, x0, solver, t1=K * dt, dt=dt, saveat=tp.SaveAt(record_every=1),
                     ledger=tp.LedgerOptions(diagnostics=False), progress=progress)
     est, amp = [], []
     done = K
@@ -282,7 +282,7 @@ def network_profile(net, inputs, *, dt: float = 0.1, causal=None, head_weights: 
                      direction="ascent", causal=net.causal if causal is None else causal)
 
     def flow(x):
-        traj = tp.solve(model, x, tp.Euler(), t1=float(L), dt=1.0 / steps, saveat=tp.SaveAt(every=L * steps),
+        traj = tp.solve(model, x, tp.Euler(), t1=float(L), dt=1.0 / steps, saveat=tp.SaveAt(record_every=L * steps),
                         ledger=tp.LedgerOptions(diagnostics=False), progress=tp.Progress(show=False))
         return traj.x[-1][..., -1, :]
 

@@ -149,7 +149,7 @@ def run_omega_limit(params, run) -> Dict[str, object]:
 
         def go(theta=theta, theta_inf=theta_inf):
             tr = tp.solve(tp.Model(theta, normalization=p["normalization"], direction=p["direction"]), x0, tp.RK4(),
-                          t1=p["t1"], dt=p["dt"], seed=p["seed"] + 2, saveat=tp.SaveAt(every=p["record_every"]),
+                          t1=p["t1"], dt=p["dt"], seed=p["seed"] + 2, saveat=tp.SaveAt(record_every=p["record_every"]),
                           progress=run.progress)
             V = tp.velocity(tr.x, theta_inf, normalization=p["normalization"], direction=p["direction"])
             resid = V.square().sum(-1).mean(-1).sqrt()  # ‖V[μ_t, Θ_∞]‖_{L²(μ_t)}, (T, S)
@@ -313,7 +313,7 @@ def run_fast_weights(params, run) -> Dict[str, object]:
                     layers = [tp.Heads(A, mean.value_matrix + inc[l] / dl, mean.weights, mean.beta) for l in range(L)]
                     theta = tp.Layerwise(layers, layer_time=dl)
                     tr = tp.solve(tp.Model(theta, **kw), x0, tp.RK4(), t1=p["t1"], dt=dl / p["substeps"],
-                                  saveat=tp.SaveAt(every=L * p["substeps"]), ledger=tp.LedgerOptions(diagnostics=False),
+                                  saveat=tp.SaveAt(record_every=L * p["substeps"]), ledger=tp.LedgerOptions(diagnostics=False),
                                   progress=False)
                 else:
                     # OU values V = V̄ + U, dU = −U/τ dt + (s/τ) dW (stationary variance s²/(2τ),
@@ -326,7 +326,7 @@ def run_fast_weights(params, run) -> Dict[str, object]:
                     layers = [tp.Heads(A, mean.value_matrix + u, mean.weights, mean.beta) for u in U]
                     theta = tp.Layerwise(layers, layer_time=fine, interpolation="linear")
                     tr = tp.solve(tp.Model(theta, **kw), x0, tp.RK4(), t1=p["t1"], dt=fine,
-                                  saveat=tp.SaveAt(every=Kf), ledger=tp.LedgerOptions(diagnostics=False), progress=False)
+                                  saveat=tp.SaveAt(record_every=Kf), ledger=tp.LedgerOptions(diagnostics=False), progress=False)
                 xs.append(tr.x[-1])
             return {"x_T": torch.stack(xs)}
 

@@ -221,7 +221,7 @@ def _data_draw(p, proc, s, dtype):
     dirs = torch.cat([sens["right"][None], R])
     X0 = torch.cat([x0[None], tp.sphere.exp_map(x0.expand_as(dirs), p["eps"] * dirs)])
     tr = tp.solve(tp.Model(theta, weights=w, **kw), X0, tp.RK4(), t1=p["t1"], dt=p["dt"],
-                  saveat=tp.SaveAt(every=p["record_every"]), ledger=tp.LedgerOptions(diagnostics=False), progress=False)
+                  saveat=tp.SaveAt(record_every=p["record_every"]), ledger=tp.LedgerOptions(diagnostics=False), progress=False)
     dist = ((tr.x[:, 1:] - tr.x[:, :1]).square().sum(-1) * w).sum(-1).sqrt()  # identity coupling, (T, 1 + R)
     w2 = tp.distance((tr.x[:, 1], w), (tr.x[:, 0], w))  # exact W2 of the realised worst direction
     K = whole_steps(p["t1"], p["dt"])
@@ -396,7 +396,7 @@ def _weights_draw(p, kind, s, eps, dtype):
     E1 = len(eps) + 1
     kw = dict(normalization=p["normalization"], direction=p["direction"])
     tr = tp.solve(tp.Model(theta, **kw), x0.expand(E1, *x0.shape).clone(), tp.RK4(), t1=p["t1"], dt=p["dt"],
-                  saveat=tp.SaveAt(every=1), ledger=tp.LedgerOptions(diagnostics=False), progress=False)
+                  saveat=tp.SaveAt(record_every=1), ledger=tp.LedgerOptions(diagnostics=False), progress=False)
     total, direct, forcing, fsup, mu, glob = [], [], [], [], [], []
     for t, x in zip(tr.times.tolist(), tr.x):
         h = theta.heads_at(t * (1 - 1e-12)) if t > 0 else theta.heads_at(t)  # left limit at layer boundaries

@@ -89,7 +89,7 @@ def ascent_run(x0, heads, t1, dt, *, sparse=False, normalization="softmax", prog
     """The rk4 run of the ascent flow (tokens cluster); ``sparse``: no diagnostics, a record every ≈ 0.05."""
     every = max(1, round(0.05 / dt)) if sparse else 1
     return tp.solve(tp.Model(heads, normalization=normalization, direction="ascent"), x0, tp.RK4(), t1=t1, dt=dt,
-                    saveat=tp.SaveAt(every=every), ledger=tp.LedgerOptions(diagnostics=not sparse), progress=progress)
+                    saveat=tp.SaveAt(record_every=every), ledger=tp.LedgerOptions(diagnostics=not sparse), progress=progress)
 
 
 def append_row(rows, *values) -> None:

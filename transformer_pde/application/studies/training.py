@@ -48,7 +48,7 @@ from . import (Option, at_least, nonnegative, panel, positive, save_captioned, s
 log = logging.getLogger(__name__)
 _KIND = "transformer_pde.train_digits.segment"  # the stored pieces (finite, checked on resume)
 
-__all__ = ["results_table", "tradeoff_table", "DigitClassifier", "load_digit_tokens"]
+__all__ = ["results_table", "DigitClassifier", "load_digit_tokens"]
 
 def _seeds(v):
     if not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 2**32 for s in v):
@@ -74,8 +74,10 @@ OPTIONS = {
     "feedforward": Option(64, (int,), "feed-forward width m of the flow (0: attention only)", check=nonnegative),
     "depth": Option(1.0, (float,), "depth T of the flow", check=positive),
     "steps": Option(4, (int,), "solver steps per layer of the flow", check=positive),
-    "solver": Option("euler", (str,), "fixed-step solver of the flow", choices=("euler", "heun", "rk4")),
-    "geometry": Option("none", (str,), "flow geometry: projected flow, or the post-LN map", choices=("none", "post")),
+    "method": Option("euler", (str,), "fixed-step method of the flow (MeanFieldAttention's method=)",
+                     choices=("euler", "heun", "rk4")),
+    "layer_norm": Option("none", (str,), "the flow's layer norm: the projected flow, or the post-LN map",
+                         choices=("none", "post")),
     "lambdas": Option([1e-4, 1e-3, 1e-2], (list,), "weights λ of the kinetic regulariser λ∫𝒢²dt (one flow each)",
                       check=lambda v: _lambdas(v)),
     "kinetic": Option("metric", (str,), "the regulariser's kinetic term: ∫𝒢²dt from the solver's ledger (metric) "
@@ -207,7 +209,7 @@ def _count(model) -> int:
 
 def _flow_body(p, dtype):
     return tp.nn.MeanFieldAttention(p["dim"], p["heads"], layers=p["layers"], t1=p["depth"], steps=p["steps"],
-                                    solver=p["solver"], geometry=p["geometry"], feedforward=p["feedforward"],
+                                    method=p["method"], layer_norm=p["layer_norm"], feedforward=p["feedforward"],
                                     dtype=dtype)
 
 
@@ -556,25 +558,3 @@ def results_table(metrics: dict) -> str:
                                f"{'∫𝒢²dt' if kind == 'metric' else 'the action Σ‖Δx‖²/Δt'}.")
 
 
-def tradeoff_table(metrics: dict) -> str:
-    """A markdown table of the paired (same seed) differences model − flow of a ``train_digits`` metrics.json:
-    test accuracy (percentage points) and test loss, mean ± standard error over seeds, with the seeds on which
-    the model's test loss is lower than the flow's.
-
-    Parameters
-    ----------
-    metrics : dict
-        the parsed metrics.json of a train_digits run.
-
-    Returns
-    -------
-    str
-        the table, one compared model per row."""
-    rows = ["| model − flow (paired by seed) | Δ test accuracy (points) | Δ test loss | seeds with lower test loss |",
-            "|---|---|---|---|"]
-    for name, d in metrics["kinetic_tradeoff"].items():
-        acc, loss = d["accuracy_minus_flow"], d["loss_minus_flow"]
-        lower = sum(v < 0 for v in loss["seeds"])
-        rows.append(f"| {name} | {100 * acc['mean']:+.2f} ± {100 * acc['sem']:.2f} | {loss['mean']:+.4f} ± "
-                    f"{loss['sem']:.4f} | {lower} of {len(loss['seeds'])} |")
-    return "\n".join(rows)

@@ -70,7 +70,7 @@ class Run:
         raise NotImplementedError(f"{type(self).__name__} must define finish()")
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ParticleState:
     """What a particle solver's ``step(state, t, dt)`` reads at the left end t of a step.
 

@@ -18,6 +18,7 @@ solver keeps the energy–dissipation ledger of docs/model.md#ledger (see :class
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -198,7 +199,7 @@ class FixedStep(ParticleSolver):
         """
         g, radius = state.geometry, state.radius
         if g.projected:
-            x_new, err = Stepper(self.tableau, retract=True, geometry=g).step(state.x, state.velocity, dt, state.field)
+            x_new, err = _stepper(self.tableau, g).step(state.x, state.velocity, dt, state.field)
         else:  # a layer map (post-, pre-, peri-LN, nGPT) of the signed, un-projected attention update
             x_new, radius, err = g.step(state.x, radius, state.ambient, dt)
         info = {"sphere_error": err, "radius": radius}
@@ -206,6 +207,19 @@ class FixedStep(ParticleSolver):
             info["noise"] = xi = state.noise.increment(x_new, dt, state.generator)
             x_new = state.noise.apply(x_new, xi)
         return x_new, info
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_stepper(tableau: ButcherTableau, geometry) -> Stepper:
+    return Stepper(tableau, retract=True, geometry=geometry)
+
+
+def _stepper(tableau: ButcherTableau, geometry) -> Stepper:
+    """The Runge–Kutta step of ``tableau`` with the retraction of ``geometry`` (built once per hashable pair)."""
+    try:
+        return _cached_stepper(tableau, geometry)
+    except TypeError:  # an unhashable geometry of the user's
+        return Stepper(tableau, retract=True, geometry=geometry)
 
 
 class Euler(FixedStep):

@@ -361,7 +361,7 @@ def prepare_parts(problem, integrate=None, *, eager: bool = True, lazy: bool = F
     realised = o.ledger.quadratic_variation == "realised"
     # ∂_tE is paired with the statistics unless Θ is piecewise constant and carries no Itô term
     pairing = integrate is not None or not (drv.rate_is_zero and not (drv.noisy and not realised))
-    scale = None if resume is None else resume.get("scale", {"c": 0.0, "start_max": float("nan")})
+    scale = None if resume is None else resume.get("scale")  # (checkpoints of old: none, the defaults)
     # the second moment for the Itô terms of noisy weights and of noisy tokens (the Laplacian of E), with the ledger
     ev = Evaluator(weights, normalization=model.normalization, sign=problem.sign,
                    noisy=process.noisy or model.noise is not None, causal=model.causal, chunk_elements=chunk,

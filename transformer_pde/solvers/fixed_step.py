@@ -79,11 +79,14 @@ class FixedStepRun(Run):
         self.geometry = model.geometry
         self.r, self.radii = self.geometry.initial_radius(x), []  # token radii (pre-/peri-LN), their records
         keys = LEDGER_KEYS if not causal else tuple(k for k in LEDGER_KEYS if not k.startswith("residual"))
+        ck, u = parts.resume, self.axis.unview
         self.rec = Recorder(self.K, problem.record_every, diagnostics=self.diagnostics or self.at_records,
                             observables={k: self.axis.observable(f) for k, f in problem.observables.items()},
-                            weights=model.weights, ledger_keys=keys if self.diagnostics else ())
+                            weights=model.weights, ledger_keys=keys if self.diagnostics else (),
+                            records=None if ck is None else _tree(ck["records"], u))
         self.ledger_keys = keys
-        self.ledger = Ledger(torch.zeros(()), sign=problem.sign, quadrature=problem.quadrature, causal=causal)
+        self.ledger = Ledger(torch.zeros(()), sign=problem.sign, quadrature=problem.quadrature, causal=causal,
+                             acc=None if ck is None else _tree(ck["acc"], u))  # (a fresh run's: at the first evaluation)
         self.k, self.nfe, self.max_sphere = 0, 0, 0.0
         self.noise = model.noise  # token noise (TokenNoise or None) and its own random stream
         seed = problem.seed if o.generator is None else o.generator.initial_seed()
@@ -220,7 +223,6 @@ class FixedStepRun(Run):
             u = self.axis.unview
             self.k, self.x, self.nfe, self.max_sphere = ck["k"], u(ck["x"]), ck["nfe"], ck["max_sphere"]
             self.drv.load_state(ck["driver"])
-            self.rec.records, self.ledger.acc = _tree(ck["records"], u), _tree(ck["acc"], u)
             if self.r is not None:
                 self.r, self.radii = u(ck["r"]), _tree(ck["radii"], u)
             if self.token_gen is not None:

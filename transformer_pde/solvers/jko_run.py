@@ -69,8 +69,8 @@ class JKORun(Run):
         self.norm = p.metric
         self.theta = ThetaSource(p.model.theta, t0=p.t0, tau=p.tau, paths=p.paths, seed=p.seed,
                                  generator=p.options.generator, path_dt=p.path_dt, batch_rank=len(p.batch))
-        self.rec = Recorder(p.steps, p.record_every, diagnostics=True, ledger_keys=LEDGER_KEYS)
-        self.rec.records.update({"w": [], "ledger.jko_defect": []})
+        self.rec = Recorder(p.steps, p.record_every, diagnostics=True, ledger_keys=LEDGER_KEYS,
+                            extra=("w", "ledger.jko_defect"))
         self.S = {k: [] for k in ("residual", "iterations", "converged", "defect", "prox", "plan_updates")}
         self.bad_steps, self.bad_residuals = [], []
         self._layout()
@@ -149,8 +149,7 @@ class JKORun(Run):
         self.check(ev, t0, 0, self.heads_cur)
         self.log_c = torch.full((self.B,), self.c, **self.f)
         self.work = float(self.B) * self.heads_cur.num_heads * self.n * self.n
-        self.ledger = Ledger(ev.energy, sign=self.p.sign)
-        self.ledger.acc["jko_defect"] = self.ledger.acc["partial"]
+        self.ledger = Ledger(ev.energy, sign=self.p.sign, extra=("jko_defect",))
         self._accept(self.state, ev, record=True)
 
     def _accept(self, state, ev, record: bool):

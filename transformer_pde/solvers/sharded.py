@@ -514,22 +514,21 @@ class _ShardedRun(Run):
         self.problem, self.solver, self.axis, self.start = problem, problem.solver, axis, start
         self.checkpointer, self.steps, self.desc = checkpointer, problem.steps, "simulate_sharded (euler)"
         self.show = bool(problem.options.progress.show) and rank_and_world(group)[0] == 0
-        self.rec = Recorder(problem.steps, problem.record_every, diagnostics=diagnostics)
+        u = axis.unview
+        self.rec = Recorder(problem.steps, problem.record_every, diagnostics=diagnostics, records=None if resume is None
+                            else {k: [u(t) for t in v] for k, v in resume["records"].items()})
         if resume is not None:
-            u = axis.unview
             self.x = x = u(resume["x"])
             drv.load_state(resume["driver"])
-            self.rec.records = {k: [u(t) for t in v] for k, v in resume["records"].items()}
         self.keys = shard.gather(x)
         self.cur = self._evaluate(x, self.keys, drv.current, diagnostics)
         self.zero = torch.zeros(self.cur.velocity.shape[:-2], dtype=x.dtype, device=x.device)
         red = self._reduce(x, self.cur, [], "the velocity field", self.cur.velocity)
-        self.ledger = Ledger(red[0], sign=sign, quadrature="left") if diagnostics else None
+        acc = None if resume is None or not diagnostics else {k: u(v) for k, v in resume["acc"].items()}
+        self.ledger = Ledger(red[0], sign=sign, quadrature="left", acc=acc) if diagnostics else None
         self._take(red)
         if resume is None:
             self._record()
-        elif diagnostics:
-            self.ledger.acc = {k: axis.unview(v) for k, v in resume["acc"].items()}
 
     @property
     def k(self) -> int:

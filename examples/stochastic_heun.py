@@ -52,5 +52,5 @@ if __name__ == "__main__":
     for solver in (tp.Euler(), StochasticHeun()):
         traj = tp.solve(model, x0, solver, t1=t1, dt=0.125, seed=1, saveat=tp.SaveAt(ends=True))
         m = (traj.x[-1] * x0).sum(-1).squeeze(-1)
-        print(f"{type(solver).__name__:15s} E<x_t, x_0> = {float(m.mean()):.4f} ± {float(m.std() / n_paths ** 0.5):.4f}"
-              f"  (exact {float(exact):.4f})")
+        se = float(m.std() / n_paths ** 0.5)
+        print(f"{type(solver).__name__:15s} E<x_t, x_0> = {float(m.mean()):.4f} ± {se:.4f}  (exact {float(exact):.4f})")

@@ -228,14 +228,14 @@ class FixedStepRun(Run):
             if self.token_gen is not None:
                 self.token_gen.set_state(ck["token_noise"])
             if self.kinetic and "kinetic" not in ck:
-                raise ValueError(f"the checkpoint {self.checkpointer.path} was written by a run without the kinetic term "
-                                 f"(LedgerOptions.kinetic=False): it holds no ∫𝒢² dt of the steps before step "
+                raise ValueError(f"the checkpoint {self.checkpointer.path} was written by a run without the kinetic "
+                                 f"term (LedgerOptions.kinetic=False): it holds no ∫𝒢² dt of the steps before step "
                                  f"{ck['k']}. Resume it without kinetic=True, or delete it to start again")
             if self.kinetic:
                 self.kin, self.kin_rec = u(ck["kinetic"]["acc"]), _tree(ck["kinetic"]["records"], u)
             if self.diagnostics and "heads" in ck:
-                raise ValueError(f"the checkpoint {self.checkpointer.path} was written by a run without the energy ledger "
-                                 f"(ledger=False): it holds no ledger of the steps before step {ck['k']}. Resume it "
+                raise ValueError(f"the checkpoint {self.checkpointer.path} was written by a run without the energy "
+                                 f"ledger (ledger=False): it holds no ledger of the steps before step {ck['k']}. Resume it "
                                  f"with ledger=False, or delete it to start again with ledger=True")
             if self.lazy:  # (a checkpoint of an eager run, the default of earlier versions, made the run eager)
                 self.heads_rec = RecordedHeads(ck["heads"])

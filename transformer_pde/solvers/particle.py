@@ -57,7 +57,7 @@ from .trajectory import (
     NonFiniteError, PathsAxis, Trajectory, check_finite, check_ledger, ledger_nonfinite, nonfinite_error,
 )
 
-__all__ = ["FixedStep", "Euler", "Heun", "RK4", "Dopri5", "simulate", "Trajectory", "ButcherTableau", "TABLEAUX",
+__all__ = ["ParticleSolver", "FixedStep", "Euler", "Heun", "RK4", "Dopri5", "simulate", "Trajectory", "ButcherTableau", "TABLEAUX",
            "METHODS", "NonFiniteError", "LEDGER_KEYS", "QUADRATIC_VARIATIONS", "PROGRESS_MIN_WORK"]
 
 #: ``progress=None`` shows a bar (on a terminal only) when steps · stages · paths · H · n² reaches this

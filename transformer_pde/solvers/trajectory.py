@@ -40,7 +40,8 @@ from ..processes.paths import WeightPath
 #: non-finite check and its error with time, step and fix)
 __all__ = ["Trajectory", "NonFiniteError", "PathsAxis", "nonfinite_error", "check_finite"]
 #: named internal API (not public), used by the solvers
-__internal__ = ["ledger_nonfinite", "check_ledger", "drop_paths", "NoLedgerError", "SERIES_EXTRAS", "LazySeries", "lazy_series"]
+__internal__ = ["ledger_nonfinite", "check_ledger", "drop_paths", "NoLedgerError", "SERIES_EXTRAS", "LazySeries",
+                "lazy_series"]
 
 #: the entries of ``Trajectory.extras`` that are time series (T, [paths,] ...) with the batch axes
 SERIES_EXTRAS = ("radius", "kinetic")

@@ -91,6 +91,7 @@ class FixedStepRun(Run):
         self.noise = model.noise  # token noise (TokenNoise or None) and its own random stream
         seed = problem.seed if o.generator is None else o.generator.initial_seed()
         self.token_gen = self.noise.generator(seed, x.device) if self.noise is not None else None
+        self._start()  # complete when built: resumed, or evaluated and recorded at t0
 
     def state(self) -> dict:
         """The solver state for a checkpoint, in the caller's batch convention (the file format of old)."""
@@ -216,7 +217,7 @@ class FixedStepRun(Run):
                                        self.scale["start_max"], self.scale.get("given", False))
         return G, D
 
-    def start(self):
+    def _start(self):
         """Resume from the checkpoint or start at t0: first evaluation, common scale, first record."""
         ck = self.parts.resume
         if ck is not None:

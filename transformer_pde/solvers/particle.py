@@ -400,9 +400,7 @@ def _start_particle(problem: ParticleProblem):
     x, parts = prepare_parts(problem, eager=eager, lazy=lazy, checkpointer=ckpt, resume=resume)
     show = o.progress.show if o.progress.show is not None else \
         problem.steps * solver.stages * parts.work >= PROGRESS_MIN_WORK
-    run = FixedStepRun(x, problem, parts, show)
-    run.start()
-    return run
+    return FixedStepRun(x, problem, parts, show)
 
 
 def _estimate_memory(x0, process, *, K, record_every, paths, method, diagnostics, return_path, chunk_elements, noisy,

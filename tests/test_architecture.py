@@ -56,6 +56,7 @@ LAYERS = [
     {"transformer_pde.solvers.lbfgs"},  # Riemannian L-BFGS on a product of spheres (the JKO's inner solver)
     {"transformer_pde.solvers", "transformer_pde.solvers.parts", "transformer_pde.solvers.noise",
      "transformer_pde.solvers.options", "transformer_pde.solvers.recorded"},
+    {"transformer_pde.solvers.loop"},  # the run loop of every stepping solver (progress, callbacks, checkpoints)
     {"transformer_pde.solvers.model"},  # Model: Θ_t, normalisation, geometry, token noise
     {"transformer_pde.solvers.methods"},  # the solver objects
     {"transformer_pde.solvers.evaluator"},  # the field evaluation and common scale of a particle solve

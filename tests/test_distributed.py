@@ -113,3 +113,71 @@ def test_bad_input_is_refused():
         tpd.distributed_evaluate(x, heads, normalization="sparsemax")
     with pytest.raises(ValueError, match="whole number of steps"):
         tpd.simulate_sharded(x, heads, t1=0.1, dt=0.03)
+
+
+class _Stop(Exception):
+    pass
+
+
+def _sharded_interrupted_then_resumed(x, theta, path, kw):
+    """The sharded run stopped by its callback after step 3 (checkpoint at step 2), then resumed from its
+    checkpoint; the callback's steps of both runs."""
+    seen = []
+
+    def stop(k, t, xk):
+        seen.append(k)
+        if k == 3:
+            raise _Stop
+    xl, _ = tpd.shard_tokens(x)
+    model = tp.Model(theta, direction="descent")
+    with pytest.raises(_Stop):
+        tp.solve(model, xl, tp.ShardedEuler(gather_x=True), checkpoint=tp.Checkpointing(path, every=2),
+                 progress=tp.Progress(callback=stop), **kw)
+    resumed = tp.solve(model, xl, tp.ShardedEuler(gather_x=True), checkpoint=tp.Checkpointing(path, every=2),
+                       progress=tp.Progress(callback=lambda k, t, xk: seen.append(k)), **kw)
+    return resumed, seen
+
+
+def _resume_worker(rank, world, init_file, result_file, ck_file):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        x, _, heads, _, _ = _inputs()
+        kw = dict(t1=0.06, dt=0.01, paths=2, seed=3, ledger=tp.LedgerOptions(ledger=True))
+        traj, seen = _sharded_interrupted_then_resumed(x, tp.OrnsteinUhlenbeck(heads, sigma=1.0), ck_file, kw)
+        if rank == 0:
+            torch.save({"x": traj.x, "ledger": traj.ledger, "seen": seen}, result_file)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_sharded_callbacks_and_checkpoints_resume_the_uninterrupted_run(world, tmp_path):
+    """The sharded solver runs through the loop: the callback sees every step, a run stopped after step 3
+    resumes from its step-2 checkpoint (one file per rank with two ranks) and ends where the uninterrupted
+    one-process Euler run ends, ledger included, to rounding."""
+    x, _, heads, _, _ = _inputs()
+    theta = tp.OrnsteinUhlenbeck(heads, sigma=1.0)
+    kw = dict(t1=0.06, dt=0.01, paths=2, seed=3, ledger=tp.LedgerOptions(ledger=True))
+    if world == 1:
+        traj, seen = _sharded_interrupted_then_resumed(x, theta, tmp_path / "ck.pt", kw)
+        files = ["ck.pt"]
+    else:
+        result = tmp_path / "result.pt"
+        mp.spawn(_resume_worker, args=(2, str(tmp_path / "init"), str(result), str(tmp_path / "ck.pt")), nprocs=2,
+                 join=True)
+        got = torch.load(result, weights_only=False)
+        traj, seen = _saved(got), got["seen"]
+        files = ["ck.rank0.pt", "ck.rank1.pt"]
+    assert seen == [1, 2, 3, 3, 4, 5, 6]
+    assert sorted(p.name for p in tmp_path.glob("ck*.pt")) == files
+    ref = tp.solve(tp.Model(theta, direction="descent"), x, tp.Euler(), **kw)
+    torch.testing.assert_close(traj.x, ref.x, **TOL)
+    for key, v in ref.ledger.items():
+        torch.testing.assert_close(traj.ledger[key], v, **TOL, msg=lambda m: f"{key}: {m}")
+
+
+def _saved(d):
+    """The dict a worker saved, with attribute access (x, ledger)."""
+    return type("Saved", (), d)

@@ -3,7 +3,7 @@
 * tp.solve(Model, x0, LagrangianJKO / EulerianJKO, ..., ledger=tp.LedgerOptions(ledger=True)) equals tp.jko with the matching keywords (the
   keyword front end is a wrapper over the objects: the two must not drift apart);
 * options a JKO scheme does not take are refused with TypeError before any step;
-* the geometry seam: the Lagrangian line search retracts with ``model.geometry.retract``;
+* the geometry seam: the Lagrangian line search retracts with ``model.layer_norm.retract``;
 * a noisy process is sampled by the driver as the steps go: the run equals the run fed the WeightPath that
   tp.sample_path gives with the same seed (also with path_dt < τ, and with a paths axis), and ``traj.path`` is
   that path;

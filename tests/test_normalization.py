@@ -44,9 +44,6 @@ def _field(x, heads, norm, **kw):
 
 
 def test_names_objects_and_validation_agree():
-    from transformer_pde.solvers import particle
-
-    assert particle.NORMALIZATIONS is N.NORMALIZATIONS
     assert N.NORMALIZATIONS == tuple(n.name for n in ALL)
     for obj in ALL:
         assert N.normalization(obj.name) == obj and N.normalization(obj) is obj and str(obj) == obj.name

@@ -62,8 +62,8 @@ def per_record(model, traj, rec, c):
         h = rec.constant if rec.constant is not None else rec.items[k]
         e = evaluate(traj.x[k], h, model.weights, normalization=model.normalization, sign=sign, diagnostics=True,
                      log_scale=c, **({"causal": model.causal} if model.causal else {}))
-        D, G = (e.dissipation, e.slope) if model.geometry.projected else geometry_densities(
-            model.geometry, e, h, model.weights, None if radius is None else radius[k], c)
+        D, G = (e.dissipation, e.slope) if model.layer_norm.projected else geometry_densities(
+            model.layer_norm, e, h, model.weights, None if radius is None else radius[k], c)
         for key, v in zip(SERIES, (e.energy, G, D)):
             out[key].append(v)
     return {k: torch.stack(v) for k, v in out.items()}

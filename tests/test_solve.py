@@ -104,13 +104,11 @@ def no_work(monkeypatch):
     (tp.Dopri5(), dict(checkpoint=tp.Checkpointing("ck.pt")), "checkpoint"),
     (tp.Dopri5(), dict(progress=tp.Progress(show=True)), "progress"),
     (tp.Dopri5(), dict(ledger=tp.LedgerOptions(ledger=True, quadrature="left")), "LedgerOptions.quadrature"),
-    (tp.ShardedEuler(), dict(checkpoint=tp.Checkpointing("ck.pt")), "checkpoint"),
     (tp.ShardedEuler(), dict(saveat=tp.SaveAt(observables={"m": lambda x, w: x.mean(-2)})), "SaveAt.observables"),
     (tp.ShardedEuler(), dict(saveat=tp.SaveAt(path=True)), "SaveAt.path"),
     (tp.ShardedEuler(), dict(ledger=tp.LedgerOptions(ledger=True, quadratic_variation="realised")),
      "LedgerOptions.quadratic_variation"),
     (tp.ShardedEuler(), dict(ledger=tp.LedgerOptions(energy_log_scale=3.0)), "LedgerOptions.energy_log_scale"),
-    (tp.ShardedEuler(), dict(progress=tp.Progress(callback=lambda k, t, x: None)), "Progress.callback"),
     (tp.ShardedEuler(), dict(limits=tp.Limits(max_steps=10)), "Limits.max_steps"),
     (tp.LagrangianJKO(), dict(checkpoint=tp.Checkpointing("ck.pt")), "checkpoint"),
 ])

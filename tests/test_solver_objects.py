@@ -199,12 +199,12 @@ class PartsEuler(tp.Solver):
 
     def run(self, model, x0, options):
         o, K = options, options.steps
-        if model.process.noisy or model.noise is not None or not model.geometry.projected:
+        if model.process.noisy or model.noise is not None or not model.layer_norm.projected:
             raise ValueError("PartsEuler takes deterministic weights, no token noise and the projected flow")
         drv = WeightDriver(model.process, paths=None, generator=o.generator, seed=o.weight_seed, t0=o.t0, dt=o.dt)
         ev = Evaluator(model.weights, normalization=model.normalization, sign=model.sign, noisy=False,
                        causal=model.causal, chunk_elements=None, energy_log_scale=None)
-        stepper = Stepper(tp.TABLEAUX["euler"], geometry=model.geometry)
+        stepper = Stepper(tp.TABLEAUX["euler"], geometry=model.layer_norm)
         rec = Recorder(K, o.saveat.stride(K), diagnostics=True, weights=model.weights)
 
         def densities(x, e):

@@ -128,3 +128,17 @@ def test_repr_shows_the_tokens_dtype_without_the_torch_prefix(dtype):
     assert "torch." not in r and "method='euler'" in r, r
     other = tp.Trajectory(traj.times, None, None, None, None, {}, {}, "euler", "softmax", "descent")
     assert repr(other).endswith("x=None)") and name not in repr(other)
+
+
+def test_hasattr_ledger_is_false_without_a_ledger_and_reading_it_names_the_option(dtype):
+    """Without a ledger: hasattr/getattr tell without raising, the read is a ValueError naming ledger=True,
+    the repr shows ledger=None; with one, all three see it."""
+    times = torch.linspace(0.0, 1.0, 3, dtype=torch.float64)
+    x = tp.sphere.sample_uniform(4, 3, batch_shape=(3,), generator=gen(2), dtype=dtype)
+    bare = tp.Trajectory(times, x, None, None, None, None, {}, "euler", "softmax", "descent")
+    assert not hasattr(bare, "ledger") and getattr(bare, "ledger", None) is None and not bare.has_ledger
+    with pytest.raises(ValueError, match="ledger=True"):
+        bare.ledger
+    assert "ledger=None" in repr(bare)
+    full = made(dtype=dtype)
+    assert hasattr(full, "ledger") and full.has_ledger and "ledger=[dE]" in repr(full)

@@ -123,7 +123,7 @@ def solve_adaptive(x, problem, parts) -> Trajectory:
     ``integrate`` is the dopri5 driver, default :func:`dopri5`).  The tokens are pulled back to the
     sphere by the model's geometry (``geometry.retract``).  The Trajectory still carries the paths axis."""
     model, o, ev, drv = problem.model, problem.options, parts.evaluator, parts.driver
-    K, t0, dt, process, retract = problem.steps, o.t0, o.dt, problem.process, model.geometry.retract
+    K, t0, dt, process, retract = problem.steps, o.t0, o.dt, problem.process, model.layer_norm.retract
     integrate = dopri5 if parts.integrate is None else parts.integrate
     # stochastic or grid-stepped weights: sample the whole path on the dt grid first
     path = drv.sample_path(K) if drv.mode != "closed" else None
@@ -207,7 +207,7 @@ def dopri5(x, ev, source, grid, knots, problem):
     from torchdiffeq import odeint, odeint_adjoint
 
     model, solver = problem.model, problem.solver
-    rtol, atol, adjoint, retract = solver.rtol, solver.atol, solver.adjoint, model.geometry.retract
+    rtol, atol, adjoint, retract = solver.rtol, solver.atol, solver.adjoint, model.layer_norm.retract
     weights, causal, chunk_elements = model.weights, model.causal, problem.options.limits.chunk_elements
     nfe = [0]
     pieces = _pieces(grid, knots) if knots else [(0, len(grid) - 1)]

@@ -28,19 +28,23 @@ class Evaluator:
     statistics and energy, 𝒢², 𝒟 times e^{−c}) and the common scale c (``scale``, fixed at t0 by
     :meth:`fix_scale` unless given)."""
 
-    def __init__(self, weights, *, normalization, sign, noisy, causal, chunk_elements, energy_log_scale):
+    def __init__(self, weights, *, normalization, sign, noisy, causal, chunk_elements, energy_log_scale,
+                 fused=None, ledger: bool = True, pairing: bool = True, scale: Optional[dict] = None):
         """``weights``: token weights or None; ``normalization``: a Normalization object (or a name of
         the registry); ``sign``: the direction's sign; ``noisy``: the second moment for the Itô terms;
         ``causal``, ``chunk_elements`` as :func:`transformer_pde.evaluate`; ``energy_log_scale``: the
-        given common scale c (None: fixed at t0 by :meth:`fix_scale`)."""
+        given common scale c (None: fixed at t0 by :meth:`fix_scale`); ``fused``: a
+        :class:`~transformer_pde.solvers.layernorm.FusedUpdate` for the tokens-only evaluations of a layer map
+        (None: none); ``ledger``: False when the evaluations with diagnostics serve records only (no Itô
+        term, no second moment); ``pairing``: False when no rate of the heads is paired with the statistics
+        (no ledger moment); ``scale``: the common scale of a resumed run (c and the largest log-partition at t0,
+        from its checkpoint)."""
         self.w, self.normalization, self.sign, self.noisy = weights, normalization, sign, noisy
         self.causal, self.chunk, self.given = causal, chunk_elements, energy_log_scale
         self.causal_kw = {"causal": causal} if causal else {}
         self.scale = {"c": 0.0 if energy_log_scale is None else energy_log_scale, "start_max": float("nan"),
-                      "given": energy_log_scale is not None}
-        self.fused = None  # a layernorm.FusedUpdate for the tokens-only evaluations of a layer map
-        self.pairing = True  # False: no rate of the heads is paired with the statistics (no ledger moment)
-        self.ledger = True  # False: the evaluations with diagnostics serve records only (no Itô term, no second moment)
+                      "given": energy_log_scale is not None, **(scale or {})}
+        self.fused, self.ledger, self.pairing = fused, ledger, pairing
 
     def __call__(self, xk, heads, diag):
         # value-factored heads: evaluate's values-first kernel (the fused pass would form every d×d A_h and V_h)
@@ -69,7 +73,7 @@ class Evaluator:
 
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunParts:
     """The prepared parts of one particle solve, passed to the fixed-step and adaptive solves.
 
@@ -87,6 +91,12 @@ class RunParts:
         the fixed-step solve's checkpoints (:class:`~transformer_pde.solvers.parts.Checkpointer`).
     integrate : callable or None
         the adaptive solve's dopri5 driver (:func:`~transformer_pde.solvers.adaptive.dopri5`).
+    resume : dict or None
+        the checkpoint the run resumes (read before the parts are built), or None: start at t0.
+    eager : bool
+        the energy ledger is booked at every step (asked for, or the checkpoint resumed was written so).
+    lazy : bool
+        the diagnostics are computed from the records on their first read.
     """
 
     driver: Any
@@ -96,3 +106,6 @@ class RunParts:
     work: float
     checkpointer: Optional[Any] = None
     integrate: Optional[Callable] = None
+    resume: Optional[dict] = None
+    eager: bool = False
+    lazy: bool = False

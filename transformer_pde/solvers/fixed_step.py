@@ -1,8 +1,9 @@
 """The fixed-step particle solve: explicit Runge–Kutta steps with the geometry's retraction, or the
 model's layer map, the token noise, the energy ledger, records and checkpoints (docs/model.md#solvers).
 
-:func:`solve_fixed_step` runs one solve of a checked problem (model, solver, options) from prepared
-parts (weight driver, evaluator, checkpointer): the step's geometry is ``model.geometry`` (its retraction in
+:class:`FixedStepRun` is one solve of a checked problem (model, solver, options) from prepared parts
+(weight driver, evaluator, checkpointer, the checkpoint it resumes), stepped by the loop of
+:mod:`~transformer_pde.solvers.loop`; the step itself is the solver's ``step(state, t, dt)``.  The step's geometry is ``model.layer_norm`` (its retraction in
 the Runge–Kutta stages, or its layer map through :meth:`~.parts.Stepper.layer_step`) and the
 token noise is ``model.noise``.  With ``LedgerOptions(ledger=True)`` the energy, 𝒢², 𝒟 and the
 ledger are evaluated at every step (eager); with the default (diagnostics, no ledger) the solve keeps
@@ -10,28 +11,35 @@ the heads (and radii) of each record and the three series are computed from the 
 first read (:class:`~transformer_pde.solvers.recorded.RecordedDiagnostics`).  With
 ``LedgerOptions(kinetic=True)`` and no ledger, the kinetic term ∫𝒢² dt is accumulated from each grid
 point's own field evaluation (its velocity and log-partitions), with the ledger's quadrature.  The entry points are :func:`transformer_pde.solve` and
-:meth:`transformer_pde.FixedStep.run`; this is a named internal API.
+:meth:`transformer_pde.FixedStep.run` (the run of every
+:class:`~transformer_pde.solvers.particle.ParticleSolver`); this is a named internal API.
 """
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
 
-from ..utils import threads
 from ..model.energy import check_scale_fits, choose_log_scale, pairing
 from ..model.energy import quadratic_variation as realised_qv_term
 from ..model.field import log_inverse_mobility, token_mean
 from ..model.softmax import softmax_statistics
-from .layernorm import geometry_densities
+from ..model.heads import broadcast_shapes
+from ..model.normalization import NORMALIZATIONS, normalization as as_normalization
+from ..processes.driver import WeightDriver
+from .evaluator import Evaluator, RunParts
+from .layernorm import FusedUpdate, geometry_densities
 from .noise import noise_martingale
-from .parts import LEDGER_KEYS, Ledger, Recorder, Stepper, partial_density, progress_bar
+from .loop import ParticleState, Run
+from .parts import LEDGER_KEYS, Ledger, Recorder, callable_signature, partial_density, process_parts
+from .tableaux import TABLEAUX, ButcherTableau
 from .recorded import RecordedDiagnostics, RecordedHeads
-from .trajectory import Trajectory, check_finite, check_ledger, lazy_series, ledger_nonfinite, nonfinite_error
+from .trajectory import PathsAxis, Trajectory, check_finite, check_ledger, lazy_series, ledger_nonfinite, nonfinite_error
 
 __all__: list = []
-__internal__ = ["FixedStepRun", "solve_fixed_step"]
+__internal__ = ["FixedStepRun", "prepare_parts", "fingerprint_parts"]
 
 
 def _tree(o, fn):
@@ -43,42 +51,47 @@ def _tree(o, fn):
     return fn(o) if isinstance(o, torch.Tensor) else o
 
 
-class FixedStepRun:
-    """A fixed-step solve composed of the parts: the weight driver (Θ_t), the stepper (tableau + the
-    geometry's retraction, or its layer map), the token noise, the ledger, the recorder and the
-    checkpointer; one :meth:`step` at a time.  The state carries the paths axis (``axis``)."""
+class FixedStepRun(Run):
+    """A particle solve composed of the parts: the weight driver (Θ_t), the solver's step (a
+    :class:`~transformer_pde.FixedStep`'s tableau with the geometry's retraction or its layer map, or a
+    user's ``step``), the token noise, the ledger, the recorder and the checkpointer; one :meth:`step` at a
+    time, driven by :func:`~transformer_pde.solvers.loop.drive`.  The state carries the paths axis (``axis``).
+    ``parts`` is complete when the run is built: whether it resumes (``parts.resume``), books the ledger at
+    every step (``parts.eager``) or from the records (``parts.lazy``) was decided before."""
 
-    def __init__(self, x, problem, parts):
+    def __init__(self, x, problem, parts, show: bool = False):
         model, o = problem.model, problem.options
         self.x, self.drv, self.ev, self.axis = x, parts.driver, parts.evaluator, parts.axis
-        self.fix_scale, self.scale, self.ckpt = self.ev.fix_scale, self.ev.scale, parts.checkpointer
+        self.fix_scale, self.scale, self.checkpointer = self.ev.fix_scale, self.ev.scale, parts.checkpointer
+        self.parts, self.solver, self.problem, self.show, self.work = parts, problem.solver, problem, show, parts.work
         # diagnostics: evaluated at every step (the ledger); lazy: from the records after the solve
         self.K, self.dt, self.w = problem.steps, o.dt, model.weights
-        self.diagnostics, self.lazy = o.ledger.diagnostics and o.ledger.ledger, o.ledger.lazy
-        self.ev.ledger = self.diagnostics  # the kernel's second moment only for the ledger's Itô terms
+        self.steps, self.desc = self.K, f"simulate ({problem.solver.method})"
+        self.diagnostics, self.lazy = parts.eager, parts.lazy
         self.at_records = o.ledger.at_record_steps  # E, 𝒢², 𝒟 from the recorded steps' own evaluations
         self.heads_rec = RecordedHeads() if self.lazy else None  # Θ at each record (lazy)
         self.realised = o.ledger.quadratic_variation == "realised"
         self.normalization, self.noisy, self.method = model.normalization, self.drv.noisy, problem.solver.method
-        # ∂_tE is paired with the statistics unless Θ is piecewise constant and carries no Itô term
-        self.ev.pairing = not (self.drv.rate_is_zero and not (self.noisy and not self.realised))
         self.causal = causal = model.causal
         # the kinetic term ∫𝒢² dt from the step's own field (without the ledger, whose "slope" it equals)
         self.kinetic, self.quadrature = o.ledger.kinetic_only, problem.quadrature
         self.kin, self.kin_dens, self.kin_rec = None, None, []  # running ∫𝒢², 𝒢² at the grid point, records
-        self.stepper = Stepper(problem.solver.tableau, retract=True, geometry=model.geometry)
-        self.geometry = self.stepper.geometry
+        self.geometry = model.layer_norm
         self.r, self.radii = self.geometry.initial_radius(x), []  # token radii (pre-/peri-LN), their records
         keys = LEDGER_KEYS if not causal else tuple(k for k in LEDGER_KEYS if not k.startswith("residual"))
+        ck, u = parts.resume, self.axis.unview
         self.rec = Recorder(self.K, problem.record_every, diagnostics=self.diagnostics or self.at_records,
                             observables={k: self.axis.observable(f) for k, f in problem.observables.items()},
-                            weights=model.weights, ledger_keys=keys if self.diagnostics else ())
+                            weights=model.weights, ledger_keys=keys if self.diagnostics else (),
+                            records=None if ck is None else _tree(ck["records"], u))
         self.ledger_keys = keys
-        self.ledger = Ledger(torch.zeros(()), sign=problem.sign, quadrature=problem.quadrature, causal=causal)
+        self.ledger = Ledger(torch.zeros(()), sign=problem.sign, quadrature=problem.quadrature, causal=causal,
+                             acc=None if ck is None else _tree(ck["acc"], u))  # (a fresh run's: at the first evaluation)
         self.k, self.nfe, self.max_sphere = 0, 0, 0.0
         self.noise = model.noise  # token noise (TokenNoise or None) and its own random stream
         seed = problem.seed if o.generator is None else o.generator.initial_seed()
         self.token_gen = self.noise.generator(seed, x.device) if self.noise is not None else None
+        self._start()  # complete when built: resumed, or evaluated and recorded at t0
 
     def state(self) -> dict:
         """The solver state for a checkpoint, in the caller's batch convention (the file format of old)."""
@@ -204,35 +217,29 @@ class FixedStepRun:
                                        self.scale["start_max"], self.scale.get("given", False))
         return G, D
 
-    def start(self):
+    def _start(self):
         """Resume from the checkpoint or start at t0: first evaluation, common scale, first record."""
-        ck = self.ckpt.load(self.x.device)
+        ck = self.parts.resume
         if ck is not None:
             u = self.axis.unview
             self.k, self.x, self.nfe, self.max_sphere = ck["k"], u(ck["x"]), ck["nfe"], ck["max_sphere"]
             self.drv.load_state(ck["driver"])
-            self.rec.records, self.ledger.acc = _tree(ck["records"], u), _tree(ck["acc"], u)
-            self.scale.update(ck.get("scale", {"c": 0.0, "start_max": float("nan")}))
             if self.r is not None:
                 self.r, self.radii = u(ck["r"]), _tree(ck["radii"], u)
             if self.token_gen is not None:
                 self.token_gen.set_state(ck["token_noise"])
             if self.kinetic and "kinetic" not in ck:
-                raise ValueError(f"the checkpoint {self.ckpt.path} was written by a run without the kinetic term "
-                                 f"(LedgerOptions.kinetic=False): it holds no ∫𝒢² dt of the steps before step "
+                raise ValueError(f"the checkpoint {self.checkpointer.path} was written by a run without the kinetic "
+                                 f"term (LedgerOptions.kinetic=False): it holds no ∫𝒢² dt of the steps before step "
                                  f"{ck['k']}. Resume it without kinetic=True, or delete it to start again")
             if self.kinetic:
                 self.kin, self.kin_rec = u(ck["kinetic"]["acc"]), _tree(ck["kinetic"]["records"], u)
             if self.diagnostics and "heads" in ck:
-                raise ValueError(f"the checkpoint {self.ckpt.path} was written by a run without the energy ledger "
-                                 f"(ledger=False): it holds no ledger of the steps before step {ck['k']}. Resume it "
+                raise ValueError(f"the checkpoint {self.checkpointer.path} was written by a run without the energy "
+                                 f"ledger (ledger=False): it holds no ledger of the steps before step {ck['k']}. Resume it "
                                  f"with ledger=False, or delete it to start again with ledger=True")
-            if self.lazy and "heads" in ck:
+            if self.lazy:  # (a checkpoint of an eager run, the default of earlier versions, made the run eager)
                 self.heads_rec = RecordedHeads(ck["heads"])
-            elif self.lazy:  # written by an eager run (the default of earlier versions): continue it eagerly
-                self.lazy, self.heads_rec, self.diagnostics = False, None, True
-                self.ev.ledger = True
-                self.rec.diagnostics, self.rec.ledger_keys = True, self.ledger_keys
         self.cur = self._evaluate(self.x, self.drv.current, self.diagnostics or self.at_records)
         if (self.diagnostics or self.at_records) and ck is None and self.fix_scale(self.cur):
             self.cur = self.ev(self.x, self.drv.current, True)
@@ -245,19 +252,23 @@ class FixedStepRun:
                                      causal=self.ledger.causal)
             self._record()
 
-    def solve(self, show: bool, callback, pool):
-        """Step from the start (or the resumed step) to t1: progress bar, ``callback(k, t, x)``, checkpoints."""
-        with progress_bar(show, self.K, f"simulate ({self.method})", initial=self.k) as bar:
-            while self.k < self.K:
-                self.step()
-                if callback is not None:
-                    callback(self.k, self.drv.t, self.axis.view(self.x))
-                bar.update(1)
-                pool.refresh()
-                self.ckpt.after_step(self.k, self.state)
+    @property
+    def t(self) -> float:
+        """The time of the current step."""
+        return self.drv.t
+
+    def view(self) -> torch.Tensor:
+        """The tokens in the caller's batch convention (the callback's x)."""
+        return self.axis.view(self.x)
+
+    def _stage(self, xs, ci):
+        """The field at the stage tokens xs and Θ at t + ci·dt (a solver's stage; counted)."""
+        self.nfe += 1
+        return self.ev(xs, self.drv.stage(ci), False).velocity
 
     def step(self):
-        """One step t_k → t_{k+1}: Itô terms at the left end, the Runge–Kutta step with retraction, the
+        """One step t_k → t_{k+1}: Itô terms at the left end, the solver's step (``solver.step(state, t,
+        dt)``: for FixedStep the Runge–Kutta step with retraction, or the layer map, then the token noise), the
         ledger's quadrature and jumps, the record."""
         drv, x, heads, cur, c = self.drv, self.x, self.drv.current, self.cur, self.scale["c"]
         noise = drv.prepare() if self.noisy else None
@@ -266,24 +277,22 @@ class FixedStepRun:
             if self.realised:
                 self.ledger.add("partial", realised_qv_term(x, heads, self.w, cur.stats, noise, log_scale=c))
 
-        def stage(xs, ci):
-            self.nfe += 1
-            return self.ev(xs, drv.stage(ci), False).velocity
-
-        if self.stepper.projected:
-            x_new, err = self.stepper.step(x, cur.velocity, self.dt, stage)
-        else:  # a layer map (post-, pre-, peri-LN, nGPT) of the signed, un-projected attention update
-            x_new, self.r, err = self.stepper.layer_step(x, self.r, cur.ambient, self.dt)
-        self.max_sphere = max(self.max_sphere, err)
+        state = ParticleState(x, cur.velocity, self._stage, self.geometry, self.noise, self.token_gen, self.r,
+                              cur.ambient)
+        x_new, info = self.solver.step(state, drv.t, self.dt)
+        self.max_sphere = max(self.max_sphere, info.get("sphere_error", 0.0))
+        if self.r is not None:
+            self.r = info["radius"]
         if not check_finite(x_new):
             raise nonfinite_error("the token positions", drv.t + self.dt, self.k + 1, heads, self.normalization)
-        if self.noise is not None:  # token noise after the deterministic step; Itô terms at the left end
-            xi = self.noise.increment(x_new, self.dt, self.token_gen)
-            if self.diagnostics:
-                self.ledger.add("martingale", noise_martingale(cur.grad_first_variation, self.w, xi))
-                self.ledger.add("partial", self.dt * self.noise.ito_correction(x, heads, self.w, log_scale=c,
-                                                                               stats=cur.stats))
-            x_new = self.noise.apply(x_new, xi)
+        if self.noise is not None and self.diagnostics:  # Itô terms of the token noise at the left end
+            xi = info.get("noise")
+            if not isinstance(xi, torch.Tensor):
+                raise TypeError(f"{type(self.solver).__name__}.step must return info['noise'], the token-noise "
+                                f"increment ξ at the left end (for the ledger's martingale Σ w_i⟨∇δE/δμ(x_i), ξ_i⟩)")
+            self.ledger.add("martingale", noise_martingale(cur.grad_first_variation, self.w, xi))
+            self.ledger.add("partial", self.dt * self.noise.ito_correction(x, heads, self.w, log_scale=c,
+                                                                           stats=cur.stats))
         jumps = drv.jumps()
         drv.advance()
         nxt = self._evaluate(x_new, drv.current, self.diagnostics or (self.at_records and self.rec.keeps(self.k + 1)))
@@ -302,41 +311,102 @@ class FixedStepRun:
         if self.rec.keeps(self.k):
             self._record()
 
+    def finish(self) -> Trajectory:
+        """The Trajectory of the records, without the paths axis when none was asked."""
+        model, o, ev, drv, problem = self.problem.model, self.problem.options, self.ev, self.drv, self.problem
+        times, out_x, series, ledger, observed = self.rec.stacked(o.t0, o.dt)
+        noise, geometry = model.noise, self.geometry
+        stats = {"steps": problem.steps, "field_evaluations": self.nfe, "max_sphere_error": self.max_sphere,
+                 "wall_time": time.perf_counter() - self.parts.start, "order": getattr(problem.solver, "order", None),
+                 "energy_log_scale": ev.scale["c"], "gradient_flow": not model.causal,
+                 "temperature": 0.0 if noise is None else noise.temperature}
+        extras = {}
+        if not geometry.projected:
+            stats["layer_norm"] = geometry.name
+            if geometry.radius:
+                extras["radius"] = torch.stack(self.radii)
+        if self.kinetic:  # the running ∫𝒢² dt at the records, at the run's common scale
+            extras["kinetic"] = torch.stack(self.kin_rec)
+        if self.at_records:  # E, 𝒢², 𝒟 recorded by the steps themselves; no ledger
+            ledger = None
+        if self.lazy:  # E, 𝒢², 𝒟 from the records, on first read; no ledger (at the kinetic term's scale, if any)
+            c = ev.scale["c"] if self.kinetic else o.ledger.energy_log_scale
+            src = RecordedDiagnostics(model, out_x, self.heads_rec, log_scale=c,
+                                      radius=extras.get("radius"), times=times, steps=self.rec.steps,
+                                      chunk_elements=o.limits.chunk_elements)
+            stats["energy_log_scale"] = src.log_scale
+            series, ledger = dict(zip(("energy", "slope", "dissipation"), lazy_series(src))), None
+        traj = Trajectory(times, out_x, series["energy"], series["slope"], series["dissipation"], ledger, stats,
+                          problem.solver.method, model.normalization.name, model.direction, model.weights,
+                          drv.path() if o.saveat.path else None, observables=observed, extras=extras)
+        return self.axis.finish(traj)
 
 
-def solve_fixed_step(x, problem, parts, show: bool) -> Trajectory:
-    """One fixed-step solve of a checked problem (a :class:`~transformer_pde.solvers.particle.ParticleProblem`:
-    model, FixedStep solver, options, steps, record stride, quadrature, observables) from the state x
-    (with the paths axis) and the prepared ``parts`` (:class:`~transformer_pde.solvers.evaluator.RunParts`);
-    ``show``: the progress bar.  The Trajectory still carries the paths axis (the caller drops it:
-    ``parts.axis.finish``)."""
-    model, o, ev, drv = problem.model, problem.options, parts.evaluator, parts.driver
-    run = FixedStepRun(x, problem, parts)
-    run.start()
-    with threads.scope(parts.work) as pool:
-        run.solve(show, o.progress.callback, pool)
-    times, out_x, series, ledger, observed = run.rec.stacked(o.t0, o.dt)
-    noise, geometry = model.noise, run.geometry
-    stats = {"steps": problem.steps, "field_evaluations": run.nfe, "max_sphere_error": run.max_sphere,
-             "wall_time": time.perf_counter() - parts.start, "order": problem.solver.order,
-             "energy_log_scale": ev.scale["c"], "gradient_flow": not model.causal,
-             "temperature": 0.0 if noise is None else noise.temperature}
-    extras = {}
-    if not geometry.projected:
-        stats["layer_norm"] = geometry.name
-        if geometry.radius:
-            extras["radius"] = torch.stack(run.radii)
-    if run.kinetic:  # the running ∫𝒢² dt at the records, at the run's common scale
-        extras["kinetic"] = torch.stack(run.kin_rec)
-    if run.at_records:  # E, 𝒢², 𝒟 recorded by the steps themselves; no ledger
-        ledger = None
-    if run.lazy:  # E, 𝒢², 𝒟 from the records, on first read; no ledger (at the kinetic term's scale, if any)
-        c = ev.scale["c"] if run.kinetic else o.ledger.energy_log_scale
-        src = RecordedDiagnostics(model, out_x, run.heads_rec, log_scale=c,
-                                  radius=extras.get("radius"), times=times, steps=run.rec.steps,
-                                  chunk_elements=o.limits.chunk_elements)
-        stats["energy_log_scale"] = src.log_scale
-        series, ledger = dict(zip(("energy", "slope", "dissipation"), lazy_series(src))), None
-    return Trajectory(times, out_x, series["energy"], series["slope"], series["dissipation"], ledger, stats,
-                      problem.solver.method, model.normalization.name, model.direction, model.weights,
-                      drv.path() if o.saveat.path else None, observables=observed, extras=extras)
+# ---------------------------------------------------------------------------- the parts of a particle run
+def prepare_parts(problem, integrate=None, *, eager: bool = True, lazy: bool = False,
+             checkpointer=None, resume=None):
+    """The state (with its paths axis, expanded over the heads' batch axes) and the parts of a
+    particle solve: the weight driver, the evaluator (with the fused layer-map pass where it applies);
+    ``eager``/``lazy``: how the diagnostics are booked, ``checkpointer`` and ``resume`` (the checkpoint read
+    before, or None) for a fixed-step run.  Every part is complete when built."""
+    model, o, x0, process = problem.model, problem.options, problem.x0, problem.process
+    chunk, c, weights = o.limits.chunk_elements, o.ledger.energy_log_scale, model.weights
+    start = time.perf_counter()
+    axis = PathsAxis(o.paths)  # the state always has the paths axis (P = 1 without paths=)
+    x = axis.lift(x0)
+    drv = WeightDriver(process, paths=o.paths, generator=o.generator, seed=problem.seed, t0=o.t0, dt=o.dt,
+                       store=o.saveat.path, batch_rank=x0.dim() - 2)
+    # tokens carry every batch axis of the heads (paths, replayed paths) from the start
+    x = x.expand(*broadcast_shapes(x.shape[:-2], drv.current.batch_shape), *x.shape[-2:])
+    fused = None  # the layer maps without diagnostics: one fused pass per step
+    if not model.layer_norm.projected and model.normalization.plain_softmax and not model.causal and chunk is None:
+        fused = FusedUpdate(weights, problem.sign)
+    realised = o.ledger.quadratic_variation == "realised"
+    # ∂_tE is paired with the statistics unless Θ is piecewise constant and carries no Itô term
+    pairing = integrate is not None or not (drv.rate_is_zero and not (drv.noisy and not realised))
+    scale = None if resume is None else resume.get("scale")  # (checkpoints of old: none, the defaults)
+    # the second moment for the Itô terms of noisy weights and of noisy tokens (the Laplacian of E), with the ledger
+    ev = Evaluator(weights, normalization=model.normalization, sign=problem.sign,
+                   noisy=process.noisy or model.noise is not None, causal=model.causal, chunk_elements=chunk,
+                   energy_log_scale=c, fused=fused, ledger=eager or integrate is not None, pairing=pairing,
+                   scale=scale)
+    if c is not None and o.ledger.diagnostics:  # the values at t0 must not underflow at the given scale
+        with torch.no_grad():
+            lp0 = softmax_statistics(x, drv.current, weights, chunk_elements=chunk).log_partition
+        check_scale_fits(lp0, c)
+    work = float(math.prod(x.shape[:-2])) * process.heads0.num_heads * x.shape[-2] ** 2
+    return x, RunParts(drv, ev, axis, start, work, checkpointer=checkpointer, integrate=integrate, resume=resume,
+                       eager=eager, lazy=lazy)
+
+
+def _label(obj, known) -> str:
+    """A fingerprint's label of a tableau or a normalisation: its name when it is the built-in one of
+    that name, else its class and value (a user's object never passes for a built-in one)."""
+    return obj.name if known.get(obj.name) == obj else f"{type(obj).__module__}.{type(obj).__qualname__}:{obj!r}"
+
+
+def fingerprint_parts(problem, extra) -> list:
+    """The checkpoint fingerprint's (label, values) pairs: the values in the order of the fingerprints of
+    earlier versions (so ordinary checkpoints written before the labels still resume), then the inputs
+    covered since: the device (when not the CPU), the generator's state, the observables' callables."""
+    m, o, x0 = problem.model, problem.options, problem.x0
+    norms = {name: as_normalization(name) for name in NORMALIZATIONS}
+    parts = [("x0 (values, shape, dtype)", [x0]), *process_parts(problem.process)]
+    solver = problem.solver
+    method = _label(solver.tableau, TABLEAUX) if isinstance(getattr(solver, "tableau", None), ButcherTableau) else \
+        f"{type(solver).__module__}.{type(solver).__qualname__}:{solver!r}"
+    for label, v in (("t0", o.t0), ("t1", o.t1), ("dt", o.dt), ("method", method),
+                     ("normalization", _label(m.normalization, norms)), ("direction", m.direction),
+                     ("paths", o.paths), ("seed", problem.seed), ("record_every", problem.record_every),
+                     ("quadrature", problem.quadrature), ("diagnostics", o.ledger.diagnostics)):
+        parts.append((label, [v]))
+    parts.append(("weights", [m.weights]))
+    for key, v in extra:
+        parts.append((key, [(key, v)]))
+    if x0.device.type != "cpu":
+        parts.append(("device", [str(x0.device)]))
+    if o.generator is not None:
+        parts.append(("generator (its state at the start)", [o.generator.get_state()]))
+    for name, fn in problem.observables.items():
+        parts.append((f"observables[{name!r}]", callable_signature(fn, f"observables[{name!r}]")))
+    return parts

@@ -36,7 +36,7 @@ ledger, records) in :mod:`~transformer_pde.solvers.jko_run`.  The steps live in
 :mod:`~transformer_pde.solvers.jko_eulerian` (weights on a fixed grid move; :func:`to_grid`,
 :func:`self_potential`); the inner optimiser of the Lagrangian step is the Riemannian L-BFGS of
 :mod:`~transformer_pde.solvers.lbfgs`, whose retraction is the model's geometry seam
-(``model.geometry.retract``, x ↦ x/|x| for the projected flow).
+(``model.layer_norm.retract``, x ↦ x/|x| for the projected flow).
 
 Each Lagrangian step records the first-order optimality residual (the velocity error in L²(μ) of
 :mod:`~transformer_pde.solvers.jko_lagrangian`) and its inner iteration count; a step stops when

@@ -56,7 +56,7 @@ class LagrangianStep:
     tau : the step τ;  sgn : s' = +1 (descent) or −1 (ascent);  transport : "emd", "sinkhorn" or "identity";
     symmetric : the cost ½(b_k(x) + b_k(y))|x − y|² (else b_k(x)|x − y|²);  unit : b ≡ 1;  eps, scaling : the
     blur and ε-scaling ratio of "sinkhorn";  tol, max_iter : the inner solve's;  max_plan_updates : the emd plan
-    recomputations per step;  retract : the model's retraction (``model.geometry.retract``)."""
+    recomputations per step;  retract : the model's retraction (``model.layer_norm.retract``)."""
 
     tau: float
     sgn: float

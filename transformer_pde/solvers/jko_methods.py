@@ -2,7 +2,8 @@
 :class:`EulerianJKO` (weights on a fixed grid move), each with its settings and its ``run``.
 
 ``run(model, x0, options)`` checks the problem (:func:`~transformer_pde.solvers.jko_problem.check_problem`, before
-any work) and solves it (:func:`~transformer_pde.solvers.jko_run.run_jko`); the maths is in
+any work) and starts the run (:class:`~transformer_pde.solvers.jko_run.JKORun`), which the loop of
+:mod:`~transformer_pde.solvers.loop` steps (``step``: the proximal step); the maths is in
 :mod:`transformer_pde.solvers.jko` and docs/model.md#jko.  The transport terms (``EMD``, ``Sinkhorn``,
 ``Identity``) and the inner optimiser (``RiemannianLBFGS``) are settings objects of
 :mod:`transformer_pde.solvers.methods`.
@@ -17,11 +18,10 @@ import torch
 
 from ..utils.validation import check_bool, check_int, check_positive
 from .jko_problem import check_problem
-from .jko_run import run_jko
+from .jko_run import JKORun
 from .methods import EMD, RiemannianLBFGS, Solver, TransportTerm
 from .model import Model
 from .options import SolveOptions
-from .trajectory import Trajectory
 
 __all__ = ["LagrangianJKO", "EulerianJKO"]
 
@@ -61,8 +61,9 @@ class LagrangianJKO(Solver):
             object.__setattr__(self, "path_dt", check_positive(self.path_dt, "LagrangianJKO.path_dt"))
         check_bool(self.strict, "LagrangianJKO.strict")
 
-    def run(self, model: Model, x0: Optional[torch.Tensor], options: SolveOptions) -> Trajectory:
-        """The Lagrangian JKO solve of ``model`` from the tokens ``x0`` (:func:`transformer_pde.jko`'s docstring).
+    def init(self, model: Model, x0: Optional[torch.Tensor], options: SolveOptions) -> JKORun:
+        """The Lagrangian JKO solve of ``model`` from the tokens ``x0`` at t0 (:func:`transformer_pde.jko`'s docstring);
+        ``run`` (the loop) steps it.
 
         Parameters
         ----------
@@ -77,10 +78,29 @@ class LagrangianJKO(Solver):
 
         Returns
         -------
-        Trajectory
-            as :func:`transformer_pde.jko` returns it.
+        JKORun
+            the run at t0; ``run`` returns the Trajectory :func:`transformer_pde.jko` returns.
         """
-        return run_jko(check_problem(model, x0, self, options))
+        return JKORun(check_problem(model, x0, self, options), self)
+
+    def step(self, state: JKORun, t: float, dt: float):
+        """The proximal step from t to t + dt (τ) of the run ``state`` (:meth:`JKORun.proximal`).
+
+        Parameters
+        ----------
+        state : JKORun
+            the run at t.
+        t : float
+            the left end.
+        dt : float
+            τ.
+
+        Returns
+        -------
+        tuple
+            (the minimiser, the inner solve's info: residual, iterations, converged, prox, plan_updates).
+        """
+        return state.proximal(t + dt)
 
 
 @dataclass(frozen=True)
@@ -118,8 +138,9 @@ class EulerianJKO(Solver):
             raise TypeError(f"EulerianJKO.grid must be a tensor (m, d) on the sphere or a number of points, got "
                             f"{type(self.grid).__name__}")
 
-    def run(self, model: Model, x0: Optional[torch.Tensor], options: SolveOptions) -> Trajectory:
-        """The Eulerian JKO solve of ``model`` on the grid (:func:`transformer_pde.jko`'s docstring).
+    def init(self, model: Model, x0: Optional[torch.Tensor], options: SolveOptions) -> JKORun:
+        """The Eulerian JKO solve of ``model`` on the grid at t0 (:func:`transformer_pde.jko`'s docstring); ``run``
+        (the loop) steps it.
 
         Parameters
         ----------
@@ -133,7 +154,27 @@ class EulerianJKO(Solver):
 
         Returns
         -------
-        Trajectory
-            as :func:`transformer_pde.jko` returns it: the grid in ``x``, its weights in ``weights``.
+        JKORun
+            the run at t0; ``run`` returns the Trajectory :func:`transformer_pde.jko` returns: the grid in ``x``,
+            its weights in ``weights``.
         """
-        return run_jko(check_problem(model, x0, self, options))
+        return JKORun(check_problem(model, x0, self, options), self)
+
+    def step(self, state: JKORun, t: float, dt: float):
+        """The proximal step from t to t + dt (τ) of the run ``state`` (:meth:`JKORun.proximal`).
+
+        Parameters
+        ----------
+        state : JKORun
+            the run at t.
+        t : float
+            the left end.
+        dt : float
+            τ.
+
+        Returns
+        -------
+        tuple
+            (the minimiser, the inner solve's info: residual, iterations, converged, prox, plan_updates).
+        """
+        return state.proximal(t + dt)

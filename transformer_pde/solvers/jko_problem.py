@@ -138,7 +138,7 @@ def _check_model(model: Model, solver, options: SolveOptions) -> None:
     if saveat.observables is not None or saveat.path:
         raise TypeError(f"{name} records no observables and always returns a sampled noisy path: use "
                         f"SaveAt(record_every=...) or SaveAt(ends=True)")
-    if not model.geometry.projected or model.causal:
+    if not model.layer_norm.projected or model.causal:
         raise ValueError(f"{name} solves the projected, non-causal model only")
     if options.limits.chunk_elements is not None:
         raise TypeError(f"{name} has no chunked kernel: drop Limits(chunk_elements=)")
@@ -225,7 +225,7 @@ def _step_settings(model: Model, solver, initial: torch.Tensor, sgn: float, tau:
     cost = "symmetric" if sinkhorn else tr.cost
     step = LagrangianStep(tau, sgn, tr.name, cost == "symmetric", unit, tr.eps if sinkhorn else 1e-3,
                           tr.scaling if sinkhorn else 0.95, tol, inner.max_iter, inner.max_plan_updates,
-                          model.geometry.retract)
+                          model.layer_norm.retract)
     return tr.name, cost, step
 
 

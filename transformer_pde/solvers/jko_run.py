@@ -21,7 +21,6 @@ import warnings
 
 import torch
 
-from ..utils import threads
 from ..model.softmax import softmax_statistics
 from ..model.energy import choose_log_scale
 from ..model.field import FieldEval, evaluate, log_inverse_mobility, token_mean
@@ -30,7 +29,8 @@ from .jko_eulerian import entropy, eulerian_step
 from .jko_lagrangian import lagrangian_step, scaled_energy
 from .jko_problem import JKOProblem
 from .jko_theta import ThetaSource, flatten_heads
-from .parts import LEDGER_KEYS as STEP_LEDGER_KEYS, Ledger, Recorder, progress_bar
+from .loop import Run, drive
+from .parts import LEDGER_KEYS as STEP_LEDGER_KEYS, Ledger, Recorder
 from .trajectory import NonFiniteError, Trajectory, nonfinite_error
 
 __all__ = ["JKOConvergenceError"]
@@ -44,41 +44,33 @@ class JKOConvergenceError(RuntimeError):
     """An inner JKO solve did not reach its tolerance (raised with ``strict=True``)."""
 
 
-def run_jko(problem: JKOProblem) -> Trajectory:
-    """Solve a checked JKO problem: the steps under a progress bar (``options.progress``), the callback after every
-    step, one warning for the steps that did not converge; the :class:`~transformer_pde.Trajectory`."""
-    progress = problem.options.progress
-    start = time.perf_counter()
-    run = JKORun(problem)
-    with progress_bar(progress.show, problem.steps, f"jko ({problem.variant}, {problem.transport})") as bar, \
-            threads.scope(run.work) as pool:
-        for k in range(problem.steps):
-            t_new, new_state = run.step(k)
-            if progress.callback is not None:
-                progress.callback(k + 1, t_new, new_state)
-            bar.update(1)
-            pool.refresh()
-    run.warn_nonconverged()
-    return run.trajectory(start)
+def run_jko(problem: JKOProblem, solver) -> Trajectory:
+    """Solve a checked JKO problem with the loop of :mod:`~transformer_pde.solvers.loop`: the steps under a
+    progress bar (``options.progress``), the callback after every step, one warning for the steps that did not
+    converge; the :class:`~transformer_pde.Trajectory`."""
+    return drive(JKORun(problem, solver), problem.options.progress.callback)
 
 
-class JKORun:
-    """One JKO solve: the batch layout (flattened to B), the proximal steps (Lagrangian or Eulerian),
-    the diagnostics in the scheme's metric, the ledger (:class:`~.parts.Ledger` with the extra
-    ``jko_defect`` term) and the recorder.
+class JKORun(Run):
+    """One JKO solve: the batch layout (flattened to B), the proximal steps (the solver's
+    ``step(run, t, dt)``, which calls :meth:`proximal`: Lagrangian or Eulerian), the diagnostics in the scheme's
+    metric, the ledger (:class:`~.parts.Ledger` with the extra ``jko_defect`` term) and the recorder; stepped
+    by :func:`~transformer_pde.solvers.loop.drive` (the callback sees ``(k, t_k, the flat state)``).
 
     The state is the tokens (B, n, d) (Lagrangian) or the grid weights (B, m) (Eulerian); :meth:`measure`
     gives the points and weights of the measure it stands for.  Energies, 𝒢², 𝒟 and the ledger are
     reported times e^{−c}, c = ``self.c`` the common scale chosen at t0."""
 
-    def __init__(self, problem: JKOProblem):
+    def __init__(self, problem: JKOProblem, solver):
         p = problem
-        self.p, self.lagrangian, self.c = p, p.lagrangian, 0.0
+        self.p, self.lagrangian, self.c, self.solver = p, p.lagrangian, 0.0, solver
+        self.start, self.steps, self.k, self.show = time.perf_counter(), p.steps, 0, p.options.progress.show
+        self.desc = f"jko ({p.variant}, {p.transport})"
         self.norm = p.metric
         self.theta = ThetaSource(p.model.theta, t0=p.t0, tau=p.tau, paths=p.paths, seed=p.seed,
                                  generator=p.options.generator, path_dt=p.path_dt, batch_rank=len(p.batch))
-        self.rec = Recorder(p.steps, p.record_every, diagnostics=True, ledger_keys=LEDGER_KEYS)
-        self.rec.records.update({"w": [], "ledger.jko_defect": []})
+        self.rec = Recorder(p.steps, p.record_every, diagnostics=True, ledger_keys=LEDGER_KEYS,
+                            extra=("w", "ledger.jko_defect"))
         self.S = {k: [] for k in ("residual", "iterations", "converged", "defect", "prox", "plan_updates")}
         self.bad_steps, self.bad_residuals = [], []
         self._layout()
@@ -157,8 +149,7 @@ class JKORun:
         self.check(ev, t0, 0, self.heads_cur)
         self.log_c = torch.full((self.B,), self.c, **self.f)
         self.work = float(self.B) * self.heads_cur.num_heads * self.n * self.n
-        self.ledger = Ledger(ev.energy, sign=self.p.sign)
-        self.ledger.acc["jko_defect"] = self.ledger.acc["partial"]
+        self.ledger = Ledger(ev.energy, sign=self.p.sign, extra=("jko_defect",))
         self._accept(self.state, ev, record=True)
 
     def _accept(self, state, ev, record: bool):
@@ -192,17 +183,30 @@ class JKORun:
                                   t_new, k + 1, heads_new)
         return new, info
 
-    def step(self, k):
-        """JKO step k → k + 1 with its ledger terms; returns (t_{k+1}, the new state)."""
-        p, tau = self.p, self.p.tau
+    @property
+    def t(self) -> float:
+        """The time of the current step."""
+        return self.p.t0 + self.k * self.p.tau
+
+    def view(self) -> torch.Tensor:
+        """The flat state (B, n, d) or (B, m) (the callback's x)."""
+        return self.state
+
+    def proximal(self, t_new: float):
+        """The proximal step to ``t_new`` from the current state: (the minimiser, the inner solve's info)."""
+        return self._proximal(self.heads_new, t_new, self.k)
+
+    def step(self):
+        """JKO step k → k + 1 with its ledger terms (the minimiser: ``solver.step(self, t_k, τ)``)."""
+        p, tau, k = self.p, self.p.tau, self.k
         t_new = p.t0 + (k + 1) * tau
-        heads_new = self.flat(k + 1)
+        self.heads_new = heads_new = self.flat(k + 1)
         pts, w = self.measure(self.state)
         with torch.no_grad():
             E_cross = scaled_energy(pts, heads_new, w, self.log_c) + (0.0 if self.lagrangian else self.entropy_term(w))
         if not bool(torch.isfinite(E_cross).all()):
             raise nonfinite_error("the energy", t_new, k + 1, heads_new)
-        new_state, info = self._proximal(heads_new, t_new, k)
+        new_state, info = self.solver.step(self, t_new - tau, tau)
         new_pts, new_w = self.measure(new_state)
         with torch.no_grad():
             self.heads_cur = heads_new
@@ -227,7 +231,7 @@ class JKORun:
         if not bool(info["converged"].all()):
             self._not_converged(k, t_new, info)
         self._accept(new_state, ev, record=self.rec.keeps(k + 1))
-        return t_new, new_state
+        self.k = k + 1
 
     def _not_converged(self, k, t_new, info):
         """Note a step whose inner solve missed its tolerance (warned at the end); JKOConvergenceError if strict."""
@@ -250,11 +254,13 @@ class JKORun:
             warnings.warn(f"{len(b)} of {self.p.steps} JKO steps did not reach the inner tolerance (first: step "
                           f"{b[0]}, t = {self.p.t0 + b[0] * self.p.tau:.6g}, residual {r[0]:.3e}; largest "
                           f"residual {max(r):.3e}); see traj.stats['residual'] — raise max_iter, loosen tol, "
-                          f"or reduce tau (strict=True raises instead)", RuntimeWarning, stacklevel=5)
+                          f"or reduce tau (strict=True raises instead)", RuntimeWarning, stacklevel=6)
 
-    def trajectory(self, start: float) -> Trajectory:
-        """The records and per-step statistics, from the flat batch axis to the batch shape."""
-        p, batch, T = self.p, self.out_batch, len(self.rec.steps)
+    def finish(self) -> Trajectory:
+        """One warning for the steps that did not converge; the records and per-step statistics, from the flat
+        batch axis to the batch shape."""
+        self.warn_nonconverged()
+        start, p, batch, T = self.start, self.p, self.out_batch, len(self.rec.steps)
         times, xs, series, ledger, _ = self.rec.stacked(p.t0, p.tau)
         xs = xs.reshape(T, *batch, *xs.shape[2:])
         ledger = {key: v.reshape(T, *batch) for key, v in ledger.items()}

@@ -13,7 +13,7 @@ callable ``objective(y)`` (B, n, d) -> (B,) that autograd can differentiate.  Th
   Hessian of its proximal term as τ → 0);
 * a trust region: no token moves by more than ρ = ``trust_radius`` (chordal) in one iteration;
 * Armijo backtracking along y ↦ R(y + a d), a = 1, ½, ..., with the retraction R = ``retract``
-  (the geometry seam: x ↦ x/|x| for the projected flow, ``model.geometry.retract``);
+  (the geometry seam: x ↦ x/|x| for the projected flow, ``model.layer_norm.retract``);
 * a non-descent direction or a failed line search falls back to the preconditioned gradient
   −pre·rg and clears the memory.
 
@@ -247,7 +247,7 @@ def minimize(objective: Callable, y0: torch.Tensor, *, preconditioner: Optional[
         number of (s, z) pairs of the two-loop recursion (≥ 1).
     retract : Callable
         the retraction R(y) of the line search, (B, n, d) -> (B, n, d); default x ↦ x/|x| (the projected
-        flow's; ``model.geometry.retract``).
+        flow's; ``model.layer_norm.retract``).
     trust_radius : float
         ρ > 0, the largest move of one token in one iteration.
 

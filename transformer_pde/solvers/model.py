@@ -85,11 +85,6 @@ class Model:
         return self.theta
 
     @property
-    def geometry(self) -> LayerNormScheme:
-        """The resolved ``layer_norm`` object (what the solvers step and retract with)."""
-        return self.layer_norm
-
-    @property
     def sign(self) -> float:
         """The direction's sign s: −1 for "descent" (x ← x − Δt·f, the reference code), +1 for "ascent"."""
         return direction_sign(self.direction)

@@ -18,8 +18,8 @@ solver keeps the energy–dissipation ledger of docs/model.md#ledger (see :class
 
 from __future__ import annotations
 
+import functools
 import math
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, ClassVar, Dict, FrozenSet, Mapping, Optional, Tuple, Union
@@ -33,19 +33,16 @@ from ..utils.validation import (
     check_same,
     check_tied_all, check_token_weights, check_tokens,
 )
-from ..model.normalization import NORMALIZATIONS, normalization as as_normalization
+from ..model.normalization import normalization as as_normalization
 from ..model.backends import DEFAULT_CHUNK_ELEMENTS
-from ..model.softmax import softmax_statistics
-from ..model.energy import check_scale_fits
 from ..model.field import check_causal_mode, evaluate  # noqa: F401  (evaluate: the name tests patch to see no work ran)
 from ..model.heads import Heads, broadcast_shapes
-from ..processes.driver import WeightDriver, grid_steps, path_bytes
+from ..processes.driver import grid_steps, path_bytes
 from ..processes.paths import WeightPath
 from ..processes.weights import Constant, Process
 from .adaptive import dopri5, solve_adaptive
-from .evaluator import Evaluator, RunParts
-from .fixed_step import solve_fixed_step
-from .layernorm import FusedUpdate, LayerNormScheme, as_geometry, check_layer_norm_method
+from .fixed_step import FixedStepRun, fingerprint_parts, prepare_parts
+from .layernorm import LayerNormScheme, as_geometry, check_layer_norm_method
 from .methods import Solver
 from .model import Model
 from .noise import TokenNoise, token_noise
@@ -53,14 +50,14 @@ from .options import (
     Checkpointing, LedgerOptions, Limits, Progress, SaveAt, SolveOptions,
     check_ledger_choices, check_observables_mapping,
 )
-from .parts import Checkpointer, callable_signature, check_observables, process_parts
+from .parts import Checkpointer, Stepper, check_observables
 from .solve import solve
 from .tableaux import ADAPTIVE_ATOL, ADAPTIVE_RTOL, METHODS, TABLEAUX, ButcherTableau
 from .trajectory import (
-    NonFiniteError, PathsAxis, Trajectory, nonfinite_error,
+    Trajectory,
 )
 
-__all__ = ["FixedStep", "Euler", "Heun", "RK4", "Dopri5", "simulate", "PROGRESS_MIN_WORK"]
+__all__ = ["ParticleSolver", "FixedStep", "Euler", "Heun", "RK4", "Dopri5", "simulate", "PROGRESS_MIN_WORK"]
 
 #: ``progress=None`` shows a bar (on a terminal only) when steps · stages · paths · H · n² reaches this
 #: many kernel terms (a solve of several seconds on one core)
@@ -72,8 +69,52 @@ __internal__ = ["ParticleProblem", "check_adaptive_tolerance"]
 _dopri5 = dopri5  # the dopri5 driver the adaptive solve calls (read here at every call, so it can be patched)
 
 # ---------------------------------------------------------------------------- the solver objects
+class ParticleSolver(Solver):
+    """Base class of the particle solvers: define ``step(state, t, dt) -> (x_new, info)`` and get the rest.
+
+    :meth:`init` checks the problem (:class:`ParticleProblem`, before any work), reads the checkpoint it
+    resumes, prepares the weight driver and the evaluator and starts the particle run
+    (:class:`~transformer_pde.solvers.fixed_step.FixedStepRun`: the first evaluation, the common scale, the
+    first record); ``run`` (the base class's) steps it with the loop of :mod:`~transformer_pde.solvers.loop`:
+    progress, callbacks, checkpoints and resume, records, observables, the lazy diagnostics and the energy
+    ledger come from there.  ``step`` reads a :class:`~transformer_pde.solvers.loop.ParticleState` (the tokens,
+    the field at the left end and ``state.field(x, c)`` at the stages, the geometry, the token noise and its
+    generator) and returns the new tokens and a dict: ``"noise"`` the token-noise increment ξ at the left end
+    when the model has token noise (the ledger's martingale), optionally ``"sphere_error"``.
+
+    ``method`` (``Trajectory.method``; default the class name in lower case), ``order`` (``stats["order"]``)
+    and ``stages`` (field evaluations per step, for the memory estimate and the progress rule) describe it."""
+
+    order: ClassVar[Optional[int]] = None
+    stages: ClassVar[int] = 1
+
+    @property
+    def method(self) -> str:
+        """``Trajectory.method``: the class name in lower case unless a subclass says otherwise."""
+        return type(self).__name__.lower()
+
+    def init(self, model: Model, x0: torch.Tensor, options: SolveOptions):
+        """The checked problem's run at t0, or at the step of the checkpoint it resumes.
+
+        Parameters
+        ----------
+        model : Model
+            the dynamics.
+        x0 : torch.Tensor
+            the initial tokens (..., n, d).
+        options : SolveOptions
+            the grid, the random stream and the options objects.
+
+        Returns
+        -------
+        FixedStepRun
+            the started run.
+        """
+        return _start_particle(ParticleProblem.check(model, x0, self, options))
+
+
 @dataclass(frozen=True, eq=False)
-class FixedStep(Solver):
+class FixedStep(ParticleSolver):
     """An explicit Runge–Kutta method of fixed step ``dt`` (given to :func:`~transformer_pde.solve`):
     the stages of ``tableau`` (a :class:`~transformer_pde.ButcherTableau`, or a name of ``TABLEAUX``),
     each retracted to the sphere by the model's geometry (or, Euler only, the geometry's layer map).
@@ -114,24 +155,51 @@ class FixedStep(Solver):
         t = self.tableau
         return f"FixedStep({t.name!r})" if TABLEAUX.get(t.name) == t else f"FixedStep({t!r})"
 
-    def run(self, model: Model, x0: torch.Tensor, options: SolveOptions) -> Trajectory:
-        """The fixed-step solve (:meth:`transformer_pde.solvers.methods.Solver.run`).
+    @property
+    def stages(self) -> int:
+        """The tableau's stages (field evaluations per step)."""
+        return self.tableau.stages
+
+    def step(self, state, t: float, dt: float):
+        """The tableau's Runge–Kutta step with the geometry's retraction (or its layer map), then the token noise.
 
         Parameters
         ----------
-        model : Model
-            the dynamics.
-        x0 : torch.Tensor
-            the initial tokens (..., n, d).
-        options : SolveOptions
-            the grid, the random stream and the options objects.
+        state : ParticleState
+            the tokens and the field at t, the stage field, the geometry, the token noise.
+        t : float
+            the left end.
+        dt : float
+            the step.
 
         Returns
         -------
-        Trajectory
-            the solution.
+        tuple
+            (the new tokens, {"sphere_error", "radius", and "noise": the token-noise increment when there is one}).
         """
-        return _solve_fixed(ParticleProblem.check(model, x0, self, options))
+        g, radius = state.geometry, state.radius
+        if g.projected:
+            x_new, err = _stepper(self.tableau, g).step(state.x, state.velocity, dt, state.field)
+        else:  # a layer map (post-, pre-, peri-LN, nGPT) of the signed, un-projected attention update
+            x_new, radius, err = g.step(state.x, radius, state.ambient, dt)
+        info = {"sphere_error": err, "radius": radius}
+        if state.noise is not None:  # projected Euler–Maruyama after the deterministic step (weak order 1)
+            info["noise"] = xi = state.noise.increment(x_new, dt, state.generator)
+            x_new = state.noise.apply(x_new, xi)
+        return x_new, info
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_stepper(tableau: ButcherTableau, geometry) -> Stepper:
+    return Stepper(tableau, retract=True, geometry=geometry)
+
+
+def _stepper(tableau: ButcherTableau, geometry) -> Stepper:
+    """The Runge–Kutta step of ``tableau`` with the retraction of ``geometry`` (built once per hashable pair)."""
+    try:
+        return _cached_stepper(tableau, geometry)
+    except TypeError:  # an unhashable geometry of the user's
+        return Stepper(tableau, retract=True, geometry=geometry)
 
 
 class Euler(FixedStep):
@@ -168,7 +236,13 @@ class RK4(FixedStep):
 class Dopri5(Solver):
     """torchdiffeq's adaptive dopri5 on the projected field; ``dt`` of :func:`~transformer_pde.solve` is
     the grid on which stochastic weights are sampled.  ``adjoint=True`` backpropagates by the
-    adjoint ODE (memory independent of the number of steps).  No checkpoints, no token noise."""
+    adjoint ODE (memory independent of the number of steps).  No checkpoints, no token noise.
+
+    It keeps torchdiffeq's own loop instead of the step protocol of :mod:`~transformer_pde.solvers.loop`:
+    its steps are accepted or rejected inside ``odeint``, its outputs are interpolated onto the record grid,
+    and the adjoint integrates the backward ODE with the same loop; taking its steps one by one through
+    the loop would give up ``odeint_adjoint`` (memory independent of the number of steps) and its dense
+    output.  So it overrides ``run``."""
 
     rtol: float = ADAPTIVE_RTOL
     atol: float = ADAPTIVE_ATOL
@@ -203,7 +277,7 @@ class Dopri5(Solver):
             the solution on the record grid.
         """
         problem = ParticleProblem.check(model, x0, self, options)
-        x, parts = _prepare(problem, integrate=_dopri5)
+        x, parts = prepare_parts(problem, integrate=_dopri5)
         with threads.scope(parts.work):
             traj = solve_adaptive(x, problem, parts)
         return parts.axis.finish(traj)
@@ -237,7 +311,7 @@ class ParticleProblem:
         K, t0, t1, dt = o.steps, o.t0, o.t1, o.dt
         record_every = check_every(o.saveat.stride(K), "SaveAt.record_every", K,
                                    f"t0 = {t0:.6g} to t1 = {t1:.6g} in steps dt = {dt:.6g}")
-        check_layer_norm_method(model.geometry, method)
+        check_layer_norm_method(model.layer_norm, method)
         if adaptive:
             check_adaptive_tolerance(solver.rtol, x0.dtype)
         if adaptive and model.noise is not None:
@@ -272,7 +346,8 @@ class ParticleProblem:
         lim = o.limits
         check_limits(f"simulate from t0 = {t0:.6g} to t1 = {t1:.6g} with dt = {dt:.6g}", steps=K,
                      memory=_estimate_memory(x0, process, K=K, record_every=record_every, paths=o.paths,
-                                             method="adaptive" if adaptive else solver.tableau,
+                                             method="adaptive" if adaptive else getattr(solver, "tableau",
+                                                                                         solver.stages),
                                              diagnostics=(o.ledger.diagnostics, o.ledger.lazy), return_path=o.saveat.path,
                                              chunk_elements=lim.chunk_elements, noisy=process.noisy, obs=obs),
                      max_steps=lim.max_steps, max_memory=lim.max_memory, device=x0.device,
@@ -281,39 +356,11 @@ class ParticleProblem:
                    o.weight_seed)
 
 
-def _prepare(problem: ParticleProblem, integrate=None):
-    """The state (with its paths axis, expanded over the heads' batch axes) and the parts of a
-    particle solve: the weight driver, the evaluator (with the fused layer-map pass where it applies)."""
-    model, o, x0, process = problem.model, problem.options, problem.x0, problem.process
-    chunk, c, weights = o.limits.chunk_elements, o.ledger.energy_log_scale, model.weights
-    start = time.perf_counter()
-    axis = PathsAxis(o.paths)  # the state always has the paths axis (P = 1 without paths=)
-    x = axis.lift(x0)
-    drv = WeightDriver(process, paths=o.paths, generator=o.generator, seed=problem.seed, t0=o.t0, dt=o.dt,
-                       store=o.saveat.path, batch_rank=x0.dim() - 2)
-    # tokens carry every batch axis of the heads (paths, replayed paths) from the start
-    x = x.expand(*broadcast_shapes(x.shape[:-2], drv.current.batch_shape), *x.shape[-2:])
-    # the second moment for the Itô terms of noisy weights and of noisy tokens (the Laplacian of E)
-    ev = Evaluator(weights, normalization=model.normalization, sign=problem.sign,
-                   noisy=process.noisy or model.noise is not None,
-                   causal=model.causal, chunk_elements=chunk, energy_log_scale=c)
-    if c is not None and o.ledger.diagnostics:  # the values at t0 must not underflow at the given scale
-        with torch.no_grad():
-            lp0 = softmax_statistics(x, drv.current, weights, chunk_elements=chunk).log_partition
-        check_scale_fits(lp0, c)
-    if not model.geometry.projected and model.normalization.plain_softmax and not model.causal and chunk is None:
-        ev.fused = FusedUpdate(weights, problem.sign)  # the layer maps without diagnostics: one fused pass per step
-    work = float(math.prod(x.shape[:-2])) * process.heads0.num_heads * x.shape[-2] ** 2
-    return x, RunParts(drv, ev, axis, start, work, integrate=integrate)
-
-
-def _solve_fixed(problem: ParticleProblem) -> Trajectory:
-    """The fixed-step solve of a checked problem: the parts, the progress rule, the checkpointer."""
-    x, parts = _prepare(problem)
+def _start_particle(problem: ParticleProblem):
+    """The started run of a checked problem: the checkpointer and the checkpoint it resumes first (which
+    decide how the diagnostics are booked), then the parts, the progress rule, the first evaluation."""
     model, o, solver = problem.model, problem.options, problem.solver
-    show = o.progress.show if o.progress.show is not None else \
-        problem.steps * solver.tableau.stages * parts.work >= PROGRESS_MIN_WORK
-    noise, geometry, obs, c = model.noise, model.geometry, problem.observables, o.ledger.energy_log_scale
+    noise, geometry, obs, c = model.noise, model.layer_norm, problem.observables, o.ledger.energy_log_scale
     # options added later enter the checkpoint's fingerprint only when not at their default, so that
     # checkpoints of ordinary runs written before them still resume
     realised = o.ledger.quadratic_variation == "realised"
@@ -325,39 +372,17 @@ def _solve_fixed(problem: ParticleProblem) -> Trajectory:
         + ([("temperature", (noise.temperature, noise.seed))] if noise is not None else []) \
         + ([("records", o.ledger.records)] if o.ledger.at_record_steps else [])
     ck = o.checkpoint
-    parts.checkpointer = Checkpointer(None if ck is None else ck.path, 200 if ck is None else ck.every,
-                                      problem.steps, lambda: _fingerprint_parts(problem, extra))
-    return parts.axis.finish(solve_fixed_step(x, problem, parts, show))
-
-
-def _label(obj, known) -> str:
-    """A fingerprint's label of a tableau or a normalisation: its name when it is the built-in one of
-    that name, else its class and value (a user's object never passes for a built-in one)."""
-    return obj.name if known.get(obj.name) == obj else f"{type(obj).__module__}.{type(obj).__qualname__}:{obj!r}"
-
-
-def _fingerprint_parts(problem: ParticleProblem, extra) -> list:
-    """The checkpoint fingerprint's (label, values) pairs: the values in the order of the fingerprints of
-    earlier versions (so ordinary checkpoints written before the labels still resume), then the inputs
-    covered since: the device (when not the CPU), the generator's state, the observables' callables."""
-    m, o, x0 = problem.model, problem.options, problem.x0
-    norms = {name: as_normalization(name) for name in NORMALIZATIONS}
-    parts = [("x0 (values, shape, dtype)", [x0]), *process_parts(problem.process)]
-    for label, v in (("t0", o.t0), ("t1", o.t1), ("dt", o.dt), ("method", _label(problem.solver.tableau, TABLEAUX)),
-                     ("normalization", _label(m.normalization, norms)), ("direction", m.direction),
-                     ("paths", o.paths), ("seed", problem.seed), ("record_every", problem.record_every),
-                     ("quadrature", problem.quadrature), ("diagnostics", o.ledger.diagnostics)):
-        parts.append((label, [v]))
-    parts.append(("weights", [m.weights]))
-    for key, v in extra:
-        parts.append((key, [(key, v)]))
-    if x0.device.type != "cpu":
-        parts.append(("device", [str(x0.device)]))
-    if o.generator is not None:
-        parts.append(("generator (its state at the start)", [o.generator.get_state()]))
-    for name, fn in problem.observables.items():
-        parts.append((f"observables[{name!r}]", callable_signature(fn, f"observables[{name!r}]")))
-    return parts
+    ckpt = Checkpointer(None if ck is None else ck.path, 200 if ck is None else ck.every,
+                        problem.steps, lambda: fingerprint_parts(problem, extra))
+    resume = ckpt.load(problem.x0.device)
+    eager, lazy = o.ledger.diagnostics and o.ledger.ledger, o.ledger.lazy
+    if lazy and resume is not None and "heads" not in resume:
+        # written by an eager run (the default of earlier versions): continue it eagerly
+        eager, lazy = True, False
+    x, parts = prepare_parts(problem, eager=eager, lazy=lazy, checkpointer=ckpt, resume=resume)
+    show = o.progress.show if o.progress.show is not None else \
+        problem.steps * solver.stages * parts.work >= PROGRESS_MIN_WORK
+    return FixedStepRun(x, problem, parts, show)
 
 
 def _estimate_memory(x0, process, *, K, record_every, paths, method, diagnostics, return_path, chunk_elements, noisy,
@@ -387,7 +412,8 @@ def _estimate_memory(x0, process, *, K, record_every, paths, method, diagnostics
     block = B * H * n * n
     cap = chunk_elements if chunk_elements is not None else DEFAULT_CHUNK_ELEMENTS
     out["the kernel blocks"] = min(block, max(cap, B * H * n)) * item * 4
-    stages = 7 if method == "adaptive" else (method if isinstance(method, ButcherTableau) else TABLEAUX[method]).stages
+    stages = 7 if method == "adaptive" else method if isinstance(method, int) else \
+        (method if isinstance(method, ButcherTableau) else TABLEAUX[method]).stages
     out["the field and its stages"] = B * H * n * (d * d if noisy else d) * item * 2 + (stages + 2) * B * n * d * item
     stored = return_path or (method == "adaptive" and not process.closed_form and not isinstance(process, WeightPath))
     if stored or not process.closed_form and not isinstance(process, WeightPath):

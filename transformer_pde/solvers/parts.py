@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 import torch
@@ -116,9 +115,12 @@ class Ledger:
     martingale and the realised quadratic variation are Itô sums (left end), added by the solver
     through :meth:`add`; jumps of piecewise-constant weights through :meth:`add` to "partial"."""
 
-    def __init__(self, E0: torch.Tensor, *, sign: float, quadrature: str = "left", causal: bool = False):
+    def __init__(self, E0: torch.Tensor, *, sign: float, quadrature: str = "left", causal: bool = False,
+                 acc: Optional[Mapping] = None, extra: Sequence[str] = ()):
+        """``acc``: the running sums of a resumed run (its checkpoint's); ``extra``: more running terms (from 0)."""
         zero = torch.zeros_like(E0)
-        self.acc = {"E0": E0, "partial": zero, "dissipation": zero, "slope": zero, "martingale": zero}
+        self.acc = {"E0": E0, "partial": zero, "dissipation": zero, "slope": zero, "martingale": zero,
+                    **{key: zero for key in extra}} if acc is None else dict(acc)
         self.sign, self.quadrature, self.causal = sign, quadrature, causal
 
     def add(self, key: str, value):
@@ -199,7 +201,8 @@ class Recorder:
     ``records`` (name -> list) is plain data, so a checkpoint can store and restore it."""
 
     def __init__(self, K: int, every: int, *, diagnostics: bool, observables: Optional[Mapping] = None,
-                 weights=None, ledger_keys=LEDGER_KEYS):
+                 weights=None, ledger_keys=LEDGER_KEYS, records: Optional[Mapping] = None, extra: Sequence[str] = ()):
+        """``records``: the records of a resumed run (its checkpoint's); ``extra``: more per-record lists."""
         self.steps = sorted(set(range(0, K + 1, every)) | {K})
         self._keep = set(self.steps)
         self.diagnostics, self.weights, self.ledger_keys = diagnostics, weights, ledger_keys
@@ -210,6 +213,10 @@ class Recorder:
                 self.records[key] = []
         for name in self.observables:
             self.records["obs." + name] = []
+        for key in extra:
+            self.records[key] = []
+        if records is not None:
+            self.records = {key: list(v) for key, v in records.items()}
 
     def keeps(self, k: int) -> bool:
         return k in self._keep

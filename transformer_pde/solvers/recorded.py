@@ -38,7 +38,7 @@ Wiring a fixed-step run in a few lines::
     run.heads_rec = RecordedHeads()                   # at each record: run.heads_rec.append(drv.current)
     ...                                               # checkpoint: state["heads"] = run.heads_rec.state()
     src = RecordedDiagnostics(model, out_x, run.heads_rec, log_scale=energy_log_scale,  # the user's c or None
-                              radius=torch.stack(run.radii) if model.geometry.radius else None, times=times,
+                              radius=torch.stack(run.radii) if model.layer_norm.radius else None, times=times,
                               steps=run.rec.steps, chunk_elements=chunk)
     stats["energy_log_scale"] = src.log_scale
     Trajectory(times, out_x, *lazy_series(src), None, stats, ...)   # out_x with the paths axis; axis.finish
@@ -225,7 +225,7 @@ class RecordedDiagnostics:
         if heads.constant is None and len(heads) != T:
             raise ValueError(f"RecordedDiagnostics: {len(heads)} recorded heads for {T} recorded token states; "
                              f"record the heads at every recorded time")
-        geometry = model.geometry
+        geometry = model.layer_norm
         if geometry.radius and (radius is None or tuple(radius.shape) != tuple(x.shape[:-1])):
             raise ValueError(f"RecordedDiagnostics: layer_norm={geometry.name!r} needs the recorded radii of shape "
                              f"{tuple(x.shape[:-1])}, got {None if radius is None else tuple(radius.shape)}")
@@ -293,7 +293,7 @@ class RecordedDiagnostics:
         causal_kw = {"causal": model.causal} if model.causal else {}
         e = evaluate(xs, heads, model.weights, normalization=model.normalization, sign=self.sign, diagnostics=True,
                      log_scale=c, chunk_elements=self.chunk_elements, ledger_moment=False, **causal_kw)
-        geometry = model.geometry
+        geometry = model.layer_norm
         if geometry.projected:
             D, G = e.dissipation, e.slope
         else:  # 𝒟 and 𝒢² along the geometry's velocity λ_i V_i (the eager layer-map solve books these)

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -62,13 +63,18 @@ from ..processes.weights import Process
 from .methods import Solver
 from .model import Model
 from .options import LedgerOptions, Limits, Progress, SaveAt, SolveOptions, check_ledger_choices
-from .parts import Ledger, Recorder, Stepper, partial_density, progress_bar
+from .loop import ParticleState, Run
+from .parts import Checkpointer, Ledger, Recorder, Stepper, partial_density, process_parts
 from .solve import solve
 from .tableaux import TABLEAUX
 from .trajectory import PathsAxis, Trajectory, nonfinite_error
 
 __all__ = ["ShardedEuler", "rank_and_world", "shard_tokens", "gather_tokens", "distributed_evaluate",
            "simulate_sharded"]
+
+#: the projected Euler step with the retraction (the sharded solver's step)
+_EULER = Stepper(TABLEAUX["euler"], retract=True)
+
 
 @dataclass(frozen=True)
 class ShardedEuler(Solver):
@@ -81,18 +87,20 @@ class ShardedEuler(Solver):
     The ledger is the left-point one of ``Euler()``, booked at every step whatever
     ``LedgerOptions.ledger`` (the diagnostics are all-reduced partial sums of every step: computing
     them from the records would need the records of every rank), so ``traj.ledger`` is there with
-    ``diagnostics=True``; no observables, stored paths, checkpoints,
-    callbacks, realised quadratic variation or given energy scale; no layer maps, token noise or
-    causal attention in the model; the weights are drawn from ``seed=`` on every rank (no generator)."""
+    ``diagnostics=True``; no observables, stored paths, realised quadratic variation or given energy scale;
+    no layer maps, token noise or causal attention in the model; the weights are drawn from ``seed=`` on every
+    rank (no generator).  It runs through the loop of :mod:`~transformer_pde.solvers.loop`: the callback
+    (``callback(k, t, x_local)`` on every rank) and checkpoints (one file per rank: ``path`` with one rank,
+    ``<stem>.rank<r><suffix>`` with several; every rank resumes the same step or all refuse)."""
 
     group: Any = None
     backend: str = "auto"
     gather_x: bool = False
-    accepts: ClassVar[FrozenSet[str]] = frozenset({"saveat", "ledger", "progress", "limits"})
+    accepts: ClassVar[FrozenSet[str]] = frozenset({"saveat", "ledger", "checkpoint", "progress", "limits"})
     unsupported: ClassVar[Mapping[str, Tuple[str, ...]]] = {
         "saveat": ("observables", "path"), "ledger": ("quadrature", "quadratic_variation", "energy_log_scale",
                                                     "kinetic", "records"),
-        "progress": ("callback",), "limits": ("max_steps", "max_memory")}
+        "limits": ("max_steps", "max_memory")}
     #: ``Trajectory.method``
     method: ClassVar[str] = "euler"
 
@@ -100,8 +108,8 @@ class ShardedEuler(Solver):
         check_choice(self.backend, BACKENDS, "ShardedEuler.backend")
         check_bool(self.gather_x, "ShardedEuler.gather_x")
 
-    def run(self, model: Model, x0: torch.Tensor, options: SolveOptions) -> Trajectory:
-        """The sharded solve (:meth:`transformer_pde.solvers.methods.Solver.run`).
+    def init(self, model: Model, x0: torch.Tensor, options: SolveOptions):
+        """The started sharded run (:meth:`transformer_pde.solvers.methods.Solver.init`); ``run`` steps it.
 
         Parameters
         ----------
@@ -115,10 +123,31 @@ class ShardedEuler(Solver):
 
         Returns
         -------
-        Trajectory
-            as :func:`simulate_sharded`.
+        Run
+            the run at t0, or at the step every rank's checkpoint holds; ``run`` returns the
+            Trajectory of :func:`simulate_sharded`.
         """
-        return _run(ShardedProblem.check(model, x0, self, options))
+        return _start(ShardedProblem.check(model, x0, self, options))
+
+    def step(self, state, t: float, dt: float):
+        """The projected Euler step of this rank's tokens.
+
+        Parameters
+        ----------
+        state : ParticleState
+            this rank's tokens and the field of the whole measure at them.
+        t : float
+            the left end.
+        dt : float
+            the step.
+
+        Returns
+        -------
+        tuple
+            (the new tokens, {"sphere_error": the largest |‖y‖ − 1| before the retraction}).
+        """
+        x_new, err = _EULER.step(state.x, state.velocity, dt, None)
+        return x_new, {"sphere_error": err}
 
 
 def rank_and_world(group=None):
@@ -306,7 +335,7 @@ class ShardedProblem:
         if o.generator is not None:
             raise TypeError("ShardedEuler samples the weights redundantly on every rank from seed=: give seed=, "
                             "not generator=")
-        for part, bad in (("layer_norm", not model.geometry.projected), ("temperature", model.noise is not None),
+        for part, bad in (("layer_norm", not model.layer_norm.projected), ("temperature", model.noise is not None),
                           ("causal", bool(model.causal))):
             if bad:
                 raise ValueError(f"ShardedEuler implements the projected flow of non-causal attention without "
@@ -408,48 +437,136 @@ def simulate_sharded(
                  limits=Limits(chunk_elements=chunk_elements))
 
 
-def _run(problem: ShardedProblem) -> Trajectory:
-    """The sharded projected Euler solve of a checked problem."""
+def _rank_path(path, group):
+    """The checkpoint file of this rank: ``path`` with one rank, ``<stem>.rank<r><suffix>`` with several."""
+    rank, world = rank_and_world(group)
+    path = Path(path)
+    return path if world == 1 else path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
+
+
+def _load_everywhere(ckpt, device, group):
+    """This rank's checkpoint (or None), once every rank has read its own: a refusal on any rank, or ranks at
+    different steps, raise on every rank (so that none waits in a collective)."""
+    err, ck = None, None
+    try:
+        ck = ckpt.load(device)
+    except ValueError as e:
+        err = e
+    k = -1 if ck is None else int(ck["k"])
+    if _active(group):
+        v = torch.tensor([1.0 if err is not None else 0.0, k, -k], dtype=torch.float64, device=device)
+        dist.all_reduce(v, op=dist.ReduceOp.MAX, group=group)
+        bad, k_max, k_min = float(v[0]) > 0, int(v[1]), -int(v[2])
+    else:
+        bad, k_max, k_min = err is not None, k, k
+    if err is not None:
+        raise err
+    if bad:
+        raise ValueError("another rank refused its checkpoint (its error says why); delete the checkpoints of "
+                         "every rank to start afresh")
+    if k_max != k_min:
+        raise ValueError(f"the ranks' checkpoints are of different steps ({k_min} to {k_max}; {ckpt.path} holds "
+                         f"step {k}); delete the checkpoints of every rank to start afresh")
+    return ck
+
+
+def _fingerprint(problem: ShardedProblem, group) -> list:
+    """The (label, values) of a sharded run's checkpoint: what changes its numbers, and the rank layout."""
+    m, o = problem.model, problem.options
+    parts = [("x0 (this rank's tokens)", [problem.x0]), *process_parts(m.process)]
+    for label, v in (("t0", o.t0), ("t1", o.t1), ("dt", o.dt), ("normalization", repr(m.normalization)),
+                     ("direction", m.direction), ("paths", o.paths), ("seed", problem.seed),
+                     ("record_every", problem.record_every), ("diagnostics", o.ledger.diagnostics),
+                     ("gather_x", problem.solver.gather_x), ("rank and world", rank_and_world(group)),
+                     ("device", str(problem.x0.device))):
+        parts.append((label, [v]))
+    parts.append(("weights", [m.weights]))
+    return parts
+
+
+def _start(problem: ShardedProblem) -> "_ShardedRun":
+    """The sharded run of a checked problem at t0, or resumed from every rank's checkpoint."""
     model, o, solver, x0_local = problem.model, problem.options, problem.solver, problem.x0
-    group, weights, K, t0, dt = solver.group, model.weights, problem.steps, o.t0, o.dt
+    group, weights = solver.group, model.weights
     start = time.perf_counter()
+    ck = o.checkpoint
+    ckpt = None if ck is None else Checkpointer(_rank_path(ck.path, group), ck.every, problem.steps,
+                                                lambda: _fingerprint(problem, group))
+    resume = None if ckpt is None else _load_everywhere(ckpt, x0_local.device, group)
     shard = _Shard(x0_local, weights, group)
-    drv = WeightDriver(model.process, paths=o.paths, generator=None, seed=problem.seed, t0=t0, dt=dt,
+    drv = WeightDriver(model.process, paths=o.paths, generator=None, seed=problem.seed, t0=o.t0, dt=o.dt,
                        batch_rank=x0_local.dim() - 2)
     axis = PathsAxis(o.paths)  # the state always has the paths axis (P = 1 without paths=)
     x = axis.lift(x0_local)
     x = x.expand(*broadcast_shapes(x.shape[:-2], drv.current.batch_shape), *x.shape[-2:])
-    run = _ShardedRun(x, drv, shard, problem, kw=dict(normalization=model.normalization, backend=solver.backend,
-                                                      chunk_elements=o.limits.chunk_elements))
-    with progress_bar(bool(o.progress.show) and rank_and_world(group)[0] == 0, K, "simulate_sharded (euler)") as bar:
-        for _ in range(K):
-            run.step()
-            bar.update(1)
-    times, out_x, series, led, _ = run.rec.stacked(t0, dt)
-    stats = {"steps": K, "field_evaluations": K + 1, "wall_time": time.perf_counter() - start, "order": 1,
-             "ranks": rank_and_world(group)[1], "tokens": shard.N}
-    return axis.finish(Trajectory(times, out_x, series["energy"], series["slope"], series["dissipation"], led, stats,
-                                  solver.method, model.normalization.name, model.direction, weights))
+    return _ShardedRun(x, drv, shard, problem, axis, start, ckpt, resume,
+                       kw=dict(normalization=model.normalization, backend=solver.backend,
+                               chunk_elements=o.limits.chunk_elements))
 
 
-class _ShardedRun:
+class _ShardedRun(Run):
     """The projected Euler solve of :func:`simulate_sharded`, composed of the solver parts (weight
-    driver, stepper, left-point ledger, recorder); each evaluation's partial sums (E, 𝒢², 𝒟,
-    ∂_tE + Itô, martingale, jump) and the NaN flag are summed over the ranks in one all-reduce."""
+    driver, the solver's step, left-point ledger, recorder) and stepped by the loop of
+    :mod:`~transformer_pde.solvers.loop`; each evaluation's partial sums (E, 𝒢², 𝒟, ∂_tE + Itô, martingale,
+    jump) and the NaN flag are summed over the ranks in one all-reduce.  ``resume``: this rank's checkpoint
+    (every rank at the same step), or None."""
 
-    def __init__(self, x, drv, shard, problem: ShardedProblem, kw):
-        diagnostics, sign = problem.options.ledger.diagnostics, problem.model.sign
+    def __init__(self, x, drv, shard, problem: ShardedProblem, axis, start, checkpointer, resume, kw):
+        diagnostics, sign, group = problem.options.ledger.diagnostics, problem.model.sign, problem.solver.group
         self.x, self.drv, self.shard, self.dt, self.sign = x, drv, shard, problem.options.dt, sign
         self.gather_x, self.diagnostics, self.noisy, self.kw = problem.solver.gather_x, diagnostics, drv.noisy, kw
-        self.stepper = Stepper(TABLEAUX["euler"], retract=True)  # the projected flow's retraction
-        self.rec = Recorder(problem.steps, problem.record_every, diagnostics=diagnostics)
+        self.problem, self.solver, self.axis, self.start = problem, problem.solver, axis, start
+        self.checkpointer, self.steps, self.desc = checkpointer, problem.steps, "simulate_sharded (euler)"
+        self.show = bool(problem.options.progress.show) and rank_and_world(group)[0] == 0
+        u = axis.unview
+        self.rec = Recorder(problem.steps, problem.record_every, diagnostics=diagnostics, records=None if resume is None
+                            else {k: [u(t) for t in v] for k, v in resume["records"].items()})
+        if resume is not None:
+            self.x = x = u(resume["x"])
+            drv.load_state(resume["driver"])
         self.keys = shard.gather(x)
         self.cur = self._evaluate(x, self.keys, drv.current, diagnostics)
         self.zero = torch.zeros(self.cur.velocity.shape[:-2], dtype=x.dtype, device=x.device)
         red = self._reduce(x, self.cur, [], "the velocity field", self.cur.velocity)
-        self.ledger = Ledger(red[0], sign=sign, quadrature="left") if diagnostics else None
+        acc = None if resume is None or not diagnostics else {k: u(v) for k, v in resume["acc"].items()}
+        self.ledger = Ledger(red[0], sign=sign, quadrature="left", acc=acc) if diagnostics else None
         self._take(red)
-        self._record()
+        if resume is None:
+            self._record()
+
+    @property
+    def k(self) -> int:
+        """The steps done."""
+        return self.drv.k
+
+    @property
+    def t(self) -> float:
+        """The time of the current step."""
+        return self.drv.t
+
+    def view(self) -> torch.Tensor:
+        """This rank's tokens in the caller's batch convention (the callback's x)."""
+        return self.axis.view(self.x)
+
+    def state(self) -> dict:
+        """This rank's state for its checkpoint: tokens, Θ's driver, records, ledger sums."""
+        v = self.axis.view
+        st = {"x": v(self.x.detach()), "driver": self.drv.state(),
+              "records": {k: [v(t).clone() for t in vals] for k, vals in self.rec.records.items()}}
+        if self.diagnostics:
+            st["acc"] = {k: v(t) for k, t in self.ledger.acc.items()}
+        return st
+
+    def finish(self) -> Trajectory:
+        """The records as a Trajectory (energy, 𝒢², 𝒟 and the ledger global, identical on every rank)."""
+        model, o, solver, group = self.problem.model, self.problem.options, self.solver, self.solver.group
+        times, out_x, series, led, _ = self.rec.stacked(o.t0, o.dt)
+        stats = {"steps": self.steps, "field_evaluations": self.steps + 1, "order": 1,
+                 "wall_time": time.perf_counter() - self.start, "ranks": rank_and_world(group)[1],
+                 "tokens": self.shard.N}
+        return self.axis.finish(Trajectory(times, out_x, series["energy"], series["slope"], series["dissipation"], led,
+                                           stats, solver.method, model.normalization.name, model.direction,
+                                           model.weights))
 
     def _evaluate(self, xk, keys, heads, diag):
         return evaluate(xk, heads, self.shard.query, keys=keys, key_weights=self.shard.keys, sign=self.sign,
@@ -485,7 +602,7 @@ class _ShardedRun:
         noise = drv.prepare() if self.noisy else None
         diag_noise = self.diagnostics and noise is not None
         mart = pairing(x, heads, self.shard.query, cur.stats, noise) if diag_noise else 0.0
-        x_new, _ = self.stepper.step(x, cur.velocity, self.dt, None)
+        x_new, _ = self.solver.step(ParticleState(x, cur.velocity, None, _EULER.geometry), drv.t, self.dt)
         jumps = drv.jumps()
         drv.advance()
         keys = self.shard.gather(x_new)

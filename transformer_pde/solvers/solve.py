@@ -98,7 +98,7 @@ def solve(model: Model, x0: Optional[torch.Tensor], solver: Solver, *, t1: float
     o = _check_options(solver, dict(saveat=saveat, ledger=ledger, checkpoint=checkpoint, progress=progress,
                                     limits=limits))
     options = SolveOptions(t1=t1, dt=dt, t0=t0, paths=paths, seed=seed, generator=generator, **o)
-    if type(solver).run is Solver.run:
+    if type(solver).run is Solver.run and type(solver).init is Solver.init:
         raise TypeError(f"{type(solver).__name__} does not define run(model, x0, options); a Solver subclass must")
     traj = solver.run(_at_context(model, x0), x0, options)
     if not isinstance(traj, Trajectory):

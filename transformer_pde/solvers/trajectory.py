@@ -40,7 +40,8 @@ from ..processes.paths import WeightPath
 #: non-finite check and its error with time, step and fix)
 __all__ = ["Trajectory", "NonFiniteError", "PathsAxis", "nonfinite_error", "check_finite"]
 #: named internal API (not public), used by the solvers
-__internal__ = ["ledger_nonfinite", "check_ledger", "drop_paths", "SERIES_EXTRAS", "LazySeries", "lazy_series"]
+__internal__ = ["ledger_nonfinite", "check_ledger", "drop_paths", "NoLedgerError", "SERIES_EXTRAS", "LazySeries",
+                "lazy_series"]
 
 #: the entries of ``Trajectory.extras`` that are time series (T, [paths,] ...) with the batch axes
 SERIES_EXTRAS = ("radius", "kinetic")
@@ -105,6 +106,11 @@ _NO_LEDGER = ("this trajectory was solved without the energy ledger: it integrat
 
 class NonFiniteError(FloatingPointError):
     """A solver produced NaN or inf; the message names the time, the step and the quantity."""
+
+
+class NoLedgerError(ValueError, AttributeError):
+    """``traj.ledger`` of a run solved without the energy ledger: a ValueError naming the option, and an
+    AttributeError, so that ``hasattr(traj, "ledger")`` and ``getattr(traj, "ledger", None)`` tell without raising."""
 
 
 @dataclass
@@ -302,7 +308,7 @@ def _series_property(name: str) -> property:
 def _ledger_get(self):
     v = self.__dict__.get("_ledger")
     if v is None:
-        raise ValueError(_NO_LEDGER)
+        raise NoLedgerError(_NO_LEDGER)
     return v
 
 
@@ -314,7 +320,8 @@ Trajectory.energy = _series_property("energy")
 Trajectory.slope = _series_property("slope")
 Trajectory.dissipation = _series_property("dissipation")
 Trajectory.ledger = property(_ledger_get, _ledger_set, doc="the energy ledger: name -> (T, [paths,] ...) "
-                             "(ValueError for a run solved without it: pass ledger=True).")
+                             "(NoLedgerError, a ValueError and an AttributeError, for a run solved without it: pass "
+                             "ledger=True; hasattr(traj, 'ledger') is then False).")
 _LAZY_FIELDS = ("energy", "slope", "dissipation")
 
 

@@ -1,7 +1,8 @@
 """The flat (unprojected) flow and clustering hitting times of the particle system (docs/model.md#theory).
 
 :func:`flat_flow` integrates ẋ_i = s Σ_h ω_h f_h(x_i) in R^d with the solvers' own stepper (``Stepper`` with
-``retract=False``) and recorder; :func:`clustering_hitting_time` runs the library's solver until the mean
+``retract=False``), recorder and loop (:func:`~transformer_pde.solvers.loop.drive`; it has no model or sphere,
+so it is a small run of its own, not a solver); :func:`clustering_hitting_time` runs the library's solver until the mean
 overlap reaches a target.  The notation is that of :mod:`.particles`; re-exported by
 :mod:`transformer_pde.analysis.diagnostics`.
 """
@@ -22,6 +23,7 @@ from ...model.normalization import choose as choose_normalization
 from ...processes.driver import grid_steps
 from ...solvers.particle import FixedStep
 from ...solvers.model import Model
+from ...solvers.loop import Run, drive
 from ...solvers.options import LedgerOptions, Progress, SaveAt
 from ...solvers.parts import Recorder, Stepper
 from ...solvers.solve import solve
@@ -84,31 +86,60 @@ def flat_flow(x0, heads: Heads, *, t1: float, dt: float, weights=None, normaliza
         lse = softmax_statistics(x, heads, weights).log_partition
         return head_token_mean(torch.exp(lse), weights) / (2 * beta_factor(heads, 1))
 
-    state = {}
+    run = _FlatRun(x0, dt, K, field, TABLEAUX[method])
     rec = Recorder(K, record_every, diagnostics=False, weights=weights, observables={
         "head_energies": lambda xk, w: energies(xk),
-        "kinetic": lambda xk, w: token_mean(state["v"].square().sum(-1), w),
+        "kinetic": lambda xk, w: token_mean(run.v.square().sum(-1), w),
         "norms": lambda xk, w: xk.norm(dim=-1).amax(-1)})
-    stepper = Stepper(TABLEAUX[method], retract=False)
-    x = x0
-    state["v"] = field(x)
-    rec.record(x)
-    for k in range(K):
-        x, _ = stepper.step(x, state["v"], dt, lambda xi, c: field(xi))
-        state["v"] = field(x)
-        if not (bool(torch.isfinite(x).all()) and bool(torch.isfinite(state["v"]).all())):
-            raise NonFiniteError(
-                f"the flat dynamics overflowed at t = {(k + 1) * dt:.6g} (step {k + 1}): token norms grow and the "
-                f"scores β⟨x, A x⟩ with them; use a shorter t1, smaller heads or a smaller beta")
-        if rec.keeps(k + 1):
-            rec.record(x)
-            if not bool(torch.isfinite(rec.records["obs.head_energies"][-1]).all()):
-                raise NonFiniteError(f"the flat energy became inf at t = {(k + 1) * dt:.6g} (step {k + 1}); "
-                                     f"use a shorter t1")
-    times, xs, _, _, obs = rec.stacked(0.0, dt)
+    times, xs, obs = drive(run.start(rec))
     H = obs["head_energies"]
     E = (heads.weights * H).sum(-1)
     return FlatTrajectory(times, xs, E, H, obs["kinetic"], obs["norms"], method)
+
+
+class _FlatRun(Run):
+    """The flat flow's run, stepped by the solvers' loop (:func:`~transformer_pde.solvers.loop.drive`): the
+    Runge–Kutta step without retraction, the field at the new tokens (``v``, read by the kinetic observable),
+    the overflow checks, the records."""
+
+    def __init__(self, x0, dt, K, field, tableau):
+        self.x, self.dt, self.steps, self.k, self.field = x0, dt, K, 0, field
+        self.stepper, self.v, self.rec = Stepper(tableau, retract=False), field(x0), None
+
+    def start(self, rec):
+        """The first record; the run itself."""
+        self.rec = rec
+        rec.record(self.x)
+        return self
+
+    @property
+    def t(self) -> float:
+        """The time of the current step."""
+        return self.k * self.dt
+
+    def view(self):
+        """The tokens."""
+        return self.x
+
+    def step(self):
+        """One Runge–Kutta step, the field there, the checks and the record."""
+        k, dt = self.k, self.dt
+        self.x, _ = self.stepper.step(self.x, self.v, dt, lambda xi, c: self.field(xi))
+        self.v, self.k = self.field(self.x), k + 1
+        if not (bool(torch.isfinite(self.x).all()) and bool(torch.isfinite(self.v).all())):
+            raise NonFiniteError(
+                f"the flat dynamics overflowed at t = {(k + 1) * dt:.6g} (step {k + 1}): token norms grow and the "
+                f"scores β⟨x, A x⟩ with them; use a shorter t1, smaller heads or a smaller beta")
+        if self.rec.keeps(k + 1):
+            self.rec.record(self.x)
+            if not bool(torch.isfinite(self.rec.records["obs.head_energies"][-1]).all()):
+                raise NonFiniteError(f"the flat energy became inf at t = {(k + 1) * dt:.6g} (step {k + 1}); "
+                                     f"use a shorter t1")
+
+    def finish(self):
+        """(times, tokens, observables) of the records."""
+        times, xs, _, _, obs = self.rec.stacked(0.0, self.dt)
+        return times, xs, obs
 
 
 class _Reached(Exception):

@@ -55,7 +55,7 @@ root of I_{d/2+1}(β)/I_{d/2}(β) = 1/d (Mun–Rosenzweig 2026): :func:`first_or
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import Optional
 
 import numpy as np
 import torch

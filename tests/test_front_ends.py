@@ -94,7 +94,7 @@ def test_an_error_of_the_run_is_not_rewritten(monkeypatch):
 
     def fail(*a, **k):
         raise ValueError(message)
-    monkeypatch.setattr(particle, "solve_fixed_step", fail)
+    monkeypatch.setattr(tp.FixedStep, "step", fail)  # raised by the first step of the run
     with pytest.raises(ValueError) as info:
         tp.simulate(x0, heads, t1=0.2, dt=0.1, record_every=1, layer_norm="none")
     assert str(info.value) == message

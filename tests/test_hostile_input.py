@@ -114,7 +114,7 @@ def test_ordinary_checkpoints_keep_their_old_fingerprint(tmp_path):
     checkpoint written by the earlier code still resumes)."""
     x0, h = _problem()
     ck = _checkpointed(tmp_path, x0, h, t1=0.5, dt=0.05)
-    old = parts._fingerprint(x0, *parts.process_signature(processes.Constant(h)), 0.0, 0.5, 0.05, "euler", "softmax",
+    old = parts._fingerprint(x0, *parts.process_signature(processes.weights.Constant(h)), 0.0, 0.5, 0.05, "euler", "softmax",
                              "descent", None, 0, 1, "left", True, None)
     assert torch.load(ck, weights_only=False)["fingerprint"] == old
 
@@ -282,8 +282,7 @@ def no_allocation(monkeypatch):
     """Fail if a solver gets as far as building its weight driver (the first thing that allocates)."""
     def refuse(*a, **k):
         raise AssertionError("the run started: the guard must refuse before any allocation")
-    monkeypatch.setattr(processes.WeightDriver, "__init__", refuse)
-    monkeypatch.setattr(particle, "WeightDriver", processes.WeightDriver)
+    monkeypatch.setattr(processes.driver.WeightDriver, "__init__", refuse)
 
 
 def test_guards_refuse_at_once(no_allocation):

@@ -20,12 +20,12 @@ def test_model_normalises_its_parts(parts):
     m = tp.Model(heads, direction="descent")
     assert isinstance(m.process, tp.Constant) and m.process.heads0 is heads
     assert isinstance(m.normalization, tp.Softmax) and m.normalization.name == "softmax"
-    assert isinstance(m.geometry, tp.Projected) and m.geometry.projected
+    assert isinstance(m.layer_norm, tp.Projected) and m.layer_norm.projected
     assert m.noise is None and m.temperature == 0.0
     ou = tp.OrnsteinUhlenbeck(heads)
     assert tp.Model(ou, direction="descent").process is ou
     assert isinstance(tp.Model(heads, "unnormalized", direction="descent").normalization, tp.Unnormalized)
-    assert isinstance(tp.Model(heads, layer_norm="pre", direction="descent").geometry, tp.PreLN)
+    assert isinstance(tp.Model(heads, layer_norm="pre", direction="descent").layer_norm, tp.PreLN)
     noisy = tp.Model(heads, temperature=0.3, direction="descent")
     assert isinstance(noisy.noise, tp.TokenNoise) and noisy.temperature == 0.3
     assert tp.Model(heads, temperature=0.0, direction="descent").noise is None  # T = 0 is the deterministic model

@@ -97,7 +97,7 @@ def no_work(monkeypatch):
     """Fail as soon as a solver builds its weight driver (the first thing a run does)."""
     def refuse(*a, **k):
         raise AssertionError("the run started: the option must be refused before any work")
-    monkeypatch.setattr(processes.WeightDriver, "__init__", refuse)
+    monkeypatch.setattr(processes.driver.WeightDriver, "__init__", refuse)
 
 
 @pytest.mark.parametrize("solver,options,name", [

@@ -50,6 +50,7 @@ from . import Option, at_least, dtype_of, fingerprint, load_segment, positive, s
 from .probe import cloud_statistics, factored_log_energy, fit_effective_beta, select_sentences, sentence_w2, \
     standard_error, top_singular_value, topic_sentences
 from .pretrained_figures import figures
+from .probe_subsets import SUBSET_METRICS, shapley_figure, shapley_summary, subset_statistics
 from ...processes.model_files import check_model_folder, package_zip, weights_fingerprint
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,11 @@ OPTIONS = {
                              "than this, relative", check=lambda v: None if v > 0 else "must be > 0"),
     "pca_sentence": Option(0, (int,), "index (in the selection) of the sentence drawn as a token cloud",
                            check=lambda v: None if v >= 0 else "must be >= 0"),
+    "subsets": Option(True, (bool,), "the order-free ladder: every subset of the four ingredients (feed-forward, "
+                      "LayerNorm, biases, discrete time) removed together, rolled out from the embeddings, and each "
+                      "ingredient's Shapley share of the gap (post-LN networks)"),
+    "bootstrap": Option(1000, (int,), "bootstrap resamples (over sentences) of the Shapley values and shares",
+                        check=at_least(100)),
     "figures": Option(True, (bool,), "write the figures"),
     "dtype": Option("float32", (str,), "floating dtype of the network and the probe",
                     choices=("float32", "float64")),
@@ -254,6 +260,11 @@ def _bucket(net, heads_layers, texts, p, pca_at):
         timing["distances"] = timing.get("distances", 0.0) + time.perf_counter() - t0
         if pca_at is not None:
             out.setdefault("pca", {})[rung] = pred[:, pca_at, : int(mask[pca_at].sum())]
+    if p["subsets"]:
+        t0 = time.perf_counter()
+        out["subsets"] = subset_statistics(net, states, mask, dt=p["dt"], radius=p["radius"],
+                                           reuse=out["rungs"] if p["mode"] == "rollout" else None)
+        timing["subsets"] = time.perf_counter() - t0
     if pca_at is not None:
         n = int(mask[pca_at].sum())
         out["pca"]["real"] = states[:, pca_at, :n]
@@ -319,6 +330,9 @@ def run_pretrained_probe(params, run):
     _write_text(run.path / "sentences.txt", "\n".join(texts) + "\n")  # one input per line, as fed to the tokenizer
     folder = _folder(p)
     net = tp.pretrained.load(folder, dtype=dtype)
+    if p["subsets"] and net.norm != "post":
+        raise ValueError(f"config key 'subsets' = true covers post-LN networks (the BERT family); {p['model']!r} is "
+                         f"{net.norm}-LN: run with -o subsets=false")
     # the heads of the continuous rung: biases dropped, ω_h = 1, β = d/√k (tokens of norm √d)
     heads_layers = [tp.pretrained.layer_heads(lw, bias="drop", token_norm=math.sqrt(net.dim)) for lw in net.layers]
     # the stored buckets belong to these texts, parameters and weights (the model folder's files, by content)
@@ -365,6 +379,8 @@ def run_pretrained_probe(params, run):
     if p["figures"]:
         pca = next(part for part in parts if "pca" in part)
         figures(run, p, metrics, pca["pca"], pca["pca_tokens"], texts[p["pca_sentence"]])
+        if p["subsets"]:
+            shapley_figure(run, p, metrics)
     return metrics
 
 
@@ -412,7 +428,12 @@ def _metrics(p, net, parts, lip, texts, wall):
                f"error over sentences",
                f"W2 to the real final tokens ({p['mode']}): " + ", ".join(
                    f"{r} {ladder[r]['w2'][-1]:.3g}" for r in p["rungs"]) + f" (network map: {last:.2g})"]
-    return {"model": {"source": p["model"], "family": net.family, "norm": net.norm, "causal": bool(net.causal),
+    subsets = None
+    if p["subsets"]:
+        names = parts[0]["subsets"].keys()
+        subsets = shapley_summary({n: {k: _merge(parts, ("subsets", n, k)) for k in SUBSET_METRICS} for n in names},
+                                  seed=p["seed"], resamples=p["bootstrap"])
+    return {"subsets": subsets, "model": {"source": p["model"], "family": net.family, "norm": net.norm, "causal": bool(net.causal),
                       "layers": L, "dim": net.dim, "heads": net.num_heads, "head_dim": net.head_dim},
             "text": {"source": "pydoc_data.topics", "python": platform.python_version(), "sentences": len(texts),
                      "sha256": hashlib.sha256("\n".join(texts).encode()).hexdigest(),

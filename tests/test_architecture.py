@@ -94,6 +94,7 @@ LAYERS = [
     {"transformer_pde.application.animation"},
     {"transformer_pde.application.studies"},
     {"transformer_pde.application.studies.claims"},  # the claims list of metrics.json
+    {"transformer_pde.application.studies.provenance"},  # the code fingerprint a published table carries
     {"transformer_pde.application.studies.retrieval"},  # the retrieval profile measured on particles and networks
     {"transformer_pde.application.studies.paper_dtype"},  # the paper study's numbers, float32 against float64
     {"transformer_pde.application.studies.noisy_hysteresis"},  # the hysteresis sweeps of the noisy study

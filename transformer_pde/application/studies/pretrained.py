@@ -50,6 +50,7 @@ from . import Option, at_least, dtype_of, fingerprint, load_segment, positive, s
 from .probe import cloud_statistics, factored_log_energy, fit_effective_beta, select_sentences, sentence_w2, \
     standard_error, top_singular_value, topic_sentences
 from .pretrained_figures import figures
+from .provenance import code_fingerprint
 from .probe_subsets import SUBSET_METRICS, shapley_figure, shapley_summary, subset_statistics
 from ...processes.model_files import check_model_folder, package_zip, weights_fingerprint
 
@@ -324,6 +325,7 @@ def run_pretrained_probe(params, run):
     """Probe a pretrained network's hidden states against the mean-field picture (module docstring)."""
     p = params
     _validate(p)
+    code = code_fingerprint("pretrained_probe")  # the code this run's numbers come from (provenance of the tables)
     dtype = dtype_of(p)
     t_start = time.perf_counter()
     texts = select_sentences(p["sentences"], p["seed"])
@@ -375,7 +377,7 @@ def run_pretrained_probe(params, run):
         run.save_tensors("lipschitz", lip)
         if run.step_callback is not None:
             run.step_callback("lipschitz", 0, 0.0)
-    metrics = _metrics(p, net, parts, lip, texts, time.perf_counter() - t_start)
+    metrics = {"code_fingerprint": code, **_metrics(p, net, parts, lip, texts, time.perf_counter() - t_start)}
     if p["figures"]:
         pca = next(part for part in parts if "pca" in part)
         figures(run, p, metrics, pca["pca"], pca["pca_tokens"], texts[p["pca_sentence"]])

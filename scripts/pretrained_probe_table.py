@@ -5,7 +5,10 @@
 
 ``--write`` replaces the text between the markers ``<!-- probe-results:start -->`` and
 ``<!-- probe-results:end -->`` of the page, so the numbers quoted in docs/pretrained.md are the
-run's, never typed by hand.  Every mean carries ± one standard error over sentences.
+run's, never typed by hand.  Every mean carries ± one standard error over sentences; the Shapley
+values and shares of the order-free ladder the half-width of a 95 % bootstrap interval over sentences.
+The section starts with a ``table-source`` marker holding the run's code fingerprint, which
+tests/test_docs_provenance.py compares with the code of today's tree.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+
+from transformer_pde.application.studies.provenance import marker
 
 START, END = "<!-- probe-results:start -->", "<!-- probe-results:end -->"
 _RUNG_NAMES = {"network": "exact network map", "no_feedforward": "− feed-forward",
@@ -41,7 +46,9 @@ def _findings(m: dict) -> list:
             f"rung.")
     steps = [(st["w2_final_change"], st["w2_final_change_se"], st["to"]) for st in m["ladder_steps"]]
     out = ["", rise]
-    if steps:
+    if m.get("subsets"):
+        out += _subset_findings(m)
+    elif steps:
         total = lad[rungs[-1]]["w2"][L] - lad[rungs[0]]["w2"][L]
         big, big_se, name = max(steps)
         out.append(f"* **Which ingredient accounts for the gap.** Of the W₂ = "
@@ -60,7 +67,91 @@ def _findings(m: dict) -> list:
     return out + [""]
 
 
-def render(m: dict) -> str:
+_INGREDIENT_NAMES = {"feedforward": "the feed-forward", "layernorm": "LayerNorm (vs the sphere projection)",
+                     "bias": "the attention biases", "discrete": "discrete time (vs continuous)"}
+
+
+def _share(sh, i, L):
+    return f"{100 * sh[i]['share'][L]:.0f} ± {100 * sh[i]['share_error'][L]:.0f} %"
+
+
+def _subset_findings(m: dict) -> list:
+    """The order-free attribution of the gap and where the clusters are lost, read off the subsets."""
+    L = m["model"]["layers"]
+    sub, sh, tot = m["subsets"]["subsets"], m["subsets"]["shapley"]["w2"], m["subsets"]["total"]["w2"]
+    order = sorted(sh, key=lambda i: -sh[i]["share"][L])
+    lad = m["ladder"]
+    rung_share = None
+    if "no_feedforward" in lad and "network" in lad:
+        rung_share = (lad["no_feedforward"]["w2"][L] - lad["network"]["w2"][L]) / tot["value"][L]
+
+    def w(name, key="w2", digits=3):
+        e = sub[name][key]
+        return _pm(e["mean"][L], e["se"][L], digits)
+
+    first = ("" if rung_share is None else
+             f" The ladder's order (feed-forward removed first) gives the feed-forward {100 * rung_share:.0f} % of it, "
+             f"but that share depends on the order: with LayerNorm replaced by the sphere projection first and the "
+             f"feed-forward kept, W₂ is already {w('sphere')} ({100 * sub['sphere']['w2']['mean'][L] / sub['no_ff+sphere']['w2']['mean'][L]:.0f} % "
+             f"of the sphere rung's {w('no_ff+sphere')}).")
+    out = [f"* **Which ingredient accounts for the gap, order-free.** Of the W₂ = "
+           f"{tot['value'][L]:.3f} ± {tot['error'][L]:.3f} between the mean-field flow (all four ingredients removed) "
+           f"and the network at ℓ = {L}, the Shapley shares over the 16 subsets (each ingredient's contribution "
+           f"averaged over the 24 orders of removal) are: "
+           + ", ".join(f"{_INGREDIENT_NAMES[i]} {_share(sh, i, L)}" for i in order) + "." + first]
+    cl = m["subsets"]["shapley"]["clusters"]
+    ctot = m["subsets"]["total"]["clusters"]
+    corder = sorted(cl, key=lambda i: cl[i]["value"][L])
+    flow, rung = sub["no_ff+sphere+no_bias+continuous"]["clusters"], sub["no_ff+sphere"]["clusters"]
+    near = abs(rung["mean"][L] - flow["mean"][L]) <= 2 * (rung["se"][L] ** 2 + flow["se"][L] ** 2) ** 0.5 + 0.1
+    lead = ("Over-clustering is not the continuous-time step: the discrete `sphere` rung" if near else
+            "The discrete `sphere` rung")
+    out.append(f"* **Where the clusters are lost.** The network ends at {w('network', 'clusters', 2)} single-linkage "
+               f"clusters, the mean-field flow at {w('no_ff+sphere+no_bias+continuous', 'clusters', 2)}. {lead} "
+               f"(feed-forward removed, LayerNorm → sphere) already has {w('no_ff+sphere', 'clusters', 2)}"
+               f"{'' if near else ' clusters'}; with LayerNorm replaced but the "
+               f"feed-forward kept there are {w('sphere', 'clusters', 2)}, with the feed-forward removed but "
+               f"LayerNorm kept {w('no_ff', 'clusters', 2)}. Shapley values of the cluster count at ℓ = {L} "
+               f"(total {ctot['value'][L]:+.2f} ± {ctot['error'][L]:.2f}): "
+               + ", ".join(f"{_INGREDIENT_NAMES[i]} {cl[i]['value'][L]:+.2f} ± {cl[i]['value_error'][L]:.2f}"
+                           for i in corder) + ".")
+    return out
+
+
+def _subset_tables(m: dict) -> list:
+    L = m["model"]["layers"]
+    S = m["subsets"]
+    out = ["", f"**The order-free ladder** ({S['sentences']} sentences, every subset rolled out from the real "
+           f"embeddings; Shapley values ± the half-width of the 95 % bootstrap interval over sentences, "
+           f"{S['resamples']} resamples). Share of the W₂ gap per hidden-state index:", "",
+           "| ingredient | " + " | ".join(f"ℓ = {i}" for i in range(1, L + 1)) + " |", "|---" * (L + 1) + "|"]
+    for i, name in _INGREDIENT_NAMES.items():
+        e = S["shapley"]["w2"][i]
+        out.append(f"| {name} | " + " | ".join(f"{100 * e['share'][k]:.0f} ± {100 * e['share_error'][k]:.0f} %"
+                                              for k in range(1, L + 1)) + " |")
+    t = S["total"]["w2"]
+    out.append("| total W₂ (mean-field flow − network) | " + " | ".join(f"{t['value'][k]:.3f} ± {t['error'][k]:.3f}"
+                                                                       for k in range(1, L + 1)) + " |")
+    out += ["", "Shapley values of the cluster count (negative: the ingredient's removal loses clusters):", "",
+            "| ingredient | " + " | ".join(f"ℓ = {i}" for i in range(1, L + 1)) + " |", "|---" * (L + 1) + "|"]
+    for i, name in _INGREDIENT_NAMES.items():
+        e = S["shapley"]["clusters"][i]
+        out.append(f"| {name} | " + " | ".join(f"{e['value'][k]:+.2f} ± {e['value_error'][k]:.2f}"
+                                              for k in range(1, L + 1)) + " |")
+    t = S["total"]["clusters"]
+    out.append("| total | " + " | ".join(f"{t['value'][k]:+.2f} ± {t['error'][k]:.2f}" for k in range(1, L + 1))
+               + " |")
+    out += ["", f"Every subset at ℓ = {L} (removed ingredients; mean ± s.e. over sentences):", "",
+            "| removed | W₂ | mean angle (rad) | mean cosine | clusters |", "|---|---|---|---|---|"]
+    for name, e in S["subsets"].items():
+        out.append(f"| {name} | {_pm(e['w2']['mean'][L], e['w2']['se'][L])} | "
+                   f"{_pm(e['mean_angle']['mean'][L], e['mean_angle']['se'][L])} | "
+                   f"{_pm(e['mean_cosine']['mean'][L], e['mean_cosine']['se'][L])} | "
+                   f"{_pm(e['clusters']['mean'][L], e['clusters']['se'][L], 2)} |")
+    return out
+
+
+def render(m: dict, run: str = "") -> str:
     """The Markdown of the results section for the metrics ``m`` of one run."""
     mo, tx, real, lay, lad = m["model"], m["text"], m["real"], m["layers"], m["ladder"]
     L = mo["layers"]
@@ -104,7 +195,10 @@ def render(m: dict) -> str:
         out.append(f"| {_RUNG_NAMES.get(r, r)} | {_pm(e['w2'][L], e['w2_se'][L])} | "
                    f"{_pm(e['mean_angle'][L], e['mean_angle_se'][L])} | "
                    f"{_pm(e['mean_cosine'][L], e['mean_cosine_se'][L])} | {step} |")
-    return "\n".join(out) + "\n"
+    if m.get("subsets"):
+        out += _subset_tables(m)
+    head = marker("pretrained_probe", m.get("code_fingerprint", "unknown"), run)
+    return head + "\n" + "\n".join(out) + "\n"
 
 
 def write(page: Path, text: str) -> None:
@@ -122,7 +216,7 @@ def main(argv=None):
     ap.add_argument("metrics", type=Path, help="metrics.json of a pretrained_probe run")
     ap.add_argument("--write", type=Path, default=None, help="the Markdown page whose marked section to replace")
     args = ap.parse_args(argv)
-    text = render(json.loads(args.metrics.read_text()))
+    text = render(json.loads(args.metrics.read_text()), args.metrics.resolve().parent.name)
     if args.write is None:
         print(text)
     else:

@@ -96,10 +96,14 @@ def _bootstrap(values: np.ndarray, resamples: int, rng, ratio_to: Optional[np.nd
     counts = rng.multinomial(S, np.full(S, 1.0 / S), size=resamples).astype(np.float64) / S  # (R, S)
     boot = values @ counts.T  # (..., R)
     mean = values.mean(-1)
-    if ratio_to is not None:
-        boot = boot / (ratio_to @ counts.T)
-        mean = mean / ratio_to.mean(-1)
-    lo, hi = np.nanquantile(boot, [0.025, 0.975], axis=-1)
+    if ratio_to is not None:  # a zero total (the embeddings) gives NaN here, reported as undefined by the caller
+        with np.errstate(divide="ignore", invalid="ignore"):
+            boot = boot / (ratio_to @ counts.T)
+            mean = mean / ratio_to.mean(-1)
+    finite = np.isfinite(boot).all(-1)
+    lo, hi = np.full(boot.shape[:-1], np.nan), np.full(boot.shape[:-1], np.nan)
+    if finite.any():
+        lo[finite], hi[finite] = np.quantile(boot[finite], [0.025, 0.975], axis=-1)
     return mean, (hi - lo) / 2
 
 

@@ -19,7 +19,7 @@ import re
 from pathlib import Path
 from typing import Dict, Iterable, Optional, Sequence
 
-__all__ = ["TABLE_SOURCES", "code_fingerprint", "marker", "read_markers"]
+__all__ = ["TABLE_SOURCES", "code_fingerprint", "marker", "read_markers", "stale_tables"]
 
 _ROOT = Path(__file__).resolve().parents[3]  # the repository (or the installed package's parent)
 
@@ -130,4 +130,30 @@ def read_markers(text: str) -> Iterable[dict]:
     out = []
     for m in _MARKER.finditer(text):
         out.append({"kind": m["kind"], "code": m["code"], "run": m["run"], "line": text.count("\n", 0, m.start()) + 1})
+    return out
+
+
+def stale_tables(text: str, root: Optional[Path] = None) -> list:
+    """The markers of a page whose recorded fingerprint differs from the code of ``root`` now: one line each
+    naming the kind, the line, both fingerprints and how to regenerate the table.
+
+    Parameters
+    ----------
+    text : str
+        the page.
+    root : Path, optional
+        the repository root (default: this module's).
+
+    Returns
+    -------
+    list of str
+        empty when every table's run is of today's code.
+    """
+    out = []
+    for mk in read_markers(text):
+        now = code_fingerprint(mk["kind"], root)
+        if mk["code"] != now:
+            out.append(f"line {mk['line']}: the {mk['kind']} table comes from a run of code {mk['code']}, the code it "
+                       f"depends on is now {now} ({', '.join(TABLE_SOURCES.get(mk['kind'], ()))}); rerun the study "
+                       f"and regenerate the table with its script")
     return out

@@ -551,7 +551,7 @@ def results_table(metrics: dict) -> str:
                     f"{pg(kin) if kin else '—'} | {pg(act) if act else '—'} | "
                     f"{pm(d['final_mean_cosine']) if d else '—'} | "
                     f"{pm(d['final_clusters'], digits=2) if d else '—'} | {pg(d['energy_change']) if d else '—'} | "
-                    f"{metrics['seconds_per_epoch'][name]['mean']:.2f} |")
+                    f"{pm(metrics['seconds_per_epoch'][name], digits=2)} |")
     n = len(next(iter(metrics["test_accuracy"].values()))["seeds"])
     kind = metrics.get("kinetic", "metric")
     return "\n".join(rows) + (f"\n\nmean ± standard error over {n} seeds; flow_kinetic_λ trained with λ × "

@@ -107,7 +107,8 @@ LAYERS = [
     {"transformer_pde.application.studies.theorems"},  # registers the stability studies; composes studies.jko
     # the pretrained-network probe: its measurements and figures, then the study
     {"transformer_pde.application.studies.probe", "transformer_pde.application.studies.pretrained_figures"},
-    {"transformer_pde.application.studies.probe_subsets"},  # the order-free ladder and its Shapley shares
+    {"transformer_pde.application.studies.probe_subsets",  # the order-free ladder and its Shapley shares
+     "transformer_pde.application.studies.probe_reinit"},  # the architecture re-initialised, side by side
     {"transformer_pde.application.studies.pretrained"},
     # a run's config and limits; the run directory's files; its lock
     {"transformer_pde.application.config", "transformer_pde.application.rundir", "transformer_pde.application.locks"},

@@ -389,6 +389,10 @@ def test_quick_study_writes_what_a_checker_needs_and_resumes(tmp_path, minilm):
         assert abs(sum(sub["shapley"]["w2"][i]["share"][l] for i in sub["ingredients"]) - 1) < 1e-9
     assert all(sub["shapley"]["w2"][i]["share"][0] is None for i in sub["ingredients"])  # no gap at the embeddings
     assert len(m["code_fingerprint"]) == 16
+    # the re-initialised architecture: per-seed means, summarised over the default three seeds
+    re = m["reinitialised"]
+    assert re["seeds"] == [0, 1, 2] and len(re["mean_cosine"]["mean"]) == L + 1 and len(re["beta"]["mean"]) == L
+    assert len(re["lipschitz"]["per_seed"]) == 3 and all(v > 0 for row in re["lipschitz"]["per_seed"] for v in row)
     # the docs' tables are rendered from these numbers, into the marked section only
     import sys
     from pathlib import Path
@@ -408,7 +412,8 @@ def test_quick_study_writes_what_a_checker_needs_and_resumes(tmp_path, minilm):
     fresh_cfg = {**cfg, "params": {**cfg["params"], "figures": True}}
     fresh_path = execute(fresh_cfg, out_dir=tmp_path, name="fresh", progress=False)
     fresh = json.loads((fresh_path / "metrics.json").read_text())
-    for name in ("depth_curves", "ladder_distances", "layer_probes", "token_clouds", "subset_shapley"):
+    for name in ("depth_curves", "ladder_distances", "layer_probes", "token_clouds", "subset_shapley",
+                 "trained_vs_reinit"):
         assert (fresh_path / "figures" / f"{name}.png").stat().st_size > 10_000 and name in fresh["figure_captions"]
     for key in ("mean_cosine", "pair_fraction", "clusters"):
         torch.testing.assert_close(torch.tensor(fresh["real"][key]), torch.tensor(m["real"][key]))

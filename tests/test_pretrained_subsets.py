@@ -130,3 +130,29 @@ def test_shapley_summary_bootstrap_and_shares():
         assert sh[i]["share"][0] is None
     for l in (1, 2):
         assert math.isclose(sum(sh[i]["share"][l] for i in ps.INGREDIENTS), 1.0, rel_tol=1e-9)
+
+
+@needs_transformers
+def test_reinitialised_architecture_is_seeded_and_fresh():
+    """The re-initialised network has the trained one's architecture and fresh weights from its configuration's
+    initialiser: the same seed gives the same weights, another seed others, the global generator is untouched;
+    summarise_seeds is the mean and standard error over seeds of the per-seed sentence means."""
+    from transformer_pde.application.studies.probe_reinit import reinitialised, summarise_seeds
+
+    net = tp.pretrained.load(_tiny("bert"))
+    state = torch.random.get_rng_state()
+    a, b, c = reinitialised(net, 0), reinitialised(net, 0), reinitialised(net, 1)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert a.num_layers == net.num_layers and a.dim == net.dim and a.num_heads == net.num_heads
+    assert torch.equal(a.layers[1].query, b.layers[1].query)
+    assert not torch.equal(a.layers[1].query, c.layers[1].query)
+    assert not torch.allclose(reinitialised(net, 7).layers[1].query, net.layers[1].query)  # _tiny is seed 0
+    # BERT's initialiser: normal(0, initializer_range) weights, zero biases, unit LayerNorm gains
+    std = float(a.layers[0].query.std())
+    assert abs(std - net.model.config.initializer_range) < 0.2 * net.model.config.initializer_range
+    assert float(a.layers[0].query_bias.abs().max()) == 0.0 and bool((a.layers[0].norm1.gain == 1).all())
+    per = [{"x": torch.tensor([[1.0, 3.0], [2.0, 2.0]], dtype=torch.float64)},
+           {"x": torch.tensor([[3.0, 5.0], [4.0, 4.0]], dtype=torch.float64)}]
+    s = summarise_seeds(per, [0, 1])
+    assert s["x"]["per_seed"] == [[2.0, 2.0], [4.0, 4.0]] and s["x"]["mean"] == [3.0, 3.0]
+    assert math.isclose(s["x"]["se"][0], 1.0) and s["seeds"] == [0, 1]

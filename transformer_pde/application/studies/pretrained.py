@@ -51,6 +51,7 @@ from .probe import cloud_statistics, factored_log_energy, fit_effective_beta, se
     standard_error, top_singular_value, topic_sentences
 from .pretrained_figures import figures
 from .provenance import code_fingerprint
+from .probe_reinit import reinit_figure, reinit_statistics, reinitialised, summarise_seeds
 from .probe_subsets import SUBSET_METRICS, shapley_figure, shapley_summary, subset_statistics
 from ...processes.model_files import check_model_folder, package_zip, weights_fingerprint
 
@@ -104,6 +105,11 @@ OPTIONS = {
                       "ingredient's Shapley share of the gap (post-LN networks)"),
     "bootstrap": Option(1000, (int,), "bootstrap resamples (over sentences) of the Shapley values and shares",
                         check=at_least(100)),
+    "reinit_seeds": Option([0, 1, 2], (list,), "seeds of the re-initialised architecture (AutoModel.from_config: "
+                           "the configuration's own initialiser) probed side by side with the trained network; [] = "
+                           "none", check=lambda v: None if all(isinstance(s, int) and not isinstance(s, bool)
+                                                               and s >= 0 for s in v) and len(set(v)) == len(v)
+                           else "must be a list of distinct integer seeds >= 0"),
     "figures": Option(True, (bool,), "write the figures"),
     "dtype": Option("float32", (str,), "floating dtype of the network and the probe",
                     choices=("float32", "float64")),
@@ -377,12 +383,28 @@ def run_pretrained_probe(params, run):
         run.save_tensors("lipschitz", lip)
         if run.step_callback is not None:
             run.step_callback("lipschitz", 0, 0.0)
+    reinit = []
+    for seed in p["reinit_seeds"]:
+        tag = f"reinit_{seed}"
+        seg = _stored(run, tag, fp, weights, folder, ("mean_cosine", "beta", "lipschitz"))
+        if seg is None:
+            t0 = time.perf_counter()
+            seg = reinit_statistics(reinitialised(net, seed), texts, p, _lipschitz_subset(p))
+            log.info("[%s] the architecture re-initialised (seed %d) probed in %.1f s", tag, seed,
+                     time.perf_counter() - t0)
+            seg.update({"kind": "transformer_pde.pretrained_probe.segment", "fingerprint": fp, "weights": weights})
+            run.save_tensors(tag, seg)
+        reinit.append({k: seg[k] for k in ("mean_cosine", "clusters", "beta", "lipschitz")})
     metrics = {"code_fingerprint": code, **_metrics(p, net, parts, lip, texts, time.perf_counter() - t_start)}
+    if reinit:
+        metrics["reinitialised"] = summarise_seeds(reinit, p["reinit_seeds"])
     if p["figures"]:
         pca = next(part for part in parts if "pca" in part)
         figures(run, p, metrics, pca["pca"], pca["pca_tokens"], texts[p["pca_sentence"]])
         if p["subsets"]:
             shapley_figure(run, p, metrics)
+        if metrics.get("reinitialised"):
+            reinit_figure(run, p, metrics)
     return metrics
 
 

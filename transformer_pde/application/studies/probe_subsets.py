@@ -145,15 +145,18 @@ def shapley_summary(stats: Dict[str, dict], *, seed: int = 0, resamples: int = 1
         t_mean, t_err = _bootstrap(total, resamples, rng)
         out["total"][metric] = {"value": t_mean.tolist(), "error": t_err.tolist()}
         out["shapley"][metric] = {}
-        # a share of a total that is zero to rounding (the embeddings, ℓ = 0) is undefined: None
-        defined = np.abs(t_mean) > 1e-4 * max(float(np.abs(t_mean).max()), 1e-300)
+        # a share of a total that is zero to rounding (the embeddings, ℓ = 0), or not resolved from zero by the
+        # bootstrap (its interval holds 0), is undefined: None
+        defined = (np.abs(t_mean) > 1e-4 * max(float(np.abs(t_mean).max()), 1e-300)) & (np.abs(t_mean) > t_err)
         for i in INGREDIENTS:
             v = phi[i].numpy()
             m, e = _bootstrap(v, resamples, rng)
             share, share_e = _bootstrap(v, resamples, rng, ratio_to=total)
             out["shapley"][metric][i] = {"value": m.tolist(), "value_error": e.tolist(),
-                                         "share": [float(a) if ok else None for a, ok in zip(share, defined)],
-                                         "share_error": [float(a) if ok else None for a, ok in zip(share_e, defined)]}
+                                         "share": [float(a) if ok and np.isfinite(a) else None
+                                                   for a, ok in zip(share, defined)],
+                                         "share_error": [float(a) if ok and np.isfinite(a) else None
+                                                         for a, ok in zip(share_e, defined)]}
     return out
 
 

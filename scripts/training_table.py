@@ -53,12 +53,42 @@ def findings(m: dict) -> list:
     ]
 
 
+def kinetic_findings(m: dict) -> list:
+    """The regularised flows against the plain flow (paired by seed), and the clustering along depth."""
+    names = [n for n in m["test_accuracy"] if n.startswith("flow_kinetic_")]
+    if not names:
+        return []
+    kind = m.get("kinetic", "metric")
+    term = "∫𝒢²dt" if kind == "metric" else "the action Σ‖Δx‖²/Δt"
+    key = "test_kinetic" if kind == "metric" else "test_action"
+    tr = m["kinetic_tradeoff"]
+    parts = []
+    for n in names:
+        da, dl = tr[n]["accuracy_minus_flow"], tr[n]["loss_minus_flow"]
+        sig = abs(da["mean"]) > 2 * da["sem"] or abs(dl["mean"]) > 2 * dl["sem"]
+        lower = sum(v < 0 for v in dl["seeds"])
+        parts.append(f"λ = {n[len('flow_kinetic_'):]}: {term} {m[key][n]['mean']:.3g} (flow: {m[key]['flow']['mean']:.3g}), "
+                     f"Δ accuracy {100 * da['mean']:+.2f} ± {100 * da['sem']:.2f} points, Δ test loss "
+                     f"{dl['mean']:+.4f} ± {dl['sem']:.4f} (lower on {lower} of {len(dl['seeds'])} seeds"
+                     f"{'; beyond two standard errors' if sig else ''})")
+    out = [f"* **The kinetic regulariser ({term}), paired with the plain flow**: " + "; ".join(parts) + "."]
+    depth = m.get("depth", {})
+    if "flow" in depth:
+        flows = ["flow"] + names
+        out.append("* **Clustering along depth** (the analysis images): mean token cosine at t = 0 → t = T: "
+                   + ", ".join(f"{n} {depth[n]['mean_cosine'][0]:.2f} → {depth[n]['mean_cosine'][-1]:.3f}"
+                               for n in flows if n in depth)
+                   + "; final clusters " + ", ".join(f"{n} {_pm(depth[n]['final_clusters'])}" for n in flows
+                                                      if n in depth) + ".")
+    return out
+
+
 def render(m: dict, run: str = "") -> str:
     """The Markdown of one run's section."""
     out = [marker("train_digits", m.get("code_fingerprint", "unknown"), run), "", results_table(m), "",
            "Paired differences (same seed: same initialisation and batches; mean ± standard error over seeds):", "",
            tradeoff_table(m), ""]
-    out += findings(m)
+    out += findings(m) + kinetic_findings(m)
     return "\n".join(out) + "\n"
 
 

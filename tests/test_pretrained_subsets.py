@@ -112,7 +112,7 @@ def test_shapley_summary_bootstrap_and_shares():
     """Per-sentence games with known mean Shapley values: the bootstrap intervals cover them, the shares of the
     defined totals add up to 1, and a zero total (ℓ = 0) has no share."""
     rng = np.random.default_rng(1)
-    S_n, L1 = 400, 3
+    S_n, L1 = 200, 3
     effect = {"feedforward": 0.3, "layernorm": 0.6, "bias": 0.05, "discrete": 0.05}
     noise = {i: rng.normal(0, 0.2, size=(L1, S_n)) for i in ps.INGREDIENTS}
     stats = {}
@@ -121,7 +121,7 @@ def test_shapley_summary_bootstrap_and_shares():
         v = np.array(v) * np.array([0.0, 1.0, 2.0])[:, None]
         t = torch.as_tensor(v)
         stats[ps.subset_name(S)] = {k: t for k in ("w2", "mean_angle", "mean_cosine", "pair_fraction", "clusters")}
-    out = shapley_summary(stats, seed=0, resamples=500)
+    out = shapley_summary(stats, seed=0, resamples=300)
     sh = out["shapley"]["w2"]
     for i in ps.INGREDIENTS:
         for l in (1, 2):

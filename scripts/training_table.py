@@ -44,8 +44,8 @@ def findings(m: dict) -> list:
                 "evidence of parity either: a difference of that size would go unseen)")
     return [
         f"* **Flow vs discrete transformer, same parameter count and budget** ({n} seeds): test accuracy "
-        f"{_pm(acc['flow'], 100)} % (flow) vs {_pm(acc['transformer'], 100)} % (transformer); paired by seed the "
-        f"transformer is {100 * da['mean']:+.2f} ± {100 * da['sem']:.2f} points ahead — {acc_text}.",
+        f"{_pm(acc['flow'], 100)} % (flow) vs {_pm(acc['transformer'], 100)} % (transformer); paired by seed, "
+        f"transformer − flow = {100 * da['mean']:+.2f} ± {100 * da['sem']:.2f} points — {acc_text}.",
         f"* The transformer reaches the lower test loss ({_pm(loss['transformer'], digits=3)} vs "
         f"{_pm(loss['flow'], digits=3)}; paired {dl['mean']:+.4f} ± {dl['sem']:.4f}, lower on {lower} of {n} seeds) "
         f"and takes {r_mean:.1f} ± {r_sem:.1f}× less time per epoch ({_pm(sec['transformer'])} s vs "

@@ -55,3 +55,44 @@ def test_fingerprint_follows_code_not_comments(tmp_path):
     stale = provenance.stale_tables(old)
     assert len(stale) == 1 and "line 2" in stale[0] and "0123456789abcdef" in stale[0]
     assert provenance.read_markers(page)[0] == {"kind": "train_digits", "code": now, "run": "run1", "line": 2}
+
+
+def _summary(values):
+    import statistics
+
+    return {"mean": statistics.fmean(values), "sem": statistics.stdev(values) / len(values) ** 0.5,
+            "seeds": list(values)}
+
+
+def test_training_table_script_renders_the_run_with_its_marker(tmp_path):
+    """scripts/training_table.py: the run's fingerprint in the marker, the paired differences and the counts of
+    seeds read off the per-seed values, the time ratio per seed, and only the marked section replaced."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import training_table
+
+    acc = {"flow": [0.96, 0.97, 0.95], "transformer": [0.97, 0.97, 0.96], "flow_kinetic_0.1": [0.95, 0.96, 0.94]}
+    loss = {"flow": [0.2, 0.1, 0.3], "transformer": [0.1, 0.2, 0.2], "flow_kinetic_0.1": [0.3, 0.2, 0.4]}
+    sec = {"flow": [2.0, 4.0, 3.0], "transformer": [0.5, 1.0, 1.0], "flow_kinetic_0.1": [2.0, 2.0, 2.0]}
+    m = {"code_fingerprint": "0123456789abcdef", "kinetic": "metric",
+         "test_accuracy": {k: _summary(v) for k, v in acc.items()},
+         "test_loss": {k: _summary(v) for k, v in loss.items()},
+         "seconds_per_epoch": {k: _summary(v) for k, v in sec.items()},
+         "parameters": {"flow": 100, "transformer": 101, "flow_kinetic_0.1": 100},
+         "test_kinetic": {"flow": _summary([5.0, 6.0, 7.0]), "flow_kinetic_0.1": _summary([1.0, 1.0, 1.0])},
+         "kinetic_tradeoff": {n: {"accuracy_minus_flow": _summary([a - b for a, b in zip(acc[n], acc["flow"])]),
+                                  "loss_minus_flow": _summary([a - b for a, b in zip(loss[n], loss["flow"])])}
+                              for n in ("flow_kinetic_0.1", "transformer")}}
+    text = training_table.render(m, "r1")
+    assert text.startswith("<!-- table-source: kind=train_digits code=0123456789abcdef run=r1 -->")
+    assert "transformer − flow = +0.67 ± 0.33 points" in text
+    assert "lower on 2 of 3 seeds" in text  # transformer − flow loss: -0.1, +0.1, -0.1
+    assert "takes 3.7 ± 0.3× less time per epoch" in text  # ratios 4, 4, 3
+    assert "| transformer | +0.67 ± 0.33 | -0.0333 ± 0.0667 | 2 of 3 |" in text
+    page = tmp_path / "p.md"
+    page.write_text("a\n<!-- training-results:x:start -->\nold\n<!-- training-results:x:end -->\nb\n")
+    training_table.write(page, "x", text)
+    assert page.read_text() == f"a\n<!-- training-results:x:start -->\n{text}<!-- training-results:x:end -->\nb\n"
+    with pytest.raises(ValueError, match="no '<!-- training-results:y:start -->'"):
+        training_table.write(page, "y", text)

@@ -6,6 +6,7 @@ tp.solve), the network's block (dt = 1 of the continuous LayerNorm sublayers is 
 order 1 in dt, and Shapley values by brute force over the 4! orders of removal."""
 
 import itertools
+from pathlib import Path
 import math
 
 import numpy as np
@@ -156,3 +157,30 @@ def test_reinitialised_architecture_is_seeded_and_fresh():
     s = summarise_seeds(per, [0, 1])
     assert s["x"]["per_seed"] == [[2.0, 2.0], [4.0, 4.0]] and s["x"]["mean"] == [3.0, 3.0]
     assert math.isclose(s["x"]["se"][0], 1.0) and s["seeds"] == [0, 1]
+
+
+@needs_transformers
+def test_surrogate_script_unfitted_is_the_continuous_rung():
+    """scripts/probe_surrogate.py: with its parameters at their start (β factor 1, layer time 1, value gain 1,
+    no feed-forward) the surrogate's rollout is the ladder's continuous rung (tp.solve, a separate path); a
+    feed-forward gain moves it, and the gradient reaches every parameter."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import probe_surrogate
+
+    net = tp.pretrained.load(_tiny("bert"), dtype=torch.float64)
+    states, mask = tp.pretrained.hidden_states(net, _inputs("bert", torch.float64))
+    x0 = torch.nn.functional.normalize(states[0], dim=-1)
+    theta0 = torch.tensor([[0.0, 0.0, 1.0, 0.0]] * net.num_layers, dtype=torch.float64)
+    got = probe_surrogate.rollout(net, x0, mask, theta0, 4)
+    ref = tp.pretrained.ladder(net, states, mask, rungs=("continuous",), dt=1 / 4)["continuous"]
+    m = mask[None, ..., None]
+    assert_close(got[1:] * m * math.sqrt(net.dim), ref[1:] * m, **_tol(states, 400.0))
+    theta = theta0.clone()
+    theta[:, 3] = 0.5
+    theta.requires_grad_(True)
+    moved = probe_surrogate.rollout(net, x0, mask, theta, 4)
+    assert float(((moved.detach() - got) * m).abs().max()) > 1e-3
+    probe_surrogate._loss(moved, torch.nn.functional.normalize(states, dim=-1), mask).backward()
+    assert bool((theta.grad.abs().sum(0) > 0).all())

@@ -85,6 +85,7 @@ LAYERS = [
     # generic diagnostics; closed forms
     {"transformer_pde.analysis.clustering", "transformer_pde.analysis.ensembles", "transformer_pde.analysis.theory",
      "transformer_pde.analysis.pretrained"},
+    {"transformer_pde.analysis.pretrained_subsets"},  # every subset of the ladder's ingredients removed together
     {"transformer_pde.analysis.theory.particles"},  # the particle diagnostics of the theory
     # attention entropy and orthogonal heads; the flat flow and clustering hitting times
     {"transformer_pde.analysis.theory.attention_geometry", "transformer_pde.analysis.theory.flows"},
@@ -94,6 +95,7 @@ LAYERS = [
     {"transformer_pde.application.animation"},
     {"transformer_pde.application.studies"},
     {"transformer_pde.application.studies.claims"},  # the claims list of metrics.json
+    {"transformer_pde.application.studies.provenance"},  # the code fingerprint a published table carries
     {"transformer_pde.application.studies.retrieval"},  # the retrieval profile measured on particles and networks
     {"transformer_pde.application.studies.paper_dtype"},  # the paper study's numbers, float32 against float64
     {"transformer_pde.application.studies.noisy_hysteresis"},  # the hysteresis sweeps of the noisy study
@@ -106,6 +108,8 @@ LAYERS = [
     {"transformer_pde.application.studies.theorems"},  # registers the stability studies; composes studies.jko
     # the pretrained-network probe: its measurements and figures, then the study
     {"transformer_pde.application.studies.probe", "transformer_pde.application.studies.pretrained_figures"},
+    {"transformer_pde.application.studies.probe_subsets",  # the order-free ladder and its Shapley shares
+     "transformer_pde.application.studies.probe_reinit"},  # the architecture re-initialised, side by side
     {"transformer_pde.application.studies.pretrained"},
     # a run's config and limits; the run directory's files; its lock
     {"transformer_pde.application.config", "transformer_pde.application.rundir", "transformer_pde.application.locks"},

@@ -215,6 +215,33 @@ def test_heads_of_a_layer_against_the_networks_own_linear_modules(dtype):
 
 
 @needs_transformers
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_bias_keeping_heads_through_the_homogeneous_route(dtype):
+    """tp.head_outputs / tp.velocity refuse the homogeneous tokens (x, 1) with a message naming the route;
+    tp.pretrained.homogeneous_outputs equals the network's attention (its own Linear modules, biases kept) and
+    homogeneous_velocity its tangent part."""
+    net = tp.pretrained.load(_tiny("bert"), dtype=dtype)
+    sa, out = net.model.encoder.layer[0].attention.self, net.model.encoder.layer[0].attention.output.dense
+    n, d, H, k = 6, net.dim, net.num_heads, net.head_dim
+    r = math.sqrt(d)
+    x = tp.sphere.sample_uniform(n, d, generator=torch.Generator().manual_seed(5), dtype=dtype)
+    keep = tp.layerwise_from_pretrained(net, bias="keep").heads_at(0.5)
+    xt = torch.cat([x, torch.ones(n, 1, dtype=dtype)], -1)
+    for f in (tp.head_outputs, tp.velocity):
+        with pytest.raises(ValueError, match="homogeneous_outputs / homogeneous_velocity"):
+            f(xt, keep)
+    q, kk, v = (m(r * x).reshape(n, H, k).transpose(0, 1) for m in (sa.query, sa.key, sa.value))
+    want = out((torch.softmax(q @ kk.transpose(-1, -2) / math.sqrt(k), -1) @ v).transpose(0, 1).reshape(n, d)) / r
+    got = tp.pretrained.homogeneous_outputs(x, keep)
+    assert got.shape == (H + 1, n, d)
+    assert_close(got.sum(-3), want, **_tol(want))
+    vel = tp.pretrained.homogeneous_velocity(x, keep)
+    assert_close(vel, want - (want * x).sum(-1, keepdim=True) * x, **_tol(want))
+    with pytest.raises(ValueError, match="tokens of dim"):
+        tp.pretrained.homogeneous_outputs(xt, keep)
+
+
+@needs_transformers
 def test_layerwise_from_pretrained_options():
     net = tp.pretrained.load(_tiny("gpt2"))
     theta = tp.layerwise_from_pretrained(net, head_weights="mean", token_norm=2.0)

@@ -382,6 +382,17 @@ def test_quick_study_writes_what_a_checker_needs_and_resumes(tmp_path, minilm):
     assert len(lay["beta_eff"]) == len(lay["lipschitz"]) == L
     assert all(v > 0 for v in lay["lipschitz"]) and all(0 <= v <= 1 for v in lay["energy_increase_fraction"])
     assert all(a >= b - 1e-12 for a, b in zip(lay["kl_uniform"], lay["kl_fit"]))  # β = 0 is one candidate
+    # the order-free ladder: 16 subsets, the network's corner exact, the shares of the gap adding up to 1
+    sub = m["subsets"]
+    assert len(sub["subsets"]) == 16 and max(sub["subsets"]["network"]["w2"]["mean"]) < 1e-5
+    for l in range(1, L + 1):
+        assert abs(sum(sub["shapley"]["w2"][i]["share"][l] for i in sub["ingredients"]) - 1) < 1e-9
+    assert all(sub["shapley"]["w2"][i]["share"][0] is None for i in sub["ingredients"])  # no gap at the embeddings
+    assert len(m["code_fingerprint"]) == 16
+    # the re-initialised architecture: per-seed means, summarised over the default three seeds
+    re = m["reinitialised"]
+    assert re["seeds"] == [0, 1, 2] and len(re["mean_cosine"]["mean"]) == L + 1 and len(re["beta"]["mean"]) == L
+    assert len(re["lipschitz"]["per_seed"]) == 3 and all(v > 0 for row in re["lipschitz"]["per_seed"] for v in row)
     # the docs' tables are rendered from these numbers, into the marked section only
     import sys
     from pathlib import Path
@@ -389,8 +400,10 @@ def test_quick_study_writes_what_a_checker_needs_and_resumes(tmp_path, minilm):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     import pretrained_probe_table as table
 
-    text = table.render(m)
+    text = table.render(m, "probe")
     assert f"| 0 | {m['real']['mean_cosine'][0]:.3f} ± {m['real']['mean_cosine_se'][0]:.3f} |" in text
+    assert text.startswith(f"<!-- table-source: kind=pretrained_probe code={m['code_fingerprint']} run=probe -->")
+    assert "order-free" in text and "| no_ff+sphere+no_bias+continuous |" in text
     page = tmp_path / "page.md"
     page.write_text(f"intro\n{table.START}\nold\n{table.END}\noutro\n", encoding="utf-8")
     table.write(page, text)
@@ -399,7 +412,8 @@ def test_quick_study_writes_what_a_checker_needs_and_resumes(tmp_path, minilm):
     fresh_cfg = {**cfg, "params": {**cfg["params"], "figures": True}}
     fresh_path = execute(fresh_cfg, out_dir=tmp_path, name="fresh", progress=False)
     fresh = json.loads((fresh_path / "metrics.json").read_text())
-    for name in ("depth_curves", "ladder_distances", "layer_probes", "token_clouds"):
+    for name in ("depth_curves", "ladder_distances", "layer_probes", "token_clouds", "subset_shapley",
+                 "trained_vs_reinit"):
         assert (fresh_path / "figures" / f"{name}.png").stat().st_size > 10_000 and name in fresh["figure_captions"]
     for key in ("mean_cosine", "pair_fraction", "clusters"):
         torch.testing.assert_close(torch.tensor(fresh["real"][key]), torch.tensor(m["real"][key]))

@@ -144,3 +144,49 @@ def test_flow_sensitivity_dtype_and_refusals(dtype):
         tp.theory.flow_sensitivity(2 * x, heads, t1=0.2, dt=0.1, direction="descent")
     with pytest.raises(ValueError, match="unbatched"):
         tp.theory.flow_sensitivity(x, tp.Heads.scalar(torch.ones(2, 1, dtype=F64), 3), t1=0.2, dt=0.1, direction="descent")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_non_symmetric_heads_through_forward_mode(dtype):
+    """Non-symmetric heads (the fused pair-block path of the field, whose products write through ``out=``)
+    under forward-mode differentiation: σ_1 of the flow map is realised by ``tp.simulate`` from the data moved
+    along the returned worst direction (central differences, the mass-weighted norm of the displacement), and
+    the rates match central differences of the field.  Before the field declined the fused pass under forward
+    mode, flow_sensitivity raised NotImplementedError here."""
+    heads = tp.Heads.random(2, 3, symmetric=False, scale=0.5, generator=gen(21), dtype=F64).to(dtype)
+    assert not heads.is_symmetric
+    x = tp.sphere.sample_uniform(6, 3, generator=gen(22), dtype=F64).to(dtype)
+    w = torch.full((6,), 1 / 6, dtype=dtype)
+    out = tp.theory.flow_sensitivity(x, heads, t1=0.4, dt=0.05, weights=w, record_every=8, direction="descent")
+    v = out["right"]
+    eps = 1e-3 if dtype == torch.float32 else 1e-6
+    ys = torch.stack([tp.sphere.exp_map(x, eps * v), tp.sphere.exp_map(x, -eps * v)])
+    tr = tp.simulate(ys, heads, t1=0.4, dt=0.05, method="rk4", weights=w, record_every=8, direction="descent",
+                     diagnostics=False)
+    ratio = _wnorm(tr.x[-1, 0] - tr.x[-1, 1], w) / (2 * eps)
+    tol = 5e-3 if dtype == torch.float32 else 1e-6
+    assert_close(ratio, out["singular"][-1, 0], rtol=tol, atol=0)
+    assert float(out["singular"][-1, 0]) > 1.01  # it amplifies: the comparison is not trivial
+    assert bool((out["singular"][:, 0] <= torch.exp(out["log_bound"]) * (1 + 10 * torch.finfo(dtype).eps)).all())
+    # the rates of the field's derivative (jacfwd) against central differences of the fused field
+    r = tp.theory.field_jacobian_rates(x, heads, w, direction="descent")
+    R = tp.sphere.tangent_projection(x, torch.randn(100, *x.shape, generator=gen(23), dtype=F64).to(dtype))
+    V = lambda z: tp.velocity(z, heads, weights=w, direction="descent")  # noqa: E731
+    dV = (V(tp.sphere.normalize(x + eps * R)) - V(tp.sphere.normalize(x - eps * R))) / (2 * eps)
+    q = (R * dV * w[:, None]).sum((-1, -2)) / _wnorm(R, w) ** 2
+    assert float(q.max()) <= float(r["log_norm"]) + (1e-3 if dtype == torch.float32 else 1e-7)
+
+
+def test_forward_mode_of_the_fused_field_against_reverse_mode():
+    """The field of non-symmetric heads differentiated in forward mode (a dual level and ``torch.func.jvp``)
+    equals its reverse-mode derivative: the fused pass steps aside under forward mode instead of raising."""
+    import torch.autograd.forward_ad as fwAD
+    heads = tp.Heads.random(2, 3, symmetric=False, generator=gen(31), dtype=F64)
+    x = tp.sphere.sample_uniform(5, 3, generator=gen(32), dtype=F64)
+    t = torch.randn(5, 3, generator=gen(33), dtype=F64)
+    V = lambda z: tp.velocity(z, heads)  # noqa: E731
+    ref = torch.autograd.functional.jvp(V, x, t)[1]  # reverse mode (the double-backward trick)
+    with fwAD.dual_level():
+        got = fwAD.unpack_dual(V(fwAD.make_dual(x, t))).tangent
+    assert_close(got, ref, rtol=1e-10, atol=1e-12)
+    assert_close(torch.func.jvp(V, (x,), (t,))[1], ref, rtol=1e-10, atol=1e-12)

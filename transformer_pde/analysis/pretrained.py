@@ -40,7 +40,9 @@ from typing import Mapping, Sequence
 import torch
 
 from ..model.backends import kernel_backend
-from ..model.sphere import normalize
+from ..model.field import head_outputs
+from ..model.heads import Heads
+from ..model.sphere import normalize, tangent_projection
 from ..processes.model_files import check_texts, check_token_ids, max_positions
 from ..processes.pretrained import (
     FAMILIES, MINILM_PIP, MINILM_SHA256, LayerWeights, Norm, PretrainedNetwork, layer_heads, layerwise_from_pretrained,
@@ -54,7 +56,8 @@ from ..solvers.solve import solve
 
 __all__ = ["RUNGS", "MODES", "FAMILIES", "MINILM_SHA256", "MINILM_PIP", "Norm", "LayerWeights", "PretrainedNetwork",
            "load", "packaged_minilm", "layer_heads", "layerwise_from_pretrained", "hidden_states",
-           "attention_probabilities", "attention_block", "layer_map", "ladder", "cloud_distances"]
+           "attention_probabilities", "attention_block", "layer_map", "ladder", "cloud_distances",
+           "homogeneous_outputs", "homogeneous_velocity"]
 
 #: the ladder from the network to the PDE, one ingredient removed per rung (module docstring)
 RUNGS = ("network", "no_feedforward", "sphere", "no_bias", "continuous")
@@ -271,6 +274,68 @@ def attention_probabilities(net: PretrainedNetwork, layer: int, x: torch.Tensor,
     qf, kf = _features(u, heads.query[:H]), _features(u, heads.key[:H])  # (B, H, n, k)
     s = heads.beta * (qf @ kf.transpose(-1, -2))
     return torch.softmax(s.masked_fill(~_attention_mask(net, mask), -math.inf), dim=-1)
+
+
+def _homogeneous(x, heads, weights, causal):
+    if not isinstance(heads, Heads):
+        raise TypeError(f"heads must be tp.Heads (layer_heads(..., bias='keep')), got {type(heads).__name__}")
+    if heads.dim != x.shape[-1] + 1:
+        raise ValueError(f"the bias-keeping heads act on (x, 1) in R^{{d+1}}: heads of dim {heads.dim} need tokens "
+                         f"of dim {heads.dim - 1}, got x of shape {tuple(x.shape)}; pass the tokens without the "
+                         f"homogeneous coordinate")
+    xt = torch.cat([x, torch.ones_like(x[..., :1])], -1) / math.sqrt(2.0)  # on the unit sphere of R^{d+1}
+    # ⟨Q̃ x̃, K̃ x̃⟩ = 2⟨Q̃ x̃/√2, K̃ x̃/√2⟩: β doubled on the scaled tokens; the values are linear in x̃
+    out = math.sqrt(2.0) * head_outputs(xt, heads.replace(beta=2 * heads.beta), weights, causal=causal)
+    return out[..., :-1]
+
+
+def homogeneous_outputs(x: torch.Tensor, heads: Heads, weights=None, *, causal: bool = False) -> torch.Tensor:
+    """The per-head outputs f_h(x̃_i) of bias-keeping heads (``layer_heads(..., bias="keep")``,
+    ``layerwise_from_pretrained(..., bias="keep")``) at the homogeneous tokens x̃ = (x, 1), first d coordinates
+    (the last is 0 for every head).  ``tp.head_outputs`` reads tokens on the unit sphere and refuses (x, 1); it
+    is called here on x̃/√2 with β doubled, which gives the same scores, and the outputs are scaled back.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        unit tokens (..., n, d) (z/r of the network's tokens z, r the heads' token norm).
+    heads : Heads
+        H + 1 heads on R^{d+1}.
+    weights : torch.Tensor, optional
+        token weights (..., n) (None: uniform), as :func:`transformer_pde.head_outputs`.
+    causal : bool
+        attend to earlier tokens only (GPT-2).
+
+    Returns
+    -------
+    torch.Tensor
+        (..., H + 1, n, d); summed over heads with ω = 1 it is MHA(r x)/r with the biases.
+
+    Raises
+    ------
+    TypeError, ValueError
+        heads not a Heads, or not of dimension d + 1; what :func:`transformer_pde.head_outputs` refuses.
+    """
+    return _homogeneous(x, heads, weights, causal)
+
+
+def homogeneous_velocity(x: torch.Tensor, heads: Heads, weights=None, *, causal: bool = False) -> torch.Tensor:
+    """The projected field P_x Σ_h ω_h f_h(x̃) on S^{d−1} of bias-keeping heads (the route ``tp.velocity``
+    cannot take for homogeneous tokens: :func:`homogeneous_outputs`, summed over heads with their weights,
+    projected on the tangent space of x).
+
+    Parameters
+    ----------
+    x, heads, weights, causal
+        as :func:`homogeneous_outputs`.
+
+    Returns
+    -------
+    torch.Tensor
+        (..., n, d), tangent at x.
+    """
+    out = _homogeneous(x, heads, weights, causal)
+    return tangent_projection(x, (heads.weights[:, None, None].to(out.dtype) * out).sum(-3))
 
 
 def _sphere(x: torch.Tensor) -> torch.Tensor:

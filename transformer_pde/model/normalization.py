@@ -47,11 +47,16 @@ every function of the model layer); :func:`normalization` is the same without a 
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import ClassVar, Optional, Union
 
 __all__ = ["Normalization", "Softmax", "Unnormalized", "ReLU", "Effective", "SinkhornAttention", "Hardmax",
-           "normalization", "resolve", "NORMALIZATIONS", "names", "choose"]
+           "normalization", "resolve", "NORMALIZATIONS", "names", "choose", "check_sinkhorn_rounds",
+           "MAX_SINKHORN_ITERATIONS"]
+
+#: the most column-and-row rounds a Sinkhorn plan takes (a fixed count above it is refused: use ``tol``)
+MAX_SINKHORN_ITERATIONS = 100_000
 
 
 @dataclass(frozen=True)
@@ -200,10 +205,16 @@ class SinkhornAttention(Normalization):
     """f_h(x_i) = V_h Σ_j P_ij y_j with P the Sinkhorn (doubly stochastic) plan of the kernel (Sinkformers).
 
     In the log domain, with scores s_ij = β⟨x_i, A_h y_j⟩ and token weights w as both marginals:
-    f_i ← −log Σ_j w_j e^{s_ij + g_j} (g = 0: the softmax rows), then ``iterations`` rounds of
+    f_i ← −log Σ_j w_j e^{s_ij + g_j} (g = 0: the softmax rows), then rounds of
     g_j ← −log Σ_i w_i e^{s_ij + f_i} and the row update again; P_ij = e^{s_ij + f_i + g_j} w_j.  Every
-    row sums to one (Σ_j P_ij = 1); the columns reach Σ_i w_i P_ij = w_j as ``iterations`` grows.
-    ``iterations=0`` is softmax; Sinkformers' ``n_it`` (normalisations counted singly) is 2·iterations + 1.
+    row sums to one (Σ_j P_ij = 1); the columns reach Σ_i w_i P_ij = w_j as the rounds go on.  By default
+    (``iterations=None``, also the name ``"sinkhorn"``) the rounds stop once every column's log marginal error
+    is at most ``tol`` (None: 10·ε^{2/3} of the dtype, :func:`transformer_pde.model.plans.sinkhorn_tolerance`),
+    or after ``max_iterations`` rounds with a RuntimeWarning: the converged plan's field.  An int
+    ``iterations=k`` takes exactly k rounds (at most
+    :data:`MAX_SINKHORN_ITERATIONS`; ten rounds leave the field 0.2–3 % from the
+    converged one at β ≈ 1–4): ``iterations=0`` is softmax; Sinkformers' ``n_it`` (normalisations counted
+    singly) is 2·iterations + 1.
     With symmetric heads (V_h = A_h = A_hᵀ) the converged field is the W2 gradient flow of
     Σ_h ω_h ½ OT_{1/β}(μ, μ), the entropic transport cost of μ to itself with cost −⟨x, A_h y⟩
     (docs/model.md#sinkhorn-and-hardmax-attention).  Queries must be the tokens of μ (no ``keys=``);
@@ -215,16 +226,54 @@ class SinkhornAttention(Normalization):
     gradient_flow: ClassVar[str] = ("with symmetric heads (V_h = A_h = A_hᵀ) at convergence: the W2 gradient flow of "
                                     "Σ_h ω_h ½ OT_{1/β}(μ, μ) with cost −⟨x, A_h y⟩ (not of E)")
     reduced: ClassVar[bool] = False
-    iterations: int = 10
+    iterations: Optional[int] = None
+    tol: Optional[float] = None
+    max_iterations: int = 1000
 
     def __post_init__(self):
-        if isinstance(self.iterations, bool) or not isinstance(self.iterations, int) or self.iterations < 0:
-            raise ValueError(f"SinkhornAttention(iterations=...) must be an int >= 0 (column-and-row rounds after "
-                             f"the first row normalisation), got {self.iterations!r}")
+        try:
+            check_sinkhorn_rounds(self.iterations, self.tol, self.max_iterations)
+        except ValueError as e:
+            raise ValueError(f"SinkhornAttention(iterations={self.iterations!r}, tol={self.tol!r}, "
+                             f"max_iterations={self.max_iterations!r}): {e}") from None
 
     def outputs(self, kernel):
         """f_h = V_h Σ_j P_ij y_j, P the Sinkhorn plan (see :meth:`Normalization.outputs`)."""
-        return kernel.plan_mean("sinkhorn", iterations=self.iterations)
+        return kernel.plan_mean("sinkhorn", iterations=self.iterations, tol=self.tol,
+                                max_iterations=self.max_iterations)
+
+
+def check_sinkhorn_rounds(iterations, tol, max_iterations) -> None:
+    """Refuse a Sinkhorn schedule that is not a count, a tolerance or a cap (ValueError naming the fix).
+
+    Parameters
+    ----------
+    iterations : int or None
+        a fixed count (0 … :data:`MAX_SINKHORN_ITERATIONS`) or None (stop at ``tol``).
+    tol : float or None
+        a finite tolerance > 0 or None (dtype default); only with ``iterations`` None.
+    max_iterations : int
+        the cap with ``iterations`` None (1 … :data:`MAX_SINKHORN_ITERATIONS`).
+
+    Raises
+    ------
+    ValueError
+        anything else."""
+    cap = MAX_SINKHORN_ITERATIONS
+    if iterations is not None:
+        if isinstance(iterations, bool) or not isinstance(iterations, int) or not 0 <= iterations <= cap:
+            raise ValueError(f"Sinkhorn iterations must be None (stop at a tolerance) or an int in [0, {cap}] "
+                             f"(column-and-row rounds after the first row normalisation), got {iterations!r}; for "
+                             f"a converged plan leave iterations=None and set tol=")
+        if tol is not None:
+            raise ValueError("Sinkhorn attention takes either a fixed number of iterations or a tolerance tol, not "
+                             "both; pass iterations=None with tol=")
+    if tol is not None and (isinstance(tol, bool) or not isinstance(tol, (int, float)) or not math.isfinite(tol)
+                            or tol <= 0):
+        raise ValueError(f"Sinkhorn tol must be a finite float > 0 (the columns' log marginal error), got {tol!r}")
+    if isinstance(max_iterations, bool) or not isinstance(max_iterations, int) or not 1 <= max_iterations <= cap:
+        raise ValueError(f"Sinkhorn max_iterations must be an int in [1, {cap}] (the cap on the rounds when "
+                         f"stopping at tol), got {max_iterations!r}")
 
 
 @dataclass(frozen=True)

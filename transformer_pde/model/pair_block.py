@@ -276,6 +276,15 @@ class _Sweep:
     moment: Optional[torch.Tensor] = None
 
 
+def _forward_mode() -> bool:
+    """True inside a functorch transform (``torch.func.jacfwd``, ``jvp``, ``vmap``) or a forward-AD dual level,
+    where the pass's ``out=`` products raise (tensors there may carry tangents or batch dims the buffers lack)."""
+    functorch = getattr(torch._C, "_functorch", None)
+    if functorch is not None and functorch.maybe_current_level() is not None:
+        return True
+    return getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0
+
+
 def _sweep(x, weights, prep: _Prep, what: dict) -> Optional[_Sweep]:
     """The pass of :func:`pair_block` over the blocks of systems; ``what``: columns (bool), causal (bool),
     maps (the diagnostics' head maps of :func:`_prepare`, or None), moment and grad (bools, with maps; grad
@@ -284,11 +293,12 @@ def _sweep(x, weights, prep: _Prep, what: dict) -> Optional[_Sweep]:
     the row, column and prefix sums are not kept (the column term of the gradient is one product Eᵀ Y with
     Y_ih = ½ω_h w_i A_hᵀ x_i, the query features rescaled, or Eᵀ Q times one number when ½ω_h w_i/β is
     the same for every head, token and system: no column sums are formed).  None where the score bound
-    fails or autograd is on."""
+    fails, autograd is on, or forward-mode differentiation or a functorch transform is (the pass writes
+    into buffers through ``out=`` products, which forward mode does not support)."""
     n, d = x.shape[-2:]
     qa = prep.qa
     H = qa.shape[-1] // d
-    if needs_grad(x, qa, weights):
+    if needs_grad(x, qa, weights) or _forward_mode():
         return None
     r2 = float(torch.linalg.vector_norm(x.detach(), dim=-1).max()) ** 2 if x.numel() else 0.0
     if not prep.bound * r2 <= exp_safe_limit(x.dtype, n):  # also False for NaN

@@ -94,9 +94,13 @@ def check_tokens(x, name: str = "x") -> torch.Tensor:
     err = (x.norm(dim=-1) - 1).abs().max().item()
     tol = sphere_tolerance(x.dtype)
     if err > tol:
+        hint = ""
+        if d > 2 and bool(((x[..., -1] - 1).abs() <= tol).all()):  # homogeneous tokens (x, 1)
+            hint = (" (tokens (x, 1) of bias-keeping heads, layerwise_from_pretrained(bias='keep'): normalising "
+                    "them changes the scores; use tp.pretrained.homogeneous_outputs / homogeneous_velocity)")
         raise ValueError(
             f"{name} is not on the unit sphere: max | |x|-1 | = {err:.1e} > {tol:.0e}; "
-            f"normalise with x / x.norm(dim=-1, keepdim=True)"
+            f"normalise with x / x.norm(dim=-1, keepdim=True){hint}"
         )
     return x
 

@@ -2,7 +2,9 @@
 
 Each claim is a dict ``{"name", "value", "error", "seeds", "reference", "holds"}``: the value, its standard
 error over ``seeds`` independent seeds (or a bootstrap half-width; 0 only for a deterministic quantity), the
-theory value or bound it is compared with (None when there is none) and the study's own verdict.  Studies
+theory value or bound it is compared with (None when there is none) and the study's own verdict, which a claim
+without a reference never carries (``holds`` None: a number with nothing to compare it with holds or fails
+nothing).  Studies
 write the list under ``metrics["claims"]``; ``scripts/render_claims.py`` turns it into a markdown table.
 """
 
@@ -44,10 +46,12 @@ def _num(x):
 
 
 def claim(name: str, value, error, seeds: int, reference=None, holds: Optional[bool] = None, **extra) -> Dict:
-    """One claim (module docstring); non-finite numbers become None (JSON null), and a claim whose value is
-    undefined has no verdict (``holds`` None, whatever the study judged)."""
+    """One claim (module docstring); non-finite numbers become None (JSON null), and a claim whose value or
+    reference is undefined or absent has no verdict (``holds`` None, whatever the study judged)."""
+    ref = _num(reference)
+    verdict = None if holds is None or _num(value) is None or ref is None else bool(holds)
     out = {"name": str(name), "value": _num(value), "error": _num(error), "seeds": int(seeds),
-           "reference": _num(reference), "holds": None if holds is None or _num(value) is None else bool(holds)}
+           "reference": ref, "holds": verdict}
     out.update(extra)
     return out
 

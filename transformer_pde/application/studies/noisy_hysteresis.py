@@ -149,7 +149,8 @@ def _spinodal_claims(hb):
         s2 = tc.spinodal(hb, d, modes=_MODES // 2)
         err = abs(s["ratio"] - s2["ratio"])  # numerical (modes K vs K/2); the quantity is deterministic
         out.append(claim(f"mean-field spinodal T_s/T_c, beta={hb:g}, {name} (continuation)", s["ratio"], err, 0,
-                         reference=None, holds=bool(s["first_order"] == (tn.landau_coefficient(hb, d) < 0)),
+                         reference=None, holds=None,
+                         first_order_as_landau=bool(s["first_order"] == (tn.landau_coefficient(hb, d) < 0)),
                          m_at_fold=s["m"]))
     return out
 

@@ -50,6 +50,9 @@ from . import Option, at_least, dtype_of, fingerprint, load_segment, positive, s
 from .probe import cloud_statistics, factored_log_energy, fit_effective_beta, select_sentences, sentence_w2, \
     standard_error, top_singular_value, topic_sentences
 from .pretrained_figures import figures
+from .provenance import code_fingerprint
+from .probe_reinit import reinit_figure, reinit_statistics, reinitialised, summarise_seeds
+from .probe_subsets import SUBSET_METRICS, shapley_figure, shapley_summary, subset_statistics
 from ...processes.model_files import check_model_folder, package_zip, weights_fingerprint
 
 log = logging.getLogger(__name__)
@@ -97,6 +100,16 @@ OPTIONS = {
                              "than this, relative", check=lambda v: None if v > 0 else "must be > 0"),
     "pca_sentence": Option(0, (int,), "index (in the selection) of the sentence drawn as a token cloud",
                            check=lambda v: None if v >= 0 else "must be >= 0"),
+    "subsets": Option(True, (bool,), "the order-free ladder: every subset of the four ingredients (feed-forward, "
+                      "LayerNorm, biases, discrete time) removed together, rolled out from the embeddings, and each "
+                      "ingredient's Shapley share of the gap (post-LN networks)"),
+    "bootstrap": Option(1000, (int,), "bootstrap resamples (over sentences) of the Shapley values and shares",
+                        check=at_least(100)),
+    "reinit_seeds": Option([0, 1, 2], (list,), "seeds of the re-initialised architecture (AutoModel.from_config: "
+                           "the configuration's own initialiser) probed side by side with the trained network; [] = "
+                           "none", check=lambda v: None if all(isinstance(s, int) and not isinstance(s, bool)
+                                                               and s >= 0 for s in v) and len(set(v)) == len(v)
+                           else "must be a list of distinct integer seeds >= 0"),
     "figures": Option(True, (bool,), "write the figures"),
     "dtype": Option("float32", (str,), "floating dtype of the network and the probe",
                     choices=("float32", "float64")),
@@ -254,6 +267,11 @@ def _bucket(net, heads_layers, texts, p, pca_at):
         timing["distances"] = timing.get("distances", 0.0) + time.perf_counter() - t0
         if pca_at is not None:
             out.setdefault("pca", {})[rung] = pred[:, pca_at, : int(mask[pca_at].sum())]
+    if p["subsets"]:
+        t0 = time.perf_counter()
+        out["subsets"] = subset_statistics(net, states, mask, dt=p["dt"], radius=p["radius"],
+                                           reuse=out["rungs"] if p["mode"] == "rollout" else None)
+        timing["subsets"] = time.perf_counter() - t0
     if pca_at is not None:
         n = int(mask[pca_at].sum())
         out["pca"]["real"] = states[:, pca_at, :n]
@@ -313,12 +331,16 @@ def run_pretrained_probe(params, run):
     """Probe a pretrained network's hidden states against the mean-field picture (module docstring)."""
     p = params
     _validate(p)
+    code = code_fingerprint("pretrained_probe")  # the code this run's numbers come from (provenance of the tables)
     dtype = dtype_of(p)
     t_start = time.perf_counter()
     texts = select_sentences(p["sentences"], p["seed"])
     _write_text(run.path / "sentences.txt", "\n".join(texts) + "\n")  # one input per line, as fed to the tokenizer
     folder = _folder(p)
     net = tp.pretrained.load(folder, dtype=dtype)
+    if p["subsets"] and net.norm != "post":
+        raise ValueError(f"config key 'subsets' = true covers post-LN networks (the BERT family); {p['model']!r} is "
+                         f"{net.norm}-LN: run with -o subsets=false")
     # the heads of the continuous rung: biases dropped, ω_h = 1, β = d/√k (tokens of norm √d)
     heads_layers = [tp.pretrained.layer_heads(lw, bias="drop", token_norm=math.sqrt(net.dim)) for lw in net.layers]
     # the stored buckets belong to these texts, parameters and weights (the model folder's files, by content)
@@ -361,10 +383,28 @@ def run_pretrained_probe(params, run):
         run.save_tensors("lipschitz", lip)
         if run.step_callback is not None:
             run.step_callback("lipschitz", 0, 0.0)
-    metrics = _metrics(p, net, parts, lip, texts, time.perf_counter() - t_start)
+    reinit = []
+    for seed in p["reinit_seeds"]:
+        tag = f"reinit_{seed}"
+        seg = _stored(run, tag, fp, weights, folder, ("mean_cosine", "beta", "lipschitz"))
+        if seg is None:
+            t0 = time.perf_counter()
+            seg = reinit_statistics(reinitialised(net, seed), texts, p, _lipschitz_subset(p))
+            log.info("[%s] the architecture re-initialised (seed %d) probed in %.1f s", tag, seed,
+                     time.perf_counter() - t0)
+            seg.update({"kind": "transformer_pde.pretrained_probe.segment", "fingerprint": fp, "weights": weights})
+            run.save_tensors(tag, seg)
+        reinit.append({k: seg[k] for k in ("mean_cosine", "clusters", "beta", "lipschitz")})
+    metrics = {"code_fingerprint": code, **_metrics(p, net, parts, lip, texts, time.perf_counter() - t_start)}
+    if reinit:
+        metrics["reinitialised"] = summarise_seeds(reinit, p["reinit_seeds"])
     if p["figures"]:
         pca = next(part for part in parts if "pca" in part)
         figures(run, p, metrics, pca["pca"], pca["pca_tokens"], texts[p["pca_sentence"]])
+        if p["subsets"]:
+            shapley_figure(run, p, metrics)
+        if metrics.get("reinitialised"):
+            reinit_figure(run, p, metrics)
     return metrics
 
 
@@ -412,7 +452,12 @@ def _metrics(p, net, parts, lip, texts, wall):
                f"error over sentences",
                f"W2 to the real final tokens ({p['mode']}): " + ", ".join(
                    f"{r} {ladder[r]['w2'][-1]:.3g}" for r in p["rungs"]) + f" (network map: {last:.2g})"]
-    return {"model": {"source": p["model"], "family": net.family, "norm": net.norm, "causal": bool(net.causal),
+    subsets = None
+    if p["subsets"]:
+        names = parts[0]["subsets"].keys()
+        subsets = shapley_summary({n: {k: _merge(parts, ("subsets", n, k)) for k in SUBSET_METRICS} for n in names},
+                                  seed=p["seed"], resamples=p["bootstrap"])
+    return {"subsets": subsets, "model": {"source": p["model"], "family": net.family, "norm": net.norm, "causal": bool(net.causal),
                       "layers": L, "dim": net.dim, "heads": net.num_heads, "head_dim": net.head_dim},
             "text": {"source": "pydoc_data.topics", "python": platform.python_version(), "sentences": len(texts),
                      "sha256": hashlib.sha256("\n".join(texts).encode()).hexdigest(),

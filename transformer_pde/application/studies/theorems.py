@@ -179,8 +179,9 @@ def run_omega_limit(params, run) -> Dict[str, object]:
         v, e, _ = ensemble(decay.tolist())
         m["residual_decay"], m["residual_decay_stderr"] = v, e
         integrable = name in ("layerwise", "damped")
-        claims.append(claim(f"{name}: residual velocity against the limit weights, late/early ratio", v, e, S,
-                            reference=None, holds=bool(v + 2 * e < 0.5) if integrable else None))
+        claims.append(claim(f"{name}: residual velocity against the limit weights, late/early ratio (integrable: < 0.5)",
+                            v, e, S, reference=0.5 if integrable else None,
+                            holds=bool(v + 2 * e < 0.5) if integrable else None))
         if "hessian_eigs" in out:
             ev = out["hessian_eigs"] * stable_sign  # (S, dof)
             tol = 1e-6 * ev.abs().max(-1, keepdim=True).values

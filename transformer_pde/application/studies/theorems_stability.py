@@ -264,11 +264,12 @@ def run_stability_data(params, run) -> Dict[str, object]:
         claims.append(claim(f"{proc}: bound tightness max_t bound/sigma_1", v, e, S, reference=p["tightness"],
                             holds=bool(tight.max() <= p["tightness"]), worst=float(tight.max())))
         v, e, _ = ensemble((lip[:, -1] / sig[:, -1]).tolist())
-        claims.append(claim(f"{proc}: local-Lipschitz bound exp(int ||DV||)/sigma_1 at T", v, e, S, reference=None,
+        claims.append(claim(f"{proc}: local-Lipschitz bound exp(int ||DV||)/sigma_1 at T (bound: >= 1)", v, e, S,
+                            reference=1.0,
                             holds=bool((lip >= sig * (1 - 1e-6)).all())))
         v, e, _ = ensemble((glog[:, -1] / math.log(10) - torch.log10(sig[:, -1])).tolist())
-        claims.append(claim(f"{proc}: log10 of the global Grönwall factor over sigma_1 at T", v, e, S,
-                            reference=None, holds=bool(v >= 0)))
+        claims.append(claim(f"{proc}: log10 of the global Grönwall factor over sigma_1 at T (bound: >= 0)", v, e, S,
+                            reference=0.0, holds=bool(v >= 0)))
         v, e, _ = ensemble((rnd / sig)[:, -1].tolist())
         claims.append(claim(f"{proc}: max over {p['directions']} random directions / sigma_1 at T", v, e, S,
                             reference=1.0, holds=bool(((rnd / sig) <= 1 + 1e-6).all())))
@@ -470,11 +471,11 @@ def run_stability_weights(params, run) -> Dict[str, object]:
         claims.append(claim(f"{kind}: constant sup_t W2/eps at eps = {eps[-1]:g} (bound: Duhamel along the run)",
                             v, e, S, reference=float(C_loc[:, -1].mean()), holds=ok))
         v, e, _ = ensemble((C_loc_all[:, -1] / C[:, -1]).tolist())
-        claims.append(claim(f"{kind}: Duhamel bound / measured constant", v, e, S, reference=None,
+        claims.append(claim(f"{kind}: Duhamel bound / measured constant (bound: >= 1)", v, e, S, reference=1.0,
                             holds=bool(v >= 1) if measured else None))
         v, e, _ = ensemble(((log_C_glob[:, -1] - torch.log(C[:, -1])) / math.log(10)).tolist())
-        claims.append(claim(f"{kind}: log10 of the global (Lipschitz-Grönwall) estimate over the measured constant",
-                            v, e, S, reference=None, holds=bool(v >= 0) if measured else None))
+        claims.append(claim(f"{kind}: log10 of the global (Lipschitz-Grönwall) estimate over the measured constant "
+                            "(bound: >= 0)", v, e, S, reference=0.0, holds=bool(v >= 0) if measured else None))
         v, e, _ = ensemble(frac.tolist())
         claims.append(claim(f"{kind}: part of sup_t |E^eps - E| due to the flow (eps = {eps[-1]:g})", v, e, S,
                             reference=None, holds=None))

@@ -42,6 +42,7 @@ import torch
 import transformer_pde as tp
 
 from ...utils import threads
+from .provenance import code_fingerprint
 from . import (Option, at_least, nonnegative, panel, positive, save_captioned, segment_bar, study, subplots,
                unique_nonempty)
 
@@ -404,6 +405,7 @@ def _summary(values) -> dict:
        "with the kinetic regulariser λ∫𝒢²dt", validate=_validate, resources=_resources)
 def train_digits(p, run):
     """Train the flow, the discrete transformer and the flows at each λ from every seed (module docstring)."""
+    code = code_fingerprint("train_digits")  # the code this run's numbers come from (provenance of the tables)
     dtype = {"float32": torch.float32, "float64": torch.float64}[p["dtype"]]
     data = load_digit_tokens(p["tokens"], test_fraction=p["test_fraction"], split_seed=p["split_seed"], dtype=dtype)
     if p["train_limit"]:
@@ -417,7 +419,7 @@ def train_digits(p, run):
                 bar.update(1)
     metrics = {"test_accuracy": {}, "test_loss": {}, "parameters": {}, "seconds_per_epoch": {}, "test_kinetic": {},
                "history": {}, "split": {"train": len(data["y_train"]), "test": len(data["y_test"])},
-               "kinetic": p["kinetic"]}
+               "kinetic": p["kinetic"], "code_fingerprint": code}
     for name in names:
         recs = [results[name, s]["records"] for s in seeds]
         metrics["test_accuracy"][name] = _summary([r[-1]["test_accuracy"] for r in recs])
@@ -551,7 +553,7 @@ def results_table(metrics: dict) -> str:
                     f"{pg(kin) if kin else '—'} | {pg(act) if act else '—'} | "
                     f"{pm(d['final_mean_cosine']) if d else '—'} | "
                     f"{pm(d['final_clusters'], digits=2) if d else '—'} | {pg(d['energy_change']) if d else '—'} | "
-                    f"{metrics['seconds_per_epoch'][name]['mean']:.2f} |")
+                    f"{pm(metrics['seconds_per_epoch'][name], digits=2)} |")
     n = len(next(iter(metrics["test_accuracy"].values()))["seeds"])
     kind = metrics.get("kinetic", "metric")
     return "\n".join(rows) + (f"\n\nmean ± standard error over {n} seeds; flow_kinetic_λ trained with λ × "

@@ -29,7 +29,7 @@ def test_the_regenerated_pages_carry_markers():
 
 
 def test_fingerprint_follows_code_not_comments(tmp_path):
-    """The fingerprint ignores docstrings, comments and blank lines, and changes with any change of code; a page
+    """The fingerprint ignores docstrings, comments, blank lines and import statements, and changes with any change of code; a page
     whose marker holds another fingerprint is reported stale."""
     mod = tmp_path / "m.py"
     cfg = tmp_path / "c.toml"
@@ -40,7 +40,10 @@ def test_fingerprint_follows_code_not_comments(tmp_path):
     mod.write_text('"""other doc"""\nimport math\n\n# a comment\ndef f(x):\n    return math.sin(x)\n')
     cfg.write_text("# another comment\n\nn = 3\n")
     assert provenance.code_fingerprint("x", tmp_path, files) == a
-    mod.write_text('import math\n\n\ndef f(x):\n    return math.cos(x)\n')
+    # the same code with its names imported from elsewhere (a module moved), inside a function too
+    mod.write_text('from math import sin\nimport os\n\n\ndef f(x):\n    return math.sin(x)\n')
+    assert provenance.code_fingerprint("x", tmp_path, files) == a
+    mod.write_text('import math\n\n\ndef f(x):\n    import math\n    return math.cos(x)\n')
     b = provenance.code_fingerprint("x", tmp_path, files)
     assert b != a and len(b) == 16
     cfg.write_text("n = 4\n")

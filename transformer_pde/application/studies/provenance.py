@@ -5,8 +5,9 @@ A study records :func:`code_fingerprint` of its :data:`TABLE_SOURCES` entry in i
 comment above the table (:func:`marker`), and a test recomputes the fingerprint from the working tree and
 fails when they differ: the table was made by a run of older code than the modules it depends on now.
 
-The fingerprint hashes each module's syntax tree without its docstrings (``ast.dump``), so that a change of
-comments, docstrings or layout leaves it alone, while any change of code does not.  The modules listed are the
+The fingerprint hashes each module's syntax tree without its docstrings and import statements (``ast.dump``),
+so that a change of comments, docstrings, layout or of where a name is imported from (a module moved) leaves it
+alone, while any change of code does not.  The modules listed are the
 study's own and those it calls for the numbers it quotes (not the whole library: a solver refactor that keeps
 the results equal is checked by the solvers' tests, not by regenerating every table).
 """
@@ -39,6 +40,12 @@ _MARKER = re.compile(r"<!-- table-source: kind=(?P<kind>[\w-]+) code=(?P<code>[0
 
 
 def _strip_docstrings(tree: ast.AST) -> ast.AST:
+    for node in ast.walk(tree):  # import statements first: where a name comes from is not the code's arithmetic
+        for field in ("body", "orelse", "finalbody"):
+            block = getattr(node, field, None)
+            if isinstance(block, list) and any(isinstance(b, (ast.Import, ast.ImportFrom)) for b in block):
+                kept = [b for b in block if not isinstance(b, (ast.Import, ast.ImportFrom))]
+                setattr(node, field, kept or ([ast.Pass()] if field == "body" else []))
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body \

@@ -560,3 +560,25 @@ def results_table(metrics: dict) -> str:
                                f"{'∫𝒢²dt' if kind == 'metric' else 'the action Σ‖Δx‖²/Δt'}.")
 
 
+def tradeoff_table(metrics: dict) -> str:
+    """A markdown table of the paired (same seed) differences model − flow of a ``train_digits`` metrics.json:
+    test accuracy (percentage points) and test loss, mean ± standard error over seeds, with the seeds on which
+    the model's test loss is lower than the flow's.
+
+    Parameters
+    ----------
+    metrics : dict
+        the parsed metrics.json of a train_digits run.
+
+    Returns
+    -------
+    str
+        the table, one compared model per row."""
+    rows = ["| model − flow (paired by seed) | Δ test accuracy (points) | Δ test loss | seeds with lower test loss |",
+            "|---|---|---|---|"]
+    for name, d in metrics["kinetic_tradeoff"].items():
+        acc, loss = d["accuracy_minus_flow"], d["loss_minus_flow"]
+        lower = sum(v < 0 for v in loss["seeds"])
+        rows.append(f"| {name} | {100 * acc['mean']:+.2f} ± {100 * acc['sem']:.2f} | {loss['mean']:+.4f} ± "
+                    f"{loss['sem']:.4f} | {lower} of {len(loss['seeds'])} |")
+    return "\n".join(rows)

@@ -3,7 +3,7 @@
 Parses every module of transformer_pde with ``ast`` (module-level and function-level imports
 alike, so a "lazy" import inside a function counts) and checks
 
-* the sub-package order of ARCHITECTURE.md: utils < model < processes < solvers < nn < analysis <
+* the sub-package order of ARCHITECTURE.md: utils < model < processes < dynamics < solvers < nn < analysis <
   the facade (``transformer_pde/__init__.py``) < application; a module imports only from its own
   sub-package or lower ones;
 * the finer layer order inside them (``LAYERS``): a module imports only modules of strictly
@@ -51,13 +51,15 @@ LAYERS = [
     {"transformer_pde.processes.model_files"},  # a pretrained network's files: the shared cache, the reading checks
     {"transformer_pde.processes.nn", "transformer_pde.processes.pretrained"},
     {"transformer_pde.processes"},  # the package re-exports the weight processes
-    # the layer-normalisation schemes (the step's geometry); Butcher tableaux; Trajectory and the errors
-    {"transformer_pde.solvers.layernorm", "transformer_pde.solvers.tableaux", "transformer_pde.solvers.trajectory"},
+    # what a solve integrates: the layer-normalisation schemes (the step's geometry); the token noise
+    {"transformer_pde.dynamics", "transformer_pde.dynamics.layernorm", "transformer_pde.dynamics.noise"},
+    {"transformer_pde.dynamics.model"},  # Model: Θ_t, normalisation, geometry, token noise
+    # Butcher tableaux; Trajectory and the errors
+    {"transformer_pde.solvers.tableaux", "transformer_pde.solvers.trajectory"},
     {"transformer_pde.solvers.lbfgs"},  # Riemannian L-BFGS on a product of spheres (the JKO's inner solver)
-    {"transformer_pde.solvers", "transformer_pde.solvers.parts", "transformer_pde.solvers.noise",
+    {"transformer_pde.solvers", "transformer_pde.solvers.parts",
      "transformer_pde.solvers.options", "transformer_pde.solvers.recorded"},
     {"transformer_pde.solvers.loop"},  # the run loop of every stepping solver (progress, callbacks, checkpoints)
-    {"transformer_pde.solvers.model"},  # Model: Θ_t, normalisation, geometry, token noise
     {"transformer_pde.solvers.methods"},  # the solver objects
     {"transformer_pde.solvers.evaluator"},  # the field evaluation and common scale of a particle solve
     {"transformer_pde.solvers.fixed_step", "transformer_pde.solvers.adaptive"},  # the particle solves
@@ -116,7 +118,7 @@ LAYERS = [
 RANK = {m: i for i, layer in enumerate(LAYERS) for m in layer}
 
 # the sub-packages, lowest first; the facade (transformer_pde/__init__.py) sits between analysis and application
-SUBPACKAGES = ["utils", "model", "processes", "solvers", "nn", "analysis", "", "application"]
+SUBPACKAGES = ["utils", "model", "processes", "dynamics", "solvers", "nn", "analysis", "", "application"]
 
 
 def subpackage_rank(module: str) -> int:
@@ -183,7 +185,7 @@ def test_subpackages_import_downwards_only():
 def test_every_module_lives_in_a_subpackage():
     """The package root holds only the facade; every other module belongs to a layer's sub-package."""
     root = sorted(p.name for p in PKG.glob("*.py") if p.name != "__init__.py")
-    assert not root, f"move these into utils/, model/, processes/, solvers/, analysis/ or application/: {root}"
+    assert not root, f"move these into utils/, model/, processes/, dynamics/, solvers/, analysis/ or application/: {root}"
     assert sorted(p.name for p in PKG.iterdir() if p.is_dir() and (p / "__init__.py").exists()) == sorted(
         s for s in SUBPACKAGES if s)
 
@@ -240,7 +242,7 @@ def test_no_private_name_crosses_modules():
 
 @pytest.mark.parametrize("module", ["model.field", "model.transport", "model.heads", "model.backends", "model.moments",
                                     "model.softmax", "solvers.particle",
-                                    "solvers.parts", "solvers.layernorm", "solvers.lbfgs", "solvers.jko_lagrangian",
+                                    "solvers.parts", "dynamics.layernorm", "solvers.lbfgs", "solvers.jko_lagrangian",
                                     "solvers.jko_eulerian"])
 def test_internal_api_is_named_and_exists(module):
     import importlib

@@ -154,7 +154,7 @@ def test_jko_keyword_errors_are_worded_in_its_keywords():
 # ---------------------------------------------------------------------------- the geometry seam
 def test_the_lagrangian_line_search_retracts_with_the_models_geometry():
     @dataclasses.dataclass(frozen=True)
-    class Counting(tp.solvers.layernorm.Projected):
+    class Counting(tp.dynamics.layernorm.Projected):
         calls: list = dataclasses.field(default_factory=list)
 
         def retract(self, x):

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from transformer_pde.solvers.layernorm import Projected
+from transformer_pde.dynamics.layernorm import Projected
 from transformer_pde.solvers.lbfgs import TRUST_RADIUS, minimize
 from transformer_pde.model.sphere import normalize, sample_uniform, tangent_projection
 from conftest import gen

@@ -27,11 +27,11 @@ from .processes.weights import Constant, Custom, Layerwise, OrnsteinUhlenbeck, O
 from .solvers.particle import simulate
 from .solvers.tableaux import METHODS, TABLEAUX, ButcherTableau
 from .solvers.trajectory import NonFiniteError, Trajectory
-from .solvers.layernorm import LAYER_NORMS, NGPT, LayerNormScheme, PeriLN, PostLN, PreLN, Projected, simuformer_scheme
-from .solvers.noise import TokenNoise
+from .dynamics.layernorm import LAYER_NORMS, NGPT, LayerNormScheme, PeriLN, PostLN, PreLN, Projected, simuformer_scheme
+from .dynamics.noise import TokenNoise
 from .model.normalization import Effective, Hardmax, Normalization, ReLU, SinkhornAttention, Softmax, Unnormalized
 from .model.positional import ALiBi, KineticDecay, PositionalBias, PositionKernel
-from .solvers.model import Model
+from .dynamics.model import Model
 from .solvers.methods import EMD, Identity, RiemannianLBFGS, Sinkhorn, Solver, TransportTerm
 from .solvers.jko_methods import EulerianJKO, LagrangianJKO
 from .solvers.particle import RK4, Dopri5, Euler, FixedStep, Heun

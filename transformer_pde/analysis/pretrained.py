@@ -48,7 +48,7 @@ from ..processes.pretrained import (
 )
 from ..processes.weights import Constant, Layerwise
 from ..solvers.particle import Euler
-from ..solvers.model import Model
+from ..dynamics.model import Model
 from ..solvers.options import LedgerOptions, SaveAt
 from ..solvers.solve import solve
 

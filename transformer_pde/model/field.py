@@ -96,7 +96,7 @@ class FieldEval:
         the diagnostics did not need it: the merged fused kernel).
     energy, slope, dissipation: (...,) or None (when diagnostics=False).
     ambient:  (..., n, d) the signed field before the tangent projection, s · Σ_h ω_h f_h (what a
-        layer-normalisation scheme adds to the residual stream, :mod:`transformer_pde.solvers.layernorm`).
+        layer-normalisation scheme adds to the residual stream, :mod:`transformer_pde.dynamics.layernorm`).
     """
 
     velocity: torch.Tensor

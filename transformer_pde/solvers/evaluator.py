@@ -34,7 +34,7 @@ class Evaluator:
         the registry); ``sign``: the direction's sign; ``noisy``: the second moment for the Itô terms;
         ``causal``, ``chunk_elements`` as :func:`transformer_pde.evaluate`; ``energy_log_scale``: the
         given common scale c (None: fixed at t0 by :meth:`fix_scale`); ``fused``: a
-        :class:`~transformer_pde.solvers.layernorm.FusedUpdate` for the tokens-only evaluations of a layer map
+        :class:`~transformer_pde.dynamics.layernorm.FusedUpdate` for the tokens-only evaluations of a layer map
         (None: none); ``ledger``: False when the evaluations with diagnostics serve records only (no Itô
         term, no second moment); ``pairing``: False when no rate of the heads is paired with the statistics
         (no ledger moment); ``scale``: the common scale of a resumed run (c and the largest log-partition at t0,

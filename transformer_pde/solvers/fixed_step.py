@@ -30,8 +30,8 @@ from ..model.heads import broadcast_shapes
 from ..model.normalization import NORMALIZATIONS, normalization as as_normalization
 from ..processes.driver import WeightDriver
 from .evaluator import Evaluator, RunParts
-from .layernorm import FusedUpdate, geometry_densities
-from .noise import noise_martingale
+from ..dynamics.layernorm import FusedUpdate, geometry_densities
+from ..dynamics.noise import noise_martingale
 from .loop import ParticleState, Run
 from .parts import LEDGER_KEYS, Ledger, Recorder, callable_signature, partial_density, process_parts
 from .tableaux import TABLEAUX, ButcherTableau

@@ -87,8 +87,8 @@ from .jko_methods import EulerianJKO, LagrangianJKO
 from .jko_problem import VARIANTS
 from .jko_run import JKOConvergenceError
 from .methods import EMD, Identity, RiemannianLBFGS, Sinkhorn, TransportTerm
-from .model import Model
-from .noise import TokenNoise
+from ..dynamics.model import Model
+from ..dynamics.noise import TokenNoise
 from .options import LedgerOptions, Limits, Progress, SaveAt
 from .solve import solve
 from .trajectory import Trajectory

@@ -20,7 +20,7 @@ from ..utils.validation import check_bool, check_int, check_positive
 from .jko_problem import check_problem
 from .jko_run import JKORun
 from .methods import EMD, RiemannianLBFGS, Solver, TransportTerm
-from .model import Model
+from ..dynamics.model import Model
 from .options import SolveOptions
 
 __all__ = ["LagrangianJKO", "EulerianJKO"]

@@ -32,7 +32,7 @@ from ..processes.weights import Process
 from .jko_eulerian import EulerianStep, resolve_grid, to_grid
 from .jko_lagrangian import LagrangianStep
 from .jko_theta import check_theta_grid
-from .model import Model
+from ..dynamics.model import Model
 from .options import SolveOptions
 
 __all__ = []  # the JKO solve's parts; users call tp.jko / tp.solve(..., tp.LagrangianJKO(...))

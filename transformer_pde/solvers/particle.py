@@ -42,10 +42,10 @@ from ..processes.paths import WeightPath
 from ..processes.weights import Constant, Process
 from .adaptive import dopri5, solve_adaptive
 from .fixed_step import FixedStepRun, fingerprint_parts, prepare_parts
-from .layernorm import LayerNormScheme, as_geometry, check_layer_norm_method
+from ..dynamics.layernorm import LayerNormScheme, as_geometry, check_layer_norm_method
 from .methods import Solver
-from .model import Model
-from .noise import TokenNoise, token_noise
+from ..dynamics.model import Model
+from ..dynamics.noise import TokenNoise, token_noise
 from .options import (
     Checkpointing, LedgerOptions, Limits, Progress, SaveAt, SolveOptions,
     check_ledger_choices, check_observables_mapping,
@@ -573,7 +573,7 @@ def simulate(
         path in bytes (default 3/4 of the machine's memory, the GPU's for CUDA tensors; inf: none); a run
         above either is refused with the estimate and the fix.
     layer_norm : Union[str, LayerNormScheme]
-        how a layer maps the tokens (:mod:`transformer_pde.solvers.layernorm`,
+        how a layer maps the tokens (:mod:`transformer_pde.dynamics.layernorm`,
         ``docs/layer_norms.md``): "none" (default, the projected flow with retraction),
         "post" (x ← normalize(x + dt·A), the reference simulators' map), "pre" (radius r_i
         evolves, ẋ = P_x A/r), "peri", "ngpt", or a scheme object (e.g.
@@ -581,7 +581,7 @@ def simulate(
         books 𝒟 and 𝒢² along the scheme's velocity λ_i P_x A_i, the radii are in
         ``traj.extras["radius"]`` (T, ..., n) and ``traj.stats["layer_norm"]`` names the scheme.
     temperature : Union[float, TokenNoise]
-        T ≥ 0 (or a :class:`~transformer_pde.solvers.noise.TokenNoise`): noisy tokens,
+        T ≥ 0 (or a :class:`~transformer_pde.dynamics.noise.TokenNoise`): noisy tokens,
         dX = V dt + √(2T) ∘ dB on the sphere (generator T·Δ_S), by the deterministic step followed by
         a projected Euler–Maruyama increment with retraction (weak order 1; the token stream is a
         generator of its own derived from ``seed``, independent of the weights' noise).  The

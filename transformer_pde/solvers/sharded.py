@@ -61,7 +61,7 @@ from ..processes.driver import WeightDriver, grid_steps
 from ..processes.paths import WeightPath
 from ..processes.weights import Process
 from .methods import Solver
-from .model import Model
+from ..dynamics.model import Model
 from .options import LedgerOptions, Limits, Progress, SaveAt, SolveOptions, check_ledger_choices
 from .loop import ParticleState, Run
 from .parts import Checkpointer, Ledger, Recorder, Stepper, partial_density, process_parts

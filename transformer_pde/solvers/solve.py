@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from .methods import Solver
-from .model import Model
+from ..dynamics.model import Model
 from .options import Checkpointing, LedgerOptions, Limits, Progress, SaveAt, SolveOptions
 from .trajectory import Trajectory
 

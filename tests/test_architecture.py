@@ -56,23 +56,27 @@ LAYERS = [
     {"transformer_pde.dynamics.model"},  # Model: Θ_t, normalisation, geometry, token noise
     # Butcher tableaux; Trajectory and the errors
     {"transformer_pde.solvers.tableaux", "transformer_pde.solvers.trajectory"},
-    {"transformer_pde.solvers.lbfgs"},  # Riemannian L-BFGS on a product of spheres (the JKO's inner solver)
-    {"transformer_pde.solvers", "transformer_pde.solvers.parts",
+    {"transformer_pde.solvers.jko.lbfgs"},  # Riemannian L-BFGS on a product of spheres (the JKO's inner solver)
+    # the packages (docstrings only); the solver parts, the options objects, the recorded diagnostics
+    {"transformer_pde.solvers", "transformer_pde.solvers.jko", "transformer_pde.solvers.particle",
+     "transformer_pde.solvers.parts",
      "transformer_pde.solvers.options", "transformer_pde.solvers.recorded"},
     {"transformer_pde.solvers.loop"},  # the run loop of every stepping solver (progress, callbacks, checkpoints)
-    {"transformer_pde.solvers.methods"},  # the solver objects
-    {"transformer_pde.solvers.evaluator"},  # the field evaluation and common scale of a particle solve
-    {"transformer_pde.solvers.fixed_step", "transformer_pde.solvers.adaptive"},  # the particle solves
+    {"transformer_pde.solvers.solver"},  # the base class of the solver objects
+    {"transformer_pde.solvers.jko.transport"},  # the Lagrangian JKO's transport terms and inner optimiser
+    {"transformer_pde.solvers.particle.evaluator"},  # the field evaluation and common scale of a particle solve
+    {"transformer_pde.solvers.particle.fixed_step", "transformer_pde.solvers.particle.adaptive"},  # the particle solves
     # the two JKO steps; Θ_t at the JKO times
-    {"transformer_pde.solvers.jko_lagrangian", "transformer_pde.solvers.jko_eulerian",
-     "transformer_pde.solvers.jko_theta"},
-    {"transformer_pde.solvers.jko_problem"},  # the checked JKO problem
-    {"transformer_pde.solvers.jko_run"},  # the run shared by the JKO variants: layout, ledger, records
-    {"transformer_pde.solvers.jko_methods"},  # LagrangianJKO, EulerianJKO (they run themselves)
+    {"transformer_pde.solvers.jko.lagrangian", "transformer_pde.solvers.jko.eulerian",
+     "transformer_pde.solvers.jko.theta"},
+    {"transformer_pde.solvers.jko.problem"},  # the checked JKO problem
+    {"transformer_pde.solvers.jko.run"},  # the run shared by the JKO variants: layout, ledger, records
+    {"transformer_pde.solvers.jko.methods"},  # LagrangianJKO, EulerianJKO (they run themselves)
     {"transformer_pde.solvers.solve"},  # tp.solve
     # the solver objects that run themselves, each with its keyword front end (which calls tp.solve):
     # FixedStep/Euler/Heun/RK4/Dopri5 and tp.simulate; ShardedEuler and simulate_sharded; tp.jko
-    {"transformer_pde.solvers.particle", "transformer_pde.solvers.sharded", "transformer_pde.solvers.jko"},
+    {"transformer_pde.solvers.particle.methods", "transformer_pde.solvers.particle.sharded",
+     "transformer_pde.solvers.jko.front"},
     {"transformer_pde.nn.modules"},  # MeanFieldAttention: continuous-depth attention whose forward is a solve
     {"transformer_pde.nn"},  # tp.nn: the torch.nn converters and the module
     # Lipschitz and Grönwall constants, fast-weights coefficients; linear stability of the uniform measure
@@ -241,9 +245,9 @@ def test_no_private_name_crosses_modules():
 
 
 @pytest.mark.parametrize("module", ["model.field", "model.transport", "model.heads", "model.backends", "model.moments",
-                                    "model.softmax", "solvers.particle",
-                                    "solvers.parts", "dynamics.layernorm", "solvers.lbfgs", "solvers.jko_lagrangian",
-                                    "solvers.jko_eulerian"])
+                                    "model.softmax", "solvers.particle.methods",
+                                    "solvers.parts", "dynamics.layernorm", "solvers.jko.lbfgs", "solvers.jko.lagrangian",
+                                    "solvers.jko.eulerian"])
 def test_internal_api_is_named_and_exists(module):
     import importlib
 
@@ -288,8 +292,8 @@ MAX_PARAMETERS = 12
 #: the public entry points whose keywords are the user's interface (each builds the objects and calls tp.solve,
 #: or is a constructor whose settings are its fields)
 KEYWORD_FRONT_ENDS = {
-    "transformer_pde.solvers.particle.simulate", "transformer_pde.solvers.sharded.simulate_sharded",
-    "transformer_pde.solvers.jko.jko",
+    "transformer_pde.solvers.particle.methods.simulate", "transformer_pde.solvers.particle.sharded.simulate_sharded",
+    "transformer_pde.solvers.jko.front.jko",
     "transformer_pde.solvers.solve.solve", "transformer_pde.analysis.ensembles.simulate",
     "transformer_pde.model.field.evaluate", "transformer_pde.application.sweep.run_sweep",
     "transformer_pde.application.animation.animate_tokens",
@@ -352,15 +356,15 @@ def test_the_size_checks_can_fail(tmp_path):
     """A fake package with a 13-parameter internal function and a 701-line module is caught; a keyword
     front end of the allow-list is not."""
     fake = tmp_path / "transformer_pde"
-    (fake / "solvers").mkdir(parents=True)
+    (fake / "solvers" / "particle").mkdir(parents=True)
     (fake / "__init__.py").write_text("")
     params = ", ".join(f"a{i}" for i in range(13))
-    (fake / "solvers" / "particle.py").write_text(
+    (fake / "solvers" / "particle" / "methods.py").write_text(
         f"def _inner({params}):\n    pass\n\n\ndef simulate({params}):\n    pass\n\n\n"
         f"class C:\n    def method(self, {', '.join(f'b{i}' for i in range(12))}):\n        pass\n"
         + "\n" * 700)
-    assert long_parameter_lists(fake) == [("transformer_pde.solvers.particle._inner", 13)]
-    assert long_modules(fake) == [(str(Path("transformer_pde", "solvers", "particle.py")), 711)]
+    assert long_parameter_lists(fake) == [("transformer_pde.solvers.particle.methods._inner", 13)]
+    assert long_modules(fake) == [(str(Path("transformer_pde", "solvers", "particle", "methods.py")), 711)]
 
 
 def direction_defaults(pkg: Path = None):

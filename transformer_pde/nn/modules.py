@@ -61,7 +61,7 @@ from ..utils.validation import DEFAULT_DIRECTION
 from ..model.heads import Heads
 from ..processes.nn import attention_modules
 from ..processes.weights import Layerwise
-from ..solvers.particle import Dopri5, FixedStep
+from ..solvers.particle.methods import Dopri5, FixedStep
 from ..solvers.tableaux import ADAPTIVE_ATOL, ADAPTIVE_RTOL, METHODS
 from ..dynamics.model import Model
 from ..solvers.options import LedgerOptions, SaveAt

@@ -3,7 +3,7 @@
 A solve need not evaluate E, 𝒢², 𝒟 at every step when only the recorded values are read: they are
 functions of the recorded tokens x_k, the heads Θ(t_k) and (layer maps with a radius) the recorded
 radii r_k, so they can be computed after the solve, once, vectorised over the records.  This module
-computes exactly what the eager per-step path records (:class:`~transformer_pde.solvers.evaluator.Evaluator`
+computes exactly what the eager per-step path records (:class:`~transformer_pde.solvers.particle.evaluator.Evaluator`
 with diagnostics, then :func:`~transformer_pde.dynamics.layernorm.geometry_densities` for a layer map):
 
     E_k e^{−c}  = E(μ_k, Θ(t_k)) e^{−c},

@@ -49,8 +49,8 @@ class JKOProblem:
     model, options : the :class:`~transformer_pde.Model` and :class:`~transformer_pde.SolveOptions` solved.
     variant : "lagrangian" or "eulerian".
     transport, cost : the transport term's name ("emd", "sinkhorn", "identity") and cost ("source", "symmetric").
-    step : the settings of one step (:class:`~.jko_lagrangian.LagrangianStep` or
-        :class:`~.jko_eulerian.EulerianStep`).
+    step : the settings of one step (:class:`~.lagrangian.LagrangianStep` or
+        :class:`~.eulerian.EulerianStep`).
     metric : the normalisation whose field is the scheme's gradient flow ("effective": mobility b_k;
         "unnormalized": b ≡ 1), the one its energies, 𝒢² and 𝒟 are reported in.
     steps, record_every : the number of steps and the record stride.

@@ -9,8 +9,8 @@ atol, adjoint)`` (:mod:`transformer_pde.solvers.particle.methods`); sharded ``Sh
 gather_x)``, the projected Euler step with the tokens sharded over the ranks of a
 ``torch.distributed`` process group (:mod:`transformer_pde.solvers.particle.sharded`); minimizing movement
 ``LagrangianJKO(transport, inner)`` with a transport object (``EMD()``, ``SinkhornTransport(eps)``,
-``Identity()``) and an inner optimiser (``RiemannianLBFGS()``) of :mod:`transformer_pde.solvers.jko.front.transport`,
-and ``EulerianJKO(grid)`` (:mod:`transformer_pde.solvers.jko.front.methods`).
+``Identity()``) and an inner optimiser (``RiemannianLBFGS()``) of :mod:`transformer_pde.solvers.jko.transport`,
+and ``EulerianJKO(grid)`` (:mod:`transformer_pde.solvers.jko.methods`).
 
 ``Solver.accepts`` names the options objects of :func:`~transformer_pde.solve` the solver takes
 ("saveat", "ledger", "checkpoint", "progress", "limits"); the others are refused before any work.

@@ -17,8 +17,8 @@ from typing import Optional
 
 import torch
 
-from .solver import Solver
 from ..dynamics.model import Model
+from .solver import Solver
 from .options import Checkpointing, LedgerOptions, Limits, Progress, SaveAt, SolveOptions
 from .trajectory import Trajectory
 

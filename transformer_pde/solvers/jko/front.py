@@ -82,16 +82,16 @@ from ...utils.validation import (
 )
 from ...model.heads import Heads
 from ...processes.weights import Process
-from .eulerian import check_grid_type, self_potential, to_grid
-from .methods import EulerianJKO, LagrangianJKO
-from .problem import VARIANTS
-from .run import JKOConvergenceError
-from .transport import EMD, Identity, RiemannianLBFGS, SinkhornTransport, TransportTerm
 from ...dynamics.model import Model
 from ...dynamics.noise import TokenNoise
 from ..options import LedgerOptions, Limits, Progress, SaveAt
 from ..solve import solve
 from ..trajectory import Trajectory
+from .eulerian import check_grid_type, self_potential, to_grid
+from .methods import EulerianJKO, LagrangianJKO
+from .problem import VARIANTS
+from .run import JKOConvergenceError
+from .transport import EMD, Identity, RiemannianLBFGS, SinkhornTransport, TransportTerm
 
 __all__ = ["jko", "to_grid", "self_potential", "JKOConvergenceError", "TRANSPORTS", "SCHEMES", "MOBILITIES", "COSTS"]
 

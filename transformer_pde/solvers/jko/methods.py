@@ -17,12 +17,12 @@ from typing import ClassVar, FrozenSet, Mapping, Optional, Tuple, Union
 import torch
 
 from ...utils.validation import check_bool, check_int, check_positive
+from ...dynamics.model import Model
+from ..solver import Solver
+from ..options import SolveOptions
 from .problem import check_problem
 from .run import JKORun
 from .transport import EMD, RiemannianLBFGS, TransportTerm
-from ..solver import Solver
-from ...dynamics.model import Model
-from ..options import SolveOptions
 
 __all__ = ["LagrangianJKO", "EulerianJKO"]
 

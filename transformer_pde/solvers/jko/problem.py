@@ -29,11 +29,11 @@ from ...model.normalization import Effective, Normalization, Unnormalized
 from ...processes.driver import path_bytes
 from ...processes.paths import WeightPath
 from ...processes.weights import Process
+from ...dynamics.model import Model
+from ..options import SolveOptions
 from .eulerian import EulerianStep, resolve_grid, to_grid
 from .lagrangian import LagrangianStep
 from .theta import check_theta_grid
-from ...dynamics.model import Model
-from ..options import SolveOptions
 
 __all__ = []  # the JKO solve's parts; users call tp.jko / tp.solve(..., tp.LagrangianJKO(...))
 __internal__ = ["JKOProblem", "check_problem", "VARIANTS"]

@@ -25,13 +25,13 @@ from ...model.softmax import softmax_statistics
 from ...model.energy import choose_log_scale
 from ...model.field import FieldEval, evaluate, log_inverse_mobility, token_mean
 from ...model.heads import Heads
+from ..loop import Run, drive
+from ..parts import LEDGER_KEYS as STEP_LEDGER_KEYS, Ledger, Recorder
+from ..trajectory import NonFiniteError, Trajectory, nonfinite_error
 from .eulerian import entropy, eulerian_step
 from .lagrangian import lagrangian_step, scaled_energy
 from .problem import JKOProblem
 from .theta import ThetaSource, flatten_heads
-from ..loop import Run, drive
-from ..parts import LEDGER_KEYS as STEP_LEDGER_KEYS, Ledger, Recorder
-from ..trajectory import NonFiniteError, Trajectory, nonfinite_error
 
 __all__ = ["JKOConvergenceError"]
 __internal__ = ["JKORun", "run_jko", "LEDGER_KEYS"]

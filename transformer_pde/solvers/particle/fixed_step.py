@@ -29,7 +29,6 @@ from ...model.softmax import softmax_statistics
 from ...model.heads import broadcast_shapes
 from ...model.normalization import NORMALIZATIONS, normalization as as_normalization
 from ...processes.driver import WeightDriver
-from .evaluator import Evaluator, RunParts
 from ...dynamics.layernorm import FusedUpdate, geometry_densities
 from ...dynamics.noise import noise_martingale
 from ..loop import ParticleState, Run
@@ -37,6 +36,7 @@ from ..parts import LEDGER_KEYS, Ledger, Recorder, callable_signature, partial_d
 from ..tableaux import TABLEAUX, ButcherTableau
 from ..recorded import RecordedDiagnostics, RecordedHeads
 from ..trajectory import PathsAxis, Trajectory, check_finite, check_ledger, lazy_series, ledger_nonfinite, nonfinite_error
+from .evaluator import Evaluator, RunParts
 
 __all__: list = []
 __internal__ = ["FixedStepRun", "prepare_parts", "fingerprint_parts"]

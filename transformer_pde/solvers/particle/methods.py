@@ -40,12 +40,10 @@ from ...model.heads import Heads, broadcast_shapes
 from ...processes.driver import grid_steps, path_bytes
 from ...processes.paths import WeightPath
 from ...processes.weights import Constant, Process
-from .adaptive import dopri5, solve_adaptive
-from .fixed_step import FixedStepRun, fingerprint_parts, prepare_parts
 from ...dynamics.layernorm import LayerNormScheme, as_geometry, check_layer_norm_method
-from ..solver import Solver
 from ...dynamics.model import Model
 from ...dynamics.noise import TokenNoise, token_noise
+from ..solver import Solver
 from ..options import (
     Checkpointing, LedgerOptions, Limits, Progress, SaveAt, SolveOptions,
     check_ledger_choices, check_observables_mapping,
@@ -56,6 +54,8 @@ from ..tableaux import ADAPTIVE_ATOL, ADAPTIVE_RTOL, METHODS, TABLEAUX, ButcherT
 from ..trajectory import (
     Trajectory,
 )
+from .adaptive import dopri5, solve_adaptive
+from .fixed_step import FixedStepRun, fingerprint_parts, prepare_parts
 
 __all__ = ["ParticleSolver", "FixedStep", "Euler", "Heun", "RK4", "Dopri5", "simulate", "PROGRESS_MIN_WORK"]
 

@@ -60,8 +60,8 @@ from ...model.heads import Heads
 from ...processes.driver import WeightDriver, grid_steps
 from ...processes.paths import WeightPath
 from ...processes.weights import Process
-from ..solver import Solver
 from ...dynamics.model import Model
+from ..solver import Solver
 from ..options import LedgerOptions, Limits, Progress, SaveAt, SolveOptions, check_ledger_choices
 from ..loop import ParticleState, Run
 from ..parts import Checkpointer, Ledger, Recorder, Stepper, partial_density, process_parts

@@ -19,7 +19,7 @@ import dataclasses
 import torch
 
 import transformer_pde as tp
-from transformer_pde.solvers.particle import ParticleSolver
+from transformer_pde.solvers.particle.methods import ParticleSolver
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,7 +7,7 @@ Prints, one torch thread, process CPU time, best of ``--repeats``:
 2. the rate (GFLOP/s) of ``torch.bmm`` for the products of the peers' workload (16 systems per call,
    n = 32 tokens, d = 16, H = 8) in the "queries" layout (outputs of d = 16 columns for the means and the
    update) and the "keys" layout (scores and means with n·H = 256 columns), and of a 1024² ``torch.mm``:
-   why float64 takes the keys layout (``transformer_pde.solvers.layernorm.LAYOUTS``);
+   why float64 takes the keys layout (``transformer_pde.dynamics.layernorm.LAYOUTS``);
 3. one ``FusedUpdate`` call on the peers' workload (256 systems, H = 8 and H = 1) for score blocks of
    1/8 … 4 × the L2 size and both layouts, relative to the library's default: where the block rule
    (``SCORE_BLOCK_FRACTION`` of the detected L2) lands.
@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import transformer_pde as tp  # noqa: E402
-from transformer_pde.solvers import layernorm  # noqa: E402
+from transformer_pde.dynamics import layernorm  # noqa: E402
 from transformer_pde.utils import hardware  # noqa: E402
 
 

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import transformer_pde as tp  # noqa: E402
 from transformer_pde.model import pair_block  # noqa: E402
 from transformer_pde.model.field import evaluate  # noqa: E402
-from transformer_pde.solvers.layernorm import FusedUpdate  # noqa: E402
+from transformer_pde.dynamics.layernorm import FusedUpdate  # noqa: E402
 from transformer_pde.utils import hardware  # noqa: E402
 
 F64 = torch.float64

@@ -41,8 +41,8 @@ import transformer_pde as tp
 from transformer_pde.model import field as field_module
 from transformer_pde.model.backends import kernel_backend
 from transformer_pde.processes.weights import Constant
-from transformer_pde.solvers.particle import Euler
-from transformer_pde.solvers.model import Model
+from transformer_pde.solvers.particle.methods import Euler
+from transformer_pde.dynamics.model import Model
 from transformer_pde.solvers.options import LedgerOptions, SaveAt
 from transformer_pde.solvers.solve import solve
 

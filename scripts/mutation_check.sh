@@ -29,7 +29,7 @@ MAX_CHILDREN=${MAX_CHILDREN:-2}
 TIMEOUT=${TIMEOUT:-3300}
 WORKDIR=${WORKDIR:-$(mktemp -d -t transformer_pde_mutation.XXXXXX)}
 if [ "$#" -eq 0 ]; then
-  set -- model.mobility model.energy model.field model.backends model.moments model.softmax model.plans model.values model.normalization model.transport processes.weights analysis.theory.__init__ analysis.theory.particles solvers.parts solvers.evaluator solvers.fixed_step solvers.adaptive solvers.particle solvers.trajectory solvers.jko solvers.jko_theta solvers.jko_problem solvers.jko_run solvers.jko_methods solvers.jko_lagrangian solvers.jko_eulerian solvers.lbfgs
+  set -- model.mobility model.energy model.field model.backends model.moments model.softmax model.plans model.values model.normalization model.transport processes.weights analysis.theory.__init__ analysis.theory.particles solvers.parts solvers.particle.evaluator solvers.particle.fixed_step solvers.particle.adaptive solvers.particle.methods solvers.trajectory solvers.jko.front solvers.jko.theta solvers.jko.problem solvers.jko.run solvers.jko.methods solvers.jko.lagrangian solvers.jko.eulerian solvers.jko.lbfgs
 fi
 python -c "import mutmut" 2>/dev/null || { echo "mutmut is not installed: pip install -e '.[mutation]'" >&2; exit 2; }
 

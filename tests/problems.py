@@ -292,7 +292,7 @@ class DiagnosticsCounter:
     ``second_moment_calls``."""
 
     def __init__(self, monkeypatch):
-        import transformer_pde.solvers.evaluator as evaluator_module
+        import transformer_pde.solvers.particle.evaluator as evaluator_module
 
         self.diagnostic_calls = self.second_moment_calls = 0
         real = evaluator_module.evaluate

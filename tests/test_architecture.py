@@ -3,7 +3,7 @@
 Parses every module of transformer_pde with ``ast`` (module-level and function-level imports
 alike, so a "lazy" import inside a function counts) and checks
 
-* the sub-package order of ARCHITECTURE.md: utils < model < processes < solvers < nn < analysis <
+* the sub-package order of ARCHITECTURE.md: utils < model < processes < dynamics < solvers < nn < analysis <
   the facade (``transformer_pde/__init__.py``) < application; a module imports only from its own
   sub-package or lower ones;
 * the finer layer order inside them (``LAYERS``): a module imports only modules of strictly
@@ -51,26 +51,32 @@ LAYERS = [
     {"transformer_pde.processes.model_files"},  # a pretrained network's files: the shared cache, the reading checks
     {"transformer_pde.processes.nn", "transformer_pde.processes.pretrained"},
     {"transformer_pde.processes"},  # the package re-exports the weight processes
-    # the layer-normalisation schemes (the step's geometry); Butcher tableaux; Trajectory and the errors
-    {"transformer_pde.solvers.layernorm", "transformer_pde.solvers.tableaux", "transformer_pde.solvers.trajectory"},
-    {"transformer_pde.solvers.lbfgs"},  # Riemannian L-BFGS on a product of spheres (the JKO's inner solver)
-    {"transformer_pde.solvers", "transformer_pde.solvers.parts", "transformer_pde.solvers.noise",
+    # what a solve integrates: the layer-normalisation schemes (the step's geometry); the token noise
+    {"transformer_pde.dynamics", "transformer_pde.dynamics.layernorm", "transformer_pde.dynamics.noise"},
+    {"transformer_pde.dynamics.model"},  # Model: Θ_t, normalisation, geometry, token noise
+    # Butcher tableaux; Trajectory and the errors
+    {"transformer_pde.solvers.tableaux", "transformer_pde.solvers.trajectory"},
+    {"transformer_pde.solvers.jko.lbfgs"},  # Riemannian L-BFGS on a product of spheres (the JKO's inner solver)
+    # the packages (docstrings only); the solver parts, the options objects, the recorded diagnostics
+    {"transformer_pde.solvers", "transformer_pde.solvers.jko", "transformer_pde.solvers.particle",
+     "transformer_pde.solvers.parts",
      "transformer_pde.solvers.options", "transformer_pde.solvers.recorded"},
     {"transformer_pde.solvers.loop"},  # the run loop of every stepping solver (progress, callbacks, checkpoints)
-    {"transformer_pde.solvers.model"},  # Model: Θ_t, normalisation, geometry, token noise
-    {"transformer_pde.solvers.methods"},  # the solver objects
-    {"transformer_pde.solvers.evaluator"},  # the field evaluation and common scale of a particle solve
-    {"transformer_pde.solvers.fixed_step", "transformer_pde.solvers.adaptive"},  # the particle solves
+    {"transformer_pde.solvers.solver"},  # the base class of the solver objects
+    {"transformer_pde.solvers.jko.transport"},  # the Lagrangian JKO's transport terms and inner optimiser
+    {"transformer_pde.solvers.particle.evaluator"},  # the field evaluation and common scale of a particle solve
+    {"transformer_pde.solvers.particle.fixed_step", "transformer_pde.solvers.particle.adaptive"},  # the particle solves
     # the two JKO steps; Θ_t at the JKO times
-    {"transformer_pde.solvers.jko_lagrangian", "transformer_pde.solvers.jko_eulerian",
-     "transformer_pde.solvers.jko_theta"},
-    {"transformer_pde.solvers.jko_problem"},  # the checked JKO problem
-    {"transformer_pde.solvers.jko_run"},  # the run shared by the JKO variants: layout, ledger, records
-    {"transformer_pde.solvers.jko_methods"},  # LagrangianJKO, EulerianJKO (they run themselves)
+    {"transformer_pde.solvers.jko.lagrangian", "transformer_pde.solvers.jko.eulerian",
+     "transformer_pde.solvers.jko.theta"},
+    {"transformer_pde.solvers.jko.problem"},  # the checked JKO problem
+    {"transformer_pde.solvers.jko.run"},  # the run shared by the JKO variants: layout, ledger, records
+    {"transformer_pde.solvers.jko.methods"},  # LagrangianJKO, EulerianJKO (they run themselves)
     {"transformer_pde.solvers.solve"},  # tp.solve
     # the solver objects that run themselves, each with its keyword front end (which calls tp.solve):
     # FixedStep/Euler/Heun/RK4/Dopri5 and tp.simulate; ShardedEuler and simulate_sharded; tp.jko
-    {"transformer_pde.solvers.particle", "transformer_pde.solvers.sharded", "transformer_pde.solvers.jko"},
+    {"transformer_pde.solvers.particle.methods", "transformer_pde.solvers.particle.sharded",
+     "transformer_pde.solvers.jko.front"},
     {"transformer_pde.nn.modules"},  # MeanFieldAttention: continuous-depth attention whose forward is a solve
     {"transformer_pde.nn"},  # tp.nn: the torch.nn converters and the module
     # Lipschitz and Grönwall constants, fast-weights coefficients; linear stability of the uniform measure
@@ -120,7 +126,7 @@ LAYERS = [
 RANK = {m: i for i, layer in enumerate(LAYERS) for m in layer}
 
 # the sub-packages, lowest first; the facade (transformer_pde/__init__.py) sits between analysis and application
-SUBPACKAGES = ["utils", "model", "processes", "solvers", "nn", "analysis", "", "application"]
+SUBPACKAGES = ["utils", "model", "processes", "dynamics", "solvers", "nn", "analysis", "", "application"]
 
 
 def subpackage_rank(module: str) -> int:
@@ -187,7 +193,7 @@ def test_subpackages_import_downwards_only():
 def test_every_module_lives_in_a_subpackage():
     """The package root holds only the facade; every other module belongs to a layer's sub-package."""
     root = sorted(p.name for p in PKG.glob("*.py") if p.name != "__init__.py")
-    assert not root, f"move these into utils/, model/, processes/, solvers/, analysis/ or application/: {root}"
+    assert not root, f"move these into utils/, model/, processes/, dynamics/, solvers/, analysis/ or application/: {root}"
     assert sorted(p.name for p in PKG.iterdir() if p.is_dir() and (p / "__init__.py").exists()) == sorted(
         s for s in SUBPACKAGES if s)
 
@@ -243,9 +249,9 @@ def test_no_private_name_crosses_modules():
 
 
 @pytest.mark.parametrize("module", ["model.field", "model.transport", "model.heads", "model.backends", "model.moments",
-                                    "model.softmax", "solvers.particle",
-                                    "solvers.parts", "solvers.layernorm", "solvers.lbfgs", "solvers.jko_lagrangian",
-                                    "solvers.jko_eulerian"])
+                                    "model.softmax", "solvers.particle.methods",
+                                    "solvers.parts", "dynamics.layernorm", "solvers.jko.lbfgs", "solvers.jko.lagrangian",
+                                    "solvers.jko.eulerian"])
 def test_internal_api_is_named_and_exists(module):
     import importlib
 
@@ -290,8 +296,8 @@ MAX_PARAMETERS = 12
 #: the public entry points whose keywords are the user's interface (each builds the objects and calls tp.solve,
 #: or is a constructor whose settings are its fields)
 KEYWORD_FRONT_ENDS = {
-    "transformer_pde.solvers.particle.simulate", "transformer_pde.solvers.sharded.simulate_sharded",
-    "transformer_pde.solvers.jko.jko",
+    "transformer_pde.solvers.particle.methods.simulate", "transformer_pde.solvers.particle.sharded.simulate_sharded",
+    "transformer_pde.solvers.jko.front.jko",
     "transformer_pde.solvers.solve.solve", "transformer_pde.analysis.ensembles.simulate",
     "transformer_pde.model.field.evaluate", "transformer_pde.application.sweep.run_sweep",
     "transformer_pde.application.animation.animate_tokens",
@@ -354,15 +360,15 @@ def test_the_size_checks_can_fail(tmp_path):
     """A fake package with a 13-parameter internal function and a 701-line module is caught; a keyword
     front end of the allow-list is not."""
     fake = tmp_path / "transformer_pde"
-    (fake / "solvers").mkdir(parents=True)
+    (fake / "solvers" / "particle").mkdir(parents=True)
     (fake / "__init__.py").write_text("")
     params = ", ".join(f"a{i}" for i in range(13))
-    (fake / "solvers" / "particle.py").write_text(
+    (fake / "solvers" / "particle" / "methods.py").write_text(
         f"def _inner({params}):\n    pass\n\n\ndef simulate({params}):\n    pass\n\n\n"
         f"class C:\n    def method(self, {', '.join(f'b{i}' for i in range(12))}):\n        pass\n"
         + "\n" * 700)
-    assert long_parameter_lists(fake) == [("transformer_pde.solvers.particle._inner", 13)]
-    assert long_modules(fake) == [(str(Path("transformer_pde", "solvers", "particle.py")), 711)]
+    assert long_parameter_lists(fake) == [("transformer_pde.solvers.particle.methods._inner", 13)]
+    assert long_modules(fake) == [(str(Path("transformer_pde", "solvers", "particle", "methods.py")), 711)]
 
 
 def direction_defaults(pkg: Path = None):

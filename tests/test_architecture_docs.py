@@ -159,7 +159,7 @@ def test_every_module_and_file_of_the_document_exists():
             continue
         if dotted not in MODULES:
             absent.append(dotted)
-    for path in set(re.findall(r"`((?:transformer_pde|solvers|model|processes|analysis|tests|docs)/[\w/.]+\.\w+)`",
+    for path in set(re.findall(r"`((?:transformer_pde|dynamics|solvers|model|processes|analysis|tests|docs)/[\w/.]+\.\w+)`",
                                text)):
         if not (ROOT / path).exists() and not (PKG / path).exists():
             absent.append(path)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import transformer_pde as tp
-from transformer_pde.solvers import particle
+from transformer_pde.solvers.particle import methods as particle
 
 
 def _problem(dtype=torch.float64):
@@ -70,7 +70,7 @@ def test_the_objects_carry_the_keywords_names():
     assert (tp.Dopri5().rtol, tp.Dopri5().atol) == (mfa["rtol"].default, mfa["atol"].default)
     for old in ("keyword_names",):
         assert not hasattr(tp.solvers.options, old)
-    assert not hasattr(particle, "SIMULATE_KEYWORDS") and not hasattr(tp.solvers.sharded, "SHARDED_KEYWORDS")
+    assert not hasattr(particle, "SIMULATE_KEYWORDS") and not hasattr(tp.solvers.particle.sharded, "SHARDED_KEYWORDS")
 
 
 def test_simulate_sharded_and_jko_name_their_keywords(no_work):

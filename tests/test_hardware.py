@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from transformer_pde.solvers import layernorm
+from transformer_pde.dynamics import layernorm
 from transformer_pde.utils import hardware
 
 

@@ -15,7 +15,8 @@ import transformer_pde as tp
 from conftest import gen
 from problems import Interrupted, stop_at_step, tokens_and_heads
 from transformer_pde import processes
-from transformer_pde.solvers import parts, particle
+from transformer_pde.solvers import parts
+from transformer_pde.solvers.particle import methods as particle
 
 F64 = torch.float64
 

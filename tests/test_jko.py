@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import transformer_pde as tp
-from transformer_pde.solvers.jko import self_potential
+from transformer_pde.solvers.jko.front import self_potential
 from conftest import gen
 
 F64 = torch.float64
@@ -432,7 +432,7 @@ from scipy.optimize import linear_sum_assignment  # noqa: E402
 from torch.testing import assert_close  # noqa: E402
 
 from problems import random_weights  # noqa: E402
-from transformer_pde.solvers import jko as J  # noqa: E402
+from transformer_pde.solvers.jko import front as J  # noqa: E402
 
 
 # ---------------------------------------------------------------------------- what a run reports
@@ -880,8 +880,8 @@ def test_batch_items_of_very_different_mobility_scales_equal_separate_runs(trans
 
 
 # ---------------------------------------------------------------------------- parts of the inner solver
-# The parts of the inner solver, by their named internal API (solvers.lbfgs, solvers.jko_lagrangian).
-from transformer_pde.solvers import jko_lagrangian as JL, lbfgs as LB  # noqa: E402
+# The parts of the inner solver, by their named internal API (solvers.jko.lbfgs, solvers.jko.lagrangian).
+from transformer_pde.solvers.jko import lagrangian as JL, lbfgs as LB  # noqa: E402
 def _linear(a):
     """f(y) = Σ_i ⟨a, y_i⟩ per batch item, (B,)."""
     return lambda y: (y * a).sum((-1, -2))

@@ -57,7 +57,7 @@ LAGRANGIAN = [
     (dict(transport="emd", cost="symmetric"), tp.EMD("symmetric"), {}),
     (dict(transport="identity", mobility="unit"), tp.Identity(), dict(normalization="unnormalized")),
     (dict(transport="identity", direction="ascent"), tp.Identity(), dict(direction="ascent")),
-    (dict(transport="sinkhorn", eps=1e-2), tp.Sinkhorn(1e-2), {}),
+    (dict(transport="sinkhorn", eps=1e-2), tp.SinkhornTransport(1e-2), {}),
 ]
 
 
@@ -154,7 +154,7 @@ def test_jko_keyword_errors_are_worded_in_its_keywords():
 # ---------------------------------------------------------------------------- the geometry seam
 def test_the_lagrangian_line_search_retracts_with_the_models_geometry():
     @dataclasses.dataclass(frozen=True)
-    class Counting(tp.solvers.layernorm.Projected):
+    class Counting(tp.dynamics.layernorm.Projected):
         calls: list = dataclasses.field(default_factory=list)
 
         def retract(self, x):
@@ -262,10 +262,10 @@ def test_the_transport_term_base_class_is_distinct_from_the_transport_module():
     import types
 
     assert isinstance(tp.transport, types.ModuleType) and hasattr(tp.transport, "sinkhorn_divergence")
-    for term in (tp.EMD(), tp.Sinkhorn(), tp.Identity()):
+    for term in (tp.EMD(), tp.SinkhornTransport(), tp.Identity()):
         assert isinstance(term, tp.TransportTerm)
         assert tp.LagrangianJKO(term).transport is term
-    with pytest.raises(TypeError, match="EMD\\(\\), Sinkhorn\\(eps\\) or Identity\\(\\)"):
+    with pytest.raises(TypeError, match="EMD\\(\\), SinkhornTransport\\(eps\\) or Identity\\(\\)"):
         tp.LagrangianJKO(tp.TransportTerm())
     with pytest.raises(TypeError, match="got module"):
         tp.LagrangianJKO(tp.transport)

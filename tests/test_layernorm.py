@@ -1,4 +1,4 @@
-"""Layer-normalisation schemes (transformer_pde.solvers.layernorm, docs/layer_norms.md).
+"""Layer-normalisation schemes (transformer_pde.dynamics.layernorm, docs/layer_norms.md).
 
 * each discrete layer map against an independent re-implementation, written here as a plain loop
   over tokens and heads from the published arithmetic of the two reference simulators
@@ -17,7 +17,7 @@ import torch
 import transformer_pde as tp
 from conftest import gen as _gen
 from problems import interrupt_and_resume, tolerances
-from transformer_pde.solvers.layernorm import NGPT, PeriLN, PostLN, PreLN, Projected, simuformer_scheme
+from transformer_pde.dynamics.layernorm import NGPT, PeriLN, PostLN, PreLN, Projected, simuformer_scheme
 
 F64 = torch.float64
 
@@ -369,7 +369,7 @@ def test_fused_update_equals_evaluate(dtype):
     """The tokens-only fast path of the layer maps (one fused pass) against field.evaluate: token weights,
     head batch shapes, β tensors, both directions; large β‖A‖ falls back (None)."""
     from transformer_pde.model.field import evaluate
-    from transformer_pde.solvers.layernorm import FusedUpdate
+    from transformer_pde.dynamics.layernorm import FusedUpdate
 
     X, BF, V = _peer_problem(dtype, batch=3, n=7, d=4, H=3, seed=11)
     w = torch.rand(3, 7, generator=_gen(2), dtype=F64).to(dtype)
@@ -392,8 +392,8 @@ def test_fused_update_in_blocks_of_systems_equals_evaluate(dtype, monkeypatch):
     split, with a remainder) against field.evaluate: batched and unbatched heads, token weights
     broadcast over a second batch axis, a β per system; and against the unblocked pass."""
     from transformer_pde.model.field import evaluate
-    from transformer_pde.solvers import layernorm
-    from transformer_pde.solvers.layernorm import FusedUpdate
+    from transformer_pde.dynamics import layernorm
+    from transformer_pde.dynamics.layernorm import FusedUpdate
 
     X, BF, V = _peer_problem(dtype, batch=5, n=6, d=4, H=3, seed=12)
     X2 = torch.stack([X, X.flip(-2)])                                         # (2, 5, n, d)
@@ -420,8 +420,8 @@ def test_fused_update_layouts_agree_with_evaluate(dtype, layout, monkeypatch):
     into place) in both dtypes, whichever the dtype uses by default: heads per system and shared, token
     weights with a zero, a β per system, blocks with a remainder, against field.evaluate."""
     from transformer_pde.model.field import evaluate
-    from transformer_pde.solvers import layernorm
-    from transformer_pde.solvers.layernorm import FusedUpdate
+    from transformer_pde.dynamics import layernorm
+    from transformer_pde.dynamics.layernorm import FusedUpdate
 
     monkeypatch.setattr(layernorm, "LAYOUTS", {dtype: layout})
     X, BF, V = _peer_problem(dtype, batch=5, n=7, d=4, H=3, seed=15)
@@ -448,8 +448,8 @@ def test_fused_update_takes_its_dtypes_layout_and_refuses_near_the_exp_bound(dty
     evaluate; and the shift-free pass is refused (None) once β‖A‖_F passes ½ log(finfo.max) − log n, also
     within 2 log n of ½ log(finfo.max)."""
     from transformer_pde.model.field import evaluate
-    from transformer_pde.solvers import layernorm
-    from transformer_pde.solvers.layernorm import FusedUpdate
+    from transformer_pde.dynamics import layernorm
+    from transformer_pde.dynamics.layernorm import FusedUpdate
 
     X, BF, V = _peer_problem(dtype, batch=3, n=7, d=4, H=2, seed=16)
     fu = FusedUpdate(None, 1.0)
@@ -483,8 +483,8 @@ def test_fused_update_reuses_its_buffers_across_calls_and_block_sizes(dtype, mon
     default from the cache) and every call equals field.evaluate; an earlier result is not
     overwritten by a later call."""
     from transformer_pde.model.field import evaluate
-    from transformer_pde.solvers import layernorm
-    from transformer_pde.solvers.layernorm import FusedUpdate
+    from transformer_pde.dynamics import layernorm
+    from transformer_pde.dynamics.layernorm import FusedUpdate
 
     X, BF, V = _peer_problem(dtype, batch=7, n=5, d=4, H=3, seed=13)
     tol = dict(rtol=50 * torch.finfo(dtype).eps, atol=50 * torch.finfo(dtype).eps)
@@ -654,7 +654,7 @@ def test_tiny_weights_give_the_direction_of_unit_weights(dtype, geometry):
 
 
 def test_the_normalised_update_is_a_over_its_norm_plus_eps(dtype):
-    from transformer_pde.solvers.layernorm import _unit
+    from transformer_pde.dynamics.layernorm import _unit
 
     a = torch.randn(4, 5, 3, generator=_gen(5), dtype=dtype)
     a[0, 0] = 0.0

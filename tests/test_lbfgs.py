@@ -1,4 +1,4 @@
-"""Riemannian L-BFGS on a product of spheres (transformer_pde.solvers.lbfgs.minimize).
+"""Riemannian L-BFGS on a product of spheres (transformer_pde.solvers.jko.lbfgs.minimize).
 
 Oracles are closed forms: the minimum of the Rayleigh quotient yᵀMy over S^{d-1} is the smallest eigenvalue,
 reached at its eigenvector (torch.linalg.eigh of a matrix built here from chosen eigenvalues); a linear
@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from transformer_pde.solvers.layernorm import Projected
-from transformer_pde.solvers.lbfgs import TRUST_RADIUS, minimize
+from transformer_pde.dynamics.layernorm import Projected
+from transformer_pde.solvers.jko.lbfgs import TRUST_RADIUS, minimize
 from transformer_pde.model.sphere import normalize, sample_uniform, tangent_projection
 from conftest import gen
 
@@ -251,7 +251,7 @@ def test_a_pair_of_zero_curvature_is_masked_and_leaves_gamma_one(dtype):
     """Memory [(s₁, z₁) with ⟨s₁, z₁⟩ > 0, (s₂, z₂) with ⟨s₂, z₂⟩ = 0 exactly] (s₂ and z₂ live on disjoint
     tokens): the newest pair is masked out (only ⟨s, z⟩ > 0 counts), so γ stays 1 and the direction is −P H rg
     with the dense BFGS inverse of the older pair alone, H = (I − ρ s₁z₁ᵀ) Pre (I − ρ z₁s₁ᵀ) + ρ s₁s₁ᵀ."""
-    from transformer_pde.solvers.lbfgs import dot, lbfgs_direction
+    from transformer_pde.solvers.jko.lbfgs import dot, lbfgs_direction
 
     y = sample_uniform(4, 3, generator=gen(80), dtype=torch.float64)[None]
     P = lambda v: tangent_projection(y, v)  # noqa: E731
@@ -280,7 +280,7 @@ def test_a_pair_of_zero_curvature_is_masked_and_leaves_gamma_one(dtype):
 def test_the_line_search_accepts_a_step_that_meets_the_armijo_bound_with_equality():
     """Armijo's test is f(y + a d) ≤ f(y) + 1e-4·a·⟨g, d⟩ (+ 10u|f| slack), not '<': on a flat objective
     with f = 0 and ⟨g, d⟩ = 0 the first trial a = 1 meets it with equality and is taken."""
-    from transformer_pde.solvers.lbfgs import line_search, value_and_grad
+    from transformer_pde.solvers.jko.lbfgs import line_search, value_and_grad
 
     y = sample_uniform(3, 3, generator=gen(82), dtype=torch.float64)[None]
     objective = lambda v: (0.0 * v).sum((-1, -2))  # noqa: E731
@@ -299,7 +299,7 @@ def test_the_residual_test_is_inclusive_and_a_stiff_tokens_floor_grows_with_its_
     converged, the next float above is not); for a stiff item (K > 1) every token must also meet
     |G_i| ≤ tol·|G_i(x)| + 100·u·(1/τ + |G_i(x)|): at tol = 0 and |G_i(x)| = 8/τ, tokens at half that
     round-off floor (450·u) are converged."""
-    from transformer_pde.solvers.lbfgs import Residual
+    from transformer_pde.solvers.jko.lbfgs import Residual
 
     u = torch.finfo(dtype).eps
     e = torch.tensor([0.0, 0.6, 0.8], dtype=dtype)  # a unit vector

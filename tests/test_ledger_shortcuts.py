@@ -19,7 +19,7 @@ import torch
 import transformer_pde as tp
 from transformer_pde.model import moments
 from transformer_pde.model.field import evaluate
-from transformer_pde.solvers.noise import energy_laplacian
+from transformer_pde.dynamics.noise import energy_laplacian
 from transformer_pde.solvers.parts import Ledger
 from transformer_pde.solvers.trajectory import NonFiniteError, check_finite, check_ledger
 

@@ -1,4 +1,4 @@
-"""transformer_pde.solvers.model: Model validates its parts when built, and each part is what the
+"""transformer_pde.dynamics.model: Model validates its parts when built, and each part is what the
 solve uses (weight process, normalisation object, direction, geometry, token noise, weights, causality)."""
 
 import pytest

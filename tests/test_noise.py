@@ -1,4 +1,4 @@
-"""Noisy tokens in the particle solver: dX = V dt + √(2T) ∘ dB on S^{d−1} (transformer_pde.solvers.noise).
+"""Noisy tokens in the particle solver: dX = V dt + √(2T) ∘ dB on S^{d−1} (transformer_pde.dynamics.noise).
 
 Oracles: for V = 0 the spherical heat kernel — E⟨X_t, x0⟩ = e^{−(d−1)T t} and, on S², the Legendre
 moments E P_ℓ(⟨X_t, x0⟩) = e^{−ℓ(ℓ+1)T t} and the CDF of the Legendre series — with the weak order
@@ -18,7 +18,7 @@ from scipy.stats import chi2
 
 import transformer_pde as tp
 from problems import interrupt_and_resume
-from transformer_pde.solvers.noise import TokenNoise, energy_laplacian, token_seed
+from transformer_pde.dynamics.noise import TokenNoise, energy_laplacian, token_seed
 
 from conftest import gen
 

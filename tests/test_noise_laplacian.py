@@ -1,4 +1,4 @@
-"""The token-noise Itô term Σ_i Δ_{S,i} E from the softmax statistics (solvers.noise.energy_laplacian_moments).
+"""The token-noise Itô term Σ_i Δ_{S,i} E from the softmax statistics (dynamics.noise.energy_laplacian_moments).
 
 Oracles: the dense pair sum :func:`dense_laplacian` (an independent formula: every pair, every head, no
 kernel statistics; what :func:`energy_laplacian` formed before it took the kernel's moments), a finite-difference Laplace–Beltrami of tp.energy along geodesics in each token, and a
@@ -15,14 +15,14 @@ import torch
 import transformer_pde as tp
 from transformer_pde.model.energy import choose_log_scale
 from transformer_pde.model.softmax import softmax_statistics
-from transformer_pde.solvers.noise import TokenNoise, energy_laplacian, energy_laplacian_moments
+from transformer_pde.dynamics.noise import TokenNoise, energy_laplacian, energy_laplacian_moments
 
 from conftest import gen
 
 
 def dense_laplacian(x, heads, weights=None, log_scale=0.0):
     """Σ_i Δ_{S,i} E · e^{−c} from the dense (..., H, n, n) block of pair terms (module docstring of
-    transformer_pde.solvers.noise): every ordered pair by the pair formula, the diagonal replaced by the
+    transformer_pde.dynamics.noise): every ordered pair by the pair formula, the diagonal replaced by the
     Laplacian of x ↦ e^{β⟨x, A x⟩}."""
     A = heads.score_matrix
     n, d = x.shape[-2], x.shape[-1]
@@ -246,7 +246,7 @@ def test_one_token_and_the_statistics_it_needs(dtype):
 def test_the_ito_term_reads_the_statistics_it_is_given(monkeypatch):
     """With the caller's statistics (the solver step's), no kernel pass and no dense block of its own; without
     them, one fused kernel pass with second moments (where the CPU's fused kernel exists) and no dense block."""
-    from transformer_pde.solvers import noise as module
+    from transformer_pde.dynamics import noise as module
 
     x = tp.sphere.sample_uniform(6, 3, generator=gen(20), dtype=torch.float64)
     heads = _heads("general", 3, torch.float64)
@@ -314,7 +314,7 @@ def test_a_noisy_solve_books_the_dense_ito_term(causal, dtype, monkeypatch):
     sum at the recorded tokens (also for causal attention, whose ledger reads the whole measure's statistics;
     token weights, paths).  The solve reads its own step's statistics: no kernel pass of the Itô term's own
     and no dense block."""
-    from transformer_pde.solvers import noise as module
+    from transformer_pde.dynamics import noise as module
 
     def refuse(*args, **kwargs):
         raise AssertionError("the solve's Itô term must come from the step's statistics")
@@ -362,7 +362,7 @@ def test_energy_laplacian_takes_the_kernel_moments(kind, dtype, monkeypatch):
     """The public pair sum against the dense block: several heads, uniform and weighted tokens (a zero weight
     among them), a batch of systems, a common scale; it comes from one kernel pass with second moments (no
     (H, n, n) block of its own), and with autograd on it is the dense sum, differentiable."""
-    from transformer_pde.solvers import noise as module
+    from transformer_pde.dynamics import noise as module
 
     d = 3
     x = tp.sphere.sample_uniform(7, d, batch_shape=(2,), generator=gen(31), dtype=dtype)

@@ -458,7 +458,7 @@ def test_ledger_of_layers_closes_with_the_zero_rate_skipped_only_between_jumps(i
 
 def test_zero_rate_is_not_paired(monkeypatch):
     """Constant heads book ∂_tE = 0 without pairing ∂_A E with a zero rate; moving heads pair at every point."""
-    from transformer_pde.solvers import fixed_step
+    from transformer_pde.solvers.particle import fixed_step
 
     calls = []
     real = fixed_step.partial_density

@@ -15,7 +15,7 @@ import torch
 from torch.testing import assert_close
 
 import transformer_pde as tp
-import transformer_pde.solvers.evaluator as evaluator_module
+import transformer_pde.solvers.particle.evaluator as evaluator_module
 from conftest import gen
 from problems import DiagnosticsCounter, Interrupted, assert_replayed, stop_at_step
 

@@ -18,7 +18,7 @@ import transformer_pde as tp
 from conftest import gen
 from problems import naive_dissipation, naive_energy, naive_slope, random_weights
 from transformer_pde.model.field import evaluate
-from transformer_pde.solvers.layernorm import geometry_densities
+from transformer_pde.dynamics.layernorm import geometry_densities
 from transformer_pde.solvers.recorded import RecordedDiagnostics, RecordedHeads, records_per_chunk, stack_heads
 from transformer_pde.solvers.trajectory import NonFiniteError, Trajectory, lazy_series
 

@@ -9,7 +9,7 @@ from torch.testing import assert_close
 import transformer_pde as tp
 from conftest import gen
 from problems import assert_replayed, fit_slope, integrate, interrupt_and_resume, two_token_angle_rate, two_tokens
-from transformer_pde.solvers import particle
+from transformer_pde.solvers.particle import methods as particle
 
 
 # ---------------------------------------------------------------------------- causal

@@ -380,7 +380,7 @@ def test_progress_bar_appears_by_itself_once_the_work_passes_the_threshold(monke
     """progress=None: a bar when steps · stages · paths · H · n² ≥ PROGRESS_MIN_WORK (documented), lowered
     here to 100 so that a run of 4 euler steps, H = 2, n = 5 (work 200) shows one, and 40 does not."""
     import tqdm.auto
-    from transformer_pde.solvers import particle
+    from transformer_pde.solvers.particle import methods as particle
     bars = []
 
     class Bar:
@@ -436,7 +436,7 @@ def test_nonfinite_error_blames_overflow_only_where_the_squared_kernel_overflows
 
 
 # ---------------------------------------------------------------------------- private helpers of the particle solver
-# These reach into private names of solvers/particle.py (_ledger_nonfinite, _check_ledger, _dopri5):
+# These reach into private names of solvers/particle/methods.py (_ledger_nonfinite, _check_ledger, _dopri5):
 # repoint them when the solver's internals move.
 def test_ledger_error_with_a_nonfinite_log_partition_is_a_nonfinite_error():
     """A ledger term that is NaN together with the log-partitions themselves still gives a NonFiniteError
@@ -463,7 +463,7 @@ def test_ledger_check_names_the_energy_when_it_is_not_finite():
 def test_adaptive_nonfinite_error_names_the_solver_step_not_the_grid_row(monkeypatch):
     """With layer starts added to the adaptive grid and record_every > 1, a non-finite token is
     reported at its time and solver step k = (t − t0)/dt (not its row in the internal grid)."""
-    from transformer_pde.solvers import particle
+    from transformer_pde.solvers.particle import methods as particle
 
     real = particle._dopri5
 

@@ -271,7 +271,7 @@ def test_the_common_scale_is_logged_only_when_it_is_not_zero(caplog):
     x0 = random_sphere(2, 5, 3, seed=34)
     e = torch.eye(3, dtype=F64)
     kw = dict(t1=0.1, dt=0.05, ledger=tp.LedgerOptions(ledger=True), progress=False)
-    with caplog.at_level(logging.INFO, logger="transformer_pde.solvers.particle"):
+    with caplog.at_level(logging.INFO, logger="transformer_pde.solvers.particle.methods"):
         tp.solve(tp.Model(tp.Heads(e[None])), x0, tp.Euler(), **kw)
         assert not [r for r in caplog.records if "reported times e^" in r.getMessage()]
         tr = tp.solve(tp.Model(tp.Heads(e[None], None, None, 400.0)), x0, tp.Euler(), **kw)
@@ -310,7 +310,7 @@ def test_replaying_a_sampled_weight_path_reproduces_the_noisy_run(dtype):
 def test_memory_estimate_of_the_recorded_tokens_counts_the_batch_tokens_and_dimension():
     """The recorded tokens take T·B·n·d·itemsize bytes, T = K/record_every + 2: with n ≠ d, and with B the
     paths axis of a replayed weight path."""
-    from transformer_pde.solvers import particle
+    from transformer_pde.solvers.particle import methods as particle
 
     def recorded(x0, process):
         return particle._estimate_memory(x0, process, K=10, record_every=1, paths=None, method="euler",
@@ -326,7 +326,7 @@ def test_memory_estimate_of_the_recorded_tokens_counts_the_batch_tokens_and_dime
 
 
 def _estimate(x0, process, **kw):
-    from transformer_pde.solvers import particle
+    from transformer_pde.solvers.particle import methods as particle
     args = dict(K=10, record_every=1, paths=None, method="euler", diagnostics=False, return_path=False,
                 chunk_elements=None, noisy=True, obs={})
     return particle._estimate_memory(x0, process, **(args | kw))

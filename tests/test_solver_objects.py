@@ -183,7 +183,7 @@ def test_the_front_ends_name_the_keyword_the_user_typed():
 
 # ---------------------------------------------------------------------------- a solver from the public parts
 from transformer_pde.processes.driver import WeightDriver  # noqa: E402
-from transformer_pde.solvers.evaluator import Evaluator  # noqa: E402
+from transformer_pde.solvers.particle.evaluator import Evaluator  # noqa: E402
 from transformer_pde.solvers.parts import Ledger, Recorder, Stepper, partial_density, progress_bar  # noqa: E402
 
 

@@ -127,7 +127,7 @@ def test_bad_time_grid(x, heads):
 
 def test_validation_happens_before_work(x, heads, monkeypatch):
     """No kernel runs when the input is bad."""
-    import transformer_pde.solvers.evaluator as evaluator
+    import transformer_pde.solvers.particle.evaluator as evaluator
 
     class Ran(Exception):
         pass

@@ -24,32 +24,33 @@ from .processes.driver import sample_path
 from .processes.paths import WeightPath
 from .processes.homogenized import RandomLayers
 from .processes.weights import Constant, Custom, Layerwise, OrnsteinUhlenbeck, Oscillating, Process, oscillating_target
-from .solvers.particle import simulate
+from .solvers.particle.methods import simulate
 from .solvers.tableaux import METHODS, TABLEAUX, ButcherTableau
 from .solvers.trajectory import NonFiniteError, Trajectory
-from .solvers.layernorm import LAYER_NORMS, NGPT, LayerNormScheme, PeriLN, PostLN, PreLN, Projected, simuformer_scheme
-from .solvers.noise import TokenNoise
+from .dynamics.layernorm import LAYER_NORMS, NGPT, LayerNormScheme, PeriLN, PostLN, PreLN, Projected, simuformer_scheme
+from .dynamics.noise import TokenNoise
 from .model.normalization import Effective, Hardmax, Normalization, ReLU, SinkhornAttention, Softmax, Unnormalized
 from .model.positional import ALiBi, KineticDecay, PositionalBias, PositionKernel
-from .solvers.model import Model
-from .solvers.methods import EMD, Identity, RiemannianLBFGS, Sinkhorn, Solver, TransportTerm
-from .solvers.jko_methods import EulerianJKO, LagrangianJKO
-from .solvers.particle import RK4, Dopri5, Euler, FixedStep, Heun
-from .solvers.sharded import ShardedEuler
+from .dynamics.model import Model
+from .solvers.solver import Solver
+from .solvers.jko.transport import EMD, Identity, RiemannianLBFGS, SinkhornTransport, TransportTerm
+from .solvers.jko.methods import EulerianJKO, LagrangianJKO
+from .solvers.particle.methods import RK4, Dopri5, Euler, FixedStep, Heun
+from .solvers.particle.sharded import ShardedEuler
 from .solvers.options import Checkpointing, LedgerOptions, Limits, Progress, SaveAt, SolveOptions
 from .solvers.solve import solve
 from .model import backends, transport
 from .analysis import diagnostics, theory
-from .solvers import sharded as distributed
+from .solvers.particle import sharded as distributed
 from . import nn
 from .nn import MeanFieldAttention
 from .model.backends import kernel_backend
 from .utils.threads import thread_policy
-from .solvers.sharded import distributed_evaluate, simulate_sharded
+from .solvers.particle.sharded import distributed_evaluate, simulate_sharded
 from .processes.nn import (
     attention_matrix, layerwise_from_transformer, residual_attention_step,
 )
-from .solvers.jko import JKOConvergenceError, jko, to_grid
+from .solvers.jko.front import JKOConvergenceError, jko, to_grid
 from .model.transport import distance, transport_plan
 from .analysis import clustering, ensembles
 from .analysis.clustering import Staircase, cluster_statistics, detect_plateaus, gram_rank_count, pair_fraction
@@ -107,7 +108,7 @@ __all__ = [
     "simulate",
     "solve", "Model", "Normalization", "Softmax", "Unnormalized", "ReLU", "Effective", "SinkhornAttention", "Hardmax",
     "Solver", "FixedStep", "Euler", "Heun", "RK4", "Dopri5", "ShardedEuler", "LagrangianJKO", "EulerianJKO",
-    "TransportTerm", "EMD", "Sinkhorn", "Identity", "RiemannianLBFGS",
+    "TransportTerm", "EMD", "SinkhornTransport", "Identity", "RiemannianLBFGS",
     "SaveAt", "SolveOptions", "LedgerOptions", "Checkpointing", "Progress", "Limits",
     "TokenNoise",
     "Trajectory",

@@ -49,8 +49,8 @@ from ..processes.pretrained import (
     load, packaged_minilm,
 )
 from ..processes.weights import Constant, Layerwise
-from ..solvers.particle import Euler
-from ..solvers.model import Model
+from ..solvers.particle.methods import Euler
+from ..dynamics.model import Model
 from ..solvers.options import LedgerOptions, SaveAt
 from ..solvers.solve import solve
 

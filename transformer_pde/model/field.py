@@ -96,7 +96,7 @@ class FieldEval:
         the diagnostics did not need it: the merged fused kernel).
     energy, slope, dissipation: (...,) or None (when diagnostics=False).
     ambient:  (..., n, d) the signed field before the tangent projection, s · Σ_h ω_h f_h (what a
-        layer-normalisation scheme adds to the residual stream, :mod:`transformer_pde.solvers.layernorm`).
+        layer-normalisation scheme adds to the residual stream, :mod:`transformer_pde.dynamics.layernorm`).
     """
 
     velocity: torch.Tensor
@@ -454,7 +454,7 @@ def evaluate(
     ``keys`` (..., m, d) and ``key_weights`` (..., m) or None: evaluate at the queries ``x`` the
     field of the measure μ = Σ_j key_weights_j δ_{keys_j} (default: μ = Σ_i weights_i δ_{x_i}).
     The diagnostics are then the partial sums Σ_i weights_i (...) over these queries, which add
-    up over a partition of μ's support into query shards (:mod:`transformer_pde.solvers.sharded`, ``tp.distributed``);
+    up over a partition of μ's support into query shards (:mod:`transformer_pde.solvers.particle.sharded`, ``tp.distributed``);
     pass the shard's share of the global token weights as ``weights``.
 
     ``causal``: token i attends only to tokens j ≤ i (the field of the prefix measure; module

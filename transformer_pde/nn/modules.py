@@ -61,9 +61,9 @@ from ..utils.validation import DEFAULT_DIRECTION
 from ..model.heads import Heads
 from ..processes.nn import attention_modules
 from ..processes.weights import Layerwise
-from ..solvers.particle import Dopri5, FixedStep
+from ..solvers.particle.methods import Dopri5, FixedStep
 from ..solvers.tableaux import ADAPTIVE_ATOL, ADAPTIVE_RTOL, METHODS
-from ..solvers.model import Model
+from ..dynamics.model import Model
 from ..solvers.options import LedgerOptions, SaveAt
 from ..solvers.solve import solve
 from ..utils.validation import check_bool, check_choice, check_int, check_positive

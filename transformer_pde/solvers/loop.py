@@ -1,6 +1,6 @@
 """The run loop of every stepping solver: one loop for progress, callbacks, checkpoints and the thread policy.
 
-A solver (:class:`~transformer_pde.solvers.methods.Solver`) answers two calls: ``init(model, x0, options)``
+A solver (:class:`~transformer_pde.solvers.solver.Solver`) answers two calls: ``init(model, x0, options)``
 builds a :class:`Run` (the state of a solve between steps: resumed from a checkpoint or evaluated at t0, its
 records, ledger and statistics), and ``step(state, t, dt)`` makes one numerical step.  :func:`drive` steps a
 run from its current step (0, or the resumed one) to the last: after every step it calls
@@ -8,10 +8,10 @@ run from its current step (0, or the resumed one) to the last: after every step 
 due; at the end it returns ``run.finish()``, the :class:`~transformer_pde.Trajectory`.  ``Solver.run`` is this
 loop: ``drive(solver.init(model, x0, options), options.progress.callback)``.
 
-The runs: :class:`~transformer_pde.solvers.fixed_step.FixedStepRun` (every particle solver, built-in or a
+The runs: :class:`~transformer_pde.solvers.particle.fixed_step.FixedStepRun` (every particle solver, built-in or a
 user's: the Runge–Kutta steps of ``FixedStep`` and a user's ``step`` get the same records, ledger,
-checkpoints and resume), the sharded run (:mod:`~transformer_pde.solvers.sharded`) and the JKO run
-(:mod:`~transformer_pde.solvers.jko_run`).  The loop has a fixed grid: ``Dopri5`` keeps torchdiffeq's own
+checkpoints and resume), the sharded run (:mod:`~transformer_pde.solvers.particle.sharded`) and the JKO run
+(:mod:`~transformer_pde.solvers.jko.run`).  The loop has a fixed grid: ``Dopri5`` keeps torchdiffeq's own
 loop (its docstring says why).
 
 :class:`ParticleState` is what a particle solver's ``step`` reads: the tokens, the field at the left end and

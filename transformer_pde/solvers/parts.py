@@ -25,7 +25,7 @@ import torch
 from ..model.energy import ito_correction, pairing
 from ..utils.validation import check_output_file, write_error
 from ..model.heads import Heads
-from .layernorm import as_geometry, check_layer_norm_method
+from ..dynamics.layernorm import as_geometry, check_layer_norm_method
 
 #: the parts a solver is composed of (docs/solve.md, "A solver of your own")
 __all__: List[str] = ["Stepper", "Ledger", "Recorder", "Checkpointer", "progress_bar", "partial_density", "ledger_terms",
@@ -41,9 +41,9 @@ class Stepper:
 
     retract=True: the stages and the result are pulled back to the unit sphere by the geometry's
     retraction (``geometry.retract``, x ↦ x/|x| for every scheme of
-    :mod:`~transformer_pde.solvers.layernorm`; the geometry seam); False: flat dynamics in R^d.
+    :mod:`~transformer_pde.dynamics.layernorm`; the geometry seam); False: flat dynamics in R^d.
 
-    ``geometry``: the geometry of the step, a :class:`~transformer_pde.solvers.layernorm.LayerNormScheme`
+    ``geometry``: the geometry of the step, a :class:`~transformer_pde.dynamics.layernorm.LayerNormScheme`
     (or its name).  "none" (default, :class:`~.layernorm.Projected`) is the Runge–Kutta step with
     the retraction above; the other schemes are discrete layer maps (one attention evaluation per
     layer, Euler tableau only), taken by :meth:`layer_step`."""

@@ -3,8 +3,8 @@
 A solve need not evaluate E, 𝒢², 𝒟 at every step when only the recorded values are read: they are
 functions of the recorded tokens x_k, the heads Θ(t_k) and (layer maps with a radius) the recorded
 radii r_k, so they can be computed after the solve, once, vectorised over the records.  This module
-computes exactly what the eager per-step path records (:class:`~transformer_pde.solvers.evaluator.Evaluator`
-with diagnostics, then :func:`~transformer_pde.solvers.layernorm.geometry_densities` for a layer map):
+computes exactly what the eager per-step path records (:class:`~transformer_pde.solvers.particle.evaluator.Evaluator`
+with diagnostics, then :func:`~transformer_pde.dynamics.layernorm.geometry_densities` for a layer map):
 
     E_k e^{−c}  = E(μ_k, Θ(t_k)) e^{−c},
     𝒢²_k e^{−c} = Σ_i w_i λ_i b(x_i) |V(x_i)|² e^{−c},    𝒟_k e^{−c} = Σ_i w_i λ_i ⟨∇_S δE/δμ(x_i), V(x_i)⟩ e^{−c}
@@ -63,7 +63,7 @@ from ..model.field import evaluate
 from ..model.pair_block import scores_bounded
 from ..model.heads import Heads
 from ..utils.validation import direction_sign
-from .layernorm import geometry_densities
+from ..dynamics.layernorm import geometry_densities
 from .trajectory import check_finite, ledger_nonfinite
 
 __all__: List[str] = []

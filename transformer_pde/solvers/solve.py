@@ -4,7 +4,7 @@
                     paths=10, seed=0, saveat=tp.SaveAt(record_every=5))
 
 The model (:class:`~transformer_pde.Model`) says what moves the tokens; the solver object
-(:mod:`transformer_pde.solvers.methods`) how it is discretised, with its own settings; the options
+(:mod:`transformer_pde.solvers.solver`) how it is discretised, with its own settings; the options
 objects (:mod:`transformer_pde.solvers.options`) what is saved, how the ledger is kept, where to
 checkpoint, how progress is shown and which limits hold.  An option the solver does not accept is
 refused (TypeError) before any work.  The result is a :class:`~transformer_pde.Trajectory`.
@@ -17,8 +17,8 @@ from typing import Optional
 
 import torch
 
-from .methods import Solver
-from .model import Model
+from ..dynamics.model import Model
+from .solver import Solver
 from .options import Checkpointing, LedgerOptions, Limits, Progress, SaveAt, SolveOptions
 from .trajectory import Trajectory
 

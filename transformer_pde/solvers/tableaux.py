@@ -2,7 +2,7 @@
 
 ``TABLEAUX`` maps a method name to its :class:`ButcherTableau`; ``METHODS`` are the ``method=``
 strings of :func:`transformer_pde.simulate` (the tableaux and "adaptive", dopri5).  Every solver
-and the solver objects of :mod:`transformer_pde.solvers.methods` read them from here.
+and the solver objects of :mod:`transformer_pde.solvers.particle.methods` read them from here.
 """
 
 from __future__ import annotations

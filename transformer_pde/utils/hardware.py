@@ -1,7 +1,7 @@
 """Facts about the CPU the kernels run on: its model name and its data-cache sizes.
 
 The fused kernels take their work in blocks that stay in one core's cache (the layer maps'
-:class:`~transformer_pde.solvers.layernorm.FusedUpdate` sizes its score blocks from the L2 size).
+:class:`~transformer_pde.dynamics.layernorm.FusedUpdate` sizes its score blocks from the L2 size).
 The sizes are read once per process, from the first source that answers:
 
 1. Linux sysfs, ``/sys/devices/system/cpu/cpu0/cache/index*/`` (files ``level``, ``type``, ``size``

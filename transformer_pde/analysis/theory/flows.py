@@ -21,8 +21,8 @@ from ...model.field import head_token_mean, token_mean
 from ...model.heads import Heads
 from ...model.normalization import choose as choose_normalization
 from ...processes.driver import grid_steps
-from ...solvers.particle import FixedStep
-from ...solvers.model import Model
+from ...solvers.particle.methods import FixedStep
+from ...dynamics.model import Model
 from ...solvers.loop import Run, drive
 from ...solvers.options import LedgerOptions, Progress, SaveAt
 from ...solvers.parts import Recorder, Stepper

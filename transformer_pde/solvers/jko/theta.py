@@ -17,12 +17,12 @@ from typing import Optional
 
 import torch
 
-from ..utils.validation import check_limits
-from ..model.heads import Heads
-from ..processes.driver import WeightDriver, path_bytes
-from ..processes.paths import WeightPath
-from ..processes.weights import Process
-from .options import Limits
+from ...utils.validation import check_limits
+from ...model.heads import Heads
+from ...processes.driver import WeightDriver, path_bytes
+from ...processes.paths import WeightPath
+from ...processes.weights import Process
+from ..options import Limits
 
 __all__ = []  # the JKO solve's parts; users call tp.jko / tp.solve(..., tp.LagrangianJKO(...))
 __internal__ = ["flatten_heads", "ThetaSource", "check_theta_grid"]

@@ -12,7 +12,7 @@ first read (:class:`~transformer_pde.solvers.recorded.RecordedDiagnostics`).  Wi
 ``LedgerOptions(kinetic=True)`` and no ledger, the kinetic term ∫𝒢² dt is accumulated from each grid
 point's own field evaluation (its velocity and log-partitions), with the ledger's quadrature.  The entry points are :func:`transformer_pde.solve` and
 :meth:`transformer_pde.FixedStep.run` (the run of every
-:class:`~transformer_pde.solvers.particle.ParticleSolver`); this is a named internal API.
+:class:`~transformer_pde.solvers.particle.methods.ParticleSolver`); this is a named internal API.
 """
 
 from __future__ import annotations
@@ -22,21 +22,21 @@ import time
 
 import torch
 
-from ..model.energy import check_scale_fits, choose_log_scale, pairing
-from ..model.energy import quadratic_variation as realised_qv_term
-from ..model.field import log_inverse_mobility, token_mean
-from ..model.softmax import softmax_statistics
-from ..model.heads import broadcast_shapes
-from ..model.normalization import NORMALIZATIONS, normalization as as_normalization
-from ..processes.driver import WeightDriver
+from ...model.energy import check_scale_fits, choose_log_scale, pairing
+from ...model.energy import quadratic_variation as realised_qv_term
+from ...model.field import log_inverse_mobility, token_mean
+from ...model.softmax import softmax_statistics
+from ...model.heads import broadcast_shapes
+from ...model.normalization import NORMALIZATIONS, normalization as as_normalization
+from ...processes.driver import WeightDriver
+from ...dynamics.layernorm import FusedUpdate, geometry_densities
+from ...dynamics.noise import noise_martingale
+from ..loop import ParticleState, Run
+from ..parts import LEDGER_KEYS, Ledger, Recorder, callable_signature, partial_density, process_parts
+from ..tableaux import TABLEAUX, ButcherTableau
+from ..recorded import RecordedDiagnostics, RecordedHeads
+from ..trajectory import PathsAxis, Trajectory, check_finite, check_ledger, lazy_series, ledger_nonfinite, nonfinite_error
 from .evaluator import Evaluator, RunParts
-from .layernorm import FusedUpdate, geometry_densities
-from .noise import noise_martingale
-from .loop import ParticleState, Run
-from .parts import LEDGER_KEYS, Ledger, Recorder, callable_signature, partial_density, process_parts
-from .tableaux import TABLEAUX, ButcherTableau
-from .recorded import RecordedDiagnostics, RecordedHeads
-from .trajectory import PathsAxis, Trajectory, check_finite, check_ledger, lazy_series, ledger_nonfinite, nonfinite_error
 
 __all__: list = []
 __internal__ = ["FixedStepRun", "prepare_parts", "fingerprint_parts"]

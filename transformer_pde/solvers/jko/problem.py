@@ -8,8 +8,8 @@
 t0, τ = dt, t1; paths and the random stream; the options objects).  It refuses what the JKO schemes do not solve
 or take, checks the initial measure (tokens and token weights, or the grid and its weights), resolves the
 defaults (the inner tolerance), estimates the memory of the run against the limits and checks Θ_t's grid
-(:mod:`~transformer_pde.solvers.jko_theta`).  The result is frozen: the run
-(:mod:`~transformer_pde.solvers.jko_run`) only reads it.
+(:mod:`~transformer_pde.solvers.jko.theta`).  The result is frozen: the run
+(:mod:`~transformer_pde.solvers.jko.run`) only reads it.
 """
 
 from __future__ import annotations
@@ -20,20 +20,20 @@ from typing import Optional, Union
 
 import torch
 
-from ..utils.validation import (
+from ...utils.validation import (
     broadcast_shapes, check_every, check_limits, check_same, check_seed_generator, check_tied_all,
     check_token_weights, check_tokens, direction_sign,
 )
-from ..model.heads import Heads
-from ..model.normalization import Effective, Normalization, Unnormalized
-from ..processes.driver import path_bytes
-from ..processes.paths import WeightPath
-from ..processes.weights import Process
-from .jko_eulerian import EulerianStep, resolve_grid, to_grid
-from .jko_lagrangian import LagrangianStep
-from .jko_theta import check_theta_grid
-from .model import Model
-from .options import SolveOptions
+from ...model.heads import Heads
+from ...model.normalization import Effective, Normalization, Unnormalized
+from ...processes.driver import path_bytes
+from ...processes.paths import WeightPath
+from ...processes.weights import Process
+from ...dynamics.model import Model
+from ..options import SolveOptions
+from .eulerian import EulerianStep, resolve_grid, to_grid
+from .lagrangian import LagrangianStep
+from .theta import check_theta_grid
 
 __all__ = []  # the JKO solve's parts; users call tp.jko / tp.solve(..., tp.LagrangianJKO(...))
 __internal__ = ["JKOProblem", "check_problem", "VARIANTS"]
@@ -49,8 +49,8 @@ class JKOProblem:
     model, options : the :class:`~transformer_pde.Model` and :class:`~transformer_pde.SolveOptions` solved.
     variant : "lagrangian" or "eulerian".
     transport, cost : the transport term's name ("emd", "sinkhorn", "identity") and cost ("source", "symmetric").
-    step : the settings of one step (:class:`~.jko_lagrangian.LagrangianStep` or
-        :class:`~.jko_eulerian.EulerianStep`).
+    step : the settings of one step (:class:`~.lagrangian.LagrangianStep` or
+        :class:`~.eulerian.EulerianStep`).
     metric : the normalisation whose field is the scheme's gradient flow ("effective": mobility b_k;
         "unnormalized": b ≡ 1), the one its energies, 𝒢² and 𝒟 are reported in.
     steps, record_every : the number of steps and the record stride.

@@ -1,12 +1,12 @@
 """The JKO solver objects of :func:`transformer_pde.solve`: :class:`LagrangianJKO` (the tokens move) and
 :class:`EulerianJKO` (weights on a fixed grid move), each with its settings and its ``run``.
 
-``run(model, x0, options)`` checks the problem (:func:`~transformer_pde.solvers.jko_problem.check_problem`, before
-any work) and starts the run (:class:`~transformer_pde.solvers.jko_run.JKORun`), which the loop of
+``run(model, x0, options)`` checks the problem (:func:`~transformer_pde.solvers.jko.problem.check_problem`, before
+any work) and starts the run (:class:`~transformer_pde.solvers.jko.run.JKORun`), which the loop of
 :mod:`~transformer_pde.solvers.loop` steps (``step``: the proximal step); the maths is in
-:mod:`transformer_pde.solvers.jko` and docs/model.md#jko.  The transport terms (``EMD``, ``Sinkhorn``,
-``Identity``) and the inner optimiser (``RiemannianLBFGS``) are settings objects of
-:mod:`transformer_pde.solvers.methods`.
+:mod:`transformer_pde.solvers.jko.front` and docs/model.md#jko.  The transport terms (``EMD``,
+``SinkhornTransport``, ``Identity``) and the inner optimiser (``RiemannianLBFGS``) are settings objects of
+:mod:`transformer_pde.solvers.jko.transport`.
 """
 
 from __future__ import annotations
@@ -16,12 +16,13 @@ from typing import ClassVar, FrozenSet, Mapping, Optional, Tuple, Union
 
 import torch
 
-from ..utils.validation import check_bool, check_int, check_positive
-from .jko_problem import check_problem
-from .jko_run import JKORun
-from .methods import EMD, RiemannianLBFGS, Solver, TransportTerm
-from .model import Model
-from .options import SolveOptions
+from ...utils.validation import check_bool, check_int, check_positive
+from ...dynamics.model import Model
+from ..solver import Solver
+from ..options import SolveOptions
+from .problem import check_problem
+from .run import JKORun
+from .transport import EMD, RiemannianLBFGS, TransportTerm
 
 __all__ = ["LagrangianJKO", "EulerianJKO"]
 
@@ -38,7 +39,7 @@ class LagrangianJKO(Solver):
     μ_{k+1} ∈ argmin s'E(μ, Θ_{t_{k+1}}) + W_{b_k}(μ, μ_k)²/(2τ).
 
     The mobility follows the model's normalisation ("effective": b_k; "unnormalized": b ≡ 1).
-    ``transport``: a :class:`~transformer_pde.TransportTerm` (``EMD()``, ``Sinkhorn(eps)``, ``Identity()``);
+    ``transport``: a :class:`~transformer_pde.TransportTerm` (``EMD()``, ``SinkhornTransport(eps)``, ``Identity()``);
     ``inner``: the inner optimiser; ``path_dt``: the grid of sampled noisy weights (None: τ).
     ``strict``: raise on a step that does not converge.  No checkpoints."""
 
@@ -53,8 +54,8 @@ class LagrangianJKO(Solver):
 
     def __post_init__(self):
         if not isinstance(self.transport, TransportTerm) or type(self.transport) is TransportTerm:
-            raise TypeError(f"LagrangianJKO.transport must be EMD(), Sinkhorn(eps) or Identity(), got "
-                            f"{type(self.transport).__name__}")
+            raise TypeError(f"LagrangianJKO.transport must be EMD(), SinkhornTransport(eps) or Identity(), "
+                            f"got {type(self.transport).__name__}")
         if not isinstance(self.inner, RiemannianLBFGS):
             raise TypeError(f"LagrangianJKO.inner must be a RiemannianLBFGS, got {type(self.inner).__name__}")
         if self.path_dt is not None:

@@ -32,12 +32,12 @@ from typing import Optional
 
 import torch
 
-from ..utils.validation import check_positive, check_same, check_token_weights, check_tokens
-from ..model.softmax import softmax_statistics
-from ..model.finite_part import over_two_beta
-from ..model.heads import Heads
-from ..model.sphere import circle_grid, fibonacci_sphere
-from ..model.transport import sq_chordal
+from ...utils.validation import check_positive, check_same, check_token_weights, check_tokens
+from ...model.softmax import softmax_statistics
+from ...model.finite_part import over_two_beta
+from ...model.heads import Heads
+from ...model.sphere import circle_grid, fibonacci_sphere
+from ...model.transport import sq_chordal
 
 __all__ = ["to_grid", "self_potential", "entropy"]
 __internal__ = ["EulerianStep", "check_grid_type", "resolve_grid", "grid_spacing", "first_variation", "eulerian_step"]
@@ -45,7 +45,7 @@ __internal__ = ["EulerianStep", "check_grid_type", "resolve_grid", "grid_spacing
 
 @dataclass(frozen=True)
 class EulerianStep:
-    """The settings of an Eulerian JKO step, checked (:mod:`transformer_pde.solvers.jko_problem`).
+    """The settings of an Eulerian JKO step, checked (:mod:`transformer_pde.solvers.jko.problem`).
 
     tau : the step τ;  sgn : s' = +1 (descent) or −1 (ascent);  eps : the blur ε;  tol, max_iter : the fixed-point
     iteration's;  temperature : T ≥ 0 of the entropy T Σ_b p_b log(m p_b) (0: none)."""

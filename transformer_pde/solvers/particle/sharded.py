@@ -47,27 +47,27 @@ from typing import Any, ClassVar, FrozenSet, List, Mapping, Optional, Sequence, 
 import torch
 import torch.distributed as dist
 
-from ..utils.validation import DEFAULT_DIRECTION, DIRECTIONS
-from ..utils.validation import (
+from ...utils.validation import DEFAULT_DIRECTION, DIRECTIONS
+from ...utils.validation import (
     broadcast_shapes, check_bool, check_choice, check_every, check_int, check_positive, check_real, check_same,
     check_tokens, direction_sign,
 )
-from ..model.normalization import normalization as as_normalization
-from ..model.backends import BACKENDS
-from ..model.energy import pairing
-from ..model.field import FieldEval, evaluate
-from ..model.heads import Heads
-from ..processes.driver import WeightDriver, grid_steps
-from ..processes.paths import WeightPath
-from ..processes.weights import Process
-from .methods import Solver
-from .model import Model
-from .options import LedgerOptions, Limits, Progress, SaveAt, SolveOptions, check_ledger_choices
-from .loop import ParticleState, Run
-from .parts import Checkpointer, Ledger, Recorder, Stepper, partial_density, process_parts
-from .solve import solve
-from .tableaux import TABLEAUX
-from .trajectory import PathsAxis, Trajectory, nonfinite_error
+from ...model.normalization import normalization as as_normalization
+from ...model.backends import BACKENDS
+from ...model.energy import pairing
+from ...model.field import FieldEval, evaluate
+from ...model.heads import Heads
+from ...processes.driver import WeightDriver, grid_steps
+from ...processes.paths import WeightPath
+from ...processes.weights import Process
+from ...dynamics.model import Model
+from ..solver import Solver
+from ..options import LedgerOptions, Limits, Progress, SaveAt, SolveOptions, check_ledger_choices
+from ..loop import ParticleState, Run
+from ..parts import Checkpointer, Ledger, Recorder, Stepper, partial_density, process_parts
+from ..solve import solve
+from ..tableaux import TABLEAUX
+from ..trajectory import PathsAxis, Trajectory, nonfinite_error
 
 __all__ = ["ShardedEuler", "rank_and_world", "shard_tokens", "gather_tokens", "distributed_evaluate",
            "simulate_sharded"]
@@ -109,7 +109,7 @@ class ShardedEuler(Solver):
         check_bool(self.gather_x, "ShardedEuler.gather_x")
 
     def init(self, model: Model, x0: torch.Tensor, options: SolveOptions):
-        """The started sharded run (:meth:`transformer_pde.solvers.methods.Solver.init`); ``run`` steps it.
+        """The started sharded run (:meth:`transformer_pde.solvers.solver.Solver.init`); ``run`` steps it.
 
         Parameters
         ----------

@@ -8,10 +8,10 @@
   :class:`~transformer_pde.WeightPath`;
 * ``normalization`` — a :class:`~transformer_pde.model.normalization.Normalization` (or its name);
 * ``direction`` — "ascent" (the default of every public function) or "descent";
-* ``layer_norm`` — how tokens stay on the sphere: a :class:`~transformer_pde.solvers.layernorm.LayerNormScheme`
+* ``layer_norm`` — how tokens stay on the sphere: a :class:`~transformer_pde.dynamics.layernorm.LayerNormScheme`
   (``Projected()`` = "none", the projected flow with retraction, ``PostLN()``, ``PreLN()``, …) or its name;
 * ``temperature`` — token noise: a temperature T ≥ 0 (0: none) or a
-  :class:`~transformer_pde.solvers.noise.TokenNoise` (T with a seed of its own); once built,
+  :class:`~transformer_pde.dynamics.noise.TokenNoise` (T with a seed of its own); once built,
   ``model.temperature`` is the float T and ``model.noise`` the resolved term (None when T = 0; rebuild with
   ``dataclasses.replace(model, ..., temperature=model.noise or 0.0)`` to keep a TokenNoise's seed);
 * ``weights`` — token weights (..., n) or None (uniform);

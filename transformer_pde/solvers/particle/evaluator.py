@@ -1,7 +1,7 @@
 """The field evaluation of a particle solve and its common energy scale (docs/model.md#ledger).
 
-:class:`Evaluator` is shared by the fixed-step run (:mod:`~transformer_pde.solvers.fixed_step`)
-and the adaptive solve (:mod:`~transformer_pde.solvers.adaptive`): ``ev(x, heads, diag)`` is one
+:class:`Evaluator` is shared by the fixed-step run (:mod:`~transformer_pde.solvers.particle.fixed_step`)
+and the adaptive solve (:mod:`~transformer_pde.solvers.particle.adaptive`): ``ev(x, heads, diag)`` is one
 :class:`~transformer_pde.FieldEval`, and with diagnostics energy, 𝒢², 𝒟 are reported times
 e^{−c} for the common scale c fixed at t0.  :class:`RunParts` carries the prepared parts of one
 particle solve (weight driver, evaluator, paths axis, checkpointer, dopri5 driver) into those solves.
@@ -13,14 +13,14 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from ..model.values import values_first_applies
-from ..model.energy import choose_log_scale
-from ..model.field import evaluate
+from ...model.values import values_first_applies
+from ...model.energy import choose_log_scale
+from ...model.field import evaluate
 
 __all__ = ["Evaluator"]
 __internal__ = ["RunParts"]
 
-logger = logging.getLogger("transformer_pde.solvers.particle")  # the solvers' logger of old
+logger = logging.getLogger("transformer_pde.solvers.particle.methods")  # the solvers' logger of old
 
 
 class Evaluator:
@@ -34,7 +34,7 @@ class Evaluator:
         the registry); ``sign``: the direction's sign; ``noisy``: the second moment for the Itô terms;
         ``causal``, ``chunk_elements`` as :func:`transformer_pde.evaluate`; ``energy_log_scale``: the
         given common scale c (None: fixed at t0 by :meth:`fix_scale`); ``fused``: a
-        :class:`~transformer_pde.solvers.layernorm.FusedUpdate` for the tokens-only evaluations of a layer map
+        :class:`~transformer_pde.dynamics.layernorm.FusedUpdate` for the tokens-only evaluations of a layer map
         (None: none); ``ledger``: False when the evaluations with diagnostics serve records only (no Itô
         term, no second moment); ``pairing``: False when no rate of the heads is paired with the statistics
         (no ledger moment); ``scale``: the common scale of a resumed run (c and the largest log-partition at t0,
@@ -90,7 +90,7 @@ class RunParts:
     checkpointer : Checkpointer or None
         the fixed-step solve's checkpoints (:class:`~transformer_pde.solvers.parts.Checkpointer`).
     integrate : callable or None
-        the adaptive solve's dopri5 driver (:func:`~transformer_pde.solvers.adaptive.dopri5`).
+        the adaptive solve's dopri5 driver (:func:`~transformer_pde.solvers.particle.adaptive.dopri5`).
     resume : dict or None
         the checkpoint the run resumes (read before the parts are built), or None: start at t0.
     eager : bool

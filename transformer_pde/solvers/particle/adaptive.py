@@ -17,15 +17,15 @@ from typing import Callable, Dict, Tuple
 
 import torch
 
-from ..model.energy import pairing
-from ..model.energy import quadratic_variation as realised_qv_term
-from ..model.field import evaluate
-from ..model.heads import Heads
-from ..processes.paths import WeightPath
-from ..processes.weights import Process
-from .parts import Recorder, ledger_from_series, partial_density
-from .recorded import RecordedDiagnostics, RecordedHeads
-from .trajectory import Trajectory, check_finite, check_ledger, lazy_series, nonfinite_error
+from ...model.energy import pairing
+from ...model.energy import quadratic_variation as realised_qv_term
+from ...model.field import evaluate
+from ...model.heads import Heads
+from ...processes.paths import WeightPath
+from ...processes.weights import Process
+from ..parts import Recorder, ledger_from_series, partial_density
+from ..recorded import RecordedDiagnostics, RecordedHeads
+from ..trajectory import Trajectory, check_finite, check_ledger, lazy_series, nonfinite_error
 
 __all__: list = []
 __internal__ = ["solve_adaptive", "dopri5"]
@@ -117,9 +117,9 @@ def solve_adaptive(x, problem, parts) -> Trajectory:
     over the record intervals).  A closed-form Θ with knots (layer starts) is solved piece by piece
     between them, and the ledger is sampled on both sides of each knot, so it books the jumps of Θ.
 
-    ``problem``: the checked problem (a :class:`~transformer_pde.solvers.particle.ParticleProblem`:
+    ``problem``: the checked problem (a :class:`~transformer_pde.solvers.particle.methods.ParticleProblem`:
     model, Dopri5 solver (``adjoint``: gradients by the adjoint ODE), options, steps, record stride,
-    observables); ``parts``: the prepared :class:`~transformer_pde.solvers.evaluator.RunParts` (its
+    observables); ``parts``: the prepared :class:`~transformer_pde.solvers.particle.evaluator.RunParts` (its
     ``integrate`` is the dopri5 driver, default :func:`dopri5`).  The tokens are pulled back to the
     sphere by the model's geometry (``geometry.retract``).  The Trajectory still carries the paths axis."""
     model, o, ev, drv = problem.model, problem.options, parts.evaluator, parts.driver

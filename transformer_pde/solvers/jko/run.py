@@ -1,16 +1,16 @@
 """The run shared by the two JKO variants (docs/model.md#jko): the batch layout, the proximal steps, the
 diagnostics in the scheme's metric, the discrete energy ledger and the records.
 
-:func:`run_jko` solves a checked :class:`~transformer_pde.solvers.jko_problem.JKOProblem` step by step with
-:class:`JKORun` (the steps themselves in :mod:`~transformer_pde.solvers.jko_lagrangian` and
-:mod:`~transformer_pde.solvers.jko_eulerian`; Θ_t from :mod:`~transformer_pde.solvers.jko_theta`), under a progress
+:func:`run_jko` solves a checked :class:`~transformer_pde.solvers.jko.problem.JKOProblem` step by step with
+:class:`JKORun` (the steps themselves in :mod:`~transformer_pde.solvers.jko.lagrangian` and
+:mod:`~transformer_pde.solvers.jko.eulerian`; Θ_t from :mod:`~transformer_pde.solvers.jko.theta`), under a progress
 bar, and returns the :class:`~transformer_pde.Trajectory` of :func:`transformer_pde.jko`'s docstring.
 
 Batch axes: the run always carries a leading paths axis (size ``paths``, or 1) in front of the broadcast batch
 of the measure and the heads, and drops it once at the end when ``paths=None``.
 
 The discrete energy ledger (the keys of :func:`transformer_pde.simulate` and "jko_defect", reported times e^{−c}
-with one common scale c per run) is that of :mod:`transformer_pde.solvers.jko`'s docstring.
+with one common scale c per run) is that of :mod:`transformer_pde.solvers.jko.front`'s docstring.
 """
 
 from __future__ import annotations
@@ -21,17 +21,17 @@ import warnings
 
 import torch
 
-from ..model.softmax import softmax_statistics
-from ..model.energy import choose_log_scale
-from ..model.field import FieldEval, evaluate, log_inverse_mobility, token_mean
-from ..model.heads import Heads
-from .jko_eulerian import entropy, eulerian_step
-from .jko_lagrangian import lagrangian_step, scaled_energy
-from .jko_problem import JKOProblem
-from .jko_theta import ThetaSource, flatten_heads
-from .loop import Run, drive
-from .parts import LEDGER_KEYS as STEP_LEDGER_KEYS, Ledger, Recorder
-from .trajectory import NonFiniteError, Trajectory, nonfinite_error
+from ...model.softmax import softmax_statistics
+from ...model.energy import choose_log_scale
+from ...model.field import FieldEval, evaluate, log_inverse_mobility, token_mean
+from ...model.heads import Heads
+from ..loop import Run, drive
+from ..parts import LEDGER_KEYS as STEP_LEDGER_KEYS, Ledger, Recorder
+from ..trajectory import NonFiniteError, Trajectory, nonfinite_error
+from .eulerian import entropy, eulerian_step
+from .lagrangian import lagrangian_step, scaled_energy
+from .problem import JKOProblem
+from .theta import ThetaSource, flatten_heads
 
 __all__ = ["JKOConvergenceError"]
 __internal__ = ["JKORun", "run_jko", "LEDGER_KEYS"]

@@ -6,8 +6,8 @@ The solver objects :class:`FixedStep` (explicit Runge–Kutta of a :class:`Butch
 the named :class:`Euler`, :class:`Heun`, :class:`RK4`) and :class:`Dopri5` (torchdiffeq's adaptive
 dopri5) run themselves: ``solver.run(model, x0, options)`` checks the problem once
 (:class:`ParticleProblem`, before any work), prepares the weight driver and the evaluator, and
-calls the solve of :mod:`~transformer_pde.solvers.fixed_step` (the geometry's retraction or layer
-map, "euler" is the reference code's projected Euler) or :mod:`~transformer_pde.solvers.adaptive`.
+calls the solve of :mod:`~transformer_pde.solvers.particle.fixed_step` (the geometry's retraction or layer
+map, "euler" is the reference code's projected Euler) or :mod:`~transformer_pde.solvers.particle.adaptive`.
 :func:`transformer_pde.solve` calls ``run``; :func:`simulate` turns its keywords into a
 :class:`~transformer_pde.Model`, a solver and the options objects and calls
 :func:`transformer_pde.solve`; it checks each keyword in its own name before it builds anything.  The result
@@ -26,36 +26,36 @@ from typing import Callable, ClassVar, Dict, FrozenSet, Mapping, Optional, Tuple
 
 import torch
 
-from ..utils.validation import DEFAULT_DIRECTION, DIRECTIONS
-from ..utils import threads
-from ..utils.validation import (
+from ...utils.validation import DEFAULT_DIRECTION, DIRECTIONS
+from ...utils import threads
+from ...utils.validation import (
     check_bool, check_choice, check_every, check_int, check_limits, check_output_file, check_positive, check_real,
     check_same,
     check_tied_all, check_token_weights, check_tokens,
 )
-from ..model.normalization import normalization as as_normalization
-from ..model.backends import DEFAULT_CHUNK_ELEMENTS
-from ..model.field import check_causal_mode, evaluate  # noqa: F401  (evaluate: the name tests patch to see no work ran)
-from ..model.heads import Heads, broadcast_shapes
-from ..processes.driver import grid_steps, path_bytes
-from ..processes.paths import WeightPath
-from ..processes.weights import Constant, Process
-from .adaptive import dopri5, solve_adaptive
-from .fixed_step import FixedStepRun, fingerprint_parts, prepare_parts
-from .layernorm import LayerNormScheme, as_geometry, check_layer_norm_method
-from .methods import Solver
-from .model import Model
-from .noise import TokenNoise, token_noise
-from .options import (
+from ...model.normalization import normalization as as_normalization
+from ...model.backends import DEFAULT_CHUNK_ELEMENTS
+from ...model.field import check_causal_mode, evaluate  # noqa: F401  (evaluate: the name tests patch to see no work ran)
+from ...model.heads import Heads, broadcast_shapes
+from ...processes.driver import grid_steps, path_bytes
+from ...processes.paths import WeightPath
+from ...processes.weights import Constant, Process
+from ...dynamics.layernorm import LayerNormScheme, as_geometry, check_layer_norm_method
+from ...dynamics.model import Model
+from ...dynamics.noise import TokenNoise, token_noise
+from ..solver import Solver
+from ..options import (
     Checkpointing, LedgerOptions, Limits, Progress, SaveAt, SolveOptions,
     check_ledger_choices, check_observables_mapping,
 )
-from .parts import Checkpointer, Stepper, check_observables
-from .solve import solve
-from .tableaux import ADAPTIVE_ATOL, ADAPTIVE_RTOL, METHODS, TABLEAUX, ButcherTableau
-from .trajectory import (
+from ..parts import Checkpointer, Stepper, check_observables
+from ..solve import solve
+from ..tableaux import ADAPTIVE_ATOL, ADAPTIVE_RTOL, METHODS, TABLEAUX, ButcherTableau
+from ..trajectory import (
     Trajectory,
 )
+from .adaptive import dopri5, solve_adaptive
+from .fixed_step import FixedStepRun, fingerprint_parts, prepare_parts
 
 __all__ = ["ParticleSolver", "FixedStep", "Euler", "Heun", "RK4", "Dopri5", "simulate", "PROGRESS_MIN_WORK"]
 
@@ -74,7 +74,7 @@ class ParticleSolver(Solver):
 
     :meth:`init` checks the problem (:class:`ParticleProblem`, before any work), reads the checkpoint it
     resumes, prepares the weight driver and the evaluator and starts the particle run
-    (:class:`~transformer_pde.solvers.fixed_step.FixedStepRun`: the first evaluation, the common scale, the
+    (:class:`~transformer_pde.solvers.particle.fixed_step.FixedStepRun`: the first evaluation, the common scale, the
     first record); ``run`` (the base class's) steps it with the loop of :mod:`~transformer_pde.solvers.loop`:
     progress, callbacks, checkpoints and resume, records, observables, the lazy diagnostics and the energy
     ledger come from there.  ``step`` reads a :class:`~transformer_pde.solvers.loop.ParticleState` (the tokens,
@@ -260,7 +260,7 @@ class Dopri5(Solver):
         check_bool(self.adjoint, "Dopri5.adjoint")
 
     def run(self, model: Model, x0: torch.Tensor, options: SolveOptions) -> Trajectory:
-        """The adaptive solve (:meth:`transformer_pde.solvers.methods.Solver.run`).
+        """The adaptive solve (:meth:`transformer_pde.solvers.solver.Solver.run`).
 
         Parameters
         ----------
@@ -573,7 +573,7 @@ def simulate(
         path in bytes (default 3/4 of the machine's memory, the GPU's for CUDA tensors; inf: none); a run
         above either is refused with the estimate and the fix.
     layer_norm : Union[str, LayerNormScheme]
-        how a layer maps the tokens (:mod:`transformer_pde.solvers.layernorm`,
+        how a layer maps the tokens (:mod:`transformer_pde.dynamics.layernorm`,
         ``docs/layer_norms.md``): "none" (default, the projected flow with retraction),
         "post" (x ← normalize(x + dt·A), the reference simulators' map), "pre" (radius r_i
         evolves, ẋ = P_x A/r), "peri", "ngpt", or a scheme object (e.g.
@@ -581,7 +581,7 @@ def simulate(
         books 𝒟 and 𝒢² along the scheme's velocity λ_i P_x A_i, the radii are in
         ``traj.extras["radius"]`` (T, ..., n) and ``traj.stats["layer_norm"]`` names the scheme.
     temperature : Union[float, TokenNoise]
-        T ≥ 0 (or a :class:`~transformer_pde.solvers.noise.TokenNoise`): noisy tokens,
+        T ≥ 0 (or a :class:`~transformer_pde.dynamics.noise.TokenNoise`): noisy tokens,
         dX = V dt + √(2T) ∘ dB on the sphere (generator T·Δ_S), by the deterministic step followed by
         a projected Euler–Maruyama increment with retraction (weak order 1; the token stream is a
         generator of its own derived from ``seed``, independent of the weights' noise).  The

@@ -27,19 +27,19 @@ tested against an independent fixed-point implicit Euler in ``tests/test_jko.py`
 Files (docs/model.md#jko): this module is the keyword front end :func:`jko` (it checks the keywords in their own
 names, builds the :class:`~transformer_pde.Model`, the solver object and the options and calls
 :func:`transformer_pde.solve`).  The solver objects :class:`~transformer_pde.LagrangianJKO` and
-:class:`~transformer_pde.EulerianJKO` (:mod:`~transformer_pde.solvers.jko_methods`) run themselves: every check
-before any work in :mod:`~transformer_pde.solvers.jko_problem` (the frozen checked problem), Θ_t through the
-:class:`~transformer_pde.processes.weights.WeightDriver` in :mod:`~transformer_pde.solvers.jko_theta` (as
+:class:`~transformer_pde.EulerianJKO` (:mod:`~transformer_pde.solvers.jko.methods`) run themselves: every check
+before any work in :mod:`~transformer_pde.solvers.jko.problem` (the frozen checked problem), Θ_t through the
+:class:`~transformer_pde.processes.weights.WeightDriver` in :mod:`~transformer_pde.solvers.jko.theta` (as
 :func:`transformer_pde.simulate` reads it), and the run shared by both variants (batch layout, diagnostics,
-ledger, records) in :mod:`~transformer_pde.solvers.jko_run`.  The steps live in
-:mod:`~transformer_pde.solvers.jko_lagrangian` (tokens move: transports "emd", "sinkhorn", "identity") and
-:mod:`~transformer_pde.solvers.jko_eulerian` (weights on a fixed grid move; :func:`to_grid`,
+ledger, records) in :mod:`~transformer_pde.solvers.jko.run`.  The steps live in
+:mod:`~transformer_pde.solvers.jko.lagrangian` (tokens move: transports "emd", "sinkhorn", "identity") and
+:mod:`~transformer_pde.solvers.jko.eulerian` (weights on a fixed grid move; :func:`to_grid`,
 :func:`self_potential`); the inner optimiser of the Lagrangian step is the Riemannian L-BFGS of
-:mod:`~transformer_pde.solvers.lbfgs`, whose retraction is the model's geometry seam
+:mod:`~transformer_pde.solvers.jko.lbfgs`, whose retraction is the model's geometry seam
 (``model.layer_norm.retract``, x ↦ x/|x| for the projected flow).
 
 Each Lagrangian step records the first-order optimality residual (the velocity error in L²(μ) of
-:mod:`~transformer_pde.solvers.jko_lagrangian`) and its inner iteration count; a step stops when
+:mod:`~transformer_pde.solvers.jko.lagrangian`) and its inner iteration count; a step stops when
 r ≤ tol·r₀ + 100·u·(1/τ + r₀).  A non-finite residual never counts as converged; neither does a step in which a
 token with mass has a mobility below the scale's range (it could not move).  A step that does not
 converge warns with its step, time and residual (``strict=True``: raises :class:`JKOConvergenceError`).
@@ -75,23 +75,23 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from ..utils.validation import DEFAULT_DIRECTION
-from ..utils.validation import (
+from ...utils.validation import DEFAULT_DIRECTION
+from ...utils.validation import (
     DIRECTIONS, check_bool, check_choice, check_every, check_int, check_positive, check_real, check_seed_generator,
     check_tensor,
 )
-from ..model.heads import Heads
-from ..processes.weights import Process
-from .jko_eulerian import check_grid_type, self_potential, to_grid
-from .jko_methods import EulerianJKO, LagrangianJKO
-from .jko_problem import VARIANTS
-from .jko_run import JKOConvergenceError
-from .methods import EMD, Identity, RiemannianLBFGS, Sinkhorn, TransportTerm
-from .model import Model
-from .noise import TokenNoise
-from .options import LedgerOptions, Limits, Progress, SaveAt
-from .solve import solve
-from .trajectory import Trajectory
+from ...model.heads import Heads
+from ...processes.weights import Process
+from ...dynamics.model import Model
+from ...dynamics.noise import TokenNoise
+from ..options import LedgerOptions, Limits, Progress, SaveAt
+from ..solve import solve
+from ..trajectory import Trajectory
+from .eulerian import check_grid_type, self_potential, to_grid
+from .methods import EulerianJKO, LagrangianJKO
+from .problem import VARIANTS
+from .run import JKOConvergenceError
+from .transport import EMD, Identity, RiemannianLBFGS, SinkhornTransport, TransportTerm
 
 __all__ = ["jko", "to_grid", "self_potential", "JKOConvergenceError", "TRANSPORTS", "SCHEMES", "MOBILITIES", "COSTS"]
 
@@ -137,7 +137,7 @@ def _transport_term(variant: str, transport, cost, eps, sinkhorn_scaling) -> tup
     if not lagrangian:
         return None, cost, eps
     term = {"emd": lambda: EMD(cost), "identity": lambda: Identity(cost),
-            "sinkhorn": lambda: Sinkhorn(eps, sinkhorn_scaling)}[transport]()
+            "sinkhorn": lambda: SinkhornTransport(eps, sinkhorn_scaling)}[transport]()
     return term, cost, eps
 
 

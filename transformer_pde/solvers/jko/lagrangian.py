@@ -4,7 +4,7 @@ One step of size τ from the tokens x at t_k minimises (descent: s' = 1; ascent:
 
     F(y) = s'E(y, Θ_{t_{k+1}}) + W_{b_k}(μ_y, μ_x)² / (2τ),   c_k(x, y) = b_k(x) |x − y|²,
 
-with the mobility b_k = b[μ_k, Θ_{t_k}] frozen at the old tokens (:mod:`transformer_pde.solvers.jko` for why
+with the mobility b_k = b[μ_k, Θ_{t_k}] frozen at the old tokens (:mod:`transformer_pde.solvers.jko.front` for why
 b and not 1/b).  Transports:
 
 * ``"identity"``: π = diag(w) (token i goes to token i) — implicit Euler for the particles;
@@ -17,7 +17,7 @@ b and not 1/b).  Transports:
   b_k(x)|x − y|² up to O(|x − y|³), which changes a step by O(τ²).  ``cost="symmetric"`` uses the
   same cost with emd / identity (for like-for-like comparisons).
 
-The inner solver is :func:`transformer_pde.solvers.lbfgs.minimize` with the metric preconditioner
+The inner solver is :func:`transformer_pde.solvers.jko.lbfgs.minimize` with the metric preconditioner
 τ/(w_i b_k(x_i)) (a near-Newton step for small τ) and the model's retraction.  It minimises F/c,
 c = 2^k ≈ max_i b_k(x_i) per batch item: E and the proximal term both grow like e^{β⟨Ax, y⟩}, and
 F/c — evaluated from the log-partitions, e^{log m_h − log c} — stays O(1) where F overflows.  Its
@@ -37,12 +37,12 @@ from typing import Callable, Optional
 
 import torch
 
-from ..model.softmax import softmax_statistics
-from ..model.field import head_token_mean, log_inverse_mobility
-from ..model.finite_part import over_two_beta, pair_mean_scores
-from ..model.heads import Heads
-from ..model.sphere import normalize
-from ..model.transport import emd_plans, sinkhorn_divergence, sq_chordal
+from ...model.softmax import softmax_statistics
+from ...model.field import head_token_mean, log_inverse_mobility
+from ...model.finite_part import over_two_beta, pair_mean_scores
+from ...model.heads import Heads
+from ...model.sphere import normalize
+from ...model.transport import emd_plans, sinkhorn_divergence, sq_chordal
 from .lbfgs import minimize
 
 __all__ = []  # the scheme's parts; users call tp.jko / tp.solve(..., tp.LagrangianJKO(...))
@@ -51,7 +51,7 @@ __internal__ = ["LagrangianStep", "lagrangian_step", "plan_descent", "scaled_ene
 
 @dataclass(frozen=True)
 class LagrangianStep:
-    """The settings of a Lagrangian JKO step, checked (:mod:`transformer_pde.solvers.jko_problem`).
+    """The settings of a Lagrangian JKO step, checked (:mod:`transformer_pde.solvers.jko.problem`).
 
     tau : the step τ;  sgn : s' = +1 (descent) or −1 (ascent);  transport : "emd", "sinkhorn" or "identity";
     symmetric : the cost ½(b_k(x) + b_k(y))|x − y|² (else b_k(x)|x − y|²);  unit : b ≡ 1;  eps, scaling : the

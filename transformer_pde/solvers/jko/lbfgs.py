@@ -42,8 +42,8 @@ from typing import Callable, Optional
 
 import torch
 
-from ..utils.validation import check_int, check_positive, sphere_tolerance
-from ..model.sphere import normalize, tangent_projection
+from ...utils.validation import check_int, check_positive, sphere_tolerance
+from ...model.sphere import normalize, tangent_projection
 
 __all__ = ["minimize", "TRUST_RADIUS"]
 __internal__ = ["descend", "line_search", "lbfgs_direction", "Residual", "value_and_grad", "dot"]
@@ -266,7 +266,7 @@ def minimize(objective: Callable, y0: torch.Tensor, *, preconditioner: Optional[
     Examples
     --------
     >>> import torch
-    >>> from transformer_pde.solvers.lbfgs import minimize
+    >>> from transformer_pde.solvers.jko.lbfgs import minimize
     >>> M = torch.diag(torch.tensor([3.0, 1.0, 2.0], dtype=torch.float64))
     >>> y0 = torch.nn.functional.normalize(torch.ones(1, 1, 3, dtype=torch.float64), dim=-1)
     >>> y, info = minimize(lambda y: ((y @ M) * y).sum((-1, -2)), y0)

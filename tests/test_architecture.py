@@ -77,6 +77,7 @@ LAYERS = [
     # FixedStep/Euler/Heun/RK4/Dopri5 and tp.simulate; ShardedEuler and simulate_sharded; tp.jko
     {"transformer_pde.solvers.particle.methods", "transformer_pde.solvers.particle.sharded",
      "transformer_pde.solvers.jko.front"},
+    {"transformer_pde.solvers.particle.front"},  # tp.simulate, the particle solvers' keyword front end
     {"transformer_pde.nn.modules"},  # MeanFieldAttention: continuous-depth attention whose forward is a solve
     {"transformer_pde.nn"},  # tp.nn: the torch.nn converters and the module
     # Lipschitz and Grönwall constants, fast-weights coefficients; linear stability of the uniform measure
@@ -296,7 +297,7 @@ MAX_PARAMETERS = 12
 #: the public entry points whose keywords are the user's interface (each builds the objects and calls tp.solve,
 #: or is a constructor whose settings are its fields)
 KEYWORD_FRONT_ENDS = {
-    "transformer_pde.solvers.particle.methods.simulate", "transformer_pde.solvers.particle.sharded.simulate_sharded",
+    "transformer_pde.solvers.particle.front.simulate", "transformer_pde.solvers.particle.sharded.simulate_sharded",
     "transformer_pde.solvers.jko.front.jko",
     "transformer_pde.solvers.solve.solve", "transformer_pde.analysis.ensembles.simulate",
     "transformer_pde.model.field.evaluate", "transformer_pde.application.sweep.run_sweep",

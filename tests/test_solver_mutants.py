@@ -271,7 +271,7 @@ def test_the_common_scale_is_logged_only_when_it_is_not_zero(caplog):
     x0 = random_sphere(2, 5, 3, seed=34)
     e = torch.eye(3, dtype=F64)
     kw = dict(t1=0.1, dt=0.05, ledger=tp.LedgerOptions(ledger=True), progress=False)
-    with caplog.at_level(logging.INFO, logger="transformer_pde.solvers.particle.methods"):
+    with caplog.at_level(logging.INFO, logger="transformer_pde.solvers.particle.evaluator"):
         tp.solve(tp.Model(tp.Heads(e[None])), x0, tp.Euler(), **kw)
         assert not [r for r in caplog.records if "reported times e^" in r.getMessage()]
         tr = tp.solve(tp.Model(tp.Heads(e[None], None, None, 400.0)), x0, tp.Euler(), **kw)

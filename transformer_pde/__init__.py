@@ -24,7 +24,7 @@ from .processes.driver import sample_path
 from .processes.paths import WeightPath
 from .processes.homogenized import RandomLayers
 from .processes.weights import Constant, Custom, Layerwise, OrnsteinUhlenbeck, Oscillating, Process, oscillating_target
-from .solvers.particle.methods import simulate
+from .solvers.particle.front import simulate
 from .solvers.tableaux import METHODS, TABLEAUX, ButcherTableau
 from .solvers.trajectory import NonFiniteError, Trajectory
 from .dynamics.layernorm import LAYER_NORMS, NGPT, LayerNormScheme, PeriLN, PostLN, PreLN, Projected, simuformer_scheme

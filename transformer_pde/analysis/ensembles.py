@@ -177,7 +177,7 @@ def simulate(x0: torch.Tensor, theta: Union[Heads, Process], **kwargs):
         x0 is not (..., n, d) with a batch axis, or the heads' batch shape is neither
         empty nor x0's batch shape; whatever ``tp.simulate`` raises.
     """
-    from ..solvers.particle.methods import simulate as _simulate_one
+    from ..solvers.particle.front import simulate as _simulate_one
 
     check_tokens(x0, "x0")
     if x0.dim() < 3:

@@ -20,7 +20,7 @@ from ...model.field import evaluate
 __all__ = ["Evaluator"]
 __internal__ = ["RunParts"]
 
-logger = logging.getLogger("transformer_pde.solvers.particle.methods")  # the solvers' logger of old
+logger = logging.getLogger(__name__)
 
 
 class Evaluator:

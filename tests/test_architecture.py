@@ -364,12 +364,12 @@ def test_the_size_checks_can_fail(tmp_path):
     (fake / "solvers" / "particle").mkdir(parents=True)
     (fake / "__init__.py").write_text("")
     params = ", ".join(f"a{i}" for i in range(13))
-    (fake / "solvers" / "particle" / "methods.py").write_text(
+    (fake / "solvers" / "particle" / "front.py").write_text(
         f"def _inner({params}):\n    pass\n\n\ndef simulate({params}):\n    pass\n\n\n"
         f"class C:\n    def method(self, {', '.join(f'b{i}' for i in range(12))}):\n        pass\n"
         + "\n" * 700)
-    assert long_parameter_lists(fake) == [("transformer_pde.solvers.particle.methods._inner", 13)]
-    assert long_modules(fake) == [(str(Path("transformer_pde", "solvers", "particle", "methods.py")), 711)]
+    assert long_parameter_lists(fake) == [("transformer_pde.solvers.particle.front._inner", 13)]
+    assert long_modules(fake) == [(str(Path("transformer_pde", "solvers", "particle", "front.py")), 711)]
 
 
 def direction_defaults(pkg: Path = None):

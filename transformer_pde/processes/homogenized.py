@@ -30,12 +30,35 @@ from ..utils.validation import check_int, check_positive, check_real, check_seed
 from .weights import Process
 
 __all__ = ["RandomLayers"]
+__internal__ = ["check_head_sigmas"]
 
 _MIX = 0x9E3779B97F4A7C15  # the golden-ratio constant: layer seeds far apart for nearby (seed, l)
 
 
 def _layer_seed(seed: int, layer: int) -> int:
     return (seed * _MIX + layer * 0xBF58476D1CE4E5B9 + 1) % (2 ** 63)
+
+
+def check_head_sigmas(sigma: torch.Tensor, num_heads: int) -> None:
+    """Refuse a per-head σ tensor that is not (H,), finite and ≥ 0.
+
+    Parameters
+    ----------
+    sigma : torch.Tensor
+        σ_h, one per head.
+    num_heads : int
+        H.
+
+    Raises
+    ------
+    ValueError
+        another shape, a non-finite or a negative entry.
+    """
+    if sigma.shape != (num_heads,):
+        raise ValueError(f"sigma must be a float or a tensor (H,) = ({num_heads},) per head, got shape "
+                         f"{tuple(sigma.shape)}")
+    if not bool(torch.isfinite(sigma).all()) or bool((sigma < 0).any()):
+        raise ValueError("sigma must be finite and >= 0 for every head")
 
 
 class RandomLayers(Process):
@@ -83,11 +106,7 @@ class RandomLayers(Process):
         A = heads0.score_matrix
         H = heads0.num_heads
         if isinstance(sigma, torch.Tensor) and sigma.numel() != 1:
-            if sigma.shape != (H,):
-                raise ValueError(f"sigma must be a float or a tensor (H,) = ({H},) per head, got shape "
-                                 f"{tuple(sigma.shape)}")
-            if not bool(torch.isfinite(sigma).all()) or bool((sigma < 0).any()):
-                raise ValueError("sigma must be finite and >= 0 for every head")
+            check_head_sigmas(sigma, H)
             self.sigma_value = sigma.detach().to(dtype=A.dtype, device=A.device)
         else:
             self.sigma_value = check_positive(sigma, "sigma", allow_zero=True)

@@ -36,6 +36,7 @@ from ...utils.validation import DEFAULT_DIRECTION, check_int, check_positive, ch
 from ...utils.validation import check_tokens, direction_sign
 from ...model.field import head_outputs, velocity
 from ...model.heads import Heads
+from ...processes.homogenized import check_head_sigmas
 
 __all__ = ["homogenized_coefficients", "homogenized_sde", "two_token_coefficients", "two_token_expectation",
            "boundary_exponents", "critical_dimension", "antipodal_probability"]
@@ -46,11 +47,7 @@ SCHEMES = ("ito", "projected")
 def _sigma_heads(sigma, heads: Heads, like: torch.Tensor) -> torch.Tensor:
     H = heads.num_heads
     if isinstance(sigma, torch.Tensor) and sigma.numel() != 1:
-        if sigma.shape != (H,):
-            raise ValueError(f"sigma must be a float or a tensor (H,) = ({H},) per head, got shape "
-                             f"{tuple(sigma.shape)}")
-        if not bool(torch.isfinite(sigma).all()) or bool((sigma < 0).any()):
-            raise ValueError("sigma must be finite and >= 0 for every head")
+        check_head_sigmas(sigma, H)
         return sigma.to(dtype=like.dtype, device=like.device)
     s = check_positive(sigma, "sigma", allow_zero=True)
     return torch.full((H,), s, dtype=like.dtype, device=like.device)

@@ -24,7 +24,7 @@ from .problem import check_problem
 from .run import JKORun
 from .transport import EMD, RiemannianLBFGS, TransportTerm
 
-__all__ = ["LagrangianJKO", "EulerianJKO"]
+__all__ = ["JKOSolver", "LagrangianJKO", "EulerianJKO"]
 
 #: the options fields the JKO solvers do not implement: the ledger is their own (diagnostics only), they record
 #: no observables and always return a sampled noisy path, and their kernel is not chunked
@@ -34,36 +34,15 @@ _UNSUPPORTED = {"saveat": ("observables", "path"), "ledger": ("quadrature", "qua
 
 
 @dataclass(frozen=True)
-class LagrangianJKO(Solver):
-    """Minimizing movement of the tokens with step τ = ``dt``:
-    μ_{k+1} ∈ argmin s'E(μ, Θ_{t_{k+1}}) + W_{b_k}(μ, μ_k)²/(2τ).
+class JKOSolver(Solver):
+    """The minimizing-movement solvers' common part: the checked problem and its run (``init``), the proximal
+    step (``step``), the options they take; :class:`LagrangianJKO` and :class:`EulerianJKO` add their settings."""
 
-    The mobility follows the model's normalisation ("effective": b_k; "unnormalized": b ≡ 1).
-    ``transport``: a :class:`~transformer_pde.TransportTerm` (``EMD()``, ``SinkhornTransport(eps)``, ``Identity()``);
-    ``inner``: the inner optimiser; ``path_dt``: the grid of sampled noisy weights (None: τ).
-    ``strict``: raise on a step that does not converge.  No checkpoints."""
-
-    transport: TransportTerm = field(default_factory=EMD)
-    inner: RiemannianLBFGS = field(default_factory=RiemannianLBFGS)
-    path_dt: Optional[float] = None
-    strict: bool = False
     accepts: ClassVar[FrozenSet[str]] = frozenset({"saveat", "ledger", "progress", "limits"})
     unsupported: ClassVar[Mapping[str, Tuple[str, ...]]] = _UNSUPPORTED
-    #: the JKO variant (tp.jko's ``scheme=``)
-    variant: ClassVar[str] = "lagrangian"
-
-    def __post_init__(self):
-        if not isinstance(self.transport, TransportTerm) or type(self.transport) is TransportTerm:
-            raise TypeError(f"LagrangianJKO.transport must be EMD(), SinkhornTransport(eps) or Identity(), "
-                            f"got {type(self.transport).__name__}")
-        if not isinstance(self.inner, RiemannianLBFGS):
-            raise TypeError(f"LagrangianJKO.inner must be a RiemannianLBFGS, got {type(self.inner).__name__}")
-        if self.path_dt is not None:
-            object.__setattr__(self, "path_dt", check_positive(self.path_dt, "LagrangianJKO.path_dt"))
-        check_bool(self.strict, "LagrangianJKO.strict")
 
     def init(self, model: Model, x0: Optional[torch.Tensor], options: SolveOptions) -> JKORun:
-        """The Lagrangian JKO solve of ``model`` from the tokens ``x0`` at t0 (:func:`transformer_pde.jko`'s docstring);
+        """The JKO solve of ``model`` from ``x0`` at t0 (:func:`transformer_pde.jko`'s docstring);
         ``run`` (the loop) steps it.
 
         Parameters
@@ -71,8 +50,9 @@ class LagrangianJKO(Solver):
         model : Model
             Θ_t, the normalisation ("effective", "softmax": mobility b_k; "unnormalized": b ≡ 1), the direction,
             the token weights; the projected, non-causal model without token noise.
-        x0 : torch.Tensor
-            tokens (..., n, d) on the sphere.
+        x0 : torch.Tensor or None
+            tokens (..., n, d) on the sphere (the Eulerian JKO deposits them on its grid; None with its
+            ``grid_weights``).
         options : SolveOptions
             τ = ``dt``, t0, t1, paths, the random stream; ``saveat`` (every / ends), ``ledger`` (diagnostics),
             ``progress``, ``limits`` (max_steps, max_memory).
@@ -105,7 +85,35 @@ class LagrangianJKO(Solver):
 
 
 @dataclass(frozen=True)
-class EulerianJKO(Solver):
+class LagrangianJKO(JKOSolver):
+    """Minimizing movement of the tokens with step τ = ``dt``:
+    μ_{k+1} ∈ argmin s'E(μ, Θ_{t_{k+1}}) + W_{b_k}(μ, μ_k)²/(2τ).
+
+    The mobility follows the model's normalisation ("effective": b_k; "unnormalized": b ≡ 1).
+    ``transport``: a :class:`~transformer_pde.TransportTerm` (``EMD()``, ``SinkhornTransport(eps)``, ``Identity()``);
+    ``inner``: the inner optimiser; ``path_dt``: the grid of sampled noisy weights (None: τ).
+    ``strict``: raise on a step that does not converge.  No checkpoints."""
+
+    transport: TransportTerm = field(default_factory=EMD)
+    inner: RiemannianLBFGS = field(default_factory=RiemannianLBFGS)
+    path_dt: Optional[float] = None
+    strict: bool = False
+    #: the JKO variant (tp.jko's ``scheme=``)
+    variant: ClassVar[str] = "lagrangian"
+
+    def __post_init__(self):
+        if not isinstance(self.transport, TransportTerm) or type(self.transport) is TransportTerm:
+            raise TypeError(f"LagrangianJKO.transport must be EMD(), SinkhornTransport(eps) or Identity(), "
+                            f"got {type(self.transport).__name__}")
+        if not isinstance(self.inner, RiemannianLBFGS):
+            raise TypeError(f"LagrangianJKO.inner must be a RiemannianLBFGS, got {type(self.inner).__name__}")
+        if self.path_dt is not None:
+            object.__setattr__(self, "path_dt", check_positive(self.path_dt, "LagrangianJKO.path_dt"))
+        check_bool(self.strict, "LagrangianJKO.strict")
+
+
+@dataclass(frozen=True)
+class EulerianJKO(JKOSolver):
     """Minimizing movement of weights on a fixed grid of the sphere (S¹ or S²), step τ = ``dt``, with
     the entropic transport at blur ``eps`` (ε ≳ grid spacing²).  ``grid``: a tensor (m, d) on the
     sphere or a number of points; ``grid_weights``: the initial weights (..., m) (None: x0
@@ -120,8 +128,6 @@ class EulerianJKO(Solver):
     max_iter: int = 200
     path_dt: Optional[float] = None
     strict: bool = False
-    accepts: ClassVar[FrozenSet[str]] = frozenset({"saveat", "ledger", "progress", "limits"})
-    unsupported: ClassVar[Mapping[str, Tuple[str, ...]]] = _UNSUPPORTED
     #: the JKO variant (tp.jko's ``scheme=``)
     variant: ClassVar[str] = "eulerian"
 
@@ -138,44 +144,3 @@ class EulerianJKO(Solver):
         if self.grid is not None and not isinstance(self.grid, (int, torch.Tensor)) or isinstance(self.grid, bool):
             raise TypeError(f"EulerianJKO.grid must be a tensor (m, d) on the sphere or a number of points, got "
                             f"{type(self.grid).__name__}")
-
-    def init(self, model: Model, x0: Optional[torch.Tensor], options: SolveOptions) -> JKORun:
-        """The Eulerian JKO solve of ``model`` on the grid at t0 (:func:`transformer_pde.jko`'s docstring); ``run``
-        (the loop) steps it.
-
-        Parameters
-        ----------
-        model : Model
-            Θ_t, the normalisation (as :meth:`LagrangianJKO.run`), the direction and the token noise (the entropy
-            T∫ρ log ρ); no token weights (the weights live on the grid).
-        x0 : torch.Tensor or None
-            tokens (..., n, d) deposited on the grid with ``bandwidth``; None when ``grid_weights`` is given.
-        options : SolveOptions
-            as :meth:`LagrangianJKO.run`.
-
-        Returns
-        -------
-        JKORun
-            the run at t0; ``run`` returns the Trajectory :func:`transformer_pde.jko` returns: the grid in ``x``,
-            its weights in ``weights``.
-        """
-        return JKORun(check_problem(model, x0, self, options), self)
-
-    def step(self, state: JKORun, t: float, dt: float):
-        """The proximal step from t to t + dt (τ) of the run ``state`` (:meth:`JKORun.proximal`).
-
-        Parameters
-        ----------
-        state : JKORun
-            the run at t.
-        t : float
-            the left end.
-        dt : float
-            τ.
-
-        Returns
-        -------
-        tuple
-            (the minimiser, the inner solve's info: residual, iterations, converged, prox, plan_updates).
-        """
-        return state.proximal(t + dt)

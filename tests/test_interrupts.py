@@ -94,8 +94,8 @@ def test_ctrl_c_of_a_run_with_worker_processes_prints_a_few_lines_and_resumes(tm
 
 
 def test_ctrl_c_of_a_sweep_with_worker_processes_prints_a_few_lines_and_resumes(tmp_path):
-    args = ["sweep", "ou_vs_oscillating_quick", "-s", "seed=[1,2]", "--workers", "2", *TINY, "-o", "workers=1",
-            "--name", "s", "--no-progress", "--no-figure"]
+    args = ["sweep", "ou_vs_oscillating_quick", "-s", "seed=[1,2]", "--workers", "2", *TINY, "-o", "t1=12",
+            "-o", "workers=1", "--name", "s", "--no-progress", "--no-figure"]
     proc = _start(args, tmp_path)
     _wait_for(tmp_path / "runs" / "s", "*.ckpt", proc)
     rc, _, err = _interrupt(proc)

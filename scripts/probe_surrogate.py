@@ -2,6 +2,11 @@
 network, fitted on half of the sentences and reported on the other half (docs/pretrained.md).
 
     PYTHONPATH=. python scripts/probe_surrogate.py --sentences 64 --iters 40
+    PYTHONPATH=. python scripts/probe_surrogate.py --sentences 128 --iters 60 --write docs/pretrained.md
+
+``--write`` replaces the text between ``<!-- probe-surrogate:start -->`` and ``<!-- probe-surrogate:end -->`` of
+the page with the tables, under a ``table-source`` marker holding the fingerprint of the code they came from
+(tests/test_docs_provenance.py fails when that code changes and the tables are not regenerated).
 
 The surrogate is the continuous rung of the probe's ladder (the projected flow ẋ = P_x v(x) of the layer's
 heads without biases, Euler, ``--steps`` steps per layer, from the real embeddings) with per layer l: a factor
@@ -17,11 +22,13 @@ from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
 
 import torch
 
 import transformer_pde as tp
 from transformer_pde.application.studies.probe import select_sentences, sentence_w2
+from transformer_pde.application.studies.provenance import code_fingerprint, marker
 
 
 def _attention(lw, x, mask, beta_gain, value_gain, r):
@@ -65,6 +72,7 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=40, help="Adam steps")
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--seed", type=int, default=0, help="the sentence draw")
+    ap.add_argument("--write", type=Path, default=None, help="the Markdown page whose probe-surrogate section to replace")
     args = ap.parse_args(argv)
     net = tp.pretrained.load(tp.pretrained.packaged_minilm())
     texts = select_sentences(args.sentences, args.seed)
@@ -89,17 +97,27 @@ def main(argv=None):
             w2 = sentence_w2(pred, states[:, held], mask[held])  # (L+1, S)
             rows[name] = (w2.mean(-1), w2.std(-1) / math.sqrt(w2.shape[-1]), float(_loss(pred, real[:, held],
                                                                                          mask[held])))
-    print(f"# {len(fit)} sentences fitted, {len(held)} held out (≤ {args.max_length} tokens), {args.steps} Euler "
-          f"steps per layer, {args.iters} Adam steps; W₂ to the real tokens on the held-out sentences, mean ± s.e.")
-    print("| surrogate | held-out 1 − cos | " + " | ".join(f"ℓ = {i}" for i in range(1, L + 1)) + " |")
-    print("|---" * (L + 2) + "|")
+    lines = [f"{len(fit)} sentences fitted, {len(held)} held out (≤ {args.max_length} tokens), {args.steps} Euler "
+             f"steps per layer, {args.iters} Adam steps (training loss {float(loss.detach()):.4f} at the last); "
+             f"W₂ to the real tokens on the held-out sentences, mean ± s.e. over them:", "",
+             "| surrogate | held-out 1 − cos | " + " | ".join(f"ℓ = {i}" for i in range(1, L + 1)) + " |",
+             "|---" * (L + 2) + "|"]
     for name, (m, se, lo) in rows.items():
-        print(f"| {name} | {lo:.4f} | " + " | ".join(f"{float(a):.3f} ± {float(b):.3f}" for a, b in
-                                                       zip(m[1:], se[1:])) + " |")
-    print("\n| layer | β factor e^a | layer time e^s | value gain g | feed-forward gain f |\n|---|---|---|---|---|")
+        lines.append(f"| {name} | {lo:.4f} | " + " | ".join(f"{float(a):.3f} ± {float(b):.3f}" for a, b in
+                                                             zip(m[1:], se[1:])) + " |")
+    lines += ["", "| layer | β factor e^a | layer time e^s | value gain g | feed-forward gain f |", "|---|---|---|---|---|"]
     for l, (a, s, g, f) in enumerate(theta.detach().tolist()):
-        print(f"| {l} | {math.exp(a):.3f} | {math.exp(s):.3f} | {g:.3f} | {f:.3f} |")
-
+        lines.append(f"| {l} | {math.exp(a):.3f} | {math.exp(s):.3f} | {g:.3f} | {f:.3f} |")
+    print("\n".join(lines))
+    if args.write is not None:
+        start, end = "<!-- probe-surrogate:start -->", "<!-- probe-surrogate:end -->"
+        text = args.write.read_text(encoding="utf-8")
+        if start not in text or end not in text:
+            raise SystemExit(f"{args.write} has no '{start}' … '{end}' section to replace")
+        body = "\n".join([start, marker("probe_surrogate", code_fingerprint("probe_surrogate")), "", *lines, end])
+        head, rest = text.split(start, 1)
+        args.write.write_text(head + body + rest.split(end, 1)[1], encoding="utf-8")
+        print(f"wrote the tables into {args.write}")
 
 if __name__ == "__main__":
     main()

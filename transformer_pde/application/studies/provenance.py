@@ -33,6 +33,9 @@ TABLE_SOURCES: Dict[str, tuple] = {
                          "transformer_pde/application/studies/probe_subsets.py",
                          "transformer_pde/analysis/pretrained.py", "transformer_pde/analysis/pretrained_subsets.py",
                          "transformer_pde/processes/pretrained.py", "experiments/pretrained_probe.toml"),
+    # the fitted surrogate of docs/pretrained.md: the script's own fit and the probe's sentence draw and W₂
+    "probe_surrogate": ("scripts/probe_surrogate.py", "transformer_pde/application/studies/probe.py",
+                        "transformer_pde/analysis/pretrained.py", "transformer_pde/processes/pretrained.py"),
 }
 
 _MARKER = re.compile(r"<!-- table-source: kind=(?P<kind>[\w-]+) code=(?P<code>[0-9a-f]+|unknown)"

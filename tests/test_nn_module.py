@@ -300,3 +300,26 @@ def test_transformer_flow_trains_a_torch_encoder_over_many_steps():
     assert sum(p.numel() for p in flow.parameters()) == sum(p.numel() for p in encoder.parameters())
     with pytest.raises(TypeError, match="torch modules"):
         tp.nn.TransformerFlow([{"query": torch.ones(1, 2, 4), "key": torch.ones(1, 2, 4), "value": torch.eye(4)[None]}])
+
+
+@pytest.mark.parametrize("beta", [-0.5, 0.0])
+def test_repulsive_and_zero_beta_follow_the_residual_loop(beta):
+    """β ≤ 0 (repulsive, or uniform attention at β = 0) is accepted: the forward is the same residual loop of
+    attention layers as for β > 0, and the gradients are finite."""
+    torch.manual_seed(1)
+    m = tp.nn.MeanFieldAttention(4, 2, layers=2, t1=1.0, steps=2, beta=beta, dtype=F64)
+    x = _tokens(2, 5, 4, dtype=F64)
+    y = m(x)
+    with torch.no_grad():  # β cannot be a token scale r² here: the torch layers' query weights carry β√k instead
+        dt, d, k = m.t1 / (m.layers * m.steps), m.dim, m.head_dim
+        z = x
+        for layer in range(m.layers):
+            mha = _mha_of_layer(m, layer)
+            mha.in_proj_weight[:d] *= beta * math.sqrt(k)
+            for _ in range(m.steps):
+                out = mha(z.transpose(0, 1), z.transpose(0, 1), z.transpose(0, 1), need_weights=False)[0].transpose(0, 1)
+                w = z + dt * (out - (out * z).sum(-1, keepdim=True) * z)
+                z = w / w.norm(dim=-1, keepdim=True)
+        assert_close(y.detach(), z, rtol=1e-12, atol=1e-12)
+    y.sum().backward()
+    assert all(p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in m.parameters() if p.requires_grad)

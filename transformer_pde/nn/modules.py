@@ -66,7 +66,7 @@ from ..solvers.tableaux import ADAPTIVE_ATOL, ADAPTIVE_RTOL, METHODS
 from ..dynamics.model import Model
 from ..solvers.options import LedgerOptions, SaveAt
 from ..solvers.solve import solve
-from ..utils.validation import check_bool, check_choice, check_int, check_positive
+from ..utils.validation import check_bool, check_choice, check_int, check_positive, check_real
 
 __all__ = ["MeanFieldAttention", "TransformerFlow"]
 
@@ -104,8 +104,8 @@ class MeanFieldAttention(torch.nn.Module):
     head_dim : int or None
         k (default d // H).
     beta : float or None
-        inverse temperature; None means d/√k, the scale of a MultiheadAttention fed LayerNorm'd
-        tokens of norm √d.
+        inverse temperature, any finite real (β ≤ 0: repulsive attention); None means d/√k, the scale of a
+        MultiheadAttention fed LayerNorm'd tokens of norm √d.
     feedforward : int
         hidden width m of the feed-forward term (0: none).
     rtol, atol : float
@@ -163,7 +163,7 @@ class MeanFieldAttention(torch.nn.Module):
                              "state and would restart at every feed-forward step; use layer_norm 'none' or 'post'")
         if self.feedforward and self.interpolation == "linear":
             raise ValueError("feedforward acts between layers; use interpolation='constant' with it")
-        self.beta = d / math.sqrt(k) if beta is None else check_positive(beta, "beta")
+        self.beta = d / math.sqrt(k) if beta is None else check_real(beta, "beta")
         self.rtol, self.atol = check_positive(rtol, "rtol"), check_positive(atol, "atol")
         self.dim, self.num_heads, self.head_dim = d, H, k
         L, kw = self.layers, {"dtype": dtype, "device": device}

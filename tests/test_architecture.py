@@ -77,6 +77,7 @@ LAYERS = [
     # FixedStep/Euler/Heun/RK4/Dopri5 and tp.simulate; ShardedEuler and simulate_sharded; tp.jko
     {"transformer_pde.solvers.particle.methods", "transformer_pde.solvers.particle.sharded",
      "transformer_pde.solvers.jko.front"},
+    {"transformer_pde.solvers.particle.drift"},  # DriftEuler: projected Euler with a token-wise drift
     {"transformer_pde.solvers.particle.front"},  # tp.simulate, the particle solvers' keyword front end
     {"transformer_pde.nn.modules"},  # MeanFieldAttention: continuous-depth attention whose forward is a solve
     {"transformer_pde.nn"},  # tp.nn: the torch.nn converters and the module

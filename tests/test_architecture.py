@@ -93,6 +93,7 @@ LAYERS = [
     # generic diagnostics; closed forms
     {"transformer_pde.analysis.clustering", "transformer_pde.analysis.ensembles", "transformer_pde.analysis.theory",
      "transformer_pde.analysis.pretrained"},
+    {"transformer_pde.analysis.pretrained_drift"},  # the continuous rung with the feed-forward as a drift
     {"transformer_pde.analysis.pretrained_subsets"},  # every subset of the ladder's ingredients removed together
     {"transformer_pde.analysis.theory.particles"},  # the particle diagnostics of the theory
     # attention entropy and orthogonal heads; the flat flow and clustering hitting times

@@ -33,6 +33,9 @@ TABLE_SOURCES: Dict[str, tuple] = {
                          "transformer_pde/application/studies/probe_subsets.py",
                          "transformer_pde/analysis/pretrained.py", "transformer_pde/analysis/pretrained_subsets.py",
                          "transformer_pde/processes/pretrained.py", "experiments/pretrained_probe.toml"),
+    "probe_ff_drift": ("scripts/probe_ff_drift.py", "transformer_pde/analysis/pretrained_drift.py",
+                       "transformer_pde/solvers/particle/drift.py", "transformer_pde/processes/pretrained.py",
+                       "transformer_pde/analysis/pretrained.py", "transformer_pde/application/studies/probe.py"),
 }
 
 _MARKER = re.compile(r"<!-- table-source: kind=(?P<kind>[\w-]+) code=(?P<code>[0-9a-f]+|unknown)"

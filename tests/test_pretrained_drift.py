@@ -51,6 +51,12 @@ def test_the_drift_is_the_networks_feedforward_by_hand(dtype):
         for t, l in ((0.0, 0), (0.75, 0), (1.0, 1), (1.5, 1), (2.0, 1)):
             by_hand = blocks[l].output.dense(blocks[l].intermediate(r * x)) / r
             assert_close(drift(t, x), by_hand, **_tol(by_hand))
+    affine = feedforward_drift(net, ff_input="affine")  # the input with the first LayerNorm's gain and bias
+    with torch.no_grad():
+        for t, l in ((0.5, 0), (1.25, 1)):
+            ln = blocks[l].attention.output.LayerNorm
+            by_hand = blocks[l].output.dense(blocks[l].intermediate(ln.weight * (r * x) + ln.bias)) / r
+            assert_close(affine(t, x), by_hand, **_tol(by_hand))
 
 
 @needs_transformers
@@ -74,6 +80,8 @@ def test_refusals():
         continuous_feedforward(net, states, mask, dt=0.3)
     with pytest.raises(ValueError, match="states must be"):
         continuous_feedforward(net, states[1:], mask)
+    with pytest.raises(ValueError, match="ff_input"):
+        continuous_feedforward(net, states, mask, ff_input="layernorm")
     with pytest.raises(ValueError, match="layer_time"):
         feedforward_drift(net, layer_time=0.0)
 

@@ -13,7 +13,9 @@ F_l(h) = W₂ φ(W₁ h + b₁) + b₂ the feed-forward of block l exactly as th
 sphere of radius √d.  That is the input the "sphere" rungs give every sublayer: every LayerNorm is replaced by
 the projection onto that sphere, so the feed-forward sees the normalised token without LayerNorm's gain γ and
 bias b (as in the order-free ladder of :mod:`transformer_pde.analysis.pretrained_subsets` with "layernorm"
-removed).  The rescaling by 1/r keeps the residual form: z ← z + dt·F(z) at the scale r of the tokens z = r x
+removed).  ``ff_input="affine"`` gives the feed-forward the token with the affine part of the block's first
+LayerNorm, F_l(γ₁ ⊙ r x_i + b₁)/r: the network's own feed-forward input h = LN₁(·) with the normalisation
+replaced by the sphere projection (mean-centring dropped) but its gain γ₁ and bias b₁ kept.  The rescaling by 1/r keeps the residual form: z ← z + dt·F(z) at the scale r of the tokens z = r x
 is x ← x + dt·F(r x)/r at unit scale.  Attention and feed-forward act at once (the sum of the two fields), not
 one after the other as the network's two sublayers (and the order-free ladder's Lie splitting) do.
 Integrated by :class:`~transformer_pde.DriftEuler` (projected Euler, step ``dt``); with a feed-forward that
@@ -42,7 +44,10 @@ from ..solvers.options import LedgerOptions, SaveAt
 from ..solvers.particle.drift import DriftEuler
 from ..solvers.solve import solve
 
-__all__ = ["feedforward_drift", "continuous_feedforward"]
+__all__ = ["FF_INPUTS", "feedforward_drift", "continuous_feedforward"]
+
+#: what the feed-forward reads: the sphere token r x, or γ₁ ⊙ r x + b₁ (module docstring)
+FF_INPUTS = ("sphere", "affine")
 
 #: padded tokens per batch of sentences (larger batches are split over sentences), as the ladder's
 _CHUNK_TOKENS = 2048
@@ -56,8 +61,9 @@ def _check_post_ln(net):
                          f"got a {net.norm}-LN network")
 
 
-def feedforward_drift(net: PretrainedNetwork, *, layer_time: float = 1.0) -> Callable:
-    """The drift b(t, x) = F_l(r x)/r of the network's feed-forward on the unit sphere (module docstring).
+def feedforward_drift(net: PretrainedNetwork, *, layer_time: float = 1.0, ff_input: str = "sphere") -> Callable:
+    """The drift b(t, x) = F_l(r x)/r of the network's feed-forward on the unit sphere (module docstring), or
+    F_l(γ₁ ⊙ r x + b₁)/r with ``ff_input="affine"``.
 
     Parameters
     ----------
@@ -66,6 +72,8 @@ def feedforward_drift(net: PretrainedNetwork, *, layer_time: float = 1.0) -> Cal
     layer_time : float
         the time of one layer: block l = ⌊t/layer_time⌋ (clamped to 0 … L−1; the rule of
         :class:`~transformer_pde.Layerwise`).
+    ff_input : str
+        "sphere" (the token r x) or "affine" (γ₁ ⊙ r x + b₁, the block's first LayerNorm's gain and bias).
 
     Returns
     -------
@@ -75,9 +83,12 @@ def feedforward_drift(net: PretrainedNetwork, *, layer_time: float = 1.0) -> Cal
     Raises
     ------
     TypeError, ValueError
-        net not a post-LN PretrainedNetwork; layer_time not positive.
+        net not a post-LN PretrainedNetwork; layer_time not positive; an unknown ff_input.
     """
     _check_post_ln(net)
+    if ff_input not in FF_INPUTS:
+        raise ValueError(f"ff_input must be one of {FF_INPUTS}, got {ff_input!r}")
+    affine = ff_input == "affine"
     if isinstance(layer_time, bool) or not isinstance(layer_time, (int, float)) or not layer_time > 0:
         raise ValueError(f"layer_time must be a positive number, got {layer_time!r}")
     r = math.sqrt(net.dim)
@@ -86,13 +97,14 @@ def feedforward_drift(net: PretrainedNetwork, *, layer_time: float = 1.0) -> Cal
 
     def drift(t, x):
         l = min(max(int(math.floor(float(t) / layer_time + 1e-12)), 0), L - 1)
-        return layers[l].feed_forward(r * x) / r
+        lw = layers[l]
+        return lw.feed_forward(lw.norm1.gain * (r * x) + lw.norm1.bias if affine else r * x) / r
 
     return drift
 
 
 def continuous_feedforward(net: PretrainedNetwork, states: torch.Tensor, mask: torch.Tensor, *,
-                           dt: float = 0.1) -> torch.Tensor:
+                           dt: float = 0.1, ff_input: str = "sphere") -> torch.Tensor:
     """The rung "continuous + feed-forward" rolled out from the embeddings: one :func:`~transformer_pde.solve`
     of the continuous rung's model with :class:`~transformer_pde.DriftEuler` and :func:`feedforward_drift`.
 
@@ -107,6 +119,8 @@ def continuous_feedforward(net: PretrainedNetwork, states: torch.Tensor, mask: t
         (B, n) bool, True for real tokens (the token weights of the attention).
     dt : float
         the Euler step, 1/N for an integer N (steps per layer), as the ladder's.
+    ff_input : str
+        what the feed-forward reads, as :func:`feedforward_drift`.
 
     Returns
     -------
@@ -116,7 +130,7 @@ def continuous_feedforward(net: PretrainedNetwork, states: torch.Tensor, mask: t
     Raises
     ------
     TypeError, ValueError
-        a pre-LN network, dt not 1/N, states or mask of the wrong shape.
+        a pre-LN network, dt not 1/N, states or mask of the wrong shape, an unknown ff_input.
     """
     _check_post_ln(net)
     L, d = net.num_layers, net.dim
@@ -133,7 +147,7 @@ def continuous_feedforward(net: PretrainedNetwork, states: torch.Tensor, mask: t
     r = math.sqrt(d)
     steps = round(1.0 / dt)
     process = Layerwise([layer_heads(lw, bias="drop", token_norm=r) for lw in net.layers], layer_time=1.0)
-    solver = DriftEuler(feedforward_drift(net))
+    solver = DriftEuler(feedforward_drift(net, ff_input=ff_input))
     run = dict(t1=float(L), dt=1.0 / steps, saveat=SaveAt(record_every=steps), ledger=LedgerOptions(diagnostics=False),
                progress=False)
     parts = []

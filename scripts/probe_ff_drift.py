@@ -8,7 +8,8 @@ the network and the ladder's "continuous" rung, per layer, on the probe's senten
 Per layer ℓ and sentence: W₂ between the normalised predicted and real token clouds (exact assignment,
 studies.probe.sentence_w2), the mean angle between matched tokens, the single-linkage cluster count at the
 chordal radius and the mean cosine (studies.probe.cloud_statistics), for the network's own hidden states, the
-"continuous" rung and the "continuous + feed-forward" rung (both rolled out from the embeddings, Euler step
+"continuous" rung and the "continuous + feed-forward" rung, the feed-forward reading the sphere token or, "affine",
+the token with the first LayerNorm's gain and bias (all rolled out from the embeddings, Euler step
 ``--dt``); means over sentences ± bootstrap standard errors (resampling sentences).  The share of the
 continuous rung's W₂ that the drift closes at layer ℓ is 1 − W̄₂(ff)/W̄₂(cont) (the network's own W₂ is 0),
 with its bootstrap error.  The step is checked by re-running the drift rung at dt/2 on the first
@@ -32,8 +33,10 @@ from transformer_pde.application.studies.probe import cloud_statistics, select_s
 from transformer_pde.application.studies.provenance import code_fingerprint, marker
 
 START, END = "<!-- probe-ff-drift:start -->", "<!-- probe-ff-drift:end -->"
-RUNGS = ("network", "continuous", "continuous_ff")
-LABEL = {"network": "network", "continuous": "continuous", "continuous_ff": "continuous + FF"}
+RUNGS = ("network", "continuous", "continuous_ff", "continuous_ff_affine")
+LABEL = {"network": "network", "continuous": "continuous", "continuous_ff": "continuous + FF",
+         "continuous_ff_affine": "continuous + FF (affine)"}
+DRIFTS = ("continuous_ff", "continuous_ff_affine")
 
 
 def measure(net, texts, *, max_length, dt, radius, batch=64):
@@ -46,7 +49,8 @@ def measure(net, texts, *, max_length, dt, radius, batch=64):
         states, mask = tp.pretrained.hidden_states(net, group, max_length=max_length)
         preds = {"network": states,
                  "continuous": tp.pretrained.ladder(net, states, mask, rungs=["continuous"], dt=dt)["continuous"],
-                 "continuous_ff": continuous_feedforward(net, states, mask, dt=dt)}
+                 "continuous_ff": continuous_feedforward(net, states, mask, dt=dt),
+                 "continuous_ff_affine": continuous_feedforward(net, states, mask, dt=dt, ff_input="affine")}
         b = states / states.norm(dim=-1, keepdim=True)
         for r, pred in preds.items():
             a = pred / pred.norm(dim=-1, keepdim=True)
@@ -68,10 +72,12 @@ def bootstrap(stats, resamples, seed):
         for k, v in d.items():
             boot = v[:, idx].mean(-1)  # (L+1, resamples)
             res[r, k] = (v.mean(-1), boot.std(-1))
-    w_ff, w_c = stats["continuous_ff"]["w2"], stats["continuous"]["w2"]
-    share = 1 - w_ff[1:].mean(-1) / w_c[1:].mean(-1)
-    boot = 1 - w_ff[1:, idx].mean(-1) / w_c[1:, idx].mean(-1)
-    res["share"] = (share, boot.std(-1))
+    w_c = stats["continuous"]["w2"]
+    for r in DRIFTS:
+        w_ff = stats[r]["w2"]
+        share = 1 - w_ff[1:].mean(-1) / w_c[1:].mean(-1)
+        boot = 1 - w_ff[1:, idx].mean(-1) / w_c[1:, idx].mean(-1)
+        res["share", r] = (share, boot.std(-1))
     return res
 
 
@@ -81,21 +87,22 @@ def _pm(m, e, digits):
 
 def tables(res, L):
     """The Markdown tables."""
-    lines = ["| ℓ | W₂ continuous | W₂ continuous + FF | share of the W₂ gap closed | mean angle continuous | "
-             "mean angle continuous + FF |", "|---|---|---|---|---|---|"]
-    share, share_e = res["share"]
+    rungs = ("continuous",) + DRIFTS
+    lines = ["| ℓ | " + " | ".join(f"W₂, {LABEL[r]}" for r in rungs) + " | "
+             + " | ".join(f"W₂ gap closed, {LABEL[r]}" for r in DRIFTS) + " |", "|---" * 6 + "|"]
     for l in range(1, L + 1):
-        lines.append(f"| {l} | {_pm(res['continuous', 'w2'][0][l], res['continuous', 'w2'][1][l], 3)} | "
-                     f"{_pm(res['continuous_ff', 'w2'][0][l], res['continuous_ff', 'w2'][1][l], 3)} | "
-                     f"{100 * share[l - 1]:.1f} ± {100 * share_e[l - 1]:.1f} % | "
-                     f"{_pm(res['continuous', 'angle'][0][l], res['continuous', 'angle'][1][l], 3)} | "
-                     f"{_pm(res['continuous_ff', 'angle'][0][l], res['continuous_ff', 'angle'][1][l], 3)} |")
-    lines += ["", "| ℓ | " + " | ".join(f"clusters, {LABEL[r]}" for r in RUNGS) + " | "
-              + " | ".join(f"mean cosine, {LABEL[r]}" for r in RUNGS) + " |", "|---" * 7 + "|"]
-    for l in range(L + 1):
-        cells = [_pm(res[r, "clusters"][0][l], res[r, "clusters"][1][l], 2) for r in RUNGS]
-        cells += [_pm(res[r, "cosine"][0][l], res[r, "cosine"][1][l], 3) for r in RUNGS]
+        cells = [_pm(res[r, "w2"][0][l], res[r, "w2"][1][l], 3) for r in rungs]
+        cells += [f"{100 * res['share', r][0][l - 1]:.1f} ± {100 * res['share', r][1][l - 1]:.1f} %" for r in DRIFTS]
         lines.append(f"| {l} | " + " | ".join(cells) + " |")
+    lines += ["", "| ℓ | " + " | ".join(f"mean angle, {LABEL[r]}" for r in rungs) + " |", "|---" * 4 + "|"]
+    for l in range(1, L + 1):
+        lines.append(f"| {l} | " + " | ".join(_pm(res[r, "angle"][0][l], res[r, "angle"][1][l], 3) for r in rungs)
+                     + " |")
+    for stat, name, digits in (("clusters", "clusters", 2), ("cosine", "mean cosine", 3)):
+        lines += ["", "| ℓ | " + " | ".join(f"{name}, {LABEL[r]}" for r in RUNGS) + " |", "|---" * 5 + "|"]
+        for l in range(L + 1):
+            lines.append(f"| {l} | " + " | ".join(_pm(res[r, stat][0][l], res[r, stat][1][l], digits) for r in RUNGS)
+                         + " |")
     return "\n".join(lines)
 
 
@@ -136,13 +143,17 @@ def main(argv=None):
         w_a = sentence_w2(continuous_feedforward(net, states, mask, dt=args.dt), states, mask).mean(-1)
         w_b = sentence_w2(continuous_feedforward(net, states, mask, dt=args.dt / 2), states, mask).mean(-1)
         rel = float(((w_a - w_b).abs() / w_b)[1:].max())
-        check = (f"Halving dt to {args.dt / 2:g} on the first {len(sub)} sentences moves the continuous + FF rung's "
-                 f"W₂ by at most {100 * rel:.1f} % at any layer (deterministic).")
+        w_a = sentence_w2(continuous_feedforward(net, states, mask, dt=args.dt, ff_input="affine"), states, mask)
+        w_b = sentence_w2(continuous_feedforward(net, states, mask, dt=args.dt / 2, ff_input="affine"), states, mask)
+        rel_a = float(((w_a.mean(-1) - w_b.mean(-1)).abs() / w_b.mean(-1))[1:].max())
+        check = (f"Halving dt to {args.dt / 2:g} on the first {len(sub)} sentences moves the W₂ of the continuous + FF "
+                 f"rungs by at most {100 * rel:.1f} % (sphere) and {100 * rel_a:.1f} % (affine) at any layer "
+                 f"(deterministic).")
     tokens = sum(len(net.tokenizer(t, truncation=True, max_length=args.max_length)["input_ids"]) for t in texts)
     run = (f"`PYTHONPATH=. python scripts/probe_ff_drift.py --sentences {args.sentences} --max-length "
            f"{args.max_length} --dt {args.dt:g} --write docs/pretrained.md`: all-MiniLM-L6-v2 ({net.dtype}), "
            f"{args.sentences} sentences ({tokens} tokens) drawn as the probe draws them (seed {args.seed}), rollout "
-           f"from the embeddings, Euler step dt = {args.dt:g} for both continuous rungs, cluster radius "
+           f"from the embeddings, Euler step dt = {args.dt:g} for the continuous rungs, cluster radius "
            f"{args.radius:g}; {elapsed:.0f} s.  ± one bootstrap standard error over sentences ({args.bootstrap} "
            f"resamples).  {check}")
     body = tables(res, L)

@@ -77,6 +77,7 @@ LAYERS = [
     # FixedStep/Euler/Heun/RK4/Dopri5 and tp.simulate; ShardedEuler and simulate_sharded; tp.jko
     {"transformer_pde.solvers.particle.methods", "transformer_pde.solvers.particle.sharded",
      "transformer_pde.solvers.jko.front"},
+    {"transformer_pde.solvers.particle.drift"},  # DriftEuler: projected Euler with a token-wise drift
     {"transformer_pde.solvers.particle.front"},  # tp.simulate, the particle solvers' keyword front end
     {"transformer_pde.nn.modules"},  # MeanFieldAttention: continuous-depth attention whose forward is a solve
     {"transformer_pde.nn"},  # tp.nn: the torch.nn converters and the module
@@ -92,6 +93,7 @@ LAYERS = [
     # generic diagnostics; closed forms
     {"transformer_pde.analysis.clustering", "transformer_pde.analysis.ensembles", "transformer_pde.analysis.theory",
      "transformer_pde.analysis.pretrained"},
+    {"transformer_pde.analysis.pretrained_drift"},  # the continuous rung with the feed-forward as a drift
     {"transformer_pde.analysis.pretrained_subsets"},  # every subset of the ladder's ingredients removed together
     {"transformer_pde.analysis.theory.particles"},  # the particle diagnostics of the theory
     # attention entropy and orthogonal heads; the flat flow and clustering hitting times

@@ -23,7 +23,8 @@ def test_every_marked_table_comes_from_todays_code(page):
 
 
 def test_the_regenerated_pages_carry_markers():
-    for page, kind in (("pretrained.md", "pretrained_probe"), ("training.md", "train_digits")):
+    for page, kind in (("pretrained.md", "pretrained_probe"), ("training.md", "train_digits"),
+                       ("pretrained.md", "probe_ff_drift")):
         kinds = [m["kind"] for m in provenance.read_markers((DOCS / page).read_text(encoding="utf-8"))]
         assert kind in kinds, (page, kinds)
 

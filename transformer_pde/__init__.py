@@ -37,6 +37,7 @@ from .solvers.jko.transport import EMD, Identity, RiemannianLBFGS, SinkhornTrans
 from .solvers.jko.methods import EulerianJKO, LagrangianJKO
 from .solvers.particle.methods import RK4, Dopri5, Euler, FixedStep, Heun
 from .solvers.particle.sharded import ShardedEuler
+from .solvers.particle.drift import DriftEuler
 from .solvers.options import Checkpointing, LedgerOptions, Limits, Progress, SaveAt, SolveOptions
 from .solvers.solve import solve
 from .model import backends, transport
@@ -107,7 +108,7 @@ __all__ = [
     "oscillating_target",
     "simulate",
     "solve", "Model", "Normalization", "Softmax", "Unnormalized", "ReLU", "Effective", "SinkhornAttention", "Hardmax",
-    "Solver", "FixedStep", "Euler", "Heun", "RK4", "Dopri5", "ShardedEuler", "LagrangianJKO", "EulerianJKO",
+    "Solver", "FixedStep", "Euler", "Heun", "RK4", "Dopri5", "DriftEuler", "ShardedEuler", "LagrangianJKO", "EulerianJKO",
     "TransportTerm", "EMD", "SinkhornTransport", "Identity", "RiemannianLBFGS",
     "SaveAt", "SolveOptions", "LedgerOptions", "Checkpointing", "Progress", "Limits",
     "TokenNoise",

@@ -36,6 +36,9 @@ TABLE_SOURCES: Dict[str, tuple] = {
     # the fitted surrogate of docs/pretrained.md: the script's own fit and the probe's sentence draw and W₂
     "probe_surrogate": ("scripts/probe_surrogate.py", "transformer_pde/application/studies/probe.py",
                         "transformer_pde/analysis/pretrained.py", "transformer_pde/processes/pretrained.py"),
+    "probe_ff_drift": ("scripts/probe_ff_drift.py", "transformer_pde/analysis/pretrained_drift.py",
+                       "transformer_pde/solvers/particle/drift.py", "transformer_pde/processes/pretrained.py",
+                       "transformer_pde/analysis/pretrained.py", "transformer_pde/application/studies/probe.py"),
 }
 
 _MARKER = re.compile(r"<!-- table-source: kind=(?P<kind>[\w-]+) code=(?P<code>[0-9a-f]+|unknown)"

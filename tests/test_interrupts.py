@@ -105,3 +105,23 @@ def test_ctrl_c_of_a_sweep_with_worker_processes_prints_a_few_lines_and_resumes(
                           capture_output=True, text=True, env=_env(), timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "points: 2" in done.stdout and "failed: 0" in done.stdout, done.stdout
+
+
+def test_threads_started_while_workers_spawn_leave_ctrl_c_to_the_main_thread():
+    """Inside interrupts_left_to_parent a new thread (as a pool's handler threads are) has SIGINT blocked, so
+    the kernel delivers Ctrl-C to the main thread, which raises KeyboardInterrupt; afterwards the main thread's
+    mask and handler are as before."""
+    import threading
+
+    from transformer_pde.application.studies import interrupts_left_to_parent
+
+    before = (signal.getsignal(signal.SIGINT), signal.pthread_sigmask(signal.SIG_BLOCK, []))
+    seen = {}
+    with interrupts_left_to_parent():
+        t = threading.Thread(target=lambda: seen.update(mask=signal.pthread_sigmask(signal.SIG_BLOCK, [])))
+        t.start()
+        t.join()
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    assert signal.SIGINT in seen["mask"]
+    assert (signal.getsignal(signal.SIGINT), signal.pthread_sigmask(signal.SIG_BLOCK, [])) == before
+    assert signal.SIGINT not in before[1]

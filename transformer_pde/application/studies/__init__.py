@@ -456,17 +456,24 @@ def segment_bar(run, total: int, desc: str, unit: str, *, work=None, log=None) -
 # ---------------------------------------------------------------------------- worker processes
 @contextlib.contextmanager
 def interrupts_left_to_parent():
-    """SIGINT ignored in this process (its main thread) while worker processes are spawned inside the ``with``:
+    """SIGINT ignored (and blocked) in this process while worker processes are spawned inside the ``with``:
     they inherit the disposition through exec, so they ignore Ctrl-C from their first instruction on (also
     while they import torch).  Ctrl-C at a terminal reaches the whole process group; answered by the parent
     alone, it prints one resume hint instead of a traceback per worker, and the parent stops the workers."""
     main = threading.current_thread() is threading.main_thread()
     old = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+    # SIGINT also blocked meanwhile: the threads started inside (a pool's task, result and worker handlers)
+    # inherit the mask, so the kernel delivers Ctrl-C to the main thread, the one that raises KeyboardInterrupt,
+    # and wakes it from its wait on the workers' results; a Ctrl-C pressed inside stays pending until the end
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}) if main and hasattr(signal, "pthread_sigmask") \
+        else None
     try:
         yield
     finally:
         if main:
             signal.signal(signal.SIGINT, old)
+            if mask is not None:
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 def spawn_pool(processes: int, initializer=None):

@@ -23,7 +23,7 @@ def test_zero_drift_is_euler(dtype):
     ref = tp.solve(model, x0, tp.Euler(), **kw)
     out = tp.solve(model, x0, tp.DriftEuler(lambda t, x: torch.zeros_like(x)), **kw)
     eps = torch.finfo(dtype).eps
-    torch.testing.assert_close(out.x, ref.x, rtol=0.0, atol=1e2 * eps)
+    torch.testing.assert_close(out.x, ref.x, rtol=1e2 * eps, atol=1e2 * eps)
     assert out.method == "drift_euler" and out.x.dtype == dtype
 
 
@@ -108,4 +108,4 @@ def test_checkpoint_resume_through_the_loop(dtype, tmp_path):
     with pytest.raises(_Stop):
         tp.solve(model, x0, solver, checkpoint=ck, progress=tp.Progress(callback=stop), **kw)
     resumed = tp.solve(model, x0, solver, checkpoint=ck, **kw)
-    torch.testing.assert_close(resumed.x, ref.x, rtol=0.0, atol=1e2 * torch.finfo(dtype).eps)
+    torch.testing.assert_close(resumed.x, ref.x, rtol=1e2 * torch.finfo(dtype).eps, atol=1e2 * torch.finfo(dtype).eps)

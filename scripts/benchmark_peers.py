@@ -2,11 +2,11 @@
 
 The peers' published code is imported from checkouts given on the command line (or by environment
 variables) and timed as it is; nothing of it is copied here.  Without both checkouts the script
-refuses (exit status 2) and says how to get them:
+refuses (exit status 2) and says how to get them (PEERS: any folder of yours):
 
-    git clone https://github.com/nikitus20/simuformer /tmp/peers/simuformer
-    git clone https://github.com/borjanG/2023-transformers-rotf /tmp/peers/rotf
-    python scripts/benchmark_peers.py --simuformer /tmp/peers/simuformer --rotf /tmp/peers/rotf
+    git clone https://github.com/nikitus20/simuformer PEERS/simuformer
+    git clone https://github.com/borjanG/2023-transformers-rotf PEERS/rotf
+    python scripts/benchmark_peers.py --simuformer PEERS/simuformer --rotf PEERS/rotf
     # or: TRANSFORMER_PDE_SIMUFORMER=... TRANSFORMER_PDE_ROTF=... python scripts/benchmark_peers.py
 
 Workload of the reference simulators: 256 systems × 32 tokens × d = 16, 100 post-LN steps of Δt = 0.1,
@@ -96,7 +96,7 @@ def _checkout(name: str, given) -> Path:
     url = {"simuformer": SIMUFORMER_URL, "rotf": ROTF_URL}[name]
     if not path:
         raise PeerMissing(f"no checkout of {name}: this benchmark times the peers' own code.  Clone it "
-                          f"(git clone {url} /tmp/peers/{name}) and pass --{name} /tmp/peers/{name} "
+                          f"(git clone {url} PEERS/{name}) and pass --{name} PEERS/{name} "
                           f"(or set {ENV[name]}).")
     p = Path(path).expanduser()
     if not p.is_dir():

@@ -108,4 +108,5 @@ def test_checkpoint_resume_through_the_loop(dtype, tmp_path):
     with pytest.raises(_Stop):
         tp.solve(model, x0, solver, checkpoint=ck, progress=tp.Progress(callback=stop), **kw)
     resumed = tp.solve(model, x0, solver, checkpoint=ck, **kw)
-    torch.testing.assert_close(resumed.x, ref.x, rtol=1e2 * torch.finfo(dtype).eps, atol=1e2 * torch.finfo(dtype).eps)
+    tol = 1e2 * torch.finfo(dtype).eps
+    torch.testing.assert_close(resumed.x, ref.x, rtol=tol, atol=tol)

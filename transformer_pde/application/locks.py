@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Optional, Tuple
 
+from ..utils.resources import lock_fd
+
 __all__ = ["RunLockedError", "Terminated", "LOCK_FILE"]
 
 # shared with runs and sweep (named internal API)
@@ -123,21 +125,6 @@ def lock_holder(run_path: Path) -> Tuple[bool, Optional[int]]:
         return True, int(text) if text.isdigit() else None
     finally:
         os.close(fd)
-
-
-def lock_fd(fd: int) -> None:
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - Windows
-        import msvcrt
-
-        try:
-            msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
-        except OSError:
-            raise BlockingIOError("locked") from None
-        return
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-
 
 
 def wait_for_creator(run_path: Path, timeout: float = 2.0) -> None:

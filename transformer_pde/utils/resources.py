@@ -40,6 +40,7 @@ except ImportError:  # Python 3.10: the same parser from PyPI (a dependency ther
 __all__ = ["did_you_mean", "tomllib", "CONFIG_MAX_BYTES", "MAX_NESTING", "load_toml", "loads_toml", "check_nesting",
            "config_dir", "config_names", "config_path", "find_config", "CACHE_ENV", "user_cache_dir",
            "exclusive_lock"]
+__internal__ = ["lock_fd"]
 
 _SUFFIX = ".toml"
 
@@ -320,7 +321,7 @@ def exclusive_lock(path: Union[str, Path], *, timeout: float = 900.0, what: str 
         deadline = time.monotonic() + timeout
         while True:
             try:
-                _try_lock(fd)
+                lock_fd(fd)
                 break
             except BlockingIOError:
                 if time.monotonic() > deadline:
@@ -332,7 +333,9 @@ def exclusive_lock(path: Union[str, Path], *, timeout: float = 900.0, what: str 
         os.close(fd)  # closing the descriptor releases the lock
 
 
-def _try_lock(fd: int) -> None:
+def lock_fd(fd: int) -> None:
+    """An exclusive, non-blocking lock on the open file ``fd`` (flock; msvcrt on Windows); BlockingIOError
+    when another process holds it.  Closing the descriptor releases it."""
     try:
         import fcntl
     except ImportError:  # pragma: no cover - Windows

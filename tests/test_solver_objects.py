@@ -246,3 +246,44 @@ def test_a_solver_composed_of_the_public_parts_is_euler(dtype):
         assert_close(mine.ledger[key], ref.ledger[key], **ulps(dtype, 256))
     with pytest.raises(ValueError, match="deterministic weights"):
         tp.solve(tp.Model(tp.OrnsteinUhlenbeck(heads, sigma=0.1), direction="descent"), x0, PartsEuler(), t1=0.1, dt=0.05, ledger=tp.LedgerOptions(ledger=True))
+
+
+# ------------------------------------------------------------------ the step's state: the velocity on demand
+from transformer_pde.solvers.loop import ParticleState  # noqa: E402
+
+
+def test_particle_state_computes_a_handed_velocity_once_and_only_when_read():
+    x = torch.randn(2, 3, 4, dtype=torch.float64)
+    calls = []
+
+    def velocity():
+        calls.append(1)
+        return 2 * x
+
+    state = ParticleState(x, velocity, None, None)
+    assert calls == []
+    assert_close(state.velocity, 2 * x, rtol=0, atol=0)
+    assert_close(state.velocity, 2 * x, rtol=0, atol=0)
+    assert calls == [1]
+    given = ParticleState(x, 3 * x, None, None)  # a tensor is kept as it is
+    assert given.velocity is given.velocity
+
+
+def test_a_layer_map_step_never_projects_the_field(monkeypatch):
+    """The post-LN map reads the un-projected update only: the run hands the velocity over on demand, so
+    the projection P_x A is not formed at every step (it was, for every step of every layer map)."""
+    from transformer_pde.dynamics import layernorm
+    g = gen(3)
+    x0 = torch.nn.functional.normalize(torch.randn(4, 6, 5, generator=g, dtype=torch.float64), dim=-1)
+    heads = tp.Heads(torch.randn(2, 5, 5, generator=g, dtype=torch.float64) / 3, beta=1.0)
+    reads = []
+    original = layernorm._AmbientEval.velocity
+
+    def counted(self):
+        reads.append(1)
+        return original.fget(self)
+
+    monkeypatch.setattr(layernorm._AmbientEval, "velocity", property(counted, original.fset))
+    traj = tp.simulate(x0, heads, t1=1.0, dt=0.1, layer_norm="post", diagnostics=False, progress=False)
+    assert reads == []
+    assert torch.isfinite(traj.final).all()

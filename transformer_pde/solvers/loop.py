@@ -21,7 +21,6 @@ at the stages, the geometry, the token noise and its random stream.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -70,14 +69,15 @@ class Run:
         raise NotImplementedError(f"{type(self).__name__} must define finish()")
 
 
-@dataclass(slots=True)
 class ParticleState:
     """What a particle solver's ``step(state, t, dt)`` reads at the left end t of a step.
 
     x : torch.Tensor
         the tokens (paths, ..., n, d) (the paths axis is always there).
     velocity : torch.Tensor
-        the field V[μ_t, Θ_t](x), evaluated once per grid point by the run.
+        the field V[μ_t, Θ_t](x), evaluated once per grid point by the run.  The run may hand over a
+        zero-argument callable instead; it is called when ``velocity`` is first read (a layer map reads
+        ``ambient`` only, and never pays for the projection).
     field : callable
         ``field(x_stage, c)``: the field at the tokens ``x_stage`` and the weights at t + c·dt (one evaluation,
         counted in ``stats["field_evaluations"]``).
@@ -93,14 +93,23 @@ class ParticleState:
         the un-projected attention update at x (a layer map's input).
     """
 
-    x: torch.Tensor
-    velocity: torch.Tensor
-    field: Callable[[torch.Tensor, float], torch.Tensor]
-    geometry: Any
-    noise: Any = None
-    generator: Optional[torch.Generator] = None
-    radius: Optional[torch.Tensor] = None
-    ambient: Optional[torch.Tensor] = None
+    __slots__ = ("x", "_velocity", "field", "geometry", "noise", "generator", "radius", "ambient")
+
+    def __init__(self, x: torch.Tensor, velocity, field: Optional[Callable], geometry: Any, noise: Any = None,
+                 generator: Optional[torch.Generator] = None, radius: Optional[torch.Tensor] = None,
+                 ambient: Optional[torch.Tensor] = None):
+        self.x, self._velocity, self.field, self.geometry = x, velocity, field, geometry
+        self.noise, self.generator, self.radius, self.ambient = noise, generator, radius, ambient
+
+    @property
+    def velocity(self) -> torch.Tensor:
+        """V[μ_t, Θ_t](x) (..., n, d), computed on first read when the run handed over a callable."""
+        if callable(self._velocity):
+            self._velocity = self._velocity()
+        return self._velocity
+
+    def __repr__(self) -> str:
+        return f"ParticleState(x={tuple(self.x.shape)}, geometry={self.geometry!r})"
 
 
 def drive(run: Run, callback: Optional[Callable] = None):

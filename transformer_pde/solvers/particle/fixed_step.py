@@ -277,7 +277,7 @@ class FixedStepRun(Run):
             if self.realised:
                 self.ledger.add("partial", realised_qv_term(x, heads, self.w, cur.stats, noise, log_scale=c))
 
-        state = ParticleState(x, cur.velocity, self._stage, self.geometry, self.noise, self.token_gen, self.r,
+        state = ParticleState(x, lambda: cur.velocity, self._stage, self.geometry, self.noise, self.token_gen, self.r,
                               cur.ambient)
         x_new, info = self.solver.step(state, drv.t, self.dt)
         self.max_sphere = max(self.max_sphere, info.get("sphere_error", 0.0))

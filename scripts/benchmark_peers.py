@@ -34,7 +34,11 @@ default 1, as the peers' code gets):
   other argument at its default (no statistic); against the peers' step alone.
 
 The script checks that the final tokens and the statistic agree with the peers' own (to rounding), and
-prints the re-implementations of the peers' loops (:func:`simuformer_reimplementation`,
+prints two floors: our kernel's four products alone (queries, scores, means, values, no exponential or
+bookkeeping; :func:`products_floor`) with the statistic's Gram product, against the peer's step + stats, and
+the four products with the obvious call's records (101 states copied into fresh memory) against the peer's
+step.  A target below its floor is out of the kernel's reach with these products.
+It also prints the re-implementations of the peers' loops (:func:`simuformer_reimplementation`,
 :func:`rotf_reimplementation`, written from reading their code) as a labelled second yardstick.  Every ratio
 is ours / peer: the median of the per-repeat ratios (each repeat runs every case once, back to back) with
 their range, and the ratio of the best times.  The whole measurement runs twice: with no added load, and
@@ -67,6 +71,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import transformer_pde as tp  # noqa: E402
+from transformer_pde.dynamics import layernorm  # noqa: E402
 from transformer_pde.utils import hardware  # noqa: E402
 
 SIMUFORMER_URL = "https://github.com/nikitus20/simuformer"
@@ -264,6 +269,50 @@ def obvious_run(M, BF, V, beta, eta, steps, weights=None):
     return traj.final, None
 
 
+def products_floor(M, BF, V, steps, stats=False, records=False):
+    """A closure running, ``steps`` times, only the four products of our fused kernel: queries, scores, means
+    and values, with the calls, layouts, block sizes and buffers of ``layernorm.FusedUpdate`` (its buffers
+    filled by one real call first), and no exponential, sums, division, normalisation or records; with
+    ``stats`` also the statistic's Gram product; with ``records`` also what the obvious call keeps, the state
+    after every step copied into one fresh (steps + 1, ...) buffer (its first touch is page faults).  No exact
+    softmax step that runs these products can be faster, so a ratio target below (this time) / (the peer's)
+    is out of the kernel's reach."""
+    heads = tp.Heads(BF, V.transpose(-1, -2), beta=1.0)
+    fused = layernorm.FusedUpdate(None, 1.0)
+    qa, vs, H, _ = fused._prepare(heads, M)
+    fused(M, heads)  # the workspace's buffers hold real scores and means, not uninitialised memory
+    B, n, d = M.shape
+    keys = layernorm.LAYOUTS.get(M.dtype, "queries") == "keys"
+    size = max(1, min(B, layernorm.score_block_bytes(M.device) // (n * H * max(n, d) * M.element_size())))
+    out = torch.empty_like(M)
+    gram = torch.empty(B, n, n, dtype=M.dtype)
+
+    def run():
+        kept = torch.empty((steps + 1, *M.shape), dtype=M.dtype) if records else None
+        with torch.no_grad():
+            if records:
+                kept[0].copy_(M)
+            for k in range(steps):
+                for x, q, v, o in zip(M.split(size), qa.split(size), vs.split(size), out.split(size)):
+                    b = x.shape[0]
+                    bufs = fused._buffers(b, (n, d, H), M, keys)
+                    Q, E, means = bufs[0], bufs[1], bufs[3]
+                    fused._queries(x, q, Q)
+                    if keys:
+                        torch.bmm(x, Q.view(b, -1, d).transpose(1, 2), out=E)
+                        torch.bmm(x.transpose(1, 2), E, out=bufs[4])
+                    else:
+                        torch.bmm(Q.view(b, -1, d), x.transpose(1, 2), out=E)
+                        torch.bmm(E, x, out=means)
+                    fused._values(means, v, o)
+                if stats:
+                    torch.matmul(M, M.transpose(-1, -2), out=gram)
+                if records:
+                    kept[k + 1].copy_(out)
+        return out, None
+    return run
+
+
 @contextlib.contextmanager
 def assumed_l2(nbytes):
     """The library's cache-sized blocks chosen as on a CPU whose L2 is ``nbytes`` (None: this CPU's)."""
@@ -310,6 +359,10 @@ def cases_for(dtype, args, peers):
         "ours same work (H=1)": lambda: ours_run(M, BF[:, :1], V[:, :1], beta, eta, steps, weights=one),
         f"ours obvious (H={H})": lambda: obvious_run(M, BF, V, beta, eta, steps),
         "ours obvious (H=1)": lambda: obvious_run(M, BF[:, :1], V[:, :1], beta, eta, steps, weights=one),
+        f"floor: products + records (H={H})": products_floor(M, BF, V, steps, records=True),
+        "floor: products + records (H=1)": products_floor(M, BF[:, :1], V[:, :1], steps, records=True),
+        f"floor: products + Gram (H={H})": products_floor(M, BF, V, steps, stats=True),
+        "floor: products + Gram (H=1)": products_floor(M, BF[:, :1], V[:, :1], steps, stats=True),
     }
     for l2 in args.assume_l2:
         tag = f" [L2 {l2 // 1024} KiB]"
@@ -330,6 +383,11 @@ def _pairs(H, assume_l2):
                      "simuformer: step + stats", f"ours same work (H=1){tag}", "rotf: step_1 + stats"))
     rows.append(("same work / re-implemented peer", f"ours same work (H={H})", "re-implemented simuformer",
                  "ours same work (H=1)", "re-implemented rotf"))
+    rows.append(("floor of same work: our products + Gram alone / peer's step + stats", f"floor: products + Gram (H={H})",
+                 "simuformer: step + stats", "floor: products + Gram (H=1)", "rotf: step_1 + stats"))
+    rows.append(("floor of obvious: our products + the records alone / peer's step alone",
+                 f"floor: products + records (H={H})", "simuformer: step", "floor: products + records (H=1)",
+                 "rotf: step_1"))
     return rows
 
 

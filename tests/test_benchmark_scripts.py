@@ -64,3 +64,41 @@ def test_peer_benchmark_loads_a_checkout_with_the_timed_methods(peers, tmp_path)
                                           "    def check_stats(self):\n        return 0, 0\n")
     assert peers.load_simuformer(str(sf)).SimuXForm.__name__ == "SimuXForm"
     assert peers.load_rotf(str(rf)).simu_xform.__name__ == "simu_xform"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("H", [1, 3])
+def test_the_products_floor_runs_the_kernels_products_and_nothing_else(peers, monkeypatch, dtype, H):
+    """The floor rows of the peer benchmark time the fused kernel's own matrix products: one step of
+    ``products_floor`` makes the same product calls, with the same shapes, as one FusedUpdate call, in both
+    layouts (float32 "queries", float64 "keys"), and no exponential."""
+    import torch
+
+    from transformer_pde.dynamics import layernorm
+
+    dt = getattr(torch, dtype)
+    M, BF, V = peers.problem(5, 4, 3, H, dt)
+    monkeypatch.setattr(layernorm, "_SCORE_BLOCK_BYTES", 2 * 4 * H * 4 * M.element_size())  # two systems a block
+    calls = []
+    for name in ("bmm", "mm"):
+        real = getattr(torch, name)
+
+        def spy(*a, _real=real, _name=name, **k):
+            calls.append((_name, tuple(a[0].shape), tuple(a[1].shape)))
+            return _real(*a, **k)
+        monkeypatch.setattr(torch, name, spy)
+    exps = []
+    real_exp2 = torch.Tensor.exp2_
+    monkeypatch.setattr(torch.Tensor, "exp2_", lambda self: exps.append(1) or real_exp2(self))
+
+    floor = peers.products_floor(M, BF, V, steps=1)  # builds (and runs the kernel once to fill its buffers)
+    calls.clear()
+    exps.clear()
+    heads = peers.tp.Heads(BF, V.transpose(-1, -2), beta=1.0)
+    layernorm.FusedUpdate(None, 1.0)(M, heads)
+    kernel, kernel_exps = list(calls), len(exps)
+    calls.clear()
+    exps.clear()
+    floor()
+    assert calls == kernel and len(calls) == 4 * 3  # four products in each of three blocks
+    assert kernel_exps == 3 and exps == []

@@ -22,6 +22,7 @@ script (spinning Python loops, niceness 0), so one run reports the idle and the 
 
     python scripts/benchmark_diagnostics.py                 # idle, then 2 busy processes per core
     python scripts/benchmark_diagnostics.py --load 0 --paths post_ln causal
+    python scripts/benchmark_diagnostics.py --load 0 --paths noisy --noisy-tokens 200 500 1000
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def _particle_path(name, x0, theta, steps, dt, every, **kw):
     return name, bare, variants
 
 
-def paths_of(names):
+def paths_of(names, noisy_tokens=(200,)):
     f64 = torch.float64
     out = []
     if "merged" in names:
@@ -102,12 +103,12 @@ def paths_of(names):
         A = torch.randn(H, d, d, generator=_gen(6), dtype=f64) / d ** 0.5
         out.append(_particle_path("causal (64 x 32, d=16, H=4)", x0, tp.Heads(A, A.transpose(-1, -2) @ A), 20, 0.05,
                                   10, causal=True, direction="ascent"))
-    if "noisy" in names:
-        n, H = 200, 10
+    for n in (noisy_tokens if "noisy" in names else ()):
+        H = 10
         x0 = tp.sphere.sample_uniform(n, 3, generator=_gen(7), dtype=f64)
         heads = tp.Heads.scalar(torch.linspace(0.5, 2.0, H, dtype=f64).tolist(), 3).to(f64)
-        out.append(_particle_path("noisy tokens (T=0.1, n=200, d=3, H=10)", x0, heads, 20, 0.01, 10, temperature=0.1,
-                                  direction="ascent"))
+        out.append(_particle_path(f"noisy tokens (T=0.1, n={n}, d=3, H=10)", x0, heads, 20, 0.01, 10,
+                                  temperature=0.1, direction="ascent"))
     if "training" in names:
         torch.manual_seed(0)
         layer = tp.nn.MeanFieldAttention(16, 4, layers=2, steps=4).double()
@@ -134,6 +135,7 @@ def measure(paths, repeats):
         for fn in variants.values():
             fn()
         ratios = {k: [] for k in variants}
+        bares = []
         for _ in range(repeats):
             for key, fn in variants.items():
                 t = time.process_time()
@@ -142,14 +144,15 @@ def measure(paths, repeats):
                 t = time.process_time()
                 fn()
                 ratios[key].append((time.process_time() - t) / tb)
-        rows.append((name, ratios))
+                bares.append(tb)
+        rows.append((name, ratios, statistics.median(bares)))
     return rows
 
 
 def report(rows, label):
     print(f"\n{label}: load average {os.getloadavg()[0]:.2f}")
-    for name, ratios in rows:
-        print(f"  {name}")
+    for name, ratios, bare in rows:
+        print(f"  {name}: bare {bare * 1e3:.1f} ms CPU (median)")
         for key, r in ratios.items():
             print(f"    {key:30s} median {statistics.median(r):5.2f}  [{min(r):.2f}, {max(r):.2f}]  "
                   f"({len(r)} pairs)")
@@ -159,6 +162,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--paths", nargs="+", default=["merged", "post_ln", "causal", "noisy", "training"],
                     choices=["merged", "post_ln", "causal", "noisy", "training"])
+    ap.add_argument("--noisy-tokens", type=int, nargs="+", default=[200], metavar="N",
+                    help="token counts of the noisy path (one path each): the ledger's fixed per-step cost against n")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--load", type=int, default=2, help="busy processes per core for the loaded pass (0: none)")
@@ -167,7 +172,7 @@ def main():
     caches = hardware.cache_sizes()
     print(f"{hardware.cpu_model()}, {os.cpu_count()} CPUs, L2 {caches.l2 // 1024} KiB; torch {torch.__version__}, "
           f"{args.threads} thread(s); ratios = variant CPU time / bare CPU time of the pair")
-    paths = paths_of(args.paths)
+    paths = paths_of(args.paths, args.noisy_tokens)
     report(measure(paths, args.repeats), "no added load")
     if args.load > 0:
         stop = mp.Event()

@@ -57,16 +57,33 @@ def _children(pid: int):
     return out
 
 
+def _signal_state(pid: int) -> str:
+    """Whether SIGINT is blocked, ignored or caught by each thread of process ``pid`` (Linux /proc; "" elsewhere):
+    the lines a failure shows, since a command that started with SIGINT ignored or blocked runs to its end."""
+    bit = 1 << (signal.SIGINT - 1)
+    lines = []
+    for status in sorted(Path(f"/proc/{pid}/task").glob("*/status")):
+        try:
+            fields = dict(line.split(":\t", 1) for line in status.read_text().splitlines() if ":\t" in line)
+        except OSError:
+            continue
+        flags = [k for k in ("SigBlk", "SigIgn", "SigCgt") if int(fields.get(k, "0").strip(), 16) & bit]
+        lines.append(f"thread {status.parent.name} ({fields.get('Name', '?').strip()}): SIGINT {flags or 'default'}")
+    return "\n".join(lines)
+
+
 def _interrupt(proc):
     # the terminal sends SIGINT to every process of the group at once; a worker may see it before the parent
     # stops it: deliver it to the workers first, give them a moment, then to the group
+    state = f"parent {proc.pid}:\n{_signal_state(proc.pid)}"
     for child in _children(proc.pid):
+        state += f"\nchild {child}:\n{_signal_state(child)}"
         with contextlib.suppress(ProcessLookupError):
             os.kill(child, signal.SIGINT)
     time.sleep(1.0)
     os.killpg(proc.pid, signal.SIGINT)
     out, err = proc.communicate(timeout=180)
-    return proc.returncode, out, err
+    return proc.returncode, out, err + f"\n[SIGINT in the processes just before the interrupt]\n{state}"
 
 
 def _assert_few_clean_lines(err: str):
@@ -76,9 +93,11 @@ def _assert_few_clean_lines(err: str):
         assert bad not in err, err
 
 
-# In full default runs of the suite (not alone, not under load from other processes) the interrupted run
-# sometimes goes on to complete: the parent never raises KeyboardInterrupt.  Not diagnosed; until it is,
-# these run on purpose: python -m pytest -m slow tests/test_interrupts.py
+# In some full runs of the suite on a machine busy with other jobs, the interrupted run went on to complete:
+# the parent never raised KeyboardInterrupt.  Not diagnosed (alone, under load, and in a full run on quiet
+# cores they pass); a failure prints whether SIGINT was blocked, ignored or caught in every thread of the
+# processes just before the interrupt.  Until it is diagnosed these run on purpose:
+# python -m pytest -m slow tests/test_interrupts.py   (or the whole suite with -m "not gpu")
 @pytest.mark.slow
 def test_ctrl_c_of_a_run_with_worker_processes_prints_a_few_lines_and_resumes(tmp_path):
     # long enough that the interrupt lands while the workers step (a loaded machine slows the start, not the run)
@@ -88,7 +107,7 @@ def test_ctrl_c_of_a_run_with_worker_processes_prints_a_few_lines_and_resumes(tm
     _wait_for(tmp_path / "runs" / "w" / "checkpoints", "*.ckpt", proc)  # the workers are stepping
     rc, _, err = _interrupt(proc)
     assert rc == 130, err
-    _assert_few_clean_lines(err)
+    _assert_few_clean_lines(err.split("\n[SIGINT in the processes")[0])
     assert "--resume" in err and json.loads((tmp_path / "runs" / "w" / "status.json").read_text())["state"] == \
         "interrupted"
     done = subprocess.run([sys.executable, "-m", "transformer_pde.application.cli", *args, "--resume"], cwd=tmp_path,
@@ -97,9 +116,11 @@ def test_ctrl_c_of_a_run_with_worker_processes_prints_a_few_lines_and_resumes(tm
     assert json.loads((tmp_path / "runs" / "w" / "status.json").read_text())["state"] == "complete"
 
 
-# In full default runs of the suite (not alone, not under load from other processes) the interrupted run
-# sometimes goes on to complete: the parent never raises KeyboardInterrupt.  Not diagnosed; until it is,
-# these run on purpose: python -m pytest -m slow tests/test_interrupts.py
+# In some full runs of the suite on a machine busy with other jobs, the interrupted run went on to complete:
+# the parent never raised KeyboardInterrupt.  Not diagnosed (alone, under load, and in a full run on quiet
+# cores they pass); a failure prints whether SIGINT was blocked, ignored or caught in every thread of the
+# processes just before the interrupt.  Until it is diagnosed these run on purpose:
+# python -m pytest -m slow tests/test_interrupts.py   (or the whole suite with -m "not gpu")
 @pytest.mark.slow
 def test_ctrl_c_of_a_sweep_with_worker_processes_prints_a_few_lines_and_resumes(tmp_path):
     args = ["sweep", "ou_vs_oscillating_quick", "-s", "seed=[1,2]", "--workers", "2", *TINY, "-o", "t1=12",
@@ -108,7 +129,7 @@ def test_ctrl_c_of_a_sweep_with_worker_processes_prints_a_few_lines_and_resumes(
     _wait_for(tmp_path / "runs" / "s", "*.ckpt", proc)
     rc, _, err = _interrupt(proc)
     assert rc == 130, err
-    _assert_few_clean_lines(err)
+    _assert_few_clean_lines(err.split("\n[SIGINT in the processes")[0])
     done = subprocess.run([sys.executable, "-m", "transformer_pde.application.cli", *args, "--resume"], cwd=tmp_path,
                           capture_output=True, text=True, env=_env(), timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

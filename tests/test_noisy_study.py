@@ -29,7 +29,6 @@ def tiny_run(tmp_path_factory):
     return out / "n", json.loads((out / "n" / "metrics.json").read_text())
 
 
-@pytest.mark.slow
 def test_study_writes_claims_with_error_bars(tiny_run):
     """Every quoted number is a claim with its error and seed count; the β = 4 spinodal on S¹ is among them and
     equals the continuation's fold (1.0589, independent of the stage lengths); the control (β = 1) is compared

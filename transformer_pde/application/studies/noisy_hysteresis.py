@@ -113,7 +113,7 @@ def hysteresis(p, hb, n, dtype, run):
             vals = {}
             for k in order:
                 model = tp.Model(heads, normalization="unnormalized", direction="ascent",
-                                 noise=calibrated_temperature(ratios[k] * Tc, dt))
+                                 temperature=calibrated_temperature(ratios[k] * Tc, dt))
                 tr = tp.solve(model, x, tp.Heun(), t1=lengths[k], dt=dt, seed=p["seed"] + 1000 * (jd + 1) + k + 7 * n,
                               saveat=tp.SaveAt(record_every=max(1, round(0.5 / Tc / dt)),
                                                observables={"m": lambda x, w: x.mean(-2)}),

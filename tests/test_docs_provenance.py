@@ -1,10 +1,11 @@
 """Published tables come from a run of today's code: docs tables carry a ``table-source`` marker with the
 fingerprint of the code their run used (application.studies.provenance), and this test recomputes it.
 
-Covered: docs/pretrained.md (scripts/pretrained_probe_table.py) and the first training table of
-docs/training.md (scripts/training_table.py).  Not covered: docs/theorems.md and docs/noisy_tokens.md (their
-claim tables are rendered by scripts/render_claims.py without a marker), and the kinetic-displacement table of
-docs/training.md, which says that it comes from an earlier version of the code."""
+Covered: docs/pretrained.md (scripts/pretrained_probe_table.py), the first training table of docs/training.md
+(scripts/training_table.py), and the claim tables that scripts/render_claims.py --write put between
+``<!-- claims:NAME:start/end -->`` comments.  Not covered: the claim tables still pasted without such a section
+(the pages say which), and the kinetic-displacement table of docs/training.md, which says that it comes from an
+earlier version of the code."""
 
 import pathlib
 
@@ -24,7 +25,9 @@ def test_every_marked_table_comes_from_todays_code(page):
 
 def test_the_regenerated_pages_carry_markers():
     for page, kind in (("pretrained.md", "pretrained_probe"), ("training.md", "train_digits"),
-                       ("pretrained.md", "probe_ff_drift")):
+                       ("pretrained.md", "probe_ff_drift"), ("theorems.md", "theorem_stability_data"),
+                       ("theorems.md", "theorem_stability_weights"), ("theorems.md", "theorem_omega_limit"),
+                       ("theorems.md", "theorem_fast_weights"), ("noisy_tokens.md", "noisy_transition")):
         kinds = [m["kind"] for m in provenance.read_markers((DOCS / page).read_text(encoding="utf-8"))]
         assert kind in kinds, (page, kinds)
 
@@ -100,3 +103,63 @@ def test_training_table_script_renders_the_run_with_its_marker(tmp_path):
     assert page.read_text() == f"a\n<!-- training-results:x:start -->\n{text}<!-- training-results:x:end -->\nb\n"
     with pytest.raises(ValueError, match="no '<!-- training-results:y:start -->'"):
         training_table.write(page, "y", text)
+
+
+def _claims_run(folder, *, code="0123456789abcdef", kind="theorem_fast_weights"):
+    import json
+
+    folder.mkdir()
+    claims = [{"name": "rate | slope", "value": 1.0, "error": 0.01, "seeds": 4, "reference": 1.0, "holds": True},
+              {"name": "bound", "value": 2.5, "error": None, "seeds": 1, "reference": None, "holds": None}]
+    metrics = {"claims": claims, **({"code_fingerprint": code} if code else {})}
+    (folder / "metrics.json").write_text(json.dumps(metrics))
+    (folder / "config.json").write_text(json.dumps({"kind": kind, "name": folder.name, "params": {}}))
+    return folder
+
+
+def test_render_claims_writes_the_marked_section_only(tmp_path, capsys):
+    """scripts/render_claims.py --write: the run's fingerprint and kind in the marker, then its table, between
+    the section's comments; nothing else of the page changes; a run without a fingerprint, a page without the
+    section and --write without --section are refused."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import render_claims
+
+    run = _claims_run(tmp_path / "r1")
+    page = tmp_path / "p.md"
+    page.write_text("intro\n<!-- claims:fast:start -->\nold table\n<!-- claims:fast:end -->\noutro\n")
+    assert render_claims.main([str(run), "--write", str(page), "--section", "fast"]) == 0
+    text = page.read_text()
+    head, body = text.split("<!-- claims:fast:start -->\n")
+    assert head == "intro\n" and body.endswith("<!-- claims:fast:end -->\noutro\n")
+    assert provenance.read_markers(text) == [{"kind": "theorem_fast_weights", "code": "0123456789abcdef",
+                                              "run": "r1", "line": 3}]
+    assert "| rate \\| slope | 1 ± 0.01 | 4 | 1 | yes |" in text and "| bound | 2.5 ± — | 1 | — | — |" in text
+    assert "old table" not in text
+    assert len(provenance.stale_tables(text)) == 1  # a made-up fingerprint is not today's code
+    old = _claims_run(tmp_path / "r0", code=None)
+    assert render_claims.main([str(old), "--write", str(page), "--section", "fast"]) == 2
+    assert "no code_fingerprint" in capsys.readouterr().err
+    assert render_claims.main([str(run), "--write", str(page), "--section", "other"]) == 2
+    assert "no '<!-- claims:other:start -->'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        render_claims.main([str(run), "--write", str(page)])
+
+
+def test_a_run_of_a_published_kind_records_the_code_it_ran(tmp_path, monkeypatch):
+    """runs.execute puts code_fingerprint in metrics.json for every kind of TABLE_SOURCES (taken when the run
+    starts), and only for those."""
+    import json
+
+    from transformer_pde.application import runs
+
+    cfg = {"kind": "demo", "name": "d", "params": {"n": 8, "t1": 0.1, "dt": 0.05, "paths": 1}}
+    plain = runs.execute(cfg, out_dir=tmp_path, progress=False)
+    assert "code_fingerprint" not in json.loads((plain / "metrics.json").read_text())
+    monkeypatch.setitem(provenance.TABLE_SOURCES, "demo", ("transformer_pde/application/studies/demo.py",))
+    cfg["name"] = "e"
+    published = runs.execute(cfg, out_dir=tmp_path, progress=False)
+    recorded = json.loads((published / "metrics.json").read_text())["code_fingerprint"]
+    assert recorded == provenance.code_fingerprint("demo") and len(recorded) == 16
+    assert provenance.code_fingerprint("demo") != provenance.code_fingerprint("train_digits")

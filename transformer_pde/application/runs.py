@@ -31,7 +31,9 @@ Safety rules (:func:`execute`):
   is unreadable or not finite;
 * the run's memory and solver steps are estimated before the directory is created and refused
   above ``max_memory`` / ``max_steps`` (:func:`check_resources`);
-* ``metrics.json`` is strict JSON: NaN/inf metrics are written as null and listed.
+* ``metrics.json`` is strict JSON: NaN/inf metrics are written as null and listed.  A study whose tables the
+  docs publish (a kind of ``studies.provenance.TABLE_SOURCES``) also gets ``code_fingerprint``, the hash of the
+  code those tables depend on, taken when the run starts.
 
 Every file is written to a new temporary file, created exclusively (``O_CREAT | O_EXCL |
 O_NOFOLLOW``, never through an existing link), and moved into place with ``os.replace``, so a
@@ -64,7 +66,7 @@ from .locks import (LOCK_FILE, RunLock, RunLockedError, Terminated, lock_holder,
                     wait_for_creator)
 from .rundir import (RunDir, check_no_links, flatten_metrics, is_run_dir, json_default, loads_json, nonfinite_to_null,
                      not_ours, package_versions, read_marker, remove_stale_temps, write_csv, write_marker)
-from .studies import get_study, nonfinite_keys
+from .studies import get_study, nonfinite_keys, provenance
 
 __all__ = ["execute", "plan", "failed_run_dir"]
 
@@ -355,6 +357,8 @@ def _run_study(cfg, run_path: Path, *, resumed: bool, resume: bool, progress: bo
     run.write_json("environment.json", env)
     run.write_json("status.json", {"state": "running", "started": now, "pid": os.getpid()})
     st = get_study(cfg["kind"])
+    # the code a published table of this kind depends on, as it is when the run starts (docs tables' markers)
+    code = provenance.code_fingerprint(cfg["kind"]) if cfg["kind"] in provenance.TABLE_SOURCES else None
     logger.info("%s %s (kind %s) in %s", "resuming" if resumed else "running", cfg["name"], cfg["kind"], run_path)
     t0 = time.perf_counter()
     mark = len(threads.usage())
@@ -381,7 +385,10 @@ def _run_study(cfg, run_path: Path, *, resumed: bool, resume: bool, progress: bo
             if not failed:  # only while the study's own error propagates is this one dropped
                 raise
     wall = time.perf_counter() - t0
-    metrics, undefined = nonfinite_to_null({**(metrics or {}), "wall_time_s": wall})
+    metrics = {**(metrics or {}), "wall_time_s": wall}
+    if code is not None:
+        metrics.setdefault("code_fingerprint", code)
+    metrics, undefined = nonfinite_to_null(metrics)
     if undefined:
         metrics["undefined_metrics"] = {
             "keys": undefined, "reason": "NaN or infinite for this run (a statistic undefined for these parameters, "

@@ -41,6 +41,36 @@ TABLE_SOURCES: Dict[str, tuple] = {
                        "transformer_pde/analysis/pretrained.py", "transformer_pde/application/studies/probe.py"),
 }
 
+
+def _claims_sources(kind: str, *modules: str) -> tuple:
+    """The files of a claims study: its modules, the claims' verdict logic, and every shipped config of the kind
+    (``experiments/<kind>*.toml``: the quick and the full config; a change to either marks both tables stale)."""
+    configs = tuple(sorted(f"experiments/{p.name}" for p in (_ROOT / "experiments").glob(f"{kind}*.toml")))
+    return (*modules, "transformer_pde/application/studies/claims.py") + configs
+
+
+_STUDIES = "transformer_pde/application/studies/"
+_THEORY = "transformer_pde/analysis/theory/"
+# the claim tables of docs/theorems.md, docs/noisy_tokens.md and the frontier pages (scripts/render_claims.py)
+TABLE_SOURCES.update({
+    "theorem_stability_data": _claims_sources("theorem_stability_data", _STUDIES + "theorems_stability.py",
+                                              _THEORY + "stability.py", _THEORY + "sensitivity.py"),
+    "theorem_stability_weights": _claims_sources("theorem_stability_weights", _STUDIES + "theorems_stability.py",
+                                                 _THEORY + "stability.py", _THEORY + "sensitivity.py"),
+    "theorem_omega_limit": _claims_sources("theorem_omega_limit", _STUDIES + "theorems.py", _THEORY + "limits.py",
+                                           "transformer_pde/analysis/clustering.py"),
+    "theorem_fast_weights": _claims_sources("theorem_fast_weights", _STUDIES + "theorems.py", _THEORY + "limits.py",
+                                            _THEORY + "sensitivity.py"),
+    "noisy_transition": _claims_sources("noisy_transition", _STUDIES + "noisy.py", _STUDIES + "noisy_hysteresis.py",
+                                        _THEORY + "noise.py", _THEORY + "circle.py"),
+    "critical_scaling": _claims_sources("critical_scaling", _STUDIES + "critical_scaling.py", _THEORY + "scaling.py"),
+    "repulsive": _claims_sources("repulsive", _STUDIES + "repulsive.py", _THEORY + "synchronization.py"),
+    "homogenized": _claims_sources("homogenized", _STUDIES + "homogenized.py", _THEORY + "homogenized.py",
+                                   "transformer_pde/processes/homogenized.py"),
+    "lost_in_the_middle": _claims_sources("lost_in_the_middle", _STUDIES + "lost_in_the_middle.py",
+                                          _STUDIES + "retrieval.py", _THEORY + "kinetic.py"),
+})
+
 _MARKER = re.compile(r"<!-- table-source: kind=(?P<kind>[\w-]+) code=(?P<code>[0-9a-f]+|unknown)"
                      r"(?: run=(?P<run>[^ ]+))? -->")
 

@@ -27,7 +27,8 @@ def test_the_regenerated_pages_carry_markers():
     for page, kind in (("pretrained.md", "pretrained_probe"), ("training.md", "train_digits"),
                        ("pretrained.md", "probe_ff_drift"), ("theorems.md", "theorem_stability_data"),
                        ("theorems.md", "theorem_stability_weights"), ("theorems.md", "theorem_omega_limit"),
-                       ("theorems.md", "theorem_fast_weights"), ("noisy_tokens.md", "noisy_transition")):
+                       ("theorems.md", "theorem_fast_weights"), ("noisy_tokens.md", "noisy_transition"),
+                       ("homogenized.md", "homogenized")):
         kinds = [m["kind"] for m in provenance.read_markers((DOCS / page).read_text(encoding="utf-8"))]
         assert kind in kinds, (page, kinds)
 

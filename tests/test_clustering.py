@@ -456,6 +456,20 @@ def test_plateaus_and_crossings_refuse_non_finite_times(bad):
         cl.detect_plateaus([0.0, 1.0, 2.0, 1e39], y.float())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_plateaus_refuse_a_horizon_too_short_for_the_range(dtype):
+    """(max y − min y)/(t_end − t_0) overflowing (subnormal spacing) is refused, not returned as an infinite
+    threshold; the same spacing with a constant series (slope 0) is one plateau."""
+    tiny = torch.finfo(dtype).tiny / 8  # subnormal in the values' dtype
+    y = torch.tensor([[0.0, 1.0], [2.0, 2.0]], dtype=dtype)
+    with pytest.raises(ValueError, match="average slope .* overflows"):
+        cl.detect_plateaus([0.0, tiny], y)
+    st = cl.detect_plateaus([0.0, tiny], y[1:])
+    assert bool(torch.isfinite(st.threshold).all()) and st.count.tolist() == [1]
+    ok = cl.detect_plateaus([0.0, 1.0], y)  # the same series on a unit horizon
+    assert bool(torch.isfinite(ok.threshold).all())
+
+
 def test_crossing_time_refuses_decreasing_times_and_allows_repeated_ones():
     y = torch.tensor([0.0, 1.0, 2.0], dtype=torch.float64)
     with pytest.raises(ValueError, match="increasing"):

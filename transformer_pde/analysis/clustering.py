@@ -595,7 +595,8 @@ def detect_plateaus(times, values, *, slope_tol: float = 0.05, min_duration: Opt
     ------
     TypeError, ValueError
         non-tensor values, T < 2, times not finite, not strictly increasing
-        (in the dtype of ``values``) or of the wrong length, negative thresholds, non-finite values.
+        (in the dtype of ``values``) or of the wrong length, negative thresholds, non-finite values, a
+        horizon so short that the average slope overflows.
     """
     t = _time_axis(times, values, strict=True)
     T = t.shape[0]
@@ -616,7 +617,11 @@ def detect_plateaus(times, values, *, slope_tol: float = 0.05, min_duration: Opt
     if not bool(torch.isfinite(rng).all()):
         raise ValueError(f"the range max y - min y of values overflows {values.dtype}; rescale the series "
                          f"(or pass float64 values)")
-    thr = slope_tol * rng / span + abs_slope
+    mean_slope = rng / span
+    if not bool(torch.isfinite(mean_slope).all()):
+        raise ValueError(f"the average slope (max y - min y) / (t_end - t_0) overflows {values.dtype}: the horizon "
+                         f"{span!r} is too short for the series' range; rescale the times (or the values)")
+    thr = slope_tol * mean_slope + abs_slope
     s = (y[..., 1:] - y[..., :-1]).abs() / dtv
     flat = (s <= thr.unsqueeze(-1)) | (rng == 0).unsqueeze(-1)  # (..., T-1)
     prev = torch.cat([torch.zeros_like(flat[..., :1]), flat[..., :-1]], -1)

@@ -28,7 +28,7 @@ def test_the_regenerated_pages_carry_markers():
                        ("pretrained.md", "probe_ff_drift"), ("theorems.md", "theorem_stability_data"),
                        ("theorems.md", "theorem_stability_weights"), ("theorems.md", "theorem_omega_limit"),
                        ("theorems.md", "theorem_fast_weights"), ("noisy_tokens.md", "noisy_transition"),
-                       ("homogenized.md", "homogenized")):
+                       ("homogenized.md", "homogenized"), ("critical_scaling.md", "critical_scaling")):
         kinds = [m["kind"] for m in provenance.read_markers((DOCS / page).read_text(encoding="utf-8"))]
         assert kind in kinds, (page, kinds)
 

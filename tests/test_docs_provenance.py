@@ -2,10 +2,9 @@
 fingerprint of the code their run used (application.studies.provenance), and this test recomputes it.
 
 Covered: docs/pretrained.md (scripts/pretrained_probe_table.py), the first training table of docs/training.md
-(scripts/training_table.py), and the claim tables that scripts/render_claims.py --write put between
-``<!-- claims:NAME:start/end -->`` comments.  Not covered: the claim tables still pasted without such a section
-(the pages say which), and the kinetic-displacement table of docs/training.md, which says that it comes from an
-earlier version of the code."""
+(scripts/training_table.py), and the claim tables of docs/theorems.md, docs/noisy_tokens.md and the frontier pages
+that scripts/render_claims.py --write puts between ``<!-- claims:NAME:start/end -->`` comments.  Not covered: the
+kinetic-displacement table of docs/training.md, which says that it comes from an earlier version of the code."""
 
 import pathlib
 
@@ -28,7 +27,8 @@ def test_the_regenerated_pages_carry_markers():
                        ("pretrained.md", "probe_ff_drift"), ("theorems.md", "theorem_stability_data"),
                        ("theorems.md", "theorem_stability_weights"), ("theorems.md", "theorem_omega_limit"),
                        ("theorems.md", "theorem_fast_weights"), ("noisy_tokens.md", "noisy_transition"),
-                       ("homogenized.md", "homogenized"), ("critical_scaling.md", "critical_scaling")):
+                       ("homogenized.md", "homogenized"), ("critical_scaling.md", "critical_scaling"),
+                       ("repulsive.md", "repulsive"), ("lost_in_the_middle.md", "lost_in_the_middle")):
         kinds = [m["kind"] for m in provenance.read_markers((DOCS / page).read_text(encoding="utf-8"))]
         assert kind in kinds, (page, kinds)
 

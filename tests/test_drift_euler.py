@@ -89,6 +89,8 @@ def test_refusals_before_any_step():
         tp.solve(model, x0, tp.DriftEuler(lambda t, x: x[..., :2]), t1=0.5, dt=0.1, progress=cb)
     with pytest.raises(ValueError, match="shape.*got NoneType"):
         tp.solve(model, x0, tp.DriftEuler(lambda t, x: None), t1=0.5, dt=0.1, progress=cb)
+    with pytest.raises(ValueError, match="shape.*got float"):
+        tp.solve(model, x0, tp.DriftEuler(lambda t, x: 0.5), t1=0.5, dt=0.1, progress=cb)
     assert steps == []
     for layer_norm in ("post", "pre"):  # DriftEuler's own refusal, naming the geometry it was given
         with pytest.raises(ValueError, match=f"DriftEuler integrates the projected flow.*layer_norm='{layer_norm}'"):

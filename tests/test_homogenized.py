@@ -271,6 +271,49 @@ def test_sde_shapes_dtype_and_refusals():
         hz.two_token_expectation(lambda r: r, 0.0, -1.0, 0.0, 3)
 
 
+@pytest.mark.parametrize("every", [2, 3])
+def test_sde_records_every_kth_step_of_the_same_path(every):
+    """record_every = k keeps the steps 0, k, 2k, … and the last of the very path an every-step run takes (same
+    stream), not other steps."""
+    A = torch.eye(3, dtype=torch.float64)[None]
+    heads = tp.Heads(A, 0.5 * A)
+    x0 = _pair(0.3, 3)
+    full = hz.homogenized_sde(x0, heads, 1.0, t1=0.7, dt=0.1, paths=4, seed=5)
+    kept = hz.homogenized_sde(x0, heads, 1.0, t1=0.7, dt=0.1, paths=4, seed=5, record_every=every)
+    steps = sorted(set(range(0, 8, every)) | {7})
+    assert kept.shape[0] == len(steps)
+    torch.testing.assert_close(kept, full[steps], rtol=0, atol=1e-14)
+
+
+@pytest.mark.parametrize("beta", [400.0, -400.0, 360.0])
+def test_boundary_exponents_for_huge_beta_are_the_limits(beta):
+    """|β| beyond exp's range: the exponents are their limits (no overflow), λ₋ = 4sα(1 − p₋) − 2σ² with
+    1 − p₋ = 0 (β → +∞) or 1 (β → −∞), λ₊ = −2sα − σ²(d − 1)."""
+    sigma, alpha, d = 0.7, 0.3, 4
+    lam_minus, lam_plus = hz.boundary_exponents(beta, d, sigma, alpha, direction="ascent")
+    q = 0.0 if beta > 0 else 1.0
+    assert lam_minus == pytest.approx(4 * alpha * q - 2 * sigma ** 2, rel=1e-12)
+    assert lam_plus == pytest.approx(-2 * alpha - sigma ** 2 * (d - 1), rel=1e-12)
+
+
+def test_antipodal_probability_defaults_and_refusal():
+    """σ defaults to 1 (with a mean value α ≠ 0 the probability depends on σ, so the default is visible); σ = 0
+    is refused by name."""
+    p = hz.antipodal_probability(0.3, 0.5, 3, alpha=0.2)
+    assert float(p) == pytest.approx(float(hz.antipodal_probability(0.3, 0.5, 3, sigma=1.0, alpha=0.2)), abs=1e-15)
+    assert float(p) != pytest.approx(float(hz.antipodal_probability(0.3, 0.5, 3, sigma=2.0, alpha=0.2)), abs=1e-6)
+    with pytest.raises(ValueError, match=r"^sigma must be finite and > 0, got 0\.0"):
+        hz.antipodal_probability(0.3, 0.5, 3, sigma=0.0)
+
+
+@pytest.mark.parametrize("end", [-1.0, 1.0])
+def test_two_token_expectation_stays_at_an_absorbing_end(end):
+    """ρ = ±1 are fixed points (the coefficients carry 1 − ρ²): E f(ρ_t) = f(±1) from there, finite."""
+    f = lambda r: r ** 3 + 2 * r  # noqa: E731
+    v = hz.two_token_expectation(f, torch.tensor([end], dtype=torch.float64), 0.5, 1.0, 3)
+    torch.testing.assert_close(v, f(torch.tensor([end], dtype=torch.float64)), rtol=1e-10, atol=1e-10)
+
+
 # ------------------------------------------------------------------------------------------ the study
 def test_wilson_interval():
     from transformer_pde.application.studies.homogenized import wilson_interval

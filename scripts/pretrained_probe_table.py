@@ -17,7 +17,7 @@ import argparse
 import json
 from pathlib import Path
 
-from transformer_pde.application.studies.provenance import marker
+from transformer_pde.application.studies.provenance import marker, write_section
 
 START, END = "<!-- probe-results:start -->", "<!-- probe-results:end -->"
 _RUNG_NAMES = {"network": "exact network map", "no_feedforward": "− feed-forward",
@@ -259,12 +259,7 @@ def render(m: dict, run: str = "") -> str:
 
 def write(page: Path, text: str) -> None:
     """Replace the marked section of ``page`` with ``text`` (ValueError when the markers are missing)."""
-    doc = page.read_text(encoding="utf-8")
-    if START not in doc or END not in doc:
-        raise ValueError(f"{page} has no '{START}' … '{END}' section to replace")
-    head, rest = doc.split(START, 1)
-    _, tail = rest.split(END, 1)
-    page.write_text(f"{head}{START}\n{text}{END}{tail}", encoding="utf-8")
+    write_section(page, START, END, text)
 
 
 def main(argv=None):

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from transformer_pde.application.studies.claims import render_table  # noqa: E402
-from transformer_pde.application.studies.provenance import marker  # noqa: E402
+from transformer_pde.application.studies.provenance import marker, write_section  # noqa: E402
 
 
 def _read(run: Path):
@@ -56,12 +56,7 @@ def section(run: Path, digits: int) -> str:
 
 def write(page: Path, name: str, text: str) -> None:
     """Replace the page's ``<!-- claims:NAME:start -->`` … ``<!-- claims:NAME:end -->`` contents with ``text``."""
-    start, end = f"<!-- claims:{name}:start -->\n", f"<!-- claims:{name}:end -->"
-    doc = page.read_text(encoding="utf-8")
-    i, j = doc.find(start), doc.find(end)
-    if i < 0 or j < i:
-        raise ValueError(f"{page} has no '{start.strip()}' … '{end}' section to replace")
-    page.write_text(doc[:i + len(start)] + text + doc[j:], encoding="utf-8")
+    write_section(page, f"<!-- claims:{name}:start -->", f"<!-- claims:{name}:end -->", text)
 
 
 def main(argv=None) -> int:

@@ -17,7 +17,7 @@ import argparse
 import json
 from pathlib import Path
 
-from transformer_pde.application.studies.provenance import marker
+from transformer_pde.application.studies.provenance import marker, write_section
 from transformer_pde.application.studies.training import results_table, tradeoff_table
 
 
@@ -94,13 +94,7 @@ def render(m: dict, run: str = "") -> str:
 
 def write(page: Path, section: str, text: str) -> None:
     """Replace the marked section of ``page`` with ``text`` (ValueError when its markers are missing)."""
-    start, end = f"<!-- training-results:{section}:start -->", f"<!-- training-results:{section}:end -->"
-    doc = page.read_text(encoding="utf-8")
-    if start not in doc or end not in doc:
-        raise ValueError(f"{page} has no '{start}' … '{end}' section to replace")
-    head, rest = doc.split(start, 1)
-    _, tail = rest.split(end, 1)
-    page.write_text(f"{head}{start}\n{text}{end}{tail}", encoding="utf-8")
+    write_section(page, f"<!-- training-results:{section}:start -->", f"<!-- training-results:{section}:end -->", text)
 
 
 def main(argv=None):

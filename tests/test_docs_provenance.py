@@ -164,3 +164,17 @@ def test_a_run_of_a_published_kind_records_the_code_it_ran(tmp_path, monkeypatch
     recorded = json.loads((published / "metrics.json").read_text())["code_fingerprint"]
     assert recorded == provenance.code_fingerprint("demo") and len(recorded) == 16
     assert provenance.code_fingerprint("demo") != provenance.code_fingerprint("train_digits")
+
+
+def test_write_section_replaces_only_between_its_comments(tmp_path):
+    """The one section writer of the table scripts: the contents between the comments change, nothing else;
+    a page without the section, or with the closing comment only before the opening one, is refused."""
+    page = tmp_path / "p.md"
+    page.write_text("a\n<!-- s -->\nold\n<!-- e -->\nb\n<!-- e -->\n")
+    provenance.write_section(page, "<!-- s -->", "<!-- e -->", "new\n")
+    assert page.read_text() == "a\n<!-- s -->\nnew\n<!-- e -->\nb\n<!-- e -->\n"
+    for text in ("no markers\n", "<!-- e -->\n<!-- s -->\n"):
+        page.write_text(text)
+        with pytest.raises(ValueError, match="section to replace"):
+            provenance.write_section(page, "<!-- s -->", "<!-- e -->", "x\n")
+        assert page.read_text() == text

@@ -20,7 +20,7 @@ import re
 from pathlib import Path
 from typing import Dict, Iterable, Optional, Sequence
 
-__all__ = ["TABLE_SOURCES", "code_fingerprint", "marker", "read_markers", "stale_tables"]
+__all__ = ["TABLE_SOURCES", "code_fingerprint", "marker", "read_markers", "stale_tables", "write_section"]
 
 _ROOT = Path(__file__).resolve().parents[3]  # the repository (or the installed package's parent)
 
@@ -200,3 +200,30 @@ def stale_tables(text: str, root: Optional[Path] = None) -> list:
                        f"depends on is now {now} ({', '.join(TABLE_SOURCES.get(mk['kind'], ()))}); rerun the study "
                        f"and regenerate the table with its script")
     return out
+
+
+def write_section(page, start: str, end: str, text: str) -> None:
+    """Replace what stands between the comments ``start`` and ``end`` of a docs page with ``text`` (the scripts
+    that regenerate a table write it so; nothing else of the page changes).
+
+    Parameters
+    ----------
+    page : Path
+        the page.
+    start, end : str
+        the section's opening and closing comments (``start`` is followed by a newline in the page).
+    text : str
+        the new contents, newline-terminated.
+
+    Raises
+    ------
+    ValueError
+        the page has no ``start`` … ``end`` section.
+    """
+    page = Path(page)
+    doc = page.read_text(encoding="utf-8")
+    head, found, rest = doc.partition(start)
+    if not found or end not in rest:
+        raise ValueError(f"{page} has no '{start}' … '{end}' section to replace")
+    tail = rest.split(end, 1)[1]
+    page.write_text(f"{head}{start}\n{text}{end}{tail}", encoding="utf-8")

@@ -301,10 +301,11 @@ def products_floor(M, BF, V, steps, stats=False, records=False):
                     if keys:
                         torch.bmm(x, Q.view(b, -1, d).transpose(1, 2), out=E)
                         torch.bmm(x.transpose(1, 2), E, out=bufs[4])
+                        fused._values_keys(means, v, bufs[5])
                     else:
                         torch.bmm(Q.view(b, -1, d), x.transpose(1, 2), out=E)
                         torch.bmm(E, x, out=means)
-                    fused._values(means, v, o)
+                        fused._values(means, v, o)
                 if stats:
                     torch.matmul(M, M.transpose(-1, -2), out=gram)
                 if records:

@@ -27,7 +27,7 @@ PKG = Path(__file__).resolve().parents[1] / "transformer_pde"
 LAYERS = [
     {"transformer_pde.model.normalization"},  # the attention normalisations (strategy objects; no imports)
     {"transformer_pde.utils.validation", "transformer_pde.utils.threads", "transformer_pde.utils.resources",
-     "transformer_pde.utils.hardware",
+     "transformer_pde.utils.hardware", "transformer_pde.utils.recycle",
      "transformer_pde.utils", "transformer_pde.model", "transformer_pde.analysis", "transformer_pde.application"},
     {"transformer_pde.model.sphere"},
     {"transformer_pde.model.scaling"},  # β as a rule of the context length n

@@ -288,3 +288,79 @@ def test_a_layer_map_step_never_projects_the_field(monkeypatch):
     traj = tp.simulate(x0, heads, t1=1.0, dt=0.1, layer_norm="post", diagnostics=False, progress=False)
     assert reads == []
     assert torch.isfinite(traj.final).all()
+
+
+# ---------------------------------------------------------------------------- recycled memory
+def test_a_recycler_hands_memory_back_only_when_nothing_holds_it():
+    from transformer_pde.utils.recycle import Recycler
+    like = torch.zeros((), dtype=torch.float64)
+    ring = Recycler(2)
+    a = ring.take((3, 4), like)
+    b = ring.take((3, 4), like)                     # a is held here: new memory
+    assert a.data_ptr() != b.data_ptr()
+    view = a[1:]                                    # a view holds a's memory too
+    pa = a.data_ptr()
+    del a
+    c = ring.take((3, 4), like)
+    assert c.data_ptr() not in (pa, b.data_ptr())   # a's view and b still hold theirs
+    del view, c
+    d = ring.take((3, 4), like)                     # the ring keeps the newest two (b, c): c is free
+    assert d.data_ptr() != b.data_ptr() and d.shape == (3, 4)
+    del b
+    e = ring.take((3, 4), like)
+    assert e.data_ptr() != d.data_ptr()
+    pe = e.data_ptr()
+    detached = e.detach()                           # another tensor on e's memory, no reference to e itself
+    del e
+    f = ring.take((3, 4), like)
+    assert f.data_ptr() not in (pe, d.data_ptr())
+    pf = f.data_ptr()
+    del detached, f
+    assert ring.take((3, 4), like).data_ptr() == pf   # the ring now keeps d (held) and f (free)
+    assert ring.take((2, 4), like).shape == (2, 4)  # another shape: new memory
+    assert ring.take((3, 4), torch.zeros((), dtype=torch.float32)).dtype == torch.float32
+    with pytest.raises(ValueError, match="keep"):
+        Recycler(0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_post_ln_run_recycles_the_states_it_let_go_and_never_one_that_is_held(dtype):
+    """The post-LN run writes each new state into the memory of one it has let go of (two buffers in turn,
+    not fresh memory per step), and never into memory a caller still holds: the states a callback keeps
+    (no copy) are those of a run that keeps nothing, and of a hand loop of x ← normalize(x + Δt·A(x))."""
+    g = gen(21)
+    x0 = torch.nn.functional.normalize(torch.randn(3, 5, 4, generator=g, dtype=dtype), dim=-1)
+    heads = tp.Heads(torch.randn(2, 4, 4, generator=g, dtype=dtype) / 2, torch.randn(2, 4, 4, generator=g, dtype=dtype) / 2)
+    kw = dict(t1=1.0, dt=0.1, layer_norm="post", diagnostics=False, progress=False, record_every=10)
+    seen = []
+    tp.simulate(x0, heads, callback=lambda k, t, x: seen.append(x.data_ptr()), **kw)
+    assert len(seen) == 10 and len(set(seen)) == 2           # two memories in turn, not one per step
+    kept = []
+    held = tp.simulate(x0, heads, callback=lambda k, t, x: kept.append(x), **kw)
+    assert len({x.data_ptr() for x in kept}) == 10           # held states are never written over
+    x = x0
+    tol = dict(rtol=64 * torch.finfo(dtype).eps, atol=64 * torch.finfo(dtype).eps)
+    for k in range(10):
+        y = x + 0.1 * tp.evaluate(x, heads, diagnostics=False).ambient
+        x = y / y.norm(dim=-1, keepdim=True)
+        assert_close(kept[k], x, **tol)
+    assert_close(held.final, x, **tol)
+
+
+def test_the_fused_update_writes_a_result_only_into_memory_no_one_holds():
+    from transformer_pde.dynamics.layernorm import FusedUpdate
+    g = gen(22)
+    x = torch.nn.functional.normalize(torch.randn(4, 6, 5, generator=g, dtype=torch.float64), dim=-1)
+    heads = tp.Heads(torch.randn(4, 2, 5, 5, generator=g, dtype=torch.float64) / 3)
+    fused = FusedUpdate(None, 1.0)
+    first = fused(x, heads).ambient
+    want = first.clone()
+    second = fused(-x, heads).ambient                     # first is held: other memory
+    third = fused(x.flip(-2), heads).ambient
+    assert len({first.data_ptr(), second.data_ptr(), third.data_ptr()}) == 3
+    eps = torch.finfo(x.dtype).eps
+    assert_close(first, want, rtol=0, atol=0)                # untouched (the same memory, nothing wrote it)
+    ptr = second.data_ptr()
+    del second
+    assert fused(x, heads).ambient.data_ptr() == ptr      # let go: its memory comes back
+    assert_close(fused(x, heads).ambient, want, rtol=8 * eps, atol=8 * eps)

@@ -52,6 +52,7 @@ import math
 import torch
 
 from ..utils import hardware
+from ..utils.recycle import Recycler
 from ..utils.validation import broadcast_shapes
 from ..model.field import FieldEval, log_inverse_mobility
 from ..model.sphere import normalize, tangent_projection
@@ -203,9 +204,13 @@ class PostLN(LayerNormScheme):
 
     name: ClassVar[str] = "post"
 
-    def step(self, x, r, update, dt):
-        out, ny = _normalized(torch.add(x, update, alpha=dt))
-        return out, None, _err(ny)
+    def step(self, x, r, update, dt, out: Optional[torch.Tensor] = None):
+        """One layer; ``out``: where to write the new tokens when no gradient flows (memory the run
+        recycles), else new memory."""
+        grad = torch.is_grad_enabled() and (x.requires_grad or update.requires_grad)
+        y = torch.add(x, update, alpha=dt, out=out) if out is not None and not grad else torch.add(x, update, alpha=dt)
+        y, ny = _normalized(y)
+        return y, None, _err(ny)
 
 
 @dataclass(frozen=True)
@@ -396,6 +401,7 @@ class _Workspace:
 
     def __init__(self):
         self._bufs = {}
+        self.outputs = Recycler(2)  # the results: the caller's current one and the one before it
 
     def get(self, name: str, shape, like: torch.Tensor) -> torch.Tensor:
         size = math.prod(shape)
@@ -446,10 +452,11 @@ class FusedUpdate:
     (n × Hd) with [ω_1 s V_1ᵀ; …; ω_H s V_Hᵀ] (Hd × d).  Two layouts of the same products
     (:data:`LAYOUTS`): "queries" keeps the scores as E (n·H, n) (rows (i, h), the row sums over the
     contiguous axis); "keys" as Eᵀ (n, n·H) = X Qᵀ, the means as Xᵀ Eᵀ (d, n·H), divided by the column
-    sums into the (i, h, ·) layout of the last product, so that every product but the last has an output
-    of at least n·H columns.  The systems are taken in blocks whose scores (or queries, when d > n) fill
-    :func:`score_block_bytes` (a fraction of one core's L2 cache), into buffers kept from one call to the
-    next.  The exponential runs on the scores directly (no max shift): |⟨x_i, β A_h x_j⟩| ≤ β‖A_h‖_F for
+    sums into the (h, ·, i) layout of the last product, taken transposed (Aᵀ = [ω_h s V_h]_h · means, an
+    output of n columns), so that no product has an output of only d columns.  The systems are taken in
+    blocks whose scores (or queries, when d > n) fill :func:`score_block_bytes` (a fraction of one core's
+    L2 cache), into buffers kept from one call to the next, and the result into the memory of an earlier
+    one when nothing holds it any more (:class:`~transformer_pde.utils.recycle.Recycler`).  The exponential runs on the scores directly (no max shift): |⟨x_i, β A_h x_j⟩| ≤ β‖A_h‖_F for
     unit vectors, and the pass is used only when that bound is below ½ log(finfo.max) − log n (else
     ``None``: the caller falls back to :func:`transformer_pde.model.field.evaluate`), nor with autograd.
     The same numbers as ``evaluate`` to rounding (tests/test_layernorm.py).  The stacked matrices are
@@ -470,7 +477,8 @@ class FusedUpdate:
             (b.data_ptr(), b._version) if isinstance(b, torch.Tensor) else (float(b),),)
 
     def _prepare(self, heads, x):
-        key = self._signature(heads) if heads.score is not None else None
+        keys = LAYOUTS.get(x.dtype) == "keys"                               # the value matrices' orientation
+        key = self._signature(heads) + (keys,) if heads.score is not None else None
         if key is not None and key == self._key:
             return self._prep
         A, V = heads.score_matrix, heads.value_matrix
@@ -483,6 +491,8 @@ class FusedUpdate:
         qa = qa.movedim(-3, -2).reshape(*qa.shape[:-3], d, H * d)          # (..., d, H·d): column block h = β log₂e A_h
         vs = (heads.weights[..., None, None] * (self.sign * V)).transpose(-1, -2)
         vs = vs.reshape(*vs.shape[:-3], H * d, d)                            # (..., H·d, d): row block h = ω_h s V_hᵀ
+        if keys:                                                             # (..., d, H·d): column block h = ω_h s V_h
+            vs = vs.transpose(-1, -2).contiguous()
         self._prep, self._key = (qa, vs, H, bound <= limit), key
         return self._prep
 
@@ -500,7 +510,7 @@ class FusedUpdate:
         # every system's tokens (B, n, d); the heads and weights stay 2-D when all systems share them
         flat = [t.expand(*batch, *t.shape[-2:]).reshape(B, *t.shape[-2:]) if t.dim() > 2 or i == 0 else t
                 for i, t in enumerate(parts)]
-        ambient = torch.empty(B, n, d, dtype=x.dtype, device=x.device)
+        ambient = self._ws.outputs.take((B, n, d), x)                       # an earlier result's memory when free
         keys = LAYOUTS.get(x.dtype, "queries") == "keys"
         update = self._update_keys if keys else self._update
         bufs = self._buffers(size, (n, d, H), x, keys)
@@ -513,14 +523,15 @@ class FusedUpdate:
         return _AmbientEval(x, ambient.view(*batch, n, d))
 
     def _buffers(self, b: int, sizes, x, keys: bool = False):
-        """The workspace's queries (b, n, H·d), scores, row sums, means (b, n·H, d) and (layout "keys") the
-        transposed means (b, d, n·H): the scores (b, n·H, n) and sums (b, n·H, 1), or in layout "keys"
-        (b, n, n·H) and (b, 1, n·H)."""
+        """The workspace's queries (b, n, H·d), scores, row sums and means: the scores (b, n·H, n), sums
+        (b, n·H, 1) and means (b, n·H, d), or in layout "keys" the scores (b, n, n·H), sums (b, 1, n·H),
+        means (b, H·d, n) (with heads shared by all systems read as (H·d, b·n)), the undivided means
+        (b, d, n·H) and the transposed update (b, d, n) (shared heads: (d, b·n))."""
         n, d, H = sizes
         ws = self._ws
         if keys:
             return (ws.get("q", (b, n, H * d), x), ws.get("e", (b, n, n * H), x), ws.get("s", (b, 1, n * H), x),
-                    ws.get("m", (b, n * H, d), x), ws.get("t", (b, d, n * H), x))
+                    ws.get("m", (b, H * d, n), x), ws.get("t", (b, d, n * H), x), ws.get("o", (b, d, n), x))
         return (ws.get("q", (b, n, H * d), x), ws.get("e", (b, n * H, n), x), ws.get("s", (b, n * H, 1), x),
                 ws.get("m", (b, n * H, d), x))
 
@@ -539,6 +550,15 @@ class FusedUpdate:
             torch.mm(means.view(b * n, -1), vs, out=out.view(b * n, d))
         else:
             torch.bmm(means.view(b, n, -1), vs, out=out)
+
+    @staticmethod
+    def _values_keys(means, vs, out_t):
+        """Layout "keys": the transposed update Aᵀ = [ω_1 s V_1 … ω_H s V_H] (d × H·d) times the means
+        (H·d × n) of each system, or of all b systems at once, (H·d × b·n), when the heads are shared."""
+        if vs.dim() == 2:
+            torch.mm(vs, means.view(vs.shape[1], -1), out=out_t.view(vs.shape[0], -1))
+        else:
+            torch.bmm(vs, means, out=out_t)
 
     @classmethod
     def _update(cls, blk, bufs, out):
@@ -562,10 +582,11 @@ class FusedUpdate:
     def _update_keys(cls, blk, bufs, out):
         """The same as :meth:`_update` in layout "keys": Eᵀ = X Qᵀ (b, n, n·H), its column sums (with
         weights: wᵀ Eᵀ) and the transposed means Xᵀ Eᵀ (with weights: (w x)ᵀ Eᵀ), divided into the
-        (b, n·H, d) means of the last product."""
+        (h, ·, i) layout of the last product, which gives the transposed update (its output has n or
+        b·n columns, not d; the update is copied into ``out`` from it)."""
         x, qa, vs = blk[:3]
         w = blk[3] if len(blk) > 3 else None
-        Q, ET, s, means, MT = bufs
+        Q, ET, s, means, MT, out_t = bufs
         b, n, d = x.shape
         H = ET.shape[-1] // n
         cls._queries(x, qa, Q)
@@ -578,6 +599,13 @@ class FusedUpdate:
             wb = w.expand(b, 1, n)
             torch.bmm(wb, ET, out=s)
             torch.bmm((x * wb.transpose(1, 2)).transpose(1, 2), ET, out=MT)
-        torch.div(MT.view(b, d, n, H).permute(0, 2, 3, 1), s.view(b, 1, n, H).permute(0, 2, 3, 1),
-                  out=means.view(b, n, H, d))                                # Σ_j P_ihj x_j, rows (i, h)
-        cls._values(means, vs, out)
+        if vs.dim() == 2:                                                    # shared heads: (h, ·, system, i)
+            torch.div(MT.view(b, d, n, H).permute(3, 1, 0, 2), s.view(b, 1, n, H).permute(3, 1, 0, 2),
+                      out=means.view(H, d, b, n))
+            cls._values_keys(means, vs, out_t)
+            out.copy_(out_t.view(d, b, n).permute(1, 2, 0))
+        else:                                                                # per system: (system, h, ·, i)
+            torch.div(MT.view(b, d, n, H).permute(0, 3, 1, 2), s.view(b, 1, n, H).permute(0, 3, 1, 2),
+                      out=means.view(b, H, d, n))                            # Σ_j P_ihj x_j
+            cls._values_keys(means, vs, out_t)
+            out.copy_(out_t.transpose(1, 2))

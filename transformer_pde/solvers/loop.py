@@ -91,15 +91,19 @@ class ParticleState:
         the token radii of a layer map that keeps them.
     ambient : torch.Tensor or None
         the un-projected attention update at x (a layer map's input).
+    scratch : callable or None
+        ``scratch()``: a tensor shaped like x that nothing else uses, which the step may write its new tokens
+        into (memory of earlier states the run has let go of: no fresh pages per step); None: allocate.
     """
 
-    __slots__ = ("x", "_velocity", "field", "geometry", "noise", "generator", "radius", "ambient")
+    __slots__ = ("x", "_velocity", "field", "geometry", "noise", "generator", "radius", "ambient", "scratch")
 
     def __init__(self, x: torch.Tensor, velocity, field: Optional[Callable], geometry: Any, noise: Any = None,
                  generator: Optional[torch.Generator] = None, radius: Optional[torch.Tensor] = None,
-                 ambient: Optional[torch.Tensor] = None):
+                 ambient: Optional[torch.Tensor] = None, scratch: Optional[Callable[[], torch.Tensor]] = None):
         self.x, self._velocity, self.field, self.geometry = x, velocity, field, geometry
         self.noise, self.generator, self.radius, self.ambient = noise, generator, radius, ambient
+        self.scratch = scratch
 
     @property
     def velocity(self) -> torch.Tensor:

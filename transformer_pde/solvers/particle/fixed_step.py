@@ -31,6 +31,7 @@ from ...model.normalization import NORMALIZATIONS, normalization as as_normaliza
 from ...processes.driver import WeightDriver
 from ...dynamics.layernorm import FusedUpdate, geometry_densities
 from ...dynamics.noise import noise_martingale
+from ...utils.recycle import Recycler
 from ..loop import ParticleState, Run
 from ..parts import LEDGER_KEYS, Ledger, Recorder, callable_signature, partial_density, process_parts
 from ..tableaux import TABLEAUX, ButcherTableau
@@ -77,6 +78,7 @@ class FixedStepRun(Run):
         self.kinetic, self.quadrature = o.ledger.kinetic_only, problem.quadrature
         self.kin, self.kin_dens, self.kin_rec = None, None, []  # running ∫𝒢², 𝒢² at the grid point, records
         self.geometry = model.layer_norm
+        self._states = Recycler(2)  # the tokens' memory: the current state and the one before it
         self.r, self.radii = self.geometry.initial_radius(x), []  # token radii (pre-/peri-LN), their records
         keys = LEDGER_KEYS if not causal else tuple(k for k in LEDGER_KEYS if not k.startswith("residual"))
         ck, u = parts.resume, self.axis.unview
@@ -261,6 +263,11 @@ class FixedStepRun(Run):
         """The tokens in the caller's batch convention (the callback's x)."""
         return self.axis.view(self.x)
 
+    def _scratch(self) -> torch.Tensor:
+        """Memory for the next tokens that nothing holds any more: the state before the current one when
+        its holders (records copy, callbacks may keep it) have let go, else new (ParticleState.scratch)."""
+        return self._states.take(self.x.shape, self.x)
+
     def _stage(self, xs, ci):
         """The field at the stage tokens xs and Θ at t + ci·dt (a solver's stage; counted)."""
         self.nfe += 1
@@ -278,7 +285,7 @@ class FixedStepRun(Run):
                 self.ledger.add("partial", realised_qv_term(x, heads, self.w, cur.stats, noise, log_scale=c))
 
         state = ParticleState(x, lambda: cur.velocity, self._stage, self.geometry, self.noise, self.token_gen, self.r,
-                              cur.ambient)
+                              cur.ambient, self._scratch)
         x_new, info = self.solver.step(state, drv.t, self.dt)
         self.max_sphere = max(self.max_sphere, info.get("sphere_error", 0.0))
         if self.r is not None:

@@ -19,6 +19,7 @@ solver keeps the energy–dissipation ledger of docs/model.md#ledger (see :class
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Callable, ClassVar, Dict, FrozenSet, Mapping, Optional, Tuple, Union
@@ -174,12 +175,25 @@ class FixedStep(ParticleSolver):
         if g.projected:
             x_new, err = _stepper(self.tableau, g).step(state.x, state.velocity, dt, state.field)
         else:  # a layer map (post-, pre-, peri-LN, nGPT) of the signed, un-projected attention update
-            x_new, radius, err = g.step(state.x, radius, state.ambient, dt)
+            if state.scratch is not None and _step_takes_out(type(g)):
+                x_new, radius, err = g.step(state.x, radius, state.ambient, dt, out=state.scratch())
+            else:
+                x_new, radius, err = g.step(state.x, radius, state.ambient, dt)
         info = {"sphere_error": err, "radius": radius}
         if state.noise is not None:  # projected Euler–Maruyama after the deterministic step (weak order 1)
             info["noise"] = xi = state.noise.increment(x_new, dt, state.generator)
             x_new = state.noise.apply(x_new, xi)
         return x_new, info
+
+
+@functools.lru_cache(maxsize=None)
+def _step_takes_out(cls) -> bool:
+    """Whether the layer map's ``step`` of ``cls`` takes ``out=`` (memory for the new tokens); a user's
+    override without it is called as before."""
+    try:
+        return "out" in inspect.signature(cls.step).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 @functools.lru_cache(maxsize=64)

@@ -6,7 +6,8 @@ Prints, one torch thread, process CPU time, best of ``--repeats``:
    float32 and float64: why the fused passes fold log₂e into the queries and take exp2;
 2. the rate (GFLOP/s) of ``torch.bmm`` for the products of the peers' workload (16 systems per call,
    n = 32 tokens, d = 16, H = 8) in the "queries" layout (outputs of d = 16 columns for the means and the
-   update) and the "keys" layout (scores and means with n·H = 256 columns), and of a 1024² ``torch.mm``:
+   update) and the "keys" layout (scores and means with n·H = 256 columns, the update transposed with n),
+   and of a 1024² ``torch.mm``:
    why float64 takes the keys layout (``transformer_pde.dynamics.layernorm.LAYOUTS``);
 3. one ``FusedUpdate`` call on the peers' workload (256 systems, H = 8 and H = 1) for score blocks of
    1/8 … 4 × the L2 size and both layouts, relative to the library's default: where the block rule
@@ -65,7 +66,8 @@ def gemm_table(dtypes, repeats):
               ("queries: means E·X (n·H × n)(n × d)", (n * H, n, d), False),
               ("queries: update (n × H·d)(H·d × d)", (n, H * d, d), False),
               ("keys: scores X·Qᵀ (n × d)(d × n·H)", (n, d, n * H), True),
-              ("keys: means Xᵀ·Eᵀ (d × n)(n × n·H)", (d, n, n * H), False)]
+              ("keys: means Xᵀ·Eᵀ (d × n)(n × n·H)", (d, n, n * H), False),
+              ("keys: update, transposed (d × H·d)(H·d × n)", (d, H * d, n), False)]
     names = list(dtypes)
     lines = ["| product, 16 systems per call | " + " | ".join(f"{k} GFLOP/s" for k in names) + " |",
              "| --- |" + " --- |" * len(names)]

@@ -175,7 +175,8 @@ class FixedStep(ParticleSolver):
         if g.projected:
             x_new, err = _stepper(self.tableau, g).step(state.x, state.velocity, dt, state.field)
         else:  # a layer map (post-, pre-, peri-LN, nGPT) of the signed, un-projected attention update
-            if state.scratch is not None and _step_takes_out(type(g)):
+            tracked = torch.is_grad_enabled() and (state.x.requires_grad or state.ambient.requires_grad)
+            if state.scratch is not None and not tracked and _step_takes_out(type(g)):
                 x_new, radius, err = g.step(state.x, radius, state.ambient, dt, out=state.scratch())
             else:
                 x_new, radius, err = g.step(state.x, radius, state.ambient, dt)

@@ -364,3 +364,23 @@ def test_the_fused_update_writes_a_result_only_into_memory_no_one_holds():
     del second
     assert fused(x, heads).ambient.data_ptr() == ptr      # let go: its memory comes back
     assert_close(fused(x, heads).ambient, want, rtol=8 * eps, atol=8 * eps)
+
+
+def test_a_post_ln_run_with_autograd_takes_no_recycled_memory_and_differentiates_like_a_hand_loop():
+    """With gradients tracked the step writes new memory (a recycled buffer would be written over while
+    autograd still needs it): the gradient of a loss of the final tokens is the hand loop's."""
+    g = gen(23)
+    x0 = torch.nn.functional.normalize(torch.randn(2, 5, 4, generator=g, dtype=F64), dim=-1)
+    heads = tp.Heads(torch.randn(2, 4, 4, generator=g, dtype=F64) / 2, torch.randn(2, 4, 4, generator=g, dtype=F64) / 2)
+    probe = torch.randn(2, 5, 4, generator=g, dtype=F64)
+    xa = x0.clone().requires_grad_()
+    tr = tp.simulate(xa, heads, t1=0.5, dt=0.1, layer_norm="post", diagnostics=False, progress=False)
+    (ga,) = torch.autograd.grad((tr.final * probe).sum(), xa)
+    xb = x0.clone().requires_grad_()
+    x = xb
+    for _ in range(5):
+        y = x + 0.1 * tp.evaluate(x, heads, diagnostics=False).ambient
+        x = y / y.norm(dim=-1, keepdim=True)
+    (gb,) = torch.autograd.grad((x * probe).sum(), xb)
+    assert_close(ga, gb, **ulps(F64, 256))
+    assert float(gb.abs().max()) > 1e-3

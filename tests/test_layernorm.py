@@ -683,3 +683,18 @@ def test_tokens_only_layer_maps_keep_causality_and_the_normalisation(normalizati
     assert float((bare - whole).abs().max()) > 0.1
     torch.testing.assert_close(whole, tp.simulate(x0, heads, causal=False, ledger=True, **kw).x, rtol=1e3 * eps,
                                atol=1e3 * eps)
+
+
+def test_one_fused_update_follows_a_change_of_layout_between_calls(monkeypatch):
+    """The prepared value matrices are oriented for the layout: one FusedUpdate with the same heads, called
+    in one layout and then the other, agrees with field.evaluate both times."""
+    from transformer_pde.model.field import evaluate
+    from transformer_pde.dynamics import layernorm
+    X, BF, V = _peer_problem(F64, batch=3, n=5, d=4, H=2, seed=25)
+    heads = tp.Heads(BF, V)
+    fused = layernorm.FusedUpdate(None, 1.0)
+    want = evaluate(X, heads, None, sign=1.0, diagnostics=False).ambient
+    tol = dict(rtol=50 * torch.finfo(F64).eps, atol=50 * torch.finfo(F64).eps)
+    for layout in ("keys", "queries", "keys"):
+        monkeypatch.setattr(layernorm, "LAYOUTS", {F64: layout})
+        torch.testing.assert_close(fused(X, heads).ambient, want, **tol)

@@ -373,8 +373,16 @@ def test_a_post_ln_run_with_autograd_takes_no_recycled_memory_and_differentiates
     x0 = torch.nn.functional.normalize(torch.randn(2, 5, 4, generator=g, dtype=F64), dim=-1)
     heads = tp.Heads(torch.randn(2, 4, 4, generator=g, dtype=F64) / 2, torch.randn(2, 4, 4, generator=g, dtype=F64) / 2)
     probe = torch.randn(2, 5, 4, generator=g, dtype=F64)
+    from transformer_pde.utils import recycle
+    taken = []
+    real_take = recycle.Recycler.take
     xa = x0.clone().requires_grad_()
-    tr = tp.simulate(xa, heads, t1=0.5, dt=0.1, layer_norm="post", diagnostics=False, progress=False)
+    try:
+        recycle.Recycler.take = lambda self, *a, **k: taken.append(1) or real_take(self, *a, **k)
+        tr = tp.simulate(xa, heads, t1=0.5, dt=0.1, layer_norm="post", diagnostics=False, progress=False)
+    finally:
+        recycle.Recycler.take = real_take
+    assert taken == []  # no memory is asked for under autograd
     (ga,) = torch.autograd.grad((tr.final * probe).sum(), xa)
     xb = x0.clone().requires_grad_()
     x = xb
@@ -384,3 +392,22 @@ def test_a_post_ln_run_with_autograd_takes_no_recycled_memory_and_differentiates
     (gb,) = torch.autograd.grad((x * probe).sum(), xb)
     assert_close(ga, gb, **ulps(F64, 256))
     assert float(gb.abs().max()) > 1e-3
+
+
+def test_the_post_ln_step_given_memory_under_autograd_makes_new_memory():
+    """``PostLN.step(..., out=)`` called with tracked tensors ignores ``out`` (autograd cannot record a write
+    into it): the same value, a gradient, and ``out`` untouched."""
+    g = gen(24)
+    x = torch.nn.functional.normalize(torch.randn(3, 4, generator=g, dtype=F64), dim=-1).requires_grad_()
+    a = torch.randn(3, 4, generator=g, dtype=F64)
+    out = torch.zeros(3, 4, dtype=F64)
+    y, _, _ = tp.PostLN().step(x, None, a, 0.1, out=out)
+    want = (x + 0.1 * a) / (x + 0.1 * a).norm(dim=-1, keepdim=True)
+    assert_close(y, want, **ulps(F64, 8))
+    assert y.requires_grad and float(out.abs().max()) == 0.0
+    (gx,) = torch.autograd.grad(y.sum(), x)
+    assert torch.isfinite(gx).all()
+    with torch.no_grad():
+        z, _, _ = tp.PostLN().step(x, None, a, 0.1, out=out)
+    assert z.data_ptr() == out.data_ptr()
+    assert_close(out, want.detach(), **ulps(F64, 8))

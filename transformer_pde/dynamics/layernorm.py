@@ -513,13 +513,14 @@ class FusedUpdate:
         ambient = self._ws.outputs.take((B, n, d), x)                       # an earlier result's memory when free
         keys = LAYOUTS.get(x.dtype, "queries") == "keys"
         update = self._update_keys if keys else self._update
-        bufs = self._buffers(size, (n, d, H), x, keys)
+        shared = flat[2].dim() == 2
+        plan = self._plan(size, (n, d, H), x, keys, shared)
         # blocks of systems whose scores stay in cache through exp, sums and products (views, one split each)
         blocks = zip(*[t.split(size) if t.dim() > 2 else [t] * -(-B // size) for t in flat], ambient.split(size))
         with torch.no_grad():
             for *blk, out in blocks:
                 b = out.shape[0]
-                update(blk, bufs if b == size else self._buffers(b, (n, d, H), x, keys), out)
+                update(blk, plan if b == size else self._plan(b, (n, d, H), x, keys, shared), out)
         return _AmbientEval(x, ambient.view(*batch, n, d))
 
     def _buffers(self, b: int, sizes, x, keys: bool = False):
@@ -534,6 +535,28 @@ class FusedUpdate:
                     ws.get("m", (b, H * d, n), x), ws.get("t", (b, d, n * H), x), ws.get("o", (b, d, n), x))
         return (ws.get("q", (b, n, H * d), x), ws.get("e", (b, n * H, n), x), ws.get("s", (b, n * H, 1), x),
                 ws.get("m", (b, n * H, d), x))
+
+    def _plan(self, b: int, sizes, x, keys: bool, shared: bool):
+        """The buffers of a block of b systems (:meth:`_buffers`) with the views of them that every such
+        block reads, made once per call: layout "queries" (Q, Q as (b, n·H, d), E, sums, means); layout
+        "keys" (Q, Qᵀ as (b, d, n·H), Eᵀ, sums, undivided means, (dividend, divisor, quotient) of the
+        division into the (h, ·, i) layout, the means, the transposed update, and that update read as
+        (b, n, d)), for heads per system or ``shared`` by all systems."""
+        n, d, H = sizes
+        bufs = self._buffers(b, sizes, x, keys)
+        if not keys:
+            Q, E, s, means = bufs
+            return Q, Q.view(b, -1, d), E, s, means
+        Q, ET, s, means, MT, out_t = bufs
+        if shared:                                                            # (h, ·, system, i)
+            div = (MT.view(b, d, n, H).permute(3, 1, 0, 2), s.view(b, 1, n, H).permute(3, 1, 0, 2),
+                   means.view(H, d, b, n))
+            back = out_t.view(d, b, n).permute(1, 2, 0)
+        else:                                                                 # (system, h, ·, i)
+            div = (MT.view(b, d, n, H).permute(0, 3, 1, 2), s.view(b, 1, n, H).permute(0, 3, 1, 2),
+                   means.view(b, H, d, n))
+            back = out_t.transpose(1, 2)
+        return Q, Q.view(b, -1, d).transpose(1, 2), ET, s, MT, div, means, out_t, back
 
     @staticmethod
     def _queries(x, qa, Q):
@@ -561,15 +584,14 @@ class FusedUpdate:
             torch.bmm(vs, means, out=out_t)
 
     @classmethod
-    def _update(cls, blk, bufs, out):
-        """A of one block into ``out`` (b, n, d), through the buffers ``bufs`` (:meth:`_buffers`), layout
-        "queries": the products and in-place passes of the class docstring."""
+    def _update(cls, blk, plan, out):
+        """A of one block into ``out`` (b, n, d), through the buffers and views ``plan`` (:meth:`_plan`),
+        layout "queries": the products and in-place passes of the class docstring."""
         x, qa, vs = blk[:3]
         w = blk[3] if len(blk) > 3 else None
-        Q, E, s, means = bufs
-        b, n, d = x.shape
+        Q, Qr, E, s, means = plan
         cls._queries(x, qa, Q)
-        torch.bmm(Q.view(b, -1, d), x.transpose(1, 2), out=E)               # E[i·H + h, j]
+        torch.bmm(Qr, x.transpose(1, 2), out=E)                              # E[i·H + h, j]
         E.exp2_()
         if w is not None:
             E.mul_(w)
@@ -579,33 +601,24 @@ class FusedUpdate:
         cls._values(means, vs, out)
 
     @classmethod
-    def _update_keys(cls, blk, bufs, out):
+    def _update_keys(cls, blk, plan, out):
         """The same as :meth:`_update` in layout "keys": Eᵀ = X Qᵀ (b, n, n·H), its column sums (with
         weights: wᵀ Eᵀ) and the transposed means Xᵀ Eᵀ (with weights: (w x)ᵀ Eᵀ), divided into the
         (h, ·, i) layout of the last product, which gives the transposed update (its output has n or
         b·n columns, not d; the update is copied into ``out`` from it)."""
         x, qa, vs = blk[:3]
         w = blk[3] if len(blk) > 3 else None
-        Q, ET, s, means, MT, out_t = bufs
-        b, n, d = x.shape
-        H = ET.shape[-1] // n
+        Q, QT, ET, s, MT, (num, den, quot), means, out_t, back = plan
         cls._queries(x, qa, Q)
-        torch.bmm(x, Q.view(b, -1, d).transpose(1, 2), out=ET)              # Eᵀ[j, i·H + h]
+        torch.bmm(x, QT, out=ET)                                             # Eᵀ[j, i·H + h]
         ET.exp2_()
         if w is None:
             torch.sum(ET, 1, keepdim=True, out=s)
             torch.bmm(x.transpose(1, 2), ET, out=MT)                         # Σ_j E_ihj x_j, as (d, n·H)
         else:
-            wb = w.expand(b, 1, n)
+            wb = w.expand(x.shape[0], 1, x.shape[1])
             torch.bmm(wb, ET, out=s)
             torch.bmm((x * wb.transpose(1, 2)).transpose(1, 2), ET, out=MT)
-        if vs.dim() == 2:                                                    # shared heads: (h, ·, system, i)
-            torch.div(MT.view(b, d, n, H).permute(3, 1, 0, 2), s.view(b, 1, n, H).permute(3, 1, 0, 2),
-                      out=means.view(H, d, b, n))
-            cls._values_keys(means, vs, out_t)
-            out.copy_(out_t.view(d, b, n).permute(1, 2, 0))
-        else:                                                                # per system: (system, h, ·, i)
-            torch.div(MT.view(b, d, n, H).permute(0, 3, 1, 2), s.view(b, 1, n, H).permute(0, 3, 1, 2),
-                      out=means.view(b, H, d, n))                            # Σ_j P_ihj x_j
-            cls._values_keys(means, vs, out_t)
-            out.copy_(out_t.transpose(1, 2))
+        torch.div(num, den, out=quot)                                        # Σ_j P_ihj x_j
+        cls._values_keys(means, vs, out_t)
+        out.copy_(back)

@@ -359,7 +359,8 @@ def test_the_fused_update_writes_a_result_only_into_memory_no_one_holds():
     third = fused(x.flip(-2), heads).ambient
     assert len({first.data_ptr(), second.data_ptr(), third.data_ptr()}) == 3
     eps = torch.finfo(x.dtype).eps
-    assert_close(first, want, rtol=0, atol=0)                # untouched (the same memory, nothing wrote it)
+    assert_close(first, want, rtol=8 * eps, atol=8 * eps)    # untouched: another call's result differs by O(1)
+    assert float((second - want).abs().max()) > 1e-3
     ptr = second.data_ptr()
     del second
     assert fused(x, heads).ambient.data_ptr() == ptr      # let go: its memory comes back
